@@ -1,0 +1,106 @@
+"""Shared helpers: run the real launcher and trainer as subprocesses, and check for leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Every distributed test uses a short collective timeout: gloo cannot be aborted, so the peers
+# of a failed rank would otherwise wait out the default.
+FAST = ["dist.timeout_s=60"]
+
+
+MARK = "RESILIENT_FSDP_TEST_RUN"
+
+
+def _env(pythonpath: list[Path] | None = None, mark: Path | None = None) -> dict:
+    env = dict(os.environ)
+    if mark is not None:
+        # Inherited by every descendant (agents, ranks, NVRx's spawned helpers), so a leftover
+        # process can be found by its environment even after it was re-parented.
+        env[MARK] = str(mark)
+    paths = [str(p) for p in (pythonpath or [])] + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["PYTHONWARNINGS"] = "ignore:The pynvml package is deprecated:FutureWarning"
+    return env
+
+
+def run_local(run_dir: Path, nodes: int = 1, nproc: int = 2, overrides: list[str] | None = None,
+              pythonpath: list[Path] | None = None, timeout: float = 240, extra: list[str] | None = None
+              ) -> subprocess.CompletedProcess:
+    """``resilient-fsdp local`` as a user runs it; returns the finished process (output captured)."""
+    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={nodes}", f"--nproc-per-node={nproc}",
+           f"--run-dir={run_dir}", *(extra or [])]
+    for o in FAST + (overrides or []):
+        cmd += ["--set", o]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(pythonpath, run_dir), cwd=REPO)
+
+
+def run_trainer(run_dir: Path, overrides: list[str] | None = None, pythonpath: list[Path] | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+    """One trainer process without a launcher (a world of one)."""
+    cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir)]
+    for o in FAST + (overrides or []):
+        cmd += ["--set", o]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(pythonpath, run_dir), cwd=REPO)
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def read_losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if line.strip()]
+
+
+def processes_of(run_dir: Path) -> list[psutil.Process]:
+    """Live processes started for ``run_dir`` by :func:`run_local` / :func:`run_trainer`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(MARK) == str(run_dir):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def assert_no_leftovers(run_dir: Path, wait_s: float = 5.0) -> None:
+    """No process started for ``run_dir`` (agents, ranks, spawned helpers) outlives the job."""
+    deadline = time.monotonic() + wait_s
+    left = processes_of(run_dir)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = processes_of(run_dir)
+    described = []
+    for p in left:
+        try:
+            described.append(f"{p.pid}: {' '.join(p.cmdline())[:200]}")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not described, "processes left running:\n" + "\n".join(described)
+
+
+def write_module(directory: Path, name: str, source: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.py").write_text(textwrap.dedent(source))
+    return directory
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path) -> Path:
+    """A directory put on the trainers' PYTHONPATH, for custom factories written by a test."""
+    return tmp_path / "plugins"

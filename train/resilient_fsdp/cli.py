@@ -1,0 +1,97 @@
+"""The ``resilient-fsdp`` command.
+
+- ``resilient-fsdp local``: run the trainer as N simulated nodes x P ranks under ``ft_launcher``.
+- ``resilient-fsdp train``: run one trainer process directly (what each rank runs).
+- ``resilient-fsdp config``: print the resolved configuration, or every key with ``--describe``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .config import ConfigError, describe, dump_yaml, load_config
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="resilient-fsdp", description="Fault-tolerant FSDP2 training with NVRx.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    local = sub.add_parser("local", help="run the job on this machine: N simulated nodes of ft_launcher agents",
+                           description="Run the trainer as --nodes simulated nodes, each an ft_launcher agent "
+                                       "with --nproc-per-node ranks, joined by a c10d rendezvous on loopback.")
+    local.add_argument("--nodes", type=int, default=2, help="simulated nodes (ft_launcher agents); default 2")
+    local.add_argument("--nproc-per-node", type=int, default=2, help="trainer ranks per node; default 2")
+    local.add_argument("--run-dir", required=True, help="directory for logs, metrics, summary and checkpoints")
+    local.add_argument("--max-restarts", type=int, default=0,
+                       help="in-job restarts ft_launcher may make before the node gives up; default 0")
+    local.add_argument("-v", "--verbose", action="store_true",
+                       help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
+    local.add_argument("--rdzv-port", type=int, help="rendezvous port on 127.0.0.1; default: a free one")
+    _add_config_args(local)
+
+    train = sub.add_parser("train", help="run one trainer process (a world of one without a launcher)")
+    train.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
+    _add_config_args(train)
+
+    config = sub.add_parser("config", help="print the resolved configuration")
+    config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
+    _add_config_args(config)
+    return parser
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from .launcher import LocalJob, LocalLauncher
+
+    for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
+        if value < 1:
+            raise ConfigError(f"{flag}={value}: must be at least 1")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts}: must be 0 or more")
+    run_dir = Path(args.run_dir).resolve()
+    # Validate here, once, before starting any process: a typo should not cost a rendezvous.
+    config_path = str(Path(args.config).resolve()) if args.config else None
+    load_config(config_path, args.overrides + [f"run_dir={run_dir}"])
+    trainer_args = (["--config", config_path] if config_path else []) + \
+        [a for o in args.overrides for a in ("--set", o)] + ["--run-dir", str(run_dir)]
+    job = LocalJob(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=run_dir,
+                   trainer_args=trainer_args, max_restarts=args.max_restarts, rdzv_port=args.rdzv_port,
+                   verbose=args.verbose)
+    return LocalLauncher(job).run()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from . import train
+
+    argv = (["--config", args.config] if args.config else []) + [a for o in args.overrides for a in ("--set", o)]
+    argv += ["--run-dir", args.run_dir] if args.run_dir else []
+    return train.main(argv)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.describe:
+        print(describe(), end="")
+    else:
+        print(dump_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config}[args.command]
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The typed run configuration: one source of truth for every component.
+
+Precedence, lowest first: the defaults declared here < a YAML file (``--config FILE``) <
+``--set section.key=value`` overrides, applied in the order given. Unknown keys and bad values
+are rejected before anything is allocated, with a message naming the key and what it accepts.
+
+Each section is a dataclass whose fields carry a docstring; ``describe()`` prints them, so the
+documentation of a key lives next to its type and default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+# extra="forbid" rejects typos; attribute docstrings become field descriptions for describe().
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+PRESETS = ("tiny", "125m", "1b", "8b", "70b")
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message names the key and the fix."""
+
+    # With the PyTorchJob restart policy `ExitCode`, codes 1-127 fail the job at once while
+    # 128-255 recreate the pod: a retry cannot fix a configuration error, so fail fast.
+    exit_code = 2
+
+
+@dataclass(config=_STRICT)
+class ModelConfig:
+    preset: Literal["tiny", "125m", "1b", "8b", "70b"] = "tiny"
+    """Size preset of the built-in decoder-only transformer (tiny runs in seconds on CPU)."""
+    factory: Optional[str] = None
+    """``pkg.module:function`` building a custom ``torch.nn.Module`` from this section; replaces the
+    built-in model. Called under the meta device; see README "Custom models and datasets"."""
+    vocab_size: Optional[int] = Field(default=None, gt=0)
+    """Vocabulary size; default: the preset's. Token ids in the data must be below it."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward: less memory, ~30% more compute."""
+
+
+@dataclass(config=_STRICT)
+class DataConfig:
+    source: Literal["synthetic", "tokens"] = "synthetic"
+    """``synthetic``: a deterministic, learnable token stream; ``tokens``: a memory-mapped token file."""
+    path: Optional[str] = None
+    """Token file for ``source=tokens``: a flat ``.bin`` array of token ids."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of the token file (uint16 for vocabularies up to 65,536)."""
+    seq_len: int = Field(default=64, gt=0)
+    """Tokens per training sequence."""
+    micro_batch_size: int = Field(default=4, gt=0)
+    """Sequences per rank per micro-batch."""
+    factory: Optional[str] = None
+    """``pkg.module:function`` building a custom map-style dataset; replaces ``source``."""
+
+
+@dataclass(config=_STRICT)
+class OptimConfig:
+    lr: float = Field(default=3e-3, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    warmup_steps: int = Field(default=10, ge=0)
+    """Linear warm-up steps, then cosine decay to ``min_lr_ratio * lr`` at ``train.steps``."""
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final learning rate as a fraction of ``lr``."""
+    grad_clip: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclass(config=_STRICT)
+class TrainConfig:
+    steps: int = Field(default=100, gt=0)
+    """Optimizer steps to train for."""
+    grad_accum_steps: int = Field(default=1, gt=0)
+    """Micro-batches per optimizer step; gradients are reduced only on the last one."""
+    log_every: int = Field(default=10, gt=0)
+    """Rank 0 prints a progress line every this many steps."""
+    deterministic: bool = True
+    """Deterministic kernels, so equal configs give bitwise-equal runs on CPU."""
+
+
+@dataclass(config=_STRICT)
+class DistConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` picks CUDA when a GPU is visible, else CPU; the backend follows (NCCL / gloo)."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Collective timeout. Gloo cannot be aborted, so peers of a dead rank wait this long."""
+
+
+@dataclass(config=_STRICT)
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory, shared by all nodes; default ``<run_dir>/checkpoints``."""
+    interval_steps: int = Field(default=0, ge=0)
+    """Save every this many steps; 0 saves only at the end of training."""
+
+
+@dataclass(config=_STRICT)
+class Config:
+    seed: int = 0
+    """Seed for initialisation, data order and dropout-free numerics."""
+    run_dir: str = "runs/local"
+    """Where ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` are written (shared by ranks)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The model."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """The training data."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The training loop."""
+    dist: DistConfig = dataclasses.field(default_factory=DistConfig)
+    """Device and process group."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run_dir) / "checkpoints"
+
+
+_ADAPTER = TypeAdapter(Config)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "dist": DistConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def _section_class(loc: tuple) -> Optional[type]:
+    """The dataclass holding the key at ``loc``; None when the parent is not a section."""
+    if len(loc) == 1:
+        return Config
+    if len(loc) == 2:
+        return _SECTIONS.get(loc[0])
+    return None
+
+
+def _explain(error: dict) -> str:
+    """One line per problem: the dotted key, what is wrong, and what would be accepted."""
+    loc = tuple(str(p) for p in error["loc"])
+    key = ".".join(loc)
+    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        parent = _section_class(loc)
+        valid = [f.name for f in dataclasses.fields(parent)] if parent else []
+        hint = difflib.get_close_matches(loc[-1], valid, n=1)
+        where = ".".join(loc[:-1]) or "the top level"
+        msg = f"unknown key '{key}'"
+        if hint:
+            msg += f" (did you mean '{'.'.join(loc[:-1] + (hint[0],))}'?)"
+        return msg + (f"; valid keys in {where}: {', '.join(valid)}" if valid else "")
+    if error["type"] == "literal_error":
+        return f"{key}: {error['input']!r} is not valid; choose one of {error['ctx']['expected']}"
+    if error["type"] in ("dataclass_type", "model_type", "dataclass_args_type"):
+        return f"{key}: expected a section (a mapping of keys), got {error['input']!r}"
+    return f"{key}: {error['msg']} (got {error['input']!r})"
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {dotted}=...: empty key segment; use section.key=value")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key=value``; the value is parsed as YAML (``3`` is an int, ``true`` a bool)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value, for example --set train.steps=50")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build the configuration: defaults < YAML file at ``path`` < ``overrides`` (``key=value``)."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: no such file") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+        tree = loaded or {}
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    try:
+        return _ADAPTER.validate_python(tree)
+    except ValidationError as exc:
+        lines = [_explain(e) for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def to_dict(config: Config) -> dict:
+    """Plain nested dict of the resolved configuration (tuples as lists, YAML-friendly)."""
+    return _ADAPTER.dump_python(config, mode="json")
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def describe() -> str:
+    """Every key with its default and docstring, for ``resilient-fsdp config --describe``."""
+    lines = []
+    defaults = to_dict(Config())
+
+    def walk(cls: type, prefix: str, values: dict) -> None:
+        for f in dataclasses.fields(cls):
+            info = cls.__pydantic_fields__[f.name]
+            key = prefix + f.name
+            if f.name in _SECTIONS and cls is Config:
+                lines.append(f"\n[{key}] {info.description or ''}")
+                walk(_SECTIONS[f.name], key + ".", values[f.name])
+            else:
+                desc = " ".join((info.description or "").split())
+                lines.append(f"{key} = {values[f.name]!r}\n    {desc}")
+
+    walk(Config, "", defaults)
+    return "\n".join(lines).strip() + "\n"

@@ -1,0 +1,84 @@
+"""Device, backend and process group, from the variables a launcher sets.
+
+``ft_launcher`` and ``torchrun`` export ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+and ``MASTER_PORT``; run without a launcher, the trainer is a world of one on a free local port.
+The backend follows the device (gloo on CPU, NCCL on CUDA), so one entrypoint serves tests and pods.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import ConfigError, DistConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer; the launcher sets it") from None
+
+
+def select_device(cfg: DistConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("dist.device=cuda but no GPU is visible; use dist.device=auto or cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"LOCAL_RANK={local_rank} but only {count} GPUs are visible: --nproc-per-node must not "
+                          f"exceed the GPUs per node")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(cfg: DistConfig) -> DistInfo:
+    """Join (or, without a launcher, create) the default process group."""
+    if "RANK" not in os.environ:
+        # Standalone: a world of one, so `python -m resilient_fsdp.train` works without a launcher.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = select_device(cfg, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = dist.get_default_backend_for_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+
+
+def build_mesh(info: DistInfo) -> DeviceMesh:
+    """A 1-D mesh over every rank: FSDP shards each parameter across the whole job."""
+    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

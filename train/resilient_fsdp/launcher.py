@@ -1,0 +1,301 @@
+"""``resilient-fsdp local``: a multi-node job on one machine, launched the way pods launch it.
+
+Each simulated node is one ``ft_launcher`` agent (the launcher every pod runs) that joins a c10d
+rendezvous on an explicit loopback endpoint, exactly as pods join through the rendezvous Service,
+and starts ``--nproc-per-node`` trainer ranks. This module forwards their output with a node and
+local-rank prefix, keeps a full log per node, stops every process it started when the job ends or
+is interrupted, and reports the failing rank's error.
+
+No orphans: the launcher marks itself a child subreaper (Linux), so workers whose agent died are
+re-parented here rather than to init, and the final sweep kills every remaining descendant.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, TextIO
+
+import psutil
+import yaml
+
+from .distributed import free_port
+
+TRAINER_MODULE = "resilient_fsdp.train"
+# Silences a deprecation notice that torch prints in every process when NVRx's pynvml dependency
+# is installed; it says nothing about the job.
+QUIET_WARNINGS = "ignore:The pynvml package is deprecated:FutureWarning"
+_WORKER_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]+)(?P<local>\d+)\]:")
+
+
+@dataclass
+class LocalJob:
+    """What ``resilient-fsdp local`` runs."""
+
+    nodes: int
+    nproc_per_node: int
+    run_dir: Path
+    trainer_args: list[str] = field(default_factory=list)
+    max_restarts: int = 0
+    rdzv_port: Optional[int] = None
+    run_id: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
+    verbose: bool = False
+    """Also print the agents' own log lines (always kept in ``<run_dir>/logs/node<N>.log``)."""
+    fail_grace_s: float = 20.0
+    """After one node fails, how long the others get to notice and exit on their own."""
+    stop_timeout_s: float = 10.0
+    """Between SIGTERM and SIGKILL when stopping agents."""
+
+
+def ft_launcher_executable() -> list[str]:
+    """``ft_launcher`` from this interpreter's environment, else from PATH."""
+    beside = Path(sys.executable).parent / "ft_launcher"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("ft_launcher")
+    if found:
+        return [found]
+    raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
+
+
+def write_ft_config(job: LocalJob) -> Path:
+    """The ``fault_tolerance:`` section ``ft_launcher`` reads (``--ft-cfg-path``).
+
+    A file rather than flags because NVRx renamed its flags between releases while the YAML keys
+    stayed, and unknown keys are ignored. The NIC link monitor watches InfiniBand ports through
+    NVML; a machine without GPUs or InfiniBand has nothing for it to watch.
+    """
+    path = job.run_dir / "ft_config.yaml"
+    path.write_text(yaml.safe_dump({"fault_tolerance": {"enable_nic_monitor": False}}, sort_keys=False))
+    return path
+
+
+def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
+    """The ``ft_launcher`` command line of simulated node ``node``: the same flags a pod uses."""
+    return [
+        *ft_launcher_executable(),
+        f"--ft-cfg-path={job.run_dir / 'ft_config.yaml'}",
+        f"--nnodes={job.nodes}",
+        f"--nproc-per-node={job.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={job.run_id}",
+        f"--max-restarts={job.max_restarts}",
+        "--monitor-interval=0.5",
+        f"--log-dir={job.run_dir / 'logs' / f'node{node}'}",
+        "--tee=3",  # copy each rank's stdout/stderr to the agent's, prefixed "[default<local_rank>]:"
+        "-m", TRAINER_MODULE,
+        *job.trainer_args,
+    ]
+
+
+def _become_subreaper() -> None:
+    # PR_SET_CHILD_SUBREAPER = 36: orphaned descendants re-parent to us, so we can always reap them.
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+class _Forwarder(threading.Thread):
+    """Copies one agent's output to the console with a prefix, and in full to its log file."""
+
+    def __init__(self, node: int, stream: TextIO, log_path: Path, out: TextIO, lock: threading.Lock,
+                 agent_lines: bool):
+        super().__init__(daemon=True, name=f"forward-node{node}")
+        self.node, self.stream, self.log_path, self.out, self.lock = node, stream, log_path, out, lock
+        self.agent_lines = agent_lines
+
+    def run(self) -> None:
+        with open(self.log_path, "a") as log:
+            for line in self.stream:
+                log.write(line)
+                log.flush()
+                m = _WORKER_PREFIX.match(line)
+                if m:
+                    prefix = f"[node{self.node}/local{m['local']}]"
+                    line = line[m.end():]
+                elif self.agent_lines:
+                    prefix = f"[node{self.node}]"
+                else:
+                    continue
+                with self.lock:
+                    self.out.write(f"{prefix} {line}" if line.endswith("\n") else f"{prefix} {line}\n")
+                    self.out.flush()
+
+
+def find_root_cause(log_root: Path) -> Optional[dict]:
+    """The earliest error any rank recorded (torch elastic ``error.json`` files under ``log_root``).
+
+    Files live at ``node<N>/<run_id>/attempt_<k>/<local_rank>/error.json``. Returns
+    ``{"where", "message", "timestamp", "path"}`` or None when no rank recorded an error (a rank
+    killed by a signal records nothing; the agent's log has its exit code).
+    """
+    found = []
+    for path in log_root.glob("node*/*/attempt_*/*/error.json"):
+        try:
+            message = json.loads(path.read_text())["message"]
+            extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+            text = message.get("message", "") if isinstance(message, dict) else str(message)
+            timestamp = int(extra.get("timestamp", 0))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        node = path.relative_to(log_root).parts[0]
+        where = f"{node} local rank {path.parent.name} ({path.parent.parent.name})"
+        found.append({"where": where, "message": text, "timestamp": timestamp, "path": str(path)})
+    # A rank that loses a peer fails too, within the same second; prefer the error that is not
+    # such a symptom, then the earliest.
+    return min(found, key=lambda e: (_is_peer_symptom(e["message"]), e["timestamp"], e["path"])) if found else None
+
+
+_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError",
+                  "DistBackendError", "NCCL communicator was aborted", "Timed out waiting")
+
+
+def _is_peer_symptom(message: str) -> bool:
+    return any(s in message for s in _PEER_SYMPTOMS)
+
+
+class LocalLauncher:
+    """Runs a :class:`LocalJob` to completion; :meth:`run` returns the job's exit code."""
+
+    def __init__(self, job: LocalJob, out: TextIO = sys.stdout):
+        self.job, self.out = job, out
+        self.agents: list[subprocess.Popen] = []
+        self.lock = threading.Lock()
+        self.forwarders: list[_Forwarder] = []
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            self.out.write(f"[local] {message}\n")
+            self.out.flush()
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), QUIET_WARNINGS) if w)
+        return env
+
+    def start_agent(self, node: int, port: int) -> subprocess.Popen:
+        log_dir = self.job.run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # A new session per agent: one killpg stops the agent and the workers it spawned.
+        proc = subprocess.Popen(agent_command(self.job, node, port), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                env=self._env(), start_new_session=True)
+        fwd = _Forwarder(node, proc.stdout, log_dir / f"node{node}.log", self.out, self.lock, self.job.verbose)
+        fwd.start()
+        self.forwarders.append(fwd)
+        return proc
+
+    def run(self) -> int:
+        job = self.job
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        _become_subreaper()
+        port = job.rdzv_port or free_port()
+        self.say(f"{job.nodes} node(s) x {job.nproc_per_node} rank(s), rendezvous c10d at 127.0.0.1:{port} "
+                 f"(id {job.run_id}); logs in {job.run_dir / 'logs'}")
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def interrupted(signum, _frame):
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGTERM, interrupted)
+        try:
+            write_ft_config(job)
+            self.agents = [self.start_agent(node, port) for node in range(job.nodes)]
+            return self._wait()
+        except KeyboardInterrupt as exc:
+            self.say(f"interrupted ({exc or 'SIGINT'}): stopping every node")
+            return 130
+        finally:
+            self.stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _wait(self) -> int:
+        first_failure: Optional[tuple[int, int]] = None
+        deadline = None
+        while True:
+            codes = [a.poll() for a in self.agents]
+            if first_failure is None:
+                for node, code in enumerate(codes):
+                    if code not in (None, 0):
+                        first_failure = (node, code)
+                        deadline = time.monotonic() + self.job.fail_grace_s
+                        self.say(f"node{node} exited with code {code}; waiting up to {self.job.fail_grace_s:.0f} s "
+                                 "for the other nodes to stop")
+                        break
+            if all(c is not None for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                self.say("other nodes did not stop in time; terminating them")
+                break
+            time.sleep(0.2)
+        if first_failure is None:
+            self.say("job finished: every node exited 0")
+            return 0
+        node, code = first_failure
+        cause = find_root_cause(self.job.run_dir / "logs")
+        if cause:
+            self.say(f"job FAILED (node{node} exit code {code}); first error, {cause['where']}: "
+                     f"{cause['message']}")
+            self.say(f"  full traceback: {cause['path']}")
+        else:
+            self.say(f"job FAILED: node{node} exited with code {code}; see {self.job.run_dir / 'logs'}")
+        return code if 0 < code < 256 else 1
+
+    def stop_all(self) -> None:
+        """SIGTERM every agent's session, SIGKILL what remains, then reap stray descendants."""
+        for agent in self.agents:
+            if agent.poll() is None:
+                _signal_group(agent.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.job.stop_timeout_s
+        for agent in self.agents:
+            try:
+                agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for agent in self.agents:
+            _signal_group(agent.pid, signal.SIGKILL)
+            if agent.poll() is None:
+                agent.wait()
+        kill_descendants()
+        for fwd in self.forwarders:
+            fwd.join(timeout=5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_descendants(timeout: float = 5.0) -> None:
+    """Terminate, then kill, every process descended from this one (re-parented ones included)."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
