@@ -42,7 +42,25 @@ def run_local(run_dir: Path, nodes: int = 1, nproc: int = 2, overrides: list[str
            f"--run-dir={run_dir}", *(extra or [])]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(pythonpath, run_dir), cwd=REPO)
+    return run_guarded(cmd, run_dir, pythonpath, timeout)
+
+
+def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, timeout: float
+                ) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to completion; on timeout kill it and everything it started, then fail."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(pythonpath, run_dir), cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in processes_of(run_dir):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_trainer(run_dir: Path, overrides: list[str] | None = None, pythonpath: list[Path] | None = None,
@@ -51,16 +69,20 @@ def run_trainer(run_dir: Path, overrides: list[str] | None = None, pythonpath: l
     cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir)]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(pythonpath, run_dir), cwd=REPO)
+    return run_guarded(cmd, run_dir, pythonpath, timeout)
 
 
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def read_losses(run_dir: Path) -> list[float]:
+def read_events(run_dir: Path, event: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines if line.strip()]
+    return [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("event") == event]
+
+
+def read_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_events(run_dir, "step")]
 
 
 def processes_of(run_dir: Path) -> list[psutil.Process]:

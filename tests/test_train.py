@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import yaml
 
-from conftest import assert_no_leftovers, read_losses, read_summary, run_local, run_trainer, write_module
+from conftest import assert_no_leftovers, read_events, read_losses, read_summary, run_local, run_trainer, write_module
 
 STEPS = 40
 
@@ -44,7 +42,7 @@ def test_run_dir_holds_resolved_config_metrics_and_summary(twin_runs):
     assert summary["final_step"] == STEPS and summary["world_size"] == 2
     assert summary["final_loss"] == read_losses(run_dir)[-1]
     assert len(summary["params_sha256"]) == 64 and summary["wall_s"] > 0
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_events(run_dir, "step")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(r["tokens"] == 2 * 4 * 64 and r["step_time_s"] > 0 for r in records)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())

@@ -86,6 +86,9 @@ class TrainConfig:
     """Optimizer steps to train for."""
     grad_accum_steps: int = Field(default=1, gt=0)
     """Micro-batches per optimizer step; gradients are reduced only on the last one."""
+    stop_at_step: Optional[int] = Field(default=None, gt=0)
+    """End this run at this step (checkpointed, as at the end of training) although the schedule
+    still targets ``steps``; a later run with the same directory resumes there."""
     log_every: int = Field(default=10, gt=0)
     """Rank 0 prints a progress line every this many steps."""
     deterministic: bool = True
@@ -105,7 +108,24 @@ class CheckpointConfig:
     dir: Optional[str] = None
     """Checkpoint directory, shared by all nodes; default ``<run_dir>/checkpoints``."""
     interval_steps: int = Field(default=0, ge=0)
-    """Save every this many steps; 0 saves only at the end of training."""
+    """Save every this many steps; 0 disables the step interval."""
+    interval_s: float = Field(default=0.0, ge=0)
+    """Also save when this many seconds passed since the last save; 0 disables the time interval."""
+    mode: Literal["async", "torch-async", "sync"] = "async"
+    """``async``: NVRx async DCP writer (the loop stalls only to stage state); ``torch-async``: NVRx
+    ``TorchAsyncCheckpoint``, one file per rank, resumable only at the same world size; ``sync``:
+    plain DCP save (the loop waits for the write)."""
+    keep_last: int = Field(default=3, ge=0)
+    """Committed checkpoints to keep (older ones are deleted after a newer one commits); 0 keeps all.
+    Incomplete checkpoints are never deleted."""
+    save_final: bool = True
+    """Save a checkpoint at the end of training."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in ``dir`` when one exists."""
+    resume_from: Optional[str] = None
+    """Resume from this checkpoint directory (a ``step_N``) instead of the newest one."""
+    writer_threads: int = Field(default=2, gt=0)
+    """Files each rank writes in parallel (``async`` mode)."""
 
 
 @dataclass(config=_STRICT)

@@ -60,6 +60,10 @@ class MetricsLog:
             self.info(f"step {step:>6} | loss {record['loss']:.4f} | {tok_s:,.0f} tok/s | "
                       f"step {record['step_time_s'] * 1000:.1f} ms | lr {record['lr']:.2e}")
 
+    def event(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
     def info(self, message: str) -> None:
         if self.enabled:
             print(f"[resilient-fsdp] {message}", file=self.stream, flush=True)

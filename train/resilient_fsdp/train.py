@@ -3,7 +3,7 @@
 Launched by ``ft_launcher`` (or ``torchrun``) once per rank; without a launcher it is a world of
 one. The :class:`Trainer` is a thin composition root, built in a fixed order: device -> process
 group -> mesh -> model on ``meta`` -> activation checkpointing -> ``fully_shard`` per block, then
-the root -> ``to_empty`` + init -> optimizer / LR schedule -> data -> metrics.
+the root -> ``to_empty`` + init -> optimizer / LR schedule -> checkpointer (which may resume).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from . import distributed, parallelize
+from .checkpoint import Checkpointer, TrainingState
 from .config import Config, ConfigError, describe, dump_yaml, load_config
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
@@ -79,6 +80,7 @@ class Trainer:
     data: BatchLoader
     state: TrainState
     metrics: MetricsLog
+    checkpointer: Checkpointer
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -113,6 +115,14 @@ class Trainer:
                                            weight_decay=o.weight_decay, foreach=self.info.device.type == "cuda")
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainState()
+        # 5. Checkpointer: everything a resumed run needs, and what it must match.
+        training_state = TrainingState(self.model, self.optimizer, self.lr_scheduler, self.state, self.data,
+                                       self.info.rank)
+        identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
+                    "shape_digest": training_state.shape_digest()}
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, training_state, identity,
+                                         self.metrics.info)
+        self.checkpointer.preflight()
         self.tokens_per_step = (self.info.world_size * cfg.train.grad_accum_steps * cfg.data.micro_batch_size
                                 * cfg.data.seq_len)
         self.step_times: list[float] = []
@@ -159,9 +169,12 @@ class Trainer:
         return local_loss.item() / (accum * self.info.world_size)
 
     def train(self) -> dict:
+        self.checkpointer.resume()
         self.log_start()
         self.model.train()
-        while self.state.step < self.cfg.train.steps:
+        ckpt = self.checkpointer
+        last = min(self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps)
+        while self.state.step < last:
             t0 = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
             loss = self.train_step()
@@ -172,9 +185,29 @@ class Trainer:
             self.last_loss = loss
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.state.step}; lower optim.lr or check the data")
-            self.metrics.step({"step": self.state.step, "loss": loss, "step_time_s": step_time,
-                               "tokens": self.tokens_per_step, "lr": lr})
+            # Finalize a background write that finished, then start one if due. Both are collective.
+            t_ckpt = time.perf_counter()
+            self.log_checkpoint(ckpt.poll())
+            if ckpt.due(self.state.step):
+                ckpt.save(self.state.step)
+            self.metrics.step({"event": "step", "step": self.state.step, "loss": loss, "step_time_s": step_time,
+                               "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr})
+        if self.cfg.checkpoint.save_final and ckpt.last_saved_step != self.state.step:
+            ckpt.save(self.state.step)
+        self.log_checkpoint(ckpt.wait())
         return self.finish()
+
+    def log_checkpoint(self, record: Optional[dict]) -> None:
+        if record is None:
+            return
+        self.metrics.event({"event": "checkpoint", **record})
+        self.metrics.info(f"checkpoint step {record['step']} committed ({record['mode']}): stall "
+                          f"{record['stall_s'] * 1000:.1f} ms, write {record['write_s']:.2f} s, "
+                          f"{record['bytes'] / 1e6:.1f} MB -> {record['path']}")
+
+    def close(self, failed: bool) -> None:
+        """Stop the checkpoint worker; after a failure, without waiting for it."""
+        self.checkpointer.close(abort=failed)
 
     def finish(self) -> dict:
         digest = params_sha256(self.model)  # collective: every rank takes part
@@ -192,6 +225,9 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "steps_this_run": len(self.step_times),
             "tokens_per_s": self.tokens_per_step * len(self.step_times) / productive if productive else 0.0,
+            "resumed_from_step": (self.checkpointer.resumed_from or {}).get("step"),
+            "checkpoints": self.checkpointer.records,
+            "checkpoint_stall_s": sum(r["stall_s"] for r in self.checkpointer.records),
         }
         if self.is_rank0:
             write_json_atomic(self.run_dir / "summary.json", summary)
@@ -220,9 +256,13 @@ def run(args: argparse.Namespace) -> dict:
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg)
+    failed = True
     try:
-        return trainer.train()
+        summary = trainer.train()
+        failed = False
+        return summary
     finally:
+        trainer.close(failed)
         distributed.shutdown()
 
 

@@ -1,0 +1,507 @@
+"""Checkpointing of the full training state, asynchronous by default, with exact resume.
+
+What is saved (one sharded checkpoint per step): model and optimizer as FSDP2 DTensor state
+(``get_state_dict``), the LR schedule, the trainer's counters, the sampler position and each
+rank's RNG state. Resuming restores all of it, so the resumed run continues bit for bit.
+
+Engines (``checkpoint.mode``):
+
+- ``async`` (default): NVRx ``FileSystemWriterAsync`` + ``AsyncCallsQueue`` (persistent worker).
+  The loop stalls only to stage the state into reused host buffers and plan the write; the
+  worker writes a standard DCP checkpoint; the loop finalizes it at a later step.
+- ``torch-async``: NVRx ``TorchAsyncCheckpoint``: ``async_save`` of each rank's shard (one file
+  per rank), committed after ``finalize_async_save``. Resumes only at the same world size.
+- ``sync``: plain ``torch.distributed.checkpoint.save``; the baseline.
+
+All three share the commit protocol in :mod:`checkpoint_store`: nothing is visible until every
+rank's data and the metadata are written. DCP checkpoints (``async``, ``sync``) can be resumed at
+another world size (DCP reshards model and optimizer; RNG streams are then re-seeded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import uuid
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+
+from . import checkpoint_store as store
+from . import nvrx_compat as compat
+from .config import CheckpointConfig, ConfigError
+from .distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+# Test and drill hook: the async writer of this rank dies right after writing step N's data,
+# before the save is finalized (see nvrx_compat.worker_write).
+FAULT_WRITER_EXIT_ENV = "RESILIENT_FSDP_FAULT_WRITER_EXIT_AT_STEP"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the previous committed one is intact."""
+
+
+# ---- what goes into a checkpoint ---------------------------------------------------------------
+
+class TrainingState:
+    """Gathers and restores everything a checkpoint holds, for one rank."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                 counters: Any, data: Any, rank: int):
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.counters, self.data, self.rank = counters, data, rank
+
+    def state_dict(self, with_rng: bool = True) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "trainer": self.counters.state_dict(),
+            "data": self.data.state_dict(),
+        }
+        if with_rng:
+            sd["rng"] = {f"rank{self.rank}": rng_state()}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        self.counters.load_state_dict(sd["trainer"])
+        self.data.load_state_dict(sd["data"])
+        if "rng" in sd:
+            set_rng_state(sd["rng"][f"rank{self.rank}"])
+
+    def shape_digest(self) -> str:
+        """Identifies the model's architecture: names and global shapes of every parameter."""
+        h = hashlib.sha256()
+        for name, p in self.model.named_parameters():
+            h.update(f"{name.replace('_checkpoint_wrapped_module.', '')}:{tuple(p.shape)};".encode())
+        return h.hexdigest()
+
+
+def rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def to_local(sd: Any) -> Any:
+    """The same nested structure with every DTensor replaced by this rank's shard."""
+    if isinstance(sd, DTensor):
+        return sd.to_local()
+    if isinstance(sd, dict):
+        return {k: to_local(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [to_local(v) for v in sd]
+    return sd
+
+
+def from_local(loaded: Any, like: Any) -> Any:
+    """Inverse of :func:`to_local`: rebuild DTensors shaped like ``like`` from local shards."""
+    if isinstance(like, DTensor):
+        return DTensor.from_local(loaded.to(like.device), like.device_mesh, like.placements,
+                                  shape=like.shape, stride=like.stride(), run_check=False)
+    if isinstance(like, dict):
+        return {k: from_local(loaded[k], v) if k in loaded else v for k, v in like.items()}
+    return loaded
+
+
+class StateStager:
+    """Copies state into host buffers that are allocated once and reused (shared memory, and
+    pinned on GPUs), so the file holds exactly the state of the step it is named for while the
+    training loop goes on changing the live tensors. Reuse matters: a fresh buffer costs a page
+    fault per page, about as long as a synchronous save on a CPU-only machine."""
+
+    def __init__(self) -> None:
+        gpu = compat.cuda_present()
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=True,
+                                                    use_async_staging=False, use_non_blocking_copy=gpu))
+
+    def stage(self, sd: dict) -> dict:
+        return self._stager.stage(sd)
+
+    def close(self) -> None:
+        self._stager.close()
+
+
+# ---- engines -----------------------------------------------------------------------------------
+
+class Engine:
+    """One way of writing a checkpoint. ``start`` blocks the loop; the rest happens later."""
+
+    mode = ""
+    reshardable = True
+
+    def start(self, state: TrainingState, partial_dir: Path, step: int) -> None:
+        raise NotImplementedError
+
+    def local_status(self) -> tuple[bool, Optional[str]]:
+        """(this rank's write finished, its error if any); never blocks."""
+        return True, None
+
+    def finalize(self) -> None:
+        """Collective, after every rank's write finished: write metadata (DCP) and clean up."""
+
+    def close(self, abort: bool = False) -> None:
+        pass
+
+
+class SyncEngine(Engine):
+    mode = "sync"
+
+    def start(self, state: TrainingState, partial_dir: Path, step: int) -> None:
+        dcp.save(state.state_dict(), checkpoint_id=str(partial_dir))
+
+
+class AsyncEngine(Engine):
+    """NVRx async DCP: ``FileSystemWriterAsync`` planned here, written by the persistent worker."""
+
+    mode = "async"
+
+    def __init__(self, thread_count: int):
+        self.thread_count = thread_count
+        self.queue = compat.make_calls_queue()
+        compat.warm_up(self.queue)
+        self.stager = StateStager()
+        self.plan: Optional[tuple] = None
+        self.error_path: Optional[str] = None
+
+    def start(self, state: TrainingState, partial_dir: Path, step: int) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        staged = self.stager.stage(state.state_dict())
+        writer = FileSystemWriterAsync(str(partial_dir), thread_count=self.thread_count)
+        with compat.cpu_shim():
+            self.plan = save_state_dict_async_plan(staged, writer, None, 0, planner=DefaultSavePlanner(),
+                                                   enable_cache=compat.plan_cache_enabled())
+            save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+            self.error_path = compat.new_error_path()
+            if save_fn is None:
+                return  # nothing to write on this rank; it still takes part in finalize
+            fault = os.environ.get(FAULT_WRITER_EXIT_ENV) == str(step)
+            request = AsyncRequest(partial(compat.worker_write, self.error_path, fault, save_fn), save_args, [],
+                                   async_fn_kwargs={},
+                                   preload_fn=partial(compat.worker_preload, preload_fn) if preload_fn else None)
+            self.queue.schedule_async_request(request)
+
+    def local_status(self) -> tuple[bool, Optional[str]]:
+        if self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+        if self.queue.get_num_unfinalized_calls():
+            proc = compat.worker_process(self.queue)
+            if proc is not None and not proc.is_alive():
+                return True, f"the checkpoint writer process exited with code {proc.exitcode} before finishing"
+            return False, None
+        if self.error_path and os.path.exists(self.error_path):
+            text = Path(self.error_path).read_text()
+            os.unlink(self.error_path)
+            return True, text.strip().splitlines()[-1] + "\n" + text
+        return True, None
+
+    def finalize(self) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_finalize
+
+        plan, self.plan = self.plan, None
+        if plan is not None:
+            with compat.cpu_shim():
+                save_state_dict_async_finalize(*plan)
+
+    def close(self, abort: bool = False) -> None:
+        compat.close_queue(self.queue, abort=abort)
+        self.stager.close()
+
+
+class TorchAsyncEngine(Engine):
+    """NVRx ``TorchAsyncCheckpoint``: each rank's shard through ``async_save`` into one file."""
+
+    mode = "torch-async"
+    reshardable = False
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.ckpt = compat.make_torch_async_checkpoint()
+        compat.warm_up(self.ckpt._async_calls_queue)
+        self.stager = StateStager()
+
+    def start(self, state: TrainingState, partial_dir: Path, step: int) -> None:
+        staged = self.stager.stage(to_local(state.state_dict()))
+        with compat.cpu_shim():
+            self.ckpt.async_save(staged, str(partial_dir / f"rank{self.rank:05d}.pt"))
+
+    def local_status(self) -> tuple[bool, Optional[str]]:
+        queue = self.ckpt._async_calls_queue
+        if queue.get_num_unfinalized_calls():
+            self.ckpt.finalize_async_save(blocking=False, no_dist=True)
+        if queue.get_num_unfinalized_calls():
+            proc = compat.worker_process(queue)
+            if proc is not None and not proc.is_alive():
+                return True, f"the checkpoint writer process exited with code {proc.exitcode} before finishing"
+            return False, None
+        return True, None
+
+    def close(self, abort: bool = False) -> None:
+        compat.close_queue(self.ckpt._async_calls_queue, abort=abort)
+        self.stager.close()
+
+
+def build_engine(mode: str, rank: int, thread_count: int) -> Engine:
+    if mode == "sync":
+        return SyncEngine()
+    if mode == "torch-async":
+        return TorchAsyncEngine(rank)
+    return AsyncEngine(thread_count)
+
+
+# ---- the checkpointer the trainer uses ---------------------------------------------------------
+
+class Checkpointer:
+    """Saves on schedule, finalizes in the background, commits atomically, resumes exactly.
+
+    Every public method is collective: all ranks call it at the same step.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, root: Path, info: DistInfo, state: TrainingState,
+                 identity: dict, say: Callable[[str], None]):
+        self.cfg, self.root, self.info, self.state = cfg, root, info, state
+        self.identity = identity  # what a resumed run must match: model shape, preset
+        self.say = say
+        self.engine = build_engine(cfg.mode, info.rank, cfg.writer_threads)
+        self.pending: Optional[dict] = None
+        self.records: list[dict] = []
+        self.last_save_time = time.monotonic()
+        self.last_saved_step: Optional[int] = None
+        self.resumed_from: Optional[dict] = None
+
+    # -- collectives on the job's backend (tensors on the training device) --
+    def _all_reduce_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def preflight(self) -> None:
+        """Fail at start, on every rank, if the checkpoint directory cannot be written."""
+        error = None
+        if self.info.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe = self.root / f".write-test-{uuid.uuid4().hex[:8]}"
+                probe.write_bytes(b"ok")
+                probe.unlink()
+            except OSError as exc:
+                error = f"checkpoint.dir={str(self.root)!r} is not writable ({exc.strerror or exc}); " \
+                        "point checkpoint.dir at a writable shared directory"
+        error = self._broadcast(error)
+        if error:
+            raise ConfigError(error)
+
+    # -- resume --
+    def find_resume_point(self) -> Optional[store.CheckpointInfo]:
+        if self.cfg.resume_from:
+            path = Path(self.cfg.resume_from)
+            manifest = store.read_manifest(path)
+            if manifest is None:
+                raise ConfigError(f"checkpoint.resume_from={str(path)!r} is not a complete checkpoint "
+                                  f"(no readable {store.MARKER} manifest); name a step_N directory")
+            return store.CheckpointInfo(int(manifest["step"]), path, manifest)
+        if not self.cfg.resume:
+            return None
+        committed, unusable = store.scan(self.root)
+        if self.info.rank == 0:
+            for path in unusable:
+                self.say(f"warning: skipping {path}: not a complete checkpoint (left in place; "
+                         "delete it once you no longer need it)")
+        return committed[-1] if committed else None
+
+    def resume(self) -> Optional[int]:
+        """Load the newest complete checkpoint (or ``resume_from``); returns its step or None.
+
+        A checkpoint that fails to load is reported and the next older one is tried.
+        """
+        candidate = self.find_resume_point()
+        tried: list[str] = []
+        while candidate is not None:
+            self._check_compatible(candidate)
+            error = self._try_load(candidate)
+            if error is None:
+                self.resumed_from = {"step": candidate.step, "path": str(candidate.path)}
+                self.last_saved_step = candidate.step
+                self.say(f"resumed from step {candidate.step} ({candidate.path}, {candidate.manifest['mode']}, "
+                         f"saved at world size {candidate.manifest['world_size']})")
+                return candidate.step
+            tried.append(f"{candidate.path}: {error}")
+            self.say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
+            if self.cfg.resume_from:
+                break
+            older = [c for c in store.scan(self.root)[0] if c.step < candidate.step]
+            candidate = older[-1] if older else None
+        if tried:
+            raise CheckpointError("no loadable checkpoint; tried:\n  " + "\n  ".join(tried))
+        return None
+
+    def _check_compatible(self, ckpt: store.CheckpointInfo) -> None:
+        m = ckpt.manifest
+        if m.get("shape_digest") != self.identity["shape_digest"]:
+            raise ConfigError(
+                f"checkpoint {ckpt.path} holds a different model ({m.get('model')}, {m.get('num_params'):,} "
+                f"parameters) than this run ({self.identity['model']}, {self.identity['num_params']:,}); "
+                "use the same model settings, or a fresh checkpoint.dir")
+        if m["world_size"] != self.info.world_size and m["mode"] == "torch-async":
+            raise ConfigError(
+                f"checkpoint {ckpt.path} was written by checkpoint.mode=torch-async at world size "
+                f"{m['world_size']}; it can only be resumed at that world size (this run has "
+                f"{self.info.world_size}). Resume at {m['world_size']} ranks, or use async/sync checkpoints, "
+                "which reshard")
+
+    def _try_load(self, ckpt: store.CheckpointInfo) -> Optional[str]:
+        same_world = ckpt.manifest["world_size"] == self.info.world_size
+        error = None
+        try:
+            sd = self.state.state_dict(with_rng=same_world)
+            if ckpt.manifest["mode"] == "torch-async":
+                loaded = torch.load(ckpt.path / f"rank{self.info.rank:05d}.pt", map_location="cpu", weights_only=False)
+                sd = from_local(loaded, sd)
+            else:
+                dcp.load(sd, checkpoint_id=str(ckpt.path))
+            self.state.load_state_dict(sd)
+        except Exception as exc:  # noqa: BLE001 - reported, and every rank agrees below
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        failed = self._all_reduce_max(1.0 if error else 0.0)
+        if failed and error is None:
+            error = "another rank could not load it"
+        if not same_world and not failed and self.info.rank == 0:
+            self.say(f"resharded from world size {ckpt.manifest['world_size']} to {self.info.world_size}; "
+                     "RNG streams re-seeded")
+        return error
+
+    # -- saving --
+    def due(self, step: int) -> bool:
+        if step == self.last_saved_step:
+            return False
+        by_steps = self.cfg.interval_steps > 0 and step % self.cfg.interval_steps == 0
+        if self.cfg.interval_s > 0:
+            # Ranks' clocks disagree slightly: agree, so every rank saves at the same step.
+            elapsed = time.monotonic() - self.last_save_time
+            by_time = self._all_reduce_max(1.0 if elapsed >= self.cfg.interval_s else 0.0) > 0
+            return by_steps or by_time
+        return by_steps
+
+    def save(self, step: int) -> float:
+        """Start a checkpoint of the current state (named ``step``); returns the stall in seconds."""
+        t0 = time.perf_counter()
+        if self.pending is not None:
+            self.wait()  # one write in flight at a time: the staging buffers are reused
+        token, error = None, None
+        if self.info.rank == 0:
+            token = uuid.uuid4().hex[:8]
+            try:
+                (self.root / store.partial_name(step, token)).mkdir(parents=True)
+            except OSError as exc:
+                error = f"cannot create a checkpoint directory under checkpoint.dir={str(self.root)!r}: " \
+                        f"{exc.strerror or exc}"
+        token, error = self._broadcast((token, error))
+        if error:
+            raise CheckpointError(error)
+        partial_dir = self.root / store.partial_name(step, token)
+        self.engine.start(self.state, partial_dir, step)
+        stall = time.perf_counter() - t0
+        self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": stall}
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = step
+        if self.engine.mode == "sync":
+            self.poll(block=True)
+        return stall
+
+    def poll(self, block: bool = False) -> Optional[dict]:
+        """Finalize and commit the pending checkpoint once every rank's write finished.
+
+        Returns the checkpoint's record when it was committed by this call.
+        """
+        if self.pending is None:
+            return None
+        t_wait = time.perf_counter()
+        while True:
+            done, error = self.engine.local_status()
+            # Agree: 0 = still writing somewhere, 1 = all done, 2 = all done and someone failed.
+            code = 0.0 if not done else (2.0 if error else 1.0)
+            t = torch.tensor([code, -code], dtype=torch.float64, device=self.info.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            all_done = -t[1].item() >= 1.0  # the minimum over ranks
+            any_failed = t[0].item() >= 2.0
+            if all_done or not block:
+                break
+            time.sleep(0.01)
+        if block:
+            self.pending["stall_s"] += time.perf_counter() - t_wait
+        if not all_done:
+            return None
+        pending, self.pending = self.pending, None
+        if any_failed:
+            where = f"rank {self.info.rank}: {error}" if error else "another rank's writer failed"
+            raise CheckpointError(f"checkpoint of step {pending['step']} failed ({where}); it stays incomplete at "
+                                  f"{pending['dir']} and will not be loaded; the previous checkpoint is intact")
+        try:
+            self.engine.finalize()
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint of step {pending['step']} failed while finalizing: {exc}; it stays "
+                                  f"incomplete at {pending['dir']}") from exc
+        record = None
+        if self.info.rank == 0:
+            record = self._commit(pending)
+        record = self._broadcast(record)
+        self.records.append(record)
+        return record
+
+    def _commit(self, pending: dict) -> dict:
+        nbytes = store.dir_bytes(pending["dir"])
+        write_s = time.perf_counter() - pending["t0"]
+        manifest = {**self.identity, "step": pending["step"], "mode": self.engine.mode,
+                    "world_size": self.info.world_size, "bytes": nbytes, "write_s": write_s,
+                    "created_unix": time.time(), "nvrx_version": compat.NVRX_VERSION,
+                    "torch_version": torch.__version__}
+        final = store.commit(pending["dir"], manifest)
+        self._apply_retention()
+        return {"step": pending["step"], "mode": self.engine.mode, "stall_s": pending["stall_s"],
+                "write_s": write_s, "bytes": nbytes, "path": str(final)}
+
+    def _apply_retention(self) -> None:
+        committed, _ = store.scan(self.root)
+        for victim in store.retention_victims(committed, self.cfg.keep_last):
+            # Only committed checkpoints older than the newest keep_last: never the one just
+            # written, never an incomplete one (those are the operator's to inspect).
+            for f in sorted(victim.path.rglob("*"), reverse=True):
+                f.unlink() if f.is_file() else f.rmdir()
+            victim.path.rmdir()
+
+    def wait(self) -> Optional[dict]:
+        return self.poll(block=True)
+
+    def close(self, abort: bool = False) -> None:
+        self.engine.close(abort=abort)

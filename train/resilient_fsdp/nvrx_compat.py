@@ -1,0 +1,174 @@
+"""Every adaptation this project makes to NVRx's async checkpointing, in one place.
+
+Two kinds live here and nowhere else:
+
+1. **CPU-only torch builds.** NVRx assumes CUDA in its async path: ``torch.cuda.synchronize()``
+   after staging (0.4.x, in the worker and in ``TorchAsyncCheckpoint.async_save``), CUDA tensors
+   for its cross-rank "done" and "call index" checks, a CUDA tensor when it verifies cached save
+   plans, and (0.7.x) ``torch.cuda.set_device`` at worker start. Without a GPU we
+
+   - run staging / write calls under :func:`cpu_shim`, which makes ``torch.cuda.synchronize`` a
+     no-op. The shim is installed only when ``torch.cuda.is_available()`` is False, and it is
+     installed *inside NVRx's spawned worker* too, by :func:`worker_preload` / :func:`worker_write`,
+     which wrap the functions NVRx sends there (a spawned worker starts from a fresh interpreter,
+     so a patch made in the trainer would not reach it);
+   - never ask NVRx for its CUDA-tensor collectives: the caller polls with ``no_dist=True`` and
+     agrees across ranks with its own collective on the job's backend;
+   - disable save-plan caching (its verification allocates on ``cuda``);
+   - on 0.7.x start the worker in ``cpu_shm_mode`` (no CUDA context, shared-memory tensors).
+
+2. **Version differences** between the pinned 0.4.1 (the newest release for glibc < 2.39) and the
+   0.7.x the image ships: detected by feature (constructor parameters), not by version strings.
+
+It also guarantees snapshot semantics: NVRx 0.4.1 hands CPU tensors to its worker without
+copying them, so a later optimizer step could change what is written. The checkpointer stages
+(copies) state into reused buffers before scheduling; see ``checkpoint.StateStager``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import inspect
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
+
+
+def cuda_present() -> bool:
+    return torch.cuda.is_available()
+
+
+def _noop(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def cpu_shim() -> Iterator[None]:
+    """Within the block, ``torch.cuda.synchronize`` is a no-op when no GPU exists (else untouched).
+
+    Synchronising is meaningless without a device: every CPU copy has completed when it returns.
+    """
+    if cuda_present():
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = _noop
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
+
+
+# ---- functions that run inside NVRx's spawned checkpoint worker ------------------------------
+# Module-level so they pickle by reference; the worker imports this module, which has no side
+# effects at import time.
+
+def worker_preload(preload_fn: Callable[[], Any]) -> Any:
+    """Runs NVRx's staging function in the worker, under :func:`cpu_shim`."""
+    with cpu_shim():
+        return preload_fn()
+
+
+def worker_write(error_path: str, fault_exit: bool, save_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Runs NVRx's write function in the worker; a failure is recorded in ``error_path``.
+
+    NVRx's persistent worker dies on an exception and never reports completion, which would leave
+    the trainer waiting forever. Recording the error and returning normally lets the trainer see
+    the call complete, read the error, and fail with a clear message at its next poll.
+    """
+    try:
+        with cpu_shim():
+            save_fn(*args, **kwargs)
+        if fault_exit:
+            # Fault injection (tests, drills): the writer dies after writing the data but before
+            # the save is finalized, as a worker killed mid-save would.
+            os._exit(137)
+    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+        Path(error_path).write_text(traceback.format_exc())
+
+
+def new_error_path() -> str:
+    fd, path = tempfile.mkstemp(prefix="resilient-fsdp-ckpt-error-", suffix=".txt")
+    os.close(fd)
+    os.unlink(path)
+    return path
+
+
+# ---- construction, by feature ------------------------------------------------------------------
+
+def make_calls_queue() -> Any:
+    """NVRx's ``AsyncCallsQueue`` with a persistent worker, set up for this machine."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+    params = inspect.signature(AsyncCallsQueue).parameters
+    kwargs: dict[str, Any] = {"persistent": True}
+    if "cpu_shm_mode" in params and not cuda_present():
+        kwargs["cpu_shm_mode"] = True  # 0.7+: skip the worker's CUDA device setup
+    return AsyncCallsQueue(**kwargs)
+
+
+def make_torch_async_checkpoint() -> Any:
+    """NVRx's ``TorchAsyncCheckpoint``; on 0.7+ without a GPU, its queue in ``cpu_shm_mode``."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
+
+    ckpt = TorchAsyncCheckpoint()
+    if not cuda_present() and "cpu_shm_mode" in inspect.signature(type(ckpt._async_calls_queue)).parameters:
+        ckpt._async_calls_queue.close()  # never started a worker; replace it
+        ckpt._async_calls_queue = make_calls_queue()
+    return ckpt
+
+
+def warm_up(calls_queue: Any) -> None:
+    """Start the persistent worker now, with a no-op request, instead of at the first save.
+
+    Starting a spawned interpreter that imports torch takes seconds; done at the first save it
+    would all count as training-loop stall. Its completion is drained by the next poll.
+    """
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+
+    calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+
+
+def plan_cache_enabled() -> bool:
+    # NVRx verifies a cached plan with a tensor allocated on "cuda".
+    return cuda_present()
+
+
+def worker_process(calls_queue: Any) -> Optional[Any]:
+    """The ``multiprocessing.Process`` of the queue's persistent worker, if started."""
+    caller = getattr(calls_queue, "persistent_caller", None)
+    return getattr(caller, "process", None) if caller is not None else None
+
+
+def close_queue(calls_queue: Any, abort: bool = False) -> None:
+    """Stop the persistent worker; ``abort`` kills it without waiting for a write in flight.
+
+    0.4.x has no abort, and its worker object joins a dead worker forever when garbage
+    collected; forgetting the process after killing it avoids that.
+    """
+    if "abort" in inspect.signature(calls_queue.close).parameters:
+        if not abort:
+            calls_queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        calls_queue.close(abort=abort)
+        return
+    caller = getattr(calls_queue, "persistent_caller", None)
+    if abort:
+        proc = worker_process(calls_queue)
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        if caller is not None:
+            caller.process = None
+        calls_queue.async_calls.clear()
+        calls_queue.persistent_caller = None
+        return
+    # Drain locally first: close() would otherwise poll with NVRx's CUDA-tensor collective.
+    calls_queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    calls_queue.close()
