@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -22,8 +23,9 @@ FAST = ["dist.timeout_s=60"]
 MARK = "RESILIENT_FSDP_TEST_RUN"
 
 
-def _env(pythonpath: list[Path] | None = None, mark: Path | None = None) -> dict:
+def _env(pythonpath: list[Path] | None = None, mark: Path | None = None, extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    env.update(extra or {})
     if mark is not None:
         # Inherited by every descendant (agents, ranks, NVRx's spawned helpers), so a leftover
         # process can be found by its environment even after it was re-parented.
@@ -35,21 +37,30 @@ def _env(pythonpath: list[Path] | None = None, mark: Path | None = None) -> dict
 
 
 def run_local(run_dir: Path, nodes: int = 1, nproc: int = 2, overrides: list[str] | None = None,
-              pythonpath: list[Path] | None = None, timeout: float = 240, extra: list[str] | None = None
-              ) -> subprocess.CompletedProcess:
+              pythonpath: list[Path] | None = None, timeout: float = 240, extra: list[str] | None = None,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     """``resilient-fsdp local`` as a user runs it; returns the finished process (output captured)."""
     cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={nodes}", f"--nproc-per-node={nproc}",
            f"--run-dir={run_dir}", *(extra or [])]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
-    return run_guarded(cmd, run_dir, pythonpath, timeout)
+    return run_guarded(cmd, run_dir, pythonpath, timeout, env)
 
 
-def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, timeout: float
-                ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to completion; on timeout kill it and everything it started, then fail."""
+def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, timeout: float,
+                env: dict | None = None, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to completion; on timeout kill it and everything it started, then fail.
+
+    ``file_size_limit`` (bytes) caps every file the processes write (RLIMIT_FSIZE): writes past
+    it fail with EFBIG, as they would with ENOSPC on a full disk.
+    """
+    def limit() -> None:
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(pythonpath, run_dir), cwd=REPO, start_new_session=True)
+                            env=_env(pythonpath, run_dir, env), cwd=REPO, start_new_session=True,
+                            preexec_fn=limit)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -64,12 +75,13 @@ def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, ti
 
 
 def run_trainer(run_dir: Path, overrides: list[str] | None = None, pythonpath: list[Path] | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess:
+                timeout: float = 120, env: dict | None = None, file_size_limit: int | None = None
+                ) -> subprocess.CompletedProcess:
     """One trainer process without a launcher (a world of one)."""
     cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir)]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
-    return run_guarded(cmd, run_dir, pythonpath, timeout)
+    return run_guarded(cmd, run_dir, pythonpath, timeout, env, file_size_limit)
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -126,3 +138,16 @@ def write_module(directory: Path, name: str, source: str) -> Path:
 def plugin_dir(tmp_path: Path) -> Path:
     """A directory put on the trainers' PYTHONPATH, for custom factories written by a test."""
     return tmp_path / "plugins"
+
+
+@pytest.fixture(scope="session")
+def nvrx_lane() -> Path:
+    """The image's NVRx version (pure-Python modules), prepared by ./scripts/test."""
+    lane = os.environ.get("RESILIENT_FSDP_NVRX_LANE")
+    if lane and (Path(lane) / "nvidia_resiliency_ext").is_dir():
+        return Path(lane)
+    message = ("RESILIENT_FSDP_NVRX_LANE is not set up: run the suite through ./scripts/test, which "
+               "prepares the NVRx lane named in constraints-image.txt")
+    if os.environ.get("CI"):
+        pytest.fail(message)  # in CI a missing lane is a failure, never a silent skip
+    pytest.skip(message)

@@ -21,3 +21,26 @@ ensure_venv() {  # usage: ensure_venv EXTRAS   (e.g. "" or "test")
     echo "$want" > "$stamp"
   fi
 }
+
+ensure_nvrx_lane() {  # the image's NVRx version, pure-Python modules only, for the test suite
+  local pin version dir
+  pin="$(grep -E '^nvidia-resiliency-ext==' constraints-image.txt)"
+  version="${pin#*==}"
+  dir=".venv/nvrx-lane/$version"
+  if [ ! -f "$dir/.ready" ]; then
+    echo "preparing the NVRx $version test lane in $dir"
+    rm -rf "$dir" && mkdir -p "$dir/wheel" "$dir/site"
+    # Its wheels are for Python 3.12 / glibc 2.39; the modules the tests use are pure Python.
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+      --python-version 3.12 --platform manylinux_2_39_x86_64 -d "$dir/wheel" "$pin"
+    .venv/bin/python - "$dir" <<'PY'
+import sys, zipfile, pathlib
+root = pathlib.Path(sys.argv[1])
+wheel = next((root / "wheel").glob("*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(root / "site", [n for n in z.namelist() if n.startswith("nvidia_resiliency_ext")])
+PY
+    touch "$dir/.ready"
+  fi
+  export RESILIENT_FSDP_NVRX_LANE="$PWD/$dir/site"
+}

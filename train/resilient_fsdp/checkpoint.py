@@ -20,6 +20,7 @@ another world size (DCP reshards model and optimizer; RNG streams are then re-se
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from . import checkpoint_store as store
@@ -127,21 +128,52 @@ def from_local(loaded: Any, like: Any) -> Any:
 
 
 class StateStager:
-    """Copies state into host buffers that are allocated once and reused (shared memory, and
-    pinned on GPUs), so the file holds exactly the state of the step it is named for while the
-    training loop goes on changing the live tensors. Reuse matters: a fresh buffer costs a page
-    fault per page, about as long as a synchronous save on a CPU-only machine."""
+    """Copies state into host buffers that are allocated once and reused, so the file holds
+    exactly the state of the step it is named for while the loop goes on changing the live
+    tensors (NVRx 0.4 would otherwise write live CPU tensors).
+
+    Buffers live in shared memory (NVRx's worker receives them without a copy), pinned on GPUs
+    for fast device-to-host copies. Reuse is what keeps the stall small: a fresh buffer costs a
+    page fault per page, about as long as a whole synchronous save on a CPU-only machine.
+    """
 
     def __init__(self) -> None:
-        gpu = compat.cuda_present()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=True,
-                                                    use_async_staging=False, use_non_blocking_copy=gpu))
+        self.pin = compat.cuda_present()
+        self.buffers: dict[str, torch.Tensor] = {}
 
-    def stage(self, sd: dict) -> dict:
-        return self._stager.stage(sd)
+    def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu").share_memory_()
+            if self.pin:
+                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+            self.buffers[key] = buf
+        return buf
+
+    def stage(self, sd: Any) -> Any:
+        """A copy of ``sd`` whose tensors live in this stager's buffers (DTensors stay DTensors)."""
+        staged = self._stage(sd, "")
+        if self.pin:
+            torch.cuda.synchronize()  # one wait for every non-blocking device-to-host copy
+        return staged
+
+    def _stage(self, sd: Any, key: str) -> Any:
+        if isinstance(sd, DTensor):
+            local = self._stage(sd.to_local(), key)
+            return DTensor.from_local(local, sd.device_mesh, sd.placements, shape=sd.shape, stride=sd.stride(),
+                                      run_check=False)
+        if isinstance(sd, torch.Tensor):
+            buf = self._buffer(key, sd)
+            buf.copy_(sd.detach(), non_blocking=self.pin)
+            return buf
+        if isinstance(sd, dict):
+            return {k: self._stage(v, f"{key}/{k}") for k, v in sd.items()}
+        if isinstance(sd, (list, tuple)):
+            return type(sd)(self._stage(v, f"{key}/{i}") for i, v in enumerate(sd))
+        return copy.deepcopy(sd)
 
     def close(self) -> None:
-        self._stager.close()
+        self.buffers.clear()
 
 
 # ---- engines -----------------------------------------------------------------------------------
@@ -222,12 +254,10 @@ class AsyncEngine(Engine):
         return True, None
 
     def finalize(self) -> None:
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_finalize
-
         plan, self.plan = self.plan, None
         if plan is not None:
             with compat.cpu_shim():
-                save_state_dict_async_finalize(*plan)
+                compat.finalize_save(plan)
 
     def close(self, abort: bool = False) -> None:
         compat.close_queue(self.queue, abort=abort)
@@ -391,7 +421,7 @@ class Checkpointer:
             else:
                 dcp.load(sd, checkpoint_id=str(ckpt.path))
             self.state.load_state_dict(sd)
-        except Exception as exc:  # noqa: BLE001 - reported, and every rank agrees below
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         failed = self._all_reduce_max(1.0 if error else 0.0)
         if failed and error is None:
@@ -413,8 +443,11 @@ class Checkpointer:
             return by_steps or by_time
         return by_steps
 
-    def save(self, step: int) -> float:
-        """Start a checkpoint of the current state (named ``step``); returns the stall in seconds."""
+    def save(self, step: int) -> Optional[dict]:
+        """Start a checkpoint of the current state, named ``step``.
+
+        Returns the record of a checkpoint committed by this call (always for ``sync``).
+        """
         t0 = time.perf_counter()
         if self.pending is not None:
             self.wait()  # one write in flight at a time: the staging buffers are reused
@@ -435,9 +468,7 @@ class Checkpointer:
         self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": stall}
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
-        if self.engine.mode == "sync":
-            self.poll(block=True)
-        return stall
+        return self.poll(block=True) if self.engine.mode == "sync" else None
 
     def poll(self, block: bool = False) -> Optional[dict]:
         """Finalize and commit the pending checkpoint once every rank's write finished.
@@ -469,7 +500,7 @@ class Checkpointer:
                                   f"{pending['dir']} and will not be loaded; the previous checkpoint is intact")
         try:
             self.engine.finalize()
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"checkpoint of step {pending['step']} failed while finalizing: {exc}; it stays "
                                   f"incomplete at {pending['dir']}") from exc
         record = None

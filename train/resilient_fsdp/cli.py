@@ -3,6 +3,7 @@
 - ``resilient-fsdp local``: run the trainer as N simulated nodes x P ranks under ``ft_launcher``.
 - ``resilient-fsdp train``: run one trainer process directly (what each rank runs).
 - ``resilient-fsdp config``: print the resolved configuration, or every key with ``--describe``.
+- ``resilient-fsdp bench checkpoint``: checkpoint stall of sync vs async saves.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run one trainer process (a world of one without a launcher)")
     train.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
     _add_config_args(train)
+
+    bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
+    bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
+    from .bench_checkpoint import add_parser as add_checkpoint_bench
+
+    add_checkpoint_bench(bench_sub)
 
     config = sub.add_parser("config", help="print the resolved configuration")
     config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
@@ -85,7 +92,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config}[args.command]
+    handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
+               "bench": lambda a: a.bench(a)}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

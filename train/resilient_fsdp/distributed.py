@@ -58,10 +58,11 @@ def select_device(cfg: DistConfig, local_rank: int) -> torch.device:
 
 def init_distributed(cfg: DistConfig) -> DistInfo:
     """Join (or, without a launcher, create) the default process group."""
-    if "RANK" not in os.environ:
-        # Standalone: a world of one, so `python -m resilient_fsdp.train` works without a launcher.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    standalone = "MASTER_ADDR" not in os.environ  # every launcher sets it
+    if standalone:
+        # A world of one, so `python -m resilient_fsdp.train` works without a launcher. Its store
+        # lives in memory: no port to pick, so nothing to collide with.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     device = select_device(cfg, local_rank)
@@ -70,7 +71,8 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
     backend = dist.get_default_backend_for_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if standalone else {}))
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
@@ -79,6 +81,10 @@ def build_mesh(info: DistInfo) -> DeviceMesh:
     return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Destroy the process group; after a clean run, only once every rank got here, so no rank
+    tears down its connections while a peer is still finishing its last collective."""
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

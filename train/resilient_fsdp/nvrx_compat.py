@@ -103,13 +103,19 @@ def new_error_path() -> str:
 
 # ---- construction, by feature ------------------------------------------------------------------
 
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether ``fn`` (a class: its ``__init__``) takes parameter ``name``. Classes are inspected
+    through ``__init__`` because 0.7's queue has a metaclass whose ``__call__`` hides it."""
+    target = fn.__init__ if isinstance(fn, type) else fn
+    return name in inspect.signature(target).parameters
+
+
 def make_calls_queue() -> Any:
     """NVRx's ``AsyncCallsQueue`` with a persistent worker, set up for this machine."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
-    params = inspect.signature(AsyncCallsQueue).parameters
     kwargs: dict[str, Any] = {"persistent": True}
-    if "cpu_shm_mode" in params and not cuda_present():
+    if _accepts(AsyncCallsQueue, "cpu_shm_mode") and not cuda_present():
         kwargs["cpu_shm_mode"] = True  # 0.7+: skip the worker's CUDA device setup
     return AsyncCallsQueue(**kwargs)
 
@@ -119,7 +125,7 @@ def make_torch_async_checkpoint() -> Any:
     from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 
     ckpt = TorchAsyncCheckpoint()
-    if not cuda_present() and "cpu_shm_mode" in inspect.signature(type(ckpt._async_calls_queue)).parameters:
+    if not cuda_present() and _accepts(type(ckpt._async_calls_queue), "cpu_shm_mode"):
         ckpt._async_calls_queue.close()  # never started a worker; replace it
         ckpt._async_calls_queue = make_calls_queue()
     return ckpt
@@ -134,6 +140,31 @@ def warm_up(calls_queue: Any) -> None:
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
     calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+
+
+def finalize_save(plan: tuple) -> None:
+    """Finish an async DCP save: gather every rank's write results and write ``.metadata``.
+
+    With a GPU this is NVRx's ``save_state_dict_async_finalize``. Without one, the same steps
+    minus the CUDA tensor that 0.7 broadcasts for failure status: the coordinator raises on a
+    failure, and the caller's own all-reduce tells the other ranks.
+    """
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_finalize
+
+    if cuda_present():
+        save_state_dict_async_finalize(*plan)
+        return
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.utils import _get_failure_dict
+
+    storage_writer, global_metadata, dist_wrapper = plan
+    write_results = storage_writer.retrieve_write_results()
+    all_results = dist_wrapper.gather_object(write_results)
+    if dist_wrapper.is_coordinator:
+        failures = _get_failure_dict(all_results)
+        if failures:
+            raise CheckpointException("write", failures)
+        storage_writer.finish(global_metadata, all_results)
 
 
 def plan_cache_enabled() -> bool:
@@ -153,7 +184,7 @@ def close_queue(calls_queue: Any, abort: bool = False) -> None:
     0.4.x has no abort, and its worker object joins a dead worker forever when garbage
     collected; forgetting the process after killing it avoids that.
     """
-    if "abort" in inspect.signature(calls_queue.close).parameters:
+    if _accepts(calls_queue.close, "abort"):
         if not abort:
             calls_queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
         calls_queue.close(abort=abort)

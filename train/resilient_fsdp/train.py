@@ -189,11 +189,11 @@ class Trainer:
             t_ckpt = time.perf_counter()
             self.log_checkpoint(ckpt.poll())
             if ckpt.due(self.state.step):
-                ckpt.save(self.state.step)
+                self.log_checkpoint(ckpt.save(self.state.step))
             self.metrics.step({"event": "step", "step": self.state.step, "loss": loss, "step_time_s": step_time,
                                "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr})
         if self.cfg.checkpoint.save_final and ckpt.last_saved_step != self.state.step:
-            ckpt.save(self.state.step)
+            self.log_checkpoint(ckpt.save(self.state.step))
         self.log_checkpoint(ckpt.wait())
         return self.finish()
 
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
         return summary
     finally:
         trainer.close(failed)
-        distributed.shutdown()
+        distributed.shutdown(clean=not failed)
 
 
 @record

@@ -1,0 +1,142 @@
+"""Checkpointing in real processes: exact resume, snapshots, failures, retention, resharding."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, assert_no_leftovers, read_events, read_losses, read_summary, run_guarded, run_local, run_trainer
+
+MODES = ["async", "torch-async", "sync"]
+
+
+def probe(run_dir, mode, pythonpath=None) -> dict:
+    proc = run_guarded([sys.executable, str(REPO / "tests" / "ckpt_probe.py"), str(run_dir), mode], run_dir,
+                       pythonpath, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_round_trip_is_bitwise_and_holds_the_state_of_its_step(tmp_path, mode):
+    report = probe(tmp_path, mode)
+    assert report["live_state_changed_during_write"]  # training mutated the state after the save began
+    assert report["resumed_step"] == 3
+    assert report["equal"] == {k: True for k in ("model", "optim", "lr_scheduler", "trainer", "data", "rng")}
+
+
+@pytest.mark.parametrize("mode", ["async", "torch-async"])
+def test_image_nvrx_version_round_trip(tmp_path, nvrx_lane, mode):
+    """The same checks against the NVRx version the image ships (constraints-image.txt)."""
+    expected = (REPO / "constraints-image.txt").read_text().split("nvidia-resiliency-ext==")[1].split()[0]
+    report = probe(tmp_path, mode, pythonpath=[nvrx_lane])
+    assert report["nvrx_version"] == expected
+    assert report["equal"] == {k: True for k in ("model", "optim", "lr_scheduler", "trainer", "data", "rng")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_local(run_dir, nodes=1, nproc=2, overrides=["train.steps=16", "checkpoint.interval_steps=4"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stopped_and_resumed_run_equals_an_uninterrupted_one(tmp_path, uninterrupted, mode):
+    common = ["train.steps=16", f"checkpoint.mode={mode}"]
+    first = run_local(tmp_path, nodes=1, nproc=2, overrides=common + ["train.stop_at_step=8"])
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert read_summary(tmp_path)["final_step"] == 8
+    second = run_local(tmp_path, nodes=1, nproc=2, overrides=common)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from step 8" in second.stdout
+    assert read_losses(tmp_path) == read_losses(uninterrupted)
+    assert read_summary(tmp_path)["params_sha256"] == read_summary(uninterrupted)["params_sha256"]
+    assert read_summary(tmp_path)["resumed_from_step"] == 8
+    assert_no_leftovers(tmp_path)
+
+
+def test_checkpoint_figures_are_reported(uninterrupted):
+    events = read_events(uninterrupted, "checkpoint")
+    assert [e["step"] for e in events] == [4, 8, 12, 16]
+    for e in events:
+        assert e["mode"] == "async" and e["bytes"] > 100_000 and 0 < e["stall_s"] <= e["write_s"]
+    summary = read_summary(uninterrupted)
+    assert [c["step"] for c in summary["checkpoints"]] == [4, 8, 12, 16]
+    assert summary["checkpoint_stall_s"] == pytest.approx(sum(e["stall_s"] for e in events))
+    # Retention (keep_last=3 by default) removed the oldest; every survivor is complete.
+    kept = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    assert kept == ["step_00000008", "step_00000012", "step_00000016"]
+
+
+def test_writer_killed_mid_save_leaves_an_incomplete_checkpoint_that_resume_skips(tmp_path):
+    common = ["train.steps=12", "checkpoint.interval_steps=4"]
+    crashed = run_trainer(tmp_path, common, env={"RESILIENT_FSDP_FAULT_WRITER_EXIT_AT_STEP": "8"})
+    assert crashed.returncode != 0
+    assert "checkpoint of step 8 failed" in crashed.stderr and "exited with code 137" in crashed.stderr
+    ckpts = tmp_path / "checkpoints"
+    partial = list(ckpts.glob("step_00000008.incomplete-*"))
+    assert [p.name for p in ckpts.glob("step_????????")] == ["step_00000004"] and len(partial) == 1
+    resumed = run_trainer(tmp_path, common)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipping {partial[0]}: not a complete checkpoint" in resumed.stdout
+    assert "resumed from step 4" in resumed.stdout
+    assert partial[0].exists()  # reported, never deleted
+    reference = run_trainer(tmp_path / "ref", common)
+    assert read_summary(tmp_path)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
+    assert_no_leftovers(tmp_path)
+
+
+def test_unreadable_complete_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    first = run_trainer(tmp_path, ["train.steps=12", "train.stop_at_step=8", "checkpoint.interval_steps=4"])
+    assert first.returncode == 0, first.stderr
+    for f in (tmp_path / "checkpoints" / "step_00000008").glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:100])  # torn data behind a valid marker
+    second = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=4"])
+    assert second.returncode == 0, second.stderr
+    assert "cannot load" in second.stdout and "step_00000008" in second.stdout
+    assert "resumed from step 4" in second.stdout
+
+
+def test_full_disk_fails_with_a_clear_error_not_a_hang(tmp_path):
+    # The tiny model's checkpoint files are ~1 MB: a 256 KB file-size cap makes every write fail
+    # part-way (EFBIG, as ENOSPC would on a full disk).
+    proc = run_trainer(tmp_path, ["train.steps=6", "checkpoint.interval_steps=3"], file_size_limit=256 * 1024,
+                       timeout=120)
+    assert proc.returncode != 0
+    assert "checkpoint of step 3 failed" in proc.stderr and "stays incomplete" in proc.stderr
+    assert not list((tmp_path / "checkpoints").glob("step_????????"))
+    assert_no_leftovers(tmp_path)
+
+
+def test_unwritable_checkpoint_dir_is_a_config_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = run_trainer(tmp_path / "run", ["train.steps=2", f"checkpoint.dir={blocker}/ckpts"])
+    assert proc.returncode == 2
+    assert f"checkpoint.dir='{blocker}/ckpts' is not writable" in proc.stderr
+
+
+def test_dcp_checkpoints_reshard_and_torch_async_ones_refuse(tmp_path):
+    for mode in ("async", "torch-async"):
+        run_dir = tmp_path / mode
+        two = run_local(run_dir, nodes=1, nproc=2, overrides=["train.steps=8", "train.stop_at_step=4",
+                                                              f"checkpoint.mode={mode}"])
+        assert two.returncode == 0, two.stdout + two.stderr
+        one = run_trainer(run_dir, ["train.steps=8", f"checkpoint.mode={mode}"])
+        if mode == "async":
+            assert one.returncode == 0, one.stderr
+            assert "resharded from world size 2 to 1" in one.stdout
+            assert read_summary(run_dir)["final_step"] == 8
+        else:
+            assert one.returncode == 2
+            assert "can only be resumed at that world size" in one.stderr
+
+
+def test_a_different_model_is_refused(tmp_path):
+    assert run_trainer(tmp_path, ["train.steps=2"]).returncode == 0
+    proc = run_trainer(tmp_path, ["train.steps=4", "model.vocab_size=300"])
+    assert proc.returncode == 2 and "holds a different model" in proc.stderr
