@@ -140,3 +140,14 @@ def test_a_different_model_is_refused(tmp_path):
     assert run_trainer(tmp_path, ["train.steps=2"]).returncode == 0
     proc = run_trainer(tmp_path, ["train.steps=4", "model.vocab_size=300"])
     assert proc.returncode == 2 and "holds a different model" in proc.stderr
+
+
+def test_time_interval_triggers_saves(tmp_path):
+    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_s=0.001", "checkpoint.save_final=false",
+                                  "checkpoint.keep_last=0"])
+    assert proc.returncode == 0, proc.stderr
+    steps = [e["step"] for e in read_events(tmp_path, "checkpoint")]
+    # Every step is past the interval; a save still in flight delays the next one, never skips
+    # the commit of the last one started.
+    assert len(steps) >= 4 and steps == sorted(set(steps)) and steps[-1] <= 12
+    assert len(list((tmp_path / "checkpoints").glob("step_????????"))) == len(steps)

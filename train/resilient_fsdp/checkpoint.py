@@ -446,11 +446,12 @@ class Checkpointer:
     def save(self, step: int) -> Optional[dict]:
         """Start a checkpoint of the current state, named ``step``.
 
-        Returns the record of a checkpoint committed by this call (always for ``sync``).
+        Returns the record of a checkpoint committed by this call: this one for ``sync``, else
+        the previous one if it was still in flight and had to be waited for.
         """
         t0 = time.perf_counter()
-        if self.pending is not None:
-            self.wait()  # one write in flight at a time: the staging buffers are reused
+        # One write in flight at a time: the staging buffers are reused.
+        previous = self.wait() if self.pending is not None else None
         token, error = None, None
         if self.info.rank == 0:
             token = uuid.uuid4().hex[:8]
@@ -468,7 +469,7 @@ class Checkpointer:
         self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": stall}
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
-        return self.poll(block=True) if self.engine.mode == "sync" else None
+        return self.poll(block=True) if self.engine.mode == "sync" else previous
 
     def poll(self, block: bool = False) -> Optional[dict]:
         """Finalize and commit the pending checkpoint once every rank's write finished.
