@@ -29,6 +29,7 @@ import torch
 from . import nvrx_compat
 from .checkpoint import Checkpointer
 from .config import load_config
+from .distributed import shutdown
 from .train import Trainer
 
 
@@ -108,7 +109,6 @@ def run(args: argparse.Namespace) -> dict:
         }
     finally:
         trainer.close(failed=False)
-        from .distributed import shutdown
         shutdown()
     return results
 

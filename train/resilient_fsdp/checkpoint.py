@@ -42,6 +42,7 @@ from . import checkpoint_store as store
 from . import nvrx_compat as compat
 from .config import CheckpointConfig, ConfigError
 from .distributed import DistInfo
+from .parallelize import canonical_name
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class TrainingState:
         """Identifies the model's architecture: names and global shapes of every parameter."""
         h = hashlib.sha256()
         for name, p in self.model.named_parameters():
-            h.update(f"{name.replace('_checkpoint_wrapped_module.', '')}:{tuple(p.shape)};".encode())
+            h.update(f"{canonical_name(name)}:{tuple(p.shape)};".encode())
         return h.hexdigest()
 
 

@@ -8,7 +8,6 @@ The backend follows the device (gloo on CPU, NCCL on CUDA), so one entrypoint se
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,12 +25,6 @@ class DistInfo:
     world_size: int
     device: torch.device
     backend: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env_int(name: str, default: int) -> int:

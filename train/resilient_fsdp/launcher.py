@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +31,6 @@ from typing import Optional, TextIO
 import psutil
 import yaml
 
-from .distributed import free_port
 
 TRAINER_MODULE = "resilient_fsdp.train"
 # Silences a deprecation notice that torch prints in every process when NVRx's pynvml dependency
@@ -56,6 +56,13 @@ class LocalJob:
     """After one node fails, how long the others get to notice and exit on their own."""
     stop_timeout_s: float = 10.0
     """Between SIGTERM and SIGKILL when stopping agents."""
+
+
+def free_port() -> int:
+    """A currently free TCP port on loopback, for the rendezvous endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ft_launcher_executable() -> list[str]:

@@ -13,15 +13,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .parallelize import canonical_name
+
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write ``data`` as JSON so readers see the old file or the new one, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
-
-
-_AC_PREFIX = "_checkpoint_wrapped_module."
 
 
 @torch.no_grad()
@@ -34,7 +33,7 @@ def params_sha256(model: nn.Module) -> str:
     """
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
-        name = name.replace(_AC_PREFIX, "")
+        name = canonical_name(name)
         full = param.full_tensor() if isinstance(param, DTensor) else param
         full = full.detach().to("cpu").contiguous()
         digest.update(f"{name}|{full.dtype}|{tuple(full.shape)}|".encode())

@@ -11,6 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
+# checkpoint_wrapper stores the wrapped block under this attribute name.
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: ``model.layers`` when the model has it."""
     layers = getattr(model, "layers", None)
@@ -27,6 +31,12 @@ def mixed_precision_for(device: torch.device) -> MixedPrecisionPolicy:
     if device.type == "cuda":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the activation-checkpointing wrapper's prefix, so hashes and
+    checkpoints identify the same parameter with and without activation checkpointing."""
+    return name.replace(_AC_PREFIX, "")
 
 
 def apply_ac(model: nn.Module) -> None:
