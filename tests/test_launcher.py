@@ -17,11 +17,13 @@ from resilient_fsdp.launcher import LocalJob, agent_command, find_root_cause
 def test_agent_command_is_what_a_pod_runs(tmp_path):
     job = LocalJob(nodes=3, nproc_per_node=4, run_dir=tmp_path, trainer_args=["--set", "seed=1"], run_id="r1")
     cmd = agent_command(job, node=2, port=29555)
-    assert Path(cmd[0]).name == "ft_launcher"
+    assert cmd[1:3] == ["-m", "resilient_fsdp.agent"]  # the node wrapper, around ft_launcher
     for flag in ("--nnodes=3", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555",
-                 "--rdzv-id=r1", "--max-restarts=0"):
+                 "--rdzv-id=r1", "--max-restarts=3", "--rdzv-conf=is_host=false", "--workers-stop-timeout=15",
+                 "--term-timeout=600"):
         assert flag in cmd
-    assert cmd[cmd.index("-m"):] == ["-m", "resilient_fsdp.train", "--set", "seed=1"]
+    trainer = len(cmd) - cmd[::-1].index("-m") - 1  # the last -m: the module ft_launcher starts
+    assert cmd[trainer:] == ["-m", "resilient_fsdp.train", "--set", "seed=1"]
 
 
 def test_two_nodes_by_two_ranks_completes_with_a_valid_summary(tmp_path):

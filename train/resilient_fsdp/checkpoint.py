@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
 import os
 import time
@@ -61,9 +62,10 @@ class TrainingState:
     """Gathers and restores everything a checkpoint holds, for one rank."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                 counters: Any, data: Any, rank: int):
+                 counters: Any, data: Any, rank: int, resilience: Any = None):
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.counters, self.data, self.rank = counters, data, rank
+        self.resilience = resilience  # learned hang-detection timeouts (resilience.ProgressMonitor)
 
     def state_dict(self, with_rng: bool = True) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -73,6 +75,8 @@ class TrainingState:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "trainer": self.counters.state_dict(),
             "data": self.data.state_dict(),
+            # JSON text: its shape changes once timeouts are learned, and DCP loads by shape.
+            "resilience": json.dumps(self.resilience.state_dict() if self.resilience else {}, sort_keys=True),
         }
         if with_rng:
             sd["rng"] = {f"rank{self.rank}": rng_state()}
@@ -83,6 +87,8 @@ class TrainingState:
         self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
         self.counters.load_state_dict(sd["trainer"])
         self.data.load_state_dict(sd["data"])
+        if self.resilience is not None:
+            self.resilience.load_state_dict(json.loads(sd["resilience"]))
         if "rng" in sd:
             set_rng_state(sd["rng"][f"rank{self.rank}"])
 
@@ -195,6 +201,20 @@ class Engine:
     def finalize(self) -> None:
         """Collective, after every rank's write finished: write metadata (DCP) and clean up."""
 
+    def drain(self, timeout_s: float = 120.0) -> None:
+        """Rank-local: let a write left by a failed attempt finish, so an in-process restart can
+        reuse this engine. That write stays an incomplete checkpoint; it is never committed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done, _ = self.local_status()
+            if done:
+                break
+            time.sleep(0.05)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the plan of a save that will never be finalized."""
+
     def close(self, abort: bool = False) -> None:
         pass
 
@@ -253,6 +273,9 @@ class AsyncEngine(Engine):
             os.unlink(self.error_path)
             return True, text.strip().splitlines()[-1] + "\n" + text
         return True, None
+
+    def forget(self) -> None:
+        self.plan = None
 
     def finalize(self) -> None:
         plan, self.plan = self.plan, None
@@ -315,16 +338,34 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: CheckpointConfig, root: Path, info: DistInfo, state: TrainingState,
-                 identity: dict, say: Callable[[str], None]):
+                 identity: dict, say: Callable[[str], None],
+                 engine_factory: Optional[Callable[[], Engine]] = None):
         self.cfg, self.root, self.info, self.state = cfg, root, info, state
         self.identity = identity  # what a resumed run must match: model shape, preset
         self.say = say
-        self.engine = build_engine(cfg.mode, info.rank, cfg.writer_threads)
+        # An engine from a factory belongs to the caller (it outlives in-process restarts).
+        self.owns_engine = engine_factory is None
+        self._engine_factory = engine_factory or (lambda: build_engine(cfg.mode, info.rank, cfg.writer_threads))
+        self._engine: Optional[Engine] = None
         self.pending: Optional[dict] = None
         self.records: list[dict] = []
         self.last_save_time = time.monotonic()
         self.last_saved_step: Optional[int] = None
         self.resumed_from: Optional[dict] = None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = self._engine_factory()
+        return self._engine
+
+    def prepare(self) -> None:
+        """Create the engine (and start its writer process) now rather than at the first save.
+
+        The trainer calls it after its first step: a writer process importing torch competes
+        for the CPU with start-up and restore, which is the time a restart is measured by.
+        """
+        _ = self.engine
 
     # -- collectives on the job's backend (tensors on the training device) --
     def _all_reduce_max(self, value: float) -> float:
@@ -537,4 +578,9 @@ class Checkpointer:
         return self.poll(block=True)
 
     def close(self, abort: bool = False) -> None:
-        self.engine.close(abort=abort)
+        if self._engine is None:
+            return
+        if self.owns_engine:
+            self._engine.close(abort=abort)
+        elif abort:
+            self._engine.drain()

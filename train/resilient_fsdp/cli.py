@@ -4,12 +4,15 @@
 - ``resilient-fsdp train``: run one trainer process directly (what each rank runs).
 - ``resilient-fsdp config``: print the resolved configuration, or every key with ``--describe``.
 - ``resilient-fsdp bench checkpoint``: checkpoint stall of sync vs async saves.
+- ``resilient-fsdp bench recovery``: one fault recovered in-process, in-job and by a full relaunch.
+- ``resilient-fsdp bench soak``: a fault a minute for ten minutes: goodput and exactness.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -31,8 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--nodes", type=int, default=2, help="simulated nodes (ft_launcher agents); default 2")
     local.add_argument("--nproc-per-node", type=int, default=2, help="trainer ranks per node; default 2")
     local.add_argument("--run-dir", required=True, help="directory for logs, metrics, summary and checkpoints")
-    local.add_argument("--max-restarts", type=int, default=0,
-                       help="in-job restarts ft_launcher may make before the node gives up; default 0")
+    local.add_argument("--max-restarts", type=int,
+                       help="in-job restarts ft_launcher may make per node (resilience.max_restarts; default 3)")
+    local.add_argument("--max-node-restarts", type=int, default=3,
+                       help="job-level restarts: times a failed node is recreated, as a PyTorchJob's "
+                            "backoffLimit allows; default 3")
+    local.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
+                       help="inject a fault once per job: exception, hang, sigkill, sigkill-during-save, sigterm "
+                            "or node-loss (repeatable)")
     local.add_argument("-v", "--verbose", action="store_true",
                        help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
     local.add_argument("--rdzv-port", type=int, help="rendezvous port on 127.0.0.1; default: a free one")
@@ -40,13 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run one trainer process (a world of one without a launcher)")
     train.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
+    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
+                       help="inject a fault once per job (repeatable)")
     _add_config_args(train)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
     from .bench_checkpoint import add_parser as add_checkpoint_bench
+    from .bench_recovery import add_parser as add_recovery_bench
+    from .bench_soak import add_parser as add_soak_bench
 
     add_checkpoint_bench(bench_sub)
+    add_recovery_bench(bench_sub)
+    add_soak_bench(bench_sub)
 
     config = sub.add_parser("config", help="print the resolved configuration")
     config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
@@ -55,22 +70,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
+    from .faults import parse_faults
     from .launcher import LocalJob, LocalLauncher
 
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
         if value < 1:
             raise ConfigError(f"{flag}={value}: must be at least 1")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts={args.max_restarts}: must be 0 or more")
+    for flag, value in (("--max-restarts", args.max_restarts), ("--max-node-restarts", args.max_node_restarts)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{flag}={value}: must be 0 or more")
     run_dir = Path(args.run_dir).resolve()
+    overrides = list(args.overrides)
+    if args.max_restarts is not None:
+        overrides.append(f"resilience.max_restarts={args.max_restarts}")
     # Validate here, once, before starting any process: a typo should not cost a rendezvous.
     config_path = str(Path(args.config).resolve()) if args.config else None
-    load_config(config_path, args.overrides + [f"run_dir={run_dir}"])
+    cfg = load_config(config_path, overrides + [f"run_dir={run_dir}"])
+    parse_faults(list(cfg.resilience.inject) + args.inject, world_size=args.nodes * args.nproc_per_node)
     trainer_args = (["--config", config_path] if config_path else []) + \
-        [a for o in args.overrides for a in ("--set", o)] + ["--run-dir", str(run_dir)]
+        [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(run_dir)] + \
+        [a for spec in args.inject for a in ("--inject", spec)]
     job = LocalJob(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=run_dir,
-                   trainer_args=trainer_args, max_restarts=args.max_restarts, rdzv_port=args.rdzv_port,
-                   verbose=args.verbose)
+                   trainer_args=trainer_args, resilience=cfg.resilience, max_node_restarts=args.max_node_restarts,
+                   rdzv_port=args.rdzv_port, verbose=args.verbose)
     return LocalLauncher(job).run()
 
 
@@ -79,6 +101,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     argv = (["--config", args.config] if args.config else []) + [a for o in args.overrides for a in ("--set", o)]
     argv += ["--run-dir", args.run_dir] if args.run_dir else []
+    argv += [a for spec in args.inject for a in ("--inject", spec)]
     return train.main(argv)
 
 
@@ -91,6 +114,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # torch prints this deprecation notice on import when NVRx's pynvml dependency is present.
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
     handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
                "bench": lambda a: a.bench(a)}[args.command]

@@ -100,7 +100,11 @@ class DistConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` picks CUDA when a GPU is visible, else CPU; the backend follows (NCCL / gloo)."""
     timeout_s: float = Field(default=300.0, gt=0)
-    """Collective timeout. Gloo cannot be aborted, so peers of a dead rank wait this long."""
+    """Collective timeout once training runs. Gloo cannot be aborted, so peers of a dead rank wait
+    this long; on CUDA, NCCL is aborted by in-process restart instead."""
+    init_timeout_s: float = Field(default=600.0, gt=0)
+    """Timeout for creating the process group and for the first step (ranks start unevenly:
+    imports, model build, checkpoint load); ``timeout_s`` applies after the first step."""
 
 
 @dataclass(config=_STRICT)
@@ -129,6 +133,68 @@ class CheckpointConfig:
 
 
 @dataclass(config=_STRICT)
+class ResilienceConfig:
+    in_process: bool = False
+    """Wrap training in NVRx in-process restart (``inprocess.Wrapper``): after an exception or a
+    hang in any rank, every rank re-creates the process group and the model and reloads the
+    newest checkpoint in the same processes. The in-job restart stays on either way."""
+    in_process_max_iterations: int = Field(default=5, gt=0)
+    """In-process restarts a process makes before it gives up and leaves the fault to the in-job
+    restart (``ft_launcher`` respawns the workers)."""
+    in_process_soft_timeout_s: float = Field(default=60.0, gt=0)
+    """A rank making no progress (no completed step) this long is aborted and restarted in-process."""
+    in_process_hard_timeout_s: float = Field(default=90.0, gt=0)
+    """A rank still hung this long is terminated (then the in-job restart takes over)."""
+    in_process_heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    """A rank whose in-process monitor misses heartbeats this long is considered gone."""
+    in_process_barrier_timeout_s: float = Field(default=120.0, gt=0)
+    """How long ranks wait for each other between in-process restart iterations."""
+    in_process_store_port_offset: int = Field(default=1, gt=0)
+    """The in-process restart's store listens on ``MASTER_PORT`` + this on the rank-0 host."""
+    max_restarts: int = Field(default=3, ge=0)
+    """In-job restarts: how many times ``ft_launcher`` respawns a node's workers before the node
+    fails (then the job-level policy, ``restartPolicy``/``backoffLimit``, decides)."""
+    init_timeout_s: Optional[float] = Field(default=900.0, gt=0)
+    """In-job hang detection: longest start-up (process group, model, resume) before the rank is
+    declared hung and restarted. ``null`` disables it."""
+    step_timeout_s: Optional[float] = Field(default=600.0, gt=0)
+    """Longest training step before the rank is declared hung (replaced by a learned value, see
+    ``learn_timeouts``). ``null`` disables it."""
+    checkpoint_timeout_s: Optional[float] = Field(default=900.0, gt=0)
+    """Longest checkpoint call (staging, or waiting for a write) before the rank is declared hung."""
+    out_of_section_timeout_s: Optional[float] = Field(default=600.0, gt=0)
+    """Longest time outside start-up, steps and checkpoints (logging, evaluation) before the rank is
+    declared hung."""
+    learn_timeouts: bool = True
+    """Replace the step/checkpoint/out-of-section timeouts with ``safety_factor`` times the longest
+    observed durations (NVRx ``calculate_and_set_section_timeouts``) once ``learn_after_steps``
+    steps and a checkpoint were seen; learned values are saved in checkpoints and reused on resume."""
+    learn_after_steps: int = Field(default=50, gt=0)
+    """Steps to observe before learning timeouts."""
+    safety_factor: float = Field(default=5.0, ge=1)
+    """Learned timeout = this x the longest observed duration."""
+    min_learned_timeout_s: float = Field(default=60.0, gt=0)
+    """Learned timeouts are never shorter than this (a short step is no reason to kill a slow one)."""
+    termination_signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
+    """Signal ``ft_launcher`` sends a hung rank."""
+    workload_check_interval_s: float = Field(default=5.0, gt=0)
+    """How often ``ft_launcher``'s rank monitors check for missed timeouts."""
+    workers_stop_timeout_s: float = Field(default=15.0, gt=0)
+    """When restarting workers after a fault, how long ``ft_launcher`` waits between SIGTERM and
+    SIGKILL (a rank stuck in a collective that cannot be aborted is killed after this)."""
+    graceful_stop_timeout_s: float = Field(default=600.0, gt=0)
+    """On SIGTERM to a node (eviction, spot reclaim), how long its ranks get to finish the step and
+    commit a checkpoint before they are killed; keep it below the pod's
+    ``terminationGracePeriodSeconds``."""
+    stop_exit_code: int = Field(default=143, ge=128, le=255)
+    """Exit code of a rank that stopped gracefully on SIGTERM: 128-255, which the PyTorchJob
+    ``ExitCode`` restart policy retries."""
+    inject: list[str] = dataclasses.field(default_factory=list)
+    """Faults to inject, ``KIND@STEP[:rank=R]`` (also ``--inject``); KIND is exception, sigkill,
+    hang, sigterm, sigkill-during-save or node-loss. Each fires once per job. For tests and drills."""
+
+
+@dataclass(config=_STRICT)
 class Config:
     seed: int = 0
     """Seed for initialisation, data order and dropout-free numerics."""
@@ -146,6 +212,8 @@ class Config:
     """Device and process group."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
+    """Fault tolerance: in-process and in-job restart, hang detection, graceful stop, fault injection."""
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -162,6 +230,7 @@ _SECTIONS = {
     "train": TrainConfig,
     "dist": DistConfig,
     "checkpoint": CheckpointConfig,
+    "resilience": ResilienceConfig,
 }
 
 
@@ -238,10 +307,38 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     try:
-        return _ADAPTER.validate_python(tree)
+        config = _ADAPTER.validate_python(tree)
     except ValidationError as exc:
         lines = [_explain(e) for e in exc.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+    _check_across_keys(config)
+    return config
+
+
+def _check_across_keys(config: Config) -> None:
+    """Rules that involve more than one key; each message names the keys and the fix."""
+    r = config.resilience
+    if r.in_process:
+        order = [("in_process_soft_timeout_s", r.in_process_soft_timeout_s),
+                 ("in_process_hard_timeout_s", r.in_process_hard_timeout_s),
+                 ("in_process_barrier_timeout_s", r.in_process_barrier_timeout_s)]
+        for (a, va), (b, vb) in zip(order, order[1:]):
+            if not va < vb:
+                raise ConfigError(f"resilience.{a}={va} must be less than resilience.{b}={vb}")
+        # In-process restart must get its chance before ft_launcher kills the hung rank.
+        for key in ("step_timeout_s", "checkpoint_timeout_s", "out_of_section_timeout_s"):
+            value = getattr(r, key)
+            if value is not None and not value > r.in_process_hard_timeout_s:
+                raise ConfigError(f"resilience.{key}={value} must exceed resilience.in_process_hard_timeout_s="
+                                  f"{r.in_process_hard_timeout_s}: in-job hang detection would kill a rank before "
+                                  "in-process restart can recover it")
+        if not r.in_process_heartbeat_timeout_s < r.in_process_barrier_timeout_s:
+            raise ConfigError(f"resilience.in_process_heartbeat_timeout_s={r.in_process_heartbeat_timeout_s} must be "
+                              f"less than resilience.in_process_barrier_timeout_s={r.in_process_barrier_timeout_s}")
+    from .faults import parse_fault  # late: faults imports this module
+
+    for text in r.inject:
+        parse_fault(text, key="resilience.inject")
 
 
 def to_dict(config: Config) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 from datetime import timedelta
 
 import torch
@@ -49,8 +50,34 @@ def select_device(cfg: DistConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(cfg: DistConfig) -> DistInfo:
-    """Join (or, without a launcher, create) the default process group."""
+_PROCESS_STORE: Optional[dist.Store] = None
+
+
+def _attempt_store(attempt: int, timeout: timedelta) -> dist.Store:
+    """A fresh key space, on a store that lives as long as the process, for in-process restart
+    attempt ``attempt``.
+
+    Each attempt's process group needs its own keys (an earlier attempt's would join a rendezvous
+    that already happened), and the store must outlive the groups: when rank 0 hosts it (no agent
+    store), a second server on the same port would fail with "address already in use".
+    """
+    global _PROCESS_STORE
+    if _PROCESS_STORE is None:
+        host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        _PROCESS_STORE = dist.TCPStore(host, port, _env_int("WORLD_SIZE", 1),
+                                       is_master=not agent_store and _env_int("RANK", 0) == 0,
+                                       timeout=timeout, wait_for_workers=False)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/resilient_fsdp/attempt_{restart}/in_process_{attempt}", _PROCESS_STORE)
+
+
+def init_distributed(cfg: DistConfig, attempt: Optional[int] = None) -> DistInfo:
+    """Join (or, without a launcher, create) the default process group.
+
+    ``attempt``: the in-process restart attempt (0, 1, ...) when running under in-process restart;
+    each attempt's group is built in a fresh key space of a process-lifetime store.
+    """
     standalone = "MASTER_ADDR" not in os.environ  # every launcher sets it
     if standalone:
         # A world of one, so `python -m resilient_fsdp.train` works without a launcher. Its store
@@ -63,10 +90,22 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
         torch.cuda.set_device(device)
     backend = dist.get_default_backend_for_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
-                                device_id=device if device.type == "cuda" else None,
-                                **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if standalone else {}))
+        timeout = timedelta(seconds=max(cfg.timeout_s, cfg.init_timeout_s))
+        if standalone:
+            where = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        elif attempt is not None:
+            where = {"store": _attempt_store(attempt, timeout), "rank": rank, "world_size": world_size}
+        else:
+            where = {}
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **where)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+
+
+def use_steady_timeout(cfg: DistConfig) -> None:
+    """Switch collectives from the start-up timeout to ``dist.timeout_s`` (after the first step)."""
+    if dist.is_initialized() and cfg.timeout_s < cfg.init_timeout_s:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg.timeout_s))
 
 
 def build_mesh(info: DistInfo) -> DeviceMesh:

@@ -1,10 +1,18 @@
 """``resilient-fsdp local``: a multi-node job on one machine, launched the way pods launch it.
 
-Each simulated node is one ``ft_launcher`` agent (the launcher every pod runs) that joins a c10d
-rendezvous on an explicit loopback endpoint, exactly as pods join through the rendezvous Service,
-and starts ``--nproc-per-node`` trainer ranks. This module forwards their output with a node and
-local-rank prefix, keeps a full log per node, stops every process it started when the job ends or
-is interrupted, and reports the failing rank's error.
+Each simulated node is what every pod runs: the node wrapper (:mod:`resilient_fsdp.agent`) around
+one ``ft_launcher`` agent, which joins a c10d rendezvous on an explicit loopback endpoint, exactly
+as pods join through the rendezvous Service, and starts ``--nproc-per-node`` trainer ranks. This
+module forwards their output with a node and local-rank prefix, keeps a full log per node, stops
+every process it started when the job ends or is interrupted, and reports the failing rank's error.
+
+It also plays the two parts of the cluster that a laptop lacks:
+
+- the **rendezvous host**: the launcher itself serves the rendezvous store, so losing any node
+  (even the first) does not take the rendezvous with it;
+- the **job-level restart**: a node that exits with a retryable code (128-255, or killed by a
+  signal) is started again and rejoins, as the PyTorchJob controller recreates a pod under
+  ``restartPolicy: ExitCode``, up to ``max_node_restarts`` times (its ``backoffLimit``).
 
 No orphans: the launcher marks itself a child subreaper (Linux), so workers whose agent died are
 re-parented here rather than to init, and the final sweep kills every remaining descendant.
@@ -16,7 +24,6 @@ import ctypes
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +37,11 @@ from typing import Optional, TextIO
 
 import psutil
 import yaml
+
+from .config import ResilienceConfig
+from .faults import FaultLedger
+from .resilience import ft_config, ft_launcher_flags
+from .restarts import JOB_START_ENV
 
 
 TRAINER_MODULE = "resilient_fsdp.train"
@@ -47,7 +59,10 @@ class LocalJob:
     nproc_per_node: int
     run_dir: Path
     trainer_args: list[str] = field(default_factory=list)
-    max_restarts: int = 0
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    """In-job restart and hang-detection settings (``max_restarts`` and the ft_launcher timeouts)."""
+    max_node_restarts: int = 3
+    """Job-level restarts: how many times a failed node is recreated (PyTorchJob ``backoffLimit``)."""
     rdzv_port: Optional[int] = None
     run_id: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
     verbose: bool = False
@@ -65,40 +80,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ft_launcher_executable() -> list[str]:
-    """``ft_launcher`` from this interpreter's environment, else from PATH."""
-    beside = Path(sys.executable).parent / "ft_launcher"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("ft_launcher")
-    if found:
-        return [found]
-    raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
-
-
 def write_ft_config(job: LocalJob) -> Path:
-    """The ``fault_tolerance:`` section ``ft_launcher`` reads (``--ft-cfg-path``).
-
-    A file rather than flags because NVRx renamed its flags between releases while the YAML keys
-    stayed, and unknown keys are ignored. The NIC link monitor watches InfiniBand ports through
-    NVML; a machine without GPUs or InfiniBand has nothing for it to watch.
-    """
+    """The ``fault_tolerance:`` section ``ft_launcher`` reads (``--ft-cfg-path``), from the
+    ``resilience`` config: a file rather than flags because NVRx renamed its flags between
+    releases while the YAML keys stayed (and unknown keys are ignored)."""
     path = job.run_dir / "ft_config.yaml"
-    path.write_text(yaml.safe_dump({"fault_tolerance": {"enable_nic_monitor": False}}, sort_keys=False))
+    path.write_text(yaml.safe_dump(ft_config(job.resilience), sort_keys=False))
     return path
 
 
 def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
-    """The ``ft_launcher`` command line of simulated node ``node``: the same flags a pod uses."""
+    """The command line of simulated node ``node``: the node wrapper around ``ft_launcher`` with
+    the same flags a pod uses. ``is_host=false``: the rendezvous store is served by this launcher."""
     return [
-        *ft_launcher_executable(),
+        sys.executable, "-m", "resilient_fsdp.agent",
         f"--ft-cfg-path={job.run_dir / 'ft_config.yaml'}",
         f"--nnodes={job.nodes}",
         f"--nproc-per-node={job.nproc_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={job.run_id}",
-        f"--max-restarts={job.max_restarts}",
+        "--rdzv-conf=is_host=false",
+        *ft_launcher_flags(job.resilience),
         "--monitor-interval=0.5",
         f"--log-dir={job.run_dir / 'logs' / f'node{node}'}",
         "--tee=3",  # copy each rank's stdout/stderr to the agent's, prefixed "[default<local_rank>]:"
@@ -107,7 +110,7 @@ def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
     ]
 
 
-def _become_subreaper() -> None:
+def become_subreaper() -> None:
     # PR_SET_CHILD_SUBREAPER = 36: orphaned descendants re-parent to us, so we can always reap them.
     if sys.platform.startswith("linux"):
         try:
@@ -183,6 +186,9 @@ class LocalLauncher:
         self.agents: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.forwarders: list[_Forwarder] = []
+        self.job_start = time.time()
+        self.node_restarts = 0
+        self.rdzv_store = None
 
     def say(self, message: str) -> None:
         with self.lock:
@@ -193,6 +199,7 @@ class LocalLauncher:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), QUIET_WARNINGS) if w)
+        env[JOB_START_ENV] = repr(self.job_start)
         return env
 
     def start_agent(self, node: int, port: int) -> subprocess.Popen:
@@ -210,8 +217,9 @@ class LocalLauncher:
     def run(self) -> int:
         job = self.job
         job.run_dir.mkdir(parents=True, exist_ok=True)
-        _become_subreaper()
+        become_subreaper()
         port = job.rdzv_port or free_port()
+        self.rdzv_store = serve_rendezvous_store(port)
         self.say(f"{job.nodes} node(s) x {job.nproc_per_node} rank(s), rendezvous c10d at 127.0.0.1:{port} "
                  f"(id {job.run_id}); logs in {job.run_dir / 'logs'}")
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -223,7 +231,7 @@ class LocalLauncher:
         try:
             write_ft_config(job)
             self.agents = [self.start_agent(node, port) for node in range(job.nodes)]
-            return self._wait()
+            return self._wait(port)
         except KeyboardInterrupt as exc:
             self.say(f"interrupted ({exc or 'SIGINT'}): stopping every node")
             return 130
@@ -232,19 +240,28 @@ class LocalLauncher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _wait(self) -> int:
+    def _wait(self, port: int) -> int:
         first_failure: Optional[tuple[int, int]] = None
         deadline = None
         while True:
             codes = [a.poll() for a in self.agents]
             if first_failure is None:
                 for node, code in enumerate(codes):
-                    if code not in (None, 0):
-                        first_failure = (node, code)
-                        deadline = time.monotonic() + self.job.fail_grace_s
-                        self.say(f"node{node} exited with code {code}; waiting up to {self.job.fail_grace_s:.0f} s "
-                                 "for the other nodes to stop")
-                        break
+                    if code in (None, 0):
+                        continue
+                    if retryable(code) and self.node_restarts < self.job.max_node_restarts:
+                        self.node_restarts += 1
+                        self.say(f"node{node} exited with code {code}: recreating it, as the PyTorchJob controller "
+                                 f"recreates a failed pod (job-level restart {self.node_restarts} of "
+                                 f"{self.job.max_node_restarts})")
+                        self.agents[node] = self.start_agent(node, port)
+                        codes[node] = None
+                        continue
+                    first_failure = (node, code)
+                    deadline = time.monotonic() + self.job.fail_grace_s
+                    self.say(f"node{node} exited with code {code}; waiting up to {self.job.fail_grace_s:.0f} s "
+                             "for the other nodes to stop")
+                    break
             if all(c is not None for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -255,14 +272,27 @@ class LocalLauncher:
             self.say("job finished: every node exited 0")
             return 0
         node, code = first_failure
-        cause = find_root_cause(self.job.run_dir / "logs")
+        self.report_failure(node, code)
+        return code if 0 < code < 256 else 1
+
+    def report_failure(self, node: int, code: int) -> None:
+        job = self.job
+        limits = (f"in-job restarts per node: {job.resilience.max_restarts} (resilience.max_restarts); "
+                  f"job-level node restarts used: {self.node_restarts} of {job.max_node_restarts} "
+                  "(--max-node-restarts)")
+        cause = find_root_cause(job.run_dir / "logs")
         if cause:
-            self.say(f"job FAILED (node{node} exit code {code}); first error, {cause['where']}: "
-                     f"{cause['message']}")
+            self.say(f"job FAILED (node{node} exit code {code}); first error, {cause['where']}: {cause['message']}")
             self.say(f"  full traceback: {cause['path']}")
         else:
-            self.say(f"job FAILED: node{node} exited with code {code}; see {self.job.run_dir / 'logs'}")
-        return code if 0 < code < 256 else 1
+            self.say(f"job FAILED: node{node} exited with code {code}; see {job.run_dir / 'logs'}")
+        faults = FaultLedger(job.run_dir).fired()
+        if faults:
+            last = faults[-1]
+            self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']}); restarts did "
+                     f"not recover it within the limits: {limits}")
+        else:
+            self.say(f"  restart limits: {limits}")
 
     def stop_all(self) -> None:
         """SIGTERM every agent's session, SIGKILL what remains, then reap stray descendants."""
@@ -282,6 +312,22 @@ class LocalLauncher:
         kill_descendants()
         for fwd in self.forwarders:
             fwd.join(timeout=5)
+
+
+def retryable(code: int) -> bool:
+    """An exit the PyTorchJob ``ExitCode`` policy retries: 128-255, or killed by a signal."""
+    return code < 0 or 128 <= code <= 255
+
+
+def serve_rendezvous_store(port: int):
+    """The rendezvous store, served by this process (as an external rendezvous host would be)."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise RuntimeError(f"cannot serve the rendezvous on 127.0.0.1:{port} ({exc}); pick another --rdzv-port "
+                           "or leave it out to use a free one") from exc
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -137,9 +137,16 @@ def warm_up(calls_queue: Any) -> None:
     Starting a spawned interpreter that imports torch takes seconds; done at the first save it
     would all count as training-loop stall. Its completion is drained by the next poll.
     """
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
     calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+    # The writer's results travel through a multiprocessing Manager that NVRx starts at the
+    # first save; start it now too, so it is created under the caller's signal settings (the
+    # trainer starts helpers with SIGTERM ignored, see train.ProcessResources).
+    start_results_queue = getattr(filesystem_async, "_get_write_results_queue", None)
+    if start_results_queue is not None:
+        start_results_queue()
 
 
 def finalize_save(plan: tuple) -> None:

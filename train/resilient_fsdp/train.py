@@ -12,11 +12,12 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from . import distributed, parallelize
-from .checkpoint import Checkpointer, TrainingState
+from . import distributed, parallelize, restarts
+from .checkpoint import Checkpointer, Engine, TrainingState, build_engine
 from .config import Config, ConfigError, describe, dump_yaml, load_config
+from .faults import FaultInjector, FaultLedger, parse_faults
+from .resilience import GracefulStop, ProgressMonitor, StopRequested, run_in_process
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256, write_json_atomic
@@ -71,6 +74,39 @@ def lr_lambda(cfg: Config):
     return factor
 
 
+class ProcessResources:
+    """What outlives an in-process restart: the checkpoint engine (its writer process and staging
+    buffers), the link to ``ft_launcher``'s rank monitor, and the SIGTERM flag. Re-creating the
+    first would cost a process spawn per restart; the others belong to the process, not to an attempt."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.engine: Optional[Engine] = None
+        self.monitor = ProgressMonitor(cfg.resilience)
+        self.stop = GracefulStop()
+        self.stop.install()
+
+    def checkpoint_engine(self, rank: int) -> Engine:
+        if self.engine is None:
+            # The launcher signals a node's ranks by process group, which includes the writer
+            # processes NVRx spawns. They must outlive a SIGTERM long enough for the graceful
+            # stop's final checkpoint: started with SIGTERM ignored (kept across exec), they are
+            # ended by the engine's close instead.
+            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        return self.engine
+
+    def close(self, failed: bool) -> None:
+        if self.engine is not None:
+            self.engine.close(abort=failed)
+            self.engine = None
+        self.monitor.close()
+        self.stop.uninstall()
+
+
 class Trainer:
     cfg: Config
     info: distributed.DistInfo
@@ -82,20 +118,32 @@ class Trainer:
     metrics: MetricsLog
     checkpointer: Checkpointer
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, resources: Optional[ProcessResources] = None, attempt: int = 0,
+                 ping: Optional[Callable[[], None]] = None):
+        # Without resources from the caller (benchmarks, probes) the trainer owns its own.
+        self.owns_resources = resources is None
+        resources = resources or ProcessResources(cfg)
+        self.cfg, self.resources, self.attempt = cfg, resources, attempt
+        self.ping = ping or (lambda: None)
+        self.monitor = resources.monitor
+        self.monitor.reset()
+        self.monitor.start("init")
         self.t_start = time.perf_counter()
         self.run_dir = Path(cfg.run_dir)
         if cfg.train.deterministic:
             # Must be set before the first cuBLAS call for deterministic GEMMs on GPUs.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # 1. Device and process group; backend follows the device.
-        self.info = distributed.init_distributed(cfg.dist)
+        self.info = distributed.init_distributed(cfg.dist, attempt if cfg.resilience.in_process else None)
         self.is_rank0 = self.info.rank == 0
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ledger = FaultLedger(self.run_dir)
+        self.injector = FaultInjector(parse_faults(cfg.resilience.inject, self.info.world_size), self.info.rank,
+                                      self.ledger)
+        self.layer = restarts.detect_layer(self.run_dir / "metrics.jsonl", attempt, self.info.rank, self.info.device)
         if cfg.train.deterministic:
             # On CUDA a few kernels lack deterministic versions: warn rather than refuse.
             torch.use_deterministic_algorithms(True, warn_only=self.info.device.type == "cuda")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLog(self.run_dir, self.is_rank0, cfg.train.log_every)
         # 2. Data first: it validates files and factories before any parameter is allocated.
         vocab = vocab_size_of(cfg)
@@ -117,11 +165,12 @@ class Trainer:
         self.state = TrainState()
         # 5. Checkpointer: everything a resumed run needs, and what it must match.
         training_state = TrainingState(self.model, self.optimizer, self.lr_scheduler, self.state, self.data,
-                                       self.info.rank)
+                                       self.info.rank, resilience=self.monitor)
         identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
                     "shape_digest": training_state.shape_digest()}
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, training_state, identity,
-                                         self.metrics.info)
+                                         self.metrics.info,
+                                         engine_factory=lambda: resources.checkpoint_engine(self.info.rank))
         self.checkpointer.preflight()
         self.tokens_per_step = (self.info.world_size * cfg.train.grad_accum_steps * cfg.data.micro_batch_size
                                 * cfg.data.seq_len)
@@ -130,19 +179,25 @@ class Trainer:
 
     def log_start(self) -> None:
         cfg, info = self.cfg, self.info
+        resumed = self.state.step
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-            # Steps past the one we start from will be trained again: drop their records so
-            # metrics.jsonl describes a single timeline.
+            # Steps past the one we resume from will be trained again: drop their records so the
+            # step and checkpoint lines describe a single timeline. Lifecycle events stay.
             if self.metrics.path.exists():
                 keep = [ln for ln in self.metrics.path.read_text().splitlines()
-                        if ln.strip() and int(_json_step(ln)) <= self.state.step]
+                        if ln.strip() and _keep_line(ln, resumed)]
                 self.metrics.path.write_text("".join(ln + "\n" for ln in keep))
+            self.metrics.event({"event": "start", "t": time.time(), "layer": self.layer, "attempt": self.attempt,
+                                "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                "resumed_from_step": resumed if self.checkpointer.resumed_from else None,
+                                "world_size": info.world_size})
         model_name = cfg.model.factory or f"preset {cfg.model.preset}"
+        how = "" if self.layer == "start" else f" | restarted ({self.layer.replace('_', '-')})"
         self.metrics.info(
             f"world size {info.world_size} ({info.device.type}, {info.backend}) | model {model_name}: "
             f"{self.num_params:,} parameters | {self.tokens_per_step:,} tokens/step | "
-            f"config {self.run_dir / 'config.yaml'}")
+            f"config {self.run_dir / 'config.yaml'}{how}")
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs)
@@ -150,8 +205,12 @@ class Trainer:
         (loss / self.cfg.train.grad_accum_steps).backward()
         return loss.detach()
 
-    def train_step(self) -> float:
-        """One optimizer step over ``grad_accum_steps`` micro-batches; returns the global mean loss."""
+    def train_step(self) -> tuple[float, bool]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches.
+
+        Returns the global mean loss and whether any rank was asked to stop (SIGTERM): the flag
+        rides on the loss all-reduce, so agreeing on it costs no extra collective.
+        """
         accum = self.cfg.train.grad_accum_steps
         local_loss = torch.zeros((), device=self.info.device)
         for micro in range(accum):
@@ -164,21 +223,29 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
+        stop = torch.tensor(1.0 if self.resources.stop.requested else 0.0, device=self.info.device)
         # gloo has no AVG reduction: sum and divide.
-        dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
-        return local_loss.item() / (accum * self.info.world_size)
+        reduced = torch.stack([local_loss, stop])
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return reduced[0].item() / (accum * self.info.world_size), reduced[1].item() > 0
 
     def train(self) -> dict:
         self.checkpointer.resume()
         self.log_start()
+        self.monitor.end("init")
         self.model.train()
-        ckpt = self.checkpointer
+        ckpt, monitor = self.checkpointer, self.monitor
+        resumed_step = self.state.step
         last = min(self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps)
         while self.state.step < last:
+            monitor.start("step")
+            self.injector.at_step_start(self.state.step + 1, self.state.step)
             t0 = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
-            loss = self.train_step()
+            loss, stop = self.train_step()
             step_time = time.perf_counter() - t0
+            monitor.end("step")
+            self.ping()
             self.state.step += 1
             self.state.tokens_seen += self.tokens_per_step
             self.step_times.append(step_time)
@@ -186,28 +253,68 @@ class Trainer:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.state.step}; lower optim.lr or check the data")
             # Finalize a background write that finished, then start one if due. Both are collective.
+            monitor.start("checkpoint")
             t_ckpt = time.perf_counter()
             self.log_checkpoint(ckpt.poll())
             if ckpt.due(self.state.step):
                 self.log_checkpoint(ckpt.save(self.state.step))
+            monitor.end("checkpoint")
+            self.injector.after_checkpoint(self.state.step, ckpt.pending is not None)
             self.metrics.step({"event": "step", "step": self.state.step, "loss": loss, "step_time_s": step_time,
-                               "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr})
+                               "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr,
+                               "t": time.time()})
+            if len(self.step_times) == 1:
+                distributed.use_steady_timeout(self.cfg.dist)
+                ckpt.prepare()
+                if self.layer != "start" and self.is_rank0:
+                    self.log_recoveries(resumed_step)
+            self.log_learned(monitor.maybe_learn())
+            if stop:
+                self.stop_gracefully()
         if self.cfg.checkpoint.save_final and ckpt.last_saved_step != self.state.step:
             self.log_checkpoint(ckpt.save(self.state.step))
         self.log_checkpoint(ckpt.wait())
         return self.finish()
 
+    def stop_gracefully(self) -> None:
+        """Commit a checkpoint of this step, then leave with the retryable stop code."""
+        ckpt = self.checkpointer
+        self.monitor.start("checkpoint")
+        if ckpt.last_saved_step != self.state.step:
+            self.log_checkpoint(ckpt.save(self.state.step))
+        self.log_checkpoint(ckpt.wait())
+        self.monitor.end("checkpoint")
+        code = self.cfg.resilience.stop_exit_code
+        self.metrics.info(f"stop requested (SIGTERM): checkpoint of step {self.state.step} committed; exiting with "
+                          f"code {code} so the job is restarted and resumes here")
+        self.metrics.event({"event": "stop", "t": time.time(), "step": self.state.step, "exit_code": code})
+        raise StopRequested(self.state.step, code)
+
+    def log_recoveries(self, resumed_step: int) -> None:
+        for record in restarts.record_recoveries(self.ledger, self.layer, resumed_step, time.time()):
+            self.metrics.event({"event": "recovery", "t": time.time(), **record})
+            self.metrics.info(f"recovered from {record['fault']} by {record['layer'].replace('_', '-')} restart in "
+                              f"{record['recovery_s']:.2f} s; {record['lost_steps']} step(s) trained again")
+
+    def log_learned(self, timeouts: Optional[dict]) -> None:
+        if timeouts:
+            self.metrics.event({"event": "timeouts_learned", "t": time.time(), "step": self.state.step, **timeouts})
+            self.metrics.info(f"hang-detection timeouts learned from observed durations: {timeouts}")
+
     def log_checkpoint(self, record: Optional[dict]) -> None:
         if record is None:
             return
-        self.metrics.event({"event": "checkpoint", **record})
+        self.metrics.event({"event": "checkpoint", "t": time.time(), **record})
         self.metrics.info(f"checkpoint step {record['step']} committed ({record['mode']}): stall "
                           f"{record['stall_s'] * 1000:.1f} ms, write {record['write_s']:.2f} s, "
                           f"{record['bytes'] / 1e6:.1f} MB -> {record['path']}")
 
     def close(self, failed: bool) -> None:
-        """Stop the checkpoint worker; after a failure, without waiting for it."""
+        """Stop the checkpoint worker (an engine owned by the process is drained instead)."""
         self.checkpointer.close(abort=failed)
+        self.metrics.close()
+        if self.owns_resources:
+            self.resources.close(failed)
 
     def finish(self) -> dict:
         digest = params_sha256(self.model)  # collective: every rank takes part
@@ -228,18 +335,29 @@ class Trainer:
             "resumed_from_step": (self.checkpointer.resumed_from or {}).get("step"),
             "checkpoints": self.checkpointer.records,
             "checkpoint_stall_s": sum(r["stall_s"] for r in self.checkpointer.records),
+            "hang_timeouts": self.monitor.timeouts(),
         }
         if self.is_rank0:
+            self.metrics.event({"event": "finish", "t": time.time(), "step": self.state.step})
+            self.metrics.close()
+            summary.update(restarts.summarize(self.metrics.path, self.ledger))
             write_json_atomic(self.run_dir / "summary.json", summary)
             self.metrics.info(f"done: step {summary['final_step']} | final loss {summary['final_loss']:.4f} | "
-                              f"{summary['tokens_per_s']:,.0f} tok/s | wall {wall:.1f} s | "
-                              f"params_sha256 {digest[:16]}… | summary {self.run_dir / 'summary.json'}")
+                              f"{summary['tokens_per_s']:,.0f} tok/s | wall {wall:.1f} s | goodput "
+                              f"{summary['goodput']:.3f} | params_sha256 {digest[:16]}… | summary "
+                              f"{self.run_dir / 'summary.json'}")
         self.metrics.close()
         return summary
 
 
-def _json_step(line: str) -> int:
-    return json.loads(line)["step"]
+def _keep_line(line: str, resumed_step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False  # torn by a crash mid-write
+    if record.get("event") in ("step", "checkpoint"):
+        return int(record["step"]) <= resumed_step
+    return True
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -248,22 +366,57 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
     p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
+                   help="inject a fault once per job (repeatable; adds to resilience.inject)")
     p.add_argument("--describe-config", action="store_true", help="print every config key and exit")
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict:
+def resolve_config(args: argparse.Namespace) -> Config:
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     cfg = load_config(args.config, overrides)
-    trainer = Trainer(cfg)
+    if args.inject:
+        parse_faults(args.inject)  # names the bad --inject value
+        cfg.resilience.inject = list(cfg.resilience.inject) + list(args.inject)
+    return cfg
+
+
+def attempt(cfg: Config, resources: ProcessResources, number: int = 0,
+            ping: Optional[Callable[[], None]] = None) -> dict:
+    """One attempt at the training function: build everything, resume, train. In-process restart
+    calls it again after a fault; the process group and model are rebuilt each time."""
+    trainer = None
     failed = True
     try:
+        trainer = Trainer(cfg, resources, number, ping)
         summary = trainer.train()
         failed = False
         return summary
+    except StopRequested:
+        failed = False  # a clean, checkpointed stop: tear down in order
+        raise
     finally:
-        trainer.close(failed)
+        if trainer is not None:
+            trainer.close(failed)
         distributed.shutdown(clean=not failed)
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = resolve_config(args)
+    resources = ProcessResources(cfg)
+    failed = True
+    try:
+        if cfg.resilience.in_process:
+            summary = run_in_process(cfg.resilience, lambda number, ping: attempt(cfg, resources, number, ping))
+        else:
+            summary = attempt(cfg, resources)
+        failed = False
+        return summary
+    except StopRequested:
+        failed = False
+        raise
+    finally:
+        resources.close(failed)
 
 
 @record
@@ -280,7 +433,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         rank = os.environ.get("RANK", "0")
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return ConfigError.exit_code
+    except StopRequested as stop:
+        return stop.exit_code
+    finally:
+        stop_helper_processes()
     return 0
+
+
+def stop_helper_processes() -> None:
+    """End multiprocessing helpers still running when the rank exits (the manager NVRx's writer
+    reports through, helpers left by in-process restarts): the interpreter would wait for them
+    at exit. The checkpoint writer itself was closed before; these hold no data. They were
+    started with SIGTERM ignored (see :class:`ProcessResources`), hence SIGKILL."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=2)
 
 
 if __name__ == "__main__":

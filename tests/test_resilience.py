@@ -1,0 +1,110 @@
+"""Fault specs, the once-per-job ledger, launcher settings and exit codes, and the accounting
+that turns attempt records into restarts, recoveries and goodput (no processes started here)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import yaml
+
+from resilient_fsdp.agent import exit_code
+from resilient_fsdp.config import ConfigError, load_config
+from resilient_fsdp.faults import FaultLedger, FaultSpec, parse_fault, parse_faults
+from resilient_fsdp.launcher import retryable
+from resilient_fsdp.resilience import ft_config, ft_launcher_flags
+from resilient_fsdp.restarts import record_recoveries, summarize
+
+
+def test_fault_specs_parse_and_bad_ones_name_the_fix():
+    assert parse_fault("sigkill@20:rank=3") == FaultSpec("sigkill", 20, 3)
+    assert parse_fault("node-loss@5") == FaultSpec("node-loss", 5, 0)
+    with pytest.raises(ConfigError, match="unknown fault kind 'segfault'; choose one of exception, hang"):
+        parse_fault("segfault@3")
+    with pytest.raises(ConfigError, match=r"expected KIND@STEP\[:rank=R\], e.g. sigkill@20:rank=1"):
+        parse_fault("sigkill:3")
+    with pytest.raises(ConfigError, match="STEP must be 1 or more"):
+        parse_fault("hang@0")
+    with pytest.raises(ConfigError, match="rank 4 does not exist in a job of 4 ranks"):
+        parse_faults(["exception@3:rank=4"], world_size=4)
+    with pytest.raises(ConfigError, match="resilience.inject"):
+        load_config(None, ["resilience.inject=[hang@x]"])
+
+
+def test_in_process_timeouts_must_be_ordered():
+    with pytest.raises(ConfigError, match="resilience.in_process_soft_timeout_s=90.0 must be less than "
+                                          "resilience.in_process_hard_timeout_s=90.0"):
+        load_config(None, ["resilience.in_process=true", "resilience.in_process_soft_timeout_s=90"])
+    with pytest.raises(ConfigError, match="resilience.step_timeout_s=30.0 must exceed "
+                                          "resilience.in_process_hard_timeout_s=90.0"):
+        load_config(None, ["resilience.in_process=true", "resilience.step_timeout_s=30"])
+    with pytest.raises(ConfigError, match="stop_exit_code"):
+        load_config(None, ["resilience.stop_exit_code=1"])  # would fail the job instead of restarting it
+
+
+def test_a_fault_is_claimed_once_per_job(tmp_path):
+    ledger = FaultLedger(tmp_path)
+    spec = FaultSpec("sigkill", 7, 1)
+    assert ledger.claim(spec, {"fault": str(spec), "key": spec.key, "t_fault": 1.0, "completed_step": 6})
+    assert not ledger.claim(spec, {"fault": str(spec), "key": spec.key, "t_fault": 2.0, "completed_step": 6})
+    assert [f["t_fault"] for f in ledger.fired()] == [1.0]
+
+
+def test_ft_config_carries_the_resilience_settings_for_every_nvrx_version():
+    cfg = load_config(None, ["resilience.step_timeout_s=30", "resilience.termination_signal=SIGTERM",
+                             "resilience.max_restarts=5", "resilience.workers_stop_timeout_s=4"]).resilience
+    ft = ft_config(cfg)["fault_tolerance"]
+    assert ft["rank_section_timeouts"] == {"init": 900.0, "step": 30.0, "checkpoint": 900.0}
+    assert ft["rank_out_of_section_timeout"] == 600.0 and ft["rank_termination_signal"] == "SIGTERM"
+    assert ft["rank_heartbeat_timeout"] is None and ft["enable_nic_monitor"] is False
+    yaml.safe_dump(ft_config(cfg))  # plain YAML types only
+    assert ft_launcher_flags(cfg) == ["--max-restarts=5", "--workers-stop-timeout=4", "--term-timeout=600"]
+    # Both NVRx versions read these keys from the YAML file.
+    from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
+
+    parsed = FaultToleranceConfig.from_kwargs(**ft)
+    parsed._fix_rank_termination_signal_type()
+    assert parsed.rank_section_timeouts["step"] == 30.0 and parsed.rank_termination_signal == signal.SIGTERM
+
+
+@pytest.mark.parametrize("returncode,stop,expected", [
+    (0, None, 0),                      # training finished
+    (1, None, 1),                      # restarts exhausted: a permanent failure
+    (-9, None, 137),                   # the launcher was killed: retryable
+    (1, signal.SIGTERM, 143),          # evicted: ranks checkpointed, ft_launcher reports 1
+    (0, signal.SIGTERM, 0),            # SIGTERM arrived as training finished
+])
+def test_node_exit_codes_follow_the_exit_code_restart_policy(returncode, stop, expected):
+    assert exit_code(returncode, stop) == expected
+    assert retryable(expected) == (expected >= 128)
+
+
+def _write_metrics(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_summary_counts_restarts_by_layer_and_goodput_from_the_files(tmp_path):
+    ledger = FaultLedger(tmp_path)
+    spec = FaultSpec("exception", 5, 0)
+    ledger.claim(spec, {"fault": str(spec), "key": spec.key, "kind": "exception", "t_fault": 110.0,
+                        "completed_step": 4})
+    new = record_recoveries(ledger, "in_process", resumed_step=2, now=113.0)
+    assert new == [{"fault": "exception@5:rank=0", "kind": "exception", "layer": "in_process", "recovery_s": 3.0,
+                    "fault_step": 4, "resumed_from_step": 2, "lost_steps": 2}]
+    assert record_recoveries(ledger, "in_job", resumed_step=2, now=120.0) == []  # each fault recovers once
+    metrics = tmp_path / "metrics.jsonl"
+    _write_metrics(metrics, [
+        {"event": "start", "t": 100.0, "layer": "start"},
+        {"event": "step", "step": 1, "step_time_s": 2.0},
+        {"event": "step", "step": 2, "step_time_s": 2.0},
+        {"event": "start", "t": 112.0, "layer": "in_process"},
+        {"event": "step", "step": 3, "step_time_s": 2.0},
+        {"event": "start", "t": 130.0, "layer": "job"},
+        {"event": "step", "step": 4, "step_time_s": 2.0},
+    ])
+    s = summarize(metrics, ledger, now=140.0)
+    assert s["restarts"] == {"in_process": 1, "in_job": 0, "job": 1}
+    assert s["faults_injected"] == ["exception@5:rank=0"]
+    assert s["recoveries"][0]["layer"] == "in_process"
+    assert s["productive_s"] == 8.0 and s["job_wall_s"] == 40.0 and s["goodput"] == pytest.approx(0.2)

@@ -1,0 +1,95 @@
+"""``python -m resilient_fsdp.agent FT_LAUNCHER_ARGS...``: a node's main process (a pod's PID 1).
+
+It runs ``ft_launcher`` with the given arguments and turns its ending into an exit code the
+job-level restart policy reads correctly (PyTorchJob ``restartPolicy: ExitCode`` retries 128-255
+and fails the job on 1-127):
+
+- stopped by the orchestrator (SIGTERM/SIGINT: eviction, spot reclaim, scale-down): the ranks
+  checkpoint and exit; ``ft_launcher`` then reports 1, which would read as a permanent failure.
+  This wrapper exits 128 + the signal instead, so the pod is recreated and the job resumes;
+- ``ft_launcher`` killed by a signal: 128 + the signal (what a shell reports);
+- otherwise ``ft_launcher``'s own code: 0 when training finished, 1 when the in-job restarts
+  are exhausted or a rank failed for good.
+
+It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
+the node, and since when) and, as a child subreaper, reaps whatever the node leaves behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from .faults import NODE_PID_ENV, NODE_START_ENV
+from .resilience import NODE_STOP_ENV
+
+
+def ft_launcher_executable() -> list[str]:
+    """``ft_launcher`` from this interpreter's environment, else from PATH."""
+    import shutil
+    from pathlib import Path
+
+    beside = Path(sys.executable).parent / "ft_launcher"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("ft_launcher")
+    if found:
+        return [found]
+    raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
+
+
+def exit_code(returncode: int, stop_signal: Optional[int]) -> int:
+    """The node's exit code from ``ft_launcher``'s return code and the stop signal received, if any."""
+    if returncode < 0:
+        return 128 + (-returncode)
+    if stop_signal is not None and returncode != 0:
+        return 128 + stop_signal
+    return returncode
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from .launcher import become_subreaper, kill_descendants
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    become_subreaper()
+    env = dict(os.environ)
+    env[NODE_PID_ENV] = str(os.getpid())
+    env[NODE_START_ENV] = repr(time.time())
+    stop_file = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}.stopping")
+    env[NODE_STOP_ENV] = stop_file
+    child = subprocess.Popen([*ft_launcher_executable(), *args], env=env)
+    received: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        if not received:
+            # Before the ranks see the signal: tells them this is a stop, not a worker restart.
+            with open(stop_file, "w") as f:
+                f.write(str(signum))
+        received.append(signum)
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    returncode = child.wait()
+    kill_descendants(timeout=5.0)
+    if os.path.exists(stop_file):
+        os.unlink(stop_file)
+    code = exit_code(returncode, received[0] if received else None)
+    if received:
+        print(f"[resilient-fsdp agent] stopped by {signal.Signals(received[0]).name}; ft_launcher exited "
+              f"{returncode}; exiting {code}", file=sys.stderr, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

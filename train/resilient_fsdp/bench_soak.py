@@ -1,0 +1,110 @@
+"""``resilient-fsdp bench soak``: a fault every minute for ten minutes, kinds mixed.
+
+1. A short fault-free calibration run measures the step rate of the job on this machine.
+2. The soak job: enough steps for ``--duration-s`` of training, with in-process restart on and
+   one fault every ``--fault-every-s`` (at the step the rate predicts), cycling through
+   ``--kinds`` on the non-zero ranks.
+3. The same job without faults.
+
+Reported: the soak job's goodput (``summary.json``: time in steps that count / wall time since
+launch), every fault with the layer that recovered it and its recovery time, and whether the final
+parameters equal the fault-free run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from .bench_recovery import _fresh, run_job
+
+DEFAULT_KINDS = "exception,sigkill,hang,exception,sigkill-during-save,hang,exception,node-loss,exception,sigterm"
+COMMON = ["resilience.in_process=true", "resilience.workers_stop_timeout_s=2",
+          "resilience.workload_check_interval_s=0.5", "resilience.step_timeout_s=60",
+          "resilience.learn_timeouts=false", "resilience.in_process_soft_timeout_s=20",
+          "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
+          "resilience.in_process_barrier_timeout_s=120", "train.log_every=500"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("soak", help="a fault every minute for ten minutes: goodput and exactness",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", default="runs/bench-soak", help="scratch directory for the jobs")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--duration-s", type=float, default=600.0, help="training time to soak (default 600)")
+    p.add_argument("--fault-every-s", type=float, default=60.0, help="one fault this often (default 60)")
+    p.add_argument("--kinds", default=DEFAULT_KINDS, help="comma-separated fault kinds, used in turn")
+    p.add_argument("--checkpoint-interval-s", type=float, default=5.0, help="checkpoint.interval_s")
+    p.add_argument("--timeout-s", type=float, default=2.0, help="dist.timeout_s (see bench recovery)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.set_defaults(bench=main)
+
+
+def step_rate(run_dir: Path) -> float:
+    """Steps per second of wall time over a run's steady state (past its first ten steps)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if r.get("event") == "step"][10:]
+    return (len(steps) - 1) / (steps[-1]["t"] - steps[0]["t"])
+
+
+def main(args: argparse.Namespace) -> int:
+    root = Path(args.run_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "bench.log"
+    log.write_text("")
+    base = [f"dist.timeout_s={args.timeout_s}", f"checkpoint.interval_s={args.checkpoint_interval_s}", *COMMON]
+    world = args.nodes * args.nproc_per_node
+
+    calibration = root / "calibration"
+    _fresh(calibration)
+    if run_job(calibration, args.nodes, args.nproc_per_node, base + ["train.steps=120"], [], log) != 0:
+        raise RuntimeError(f"calibration run failed; see {log}")
+    rate = step_rate(calibration)
+    steps = int(args.duration_s * rate)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    n_faults = int(args.duration_s // args.fault_every_s)
+    faults = [f"{kinds[i % len(kinds)]}@{int((i + 0.5) * args.fault_every_s * rate)}:rank={1 + i % (world - 1)}"
+              for i in range(n_faults)]
+    print(f"step rate {rate:.2f} steps/s -> {steps} steps; faults: {', '.join(faults)}", flush=True)
+
+    soak = root / "soak"
+    _fresh(soak)
+    code = run_job(soak, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"],
+                   [f"--inject={f}" for f in faults], log, timeout_s=args.duration_s * 4)
+    if code != 0:
+        raise RuntimeError(f"the soak job failed with code {code}; see {log}")
+    fault_free = root / "fault-free"
+    _fresh(fault_free)
+    if run_job(fault_free, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"], [], log,
+               timeout_s=args.duration_s * 3) != 0:
+        raise RuntimeError(f"the fault-free job failed; see {log}")
+
+    summary = json.loads((soak / "summary.json").read_text())
+    reference = json.loads((fault_free / "summary.json").read_text())
+    by_kind: dict[str, list[float]] = {}
+    for r in summary["recoveries"]:
+        by_kind.setdefault(f"{r['kind']} ({r['layer']})", []).append(r["recovery_s"])
+    results = {
+        "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "cpu_count": os.cpu_count(),
+        "steps": steps, "step_rate_per_s": rate, "faults": faults,
+        "faults_recovered": len(summary["recoveries"]), "restarts": summary["restarts"],
+        "goodput": summary["goodput"], "fault_free_goodput": reference["goodput"],
+        "job_wall_s": summary["job_wall_s"], "fault_free_wall_s": reference["job_wall_s"],
+        "recovery_s_median_by_kind": {k: statistics.median(v) for k, v in sorted(by_kind.items())},
+        "lost_steps_total": sum(r["lost_steps"] for r in summary["recoveries"]),
+        "bitwise_equal_to_fault_free": summary["params_sha256"] == reference["params_sha256"],
+        "checkpoint_interval_s": args.checkpoint_interval_s, "dist_timeout_s": args.timeout_s,
+    }
+    print(f"goodput {results['goodput']:.3f} (fault-free run: {results['fault_free_goodput']:.3f}) over "
+          f"{results['job_wall_s']:.0f} s; {results['faults_recovered']}/{len(faults)} faults recovered; "
+          f"restarts {results['restarts']}; bitwise equal to fault-free: {results['bitwise_equal_to_fault_free']}")
+    for kind, value in results["recovery_s_median_by_kind"].items():
+        print(f"  {kind:<36} median recovery {value:.2f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    ok = results["faults_recovered"] == len(faults) and results["bitwise_equal_to_fault_free"]
+    return 0 if ok else 1

@@ -1,0 +1,126 @@
+"""Which layer restarted the job, what each fault cost, and the job's goodput.
+
+Every start of the training function (an *attempt*) logs a ``start`` event to ``metrics.jsonl``
+with the layer that caused it, found by mechanism, not by fault kind:
+
+- ``start``: the first attempt of a job, or a continuation after a clean ``finish``;
+- ``in_process``: the in-process restart re-entered the function (same processes);
+- ``job``: a node (agent) is younger than the previous attempt: a pod was recreated, or the
+  whole job relaunched;
+- ``in_job``: otherwise: ``ft_launcher`` respawned the workers inside running nodes.
+
+Recovery of an injected fault: from its ``t_fault`` to the first step completed after the
+restore; ``lost_steps`` = steps completed before the fault that had to be trained again.
+Goodput = time spent in steps that count (each final step once) / wall time since the job began.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from .faults import NODE_START_ENV, FaultLedger
+
+LAYERS = ("in_process", "in_job", "job")
+JOB_START_ENV = "RESILIENT_FSDP_JOB_START"
+_LIFECYCLE = ("start", "finish")
+
+
+def read_records(metrics_path: Path) -> list[dict]:
+    if not metrics_path.exists():
+        return []
+    out = []
+    for line in metrics_path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line torn by a crash mid-write
+    return out
+
+
+def node_start_time() -> float:
+    """When this rank's node (agent) started: set by the agent wrapper, else the parent's age."""
+    raw = os.environ.get(NODE_START_ENV)
+    if raw:
+        return float(raw)
+    try:
+        return psutil.Process(os.getppid()).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.device) -> str:
+    """Collective: the layer that caused this attempt (see the module docstring)."""
+    t = torch.tensor([node_start_time()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    newest_node = float(t.item())
+    layer = None
+    if rank == 0:
+        lifecycle = [r for r in read_records(metrics_path) if r.get("event") in _LIFECYCLE]
+        if not lifecycle or lifecycle[-1]["event"] == "finish":
+            layer = "start"
+        elif iteration > 0:
+            layer = "in_process"
+        elif newest_node > lifecycle[-1]["t"]:
+            layer = "job"
+        else:
+            layer = "in_job"
+    box = [layer]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: float) -> list[dict]:
+    """Rank 0, after the first step completed in an attempt caused by a restart: close every
+    fired fault that has no recovery yet. Returns the new recovery records."""
+    done = ledger.recoveries()
+    new = []
+    for fault in ledger.fired():
+        if fault["key"] in done or fault["t_fault"] > now:
+            continue
+        record = {"fault": fault["fault"], "kind": fault["kind"], "layer": layer,
+                  "recovery_s": now - fault["t_fault"], "fault_step": fault["completed_step"],
+                  "resumed_from_step": resumed_step,
+                  "lost_steps": max(0, fault["completed_step"] - resumed_step)}
+        ledger.record_recovery(fault["key"], record)
+        new.append(record)
+    return new
+
+
+def job_start_time(records: list[dict]) -> Optional[float]:
+    raw = os.environ.get(JOB_START_ENV)
+    if raw:
+        return float(raw)
+    starts = [r["t"] for r in records if r.get("event") == "start"]
+    return min(starts) if starts else None
+
+
+def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = None) -> dict:
+    """The fault-tolerance part of ``summary.json``; read from files, so it spans every attempt."""
+    now = time.time() if now is None else now
+    records = read_records(metrics_path)
+    restarts = {layer: 0 for layer in LAYERS}
+    for r in records:
+        if r.get("event") == "start" and r.get("layer") in restarts:
+            restarts[r["layer"]] += 1
+    recoveries = ledger.recoveries()
+    faults = ledger.fired()
+    productive = sum(r["step_time_s"] for r in records if r.get("event") == "step")
+    start = job_start_time(records)
+    wall = now - start if start is not None else 0.0
+    return {
+        "faults_injected": [f["fault"] for f in faults],
+        "restarts": restarts,
+        "recoveries": [recoveries[f["key"]] for f in faults if f["key"] in recoveries],
+        "productive_s": productive,
+        "job_wall_s": wall,
+        "goodput": productive / wall if wall > 0 else 0.0,
+    }
