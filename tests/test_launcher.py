@@ -6,9 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from conftest import REPO, _env, assert_no_leftovers, processes_of, read_losses, read_summary, run_local, write_module
 from resilient_fsdp.launcher import LocalJob, agent_command, find_root_cause

@@ -108,3 +108,20 @@ def test_summary_counts_restarts_by_layer_and_goodput_from_the_files(tmp_path):
     assert s["faults_injected"] == ["exception@5:rank=0"]
     assert s["recoveries"][0]["layer"] == "in_process"
     assert s["productive_s"] == 8.0 and s["job_wall_s"] == 40.0 and s["goodput"] == pytest.approx(0.2)
+
+
+def test_launcher_settings_are_understood_by_the_image_nvrx(nvrx_lane):
+    """The image's NVRx (0.7) cannot be imported here without its service dependencies, so its
+    sources are read: every key this project writes is a field of its FaultToleranceConfig, and
+    every flag it passes is one its ft_launcher defines."""
+    import ast
+
+    ft_dir = nvrx_lane / "nvidia_resiliency_ext" / "fault_tolerance"
+    tree = ast.parse((ft_dir / "config.py").read_text())
+    (cls,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "FaultToleranceConfig"]
+    fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    cfg = load_config(None, []).resilience
+    assert set(ft_config(cfg)["fault_tolerance"]) <= fields
+    launcher = (ft_dir / "launcher.py").read_text()
+    for flag in [f.split("=")[0] for f in ft_launcher_flags(cfg)] + ["--ft-cfg-path"]:
+        assert f'"{flag}"' in launcher, flag

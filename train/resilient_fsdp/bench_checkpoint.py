@@ -22,7 +22,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 

@@ -235,6 +235,7 @@ class AsyncEngine(Engine):
         self.thread_count = thread_count
         self.queue = compat.make_calls_queue()
         compat.warm_up(self.queue)
+        self.results_queue_ready = compat.start_results_queue()
         self.stager = StateStager()
         self.plan: Optional[tuple] = None
         self.error_path: Optional[str] = None
@@ -245,6 +246,7 @@ class AsyncEngine(Engine):
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+        self.results_queue_ready.join()
         staged = self.stager.stage(state.state_dict())
         writer = FileSystemWriterAsync(str(partial_dir), thread_count=self.thread_count)
         with compat.cpu_shim():

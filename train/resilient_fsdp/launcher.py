@@ -91,7 +91,9 @@ def write_ft_config(job: LocalJob) -> Path:
 
 def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
     """The command line of simulated node ``node``: the node wrapper around ``ft_launcher`` with
-    the same flags a pod uses. ``is_host=false``: the rendezvous store is served by this launcher."""
+    the same flags a pod uses, plus ``--rdzv-conf=is_host=false`` (the rendezvous store is served
+    by this launcher). That flag, and several agents on one host, are NVRx 0.4 features: 0.7
+    keeps only its own rendezvous, one agent per host, so local multi-node runs use 0.4."""
     return [
         sys.executable, "-m", "resilient_fsdp.agent",
         f"--ft-cfg-path={job.run_dir / 'ft_config.yaml'}",

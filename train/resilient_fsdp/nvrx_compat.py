@@ -31,7 +31,9 @@ import contextlib
 import importlib.metadata
 import inspect
 import os
+import signal
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -137,16 +139,32 @@ def warm_up(calls_queue: Any) -> None:
     Starting a spawned interpreter that imports torch takes seconds; done at the first save it
     would all count as training-loop stall. Its completion is drained by the next poll.
     """
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
     calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
-    # The writer's results travel through a multiprocessing Manager that NVRx starts at the
-    # first save; start it now too, so it is created under the caller's signal settings (the
-    # trainer starts helpers with SIGTERM ignored, see train.ProcessResources).
-    start_results_queue = getattr(filesystem_async, "_get_write_results_queue", None)
-    if start_results_queue is not None:
-        start_results_queue()
+
+
+def start_results_queue() -> threading.Thread:
+    """Start, in the background, the multiprocessing Manager through which NVRx's DCP writer
+    returns its results (NVRx starts it at the first save, and waits seconds for the new
+    interpreter). Join the returned thread before the first save.
+
+    The thread blocks SIGTERM before starting the Manager: the mask is inherited across fork and
+    exec, so the Manager ignores the SIGTERM a launcher sends to the rank's process group and
+    lives on for a graceful stop's final checkpoint (it is ended by the rank at exit).
+    """
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    start = getattr(filesystem_async, "_get_write_results_queue", None)
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        if start is not None:
+            start()
+
+    thread = threading.Thread(target=run, name="nvrx-results-queue", daemon=True)
+    thread.start()
+    return thread
 
 
 def finalize_save(plan: tuple) -> None:

@@ -264,10 +264,10 @@ class Trainer:
                                "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr,
                                "t": time.time()})
             if len(self.step_times) == 1:
-                distributed.use_steady_timeout(self.cfg.dist)
-                ckpt.prepare()
                 if self.layer != "start" and self.is_rank0:
                     self.log_recoveries(resumed_step)
+                distributed.use_steady_timeout(self.cfg.dist)
+                ckpt.prepare()
             self.log_learned(monitor.maybe_learn())
             if stop:
                 self.stop_gracefully()
@@ -291,10 +291,10 @@ class Trainer:
         raise StopRequested(self.state.step, code)
 
     def log_recoveries(self, resumed_step: int) -> None:
-        for record in restarts.record_recoveries(self.ledger, self.layer, resumed_step, time.time()):
-            self.metrics.event({"event": "recovery", "t": time.time(), **record})
-            self.metrics.info(f"recovered from {record['fault']} by {record['layer'].replace('_', '-')} restart in "
-                              f"{record['recovery_s']:.2f} s; {record['lost_steps']} step(s) trained again")
+        for recovery in restarts.record_recoveries(self.ledger, self.layer, resumed_step, time.time()):
+            self.metrics.event({"event": "recovery", "t": time.time(), **recovery})
+            self.metrics.info(f"recovered from {recovery['fault']} by {recovery['layer'].replace('_', '-')} restart "
+                              f"in {recovery['recovery_s']:.2f} s; {recovery['lost_steps']} step(s) trained again")
 
     def log_learned(self, timeouts: Optional[dict]) -> None:
         if timeouts:
