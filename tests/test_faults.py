@@ -79,6 +79,25 @@ def test_fault_is_recovered_bitwise(tmp_path, fault_free, kind, extra, layer):
     assert_no_leftovers(run_dir)
 
 
+def test_in_process_restart_keeps_working_after_an_in_job_restart(tmp_path, fault_free):
+    """A process-killing fault under in-process restart: the in-job restart respawns every rank
+    (new processes, whose nodes' restart counts differ), and the next exception is again
+    recovered in-process."""
+    baseline, baseline_losses = fault_free
+    run_dir = tmp_path / "run"
+    specs = ["exception@6:rank=1", "sigkill@12:rank=2", "exception@18:rank=3"]
+    proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON + IN_PROCESS,
+                     extra=[f"--inject={s}" for s in specs], timeout=400)
+    out = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, out
+    summary = read_summary(run_dir)
+    assert summary["params_sha256"] == baseline["params_sha256"], out
+    assert read_losses(run_dir) == baseline_losses
+    assert summary["faults_injected"] == specs
+    assert [r["layer"] for r in summary["recoveries"]] == ["in_process", "in_job", "in_process"], out
+    assert_no_leftovers(run_dir)
+
+
 def test_too_many_faults_fail_with_the_last_fault_named(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON,

@@ -125,3 +125,19 @@ def test_launcher_settings_are_understood_by_the_image_nvrx(nvrx_lane):
     launcher = (ft_dir / "launcher.py").read_text()
     for flag in [f.split("=")[0] for f in ft_launcher_flags(cfg)] + ["--ft-cfg-path"]:
         assert f'"{flag}"' in launcher, flag
+
+
+def test_benchmarks_only_ever_delete_their_own_scratch_directories(tmp_path):
+    from resilient_fsdp.bench_recovery import fresh_dir
+
+    users = tmp_path / "users-data"
+    users.mkdir()
+    (users / "precious.txt").write_text("keep me")
+    with pytest.raises(RuntimeError, match="refusing to delete it.*--run-dir"):
+        fresh_dir(users)
+    assert (users / "precious.txt").read_text() == "keep me"
+    scratch = tmp_path / "scratch"
+    fresh_dir(scratch)
+    (scratch / "metrics.jsonl").write_text("{}")
+    fresh_dir(scratch)  # a benchmark's own directory is emptied again
+    assert [p.name for p in scratch.iterdir()] == [".resilient-fsdp-bench-scratch"]

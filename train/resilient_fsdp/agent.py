@@ -18,22 +18,22 @@ the node, and since when) and, as a child subreaper, reaps whatever the node lea
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Optional
 
 from .faults import NODE_PID_ENV, NODE_START_ENV
+from .launcher import become_subreaper, kill_descendants
 from .resilience import NODE_STOP_ENV
 
 
 def ft_launcher_executable() -> list[str]:
     """``ft_launcher`` from this interpreter's environment, else from PATH."""
-    import shutil
-    from pathlib import Path
-
     beside = Path(sys.executable).parent / "ft_launcher"
     if beside.exists():
         return [str(beside)]
@@ -53,8 +53,6 @@ def exit_code(returncode: int, stop_signal: Optional[int]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .launcher import become_subreaper, kill_descendants
-
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--"]:
         args = args[1:]

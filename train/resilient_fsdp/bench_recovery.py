@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     reference = root / "fault-free"
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
                  f"dist.timeout_s={args.timeout_s}", *COMMON]
-    _fresh(reference)
+    fresh_dir(reference)
     if run_job(reference, args.nodes, args.nproc_per_node, overrides, [], log) != 0:
         raise RuntimeError(f"the fault-free reference run failed; see {log}")
     expected = json.loads((reference / "summary.json").read_text())["params_sha256"]
@@ -103,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
         samples = []
         for i in range(args.repeats):
             run_dir = root / f"{layer}-{i}"
-            _fresh(run_dir)
+            fresh_dir(run_dir)
             sample = measure(layer, run_dir, args, log)
             sample["bitwise_equal_to_fault_free"] = sample.pop("params_sha256") == expected
             samples.append(sample)
@@ -134,9 +135,16 @@ def format_table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def _fresh(path: Path) -> None:
-    import shutil
+SCRATCH_MARKER = ".resilient-fsdp-bench-scratch"
 
+
+def fresh_dir(path: Path) -> None:
+    """Empty ``path`` for a benchmark job. Only a directory a benchmark created (it holds the
+    marker file) is ever deleted: a ``--run-dir`` pointed at anything else is refused."""
+    if path.exists() and any(path.iterdir()) and not (path / SCRATCH_MARKER).exists():
+        raise RuntimeError(f"{path} exists and was not created by a benchmark; refusing to delete it. "
+                           f"Pass --run-dir with a new or benchmark-owned directory")
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
+    (path / SCRATCH_MARKER).touch()

@@ -19,11 +19,11 @@ import os
 import statistics
 from pathlib import Path
 
-from .bench_recovery import _fresh, run_job
+from .bench_recovery import fresh_dir, run_job
 
 DEFAULT_KINDS = "exception,sigkill,hang,exception,sigkill-during-save,hang,exception,node-loss,exception,sigterm"
-# In-job and job-level restart only: in-process restart does not yet recover reliably when a
-# fault kills a process in the same job (see docs/benchmarks.md); ``--in-process`` turns it on.
+# ``--in-process`` adds in-process restart (for exceptions and hangs) to the in-job and job-level
+# restarts that are always on.
 COMMON = ["resilience.max_restarts=100", "resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5",
           "resilience.step_timeout_s=10", "resilience.learn_timeouts=false", "train.log_every=500"]
 IN_PROCESS = ["resilience.in_process=true", "resilience.step_timeout_s=60", "resilience.in_process_soft_timeout_s=20",
@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     world = args.nodes * args.nproc_per_node
 
     calibration = root / "calibration"
-    _fresh(calibration)
+    fresh_dir(calibration)
     if run_job(calibration, args.nodes, args.nproc_per_node, base + ["train.steps=120"], [], log) != 0:
         raise RuntimeError(f"calibration run failed; see {log}")
     rate = step_rate(calibration)
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"step rate {rate:.2f} steps/s -> {steps} steps; faults: {', '.join(faults)}", flush=True)
 
     soak = root / "soak"
-    _fresh(soak)
+    fresh_dir(soak)
     # Restart limits sized for a fault a minute: this run measures recovery, not the limits.
     code = run_job(soak, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"],
                    [f"--inject={f}" for f in faults] + ["--max-node-restarts=100"], log,
@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     if code != 0:
         raise RuntimeError(f"the soak job failed with code {code}; see {log}")
     fault_free = root / "fault-free"
-    _fresh(fault_free)
+    fresh_dir(fault_free)
     if run_job(fault_free, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"], [], log,
                timeout_s=args.duration_s * 3) != 0:
         raise RuntimeError(f"the fault-free job failed; see {log}")

@@ -50,33 +50,11 @@ def select_device(cfg: DistConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-_PROCESS_STORE: Optional[dist.Store] = None
-
-
-def _attempt_store(attempt: int, timeout: timedelta) -> dist.Store:
-    """A fresh key space, on a store that lives as long as the process, for in-process restart
-    attempt ``attempt``.
-
-    Each attempt's process group needs its own keys (an earlier attempt's would join a rendezvous
-    that already happened), and the store must outlive the groups: when rank 0 hosts it (no agent
-    store), a second server on the same port would fail with "address already in use".
-    """
-    global _PROCESS_STORE
-    if _PROCESS_STORE is None:
-        host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        _PROCESS_STORE = dist.TCPStore(host, port, _env_int("WORLD_SIZE", 1),
-                                       is_master=not agent_store and _env_int("RANK", 0) == 0,
-                                       timeout=timeout, wait_for_workers=False)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"/resilient_fsdp/attempt_{restart}/in_process_{attempt}", _PROCESS_STORE)
-
-
-def init_distributed(cfg: DistConfig, attempt: Optional[int] = None) -> DistInfo:
+def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None) -> DistInfo:
     """Join (or, without a launcher, create) the default process group.
 
-    ``attempt``: the in-process restart attempt (0, 1, ...) when running under in-process restart;
-    each attempt's group is built in a fresh key space of a process-lifetime store.
+    ``store``: under in-process restart, the attempt's own key space (each attempt needs fresh
+    keys: an earlier attempt's would join a rendezvous that already happened).
     """
     standalone = "MASTER_ADDR" not in os.environ  # every launcher sets it
     if standalone:
@@ -93,8 +71,8 @@ def init_distributed(cfg: DistConfig, attempt: Optional[int] = None) -> DistInfo
         timeout = timedelta(seconds=max(cfg.timeout_s, cfg.init_timeout_s))
         if standalone:
             where = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-        elif attempt is not None:
-            where = {"store": _attempt_store(attempt, timeout), "rank": rank, "world_size": world_size}
+        elif store is not None:
+            where = {"store": store, "rank": rank, "world_size": world_size}
         else:
             where = {}
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,

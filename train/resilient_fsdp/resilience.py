@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -229,7 +230,6 @@ def node_is_stopping() -> bool:
 
 def _inprocess():
     from nvidia_resiliency_ext import inprocess
-
     return inprocess
 
 
@@ -269,11 +269,25 @@ def _make_abort():
     return AbortProcessGroups()
 
 
-def run_in_process(cfg: ResilienceConfig, body: Callable[[int, Callable[[], None]], Any]) -> Any:
-    """Run ``body(iteration, ping)`` under ``inprocess.Wrapper``; on a fault anywhere, every rank
-    calls it again (iteration + 1) in the same process. ``ping`` marks progress (once per step).
+@dataclass(frozen=True)
+class InProcessAttempt:
+    """One call of the training function under in-process restart.
 
-    ``body`` must create the process group and the model itself and load the newest checkpoint.
+    ``number``: 0 for the first call, then one more per restart (equal on every rank).
+    ``ping``: marks progress (once per step) for the wrapper's hang detection.
+    ``store``: the key space this attempt's process group must rendezvous in.
+    """
+    number: int
+    ping: Callable[[], None]
+    store: Any
+
+
+def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any]) -> Any:
+    """Run ``body(attempt)`` under ``inprocess.Wrapper``; on a fault anywhere, every rank calls it
+    again (``attempt.number`` + 1) in the same process.
+
+    ``body`` must create the process group (in ``attempt.store``) and the model itself and load
+    the newest checkpoint.
     """
     inprocess = _inprocess()
     from nvidia_resiliency_ext.inprocess import CallWrapper
@@ -310,6 +324,11 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[int, Callable[[], None
             raise InProcessRestartsExhausted(
                 f"{iteration} in-process restarts reached resilience.in_process_max_iterations="
                 f"{cfg.in_process_max_iterations}; leaving recovery to the in-job restart")
-        return body(iteration, call_wrapper.ping)
+        # The wrapper's own store is hosted by rank 0 of this generation of processes, so it is
+        # new after every in-job restart, and every rank of a generation agrees on the iteration.
+        # Keys derived from TORCHELASTIC_RESTART_COUNT would not do: a node restarted because a
+        # peer failed keeps its count, so nodes would rendezvous under different keys and hang.
+        store = dist.PrefixStore(f"/resilient_fsdp/in_process_{iteration}", call_wrapper.base_store)
+        return body(InProcessAttempt(iteration, call_wrapper.ping, store))
 
     return wrapper(attempt)()

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from . import distributed, parallelize, restarts
 from .checkpoint import Checkpointer, Engine, TrainingState, build_engine
 from .config import Config, ConfigError, describe, dump_yaml, load_config
 from .faults import FaultInjector, FaultLedger, parse_faults
-from .resilience import GracefulStop, ProgressMonitor, StopRequested, run_in_process
+from .resilience import GracefulStop, InProcessAttempt, ProgressMonitor, StopRequested, run_in_process
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256, write_json_atomic
@@ -118,13 +118,14 @@ class Trainer:
     metrics: MetricsLog
     checkpointer: Checkpointer
 
-    def __init__(self, cfg: Config, resources: Optional[ProcessResources] = None, attempt: int = 0,
-                 ping: Optional[Callable[[], None]] = None):
+    def __init__(self, cfg: Config, resources: Optional[ProcessResources] = None,
+                 in_process: Optional[InProcessAttempt] = None):
         # Without resources from the caller (benchmarks, probes) the trainer owns its own.
         self.owns_resources = resources is None
         resources = resources or ProcessResources(cfg)
-        self.cfg, self.resources, self.attempt = cfg, resources, attempt
-        self.ping = ping or (lambda: None)
+        self.cfg, self.resources = cfg, resources
+        self.attempt = in_process.number if in_process else 0
+        self.ping = in_process.ping if in_process else (lambda: None)
         self.monitor = resources.monitor
         self.monitor.reset()
         self.monitor.start("init")
@@ -134,13 +135,13 @@ class Trainer:
             # Must be set before the first cuBLAS call for deterministic GEMMs on GPUs.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # 1. Device and process group; backend follows the device.
-        self.info = distributed.init_distributed(cfg.dist, attempt if cfg.resilience.in_process else None)
+        self.info = distributed.init_distributed(cfg.dist, in_process.store if in_process else None)
         self.is_rank0 = self.info.rank == 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ledger = FaultLedger(self.run_dir)
         self.injector = FaultInjector(parse_faults(cfg.resilience.inject, self.info.world_size), self.info.rank,
                                       self.ledger)
-        self.layer = restarts.detect_layer(self.run_dir / "metrics.jsonl", attempt, self.info.rank, self.info.device)
+        self.layer = restarts.detect_layer(self.run_dir / "metrics.jsonl", self.attempt, self.info.rank, self.info.device)
         if cfg.train.deterministic:
             # On CUDA a few kernels lack deterministic versions: warn rather than refuse.
             torch.use_deterministic_algorithms(True, warn_only=self.info.device.type == "cuda")
@@ -381,14 +382,13 @@ def resolve_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def attempt(cfg: Config, resources: ProcessResources, number: int = 0,
-            ping: Optional[Callable[[], None]] = None) -> dict:
+def attempt(cfg: Config, resources: ProcessResources, in_process: Optional[InProcessAttempt] = None) -> dict:
     """One attempt at the training function: build everything, resume, train. In-process restart
     calls it again after a fault; the process group and model are rebuilt each time."""
     trainer = None
     failed = True
     try:
-        trainer = Trainer(cfg, resources, number, ping)
+        trainer = Trainer(cfg, resources, in_process)
         summary = trainer.train()
         failed = False
         return summary
@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> dict:
     failed = True
     try:
         if cfg.resilience.in_process:
-            summary = run_in_process(cfg.resilience, lambda number, ping: attempt(cfg, resources, number, ping))
+            summary = run_in_process(cfg.resilience, lambda in_process: attempt(cfg, resources, in_process))
         else:
             summary = attempt(cfg, resources)
         failed = False
