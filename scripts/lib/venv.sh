@@ -44,3 +44,16 @@ PY
   fi
   export RESILIENT_FSDP_NVRX_LANE="$PWD/$dir/site"
 }
+
+ensure_checkov() {  # the chart's security scanner, in a venv of its own: its pins conflict with ours
+  local dir=".venv/tools/checkov" want
+  want="$(sha256sum constraints-checkov.txt | cut -d' ' -f1)"
+  if [ "$(cat "$dir/.installed" 2>/dev/null)" != "$want" ]; then
+    echo "installing checkov into $dir (constraints-checkov.txt)"
+    rm -rf "$dir"
+    .venv/bin/python -m venv "$dir"
+    "$dir/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints-checkov.txt checkov
+    echo "$want" > "$dir/.installed"
+  fi
+  export RESILIENT_FSDP_CHECKOV="$PWD/$dir/bin/checkov"
+}

@@ -6,6 +6,8 @@
 - ``resilient-fsdp bench checkpoint``: checkpoint stall of sync vs async saves.
 - ``resilient-fsdp bench recovery``: one fault recovered in-process, in-job and by a full relaunch.
 - ``resilient-fsdp bench soak``: a fault a minute for ten minutes: goodput and exactness.
+- ``resilient-fsdp render``: the Helm chart's manifests for some values files (no helm binary).
+- ``resilient-fsdp validate``: render, lint, and check them against the Kubernetes and CRD schemas.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="print the resolved configuration")
     config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
     _add_config_args(config)
+
+    from .chart import add_parser as add_render_parser
+    from .validate import add_parser as add_validate_parser
+
+    add_render_parser(sub)
+    add_validate_parser(sub)
     return parser
 
 
@@ -118,7 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
     handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
-               "bench": lambda a: a.bench(a)}[args.command]
+               "bench": lambda a: a.bench(a),
+               "render": lambda a: a.run(a), "validate": lambda a: a.run(a)}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

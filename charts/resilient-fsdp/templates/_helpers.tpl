@@ -1,0 +1,196 @@
+{{/*
+Names, labels and the values every template derives from one place: the instance type, GPUs per
+pod, EFA, and the rendezvous endpoint. Templates call these helpers rather than reading the raw
+values twice, so a derived number cannot disagree with itself.
+*/}}
+
+{{- define "resilient-fsdp.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The job name. 48 characters, not 63: the operator names pods and their Services
+`<job>-master-0` / `<job>-worker-<N>`, and a pod's hostname must stay a 63-character label.
+*/}}
+{{- define "resilient-fsdp.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "resilient-fsdp.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "resilient-fsdp.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "resilient-fsdp.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "resilient-fsdp.labels" -}}
+helm.sh/chart: {{ include "resilient-fsdp.chart" . }}
+{{ include "resilient-fsdp.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: resilient-fsdp
+{{- end }}
+
+{{- define "resilient-fsdp.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "resilient-fsdp.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "resilient-fsdp.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* The instanceTypes entry of .Values.instanceType, as JSON (validations.yaml rejects unknown ones). */}}
+{{- define "resilient-fsdp.instance" -}}
+{{- get .Values.instanceTypes .Values.instanceType | default dict | toJson }}
+{{- end }}
+
+{{/* Ranks per pod: GPUs per pod on GPU instances, cpuRanksPerNode elsewhere. */}}
+{{- define "resilient-fsdp.ranksPerNode" -}}
+{{- $inst := include "resilient-fsdp.instance" . | fromJson }}
+{{- if gt (int (default 0 $inst.gpus)) 0 }}
+{{- if kindIs "invalid" .Values.gpusPerNode }}{{ int $inst.gpus }}{{ else }}{{ int .Values.gpusPerNode }}{{ end }}
+{{- else }}
+{{- int .Values.cpuRanksPerNode }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the pods request GPUs. */}}
+{{- define "resilient-fsdp.gpu" -}}
+{{- $inst := include "resilient-fsdp.instance" . | fromJson }}
+{{- if gt (int (default 0 $inst.gpus)) 0 }}true{{ end }}
+{{- end }}
+
+{{/* The most pods the job can have: what decides whether EFA has inter-node traffic to carry. */}}
+{{- define "resilient-fsdp.maxNodes" -}}
+{{- if .Values.elastic.enabled }}{{ int .Values.elastic.maxNodes }}{{ else }}{{ int .Values.nodes }}{{ end }}
+{{- end }}
+
+{{/* "true" when EFA is used: explicitly on, or auto on an EFA instance in a job of several pods. */}}
+{{- define "resilient-fsdp.efa" -}}
+{{- $inst := include "resilient-fsdp.instance" . | fromJson }}
+{{- $mode := toString .Values.efa.enabled }}
+{{- if eq $mode "true" }}true
+{{- else if and (eq $mode "auto") (gt (int (default 0 $inst.efa)) 0) (gt (int (include "resilient-fsdp.maxNodes" .)) 1) }}true
+{{- end }}
+{{- end }}
+
+{{/* EFA interfaces per pod. */}}
+{{- define "resilient-fsdp.efaDevices" -}}
+{{- $inst := include "resilient-fsdp.instance" . | fromJson }}
+{{- if kindIs "invalid" .Values.efa.devices }}{{ int (default 0 $inst.efa) }}{{ else }}{{ int .Values.efa.devices }}{{ end }}
+{{- end }}
+
+{{/* hugepages-2Mi per pod ("" for none). */}}
+{{- define "resilient-fsdp.hugepages" -}}
+{{- $h := toString .Values.efa.hugepages2Mi }}
+{{- if eq $h "auto" }}{{ if include "resilient-fsdp.efa" . }}5120Mi{{ end }}
+{{- else if ne $h "0" }}{{ $h }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when EFA may use GPUDirect RDMA. */}}
+{{- define "resilient-fsdp.gpuDirectRdma" -}}
+{{- $inst := include "resilient-fsdp.instance" . | fromJson }}
+{{- $mode := toString .Values.efa.gpuDirectRdma }}
+{{- if include "resilient-fsdp.efa" . }}
+{{- if eq $mode "true" }}true{{ else if and (eq $mode "auto") $inst.gpuDirectRdma }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* The pod whose ft_launcher agent hosts the rendezvous store, and its Service's port. */}}
+{{- define "resilient-fsdp.rdzvHost" -}}
+{{- include "resilient-fsdp.fullname" . }}-{{ if .Values.elastic.enabled }}worker{{ else }}master{{ end }}-0
+{{- end }}
+
+{{/* `--nnodes`: a count, or min:max when elastic. */}}
+{{- define "resilient-fsdp.nnodes" -}}
+{{- if .Values.elastic.enabled }}{{ int .Values.elastic.minNodes }}:{{ int .Values.elastic.maxNodes }}{{ else }}{{ int .Values.nodes }}{{ end }}
+{{- end }}
+
+{{/* The trainer's run directory: the user's, or one per job on the shared volume. */}}
+{{- define "resilient-fsdp.runDir" -}}
+{{- $trainer := .Values.trainer | default dict }}
+{{- default (printf "%s/runs/%s" (.Values.storage.mountPath | trimSuffix "/") (include "resilient-fsdp.fullname" .)) $trainer.run_dir }}
+{{- end }}
+
+{{/* The checkpoint directory as the trainer resolves it (checkpoint.dir, else <run_dir>/checkpoints). */}}
+{{- define "resilient-fsdp.checkpointDir" -}}
+{{- $ckpt := dig "checkpoint" "dir" "" (.Values.trainer | default dict) }}
+{{- default (printf "%s/checkpoints" (include "resilient-fsdp.runDir" .)) $ckpt }}
+{{- end }}
+
+{{/*
+A `resilience` key of the trainer config. A user's null removes a key from the chart's defaults
+(Helm's merge), and null means "no limit" for the timeouts: a missing key renders as null.
+*/}}
+{{- define "resilient-fsdp.resilience" -}}
+{{- $r := dig "resilience" dict (.ctx.Values.trainer | default dict) }}
+{{- if hasKey $r .key }}{{ get $r .key | toJson }}{{ else }}null{{ end }}
+{{- end }}
+
+{{/* The `fault_tolerance:` section ft_launcher reads: the same keys as resilience.ft_config. */}}
+{{- define "resilient-fsdp.ftConfig" -}}
+{{- $r := dict "ctx" . }}
+fault_tolerance:
+  initial_rank_heartbeat_timeout: null
+  rank_heartbeat_timeout: null
+  rank_section_timeouts:
+    init: {{ include "resilient-fsdp.resilience" (set $r "key" "init_timeout_s") }}
+    step: {{ include "resilient-fsdp.resilience" (set $r "key" "step_timeout_s") }}
+    checkpoint: {{ include "resilient-fsdp.resilience" (set $r "key" "checkpoint_timeout_s") }}
+  rank_out_of_section_timeout: {{ include "resilient-fsdp.resilience" (set $r "key" "out_of_section_timeout_s") }}
+  safety_factor: {{ include "resilient-fsdp.resilience" (set $r "key" "safety_factor") }}
+  rank_termination_signal: {{ include "resilient-fsdp.resilience" (set $r "key" "termination_signal") }}
+  workload_check_interval: {{ include "resilient-fsdp.resilience" (set $r "key" "workload_check_interval_s") }}
+  # NVRx watches InfiniBand link counters through NVML; EFA and CPU-only nodes have none.
+  enable_nic_monitor: false
+{{- end }}
+
+{{/* The trainer config the pods load: the user's `trainer` values, plus the derived run_dir and faults. */}}
+{{- define "resilient-fsdp.trainerConfig" -}}
+{{- $cfg := deepCopy (.Values.trainer | default dict) }}
+{{- $_ := set $cfg "run_dir" (include "resilient-fsdp.runDir" .) }}
+{{- /* A timeout the user set to null was removed by Helm's merge: keep it null (no limit), as
+ft_config.yaml does, rather than let the trainer's default come back. */}}
+{{- $r := get $cfg "resilience" | default dict }}
+{{- range $key := list "init_timeout_s" "step_timeout_s" "checkpoint_timeout_s" "out_of_section_timeout_s" }}
+{{- if not (hasKey $r $key) }}{{ $_ := set $r $key nil }}{{ end }}
+{{- end }}
+{{- $_ := set $cfg "resilience" $r }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* Seconds a pod gets between SIGTERM and SIGKILL. */}}
+{{- define "resilient-fsdp.terminationGrace" -}}
+{{- if kindIs "invalid" .Values.pod.terminationGracePeriodSeconds }}
+{{- add (int (ceil (include "resilient-fsdp.resilience" (dict "ctx" . "key" "graceful_stop_timeout_s") | float64))) 60 }}
+{{- else }}
+{{- int .Values.pod.terminationGracePeriodSeconds }}
+{{- end }}
+{{- end }}
+
+{{/* Formats a number as Python's "{:g}" does for the values used here (15.0 -> 15, 0.5 -> 0.5). */}}
+{{- define "resilient-fsdp.g" -}}
+{{- $f := float64 . }}
+{{- if eq $f (float64 (int64 $f)) }}{{ int64 $f }}{{ else }}{{ $f }}{{ end }}
+{{- end }}

@@ -1,0 +1,215 @@
+{{/*
+The pod template of every replica, Master or Worker: written once, called with
+(dict "ctx" $ "role" "master"|"worker"). Each pod is one node of the job: the node wrapper
+(resilient_fsdp.agent) runs ft_launcher, which runs `--nproc-per-node` trainer ranks.
+*/}}
+{{- define "resilient-fsdp.podTemplate" -}}
+{{- $ := .ctx }}
+{{- $v := $.Values }}
+{{- $inst := include "resilient-fsdp.instance" $ | fromJson }}
+{{- $gpu := include "resilient-fsdp.gpu" $ }}
+{{- $efa := include "resilient-fsdp.efa" $ }}
+{{- $hugepages := include "resilient-fsdp.hugepages" $ }}
+{{- $ranks := include "resilient-fsdp.ranksPerNode" $ }}
+{{- $r := dict "ctx" $ }}
+metadata:
+  labels:
+    {{- include "resilient-fsdp.labels" $ | nindent 4 }}
+    app.kubernetes.io/component: {{ .role }}
+    {{- with $v.pod.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- $annotations := deepCopy $v.pod.annotations }}
+  {{- if $v.pod.doNotDisrupt }}
+  {{- $_ := set $annotations "karpenter.sh/do-not-disrupt" "true" }}
+  {{- end }}
+  {{- with $annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  serviceAccountName: {{ include "resilient-fsdp.serviceAccountName" $ }}
+  automountServiceAccountToken: {{ $v.serviceAccount.automountToken }}
+  terminationGracePeriodSeconds: {{ include "resilient-fsdp.terminationGrace" $ }}
+  {{- with $v.pod.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- range . }}
+    - name: {{ . }}
+    {{- end }}
+  {{- end }}
+  {{- $selector := deepCopy $v.pod.nodeSelector }}
+  {{- if $v.selectInstanceType }}
+  {{- $_ := set $selector "node.kubernetes.io/instance-type" $v.instanceType }}
+  {{- end }}
+  {{- with $selector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.pod.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.pod.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.pod.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    # The operator's admission webhook requires the container named `pytorch`.
+    - name: pytorch
+      image: {{ include "resilient-fsdp.image" $ }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      command: [python, -m, resilient_fsdp.agent]
+      args:
+        - --ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml
+        - --nnodes={{ include "resilient-fsdp.nnodes" $ }}
+        - --nproc-per-node={{ $ranks }}
+        # Explicit endpoint: without it ft_launcher falls back to localhost and pods never meet.
+        - --rdzv-backend=c10d
+        - --rdzv-endpoint={{ include "resilient-fsdp.rdzvHost" $ }}:{{ int $v.rendezvous.port }}
+        - --rdzv-id={{ include "resilient-fsdp.fullname" $ }}
+        - --rdzv-conf=join_timeout={{ int $v.rendezvous.joinTimeoutSeconds }}
+        # In-job restart, as resilience.ft_launcher_flags spells it.
+        - --max-restarts={{ include "resilient-fsdp.resilience" (set $r "key" "max_restarts") }}
+        - --workers-stop-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "workers_stop_timeout_s")) }}
+        - --term-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "graceful_stop_timeout_s")) }}
+        - -m
+        - resilient_fsdp.train
+        - --config=/etc/resilient-fsdp/config.yaml
+        {{- if $v.chaos.enabled }}
+        {{- range $v.chaos.inject }}
+        - --inject={{ . }}
+        {{- end }}
+        {{- end }}
+      ports:
+        # The operator points MASTER_PORT at the port of this name; here it is the rendezvous store.
+        - name: pytorchjob-port
+          containerPort: {{ int $v.rendezvous.port }}
+          protocol: TCP
+      env:
+        - name: PYTHONUNBUFFERED
+          value: "1"
+        # The root file system is read-only: caches (torch, triton) go to the /tmp volume.
+        - name: HOME
+          value: /tmp
+        {{- if $gpu }}
+        - name: NCCL_DEBUG
+          value: {{ $v.nccl.debug | quote }}
+        - name: NCCL_SOCKET_IFNAME
+          value: {{ $v.nccl.socketIfname | quote }}
+        - name: PYTORCH_CUDA_ALLOC_CONF
+          value: expandable_segments:True
+        {{- if $v.nccl.flightRecorder.enabled }}
+        - name: TORCH_NCCL_TRACE_BUFFER_SIZE
+          value: {{ int $v.nccl.flightRecorder.bufferSize | quote }}
+        - name: TORCH_NCCL_DUMP_ON_TIMEOUT
+          value: "1"
+        - name: TORCH_NCCL_DEBUG_INFO_TEMP_FILE
+          value: {{ printf "%s/nccl_trace_rank_" ($v.nccl.flightRecorder.dumpDir | trimSuffix "/") | quote }}
+        {{- end }}
+        {{- end }}
+        {{- if $efa }}
+        - name: FI_PROVIDER
+          value: efa
+        - name: FI_EFA_FORK_SAFE
+          value: "1"
+        {{- if include "resilient-fsdp.gpuDirectRdma" $ }}
+        # Only where the instance has GPUDirect RDMA (not g5/g6): elsewhere libfabric fails to start.
+        - name: FI_EFA_USE_DEVICE_RDMA
+          value: "1"
+        {{- end }}
+        {{- end }}
+        {{- range $name, $ref := $v.pod.secretEnv }}
+        - name: {{ $name }}
+          valueFrom:
+            secretKeyRef:
+              name: {{ $ref.secretName }}
+              key: {{ $ref.key }}
+        {{- end }}
+        {{- with $v.pod.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $v.pod.envFrom }}
+      envFrom:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- $res := dict "cpu" (default $inst.cpu $v.resources.cpu | toString) "memory" (default $inst.memory $v.resources.memory | toString) }}
+      {{- if $gpu }}{{ $_ := set $res "nvidia.com/gpu" (int $ranks) }}{{ end }}
+      {{- if $efa }}{{ $_ := set $res "vpc.amazonaws.com/efa" (int (include "resilient-fsdp.efaDevices" $)) }}{{ end }}
+      {{- with $hugepages }}{{ $_ := set $res "hugepages-2Mi" . }}{{ end }}
+      resources:
+        requests:
+          {{- toYaml $res | nindent 10 }}
+        # Limits equal requests: extended resources and hugepages require it, and it gives the
+        # pods Guaranteed QoS, the last class the kubelet evicts under memory pressure.
+        limits:
+          {{- toYaml $res | nindent 10 }}
+      securityContext:
+        {{- $sc := deepCopy $v.pod.containerSecurityContext }}
+        {{- $_ := set $sc "privileged" false }}
+        {{- if $efa }}
+        {{- $caps := deepCopy (default dict $sc.capabilities) }}
+        {{- $_ := set $caps "add" (append (default list $caps.add) "IPC_LOCK" | uniq) }}
+        {{- $_ := set $sc "capabilities" $caps }}
+        {{- end }}
+        {{- toYaml $sc | nindent 8 }}
+      volumeMounts:
+        - name: config
+          mountPath: /etc/resilient-fsdp
+          readOnly: true
+        - name: shared
+          mountPath: {{ $v.storage.mountPath }}
+        - name: dshm
+          mountPath: /dev/shm
+        - name: tmp
+          mountPath: /tmp
+        {{- if and $gpu $v.nccl.flightRecorder.enabled }}
+        - name: nccl-flight-recorder
+          mountPath: {{ $v.nccl.flightRecorder.dumpDir }}
+        {{- end }}
+        {{- with $v.pod.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: config
+      configMap:
+        name: {{ include "resilient-fsdp.fullname" $ }}
+    - name: shared
+      {{- if eq $v.storage.type "emptyDir" }}
+      emptyDir:
+        sizeLimit: {{ $v.storage.emptyDirSizeLimit }}
+      {{- else }}
+      persistentVolumeClaim:
+        claimName: {{ include "resilient-fsdp.claimName" $ }}
+      {{- end }}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $v.shm.sizeLimit }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ $v.pod.tmpSizeLimit }}
+    {{- if and $gpu $v.nccl.flightRecorder.enabled }}
+    - name: nccl-flight-recorder
+      {{- if $v.nccl.flightRecorder.hostPath }}
+      hostPath:
+        path: {{ $v.nccl.flightRecorder.hostPath }}
+        type: DirectoryOrCreate
+      {{- else }}
+      emptyDir: {}
+      {{- end }}
+    {{- end }}
+    {{- with $v.pod.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
+
+{{- define "resilient-fsdp.claimName" -}}
+{{- if eq .Values.storage.type "existingClaim" }}{{ .Values.storage.existingClaim }}{{ else }}{{ include "resilient-fsdp.fullname" . }}-shared{{ end }}
+{{- end }}

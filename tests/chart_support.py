@@ -1,0 +1,81 @@
+"""Helpers for the chart tests: rendering with Helm's real engine, and pulling pods apart."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from resilient_fsdp import chart, validate
+
+REPO = Path(__file__).resolve().parents[1]
+VALUES_DIR = REPO / "values"
+MY_CLUSTER = VALUES_DIR / "examples" / "my-cluster.yaml"
+PROFILES = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
+# The smallest values that render: a user's existing claim, nothing else.
+BASE = ["storage.existingClaim=ckpt"]
+
+
+def profile_files(name: str) -> list[Path]:
+    """A profile as a user installs it: the profile, then their cluster's file (the CPU profile
+    needs none: it uses no cloud resources)."""
+    return [VALUES_DIR / f"{name}.yaml"] + ([] if name == "dev-cpu" else [MY_CLUSTER])
+
+
+def render(*sets: str, files: list[Path] = (), base: list[str] = BASE, **kwargs) -> chart.Rendered:
+    """The chart rendered with ``files`` and ``--set`` expressions, as ``resilient-fsdp render``."""
+    return chart.render(chart.load_values(list(files), list(base) + list(sets)), **kwargs)
+
+
+def render_error(*sets: str, files: list[Path] = (), base: list[str] = BASE) -> str:
+    with pytest.raises(chart.ChartError) as caught:
+        render(*sets, files=files, base=base)
+    return str(caught.value)
+
+
+def job(rendered: chart.Rendered) -> dict:
+    return rendered.find("PyTorchJob")
+
+
+def pod_spec(rendered: chart.Rendered, role: str = "Master") -> dict:
+    """A replica's pod spec; an elastic job has only Workers, so Master falls back to Worker there."""
+    specs = job(rendered)["spec"]["pytorchReplicaSpecs"]
+    return specs[role if role in specs or role != "Master" else "Worker"]["template"]["spec"]
+
+
+def container(rendered: chart.Rendered, role: str = "Master") -> dict:
+    (only,) = [c for c in pod_spec(rendered, role)["containers"] if c["name"] == "pytorch"]
+    return only
+
+
+def env(rendered: chart.Rendered, role: str = "Master") -> dict:
+    """Plain env values by name (entries with valueFrom map to their valueFrom)."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(rendered, role).get("env", [])}
+
+
+def config_map(rendered: chart.Rendered, key: str) -> dict:
+    return yaml.safe_load(rendered.find("ConfigMap")["data"][key])
+
+
+def volume(rendered: chart.Rendered, name: str, role: str = "Master") -> dict:
+    (only,) = [v for v in pod_spec(rendered, role)["volumes"] if v["name"] == name]
+    return only
+
+
+def mount(rendered: chart.Rendered, name: str, role: str = "Master") -> dict:
+    (only,) = [m for m in container(rendered, role)["volumeMounts"] if m["name"] == name]
+    return only
+
+
+@pytest.fixture(scope="session")
+def crds() -> dict:
+    """The CRD schemas (../shared/crds, or $RESILIENT_FSDP_CRDS). Under CI a missing CRD fails."""
+    directory = validate.crd_dir()
+    try:
+        return validate.load_crd_schemas(directory)
+    except chart.ChartError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CRDs missing in CI: {exc}")
+        pytest.skip(f"CRDs not available: {exc}")

@@ -1,0 +1,312 @@
+"""The Helm chart from Python: merge values as ``helm -f/--set`` does, render, lint.
+
+Rendering uses Helm v4's own engine through ``helm-python-sdk`` (import ``helm_python``), so the
+templates, ``values.schema.json`` and the ``fail`` rules in ``templates/validations.yaml`` behave
+exactly as in ``helm install``, without a ``helm`` binary. Errors come back as :class:`ChartError`
+with the offending key named, as the trainer's configuration errors do.
+
+The chart's ``trainer`` values are the trainer's own configuration; :func:`trainer_schema` derives
+their part of ``values.schema.json`` from :mod:`resilient_fsdp.config`, so the chart rejects exactly
+the keys the trainer rejects (``python -m resilient_fsdp.chart --update-schema`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .config import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_ENV = "RESILIENT_FSDP_CHART"
+DEFAULT_RELEASE = "resilient-fsdp"
+DEFAULT_NAMESPACE = "default"
+# Where `lint` and the Kubernetes schema validation assume the cluster is (see validate.py).
+KUBERNETES_VERSION = "1.34.0"
+
+
+class ChartError(ConfigError):
+    """Values the chart refuses, or a chart that cannot be loaded; the message names the key."""
+
+
+def _helm():
+    """``helm_python``, or an error saying which extra brings it."""
+    try:
+        import helm_python
+    except ImportError:
+        raise ChartError("the chart commands need the `chart` extra: "
+                         "pip install -c constraints.txt -e '.[chart]'") from None
+    return helm_python
+
+
+def chart_dir(explicit: Optional[str | Path] = None) -> Path:
+    """The chart: ``explicit``, else ``$RESILIENT_FSDP_CHART``, else ``charts/resilient-fsdp`` of this checkout."""
+    path = Path(explicit or os.environ.get(CHART_ENV) or REPO_ROOT / "charts" / "resilient-fsdp")
+    if not (path / "Chart.yaml").is_file():
+        raise ChartError(f"no Helm chart at {path}: pass --chart DIR or set {CHART_ENV} to the "
+                         "charts/resilient-fsdp directory of a resilient-fsdp checkout")
+    return path
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` onto ``base``: maps merge key by key, anything else is replaced (Helm's ``-f``)."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_values(files: list[str | Path] = (), sets: list[str] = ()) -> dict:
+    """User values as ``helm -f FILE... --set k=v...`` builds them: files in order, then ``--set``."""
+    helm_python = _helm()
+    values: dict = {}
+    for f in files:
+        try:
+            loaded = yaml.safe_load(Path(f).read_text())
+        except FileNotFoundError:
+            raise ChartError(f"-f {f}: no such file") from None
+        except yaml.YAMLError as exc:
+            raise ChartError(f"-f {f}: not valid YAML: {exc}") from None
+        if loaded is None:
+            continue
+        if not isinstance(loaded, dict):
+            raise ChartError(f"-f {f}: a values file must be a mapping of keys at the top level")
+        values = deep_merge(values, loaded)
+    for expression in sets:
+        if "=" not in expression:
+            raise ChartError(f"--set {expression!r}: expected key=value, e.g. --set nodes=4")
+        try:
+            helm_python.parse_set_string(expression)
+        except helm_python.HelmError as exc:
+            raise ChartError(f"--set {expression!r}: {_detail(exc)}") from None
+    if sets:
+        # One expression, as helm joins repeated --set flags: `a[0].name=x` and `a[0].value=y`
+        # then fill the same list entry instead of the second replacing the first.
+        values = deep_merge(values, helm_python.parse_set_string(",".join(sets)))
+    return values
+
+
+@dataclass
+class Rendered:
+    """A rendered release: manifests by template path, and NOTES.txt."""
+
+    manifests: dict[str, str]
+    notes: str
+
+    def documents(self) -> list[dict]:
+        """Every Kubernetes object, in template order."""
+        docs = []
+        for path in sorted(self.manifests):
+            for doc in yaml.safe_load_all(self.manifests[path]):
+                if doc:
+                    docs.append(doc)
+        return docs
+
+    def find(self, kind: str, name: Optional[str] = None) -> dict:
+        """The one object of ``kind`` (and ``name``); raises KeyError naming what exists."""
+        matches = [d for d in self.documents() if d.get("kind") == kind
+                   and (name is None or d["metadata"]["name"] == name)]
+        if len(matches) != 1:
+            have = [f"{d.get('kind')}/{d.get('metadata', {}).get('name')}" for d in self.documents()]
+            raise KeyError(f"expected one {kind}{'/' + name if name else ''}, found {len(matches)} in {have}")
+        return matches[0]
+
+    def text(self) -> str:
+        """Multi-document YAML as ``helm template`` prints it."""
+        parts = []
+        for path in sorted(self.manifests):
+            body = self.manifests[path].strip()
+            if body and any(line.strip() and not line.lstrip().startswith("#") for line in body.splitlines()):
+                parts.append(f"---\n# Source: {path}\n{body}\n")
+        return "".join(parts)
+
+
+def render(values: Optional[dict] = None, release: str = DEFAULT_RELEASE, namespace: str = DEFAULT_NAMESPACE,
+           chart: Optional[str | Path] = None) -> Rendered:
+    """Render the chart with ``values`` over its defaults (schema and ``fail`` rules enforced)."""
+    helm_python = _helm()
+    path = chart_dir(chart)
+    try:
+        helm_python.validate_release_name(release)
+    except helm_python.HelmError as exc:
+        raise ChartError(f"release name {release!r}: {_detail(exc)}") from None
+    try:
+        with helm_python.Chart.load(path) as loaded:
+            out = loaded.render(values or {}, name=release, namespace=namespace, is_install=True)
+    except helm_python.HelmValuesError as exc:
+        raise ChartError(explain_schema_error(_detail(exc))) from None
+    except helm_python.HelmRenderError as exc:
+        raise ChartError(explain_render_error(_detail(exc))) from None
+    except helm_python.HelmError as exc:
+        raise ChartError(f"chart {path}: {_detail(exc)}") from None
+    notes = next((text for name, text in out.items() if name.endswith("NOTES.txt")), "")
+    manifests = {name: text for name, text in out.items()
+                 if not name.endswith("NOTES.txt") and not name.rsplit("/", 1)[-1].startswith("_")}
+    return Rendered(manifests, notes)
+
+
+def lint(values: Optional[dict] = None, chart: Optional[str | Path] = None) -> list[str]:
+    """``helm lint --strict`` findings (warnings and errors) for ``values``; empty when clean."""
+    helm_python = _helm()
+    report = helm_python.lint(str(chart_dir(chart)), values or {}, strict=True, namespace=DEFAULT_NAMESPACE,
+                              kube_version=f"v{KUBERNETES_VERSION}")
+    found = [f"{m['path']}: {m['error']}" for m in report.get("messages", []) if m.get("severity", 0) >= 2]
+    return found + list(report.get("errors") or [])
+
+
+def _detail(exc: Exception) -> str:
+    return str(getattr(exc, "detail", None) or exc).strip()
+
+
+_SCHEMA_LINE = re.compile(r"^- at '(?P<path>[^']*)': (?P<what>.*)$")
+_ADDITIONAL = re.compile(r"additional propert(?:y|ies) (?P<names>.+) not allowed")
+
+
+def explain_schema_error(detail: str) -> str:
+    """Helm's schema report, one line per problem, with dotted keys (``efa.enabled``)."""
+    lines = []
+    for raw in detail.splitlines():
+        m = _SCHEMA_LINE.match(raw.strip())
+        if not m:
+            continue
+        key = m["path"].strip("/").replace("/", ".")
+        extra = _ADDITIONAL.search(m["what"])
+        if extra:
+            for name in re.findall(r"'([^']+)'", extra["names"]):
+                full = f"{key}.{name}" if key else name
+                lines.append(f"unknown key '{full}': remove it (values.schema.json lists the valid keys of "
+                             f"{key or 'the top level'})")
+        else:
+            lines.append(f"{key or '(top level)'}: {m['what']}")
+    if not lines:  # a report shape this parser does not know: show it whole
+        lines = [detail]
+    unique = list(dict.fromkeys(lines))
+    return "values rejected by the chart's values.schema.json:\n  " + "\n  ".join(unique)
+
+
+def explain_render_error(detail: str) -> str:
+    """The message of a template's ``fail`` (or the raw render error when it is not one)."""
+    m = re.search(r"execution error at \([^)]*\): (?P<msg>.*)", detail, re.S)
+    message = m["msg"] if m else detail
+    # The SDK repeats the message after the error code's own text; keep one copy.
+    half = len(message) // 2
+    if len(message) > 1 and message[:half].strip() and message[half:].strip().endswith(message[:half].strip()):
+        message = message[:half]
+    return message.strip()
+
+
+# ---- resilient-fsdp render ---------------------------------------------------------------------
+
+
+def add_values_args(p: argparse.ArgumentParser) -> None:
+    """The flags ``render`` and ``validate`` share: values as Helm takes them, and where to render."""
+    p.add_argument("-f", "--values", dest="values_files", action="append", default=[], metavar="FILE",
+                   help="values file, e.g. values/p5-4node.yaml (repeatable; later files win)")
+    p.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one value as helm --set does, e.g. --set nodes=4 (repeatable; applied last)")
+    p.add_argument("--release", default=DEFAULT_RELEASE, help=f"release name; default {DEFAULT_RELEASE}")
+    p.add_argument("--namespace", "-n", default=DEFAULT_NAMESPACE,
+                   help=f"namespace of the release; default {DEFAULT_NAMESPACE}")
+    p.add_argument("--chart", help=f"chart directory; default charts/resilient-fsdp of this checkout (or ${CHART_ENV})")
+
+
+def render_from_args(args: argparse.Namespace) -> Rendered:
+    return render(load_values(args.values_files, args.set_values), release=args.release,
+                  namespace=args.namespace, chart=args.chart)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``resilient-fsdp render``."""
+    p = sub.add_parser("render", help="print the chart's manifests for some values (helm template, no helm binary)",
+                       description="Render charts/resilient-fsdp with Helm's engine: values files in order, then "
+                                   "--set; the values schema and the chart's cross-key rules are enforced.")
+    add_values_args(p)
+    p.add_argument("--notes", action="store_true", help="also print NOTES.txt (to stderr)")
+    p.set_defaults(run=_cmd_render)
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    rendered = render_from_args(args)
+    sys.stdout.write(rendered.text())
+    if args.notes:
+        sys.stderr.write(rendered.notes)
+    return 0
+
+
+# ---- the trainer's part of values.schema.json ------------------------------------------------
+
+
+def trainer_schema() -> dict:
+    """Draft-07 schema of the ``trainer`` values, derived from the trainer's own config classes."""
+    from pydantic import TypeAdapter
+
+    from .config import Config
+
+    full = TypeAdapter(Config).json_schema()
+    defs = full.pop("$defs", {})
+
+    def convert(node: Any) -> Any:
+        if isinstance(node, list):
+            return [convert(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        if "$ref" in node:
+            target = convert(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {**target, **{k: v for k, v in convert({k: v for k, v in node.items() if k != "$ref"}).items()}}
+        out = {}
+        for key, value in node.items():
+            if key in ("title", "default"):
+                continue  # defaults live in the trainer; titles repeat the key
+            if key == "prefixItems":  # draft 2020-12 tuples are draft-07 item arrays
+                out["items"] = convert(value)
+                continue
+            if key == "description":
+                out[key] = " ".join(str(value).split())
+                continue
+            out[key] = convert(value)
+        if out.get("type") == "object" and "properties" in out:
+            out["additionalProperties"] = False
+            out.pop("required", None)  # every key has a default
+        return out
+
+    schema = convert(full)
+    schema["description"] = ("The trainer configuration (resilient-fsdp config --describe); the chart sets "
+                             "run_dir on the shared volume unless given.")
+    return schema
+
+
+def update_schema_file(chart: Optional[str | Path] = None) -> Path:
+    """Rewrite the ``trainer`` property of the chart's ``values.schema.json`` from the config classes."""
+    path = chart_dir(chart) / "values.schema.json"
+    schema = json.loads(path.read_text())
+    schema["properties"]["trainer"] = trainer_schema()
+    path.write_text(json.dumps(schema, indent=2) + "\n")
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.chart")
+    parser.add_argument("--update-schema", action="store_true",
+                        help="rewrite the trainer part of values.schema.json from resilient_fsdp.config")
+    args = parser.parse_args(argv)
+    if args.update_schema:
+        print(f"updated {update_schema_file()}")
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
