@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_render_parser(sub)
     add_validate_parser(sub)
+
+    from .advise import add_parser as add_advise_parser
+    from .report import add_parser as add_report_parser
+    from .simulate import add_parser as add_simulate_parser
+
+    add_advise_parser(sub)
+    add_report_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 
@@ -127,7 +135,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
                "bench": lambda a: a.bench(a),
-               "render": lambda a: a.run(a), "validate": lambda a: a.run(a)}[args.command]
+               "render": lambda a: a.run(a), "validate": lambda a: a.run(a),
+               "advise": lambda a: a.run(a), "report": lambda a: a.run(a), "simulate": lambda a: a.run(a)}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

@@ -1,0 +1,208 @@
+"""The goodput model, the advisor and the profiles it sets, the Monte Carlo simulation, and the
+run report (from a real 2-node x 2-rank job with injected faults)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, read_summary, run_local
+from resilient_fsdp import advise as adv
+from resilient_fsdp import goodput_model as gm
+from resilient_fsdp import simulate as sim
+
+VALUES_DIR = REPO / "values"
+# dev-cpu is for drills on a kind/minikube cluster: nothing fails on its own there, so its
+# settings are chosen for watching the layers work, not from a failure rate (its header says so).
+ADVISED_PROFILES = sorted(p.stem for p in VALUES_DIR.glob("*.yaml") if p.stem != "dev-cpu")
+
+
+# ---- formulas on worked examples ------------------------------------------------------------
+
+
+def test_young_and_daly_intervals_match_worked_examples():
+    # delta = 60 s, M = 24 h = 86,400 s.
+    # Young: sqrt(2 * 60 * 86,400) = sqrt(10,368,000) = 3,219.94 s.
+    assert gm.young_interval(60, 86_400) == pytest.approx(3219.94, abs=0.01)
+    # Daly: x = 60 / 172,800 = 3.4722e-4, sqrt(x) = 0.018634;
+    # 3,219.94 * (1 + 0.018634 / 3 + 3.4722e-4 / 9) - 60 = 3,219.94 * 1.0062499 - 60 = 3,180.07 s.
+    assert gm.daly_interval(60, 86_400) == pytest.approx(3180.07, abs=0.02)
+    # A stall of at least 2M: Daly says checkpoint every M.
+    assert gm.daly_interval(500, 200) == 200
+
+
+def test_expected_goodput_adds_up_and_matches_a_hand_computation():
+    # T = 1,000 s, delta = 10 s, W = 40 s, R = 100 s, M = 100,000 s.
+    # failures take (100 + 40 + 1,010 / 2) / 100,000 = 0.00645; training 0.99355 * 1000 / 1010.
+    g = gm.expected_goodput(1000, 10, 40, 100, 100_000)
+    assert g.productive == pytest.approx(0.99355 * 1000 / 1010)
+    assert g.restarts == pytest.approx(0.001)
+    assert g.lost_work == pytest.approx(0.00545)
+    assert sum(g.as_dict().values()) == pytest.approx(1.0)
+
+
+def test_restart_limits_are_poisson_quantiles():
+    assert gm.poisson_quantile(0.0) == 0
+    # Poisson(1): P(X <= 3) = 0.981, P(X <= 4) = 0.996.
+    assert gm.poisson_quantile(1.0, 0.99) == 4
+    # Large means do not underflow: about mean + 2.33 sqrt(mean).
+    assert gm.poisson_quantile(1000.0, 0.99) == pytest.approx(1000 + 2.33 * math.sqrt(1000), abs=3)
+
+
+# ---- the advisor ----------------------------------------------------------------------------
+
+
+def _advice(*argv: str) -> adv.Advice:
+    return adv.advise(adv.inputs_from_args(adv.parse_advise_line("# advise: " + " ".join(argv))))
+
+
+def test_advisor_interval_is_daly_and_never_below_the_write_time():
+    a = _advice("--instance", "p5.48xlarge", "--nodes", "64", "--ckpt-stall-s", "1", "--ckpt-write-s", "60")
+    mtbf = gm.node_mtbf_hours(8) * 3600 / 64
+    assert a.job_mtbf_s == pytest.approx(mtbf)
+    assert a.daly_s == pytest.approx(gm.daly_interval(1, mtbf))
+    assert a.interval_s == int(a.daly_s // 60) * 60  # rounded down to a whole minute
+    # A write longer than Daly's interval sets the interval: saves never queue behind writes.
+    slow = _advice("--instance", "p5.48xlarge", "--nodes", "64", "--ckpt-stall-s", "1", "--ckpt-write-s", "2000")
+    assert slow.interval_s == 2000
+    assert slow.checkpoint_timeout_s >= 5 * 2001
+
+
+def test_advisor_default_failure_rate_is_llama3_and_cited():
+    a = _advice("--instance", "p5.48xlarge", "--nodes", "2", "--ckpt-stall-s", "1", "--ckpt-write-s", "60")
+    assert a.inputs.node_mtbf_hours == pytest.approx(54 * 24 * 16384 / 466 / 8)
+    assert "466 interruptions in 54 days on 16,384" in adv.render_table(a)
+
+
+def test_advisor_rejects_bad_input_naming_the_flag(capsys):
+    with pytest.raises(adv.AdviseError, match="--instance 'p9.mega'.*--gpus-per-node"):
+        _advice("--instance", "p9.mega", "--nodes", "2", "--ckpt-stall-s", "1", "--ckpt-write-s", "60")
+    with pytest.raises(adv.AdviseError, match="--ckpt-write-s"):
+        _advice("--instance", "p5.48xlarge", "--nodes", "2", "--ckpt-stall-s", "1")
+    with pytest.raises(adv.AdviseError, match="--nodes must be at least 1"):
+        _advice("--instance", "p5.48xlarge", "--nodes", "0", "--ckpt-stall-s", "1", "--ckpt-write-s", "60")
+
+
+def test_advisor_reads_measured_costs_from_benchmark_results(tmp_path):
+    ckpt = tmp_path / "ckpt.json"
+    ckpt.write_text(json.dumps({"async": {"stall_s": 0.4, "write_s": 3.3}}))
+    rec = tmp_path / "rec.json"
+    rec.write_text(json.dumps({"in_job": {"recovery_s_median": 9.5}}))
+    a = _advice("--instance", "p5.48xlarge", "--nodes", "8", "--from-bench", str(ckpt), "--from-bench", str(rec))
+    assert (a.inputs.ckpt_stall_s, a.inputs.ckpt_write_s, a.inputs.restart_s) == (0.4, 3.3, 9.5)
+
+
+@pytest.mark.parametrize("profile", ADVISED_PROFILES)
+def test_profile_restart_settings_are_the_advisors(profile):
+    text = VALUES_DIR.joinpath(f"{profile}.yaml").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("# advise:")]
+    assert len(lines) == 1, f"{profile}: needs exactly one '# advise: ...' line with the advisor's inputs"
+    advice = _advice(*lines[0][len("# advise:"):].split())
+    values = yaml.safe_load(text)
+    expected = advice.values()
+    assert values["instanceType"] == advice.inputs.instance and values["nodes"] == advice.inputs.nodes
+    assert values["trainer"]["checkpoint"]["interval_s"] == expected["trainer"]["checkpoint"]["interval_s"]
+    for key, value in expected["trainer"]["resilience"].items():
+        assert values["trainer"]["resilience"][key] == value, f"{profile}: trainer.resilience.{key}"
+    assert values["job"]["backoffLimit"] == expected["job"]["backoffLimit"]
+
+
+def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):
+    from resilient_fsdp.chart import load_values, render
+
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
+                           "--nodes", "4", "--ckpt-stall-s", "0.5", "--ckpt-write-s", "60", "--values"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    snippet = tmp_path / "advised.yaml"
+    snippet.write_text(proc.stdout)
+    assert yaml.safe_load(proc.stdout)["job"]["backoffLimit"] >= 3
+    rendered = render(load_values([str(VALUES_DIR / "p5-4node.yaml"), str(VALUES_DIR / "examples" / "my-cluster.yaml"),
+                                   str(snippet)], []))
+    job = rendered.find("PyTorchJob")
+    assert "resilient-fsdp advise" in proc.stdout
+    assert job["spec"]["runPolicy"]["backoffLimit"] == yaml.safe_load(proc.stdout)["job"]["backoffLimit"]
+
+
+# ---- the simulation -------------------------------------------------------------------------
+
+
+def _scenario(nodes: int, **kw) -> sim.Scenario:
+    mtbf_h = gm.node_mtbf_hours(8)
+    interval = gm.daly_interval(1.0, mtbf_h * 3600 / nodes)
+    base = dict(nodes=nodes, node_mtbf_h=mtbf_h, horizon_h=24 * 60, interval_s=max(interval, 60),
+                stall_s=1.0, write_s=60.0)
+    base.update(kw)
+    return sim.Scenario(**base)
+
+
+def test_simulation_is_reproducible_with_a_seed():
+    s = _scenario(512)
+    assert sim.simulate(s, "in-job", runs=20, seed=7) == sim.simulate(s, "in-job", runs=20, seed=7)
+    assert sim.simulate(s, "in-job", runs=20, seed=7) != sim.simulate(s, "in-job", runs=20, seed=8)
+
+
+@pytest.mark.parametrize("nodes", [64, 512, 2048])
+@pytest.mark.parametrize("strategy", list(sim.STRATEGIES))
+def test_simulation_agrees_with_the_closed_form_where_it_applies(nodes, strategy):
+    # The closed form is first order in (T + R) / M: at 2048 nodes M is ~2.8 h, still > 10 x (T + R).
+    s = _scenario(nodes)
+    simulated = sim.simulate(s, strategy, runs=60, seed=1)["goodput"]
+    assert simulated == pytest.approx(sim.analytic(s, strategy), rel=0.01)
+
+
+def test_cheaper_recovery_layers_raise_goodput_at_scale():
+    s = _scenario(2048)
+    goodput = {k: sim.simulate(s, k, runs=60, seed=3)["goodput"] for k in sim.STRATEGIES}
+    assert goodput["job"] < goodput["in-job"] < goodput["in-process"]
+
+
+def test_simulate_command_writes_table_json_and_plot(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8,64", "--runs", "5",
+                           "--out", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["nodes"], r["strategy"]) for r in rows} == {(n, k) for n in (8, 64) for k in sim.STRATEGIES}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--mix", "1,2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--mix" in bad.stderr
+
+
+# ---- the run report -------------------------------------------------------------------------
+
+
+def test_report_of_a_real_run_with_faults(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=2, nproc=2,
+                     overrides=["train.steps=16", "checkpoint.interval_steps=4", "resilience.workers_stop_timeout_s=2",
+                                "resilience.workload_check_interval_s=0.5", "resilience.learn_timeouts=false"],
+                     extra=["--inject=sigkill@9:rank=3"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    png, parts_json = tmp_path / "report.png", tmp_path / "parts.json"
+    rep = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "report", str(run_dir), "--out", str(png),
+                          "--json", str(parts_json)], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    summary = read_summary(run_dir)
+    parts = json.loads(parts_json.read_text())
+    assert parts["goodput"] == pytest.approx(summary["goodput"])
+    assert f"goodput {summary['goodput']:.4f}" in rep.stdout
+    assert sum(parts[k] for k in ("productive_s", "checkpoint_stalls_s", "lost_work_s", "recovery_s", "other_s")) \
+        == pytest.approx(parts["wall_s"])
+    assert parts["recovery_s"] == pytest.approx(summary["recoveries"][0]["recovery_s"])
+    assert parts["lost_work_s"] > 0  # the work since step 8's checkpoint was trained again
+    assert "sigkill@9:rank=3" in rep.stdout and "in_job" in rep.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_report_names_what_is_missing(tmp_path):
+    rep = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "report", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 2 and "summary.json not found" in rep.stderr

@@ -1,0 +1,281 @@
+"""``resilient-fsdp advise``: restart settings for a cluster size, from the goodput model.
+
+Inputs: the instance type and node count (GPUs per node come from the chart's instance table), a
+node MTBF (default: the Llama 3 failure rate per GPU-hour), the planned job length, and three
+measured costs: the checkpoint stall, the background write time, and the restart time (given, or
+read from ``bench checkpoint`` / ``bench recovery`` JSON with ``--from-bench``).
+
+Outputs, with the rule behind each (see ``goodput_model`` for the formulas):
+
+* ``checkpoint.interval_s``: Daly's interval, rounded down to a whole minute (ten seconds below
+  ten minutes), at most an hour, never below the write time;
+* expected failures over the job, expected goodput and its breakdown;
+* section timeouts: each at least ``SAFETY`` times what it covers and never below a floor that
+  absorbs slow starts (``ft_launcher`` kills a rank that overstays a section);
+* ``resilience.max_restarts`` and ``job.backoffLimit``: the 99th percentile of the Poisson number
+  of failures over the job, at least 3, so a job with the expected failure rate exhausts neither
+  more than once in a hundred runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from . import goodput_model as gm
+
+CHART_VALUES = Path(__file__).resolve().parents[2] / "charts" / "resilient-fsdp" / "values.yaml"
+SAFETY = 5.0  # margin over the measured duration a section timeout covers (NVRx's default factor)
+# The first steps after a (re)start run warm-up work (allocator growth, NCCL communicators made
+# on first use) that can take minutes at scale; learned timeouts replace these after
+# ``resilience.learn_after_steps`` steps.
+STEP_TIMEOUT_FLOOR_S = 300.0
+CHECKPOINT_TIMEOUT_FLOOR_S = 600.0
+INIT_TIMEOUT_FLOOR_S = 900.0
+RESTART_LIMIT_FLOOR = 3
+RESTART_QUANTILE = 0.99
+DEFAULT_RESTART_S = 120.0  # an in-job restart at scale: detection, respawn, rendezvous, load
+DEFAULT_STARTUP_S = 60.0  # building and sharding the model and joining the rendezvous
+# Longer intervals are not worth their lost work in failures the model leaves out (a corrupt
+# newest checkpoint sends the job back two intervals; operators stop jobs on purpose).
+MAX_INTERVAL_S = 3600
+
+
+class AdviseError(ValueError):
+    """Bad advisor input; the message names the flag and the fix."""
+
+
+def instance_gpus(instance: str, values_path: Path = CHART_VALUES) -> int:
+    """GPUs per node of ``instance``, from the chart's ``instanceTypes`` table (one source)."""
+    try:
+        table = yaml.safe_load(values_path.read_text())["instanceTypes"]
+    except (OSError, KeyError, TypeError) as exc:
+        raise AdviseError(f"cannot read the instance table from {values_path} ({exc}); "
+                          f"pass --gpus-per-node instead") from exc
+    if instance not in table:
+        raise AdviseError(f"--instance {instance!r} is not in the chart's instanceTypes "
+                          f"({', '.join(sorted(table))}); pass --gpus-per-node for other types")
+    return int(table[instance]["gpus"])
+
+
+@dataclass(frozen=True)
+class Inputs:
+    instance: str
+    nodes: int
+    gpus_per_node: int
+    node_mtbf_hours: float
+    job_hours: float
+    ckpt_stall_s: float
+    ckpt_write_s: float
+    restart_s: float
+    step_s: float
+    startup_s: float
+    mtbf_source: str
+
+
+@dataclass(frozen=True)
+class Advice:
+    inputs: Inputs
+    job_mtbf_s: float
+    young_s: float
+    daly_s: float
+    interval_s: int
+    expected_failures: float
+    goodput: dict
+    max_restarts: int
+    backoff_limit: int
+    step_timeout_s: int
+    checkpoint_timeout_s: int
+    init_timeout_s: int
+    out_of_section_timeout_s: int
+
+    def values(self) -> dict:
+        """The chart values these settings map to."""
+        return {
+            "trainer": {
+                "checkpoint": {"interval_s": self.interval_s},
+                "resilience": {
+                    "max_restarts": self.max_restarts,
+                    "init_timeout_s": self.init_timeout_s,
+                    "step_timeout_s": self.step_timeout_s,
+                    "checkpoint_timeout_s": self.checkpoint_timeout_s,
+                    "out_of_section_timeout_s": self.out_of_section_timeout_s,
+                },
+            },
+            "job": {"backoffLimit": self.backoff_limit},
+        }
+
+
+def round_interval(seconds: float) -> int:
+    """Whole minutes from ten minutes up, ten seconds below, whole seconds under ten."""
+    step = 60 if seconds >= 600 else 10 if seconds >= 10 else 1
+    return max(1, int(seconds // step) * step)
+
+
+def advise(inputs: Inputs) -> Advice:
+    for name in ("nodes", "gpus_per_node"):
+        if getattr(inputs, name) < 1:
+            raise AdviseError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("node_mtbf_hours", "job_hours", "step_s", "startup_s"):
+        if getattr(inputs, name) <= 0:
+            raise AdviseError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("ckpt_stall_s", "ckpt_write_s", "restart_s"):
+        if getattr(inputs, name) < 0:
+            raise AdviseError(f"--{name.replace('_', '-')} must not be negative")
+    mtbf_s = inputs.node_mtbf_hours * gm.HOUR / inputs.nodes
+    stall = max(inputs.ckpt_stall_s, 1e-3)  # a zero stall would make every interval zero
+    young, daly = gm.young_interval(stall, mtbf_s), gm.daly_interval(stall, mtbf_s)
+    interval = max(min(round_interval(daly), MAX_INTERVAL_S), math.ceil(inputs.ckpt_write_s))
+    failures = inputs.job_hours * gm.HOUR / mtbf_s
+    breakdown = gm.expected_goodput(interval, inputs.ckpt_stall_s, inputs.ckpt_write_s, inputs.restart_s, mtbf_s)
+    limit = max(RESTART_LIMIT_FLOOR, gm.poisson_quantile(failures, RESTART_QUANTILE))
+    # A save waits for the previous write when it has not finished, so the checkpoint section
+    # may include a whole write on top of the stall.
+    checkpoint_timeout = max(CHECKPOINT_TIMEOUT_FLOOR_S, SAFETY * (inputs.ckpt_stall_s + inputs.ckpt_write_s))
+    # Start-up builds the model and loads the checkpoint, which reads as much as a save writes.
+    init_timeout = max(INIT_TIMEOUT_FLOOR_S, SAFETY * (inputs.startup_s + inputs.ckpt_write_s))
+    step_timeout = max(STEP_TIMEOUT_FLOOR_S, SAFETY * inputs.step_s)
+    return Advice(
+        inputs=inputs, job_mtbf_s=mtbf_s, young_s=young, daly_s=daly, interval_s=interval,
+        expected_failures=failures, goodput=breakdown.as_dict(), max_restarts=limit, backoff_limit=limit,
+        step_timeout_s=_whole(step_timeout), checkpoint_timeout_s=_whole(checkpoint_timeout),
+        init_timeout_s=_whole(init_timeout),
+        # Between sections (logging, data) nothing long happens; the step timeout covers it.
+        out_of_section_timeout_s=_whole(step_timeout),
+    )
+
+
+def _whole(seconds: float) -> int:
+    """Timeouts in whole tens of seconds, rounded up (they are margins, not measurements)."""
+    return int(math.ceil(seconds / 10.0) * 10)
+
+
+def costs_from_bench(path: Path) -> dict:
+    """``ckpt_stall_s`` / ``ckpt_write_s`` from ``bench checkpoint`` JSON, ``restart_s`` from
+    ``bench recovery`` JSON (its in-job median); either or both keys may be present."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AdviseError(f"--from-bench {path}: cannot read it as JSON ({exc})") from exc
+    found = {}
+    if isinstance(data.get("async"), dict):
+        found["ckpt_stall_s"] = float(data["async"]["stall_s"])
+        found["ckpt_write_s"] = float(data["async"]["write_s"])
+    if isinstance(data.get("in_job"), dict):
+        found["restart_s"] = float(data["in_job"]["recovery_s_median"])
+    if not found:
+        raise AdviseError(f"--from-bench {path}: neither `bench checkpoint` (key `async`) nor `bench recovery` "
+                          f"(key `in_job`) results")
+    return found
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("advise", help="checkpoint interval, timeouts and restart limits for a cluster size",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--instance", required=True, help="EC2 instance type, a key of the chart's instanceTypes")
+    p.add_argument("--nodes", type=int, required=True, help="nodes (pods) in the job")
+    p.add_argument("--gpus-per-node", type=int, help="default: the instance type's GPUs")
+    p.add_argument("--node-mtbf-hours", type=float,
+                   help="one node's mean time between failures; default: Llama 3's rate per GPU-hour x GPUs")
+    p.add_argument("--job-hours", type=float, default=24.0 * 14, help="planned length of the job (default 336)")
+    p.add_argument("--ckpt-stall-s", type=float, help="training stall per checkpoint (seconds)")
+    p.add_argument("--ckpt-write-s", type=float, help="background write time per checkpoint (seconds)")
+    p.add_argument("--restart-s", type=float, help=f"time from a failure to training again (default {DEFAULT_RESTART_S:g})")
+    p.add_argument("--step-s", type=float, default=10.0, help="time of one training step (default 10)")
+    p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
+                   help=f"model build, sharding and rendezvous at start (default {DEFAULT_STARTUP_S:g})")
+    p.add_argument("--from-bench", action="append", default=[], metavar="FILE",
+                   help="take measured costs from `bench checkpoint` / `bench recovery` JSON (repeatable)")
+    p.add_argument("--values", action="store_true", help="print a values snippet for the chart instead of the table")
+    p.set_defaults(run=main)
+
+
+def inputs_from_args(args: argparse.Namespace) -> Inputs:
+    costs: dict = {}
+    for path in args.from_bench:
+        costs.update(costs_from_bench(Path(path)))
+    for key in ("ckpt_stall_s", "ckpt_write_s", "restart_s"):
+        if getattr(args, key) is not None:
+            costs[key] = getattr(args, key)
+    missing = [k for k in ("ckpt_stall_s", "ckpt_write_s") if k not in costs]
+    if missing:
+        raise AdviseError("the checkpoint costs are needed: pass " + " and ".join(f"--{k.replace('_', '-')}" for k in missing)
+                          + ", or --from-bench with `bench checkpoint` results")
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else instance_gpus(args.instance)
+    if args.node_mtbf_hours is not None:
+        mtbf, source = args.node_mtbf_hours, "given (--node-mtbf-hours)"
+    else:
+        mtbf = gm.node_mtbf_hours(gpus)
+        source = gm.LLAMA3_SOURCE.format(gpu_hours=gm.llama3_gpu_mtbf_hours())
+    return Inputs(instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
+                  job_hours=args.job_hours, ckpt_stall_s=costs["ckpt_stall_s"], ckpt_write_s=costs["ckpt_write_s"],
+                  restart_s=costs.get("restart_s", DEFAULT_RESTART_S), step_s=args.step_s,
+                  startup_s=args.startup_s, mtbf_source=source)
+
+
+def render_table(a: Advice) -> str:
+    i = a.inputs
+    g = a.goodput
+    rows = [
+        ("cluster", f"{i.nodes} x {i.instance} ({i.nodes * i.gpus_per_node} GPUs)"),
+        ("node MTBF", f"{i.node_mtbf_hours:,.0f} h ({i.mtbf_source})"),
+        ("job MTBF M", f"{a.job_mtbf_s / gm.HOUR:,.1f} h = node MTBF / {i.nodes} nodes"),
+        ("expected failures", f"{a.expected_failures:.2f} over {i.job_hours:g} h"),
+        ("checkpoint costs", f"stall delta {i.ckpt_stall_s:g} s, write W {i.ckpt_write_s:g} s; restart R {i.restart_s:g} s"),
+        ("Young sqrt(2 delta M)", f"{a.young_s:,.0f} s"),
+        ("Daly", f"{a.daly_s:,.0f} s"),
+        ("checkpoint.interval_s", f"{a.interval_s} (Daly, rounded down, at most {MAX_INTERVAL_S}; never below W)"),
+        ("expected goodput", f"{g['productive']:.4f}: stalls {g['checkpoint_stalls']:.4f}, lost work "
+                             f"{g['lost_work']:.4f}, restarts {g['restarts']:.4f}"),
+        ("step_timeout_s", f"{a.step_timeout_s} = max({STEP_TIMEOUT_FLOOR_S:g}, {SAFETY:g} x step {i.step_s:g} s)"),
+        ("checkpoint_timeout_s", f"{a.checkpoint_timeout_s} = max({CHECKPOINT_TIMEOUT_FLOOR_S:g}, {SAFETY:g} x (delta + W))"),
+        ("init_timeout_s", f"{a.init_timeout_s} = max({INIT_TIMEOUT_FLOOR_S:g}, {SAFETY:g} x (start-up "
+                           f"{i.startup_s:g} s + load ~W))"),
+        ("out_of_section_timeout_s", f"{a.out_of_section_timeout_s} = step_timeout_s (heartbeats are off: "
+                                     f"sections cover the loop)"),
+        ("max_restarts / backoffLimit", f"{a.max_restarts} / {a.backoff_limit} = max({RESTART_LIMIT_FLOOR}, "
+                                        f"Poisson({a.expected_failures:.2f}) {RESTART_QUANTILE:.0%} quantile)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def render_values(a: Advice) -> str:
+    i = a.inputs
+    header = (f"# resilient-fsdp advise --instance {i.instance} --nodes {i.nodes} --job-hours {i.job_hours:g} "
+              f"--ckpt-stall-s {i.ckpt_stall_s:g} --ckpt-write-s {i.ckpt_write_s:g} --restart-s {i.restart_s:g} "
+              f"--step-s {i.step_s:g} --startup-s {i.startup_s:g}\n")
+    return header + yaml.safe_dump(a.values(), sort_keys=False)
+
+
+def main(args: argparse.Namespace, out=None) -> int:
+    out = out or sys.stdout
+    try:
+        advice = advise(inputs_from_args(args))
+    except AdviseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render_values(advice) if args.values else render_table(advice), file=out)
+    return 0
+
+
+def as_json(a: Advice) -> dict:
+    return {**asdict(a), "values": a.values()}
+
+
+def parse_advise_line(line: str) -> Optional[argparse.Namespace]:
+    """The arguments of a ``# advise: ...`` line in a values profile's header, else None."""
+    prefix = "# advise:"
+    if not line.startswith(prefix):
+        return None
+    parser = argparse.ArgumentParser(prog="advise", add_help=False)
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    return parser.parse_args(["advise", *line[len(prefix):].split()])

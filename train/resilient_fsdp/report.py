@@ -1,0 +1,205 @@
+"""``resilient-fsdp report RUN_DIR``: a run as a picture, and where its wall time went.
+
+Reads what every run writes (``metrics.jsonl``, ``summary.json``, ``faults/``) and produces
+
+* a PNG timeline: steps over wall time, checkpoint commits and stalls, each fault, its recovery
+  shaded by the layer that recovered it, and the work that was trained twice;
+* a goodput breakdown of the job's wall time, printed as a table and drawn beside the timeline:
+
+  - ``productive``: time in steps that count (``summary.json``'s ``productive_s``, so the
+    goodput here is the one ``summary.json`` reports);
+  - ``checkpoint stalls``: the training loop waiting on committed checkpoints' saves;
+  - ``lost work``: from the completion of the step a recovery resumed from to the fault;
+  - ``recovery``: from each fault to the first step completed after the restore;
+  - ``other``: the rest (start-up, per-step bookkeeping, the final save, shutdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .faults import FaultLedger
+from .restarts import read_records
+
+LAYER_COLOURS = {"in_process": "tab:green", "in_job": "tab:orange", "job": "tab:red"}
+
+
+class ReportError(RuntimeError):
+    pass
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    summary: dict
+    records: list
+    faults: list      # fired faults (ledger records, with t_fault)
+    recoveries: dict  # fault key -> recovery record
+
+    @property
+    def t0(self) -> float:
+        """The job's launch: ``summary.json``'s wall time counts from it up to the finish."""
+        finishes = [r["t"] for r in self.records if r.get("event") == "finish"]
+        if finishes and "job_wall_s" in self.summary:
+            return finishes[-1] - float(self.summary["job_wall_s"])
+        return min(r["t"] for r in self.records if "t" in r)
+
+
+def load_run(run_dir: Path) -> RunData:
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    for path in (summary_path, metrics_path):
+        if not path.exists():
+            raise ReportError(f"{path} not found: RUN_DIR must be a finished run's directory "
+                              f"(the --run-dir given to `resilient-fsdp local` or `train`)")
+    ledger = FaultLedger(run_dir)
+    return RunData(run_dir=run_dir, summary=json.loads(summary_path.read_text()),
+                   records=read_records(metrics_path), faults=ledger.fired(), recoveries=ledger.recoveries())
+
+
+def _step_end_time(records: list, step: int) -> float | None:
+    """Wall time the given step completed in the timeline that counts (the kept records)."""
+    times = [r["t"] for r in records if r.get("event") == "step" and r.get("step") == step]
+    return times[0] if times else None
+
+
+def breakdown(run: RunData) -> dict:
+    """Seconds of the job's wall time per category (they add up to ``job_wall_s``)."""
+    s = run.summary
+    wall = float(s["job_wall_s"])
+    productive = float(s["productive_s"])
+    stalls = sum(float(r.get("stall_s", 0.0)) for r in run.records if r.get("event") == "checkpoint")
+    lost = recovery = 0.0
+    for fault in run.faults:
+        rec = run.recoveries.get(fault["key"])
+        if rec is None:
+            continue
+        recovery += float(rec["recovery_s"])
+        resumed_at = _step_end_time(run.records, rec["resumed_from_step"]) if rec.get("resumed_from_step") else None
+        if resumed_at is not None:
+            lost += max(0.0, fault["t_fault"] - resumed_at)
+    other = wall - productive - stalls - lost - recovery
+    return {"wall_s": wall, "productive_s": productive, "checkpoint_stalls_s": stalls, "lost_work_s": lost,
+            "recovery_s": recovery, "other_s": other, "goodput": productive / wall if wall > 0 else 0.0}
+
+
+def render_table(run: RunData, parts: dict) -> str:
+    wall = parts["wall_s"] or 1.0
+    rows = [("productive", parts["productive_s"]), ("checkpoint stalls", parts["checkpoint_stalls_s"]),
+            ("lost work", parts["lost_work_s"]), ("recovery", parts["recovery_s"]), ("other", parts["other_s"])]
+    lines = [f"run {run.run_dir}: {run.summary.get('final_step')} steps, world size {run.summary.get('world_size')}, "
+             f"{len(run.faults)} fault(s), restarts {run.summary.get('restarts')}",
+             f"{'':<18} {'seconds':>9} {'share':>7}"]
+    lines += [f"{name:<18} {value:>9.2f} {value / wall:>7.1%}" for name, value in rows]
+    lines.append(f"{'wall':<18} {parts['wall_s']:>9.2f} {'':>7}")
+    lines.append(f"goodput {parts['goodput']:.4f} (summary.json: {run.summary.get('goodput', float('nan')):.4f})")
+    for fault in run.faults:
+        rec = run.recoveries.get(fault["key"])
+        if rec:
+            lines.append(f"  {fault['fault']:<32} {rec['layer']:<10} recovery {rec['recovery_s']:.2f} s, "
+                         f"{rec['lost_steps']} step(s) trained again")
+        else:
+            lines.append(f"  {fault['fault']:<32} not recovered")
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (no display here or in a pod)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("plots need matplotlib: pip install 'resilient-fsdp[report]' "
+                          "(with -c constraints.txt for the pinned version)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(run: RunData, parts: dict, path: Path) -> None:
+    plt = pyplot()
+
+    t0 = run.t0
+    steps = [r for r in run.records if r.get("event") == "step"]
+    ckpts = [r for r in run.records if r.get("event") == "checkpoint"]
+    fig, (ax, bar) = plt.subplots(2, 1, figsize=(10, 6.5), gridspec_kw={"height_ratios": [4, 1]})
+    ax.plot([r["t"] - t0 for r in steps], [r["step"] for r in steps], ".", markersize=2, color="tab:blue",
+            label="step completed")
+    if ckpts:
+        ax.plot([r["t"] - t0 for r in ckpts], [r["step"] for r in ckpts], "|", markersize=12, color="black",
+                label="checkpoint committed")
+        for r in ckpts:  # the stall ends when the save returns; draw it before the commit mark
+            ax.axvspan(r["t"] - t0 - r.get("stall_s", 0.0), r["t"] - t0, color="grey", alpha=0.25, lw=0)
+    seen = set()
+    for fault in run.faults:
+        tf = fault["t_fault"] - t0
+        ax.axvline(tf, color="crimson", ls="--", lw=1)
+        ax.annotate(fault["fault"], (tf, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=7,
+                    color="crimson")
+        rec = run.recoveries.get(fault["key"])
+        if not rec:
+            continue
+        layer = rec["layer"]
+        ax.axvspan(tf, tf + rec["recovery_s"], color=LAYER_COLOURS.get(layer, "tab:purple"), alpha=0.3, lw=0,
+                   label=None if layer in seen else f"recovery ({layer})")
+        seen.add(layer)
+        resumed_at = _step_end_time(run.records, rec["resumed_from_step"]) if rec.get("resumed_from_step") else None
+        if resumed_at is not None:
+            ax.axvspan(resumed_at - t0, tf, ymin=0, ymax=0.05, color="crimson", alpha=0.6, lw=0,
+                       label=None if "lost" in seen else "work trained again")
+            seen.add("lost")
+    ax.set_xlabel("wall time since launch (s)")
+    ax.set_ylabel("step")
+    ax.set_title(f"{run.run_dir.name}: goodput {parts['goodput']:.3f}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+
+    names = ["productive", "checkpoint stalls", "lost work", "recovery", "other"]
+    keys = ["productive_s", "checkpoint_stalls_s", "lost_work_s", "recovery_s", "other_s"]
+    colours = ["tab:blue", "grey", "crimson", "tab:orange", "lightgrey"]
+    left = 0.0
+    wall = parts["wall_s"] or 1.0
+    for name, key, colour in zip(names, keys, colours):
+        share = max(parts[key], 0.0) / wall
+        bar.barh(0, share, left=left, color=colour, label=f"{name} {share:.1%}")
+        left += share
+    bar.set_xlim(0, max(1.0, left))
+    bar.set_yticks([])
+    bar.set_xlabel("share of wall time")
+    bar.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.6))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="a run's timeline (PNG) and goodput breakdown",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's directory")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+    p.add_argument("--json", help="also write the breakdown as JSON here")
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    try:
+        run = load_run(run_dir)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parts = breakdown(run)
+    print(render_table(run, parts))
+    out = Path(args.out) if args.out else run_dir / "report.png"
+    try:
+        plot(run, parts, out)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"timeline: {out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(parts, indent=2, sort_keys=True) + "\n")
+    return 0

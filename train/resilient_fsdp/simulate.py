@@ -1,0 +1,262 @@
+"""``resilient-fsdp simulate``: Monte Carlo goodput of a long job at cluster scale, per restart strategy.
+
+Each run draws node failures as a Poisson process (rate: nodes / node MTBF) over a wall-clock
+horizon. A failure is one of three classes, in proportions given by ``--mix``:
+
+* ``transient``: an exception, a hang, a NCCL timeout: the processes are healthy enough to
+  re-enter the training function (in-process restart can take it);
+* ``process``: a crashed or wedged worker process on a healthy node (in-job restart can take it);
+* ``node``: the node is lost or must be replaced (only the job-level restart can take it).
+
+A strategy decides which layer handles each class: ``job`` (every failure restarts the job),
+``in-job`` (+ ``ft_launcher`` respawns workers for ``transient`` and ``process``), ``in-process``
+(+ in-process restart for ``transient``). Every recovery resumes from the newest *committed*
+checkpoint; a failure during a recovery starts that recovery again.
+
+Training between failures follows ``goodput_model``: ``T`` seconds of training, a stall of
+``delta``, and a background write that commits ``W`` seconds after the stall ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import goodput_model as gm
+
+CLASSES = ("transient", "process", "node")
+STRATEGIES = {
+    # failure class -> layer that recovers it
+    "job": {"transient": "job", "process": "job", "node": "job"},
+    "in-job": {"transient": "in_job", "process": "in_job", "node": "job"},
+    "in-process": {"transient": "in_process", "process": "in_job", "node": "job"},
+}
+# At-scale recovery times (seconds), each from the failure to training again, checkpoint load
+# included. Stated assumptions, not measurements: in-process restart's own parts add to ~1.5 s
+# (NVRx docs) plus re-initialisation and the load; an in-job restart cycle is about a minute
+# (NVRx docs) plus the load; a job-level restart waits for a replacement node to be scheduled,
+# pull the image and join, here 10 minutes.
+DEFAULT_RECOVERY_S = {"in_process": 30.0, "in_job": 120.0, "job": 600.0}
+# Share of failures per class (transient, process, node). Llama 3 attributes ~78% of its
+# unexpected interruptions to hardware; most of those take the node out. Stated assumption.
+DEFAULT_MIX = (0.2, 0.2, 0.6)
+
+
+@dataclass
+class Tally:
+    productive: float = 0.0
+    stalls: float = 0.0
+    lost: float = 0.0
+    restarts: float = 0.0
+    failures: int = 0
+
+    def add(self, other: "Tally") -> None:
+        self.productive += other.productive
+        self.stalls += other.stalls
+        self.lost += other.lost
+        self.restarts += other.restarts
+        self.failures += other.failures
+
+
+@dataclass(frozen=True)
+class Scenario:
+    nodes: int
+    node_mtbf_h: float
+    horizon_h: float
+    interval_s: float
+    stall_s: float
+    write_s: float
+    recovery_s: dict = field(default_factory=lambda: dict(DEFAULT_RECOVERY_S))
+    mix: tuple = DEFAULT_MIX
+
+    @property
+    def mtbf_s(self) -> float:
+        return self.node_mtbf_h * gm.HOUR / self.nodes
+
+
+def run_segment(duration: float, s: Scenario, ends_in_failure: bool) -> Tally:
+    """Training for ``duration`` seconds from a restored (committed) state."""
+    cycle = s.interval_s + s.stall_s
+    k = int(duration // cycle)
+    rest = duration - k * cycle
+    trained = k * s.interval_s + min(rest, s.interval_s)
+    stalled = k * s.stall_s + max(0.0, rest - s.interval_s)
+    if not ends_in_failure:
+        return Tally(productive=trained, stalls=stalled)
+    # Checkpoint i (taken at i * cycle) is usable once its write ends, W later.
+    committed = max(0, min(k, int((duration - s.write_s) // cycle))) if duration >= s.write_s else 0
+    kept = committed * s.interval_s
+    return Tally(productive=kept, stalls=stalled, lost=trained - kept, failures=1)
+
+
+def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator) -> Tally:
+    """One job over the horizon; returns seconds spent per category."""
+    layers = STRATEGIES[strategy]
+    horizon = s.horizon_h * gm.HOUR
+    mix = np.asarray(s.mix, dtype=float) / sum(s.mix)
+
+    def recovery() -> float:
+        return s.recovery_s[layers[CLASSES[rng.choice(len(CLASSES), p=mix)]]]
+
+    total = Tally()
+    t, recovering_until = 0.0, None
+    while t < horizon:
+        # Failures are memoryless: a fresh draw from every state change is exact.
+        failure_at = t + rng.exponential(s.mtbf_s)
+        if recovering_until is None:
+            if failure_at >= horizon:
+                total.add(run_segment(horizon - t, s, ends_in_failure=False))
+                break
+            total.add(run_segment(failure_at - t, s, ends_in_failure=True))
+            t, recovering_until = failure_at, failure_at + recovery()
+        elif failure_at < min(recovering_until, horizon):
+            # Failed again while recovering: the recovery starts over.
+            total.restarts += failure_at - t
+            total.failures += 1
+            t, recovering_until = failure_at, failure_at + recovery()
+        else:
+            end = min(recovering_until, horizon)
+            total.restarts += end - t
+            t, recovering_until = end, None
+    return total
+
+
+def simulate(s: Scenario, strategy: str, runs: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    total = Tally()
+    for _ in range(runs):
+        total.add(simulate_run(s, strategy, rng))
+    wall = runs * s.horizon_h * gm.HOUR
+    return {"goodput": total.productive / wall, "checkpoint_stalls": total.stalls / wall,
+            "lost_work": total.lost / wall, "restarts": total.restarts / wall,
+            "failures_per_run": total.failures / runs}
+
+
+def analytic(s: Scenario, strategy: str) -> float:
+    """The closed-form expectation with the strategy's mean recovery time."""
+    layers = STRATEGIES[strategy]
+    mix = np.asarray(s.mix, dtype=float) / sum(s.mix)
+    mean_r = float(sum(p * s.recovery_s[layers[c]] for p, c in zip(mix, CLASSES)))
+    return gm.expected_goodput(s.interval_s, s.stall_s, s.write_s, mean_r, s.mtbf_s).productive
+
+
+def parse_recovery(text: str) -> dict:
+    out = dict(DEFAULT_RECOVERY_S)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key not in out:
+            raise ValueError(f"--recovery-s {part!r}: expected LAYER=SECONDS with LAYER one of {', '.join(out)}")
+        out[key] = float(value)
+    return out
+
+
+def recovery_from_bench(path: Path) -> dict:
+    """Median recovery per layer from ``bench recovery`` JSON (``full_relaunch`` stands for ``job``)."""
+    data = json.loads(path.read_text())
+    names = {"in_process": "in_process", "in_job": "in_job", "full_relaunch": "job"}
+    return {layer: float(data[key]["recovery_s_median"]) for key, layer in names.items() if key in data}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="Monte Carlo goodput per cluster size and restart strategy",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="8,64,512,2048", help="comma-separated node counts")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--node-mtbf-hours", type=float,
+                   help="default: Llama 3's interruptions per GPU-hour x GPUs per node")
+    p.add_argument("--horizon-hours", type=float, default=24.0 * 14, help="wall time of one simulated job")
+    p.add_argument("--runs", type=int, default=200, help="simulated jobs per point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-stall-s", type=float, default=1.0)
+    p.add_argument("--ckpt-write-s", type=float, default=60.0)
+    p.add_argument("--interval-s", type=float, help="checkpoint interval; default: Daly's for each size")
+    p.add_argument("--recovery-s", default="", help="LAYER=SECONDS overrides, e.g. in_job=90,job=900")
+    p.add_argument("--recovery-from-bench", metavar="FILE", help="recovery times from `bench recovery` JSON")
+    p.add_argument("--mix", default=",".join(f"{x:g}" for x in DEFAULT_MIX),
+                   help="shares of transient,process,node failures (default 0.2,0.2,0.6)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG of goodput per size and strategy here")
+    p.set_defaults(run=main)
+
+
+def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
+    try:
+        nodes = [int(n) for n in args.nodes.split(",") if n.strip()]
+        mix = tuple(float(x) for x in args.mix.split(","))
+        recovery = parse_recovery(args.recovery_s)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+    if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
+        raise SystemExit("error: --mix needs three non-negative shares (transient,process,node)")
+    if not nodes or min(nodes) < 1:
+        raise SystemExit("error: --nodes needs positive node counts, e.g. --nodes 8,64")
+    if args.recovery_from_bench:
+        recovery.update(recovery_from_bench(Path(args.recovery_from_bench)))
+    node_mtbf = args.node_mtbf_hours or gm.node_mtbf_hours(args.gpus_per_node)
+    out = []
+    for n in nodes:
+        mtbf_s = node_mtbf * gm.HOUR / n
+        interval = args.interval_s or max(gm.daly_interval(args.ckpt_stall_s, mtbf_s), args.ckpt_write_s)
+        out.append(Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
+                            stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix))
+    return out
+
+
+def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
+    rows = []
+    for s in scenarios:
+        for strategy in STRATEGIES:
+            result = simulate(s, strategy, runs, seed)
+            rows.append({"nodes": s.nodes, "strategy": strategy, "interval_s": s.interval_s,
+                         "job_mtbf_h": s.mtbf_s / gm.HOUR, "analytic_goodput": analytic(s, strategy), **result})
+    return rows
+
+
+def render_table(rows: list[dict]) -> str:
+    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<11} {'goodput':>8} {'analytic':>9} "
+             f"{'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}"]
+    for r in rows:
+        lines.append(f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<11} "
+                     f"{r['goodput']:>8.4f} {r['analytic_goodput']:>9.4f} {r['checkpoint_stalls']:>7.4f} "
+                     f"{r['lost_work']:>7.4f} {r['restarts']:>9.4f} {r['failures_per_run']:>9.1f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    from .report import pyplot
+
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for strategy in STRATEGIES:
+        points = sorted((r["nodes"], r["goodput"]) for r in rows if r["strategy"] == strategy)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=strategy)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("goodput (simulated)")
+    ax.set_title("Goodput per cluster size and restart strategy")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="restart strategy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.runs < 1:
+        print("error: --runs must be at least 1", file=sys.stderr)
+        return 2
+    rows = run_all(scenarios_from_args(args), args.runs, args.seed)
+    print(render_table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "run"},
+                                              "rows": rows}, indent=2, sort_keys=True) + "\n")
+    if args.plot:
+        plot(rows, Path(args.plot))
+    return 0 if all(math.isfinite(r["goodput"]) for r in rows) else 1
