@@ -141,3 +141,19 @@ def test_benchmarks_only_ever_delete_their_own_scratch_directories(tmp_path):
     (scratch / "metrics.jsonl").write_text("{}")
     fresh_dir(scratch)  # a benchmark's own directory is emptied again
     assert [p.name for p in scratch.iterdir()] == [".resilient-fsdp-bench-scratch"]
+
+
+def test_node_wrapper_kills_a_dead_ranks_helpers_but_not_detached_monitors():
+    """Real processes: a rank is SIGKILLed and leaves a helper that ignores SIGTERM, plus a
+    detached monitor in its own session (as NVRx's in-process monitor is)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).with_name("sweeper_probe.py")
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(probe)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["killed"] == [result["helper"]]
+    assert result["alive"][str(result["helper"])] is False
+    assert len(result["monitors"]) == 1 and result["alive"][str(result["monitors"][0])] is True

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .launcher import become_subreaper, kill_descendants
 from .resilience import NODE_STOP_ENV
@@ -50,6 +52,73 @@ def exit_code(returncode: int, stop_signal: Optional[int]) -> int:
     if stop_signal is not None and returncode != 0:
         return 128 + stop_signal
     return returncode
+
+
+SWEEP_INTERVAL_S = 1.0
+
+
+class RankHelperSweeper:
+    """Kills the helpers a dead rank leaves behind, while the node keeps running.
+
+    A rank's helper processes (the checkpoint writer, multiprocessing's Manager) ignore SIGTERM
+    and survive a rank that was killed; as the node's subreaper we inherit them. Every in-job
+    restart would leave another set, with its memory, until the node exits. A helper is
+    recognised by its session: ``ft_launcher`` starts each rank as a session leader, and helpers
+    stay in their rank's session. Other orphans are left alone, in particular NVRx's in-process
+    monitor, which detaches into a session of its own on purpose.
+    """
+
+    def __init__(self, launcher_pid: int):
+        self.launcher_pid = launcher_pid
+        self.ranks: set[int] = set()
+
+    def sweep(self) -> list[int]:
+        """Learn the current ranks, reap dead children, kill dead ranks' helpers. Returns the
+        pids killed."""
+        try:
+            for rank in psutil.Process(self.launcher_pid).children():
+                if _session(rank.pid) == rank.pid:
+                    self.ranks.add(rank.pid)
+        except psutil.NoSuchProcess:
+            pass
+        killed = []
+        for proc in psutil.Process().children():
+            if proc.pid == self.launcher_pid:
+                continue
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(proc.pid, os.WNOHANG)
+                    continue
+            except (psutil.NoSuchProcess, ChildProcessError):
+                continue
+            leader = _session(proc.pid)
+            if leader in self.ranks and leader != proc.pid and not psutil.pid_exists(leader):
+                for victim in [*_descendants(proc), proc]:
+                    try:
+                        victim.kill()  # they ignore SIGTERM
+                        killed.append(victim.pid)
+                    except psutil.NoSuchProcess:
+                        pass
+        for pid in killed:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        return killed
+
+
+def _session(pid: int) -> Optional[int]:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def _descendants(proc: psutil.Process) -> list:
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -78,7 +147,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    returncode = child.wait()
+    sweeper = RankHelperSweeper(child.pid)
+    while True:
+        try:
+            returncode = child.wait(timeout=SWEEP_INTERVAL_S)
+            break
+        except subprocess.TimeoutExpired:
+            sweeper.sweep()
     kill_descendants(timeout=5.0)
     if os.path.exists(stop_file):
         os.unlink(stop_file)
