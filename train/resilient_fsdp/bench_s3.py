@@ -152,10 +152,29 @@ def delete_prefix(client: Any, loc: s3_tier.S3Location) -> None:
             client.delete_objects(Bucket=loc.bucket, Delete={"Objects": keys, "Quiet": True})
 
 
-def _timed(fn, *args) -> tuple[float, Any]:
+class CpuClock:
+    """CPU seconds (user + system) of this process (the client, all its threads) and of the
+    local server: on a small machine they show which side a transfer is bound by."""
+
+    def __init__(self, server_pid: Optional[int]):
+        import psutil
+
+        self.client = psutil.Process()
+        self.server = psutil.Process(server_pid) if server_pid else None
+
+    def read(self) -> tuple[float, float]:
+        c = self.client.cpu_times()
+        s = self.server.cpu_times() if self.server else None
+        return c.user + c.system, (s.user + s.system) if s else 0.0
+
+
+def _timed(clock: CpuClock, fn, *args) -> tuple[float, tuple[float, float], Any]:
+    c0, s0 = clock.read()
     t0 = time.perf_counter()
     out = fn(*args)
-    return time.perf_counter() - t0, out
+    seconds = time.perf_counter() - t0
+    c1, s1 = clock.read()
+    return seconds, (c1 - c0, s1 - s0), out
 
 
 def _same_files(a: Path, b: Path) -> bool:
@@ -199,28 +218,34 @@ def run(args: argparse.Namespace) -> dict:
         print(f"writing {args.files} file(s), {size / 1024 ** 3:.2f} GiB of random bytes into {work}", flush=True)
         ckpt = make_checkpoint(work / "source", size, args.files)
         nbytes = sum(s3_tier.local_files(ckpt).values())
+        load_start = os.getloadavg()  # other work on the machine skews the figures: record it
         rss = PeakRss(server.proc.pid if server else None)
+        clock = CpuClock(server.proc.pid if server else None)
         phases: dict[str, dict] = {}
 
-        def record(name: str, seconds: float, moved: int) -> None:
-            phases[name] = {"seconds": seconds, "bytes": moved, "MB_per_s": moved / 1e6 / seconds}
-            print(f"  {name:<22} {seconds:7.2f} s  {moved / 1e6 / seconds:8.1f} MB/s", flush=True)
+        def record(name: str, seconds: float, cpu: tuple[float, float], moved: int) -> None:
+            phases[name] = {"seconds": seconds, "bytes": moved, "MB_per_s": moved / 1e6 / seconds,
+                            "client_cpu_s": cpu[0], "server_cpu_s": cpu[1] if server else None}
+            print(f"  {name:<22} {seconds:7.2f} s  {moved / 1e6 / seconds:8.1f} MB/s  CPU: client {cpu[0]:.1f} s"
+                  + (f", server {cpu[1]:.1f} s" if server else ""), flush=True)
 
-        print(f"endpoint {endpoint} ({'local moto server' if server else 'given'}), {nbytes / 1e9:.2f} GB", flush=True)
-        seconds, moved = _timed(single_stream_upload, client, loc, ckpt)
-        record("upload_single_stream", seconds, moved)
-        seconds, moved = _timed(single_stream_download, client, loc, ckpt, work / "single")
-        record("download_single_stream", seconds, moved)
+        print(f"endpoint {endpoint} ({'local moto server' if server else 'given'}), {nbytes / 1024 ** 3:.2f} GiB",
+              flush=True)
+        seconds, cpu, moved = _timed(clock, single_stream_upload, client, loc, ckpt)
+        record("upload_single_stream", seconds, cpu, moved)
+        seconds, cpu, moved = _timed(clock, single_stream_download, client, loc, ckpt, work / "single")
+        record("download_single_stream", seconds, cpu, moved)
         single_ok = _same_files(ckpt, work / "single")
         shutil.rmtree(work / "single")
         delete_prefix(client, s3_tier.S3Location(loc.bucket, loc.key("single")))  # the server's disk and memory
 
-        seconds, result = _timed(lambda: s3_tier.upload_checkpoint(client, cfg, loc, ckpt))
-        record("upload_managed", seconds, result["bytes"])
+        seconds, cpu, result = _timed(clock, s3_tier.upload_checkpoint, client, cfg, loc, ckpt)
+        record("upload_managed", seconds, cpu, result["bytes"])
         found = s3_tier.newest_complete(client, loc)
         (work / "managed").mkdir()
-        seconds, info = _timed(s3_tier.download_checkpoint, client, cfg, loc, found[0], found[1], work / "managed")
-        record("download_managed", seconds, nbytes)
+        seconds, cpu, info = _timed(clock, s3_tier.download_checkpoint, client, cfg, loc, found[0], found[1],
+                                    work / "managed")
+        record("download_managed", seconds, cpu, nbytes)
         managed_ok = _same_files(ckpt, info.path)
         delete_prefix(client, loc)
         peak = rss.stop()
@@ -244,7 +269,7 @@ def run(args: argparse.Namespace) -> dict:
         "verified_bytes_equal": True, "server_peak_rss_bytes": peak or None,
         "versions": {"boto3": boto3.__version__, "botocore": botocore.__version__,
                      "moto": _version("moto") if server else None, "python": platform.python_version()},
-        "cpu_count": os.cpu_count(),
+        "cpu_count": os.cpu_count(), "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()},
     }
 
 
