@@ -148,3 +148,11 @@ def test_training_goes_on_while_s3_is_down_and_uploads_catch_up(tmp_path, s3):
     # Local retention caught up once the uploads no longer held older checkpoints.
     assert len(list((tmp_path / "checkpoints").glob("step_????????"))) == 3
     assert_no_leftovers(tmp_path)
+
+
+def test_a_missing_bucket_stops_the_job_before_training_with_the_key_named(tmp_path, s3):
+    proc = run_trainer(tmp_path, ["train.steps=2", f"checkpoint.s3.uri=s3://{s3.bucket}-missing/x",
+                                  f"checkpoint.s3.endpoint_url={s3.endpoint}"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"checkpoint.s3.uri='s3://{s3.bucket}-missing/x': bucket '{s3.bucket}-missing' does not exist" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists() or not read_events(tmp_path, "step")
