@@ -73,10 +73,12 @@ def test_rank0_uploads_each_committed_checkpoint_once_and_a_fresh_cluster_restor
     assert [u["step"] for u in uploads] == [4, 8, 12] and all(u["t"] >= commits[u["step"]] for u in uploads)
     assert_no_leftovers(tmp_path / "a")
 
-    # A new cluster: an empty checkpoint.dir, the same S3 prefix. Rank 0 downloads, the others wait.
-    second = run_local(tmp_path / "b", nodes=2, nproc=2, overrides=common)
+    # A new, smaller cluster (2 nodes x 1 rank): an empty checkpoint.dir, the same S3 prefix. Rank 0
+    # downloads, the other node waits; the DCP checkpoint is resharded from 4 ranks to 2.
+    second = run_local(tmp_path / "b", nodes=2, nproc=1, overrides=common)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert second.stdout.count("restoring step 12 from s3://") == 1 and "resumed from step 12" in second.stdout
+    assert "resharded from world size 4 to 2" in second.stdout
     summary = read_summary(tmp_path / "b")
     assert summary["params_sha256"] == read_summary(tmp_path / "a")["params_sha256"]
     assert summary["s3"]["restored_from"]["step"] == 12 and summary["s3"]["uploaded"] == []  # nothing new to upload
