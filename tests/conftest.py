@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -151,3 +153,64 @@ def nvrx_lane() -> Path:
     if os.environ.get("CI"):
         pytest.fail(message)  # in CI a missing lane is a failure, never a silent skip
     pytest.skip(message)
+
+
+# ---- the S3 tier's tests: moto's standalone server, a real S3 API over HTTP on loopback ----------
+
+# Throwaway credentials for the local server; no shared config or instance metadata is consulted,
+# so nothing here can reach AWS.
+FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+# Short timeouts and backoffs, so outages are noticed in seconds.
+S3_FAST = ["checkpoint.s3.connect_timeout_s=1", "checkpoint.s3.read_timeout_s=2", "checkpoint.s3.max_attempts=2",
+           "checkpoint.s3.retry_backoff_s=0.5", "checkpoint.s3.retry_backoff_max_s=2"]
+
+
+class S3Sandbox:
+    """One fresh bucket on the shared local server, and a way to stop the server for a while."""
+
+    def __init__(self, server, bucket: str):
+        import boto3
+
+        self.server, self.bucket, self.endpoint = server, bucket, server.endpoint
+        self.client = boto3.session.Session().client("s3", endpoint_url=self.endpoint)
+        self.client.create_bucket(Bucket=bucket)
+
+    def uri(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def overrides(self, prefix: str) -> list[str]:
+        return [f"checkpoint.s3.uri={self.uri(prefix)}", f"checkpoint.s3.endpoint_url={self.endpoint}"] + S3_FAST
+
+    def keys(self, prefix: str = "") -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its objects (held in its process) but answers nothing."""
+        os.kill(self.server.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.server.proc.pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    from resilient_fsdp.bench_s3 import LocalS3Server
+
+    server = LocalS3Server(tmp_path_factory.mktemp("s3-server") / "server.log")
+    yield server
+    os.kill(server.proc.pid, signal.SIGCONT)  # a stopped process would ignore SIGTERM
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    for key, value in FAKE_AWS.items():
+        monkeypatch.setenv(key, value)  # inherited by every process a test starts
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)
+    sandbox = S3Sandbox(s3_server, f"test-{uuid.uuid4().hex[:12]}")
+    yield sandbox
+    sandbox.resume()  # never leave the shared server stopped

@@ -169,7 +169,7 @@ def test_a_failed_build_stops_before_anything_is_pushed(tmp_path):
 
 
 def test_the_script_is_a_thin_wrapper_around_the_module():
-    # The real entry script: it makes sure .venv holds the aws extra, then runs the module.
+    # The real entry script: it makes sure .venv holds the package (boto3 included), then runs the module.
     out = subprocess.run([str(REPO / "scripts/build-image"), "--dry-run", "--tag", "3.2.1"], capture_output=True,
                          text=True, cwd=REPO, timeout=600, stdin=subprocess.DEVNULL, env=aws_env(None))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from . import checkpoint_store as store
 from . import nvrx_compat as compat
+from . import s3_tier
 from .config import CheckpointConfig, ConfigError
 from .distributed import DistInfo
 from .parallelize import canonical_name
@@ -336,13 +337,17 @@ def build_engine(mode: str, rank: int, thread_count: int) -> Engine:
 class Checkpointer:
     """Saves on schedule, finalizes in the background, commits atomically, resumes exactly.
 
-    Every public method is collective: all ranks call it at the same step.
+    Every public method is collective: all ranks call it at the same step. With an S3 tier, rank
+    0 hands each committed checkpoint to ``uploader`` (the other ranks have none) and, at resume,
+    restores from S3 when ``root`` holds no complete checkpoint.
     """
 
     def __init__(self, cfg: CheckpointConfig, root: Path, info: DistInfo, state: TrainingState,
                  identity: dict, say: Callable[[str], None],
-                 engine_factory: Optional[Callable[[], Engine]] = None):
+                 engine_factory: Optional[Callable[[], Engine]] = None,
+                 uploader: Optional[s3_tier.Uploader] = None):
         self.cfg, self.root, self.info, self.state = cfg, root, info, state
+        self.uploader = uploader
         self.identity = identity  # what a resumed run must match: model shape, preset
         self.say = say
         # An engine from a factory belongs to the caller (it outlives in-process restarts).
@@ -354,6 +359,7 @@ class Checkpointer:
         self.last_save_time = time.monotonic()
         self.last_saved_step: Optional[int] = None
         self.resumed_from: Optional[dict] = None
+        self.restored_from_s3: Optional[dict] = None  # {"step", "uri"} when this start downloaded one
 
     @property
     def engine(self) -> Engine:
@@ -392,9 +398,21 @@ class Checkpointer:
             except OSError as exc:
                 error = f"checkpoint.dir={str(self.root)!r} is not writable ({exc.strerror or exc}); " \
                         "point checkpoint.dir at a writable shared directory"
+            if error is None and self.cfg.s3.uri:
+                error = self._check_s3()
         error = self._broadcast(error)
         if error:
             raise ConfigError(error)
+
+    def _check_s3(self) -> Optional[str]:
+        """A bucket that is missing or forbidden stops the job now; an unreachable one does not
+        (uploads retry; a restore that needs it fails on its own)."""
+        try:
+            return s3_tier.check_access(self.cfg.s3)
+        except Exception as exc:
+            self.say(f"warning: S3 is not reachable at start ({s3_tier.describe_error(exc)}); training goes on "
+                     "and uploads are retried")
+            return None
 
     # -- resume --
     def find_resume_point(self) -> Optional[store.CheckpointInfo]:
@@ -419,6 +437,7 @@ class Checkpointer:
 
         A checkpoint that fails to load is reported and the next older one is tried.
         """
+        self._maybe_restore_from_s3()
         candidate = self.find_resume_point()
         tried: list[str] = []
         while candidate is not None:
@@ -429,6 +448,7 @@ class Checkpointer:
                 self.last_saved_step = candidate.step
                 self.say(f"resumed from step {candidate.step} ({candidate.path}, {candidate.manifest['mode']}, "
                          f"saved at world size {candidate.manifest['world_size']})")
+                self._adopt_local()
                 return candidate.step
             tried.append(f"{candidate.path}: {error}")
             self.say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
@@ -438,7 +458,34 @@ class Checkpointer:
             candidate = older[-1] if older else None
         if tried:
             raise CheckpointError("no loadable checkpoint; tried:\n  " + "\n  ".join(tried))
+        self._adopt_local()
         return None
+
+    def _maybe_restore_from_s3(self) -> None:
+        """Collective. Rank 0 alone downloads (``checkpoint.dir`` is shared by every node); the
+        others wait in the broadcast, whose start-up timeout is ``dist.init_timeout_s``."""
+        s3 = self.cfg.s3
+        if not (s3.uri and s3.restore and self.cfg.resume and not self.cfg.resume_from):
+            return
+        outcome: Optional[dict] = None
+        if self.info.rank == 0 and not store.scan(self.root)[0]:
+            try:
+                info = s3_tier.restore_newest(s3, self.root, self.say)
+                outcome = {"step": info.step, "uri": s3_tier.parse_s3_uri(s3.uri).uri(info.path.name)} if info else None
+            except Exception as exc:
+                outcome = {"error": f"no complete checkpoint in {self.root} and restoring from checkpoint.s3.uri="
+                                    f"{s3.uri!r} failed: {s3_tier.describe_error(exc)}. The start is retried by the "
+                                    "restart layers; set checkpoint.s3.restore=false to start without S3"}
+        outcome = self._broadcast(outcome)
+        if outcome and "error" in outcome:
+            raise CheckpointError(outcome["error"])
+        self.restored_from_s3 = outcome
+
+    def _adopt_local(self) -> None:
+        """Rank 0: queue local checkpoints an earlier run may not have uploaded (not when this run
+        ignores them: ``checkpoint.resume=false``)."""
+        if self.uploader is not None and self.cfg.resume:
+            self.uploader.adopt(store.scan(self.root)[0])
 
     def _check_compatible(self, ckpt: store.CheckpointInfo) -> None:
         m = ckpt.manifest
@@ -563,18 +610,16 @@ class Checkpointer:
                     "created_unix": time.time(), "nvrx_version": compat.NVRX_VERSION,
                     "torch_version": torch.__version__}
         final = store.commit(pending["dir"], manifest)
-        self._apply_retention()
+        if self.uploader is not None:
+            self.uploader.submit(pending["step"], final)
+        self.apply_retention()
         return {"step": pending["step"], "mode": self.engine.mode, "stall_s": pending["stall_s"],
                 "write_s": write_s, "bytes": nbytes, "path": str(final)}
 
-    def _apply_retention(self) -> None:
-        committed, _ = store.scan(self.root)
-        for victim in store.retention_victims(committed, self.cfg.keep_last):
-            # Only committed checkpoints older than the newest keep_last: never the one just
-            # written, never an incomplete one (those are the operator's to inspect).
-            for f in sorted(victim.path.rglob("*"), reverse=True):
-                f.unlink() if f.is_file() else f.rmdir()
-            victim.path.rmdir()
+    def apply_retention(self) -> None:
+        """Rank 0: local retention; a checkpoint still waiting for its S3 upload is kept."""
+        store.apply_retention(self.root, self.cfg.keep_last,
+                              held=self.uploader.holds if self.uploader is not None else lambda _p: False)
 
     def wait(self) -> Optional[dict]:
         return self.poll(block=True)

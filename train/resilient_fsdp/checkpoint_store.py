@@ -20,7 +20,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 MARKER = "COMPLETE"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
@@ -108,6 +108,22 @@ def retention_victims(committed: list[CheckpointInfo], keep_last: int) -> list[C
     if keep_last <= 0 or len(committed) <= keep_last:
         return []
     return committed[:-keep_last]
+
+
+def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = lambda _p: False) -> list[Path]:
+    """Delete committed checkpoints older than the newest ``keep_last``, except ``held`` ones (an
+    upload to the S3 tier still reads them); returns what was deleted. Only committed checkpoints:
+    never the newest, never an incomplete one (those are the operator's to inspect)."""
+    committed, _ = scan(root)
+    deleted = []
+    for victim in retention_victims(committed, keep_last):
+        if held(victim.path):
+            continue
+        for f in sorted(victim.path.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        victim.path.rmdir()
+        deleted.append(victim.path)
+    return deleted
 
 
 def dir_bytes(path: Path) -> int:

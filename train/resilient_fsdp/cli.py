@@ -6,8 +6,13 @@
 - ``resilient-fsdp bench checkpoint``: checkpoint stall of sync vs async saves.
 - ``resilient-fsdp bench recovery``: one fault recovered in-process, in-job and by a full relaunch.
 - ``resilient-fsdp bench soak``: a fault a minute for ten minutes: goodput and exactness.
+- ``resilient-fsdp bench s3``: S3 upload and download throughput, managed transfer vs one stream.
+- ``resilient-fsdp checkpoints list|pull|push``: local and S3 checkpoints, for operators.
 - ``resilient-fsdp render``: the Helm chart's manifests for some values files (no helm binary).
 - ``resilient-fsdp validate``: render, lint, and check them against the Kubernetes and CRD schemas.
+- ``resilient-fsdp advise``: checkpoint interval, timeouts and restart limits for a cluster size.
+- ``resilient-fsdp report``: a run's timeline and goodput breakdown.
+- ``resilient-fsdp simulate``: Monte Carlo goodput per cluster size and restart strategy.
 """
 
 from __future__ import annotations
@@ -59,11 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
     from .bench_checkpoint import add_parser as add_checkpoint_bench
     from .bench_recovery import add_parser as add_recovery_bench
+    from .bench_s3 import add_parser as add_s3_bench
     from .bench_soak import add_parser as add_soak_bench
+    from .checkpoints_cli import add_parser as add_checkpoints
 
     add_checkpoint_bench(bench_sub)
     add_recovery_bench(bench_sub)
     add_soak_bench(bench_sub)
+    add_s3_bench(bench_sub)
+
+    add_checkpoints(sub, _add_config_args)
 
     config = sub.add_parser("config", help="print the resolved configuration")
     config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
@@ -133,8 +143,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # torch prints this deprecation notice on import when NVRx's pynvml dependency is present.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
+    from .checkpoints_cli import run as cmd_checkpoints
+
     handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
-               "bench": lambda a: a.bench(a),
+               "bench": lambda a: a.bench(a), "checkpoints": cmd_checkpoints,
                "render": lambda a: a.run(a), "validate": lambda a: a.run(a),
                "advise": lambda a: a.run(a), "report": lambda a: a.run(a), "simulate": lambda a: a.run(a)}[args.command]
     try:

@@ -108,6 +108,63 @@ class DistConfig:
 
 
 @dataclass(config=_STRICT)
+class S3Config:
+    uri: Optional[str] = None
+    """``s3://bucket/prefix``: keep durable copies of committed checkpoints there, and restore from
+    there when ``checkpoint.dir`` holds no complete checkpoint. Unset: no S3 tier. Credentials come
+    only from boto3's default chain (IRSA or EKS Pod Identity in a cluster; environment, profile or
+    instance role elsewhere); the bucket must exist."""
+    endpoint_url: Optional[str] = None
+    """Endpoint of an S3-compatible store (``http(s)://host:port``); unset: AWS S3."""
+    region: Optional[str] = None
+    """AWS region of the bucket; unset: the default chain's (``AWS_REGION``, the profile)."""
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    """Bucket in the host name (``virtual``) or in the path (``path``, which most S3-compatible
+    stores need); ``auto`` lets botocore choose."""
+    upload: bool = True
+    """Upload every committed checkpoint in the background (rank 0 only, never blocking a step)."""
+    restore: bool = True
+    """At start, when ``checkpoint.dir`` holds no complete checkpoint, download the newest complete
+    one under ``uri`` and resume from it. S3 unreachable then fails the start (the restart layers
+    retry it) rather than silently training from scratch; ``false`` starts without looking."""
+    keep_last: int = Field(default=3, ge=0)
+    """Complete checkpoints kept under ``uri``, independent of ``checkpoint.keep_last``; older ones
+    are deleted only after a newer one is completely uploaded. 0 keeps all. Incomplete uploads are
+    never deleted (``resilient-fsdp checkpoints list`` shows them)."""
+    max_pending: int = Field(default=2, gt=0)
+    """Backlog bound: committed checkpoints waiting for their upload besides the one in flight. When
+    a new one arrives with the backlog full, the oldest waiting one is dropped (superseded: the
+    newer checkpoint holds the later state) and reported. Local retention keeps a checkpoint until
+    its upload finished or was dropped."""
+    max_concurrency: int = Field(default=10, gt=0)
+    """Parallel requests of one transfer (parts of large files, whole small files)."""
+    multipart_threshold_mb: int = Field(default=64, ge=5)
+    """Files at least this large (MiB) go in parts (multipart upload, ranged downloads)."""
+    multipart_chunksize_mb: int = Field(default=64, ge=5, le=5120)
+    """Part size in MiB (S3 allows 5 MiB to 5 GiB, and at most 10,000 parts per object)."""
+    max_bandwidth_mb_s: Optional[float] = Field(default=None, gt=0)
+    """Cap on upload bandwidth (MB/s), so uploads leave room for the job's own traffic; unset: none."""
+    retry_mode: Literal["standard", "adaptive"] = "adaptive"
+    """botocore retry mode for each request: ``adaptive`` also slows the client down when S3
+    throttles (503 SlowDown); ``standard``: exponential backoff with jitter only."""
+    max_attempts: int = Field(default=10, gt=0)
+    """Attempts per S3 request (botocore retries) before the transfer counts as failed."""
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    """Timeout for opening a connection to S3."""
+    read_timeout_s: float = Field(default=60.0, gt=0)
+    """Timeout for a response (or the next bytes of one) from S3."""
+    retry_backoff_s: float = Field(default=5.0, gt=0)
+    """After a failed checkpoint upload, wait this long before trying it again, doubling with every
+    further failure up to ``retry_backoff_max_s``; training goes on meanwhile."""
+    retry_backoff_max_s: float = Field(default=300.0, gt=0)
+    """Longest wait between attempts at a failed checkpoint upload."""
+    drain_timeout_s: float = Field(default=600.0, ge=0)
+    """At the end of training (and on a graceful stop), how long rank 0 waits for pending uploads,
+    so the final checkpoint reaches S3; what is left is reported in ``summary.json`` and uploaded
+    by the next run with the same ``checkpoint.dir``."""
+
+
+@dataclass(config=_STRICT)
 class CheckpointConfig:
     dir: Optional[str] = None
     """Checkpoint directory, shared by all nodes; default ``<run_dir>/checkpoints``."""
@@ -130,6 +187,8 @@ class CheckpointConfig:
     """Resume from this checkpoint directory (a ``step_N``) instead of the newest one."""
     writer_threads: int = Field(default=2, gt=0)
     """Files each rank writes in parallel (``async`` mode)."""
+    s3: S3Config = dataclasses.field(default_factory=S3Config)
+    """The S3 tier: durable copies of committed checkpoints, restore on a fresh cluster."""
 
 
 @dataclass(config=_STRICT)
@@ -236,11 +295,19 @@ _SECTIONS = {
 
 def _section_class(loc: tuple) -> Optional[type]:
     """The dataclass holding the key at ``loc``; None when the parent is not a section."""
-    if len(loc) == 1:
-        return Config
-    if len(loc) == 2:
-        return _SECTIONS.get(loc[0])
-    return None
+    cls: Optional[type] = Config
+    for part in loc[:-1]:
+        cls = _subsection(cls, part)
+        if cls is None:
+            return None
+    return cls
+
+
+def _subsection(cls: type, name: str) -> Optional[type]:
+    """The dataclass type of ``cls.name`` when that field is a nested section, else None."""
+    info = getattr(cls, "__pydantic_fields__", {}).get(name)
+    annotation = info.annotation if info is not None else None
+    return annotation if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) else None
 
 
 def _explain(error: dict) -> str:
@@ -336,9 +403,11 @@ def _check_across_keys(config: Config) -> None:
             raise ConfigError(f"resilience.in_process_heartbeat_timeout_s={r.in_process_heartbeat_timeout_s} must be "
                               f"less than resilience.in_process_barrier_timeout_s={r.in_process_barrier_timeout_s}")
     from .faults import parse_fault  # late: faults imports this module
+    from .s3_tier import check_config as check_s3_config  # late, likewise
 
     for text in r.inject:
         parse_fault(text, key="resilience.inject")
+    check_s3_config(config.checkpoint.s3)
 
 
 def to_dict(config: Config) -> dict:
@@ -359,9 +428,10 @@ def describe() -> str:
         for f in dataclasses.fields(cls):
             info = cls.__pydantic_fields__[f.name]
             key = prefix + f.name
-            if f.name in _SECTIONS and cls is Config:
+            section = _subsection(cls, f.name)
+            if section is not None:
                 lines.append(f"\n[{key}] {info.description or ''}")
-                walk(_SECTIONS[f.name], key + ".", values[f.name])
+                walk(section, key + ".", values[f.name])
             else:
                 desc = " ".join((info.description or "").split())
                 lines.append(f"{key} = {values[f.name]!r}\n    {desc}")

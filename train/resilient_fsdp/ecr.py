@@ -44,7 +44,7 @@ def _boto3() -> Any:
         import boto3
         import botocore.exceptions  # noqa: F401  (used through boto3's package namespace)
     except ModuleNotFoundError:
-        raise EcrError("boto3 is not installed: pip install -c constraints.txt -e '.[aws]' "
+        raise EcrError("boto3 is not installed: pip install -c constraints.txt -e . "
                        "(scripts/build-image installs it)") from None
     return boto3
 

@@ -34,6 +34,8 @@ from .data import BatchLoader, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256, write_json_atomic
 from .model import build_model, count_params, preset_args
+from .s3_tier import Uploader
+from . import checkpoint_store
 
 @dataclass
 class TrainState:
@@ -76,12 +78,15 @@ def lr_lambda(cfg: Config):
 
 class ProcessResources:
     """What outlives an in-process restart: the checkpoint engine (its writer process and staging
-    buffers), the link to ``ft_launcher``'s rank monitor, and the SIGTERM flag. Re-creating the
-    first would cost a process spawn per restart; the others belong to the process, not to an attempt."""
+    buffers), rank 0's S3 uploader (its backlog), the link to ``ft_launcher``'s rank monitor, and
+    the SIGTERM flag. Re-creating the first would cost a process spawn per restart, the second
+    would drop uploads; the others belong to the process, not to an attempt."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.engine: Optional[Engine] = None
+        self.uploader: Optional[Uploader] = None
+        self.summary_path: Optional[Path] = None  # written by this process (rank 0)
         self.monitor = ProgressMonitor(cfg.resilience)
         self.stop = GracefulStop()
         self.stop.install()
@@ -99,12 +104,64 @@ class ProcessResources:
                 signal.signal(signal.SIGTERM, previous)
         return self.engine
 
+    def s3_uploader(self, rank: int) -> Optional[Uploader]:
+        """Rank 0's uploader (one rank, so no file is uploaded twice); None on other ranks or
+        without ``checkpoint.s3.uri``."""
+        s3 = self.cfg.checkpoint.s3
+        if rank != 0 or not s3.uri or not s3.upload:
+            return None
+        if self.uploader is None:
+            self.uploader = Uploader(s3)
+        return self.uploader
+
     def close(self, failed: bool) -> None:
         if self.engine is not None:
             self.engine.close(abort=failed)
             self.engine = None
+        # Before the uploads drain: a rank monitor would take a long drain for a hang.
         self.monitor.close()
+        if self.uploader is not None:
+            self.finish_uploads(failed)
         self.stop.uninstall()
+
+    def finish_uploads(self, failed: bool) -> None:
+        """Rank 0, after the process group is gone (no peer waits in a collective meanwhile): give
+        pending uploads ``checkpoint.s3.drain_timeout_s`` unless the attempt failed (then the
+        restarted one uploads them), report, and put the outcome into ``summary.json``.
+
+        A SIGTERM during the wait ends it (the pod is going away; the next run uploads the rest).
+        """
+        uploader, self.uploader = self.uploader, None
+        s3, ckpt = self.cfg.checkpoint.s3, self.cfg.checkpoint
+        log = MetricsLog(Path(self.cfg.run_dir), True, self.cfg.train.log_every)
+        try:
+            pending = uploader.pending()
+            if pending and not failed:
+                log.info(f"waiting up to {s3.drain_timeout_s:g} s for the S3 upload of step(s) "
+                         f"{', '.join(map(str, pending))} (checkpoint.s3.drain_timeout_s)")
+                deadline, stopping = time.monotonic() + s3.drain_timeout_s, self.stop.requested
+                # In slices, so errors show in the log as they happen and a SIGTERM is noticed.
+                while not uploader.drain(min(1.0, max(0.0, deadline - time.monotonic()))):
+                    report_s3_events(log, uploader)
+                    if time.monotonic() >= deadline:
+                        break
+                    if self.stop.requested and not stopping:
+                        log.info("SIGTERM received while waiting for S3 uploads: not waiting any longer")
+                        break
+            uploader.close()
+            report_s3_events(log, uploader)
+            # Checkpoints kept only for their upload can go now (an abandoned one stays held).
+            checkpoint_store.apply_retention(self.cfg.checkpoint_dir, ckpt.keep_last, held=uploader.holds)
+            status = uploader.summary()
+            if status["pending"]:
+                log.info(f"warning: step(s) {', '.join(map(str, status['pending']))} not uploaded to {s3.uri} "
+                         f"(last error: {status['last_error']}); the next run with this checkpoint.dir uploads them")
+            if self.summary_path is not None and self.summary_path.exists():
+                summary = json.loads(self.summary_path.read_text())
+                summary["s3"] = {**(summary.get("s3") or {}), **status}
+                write_json_atomic(self.summary_path, summary)
+        finally:
+            log.close()
 
 
 class Trainer:
@@ -171,7 +228,8 @@ class Trainer:
                     "shape_digest": training_state.shape_digest()}
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, training_state, identity,
                                          self.metrics.info,
-                                         engine_factory=lambda: resources.checkpoint_engine(self.info.rank))
+                                         engine_factory=lambda: resources.checkpoint_engine(self.info.rank),
+                                         uploader=resources.s3_uploader(self.info.rank))
         self.checkpointer.preflight()
         self.tokens_per_step = (self.info.world_size * cfg.train.grad_accum_steps * cfg.data.micro_batch_size
                                 * cfg.data.seq_len)
@@ -260,6 +318,7 @@ class Trainer:
             if ckpt.due(self.state.step):
                 self.log_checkpoint(ckpt.save(self.state.step))
             monitor.end("checkpoint")
+            self.report_s3()
             self.injector.after_checkpoint(self.state.step, ckpt.pending is not None)
             self.metrics.step({"event": "step", "step": self.state.step, "loss": loss, "step_time_s": step_time,
                                "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr,
@@ -310,6 +369,18 @@ class Trainer:
                           f"{record['stall_s'] * 1000:.1f} ms, write {record['write_s']:.2f} s, "
                           f"{record['bytes'] / 1e6:.1f} MB -> {record['path']}")
 
+    def report_s3(self) -> None:
+        """Rank 0: log what the background uploader did since the last step."""
+        if self.checkpointer.uploader is not None:
+            report_s3_events(self.metrics, self.checkpointer.uploader)
+
+    def s3_summary(self) -> Optional[dict]:
+        s3 = self.cfg.checkpoint.s3
+        if not s3.uri:
+            return None
+        status = self.checkpointer.uploader.summary() if self.checkpointer.uploader else {"uri": s3.uri}
+        return {**status, "restored_from": self.checkpointer.restored_from_s3}
+
     def close(self, failed: bool) -> None:
         """Stop the checkpoint worker (an engine owned by the process is drained instead)."""
         self.checkpointer.close(abort=failed)
@@ -339,6 +410,11 @@ class Trainer:
             "hang_timeouts": self.monitor.timeouts(),
         }
         if self.is_rank0:
+            self.report_s3()
+            # Uploads still pending now are waited for after the process group is gone, and
+            # this entry is then updated (ProcessResources.finish_uploads).
+            summary["s3"] = self.s3_summary()
+            self.resources.summary_path = self.run_dir / "summary.json"
             self.metrics.event({"event": "finish", "t": time.time(), "step": self.state.step})
             self.metrics.close()
             summary.update(restarts.summarize(self.metrics.path, self.ledger))
@@ -349,6 +425,12 @@ class Trainer:
                               f"{self.run_dir / 'summary.json'}")
         self.metrics.close()
         return summary
+
+
+def report_s3_events(metrics: MetricsLog, uploader: Uploader) -> None:
+    for event, message in uploader.take_events():
+        metrics.event(event)
+        metrics.info(message)
 
 
 def _keep_line(line: str, resumed_step: int) -> bool:

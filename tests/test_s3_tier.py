@@ -1,0 +1,208 @@
+"""The S3 tier against moto's standalone server: marker last, byte-exact restore, partial uploads,
+retention, the bounded backlog during an outage, start-up checks and the operator commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from resilient_fsdp import checkpoint_store as store
+from resilient_fsdp import s3_tier
+from resilient_fsdp.cli import main as cli_main
+from resilient_fsdp.config import ConfigError, S3Config, load_config
+
+MIB = 1024 * 1024
+
+
+def make_checkpoint(root, step, sizes=(6 * MIB, 100_000, 0)):
+    """A committed checkpoint of random files, as the trainer's commit leaves it."""
+    partial = root / store.partial_name(step, "00c0ffee")
+    partial.mkdir(parents=True)
+    for i, size in enumerate(sizes):
+        (partial / f"__{i}_0.distcp").write_bytes(os.urandom(size))
+    return store.commit(partial, {"step": step, "world_size": 1, "created_unix": time.time()})
+
+
+def s3_config(s3, prefix, **kw):
+    fast = {"connect_timeout_s": 1, "read_timeout_s": 2, "max_attempts": 2, "retry_backoff_s": 0.3,
+            "retry_backoff_max_s": 1, "multipart_threshold_mb": 5, "multipart_chunksize_mb": 5}
+    return S3Config(uri=s3.uri(prefix), endpoint_url=s3.endpoint, **{**fast, **kw})
+
+
+class Calls:
+    """The S3 operations a client sends, in order, with their keys (botocore's event hooks)."""
+
+    def __init__(self, client):
+        self.seen: list[tuple[str, str]] = []
+        client.meta.events.register("before-parameter-build.s3", self._record)
+
+    def _record(self, model, params, **_):
+        self.seen.append((model.name, params.get("Key", "")))
+
+    def ops(self, *names):
+        return [(op, key) for op, key in self.seen if op in names]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("checkpoint.s3.uri=bucket/prefix", "checkpoint.s3.uri='bucket/prefix' must look like s3://bucket/prefix"),
+    ("checkpoint.s3.uri=s3://Bad_Bucket/x", "'Bad_Bucket' is not a valid bucket name"),
+    ("checkpoint.s3.endpoint_url=localhost:9000", "checkpoint.s3.endpoint_url='localhost:9000' must look like http"),
+    ("checkpoint.s3.multipart_chunksize_mb=1", "checkpoint.s3.multipart_chunksize_mb: Input should be greater than or equal to 5"),
+    ("checkpoint.s3.keep_lst=2", "did you mean 'checkpoint.s3.keep_last'"),
+    ("checkpoint.s3.retry_backoff_s=500", "checkpoint.s3.retry_backoff_s=500.0 must not exceed checkpoint.s3.retry_backoff_max_s"),
+])
+def test_bad_s3_settings_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["checkpoint.s3.uri=s3://bucket/prefix", override])
+    assert expected in str(info.value)
+
+
+def test_upload_sends_the_marker_last_and_a_restore_is_byte_exact(s3, tmp_path):
+    cfg = s3_config(s3, "run/ckpts")
+    loc = s3_tier.parse_s3_uri(cfg.uri)
+    ckpt = make_checkpoint(tmp_path / "local", 40)
+    client = s3_tier.make_client(cfg)
+    calls = Calls(client)
+    result = s3_tier.upload_checkpoint(client, cfg, loc, ckpt)
+    assert result == {"step": 40, "bytes": 6 * MIB + 100_000, "skipped_files": 0, "status": "uploaded"}
+    writes = calls.ops("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload")
+    assert writes[-1] == ("PutObject", "run/ckpts/step_00000040/COMPLETE")  # nothing after the marker
+    assert ("CreateMultipartUpload", "run/ckpts/step_00000040/__0_0.distcp") in writes  # 6 MiB > 5 MiB threshold
+    assert s3.keys("run/") == ["run/ckpts/step_00000040/COMPLETE"] + [f"run/ckpts/step_00000040/__{i}_0.distcp"
+                                                                     for i in range(3)]
+    # Uploading the same commit again sends no data.
+    calls.seen.clear()
+    assert s3_tier.upload_checkpoint(client, cfg, loc, ckpt)["status"] == "already-there"
+    assert not calls.ops("PutObject", "UploadPart")
+
+    found = s3_tier.newest_complete(client, loc)
+    restored = s3_tier.download_checkpoint(client, cfg, loc, *found, tmp_path / "empty")
+    assert restored.path == tmp_path / "empty" / "step_00000040"
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == ["step_00000040"]  # no partial left behind
+    for f in ckpt.glob("*.distcp"):
+        assert (restored.path / f.name).read_bytes() == f.read_bytes()
+    local, remote = store.read_manifest(ckpt), store.read_manifest(restored.path)
+    assert s3_tier.checkpoint_id(local) == s3_tier.checkpoint_id(remote) and remote["files"]["__1_0.distcp"] == 100_000
+
+
+def test_a_cut_off_upload_is_never_restored_and_its_retry_sends_only_what_is_missing(s3, tmp_path):
+    cfg = s3_config(s3, "job")
+    loc, client = s3_tier.parse_s3_uri(cfg.uri), s3_tier.make_client(cfg)
+    s3_tier.upload_checkpoint(client, cfg, loc, make_checkpoint(tmp_path / "local", 4))
+    step8 = make_checkpoint(tmp_path / "local", 8)
+    ident = s3_tier.checkpoint_id(store.read_manifest(step8))
+    # What an upload cut off after one file leaves: that file with its checkpoint id, no marker;
+    # and a file of another commit of the same step, which must not be kept.
+    client.put_object(Bucket=s3.bucket, Key="job/step_00000008/__1_0.distcp",
+                      Body=(step8 / "__1_0.distcp").read_bytes(), Metadata={s3_tier.ID_METADATA: ident})
+    client.put_object(Bucket=s3.bucket, Key="job/step_00000008/__2_0.distcp", Body=b"",
+                      Metadata={s3_tier.ID_METADATA: "another-commit"})
+    said = []
+    remote, manifest = s3_tier.newest_complete(client, loc, say=said.append)
+    assert remote.step == 4 and said == [f"skipping s3://{s3.bucket}/job/step_00000008/: no COMPLETE marker "
+                                         "(an upload in progress or cut off)"]
+    assert cli_main(["checkpoints", "pull", "--uri", cfg.uri, "--endpoint-url", s3.endpoint,
+                     "--dir", str(tmp_path / "pulled")]) == 0
+    assert [p.name for p in (tmp_path / "pulled").iterdir()] == ["step_00000004"]
+
+    calls = Calls(client)
+    result = s3_tier.upload_checkpoint(client, cfg, loc, step8, resume=True)
+    assert result["status"] == "uploaded" and result["skipped_files"] == 1
+    sent = {key.rsplit("/", 1)[1] for op, key in calls.ops("PutObject", "CreateMultipartUpload")}
+    assert sent == {"__0_0.distcp", "__2_0.distcp", "COMPLETE"}
+    assert s3_tier.newest_complete(client, loc)[0].step == 8
+
+
+def test_retention_keeps_the_newest_complete_ones_and_never_touches_incomplete_ones(s3, tmp_path):
+    cfg = s3_config(s3, "r")
+    loc, client = s3_tier.parse_s3_uri(cfg.uri), s3_tier.make_client(cfg)
+    for step in (2, 4, 6, 8):
+        s3_tier.upload_checkpoint(client, cfg, loc, make_checkpoint(tmp_path, step, sizes=(1000,)))
+    client.put_object(Bucket=s3.bucket, Key="r/step_00000001/__0_0.distcp", Body=b"cut off")
+    assert s3_tier.apply_remote_retention(client, loc, keep_last=0) == []  # 0 keeps all
+    calls = Calls(client)
+    assert s3_tier.apply_remote_retention(client, loc, keep_last=2) == [2, 4]
+    assert [r.step for r in s3_tier.list_remote(client, loc) if r.complete] == [6, 8]
+    assert "r/step_00000001/__0_0.distcp" in s3.keys("r/")
+    # Each victim's marker goes before its data: never a marker without its files.
+    deletes = [(op, key) for op, key in calls.seen if op.startswith("Delete")]
+    assert deletes == [("DeleteObject", "r/step_00000002/COMPLETE"), ("DeleteObjects", ""),
+                       ("DeleteObject", "r/step_00000004/COMPLETE"), ("DeleteObjects", "")]
+    # With one complete checkpoint left, no keep_last deletes it.
+    for step in (6,):
+        client.delete_object(Bucket=s3.bucket, Key=f"r/step_{step:08d}/COMPLETE")
+    assert s3_tier.apply_remote_retention(client, loc, keep_last=1) == []
+    assert s3_tier.newest_complete(client, loc)[0].step == 8
+
+
+def test_during_an_outage_the_backlog_stays_bounded_and_held_checkpoints_survive_local_retention(s3, tmp_path):
+    cfg = s3_config(s3, "outage", max_pending=2, keep_last=0)
+    root = tmp_path / "ckpts"
+    s3.pause()
+    uploader = s3_tier.Uploader(cfg)
+    try:
+        for step in (1, 2, 3, 4, 5):
+            uploader.submit(step, make_checkpoint(root, step, sizes=(200_000,)))
+        time.sleep(0.5)
+        # Step 1 is in flight (hanging), 2 and 3 were dropped for 4 and 5.
+        assert uploader.pending() == [1, 4, 5] and uploader.summary()["superseded"] == [2, 3]
+        deleted = store.apply_retention(root, keep_last=1, held=uploader.holds)
+        assert sorted(p.name for p in deleted) == ["step_00000002", "step_00000003"]
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000004", "step_00000005"]
+        deadline = time.monotonic() + 30
+        while uploader.summary()["failed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # Step 1's attempt failed; back in the queue it is the oldest, so 4 and 5 supersede it.
+        assert uploader.pending() == [4, 5] and uploader.summary()["superseded"] == [2, 3, 1]
+        s3.resume()
+        assert uploader.drain(60)
+        status = uploader.summary()
+    finally:
+        s3.resume()
+        uploader.close()
+    assert status["uploaded"] == [4, 5] and status["pending"] == [] and status["failed"] >= 1
+    assert "timeout" in status["last_error"].lower()
+    events = [record["event"] for record, _ in uploader.take_events()]
+    assert events.count("s3_superseded") == 3 and "s3_error" in events and events.count("s3_upload") == 2
+    assert [r.step for r in s3_tier.list_remote(s3.client, s3_tier.parse_s3_uri(cfg.uri)) if r.complete] == [4, 5]
+    assert not uploader.holds(root / "step_00000001")  # released: local retention may take it now
+
+
+def test_start_up_check_names_a_missing_bucket_and_missing_credentials(s3, monkeypatch):
+    missing = S3Config(uri="s3://no-such-bucket-here/x", endpoint_url=s3.endpoint, max_attempts=1)
+    assert "bucket 'no-such-bucket-here' does not exist" in s3_tier.check_access(missing)
+    assert s3_tier.check_access(S3Config(uri=s3.uri("x"), endpoint_url=s3.endpoint)) is None
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    assert "found no credentials in its default chain" in s3_tier.check_access(missing)
+
+
+def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):
+    local = tmp_path / "ckpts"
+    for step in (3, 6):
+        make_checkpoint(local, step, sizes=(300_000,))
+    base = ["--uri", s3.uri("ops"), "--endpoint-url", s3.endpoint]
+    assert cli_main(["checkpoints", "push", "--dir", str(local), *base]) == 0
+    assert "pushed step 6" in capsys.readouterr().out
+    assert cli_main(["checkpoints", "push", "--dir", str(local), *base]) == 0
+    assert "already complete" in capsys.readouterr().out
+    s3.client.put_object(Bucket=s3.bucket, Key="ops/step_00000009/__0_0.distcp", Body=b"partial")
+    assert cli_main(["checkpoints", "list", "--dir", str(local), *base, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    rows = {r["step"]: r for r in listing["checkpoints"]}
+    assert sorted(rows) == [3, 6, 9]
+    assert "s3" not in rows[3] and rows[6]["s3"]["complete"] and not rows[9]["s3"]["complete"]
+    assert "local" not in rows[9]
+    assert cli_main(["checkpoints", "list", "--dir", str(local), *base]) == 0
+    assert "INCOMPLETE" in capsys.readouterr().out
+    assert cli_main(["checkpoints", "pull", "--dir", str(tmp_path / "new"), *base]) == 0
+    assert "pulled step 6" in capsys.readouterr().out
+    assert (tmp_path / "new" / "step_00000006" / "__0_0.distcp").read_bytes() == \
+        (local / "step_00000006" / "__0_0.distcp").read_bytes()
+    assert cli_main(["checkpoints", "pull", "--step", "5", "--dir", str(tmp_path / "new"), *base]) == 1
+    assert "no complete step 5" in capsys.readouterr().err
+    assert cli_main(["checkpoints", "list", "--dir", str(local)]) == 2
+    assert "checkpoint.s3.uri is not set" in capsys.readouterr().err

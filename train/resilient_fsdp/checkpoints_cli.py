@@ -1,0 +1,189 @@
+"""``resilient-fsdp checkpoints list|pull|push``: the operator's view of both checkpoint tiers.
+
+- ``list``: local checkpoints (``checkpoint.dir``) and those under ``checkpoint.s3.uri``, side by
+  side, complete or not.
+- ``pull``: download the newest complete checkpoint (or ``--step``) from S3 into
+  ``checkpoint.dir``, committed atomically like one the job wrote; a job started there resumes
+  from it.
+- ``push``: upload the newest local checkpoint (or ``--step``), marker last.
+
+They read the job's own configuration (``--config`` / ``--set``), so they point where the job
+does; ``--dir``, ``--uri`` and ``--endpoint-url`` are shorthands. Neither command deletes
+anything: retention is the job's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from . import checkpoint_store as store
+from . import s3_tier
+from .config import Config, ConfigError, load_config
+
+
+def add_parser(sub: argparse._SubParsersAction, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser("checkpoints", help="list, pull or push checkpoints between checkpoint.dir and S3",
+                       description=__doc__.split("\n")[0])
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    specs = {
+        "list": "local and S3 checkpoints side by side",
+        "pull": "download the newest complete S3 checkpoint (or --step) into checkpoint.dir",
+        "push": "upload the newest local checkpoint (or --step) to checkpoint.s3.uri",
+    }
+    for name, text in specs.items():
+        a = actions.add_parser(name, help=text, description=text)
+        a.add_argument("--dir", help="shorthand for --set checkpoint.dir=DIR")
+        a.add_argument("--uri", help="shorthand for --set checkpoint.s3.uri=s3://bucket/prefix")
+        a.add_argument("--endpoint-url", help="shorthand for --set checkpoint.s3.endpoint_url=URL (S3-compatible stores)")
+        if name == "list":
+            a.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        else:
+            a.add_argument("--step", type=int, help="this step instead of the newest")
+        if name == "push":
+            a.add_argument("--replace", action="store_true",
+                           help="replace a different commit of the same step already complete in S3")
+        add_config_args(a)
+        a.set_defaults(command="checkpoints", handler={"list": cmd_list, "pull": cmd_pull, "push": cmd_push}[name])
+
+
+def _config(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    for flag, key in (("dir", "checkpoint.dir"), ("uri", "checkpoint.s3.uri"),
+                      ("endpoint_url", "checkpoint.s3.endpoint_url")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value)}")  # quoted: a path or URL stays a string
+    cfg = load_config(args.config, overrides)
+    if not cfg.checkpoint.s3.uri:
+        raise ConfigError("checkpoint.s3.uri is not set: pass --uri s3://bucket/prefix (or --set checkpoint.s3.uri=...)")
+    return cfg
+
+
+class _Bar:
+    """A byte progress bar (tqdm, shown on terminals only) fed from s3transfer's threads."""
+
+    def __init__(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        self._lock = threading.Lock()
+        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
+                         file=sys.stderr)
+
+    def __call__(self, nbytes: int) -> None:
+        with self._lock:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / 1e6:.1f} MB in {seconds:.1f} s ({nbytes / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    root, loc = cfg.checkpoint_dir, s3_tier.parse_s3_uri(cfg.checkpoint.s3.uri)
+    local, unusable = store.scan(root)
+    remote = s3_tier.list_remote(s3_tier.make_client(cfg.checkpoint.s3), loc)
+    rows: dict[int, dict[str, Any]] = {}
+    for c in local:
+        rows.setdefault(c.step, {"step": c.step})["local"] = {"path": str(c.path), "bytes": store.dir_bytes(c.path)}
+    for r in remote:
+        rows.setdefault(r.step, {"step": r.step})["s3"] = {
+            "uri": loc.uri(store.committed_name(r.step)) + "/", "complete": r.complete, "files": len(r.files),
+            "bytes": sum(r.files.values()), "last_modified": r.last_modified}
+    listing = {"dir": str(root), "uri": cfg.checkpoint.s3.uri, "checkpoints": [rows[s] for s in sorted(rows)],
+               "local_unusable": [str(p) for p in unusable]}
+    if args.json:
+        print(json.dumps(listing, indent=2))
+        return 0
+    print(f"local: {root}\nS3:    {cfg.checkpoint.s3.uri}")
+    print(f"{'step':>10}  {'local':<10} {'S3':<12} {'size':>10}  S3 last modified (UTC)")
+    for row in listing["checkpoints"]:
+        s3 = row.get("s3")
+        state = "-" if s3 is None else ("complete" if s3["complete"] else "INCOMPLETE")
+        size = (row.get("local") or s3 or {}).get("bytes", 0)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s3["last_modified"])) if s3 else ""
+        print(f"{row['step']:>10}  {'yes' if 'local' in row else '-':<10} {state:<12} {size / 1e6:>8.1f} MB  {when}")
+    for path in unusable:
+        print(f"not a complete checkpoint (left in place): {path}")
+    if any(r.get("s3", {}).get("complete") is False for r in listing["checkpoints"]):
+        print("INCOMPLETE: no COMPLETE marker (an upload in progress or cut off): never restored, never deleted by "
+              "retention; the job re-uploads its own, or delete the prefix yourself")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    s3, root = cfg.checkpoint.s3, cfg.checkpoint_dir
+    loc, client = s3_tier.parse_s3_uri(s3.uri), s3_tier.make_client(s3)
+    found = s3_tier.newest_complete(client, loc, step=args.step, say=lambda m: print(m, file=sys.stderr))
+    if found is None:
+        what = f"step {args.step}" if args.step is not None else "checkpoint"
+        print(f"error: no complete {what} under {s3.uri}", file=sys.stderr)
+        return 1
+    remote, manifest = found
+    existing = store.read_manifest(root / store.committed_name(remote.step))
+    if existing is not None:
+        print(f"step {remote.step} is already in {root}; nothing pulled")
+        return 0
+    for stale in s3_tier.remove_stale_downloads(root):
+        print(f"removed {stale}: an earlier, unfinished pull", file=sys.stderr)
+    total = sum(manifest["files"].values())
+    root.mkdir(parents=True, exist_ok=True)
+    bar = _Bar(total, f"pull step {remote.step}")
+    t0 = time.perf_counter()
+    try:
+        info = s3_tier.download_checkpoint(client, s3, loc, remote, manifest, root, progress=bar)
+    finally:
+        bar.close()
+    print(f"pulled step {remote.step}: {_rate(total, time.perf_counter() - t0)} -> {info.path}")
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    s3, root = cfg.checkpoint.s3, cfg.checkpoint_dir
+    committed, _ = store.scan(root)
+    chosen = [c for c in committed if args.step is None or c.step == args.step]
+    if not chosen:
+        what = f"step {args.step}" if args.step is not None else "checkpoint"
+        print(f"error: no committed {what} in {root}", file=sys.stderr)
+        return 1
+    info = chosen[-1]
+    loc, client = s3_tier.parse_s3_uri(s3.uri), s3_tier.make_client(s3)
+    total = sum(s3_tier.local_files(info.path).values())
+    bar = _Bar(total, f"push step {info.step}")
+    t0 = time.perf_counter()
+    try:
+        result = s3_tier.upload_checkpoint(client, s3, loc, info.path, replace=args.replace, resume=True, progress=bar,
+                                           say=lambda m: print(m, file=sys.stderr))
+    finally:
+        bar.close()
+    where = loc.uri(store.committed_name(info.step)) + "/"
+    if result["status"] == "already-there":
+        print(f"step {info.step} is already complete at {where}; nothing pushed")
+    elif result["status"] == "kept-remote":
+        print(f"error: {where} holds another commit of step {info.step}; pass --replace to replace it", file=sys.stderr)
+        return 1
+    else:
+        skipped = f", {result['skipped_files']} file(s) already there" if result["skipped_files"] else ""
+        print(f"pushed step {info.step}: {_rate(result['bytes'], time.perf_counter() - t0)}{skipped} -> {where}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch; S3 and file errors become one line naming what failed."""
+    try:
+        return args.handler(args)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        print(f"error: {s3_tier.describe_error(exc)}", file=sys.stderr)
+        return 1
