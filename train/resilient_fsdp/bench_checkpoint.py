@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from . import nvrx_compat
+from .bench_results import write_results
 from .checkpoint import Checkpointer
 from .config import load_config
 from .distributed import shutdown
@@ -149,8 +149,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     results = run(args)
     print(table(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        print(f"results: {args.out}")
+    write_results(results, args.out)
     return 0
 

@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .bench_results import write_results
+
 # Shared by every variant: gloo cannot abort a collective, so ranks waiting on the failed one
 # wait out dist.timeout_s (after the first step; start-up keeps a long timeout). NCCL is aborted
 # instead, so on GPUs this wait does not exist.
@@ -119,8 +121,7 @@ def main(args: argparse.Namespace) -> int:
                          "in_job_over_full_relaunch":
                          results["in_job"]["recovery_s_median"] / results["full_relaunch"]["recovery_s_median"]}
     print(format_table(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    write_results(results, args.out)
     return 0 if all(s["bitwise_equal_to_fault_free"] for layer in LAYERS for s in results[layer]["samples"]) else 1
 
 

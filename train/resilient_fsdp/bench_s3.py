@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -35,6 +34,7 @@ from typing import Any, Optional
 
 from . import checkpoint_store as store
 from . import s3_tier
+from .bench_results import write_results
 from .config import ConfigError, S3Config
 
 CHUNK = 8 * 1024 * 1024
@@ -320,7 +320,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     results = run(args)
     print(table(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        print(f"results: {args.out}")
+    write_results(results, args.out)
     return 0

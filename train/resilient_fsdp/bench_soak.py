@@ -19,6 +19,7 @@ import os
 import statistics
 from pathlib import Path
 
+from .bench_results import write_results
 from .bench_recovery import fresh_dir, run_job
 
 DEFAULT_KINDS = "exception,sigkill,hang,exception,sigkill-during-save,hang,exception,node-loss,exception,sigterm"
@@ -111,7 +112,6 @@ def main(args: argparse.Namespace) -> int:
           f"restarts {results['restarts']}; bitwise equal to fault-free: {results['bitwise_equal_to_fault_free']}")
     for kind, value in results["recovery_s_median_by_kind"].items():
         print(f"  {kind:<36} median recovery {value:.2f} s")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    write_results(results, args.out)
     ok = results["faults_recovered"] == len(faults) and results["bitwise_equal_to_fault_free"]
     return 0 if ok else 1
