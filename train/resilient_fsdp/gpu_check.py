@@ -1,0 +1,903 @@
+"""``python -m resilient_fsdp.gpu_check``: the CUDA path, measured in one call on one GPU.
+
+Run through ``scripts/gpu-check`` (which first installs the wheels the machine lacks). Sections:
+
+1. ``throughput``: steps/s and MFU of the ``1b`` preset, bf16 compute, FSDP2 on one GPU;
+2. ``checkpoint``: NVRx async checkpoint of that state against a synchronous DCP save: the
+   training-loop stall, the write time, and the step time while a write is in flight;
+3. ``in_process``: an injected exception recovered by in-process restart on NCCL;
+4. ``in_job``: a rank killed (SIGKILL) and respawned by ``ft_launcher``;
+5. ``exact_resume``: a run stopped and resumed against one that never stopped.
+
+Each section runs in its own process under its own time budget, inside a budget for the whole
+check: a section that fails or overruns is recorded with its error (and killed) and the next one
+runs, so one CUDA or NCCL problem costs one section, not the call. ``gpu-check.json`` and
+``gpu-check.md`` in ``--out`` are rewritten after every section, so whatever finished comes back
+even if the call itself is cut short.
+
+``--cpu --tiny`` rehearses the same sections on CPU (gloo, the ``tiny`` preset, few steps) and
+skips only what needs CUDA, saying why in the report. The parent process uses the standard
+library alone, so it can report a missing package instead of dying on the import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .bench_recovery import fresh_dir
+
+# Run order: exact_resume runs before the restart sections because its uninterrupted run is the
+# reference their final parameters are compared with.
+RUN_ORDER = ("environment", "throughput", "checkpoint", "exact_resume", "in_process", "in_job")
+REPORT_ORDER = ("environment", "throughput", "checkpoint", "in_process", "in_job", "exact_resume")
+TITLES = {"environment": "environment and measured ceilings", "throughput": "1. steps/s and MFU",
+          "checkpoint": "2. async vs sync checkpoint", "in_process": "3. in-process restart",
+          "in_job": "4. in-job restart (ft_launcher)", "exact_resume": "5. exact resume"}
+# Seconds each section may take at most. Expected on one H200: about 10, 60, 70, 45, 20 and 35.
+BUDGET_S = {"environment": 60, "throughput": 110, "checkpoint": 150, "exact_resume": 120, "in_process": 75,
+            "in_job": 100}
+# The whole check: a device call may run 10 minutes, and wheel installation and start-up come first.
+TOTAL_BUDGET_S = 450
+# A CPU rehearsal on a shared 2-core machine runs every process start several times slower.
+CPU_BUDGET_FACTOR = 3
+MIN_SECTION_S = 20  # not worth starting a section with less left
+
+# Dense bf16 tensor-core peaks (NVIDIA's H100 and H200 SXM datasheets: 1,979 TFLOP/s "with
+# sparsity", i.e. 989.4 dense), the denominator of MFU. Matched on torch's device name.
+PEAKS = (("H200", 989.4e12, "NVIDIA H200 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with sparsity / 2)"),
+         ("H100 80GB HBM3", 989.4e12, "NVIDIA H100 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with "
+                                      "sparsity / 2)"))
+COPY_FLOOR_BPS = 50e9  # device-to-host over PCIe Gen5, the issue's copy-bound floor for staging
+ASYNC_STALL_TARGET = 0.02  # async stall at most 2% of the synchronous save
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Model sizes and step counts; the GPU plan, or the tiny one for a rehearsal."""
+
+    big_preset: str  # throughput and checkpoint
+    big_seq_len: int
+    big_micro_batch: int
+    warmup_steps: int
+    max_steps: int
+    max_measure_s: float
+    small_preset: str  # the restart and resume runs
+    small_seq_len: int
+    small_micro_batch: int
+    lr: Optional[float]  # None: the configured default
+    run_steps: int = 40
+    interval_steps: int = 10
+    fault_step: int = 22
+    stop_step: int = 20
+
+
+GPU_PLAN = Plan("1b", 2048, 4, 10, 300, 60.0, "125m", 512, 8, lr=3e-4)
+TINY_PLAN = Plan("tiny", 64, 4, 3, 60, 20.0, "tiny", 64, 4, lr=None)
+
+
+# ---- the parent: runs each section in a child process and writes the report --------------------
+
+class Report:
+    """``gpu-check.json`` and ``gpu-check.md`` in the output folder, rewritten after every change."""
+
+    def __init__(self, out: Path, mode: dict):
+        self.out = out
+        self.data: dict = {"check": "resilient-fsdp gpu-check", "mode": mode, "environment": {},
+                           "sections": {}, "status": "running"}
+
+    def section(self, name: str, record: dict) -> None:
+        self.data["sections"][name] = record
+        if name == "environment" and isinstance(record.get("results"), dict):
+            self.data["environment"].update(record["results"])
+        self.write()
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, text in (("gpu-check.json", json.dumps(self.data, indent=2, sort_keys=True, default=str) + "\n"),
+                           ("gpu-check.md", markdown(self.data))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.out / name)
+
+
+def become_subreaper() -> None:
+    # PR_SET_CHILD_SUBREAPER = 36: processes a section orphans (NVRx workers, launcher agents)
+    # re-parent here, so the sweep after each section can end them and free the GPU.
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def sweep_descendants() -> int:
+    """Kill every process this one started that is still alive; returns how many."""
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=10)
+    return len(children)
+
+
+def run_section(name: str, args: argparse.Namespace, work: Path, timeout: float, log: Path) -> dict:
+    """One section in a child process; its result file, or what is known when it failed."""
+    result_file = work / f"{name}.json"
+    result_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "resilient_fsdp.gpu_check", "--section", name, "--work-dir", str(work),
+           "--budget-s", f"{timeout:.1f}"] + (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
+    if args.peak_tflops:
+        cmd += ["--peak-tflops", str(args.peak_tflops)]
+    t0 = time.monotonic()
+    timed_out = False
+    with open(log, "w") as out:
+        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        try:
+            code = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(child.pid, signal.SIGKILL)
+            code = child.wait()
+    swept = sweep_descendants()
+    try:
+        record = json.loads(result_file.read_text())
+    except (OSError, ValueError):
+        record = {"results": {}}
+    if timed_out:
+        record["status"] = "timeout"
+        record["error"] = f"exceeded its time budget of {timeout:.0f} s and was killed; partial results kept"
+    elif record.get("status") not in ("ok", "error"):
+        record["status"] = "error"
+        record["error"] = f"the section's process exited with code {code} without a result; see the log"
+    record["elapsed_s"] = round(time.monotonic() - t0, 2)
+    record["budget_s"] = round(timeout)
+    if swept:
+        record["processes_left_and_killed"] = swept
+    if record["status"] != "ok":
+        record["log_tail"] = [line for path in section_logs(work, name) for line in tail(path, 25)]
+    return record
+
+
+def section_logs(work: Path, name: str) -> list[Path]:
+    """A section's own output, its runs' output, and the ft_launcher node logs of its job."""
+    return [work / f"{name}.log", work / f"{name}-runs.log", *sorted((work / name / "logs").glob("node*.log"))]
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def append_logs(combined: Path, work: Path, name: str, limit: int = 300_000) -> None:
+    """Every log of a section, the last ``limit`` bytes of each, in the one log that travels back."""
+    with open(combined, "a") as f:
+        for log in section_logs(work, name):
+            try:
+                text = log.read_bytes()[-limit:].decode(errors="replace")
+            except OSError:
+                continue
+            f.write(f"\n===== section {name}: {log.name} =====\n{text}")
+
+
+def parent(args: argparse.Namespace) -> int:
+    out = Path(args.out).resolve()
+    work = Path(args.work_dir).resolve()
+    fresh_dir(work)
+    become_subreaper()
+    started = time.monotonic()
+    mode = {"cpu": args.cpu, "tiny": args.tiny, "argv": sys.argv[1:], "total_budget_s": args.budget_s,
+            "plan": (TINY_PLAN if args.tiny else GPU_PLAN).__dict__}
+    report = Report(out, mode)
+    report.data["environment"].update({"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                                       "hostname": platform.node(), "python": platform.python_version(),
+                                       "platform": platform.platform(), "cpu_count": os.cpu_count()})
+    if args.wheels_record:
+        try:
+            report.data["environment"]["carried_wheels"] = json.loads(Path(args.wheels_record).read_text())
+        except (OSError, ValueError) as exc:
+            report.data["environment"]["carried_wheels"] = f"unreadable: {exc}"
+    report.write()
+    combined = out / "gpu-check.log"
+    combined.write_text("")
+    for name in RUN_ORDER:
+        left = args.budget_s - (time.monotonic() - started)
+        if left < MIN_SECTION_S:
+            report.section(name, {"status": "skipped", "skipped": f"the check's total budget ({args.budget_s:.0f} s, "
+                                                                  f"--budget-s) was used up before this section"})
+            continue
+        budget = min(BUDGET_S[name] * (CPU_BUDGET_FACTOR if args.cpu else 1), left)
+        print(f"[gpu-check] {name}: running (budget {budget:.0f} s)", flush=True)
+        record = run_section(name, args, work, budget, work / f"{name}.log")
+        append_logs(combined, work, name)
+        report.section(name, record)
+        print(f"[gpu-check] {name}: {record['status']} in {record['elapsed_s']:.1f} s"
+              + (f": {record.get('error')}" if record["status"] != "ok" else ""), flush=True)
+        if name == "environment" and record["status"] == "ok" and not args.cpu \
+                and not record["results"].get("cuda_available"):
+            reason = (f"no GPU is visible to torch {record['results'].get('torch')} here; run on the GPU machine, "
+                      "or pass --cpu --tiny to rehearse on CPU")
+            for rest in RUN_ORDER[1:]:
+                report.data["sections"][rest] = {"status": "skipped", "skipped": reason}
+            report.data["status"] = "error: " + reason
+            report.write()
+            print(f"error: {reason}", file=sys.stderr)
+            return 2
+    statuses = [s["status"] for s in report.data["sections"].values()]
+    report.data["status"] = "ok" if all(s == "ok" for s in statuses) else "some sections failed"
+    report.data["elapsed_s"] = round(time.monotonic() - started, 1)
+    report.write()
+    print(markdown(report.data))
+    print(f"[gpu-check] results: {out / 'gpu-check.json'}, {out / 'gpu-check.md'}, log {combined}", flush=True)
+    return 0 if report.data["status"] == "ok" else 1
+
+
+# ---- the children: one section each ------------------------------------------------------------
+
+class Section:
+    """What a section's code gets: its plan, its folder, its deadline, and a way to save progress."""
+
+    def __init__(self, name: str, args: argparse.Namespace):
+        self.name, self.args = name, args
+        self.cpu, self.tiny = args.cpu, args.tiny
+        self.plan = TINY_PLAN if args.tiny else GPU_PLAN
+        self.work = Path(args.work_dir)
+        self.dir = self.work / name
+        self.deadline = time.monotonic() + args.budget_s
+        self.results: dict = {}
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self, status: str = "running", **extra: Any) -> None:
+        """Write the results so far: a section killed at its budget still reports them."""
+        path = self.work / f"{self.name}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"status": status, "results": self.results, **extra}, indent=2, default=str))
+        os.replace(tmp, path)
+
+    def overrides(self, run_dir: Path, big: bool) -> list[str]:
+        p = self.plan
+        preset, seq, mb = ((p.big_preset, p.big_seq_len, p.big_micro_batch) if big
+                           else (p.small_preset, p.small_seq_len, p.small_micro_batch))
+        out = [f"run_dir={run_dir}", f"model.preset={preset}", f"data.seq_len={seq}", f"data.micro_batch_size={mb}",
+               f"dist.device={'cpu' if self.cpu else 'cuda'}"]
+        return out + ([f"optim.lr={p.lr}"] if p.lr else [])
+
+    def run_overrides(self, run_dir: Path) -> list[str]:
+        """The restart and resume runs: one configuration, so their final parameters compare."""
+        p = self.plan
+        return self.overrides(run_dir, big=False) + [f"train.steps={p.run_steps}",
+                                                     f"checkpoint.interval_steps={p.interval_steps}",
+                                                     "train.log_every=10", "checkpoint.keep_last=1",
+                                                     # NCCL's timeout above in-process restart's hard one.
+                                                     f"dist.timeout_s={60 if self.cpu else 120}"]
+
+
+def _child_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = None) -> int:
+    """Run ``cmd`` with its output appended to ``log``; a timeout kills it and is an error."""
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        try:
+            return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env=_child_env(env), timeout=max(1.0, timeout)).returncode
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(cmd[:4])} …; see {log}") from None
+
+
+def train_run(s: Section, run_dir: Path, overrides: list[str], flags: Optional[list[str]] = None,
+              env: Optional[dict] = None) -> dict:
+    """One trainer process (``python -m resilient_fsdp.train``); returns its ``summary.json``."""
+    cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir), *(flags or [])]
+    for o in overrides:
+        cmd += ["--set", o]
+    log = s.work / f"{s.name}-runs.log"
+    code = run_logged(cmd, log, s.remaining() - 5, env)
+    if code != 0:
+        raise RuntimeError(f"trainer run in {run_dir.name} exited with code {code}: "
+                           + " | ".join(tail(log, 3)))
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r.get("event") == "step":
+                out[int(r["step"])] = float(r["loss"])
+    return out
+
+
+def state_bytes(sd: Any) -> int:
+    """Bytes of every tensor in a (sharded) state dict, as this rank holds them."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(sd, DTensor):
+        sd = sd.to_local()
+    if isinstance(sd, torch.Tensor):
+        return sd.numel() * sd.element_size()
+    if isinstance(sd, dict):
+        return sum(state_bytes(v) for v in sd.values())
+    if isinstance(sd, (list, tuple)):
+        return sum(state_bytes(v) for v in sd)
+    return 0
+
+
+def peak_flops(device_name: str, override_tflops: Optional[float]) -> tuple[Optional[float], str]:
+    if override_tflops:
+        return override_tflops * 1e12, "--peak-tflops"
+    for key, flops, source in PEAKS:
+        if key in device_name and "NVL" not in device_name:
+            return flops, source
+    return None, f"no datasheet peak known here for {device_name!r}; pass --peak-tflops"
+
+
+# ---- section 0: environment --------------------------------------------------------------------
+
+def section_environment(s: Section) -> None:
+    import importlib
+    import importlib.metadata as md
+
+    import torch
+
+    r = s.results
+    r.update({"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()})
+    for dist_name in ("nvidia-resiliency-ext", "pydantic", "PyYAML", "psutil", "numpy", "protobuf", "grpcio"):
+        try:
+            r[f"version_{dist_name}"] = md.version(dist_name)
+        except md.PackageNotFoundError:
+            r[f"version_{dist_name}"] = None
+    r["nvrx"] = r["version_nvidia-resiliency-ext"]
+    # What each section imports; a missing wheel shows up here, by name, before anything runs.
+    imports = {}
+    for module in ("resilient_fsdp.config", "resilient_fsdp.train",
+                   "nvidia_resiliency_ext.checkpointing.async_ckpt.core", "nvidia_resiliency_ext.inprocess",
+                   "nvidia_resiliency_ext.fault_tolerance.launcher"):
+        try:
+            importlib.import_module(module)
+            imports[module] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            imports[module] = f"{type(exc).__name__}: {exc}"
+    r["imports"] = imports
+    # Staging buffers live in shared memory and checkpoints on the work folder's disk: a small
+    # /dev/shm or a full disk fails the checkpoint section, and this says which.
+    for label, path in (("dev_shm", "/dev/shm"), ("work_dir_disk", str(s.work))):
+        try:
+            usage = shutil.disk_usage(path)
+            r[f"{label}_free_gib"] = round(usage.free / 2**30, 1)
+        except OSError as exc:
+            r[f"{label}_free_gib"] = f"unknown ({exc})"
+    try:
+        r["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        r["memory_gib"] = None
+    try:
+        from .agent import ft_launcher_executable
+
+        r["ft_launcher"] = ft_launcher_executable()[0]
+    except Exception as exc:  # noqa: BLE001 - the in_job section will fail on it; say why here
+        r["ft_launcher"] = f"not found: {exc}"
+    s.save()
+    if not torch.cuda.is_available():
+        r["skipped"] = {"gpu": "no CUDA device visible" + (" (--cpu)" if s.cpu else ""),
+                        "nccl": "NCCL needs CUDA", "driver": "no NVIDIA driver in use",
+                        "ceilings": "the bf16 matmul and device-to-host copy ceilings are measured on a GPU only"}
+        return
+    props = torch.cuda.get_device_properties(0)
+    r.update({"gpu_name": props.name, "gpu_count": torch.cuda.device_count(),
+              "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+              "compute_capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count})
+    try:
+        version = torch.cuda.nccl.version()
+        r["nccl"] = ".".join(map(str, version)) if isinstance(version, (tuple, list)) else str(version)
+    except Exception as exc:  # noqa: BLE001
+        r["nccl"] = f"unknown ({exc})"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        r["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+        r["driver"] = smi.stdout.split(",")[0].strip() if smi.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        r["driver"] = f"unknown ({exc})"
+    s.save()
+    r["ceilings"] = measure_ceilings(torch)
+
+
+def _median_cuda_s(torch: Any, fn: Callable[[], Any], warmup: int, reps: int) -> float:
+    """Median seconds of ``fn`` on the GPU, timed with CUDA events after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def _matmul_tflops(torch: Any, n: int) -> float:
+    # Random data: zeros run measurably faster on this hardware and would flatter the ceiling.
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / _median_cuda_s(torch, lambda: a @ b, 3, 10) / 1e12
+
+
+def _d2h_gb_per_s(torch: Any, nbytes: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), device="cuda", dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return nbytes / _median_cuda_s(torch, lambda: dst.copy_(src, non_blocking=True), 1, 5) / 1e9
+
+
+def measure_ceilings(torch: Any) -> dict:
+    """The bf16 matmul rate and the pinned device-to-host copy rate, measured here (medians)."""
+    n, nbytes = 8192, 2 * 2**30
+    out = {"bf16_matmul_tflops": round(_matmul_tflops(torch, n), 1), "matmul_shape": f"{n}x{n}x{n}",
+           "d2h_pinned_gb_per_s": round(_d2h_gb_per_s(torch, nbytes), 1), "d2h_bytes": nbytes}
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---- section 1: throughput ---------------------------------------------------------------------
+
+def section_throughput(s: Section) -> None:
+    import torch
+
+    from .config import load_config
+    from .distributed import shutdown
+    from .model import preset_args
+    from .train import Trainer
+
+    p, r = s.plan, s.results
+    # Deterministic kernels are for exact comparisons (section 5); speed is measured without them.
+    cfg = load_config(None, s.overrides(s.dir, big=True) + ["checkpoint.save_final=false", "checkpoint.resume=false",
+                                                             "train.steps=100000", "train.deterministic=false"])
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    try:
+        args = preset_args(p.big_preset)
+        r.update({"preset": p.big_preset, "params": trainer.num_params, "seq_len": p.big_seq_len,
+                  "micro_batch_size": p.big_micro_batch, "tokens_per_step": trainer.tokens_per_step,
+                  "world_size": trainer.info.world_size, "device": str(trainer.info.device),
+                  "backend": trainer.info.backend, "build_s": round(time.perf_counter() - t0, 2),
+                  "precision": ("bf16 parameters and compute, fp32 gradient reduction (FSDP2 MixedPrecisionPolicy)"
+                                if trainer.info.device.type == "cuda" else "fp32 (CPU)")})
+        t1 = time.perf_counter()
+        loss_first, _ = trainer.train_step()
+        r["first_step_s"] = round(time.perf_counter() - t1, 3)
+        for _ in range(p.warmup_steps - 1):
+            trainer.train_step()
+        cuda = trainer.info.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        s.save()
+        # Stop at the step cap, the measuring-time cap, or well before the section's budget.
+        stop_at = min(time.perf_counter() + p.max_measure_s, time.perf_counter() + s.remaining() - 15)
+        start, steps, loss = time.perf_counter(), 0, loss_first
+        while steps < p.max_steps and time.perf_counter() < stop_at:
+            loss, _ = trainer.train_step()  # returns a Python float: the GPU has finished the step
+            steps += 1
+        elapsed = time.perf_counter() - start
+        if steps == 0:
+            raise RuntimeError("no step could be timed within the section's budget")
+        tokens_per_s = trainer.tokens_per_step * steps / elapsed
+        # Model FLOPs per token: 6 per weight that multiplies (every parameter but the input
+        # embedding table, a lookup) plus 12·layers·dim·seq_len for attention scores and values,
+        # without a causal discount (PaLM, Chowdhery et al. 2022, appendix B).
+        matmul_params = trainer.num_params - args.vocab_size * args.dim
+        flops_per_token = 6 * matmul_params + 12 * args.n_layers * args.dim * p.big_seq_len
+        r.update({"steps_measured": steps, "measured_s": round(elapsed, 3), "steps_per_s": round(steps / elapsed, 3),
+                  "tokens_per_s": round(tokens_per_s, 1), "step_time_s": round(elapsed / steps, 4),
+                  "loss_first": loss_first, "loss_last": loss, "flops_per_token": flops_per_token,
+                  "achieved_tflops": round(flops_per_token * tokens_per_s / 1e12, 2)})
+        if cuda:
+            r["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            peak, source = peak_flops(torch.cuda.get_device_name(), s.args.peak_tflops)
+            r["peak_flops"], r["peak_source"] = peak, source
+            r["mfu"] = round(flops_per_token * tokens_per_s / peak, 4) if peak else None
+            if peak is None:
+                r.setdefault("skipped", {})["mfu"] = source
+        else:
+            r["mfu"] = None
+            r.setdefault("skipped", {})["mfu"] = ("not applicable on CPU: MFU is measured against a GPU's dense "
+                                                  "bf16 peak, and a CPU run computes in fp32")
+        if p.big_preset != "1b":
+            r.setdefault("skipped", {})["1b"] = f"--tiny: the {p.big_preset} preset stands in for the 1b preset"
+    finally:
+        trainer.close(failed=False)
+        shutdown()
+
+
+# ---- section 2: checkpoint ---------------------------------------------------------------------
+
+def section_checkpoint(s: Section) -> None:
+    import torch
+
+    from . import nvrx_compat
+    from .bench_checkpoint import _timed_steps, measure_engine
+    from .config import load_config
+    from .distributed import shutdown
+    from .train import Trainer
+
+    p, r = s.plan, s.results
+    cfg = load_config(None, s.overrides(s.dir, big=True) + ["checkpoint.save_final=false", "checkpoint.resume=false",
+                                                             "train.steps=100000", "train.deterministic=false"])
+    trainer = Trainer(cfg)
+    root = s.dir / "checkpoints"
+    try:
+        _timed_steps(trainer, 2)  # creates the AdamW moments: the state is complete from here on
+        nbytes = state_bytes(trainer.checkpointer.state.state_dict(with_rng=False))
+        r.update({"preset": p.big_preset, "params": trainer.num_params, "state_bytes": nbytes,
+                  "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors, one rank",
+                  "nvrx": nvrx_compat.NVRX_VERSION})
+        idle = _timed_steps(trainer, 5)
+        r["step_time_idle_s"] = round(statistics.median(idle), 4)
+        s.save()
+        step = 0
+        during: list[float] = []
+        for mode in ("sync", "async"):
+            # async: one unmeasured save first, which starts NVRx's writer and allocates the staging
+            # buffers; sync has neither, and each 13 GB write costs budget.
+            figures, steps_during, step = measure_engine(trainer, mode, root, saves=1,
+                                                         warmup_saves=1 if mode == "async" else 0, step=step)
+            r[mode] = {k: v for k, v in figures.items() if k != "stall_s_all"}
+            if mode == "async":
+                during = steps_during
+            # The synchronous checkpoint is not needed once measured; the disk is not large.
+            shutil.rmtree(root / mode, ignore_errors=True)
+            s.save()
+        sync_stall, async_stall = r["sync"]["stall_s"], r["async"]["stall_s"]
+        r["async_stall_over_sync"] = round(async_stall / sync_stall, 4)
+        r["target_async_stall_over_sync"] = ASYNC_STALL_TARGET
+        r["target_met"] = async_stall / sync_stall <= ASYNC_STALL_TARGET
+        r["step_time_during_write_s"] = round(statistics.median(during), 4) if during else None
+        r["steps_during_write"] = len(during)
+        if during:
+            r["step_time_during_write_over_idle"] = round(statistics.median(during) / statistics.median(idle), 3)
+        if torch.cuda.is_available() and not s.cpu:
+            r["copy_floor_s"] = round(nbytes / COPY_FLOOR_BPS, 4)
+            r["copy_floor_basis"] = f"state bytes / {COPY_FLOOR_BPS / 1e9:.0f} GB/s device-to-host"
+            r["async_stall_over_copy_floor"] = round(async_stall / r["copy_floor_s"], 2)
+        else:
+            r.setdefault("skipped", {})["copy_floor"] = ("no device-to-host copy on CPU: staging is a host-memory "
+                                                         "copy, so the GPU copy-bound floor does not apply")
+    finally:
+        trainer.close(failed=False)
+        shutdown()
+
+
+# ---- section 5: exact resume (runs first of the three job sections: it is their reference) -----
+
+def section_exact_resume(s: Section) -> None:
+    p, r = s.plan, s.results
+    fresh_dir(s.dir)
+    straight = s.dir / "straight"
+    resumed = s.dir / "resumed"
+    a = train_run(s, straight, s.run_overrides(straight))
+    (s.work / "reference.json").write_text(json.dumps({"params_sha256": a["params_sha256"]}))
+    r.update({"preset": p.small_preset, "steps": p.run_steps, "stopped_at": p.stop_step,
+              "checkpoint_interval_steps": p.interval_steps, "checkpoint_mode": "async (NVRx)",
+              "reference_params_sha256": a["params_sha256"]})
+    s.save()
+    train_run(s, resumed, s.run_overrides(resumed) + [f"train.stop_at_step={p.stop_step}"])
+    b = train_run(s, resumed, s.run_overrides(resumed))
+    la, lb = step_losses(straight), step_losses(resumed)
+    steps = sorted(set(la) & set(lb))
+    diff = max(abs(la[k] - lb[k]) for k in steps)
+    r.update({"resumed_from_step": b["resumed_from_step"], "steps_compared": len(steps),
+              "resumed_params_sha256": b["params_sha256"], "bitwise_equal": a["params_sha256"] == b["params_sha256"],
+              "losses_equal": all(la[k] == lb[k] for k in steps), "max_abs_loss_diff": diff})
+    if r["bitwise_equal"] and r["losses_equal"]:
+        r["verdict"] = "bitwise: parameters and every loss equal"
+        return
+    # Not bitwise: measure how far two runs that never stopped drift apart here (non-deterministic
+    # kernels), and accept the resumed run within a small multiple of that drift.
+    s.save()
+    again = s.dir / "straight-again"
+    c = train_run(s, again, s.run_overrides(again))
+    lc = step_losses(again)
+    noise = max(abs(la[k] - lc[k]) for k in sorted(set(la) & set(lc)))
+    r.update({"repeat_bitwise_equal": c["params_sha256"] == a["params_sha256"], "run_to_run_max_abs_loss_diff": noise,
+              "tolerance": 3 * noise,
+              "tolerance_basis": "3x the largest loss difference between two uninterrupted runs of the same "
+                                 "configuration on this machine (the non-determinism floor); resuming may add "
+                                 "no more than that kind of rounding noise"})
+    r["within_tolerance"] = noise > 0 and diff <= 3 * noise
+    r["verdict"] = (f"not bitwise; max |loss difference| {diff:.3g} "
+                    + ("within" if r["within_tolerance"] else "OUTSIDE") + f" the tolerance {3 * noise:.3g}")
+
+
+# ---- sections 3 and 4: restarts -----------------------------------------------------------------
+
+def _reference(s: Section) -> Optional[str]:
+    try:
+        return json.loads((s.work / "reference.json").read_text())["params_sha256"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _recovery_results(s: Section, summary: dict) -> None:
+    r = s.results
+    recoveries = summary.get("recoveries") or []
+    if len(recoveries) != 1:
+        raise RuntimeError(f"expected one recovery in summary.json, found {recoveries!r}")
+    (rec,) = recoveries
+    reference = _reference(s)
+    r.update({"recovery_s": round(rec["recovery_s"], 3), "lost_steps": rec["lost_steps"], "layer_seen": rec["layer"],
+              "resumed_from_step": rec["resumed_from_step"], "restarts": summary.get("restarts"),
+              "final_step": summary["final_step"], "params_sha256": summary["params_sha256"],
+              "equal_to_fault_free": (summary["params_sha256"] == reference) if reference else None})
+    if reference is None:
+        r.setdefault("skipped", {})["equal_to_fault_free"] = "no reference: the exact_resume section did not finish"
+
+
+def section_in_process(s: Section) -> None:
+    from .bench_recovery import COMMON
+    from .launcher import free_port
+
+    p, r = s.plan, s.results
+    fresh_dir(s.dir)
+    port = free_port()
+    # The variables torchrun or ft_launcher would set for a world of one, without a launcher: this
+    # section is about the in-process layer alone (the in-job section runs ft_launcher).
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    overrides = s.run_overrides(s.dir) + COMMON + ["resilience.in_process=true"]
+    if not s.cpu:
+        # CUDA start-up (context, NCCL, first kernels) must not look like a hang to the wrapper.
+        overrides += ["resilience.in_process_soft_timeout_s=60", "resilience.in_process_hard_timeout_s=90",
+                      "resilience.in_process_heartbeat_timeout_s=30"]
+    fault = f"exception@{p.fault_step}:rank=0"
+    r.update({"fault": fault, "world_size": 1, "preset": p.small_preset})
+    summary = train_run(s, s.dir, overrides, [f"--inject={fault}"], env)
+    _recovery_results(s, summary)
+    if r["layer_seen"] != "in_process":
+        raise RuntimeError(f"the fault was recovered by the {r['layer_seen']} layer, not in-process")
+    r["backend"] = "gloo" if s.cpu else "nccl"
+    r["exercised"] = ["NVRx inprocess.Wrapper caught the exception and restarted the training function in the "
+                      "same process", "the process group was aborted and destroyed, and a new one created in a "
+                      "fresh key space of NVRx's store", "the FSDP2 model was rebuilt and the newest committed "
+                      "checkpoint reloaded"]
+    r["not_exercised"] = ["a peer rank blocked in a collective being released by the abort: that needs a world "
+                          "of at least 2 (NCCL allows one rank per GPU)",
+                          "hang detection (soft/hard timeouts) and the health checks this project turns off"]
+    if s.cpu:
+        r.setdefault("skipped", {})["nccl_abort"] = ("needs CUDA: gloo's abort was exercised instead; on a GPU the "
+                                                     "NCCL communicator is aborted")
+    else:
+        r["exercised"].append("NCCL communicator abort (ProcessGroupNCCL.abort) and re-creation on the GPU")
+
+
+def section_in_job(s: Section) -> None:
+    from .bench_recovery import COMMON
+    from .config import load_config
+    from .launcher import QUIET_WARNINGS, LocalJob, agent_command, free_port, write_ft_config
+    from .nvrx_compat import NVRX_VERSION
+    from .restarts import JOB_START_ENV
+
+    p, r = s.plan, s.results
+    fresh_dir(s.dir)
+    fault = f"sigkill@{p.fault_step}:rank=0"
+    r.update({"fault": fault, "nodes": 1, "nproc_per_node": 1, "preset": p.small_preset, "nvrx": NVRX_VERSION})
+    overrides = s.run_overrides(s.dir) + COMMON + ["resilience.in_process=false"]
+    job = LocalJob(nodes=1, nproc_per_node=1, run_dir=s.dir, resilience=load_config(None, overrides).resilience,
+                   trainer_args=[a for o in overrides for a in ("--set", o)] + ["--inject", fault])
+    write_ft_config(job)
+    # The node hosts its own rendezvous store, as the pod at the rendezvous endpoint does. The local
+    # launcher serves the store itself (is_host=false), which NVRx 0.7's rendezvous does not
+    # support: there the store host must be an agent, since it closes every round.
+    cmd = [("--rdzv-conf=is_host=true" if a == "--rdzv-conf=is_host=false" else a)
+           for a in agent_command(job, 0, free_port())]
+    log = s.work / f"{s.name}-runs.log"
+    code = run_logged(cmd, log, s.remaining() - 5, {JOB_START_ENV: repr(time.time()), "PYTHONWARNINGS": QUIET_WARNINGS})
+    if code != 0:
+        raise RuntimeError(f"the ft_launcher node exited with code {code}: " + " | ".join(tail(log, 3)))
+    _recovery_results(s, json.loads((s.dir / "summary.json").read_text()))
+    if r["layer_seen"] != "in_job":
+        raise RuntimeError(f"the fault was recovered by the {r['layer_seen']} layer, not in-job")
+    r["exercised"] = [f"ft_launcher (NVRx {NVRX_VERSION}) under the node wrapper (resilient_fsdp.agent), as a pod runs "
+                      "it, hosting its own rendezvous store, with " + ("CPU (gloo)" if s.cpu else "CUDA (NCCL)")
+                      + " workers", "the rank's death detected, the node's workers respawned after a new "
+                      "rendezvous, training resumed from the newest committed async checkpoint"]
+    r["not_exercised"] = ["several nodes (one machine, one GPU), and the local launcher's external rendezvous "
+                          "store (NVRx 0.4 only)", "hang detection by section timeouts (a crash only)"]
+
+
+SECTIONS: dict[str, Callable[[Section], None]] = {
+    "environment": section_environment, "throughput": section_throughput, "checkpoint": section_checkpoint,
+    "in_process": section_in_process, "in_job": section_in_job, "exact_resume": section_exact_resume}
+
+
+def child(args: argparse.Namespace) -> int:
+    s = Section(args.section, args)
+    s.dir.mkdir(parents=True, exist_ok=True)
+    status = 0
+    try:
+        SECTIONS[args.section](s)
+        s.save("ok")
+    except BaseException as exc:  # noqa: BLE001 - recorded for the report, then a non-zero exit
+        s.save("error", error=f"{type(exc).__name__}: {exc}".strip()[:2000], traceback=traceback.format_exc())
+        traceback.print_exc()
+        status = 1
+    finally:
+        # Checkpoints are not reported, and on a GPU each run's weigh gigabytes: free the disk.
+        for folder in sorted(s.dir.rglob("checkpoints"), reverse=True):
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            from .train import stop_helper_processes
+
+            stop_helper_processes()
+        except Exception:  # noqa: BLE001 - cleanup only; the parent sweeps what is left
+            pass
+    return status
+
+
+# ---- the Markdown report -----------------------------------------------------------------------
+
+def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, (int, float)):
+        return f"{value:{spec}}{unit}"
+    return str(value)
+
+
+def _size(nbytes: Optional[int]) -> str:
+    if not nbytes:
+        return "n/a"
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _measured(name: str, r: dict) -> tuple[str, str, str]:
+    """(measured, target, verdict) for one section's row."""
+    if name == "environment":
+        c = r.get("ceilings") or {}
+        return (f"bf16 matmul {_fmt(c.get('bf16_matmul_tflops'), '.0f')} TFLOP/s, pinned D2H "
+                f"{_fmt(c.get('d2h_pinned_gb_per_s'), '.1f')} GB/s" if c else "no GPU ceilings (CPU)", "", "")
+    if name == "throughput":
+        mfu = r.get("mfu")
+        peak = f" of {r['peak_flops'] / 1e12:.1f} TFLOP/s" if r.get("peak_flops") else ""
+        return (f"{_fmt(r.get('steps_per_s'))} steps/s, {_fmt(r.get('tokens_per_s'), ',.0f')} tok/s, "
+                f"{_fmt(r.get('achieved_tflops'))} TFLOP/s, MFU " + (f"{mfu:.1%}{peak}" if mfu is not None else "n/a")
+                + f" ({r.get('preset')}, {_fmt(r.get('steps_measured'))} steps)", "", "")
+    if name == "checkpoint":
+        sync, asy = r.get("sync") or {}, r.get("async") or {}
+        ratio = r.get("async_stall_over_sync")
+        floor = f"; copy floor {r['copy_floor_s']:.3f} s" if r.get("copy_floor_s") else ""
+        during = r.get("step_time_during_write_over_idle")
+        text = (f"stall: sync {_fmt(sync.get('stall_s'), '.3f')} s, async {_fmt(asy.get('stall_s'), '.3f')} s"
+                + (f" ({ratio:.1%} of sync)" if ratio is not None else "")
+                + f"; async write {_fmt(asy.get('write_s'), '.2f')} s{floor}; step time during write "
+                + (f"{during:.2f}x idle" if during else "n/a") + f"; state {_size(r.get('state_bytes'))}")
+        verdict = "" if "target_met" not in r else ("met" if r["target_met"] else "missed")
+        return text, "async stall ≤ 2% of sync", verdict
+    if name in ("in_process", "in_job"):
+        eq = r.get("equal_to_fault_free")
+        return (f"recovery {_fmt(r.get('recovery_s'), '.2f')} s, {_fmt(r.get('lost_steps'))} step(s) redone, "
+                f"layer {r.get('layer_seen', 'n/a')}, final parameters "
+                + ({True: "bitwise equal to", False: "DIFFERENT from", None: "not compared with"}[eq])
+                + " the fault-free run", "recovered by this layer", "met" if r.get("layer_seen") else "")
+    if name == "exact_resume":
+        if "bitwise_equal" not in r:
+            return "", "", ""
+        met = r["bitwise_equal"] and r["losses_equal"] or bool(r.get("within_tolerance"))
+        return (str(r.get("verdict", "")) + f" ({r.get('steps_compared')} steps, resumed at step "
+                f"{r.get('resumed_from_step')})", "bitwise, else within the measured tolerance", "met" if met else "missed")
+    return "", "", ""
+
+
+def markdown(data: dict) -> str:
+    env = data.get("environment", {})
+    mode = data.get("mode", {})
+    where = ("CPU rehearsal (--cpu)" if mode.get("cpu") else env.get("gpu_name", "GPU")) + \
+        (", --tiny" if mode.get("tiny") else "")
+    lines = [f"# resilient-fsdp GPU check: {where}", "",
+             f"- date (UTC): {env.get('date_utc')}; host {env.get('hostname')}; {env.get('cpu_count')} CPUs; "
+             f"status: {data.get('status')}",
+             f"- GPU: {env.get('gpu_name', 'none')}"
+             + (f", {env.get('gpu_memory_gib')} GiB, compute capability {env.get('compute_capability')}, driver "
+                f"{env.get('driver')}" if env.get("gpu_name") else ""),
+             f"- software: Python {env.get('python')}, torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), "
+             f"NCCL {env.get('nccl', 'n/a')}, NVRx {env.get('nvrx')}", "",
+             "| section | status | measured | target | verdict |", "|---|---|---|---|---|"]
+    sections = data.get("sections", {})
+    for name in REPORT_ORDER:
+        rec = sections.get(name)
+        if rec is None:
+            lines.append(f"| {TITLES[name]} | pending | | | |")
+            continue
+        r = rec.get("results") or {}
+        try:
+            measured, target, verdict = _measured(name, r)
+        except (KeyError, TypeError, ValueError) as exc:
+            measured, target, verdict = f"(incomplete: {exc})", "", ""
+        status = rec.get("status", "?")
+        if status == "skipped":
+            measured = rec.get("skipped", "")
+        lines.append(f"| {TITLES[name]} | {status} | {measured} | {target} | {verdict} |".replace("\n", " "))
+    notes = []
+    for name in REPORT_ORDER:
+        rec = sections.get(name) or {}
+        r = rec.get("results") or {}
+        if rec.get("error"):
+            notes.append(f"- **{name}** error: {rec['error']}")
+        for what, why in (r.get("skipped") or {}).items():
+            notes.append(f"- {name}: skipped {what}: {why}")
+        for item in r.get("not_exercised") or []:
+            notes.append(f"- {name}: not exercised: {item}")
+    if notes:
+        lines += ["", "Errors, skips and limits:", ""] + notes
+    return "\n".join(lines) + "\n"
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/gpu-check", help="folder for gpu-check.json, gpu-check.md and gpu-check.log")
+    p.add_argument("--cpu", action="store_true", help="rehearse on CPU (gloo); CUDA-only items are skipped")
+    p.add_argument("--tiny", action="store_true", help="the tiny preset and few steps instead of 1b / 125m")
+    p.add_argument("--budget-s", type=float,
+                   help=f"time for the whole check (default {TOTAL_BUDGET_S} s, x{CPU_BUDGET_FACTOR} with --cpu); "
+                        "sections left without time are skipped")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak for MFU on a GPU this check does not know")
+    p.add_argument("--work-dir", default="runs/gpu-check-work", help="scratch folder (checkpoints: ~30 GB on a GPU)")
+    p.add_argument("--wheels-record", help=argparse.SUPPRESS)  # written by scripts/gpu-check's wheel install
+    p.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)  # a child process runs one section
+    args = p.parse_args(argv)
+    if args.cpu and not args.tiny and not args.section:
+        p.error("--cpu needs --tiny: the GPU sizes (1b, 125m) would take hours on CPU; use --cpu --tiny")
+    if args.budget_s is None:
+        args.budget_s = TOTAL_BUDGET_S * (CPU_BUDGET_FACTOR if args.cpu else 1)
+    if args.budget_s <= 0:
+        p.error(f"--budget-s {args.budget_s:g}: must be positive")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error(f"--peak-tflops {args.peak_tflops:g}: must be positive (dense bf16 TFLOP/s of the GPU)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out}: is a file; name a folder")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.section:
+        return child(args)
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
