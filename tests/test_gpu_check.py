@@ -132,3 +132,26 @@ def test_only_wheels_the_machine_lacks_or_has_older_are_installed(tmp_path):
         (tmp_path / "mine").mkdir()
         (tmp_path / "mine" / "keep.txt").write_text("x")
         install(wheels, tmp_path / "mine")
+
+
+def test_the_report_renders_gpu_figures_and_keeps_the_table_intact():
+    """The GPU-only figures cannot be produced here; the report's rendering of them can be checked."""
+    data = {"mode": {"cpu": False, "tiny": False}, "status": "some sections failed",
+            "environment": {"gpu_name": "NVIDIA H200", "driver": "580.159.04", "nccl": "2.27.7", "nvrx": "0.7.0"},
+            "sections": {
+                "environment": {"status": "ok", "results": {"ceilings": {"bf16_matmul_tflops": 790.1,
+                                                                         "d2h_pinned_gb_per_s": 53.2}}},
+                "throughput": {"status": "ok", "results": {"steps_per_s": 5.1, "tokens_per_s": 41800.0, "mfu": 0.309,
+                                                           "peak_flops": 989.4e12, "preset": "1b"}},
+                "checkpoint": {"status": "timeout", "error": "exceeded its time budget",
+                               "results": {"sync": {"stall_s": 9.8}, "state_bytes": 13_200_580_608}},
+                "exact_resume": {"status": "ok", "results": {"bitwise_equal": False, "losses_equal": False,
+                                                             "within_tolerance": True, "verdict": "a | b"}}}}
+    md = gpu_check.markdown(data)
+    assert "# resilient-fsdp GPU check: NVIDIA H200" in md and "driver 580.159.04" in md and "NCCL 2.27.7" in md
+    assert "MFU 30.9% of 989.4 TFLOP/s" in md and "bf16 matmul 790 TFLOP/s" in md
+    assert "| 2. async vs sync checkpoint | timeout | stall: sync 9.800 s" in md and "state 13.20 GB" in md
+    assert "**checkpoint** error: exceeded its time budget" in md
+    assert "| 4. in-job restart (ft_launcher) | pending |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| 5.")]
+    assert rows and rows[0].count(" | ") == 4  # a "|" inside a cell is escaped, not a new column

@@ -638,7 +638,7 @@ def section_exact_resume(s: Section) -> None:
                                  "configuration on this machine (the non-determinism floor); resuming may add "
                                  "no more than that kind of rounding noise"})
     r["within_tolerance"] = noise > 0 and diff <= 3 * noise
-    r["verdict"] = (f"not bitwise; max |loss difference| {diff:.3g} "
+    r["verdict"] = (f"not bitwise; largest loss difference {diff:.3g} "
                     + ("within" if r["within_tolerance"] else "OUTSIDE") + f" the tolerance {3 * noise:.3g}")
 
 
@@ -848,7 +848,8 @@ def markdown(data: dict) -> str:
         status = rec.get("status", "?")
         if status == "skipped":
             measured = rec.get("skipped", "")
-        lines.append(f"| {TITLES[name]} | {status} | {measured} | {target} | {verdict} |".replace("\n", " "))
+        cells = [TITLES[name], status, measured, target, verdict]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     notes = []
     for name in REPORT_ORDER:
         rec = sections.get(name) or {}
