@@ -155,3 +155,18 @@ def test_the_report_renders_gpu_figures_and_keeps_the_table_intact():
     assert "| 4. in-job restart (ft_launcher) | pending |" in md
     rows = [line for line in md.splitlines() if line.startswith("| 5.")]
     assert rows and rows[0].count(" | ") == 4  # a "|" inside a cell is escaped, not a new column
+
+
+def test_every_configuration_the_gpu_plan_uses_is_valid(tmp_path):
+    """The GPU run has one try: its trainer configurations are validated here, without a GPU."""
+    from resilient_fsdp.config import load_config
+
+    args = gpu_check.parse_args(["--work-dir", str(tmp_path)])
+    s = gpu_check.Section("in_process", args)
+    assert s.plan is gpu_check.GPU_PLAN and not s.cpu
+    big = load_config(None, s.overrides(tmp_path, big=True) + ["train.deterministic=false"])
+    assert (big.model.preset, big.data.seq_len, big.dist.device, big.optim.lr) == ("1b", 2048, "cuda", 3e-4)
+    runs = load_config(None, s.in_process_overrides(tmp_path))
+    assert runs.model.preset == "125m" and runs.resilience.in_process
+    assert runs.dist.timeout_s > runs.resilience.in_process_hard_timeout_s == 90
+    assert load_config(None, s.run_overrides(tmp_path) + [f"train.stop_at_step={s.plan.stop_step}"])

@@ -293,6 +293,16 @@ class Section:
                                                      # NCCL's timeout above in-process restart's hard one.
                                                      f"dist.timeout_s={60 if self.cpu else 120}"]
 
+    def in_process_overrides(self, run_dir: Path) -> list[str]:
+        from .bench_recovery import COMMON
+
+        out = self.run_overrides(run_dir) + COMMON + ["resilience.in_process=true"]
+        if not self.cpu:
+            # CUDA start-up (context, NCCL, first kernels) must not look like a hang to the wrapper.
+            out += ["resilience.in_process_soft_timeout_s=60", "resilience.in_process_hard_timeout_s=90",
+                    "resilience.in_process_heartbeat_timeout_s=30"]
+        return out
+
 
 def _child_env(extra: Optional[dict] = None) -> dict:
     env = dict(os.environ)
@@ -667,7 +677,6 @@ def _recovery_results(s: Section, summary: dict) -> None:
 
 
 def section_in_process(s: Section) -> None:
-    from .bench_recovery import COMMON
     from .launcher import free_port
 
     p, r = s.plan, s.results
@@ -676,11 +685,7 @@ def section_in_process(s: Section) -> None:
     # The variables torchrun or ft_launcher would set for a world of one, without a launcher: this
     # section is about the in-process layer alone (the in-job section runs ft_launcher).
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    overrides = s.run_overrides(s.dir) + COMMON + ["resilience.in_process=true"]
-    if not s.cpu:
-        # CUDA start-up (context, NCCL, first kernels) must not look like a hang to the wrapper.
-        overrides += ["resilience.in_process_soft_timeout_s=60", "resilience.in_process_hard_timeout_s=90",
-                      "resilience.in_process_heartbeat_timeout_s=30"]
+    overrides = s.in_process_overrides(s.dir)
     fault = f"exception@{p.fault_step}:rank=0"
     r.update({"fault": fault, "world_size": 1, "preset": p.small_preset})
     summary = train_run(s, s.dir, overrides, [f"--inject={fault}"], env)
