@@ -1,0 +1,172 @@
+"""The prepared GPU check, rehearsed on CPU so it cannot rot: ``scripts/gpu-check --cpu --tiny``
+runs every section with real processes (gloo instead of NCCL), and the report says what it skipped
+because it needs CUDA. The wheel selection it makes on the GPU machine is tested on real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_no_leftovers, run_guarded
+from resilient_fsdp import gpu_check, gpu_sections
+from resilient_fsdp.gpu_wheels import PINS, decide, install, read_pins
+
+
+def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = run_guarded(["bash", str(REPO / "scripts" / "gpu-check"), "--cpu", "--tiny", "--out", str(out),
+                        "--work-dir", str(work)], tmp_path, None, timeout=900, env={"PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_no_leftovers(tmp_path)
+    data = json.loads((out / "gpu-check.json").read_text())
+    assert data["status"] == "ok"
+    assert data["mode"]["cpu"] and data["mode"]["tiny"]
+    sections = data["sections"]
+    assert set(sections) == set(gpu_check.RUN_ORDER)
+    assert {name: s["status"] for name, s in sections.items()} == {name: "ok" for name in gpu_check.RUN_ORDER}
+
+    env = data["environment"]
+    assert env["torch"] and env["nvrx"] and env["date_utc"] and env["cuda_available"] is False
+    assert all(v == "ok" for v in env["imports"].values()), env["imports"]
+    assert "NCCL needs CUDA" in env["skipped"]["nccl"]
+
+    t = sections["throughput"]["results"]
+    assert t["preset"] == "tiny" and t["steps_measured"] > 0
+    assert t["steps_per_s"] > 0 and t["tokens_per_s"] > 0 and t["flops_per_token"] > 0
+    assert t["mfu"] is None and "not applicable on CPU" in t["skipped"]["mfu"]
+
+    c = sections["checkpoint"]["results"]
+    assert c["state_bytes"] > 0 and c["sync"]["bytes"] > 0
+    assert c["sync"]["stall_s"] > 0 and c["async"]["stall_s"] > 0 and c["async"]["write_s"] > 0
+    assert c["async_stall_over_sync"] > 0 and isinstance(c["target_met"], bool)
+    assert "copy-bound floor does not apply" in c["skipped"]["copy_floor"]
+
+    e = sections["exact_resume"]["results"]
+    assert e["resumed_from_step"] == 20 and e["steps_compared"] == 40
+    assert e["bitwise_equal"] and e["losses_equal"] and e["max_abs_loss_diff"] == 0
+
+    for name, layer in (("in_process", "in_process"), ("in_job", "in_job")):
+        r = sections[name]["results"]
+        assert r["layer_seen"] == layer and r["recovery_s"] > 0 and r["final_step"] == 40
+        assert r["equal_to_fault_free"] is True, r  # bitwise equal to exact_resume's straight run
+        assert r["not_exercised"]
+    assert "needs CUDA" in sections["in_process"]["results"]["skipped"]["nccl_abort"]
+    assert sections["in_job"]["results"]["restarts"]["in_job"] == 1
+
+    md = (out / "gpu-check.md").read_text()
+    assert "| 1. steps/s and MFU | ok |" in md and "MFU n/a" in md
+    assert "| 5. exact resume | ok | bitwise: parameters and every loss equal" in md
+    assert "skipped mfu: not applicable on CPU" in md and "skipped nccl_abort: needs CUDA" in md
+    log = (out / "gpu-check.log").read_text()
+    assert "===== section in_job: in_job-runs.log" in log and "===== section in_process: in_process-runs.log" in log
+    assert "| 2. async vs sync checkpoint | ok |" in proc.stdout  # the table is printed last
+
+
+def test_a_section_over_its_budget_is_killed_and_recorded(tmp_path):
+    args = gpu_check.parse_args(["--cpu", "--tiny", "--work-dir", str(tmp_path)])
+    log = tmp_path / "throughput.log"
+    record = gpu_check.run_section("throughput", args, tmp_path, 0.5, log)
+    assert record["status"] == "timeout" and "exceeded its time budget" in record["error"], record
+    assert record["elapsed_s"] < 15
+
+
+def test_bad_flags_are_named_with_the_fix(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check"), "--cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 2 and "--cpu needs --tiny" in proc.stderr
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check"), "--wheels", str(tmp_path / "none")],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 2 and "run scripts/gpu-wheels" in proc.stderr
+
+
+def test_mfu_peak_is_known_for_h200_and_refused_for_unknown_gpus():
+    assert gpu_sections.peak_flops("NVIDIA H200", None)[0] == 989.4e12
+    peak, why = gpu_sections.peak_flops("NVIDIA A10G", None)
+    assert peak is None and "--peak-tflops" in why
+    assert gpu_sections.peak_flops("NVIDIA A10G", 125.0) == (125e12, "--peak-tflops")
+
+
+def test_carried_wheels_are_pinned_and_agree_with_the_project_pins():
+    pins = dict(read_pins())
+    image = dict(read_pins(REPO / "constraints-image.txt"))
+    assert pins["nvidia-resiliency-ext"] == image["nvidia-resiliency-ext"]
+    project = {k.lower().replace("_", "-"): v for k, v in read_pins(REPO / "constraints.txt")}
+    for name in ("pydantic", "pydantic_core", "annotated-types", "typing-inspection", "defusedxml"):
+        assert pins[name] == project[name.replace("_", "-")], name
+    assert PINS.name == "constraints-gpu-check.txt"
+
+
+def _wheel(folder: Path, name: str, version: str, module: str) -> Path:
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{module}/__init__.py", f"VERSION = {version!r}\n")
+        z.writestr(f"{name}-{version}.dist-info/METADATA",
+                   f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{name}-{version}.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}-{version}.dist-info/RECORD", "")
+    return path
+
+
+def test_only_wheels_the_machine_lacks_or_has_older_are_installed(tmp_path):
+    import importlib.metadata
+
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    pytest_version = importlib.metadata.version("pytest")
+    _wheel(wheels, "pytest", "0.1", "pytest_old_copy")  # older than the machine's: keep the machine's
+    _wheel(wheels, "resilient_fsdp_absent_pkg", "1.0", "resilient_fsdp_absent_pkg")  # missing: install
+    decisions = {d.name: d for d in decide(sorted(wheels.glob("*.whl")))}
+    assert decisions["pytest"].action == "keep-present" and decisions["pytest"].present == pytest_version
+    assert decisions["resilient-fsdp-absent-pkg"].action == "install"
+    target = tmp_path / "site"
+    install(wheels, target)
+    assert (target / "resilient_fsdp_absent_pkg" / "__init__.py").exists()
+    assert not (target / "pytest_old_copy").exists()
+    with pytest.raises(RuntimeError, match="was not made by this installer"):
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "keep.txt").write_text("x")
+        install(wheels, tmp_path / "mine")
+
+
+def test_the_report_renders_gpu_figures_and_keeps_the_table_intact():
+    """The GPU-only figures cannot be produced here; the report's rendering of them can be checked."""
+    data = {"mode": {"cpu": False, "tiny": False}, "status": "some sections failed",
+            "environment": {"gpu_name": "NVIDIA H200", "driver": "580.159.04", "nccl": "2.27.7", "nvrx": "0.7.0"},
+            "sections": {
+                "environment": {"status": "ok", "results": {"ceilings": {"bf16_matmul_tflops": 790.1,
+                                                                         "d2h_pinned_gb_per_s": 53.2}}},
+                "throughput": {"status": "ok", "results": {"steps_per_s": 5.1, "tokens_per_s": 41800.0, "mfu": 0.309,
+                                                           "peak_flops": 989.4e12, "preset": "1b"}},
+                "checkpoint": {"status": "timeout", "error": "exceeded its time budget",
+                               "results": {"sync": {"stall_s": 9.8}, "state_bytes": 13_200_580_608}},
+                "exact_resume": {"status": "ok", "results": {"bitwise_equal": False, "losses_equal": False,
+                                                             "within_tolerance": True, "verdict": "a | b"}}}}
+    md = gpu_check.markdown(data)
+    assert "# resilient-fsdp GPU check: NVIDIA H200" in md and "driver 580.159.04" in md and "NCCL 2.27.7" in md
+    assert "MFU 30.9% of 989.4 TFLOP/s" in md and "bf16 matmul 790 TFLOP/s" in md
+    assert "| 2. async vs sync checkpoint | timeout | stall: sync 9.800 s" in md and "state 13.20 GB" in md
+    assert "**checkpoint** error: exceeded its time budget" in md
+    assert "| 4. in-job restart (ft_launcher) | pending |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| 5.")]
+    assert rows and rows[0].count(" | ") == 4  # a "|" inside a cell is escaped, not a new column
+
+
+def test_every_configuration_the_gpu_plan_uses_is_valid(tmp_path):
+    """The GPU run has one try: its trainer configurations are validated here, without a GPU."""
+    from resilient_fsdp.config import load_config
+
+    args = gpu_check.parse_args(["--work-dir", str(tmp_path)])
+    s = gpu_sections.Section("in_process", args)
+    assert s.plan is gpu_sections.GPU_PLAN and not s.cpu
+    big = load_config(None, s.overrides(tmp_path, big=True) + ["train.deterministic=false"])
+    assert (big.model.preset, big.data.seq_len, big.dist.device, big.optim.lr) == ("1b", 2048, "cuda", 3e-4)
+    runs = load_config(None, s.in_process_overrides(tmp_path))
+    assert runs.model.preset == "125m" and runs.resilience.in_process
+    assert runs.dist.timeout_s > runs.resilience.in_process_hard_timeout_s == 90
+    assert load_config(None, s.run_overrides(tmp_path) + [f"train.stop_at_step={s.plan.stop_step}"])
