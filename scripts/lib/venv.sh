@@ -1,6 +1,8 @@
 # Sourced by the entry scripts: make sure .venv exists and holds the pinned dependencies.
 # Reinstalls only when pyproject.toml or constraints.txt changed since the last install.
 
+PIP_VERSION=26.3
+
 ensure_venv() {  # usage: ensure_venv EXTRAS   (e.g. "" or "test")
   local extras="$1" python="${PYTHON:-python3}" spec="."
   [ -n "$extras" ] && spec=".[$extras]"
@@ -11,6 +13,9 @@ ensure_venv() {  # usage: ensure_venv EXTRAS   (e.g. "" or "test")
     }
     echo "creating .venv with $("$python" --version 2>&1)"
     "$python" -m venv .venv
+    # The pip a venv starts with is as old as the Python (23.x for 3.11); the image's lock test
+    # resolves for Python 3.12 with --python-version, which older pips check against this Python.
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "pip==$PIP_VERSION"
   fi
   local stamp=".venv/.installed-${extras:-base}"
   local want
