@@ -131,7 +131,11 @@ def test_training_goes_on_while_s3_is_down_and_uploads_catch_up(tmp_path, s3):
                                 "checkpoint.s3.max_pending=2", "checkpoint.s3.drain_timeout_s=60"]
                      + s3.overrides("down"))
     commits = lambda: read_events(tmp_path, "checkpoint") if (tmp_path / "metrics.jsonl").exists() else []  # noqa: E731
-    run.wait_for("5 checkpoints committed during the outage", lambda: len(commits()) >= 5)
+    errors = lambda: read_events(tmp_path, "s3_error") if (tmp_path / "metrics.jsonl").exists() else []  # noqa: E731
+    # The outage lasts until steps and commits went on and an upload has failed (timed out): on a
+    # fast machine five commits can come before the first upload attempt gives up.
+    run.wait_for("5 checkpoints committed and an upload failed during the outage",
+                 lambda: len(commits()) >= 5 and len(errors()) >= 1)
     resumed_at = time.time()
     s3.resume()
     out, err = run.finish()
