@@ -12,11 +12,8 @@ import json
 import os
 import socket
 import stat
-import subprocess
 import sys
 import textwrap
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,48 +27,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/moto-api/", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"moto server at {url} not ready after {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def aws_server(tmp_path_factory):
-    """``python -m moto.server`` on a free loopback port; yields its URL, stops it afterwards."""
-    log = tmp_path_factory.mktemp("moto") / "server.log"
-    for _attempt in range(3):  # the port is free when picked; another process could take it first
-        port = free_port()
-        # Its request log goes to a file: a pipe nobody reads would fill up and stall the server.
-        with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                    stdout=sink, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_ready(url, proc, log)
-            break
-        except RuntimeError:
-            proc.kill()
-            proc.wait()
-    else:
-        pytest.fail("could not start moto's server (python -m moto.server); is moto[server] installed? "
-                    "./scripts/test installs it")
+    """moto's standalone server on a free loopback port (the one the S3 tests and ``bench s3``
+    use: it serves ECR and STS too); yields its URL, stops it afterwards."""
+    from resilient_fsdp.bench_s3 import LocalS3Server
+
     try:
-        yield url
+        server = LocalS3Server(tmp_path_factory.mktemp("moto") / "server.log")
+    except RuntimeError as exc:
+        pytest.fail(f"{exc}; is moto[server] installed? ./scripts/test installs it")
+    try:
+        yield server.endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def aws_env(endpoint: str | None, region: str = "us-west-2", credentials: bool = True) -> dict:

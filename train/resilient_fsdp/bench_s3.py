@@ -41,7 +41,8 @@ CHUNK = 8 * 1024 * 1024
 
 
 class LocalS3Server:
-    """moto's standalone server (``python -m moto.server``) on a free loopback port."""
+    """moto's standalone server (``python -m moto.server``) on a free loopback port: a real AWS
+    API over HTTP (S3 here; the tests use its ECR and STS too), where no AWS account is reachable."""
 
     def __init__(self, log_path: Path):
         with socket.socket() as s:
