@@ -1,139 +1,15 @@
-"""Shared helpers: run the real launcher and trainer as subprocesses, and check for leftovers."""
+"""Fixtures shared by every test folder; the helpers they use are in ``tests/support.py``."""
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import signal
-import subprocess
-import sys
-import textwrap
-import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-# Every distributed test uses a short collective timeout: gloo cannot be aborted, so the peers
-# of a failed rank would otherwise wait out the default.
-FAST = ["dist.timeout_s=60"]
-
-
-MARK = "RESILIENT_FSDP_TEST_RUN"
-
-
-def _env(pythonpath: list[Path] | None = None, mark: Path | None = None, extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    env.update(extra or {})
-    if mark is not None:
-        # Inherited by every descendant (agents, ranks, NVRx's spawned helpers), so a leftover
-        # process can be found by its environment even after it was re-parented.
-        env[MARK] = str(mark)
-    paths = [str(p) for p in (pythonpath or [])] + [env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    env["PYTHONWARNINGS"] = "ignore:The pynvml package is deprecated:FutureWarning"
-    return env
-
-
-def run_local(run_dir: Path, nodes: int = 1, nproc: int = 2, overrides: list[str] | None = None,
-              pythonpath: list[Path] | None = None, timeout: float = 240, extra: list[str] | None = None,
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """``resilient-fsdp local`` as a user runs it; returns the finished process (output captured)."""
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={nodes}", f"--nproc-per-node={nproc}",
-           f"--run-dir={run_dir}", *(extra or [])]
-    for o in FAST + (overrides or []):
-        cmd += ["--set", o]
-    return run_guarded(cmd, run_dir, pythonpath, timeout, env)
-
-
-def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, timeout: float,
-                env: dict | None = None, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to completion; on timeout kill it and everything it started, then fail.
-
-    ``file_size_limit`` (bytes) caps every file the processes write (RLIMIT_FSIZE): writes past
-    it fail with EFBIG, as they would with ENOSPC on a full disk.
-    """
-    def limit() -> None:
-        if file_size_limit is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(pythonpath, run_dir, env), cwd=REPO, start_new_session=True,
-                            preexec_fn=limit)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for p in processes_of(run_dir):
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def run_trainer(run_dir: Path, overrides: list[str] | None = None, pythonpath: list[Path] | None = None,
-                timeout: float = 120, env: dict | None = None, file_size_limit: int | None = None
-                ) -> subprocess.CompletedProcess:
-    """One trainer process without a launcher (a world of one)."""
-    cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir)]
-    for o in FAST + (overrides or []):
-        cmd += ["--set", o]
-    return run_guarded(cmd, run_dir, pythonpath, timeout, env, file_size_limit)
-
-
-def read_summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def read_events(run_dir: Path, event: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("event") == event]
-
-
-def read_losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_events(run_dir, "step")]
-
-
-def processes_of(run_dir: Path) -> list[psutil.Process]:
-    """Live processes started for ``run_dir`` by :func:`run_local` / :func:`run_trainer`."""
-    found = []
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if proc.environ().get(MARK) == str(run_dir):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def assert_no_leftovers(run_dir: Path, wait_s: float = 5.0) -> None:
-    """No process started for ``run_dir`` (agents, ranks, spawned helpers) outlives the job."""
-    deadline = time.monotonic() + wait_s
-    left = processes_of(run_dir)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = processes_of(run_dir)
-    described = []
-    for p in left:
-        try:
-            described.append(f"{p.pid}: {' '.join(p.cmdline())[:200]}")
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    assert not described, "processes left running:\n" + "\n".join(described)
-
-
-def write_module(directory: Path, name: str, source: str) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.py").write_text(textwrap.dedent(source))
-    return directory
+from tests.support import FAKE_AWS, S3Sandbox
 
 
 @pytest.fixture
@@ -156,44 +32,6 @@ def nvrx_lane() -> Path:
 
 
 # ---- the S3 tier's tests: moto's standalone server, a real S3 API over HTTP on loopback ----------
-
-# Throwaway credentials for the local server; no shared config or instance metadata is consulted,
-# so nothing here can reach AWS.
-FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-            "AWS_EC2_METADATA_DISABLED": "true"}
-# Short timeouts and backoffs, so outages are noticed in seconds.
-S3_FAST = ["checkpoint.s3.connect_timeout_s=1", "checkpoint.s3.read_timeout_s=2", "checkpoint.s3.max_attempts=2",
-           "checkpoint.s3.retry_backoff_s=0.5", "checkpoint.s3.retry_backoff_max_s=2"]
-
-
-class S3Sandbox:
-    """One fresh bucket on the shared local server, and a way to stop the server for a while."""
-
-    def __init__(self, server, bucket: str):
-        import boto3
-
-        self.server, self.bucket, self.endpoint = server, bucket, server.endpoint
-        self.client = boto3.session.Session().client("s3", endpoint_url=self.endpoint)
-        self.client.create_bucket(Bucket=bucket)
-
-    def uri(self, prefix: str) -> str:
-        return f"s3://{self.bucket}/{prefix}"
-
-    def overrides(self, prefix: str) -> list[str]:
-        return [f"checkpoint.s3.uri={self.uri(prefix)}", f"checkpoint.s3.endpoint_url={self.endpoint}"] + S3_FAST
-
-    def keys(self, prefix: str = "") -> list[str]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
-
-    def pause(self) -> None:
-        """SIGSTOP: the server keeps its objects (held in its process) but answers nothing."""
-        os.kill(self.server.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.server.proc.pid, signal.SIGCONT)
-
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):

@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from chart_support import (MY_CLUSTER, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
+from tests.chart_support import (MY_CLUSTER, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
                            mount, pod_spec, profile_files, render, volume)
 from resilient_fsdp import chart, validate
 from resilient_fsdp.config import Config, load_config, to_dict

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from chart_support import VALUES_DIR, config_map, container, render
-from conftest import assert_no_leftovers, read_summary, run_guarded
+from tests.chart_support import VALUES_DIR, config_map, container, render
+from tests.support import assert_no_leftovers, read_summary, run_guarded
 from resilient_fsdp.launcher import free_port
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chart_support import PROFILES, profile_files, render
+from tests.chart_support import PROFILES, profile_files, render
 from resilient_fsdp import chart, chart_scan
 
 # A namespace of its own, as a real install uses (the default namespace is a finding in itself).

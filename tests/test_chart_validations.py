@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from chart_support import crds, render, render_error  # noqa: F401
+from tests.chart_support import crds, render, render_error  # noqa: F401
 from resilient_fsdp import validate
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
@@ -163,7 +163,7 @@ def test_should_reject_naming_the_key_when_values_break_the_schema(case):
 def test_should_list_the_schema_fault_kinds_when_trainer_kinds_change():
     import json
 
-    from chart_support import REPO
+    from tests.chart_support import REPO
     from resilient_fsdp.faults import KINDS
 
     schema = json.loads((REPO / "charts/resilient-fsdp/values.schema.json").read_text())

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_no_leftovers, read_events, read_losses, read_summary, run_guarded, run_local, run_trainer
+from tests.support import REPO, assert_no_leftovers, read_events, read_losses, read_summary, run_guarded, run_local, run_trainer
 
 MODES = ["async", "torch-async", "sync"]
 

@@ -10,7 +10,7 @@ from torch import nn
 from resilient_fsdp.config import ConfigError, DataConfig, ModelConfig
 from resilient_fsdp.data import build_dataset
 from resilient_fsdp.factories import call_factory, load_factory
-from conftest import write_module
+from tests.support import write_module
 
 
 @pytest.fixture

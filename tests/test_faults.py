@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import assert_no_leftovers, read_losses, read_summary, run_local
+from tests.support import assert_no_leftovers, read_losses, read_summary, run_local
 
 STEPS = 24
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=4", "train.log_every=4",

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, read_summary, run_local
+from tests.support import REPO, read_summary, run_local
 from resilient_fsdp import advise as adv
 from resilient_fsdp import goodput_model as gm
 from resilient_fsdp import simulate as sim

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_no_leftovers, run_guarded
+from tests.support import REPO, assert_no_leftovers, run_guarded
 from resilient_fsdp import gpu_check, gpu_sections
 from resilient_fsdp.gpu_wheels import PINS, decide, install, read_pins
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from image_support import REPO, aws_env, docker_calls, docker_stand_in
+from tests.image_support import REPO, aws_env, docker_calls, docker_stand_in
 from resilient_fsdp.image import dockerfile_args, nvrx_pin, project_version
 
 VERSION = project_version()

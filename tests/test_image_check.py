@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from image_support import REPO
+from tests.image_support import REPO
 from resilient_fsdp import image_check
 from resilient_fsdp.image_check import Pins
 

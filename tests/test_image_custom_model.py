@@ -14,8 +14,8 @@ import sys
 
 import yaml
 
-from conftest import assert_no_leftovers, read_summary, run_local, run_trainer
-from image_support import REPO
+from tests.support import assert_no_leftovers, read_summary, run_local, run_trainer
+from tests.image_support import REPO
 from resilient_fsdp import chart
 from resilient_fsdp.config import ModelConfig
 from resilient_fsdp.image import dockerfile_args, project_version

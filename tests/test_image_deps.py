@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from image_support import REPO
+from tests.image_support import REPO
 from resilient_fsdp import image_deps
 from resilient_fsdp.image_deps import DepsError, canonical, merged_pins, plan, project_requirements, verify
 

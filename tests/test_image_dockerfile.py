@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from image_support import REPO
+from tests.image_support import REPO
 from resilient_fsdp import chart
 from resilient_fsdp.image import dockerfile_args
 

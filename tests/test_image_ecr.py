@@ -16,7 +16,7 @@ import sys
 import boto3
 import pytest
 
-from image_support import REPO, aws_env, aws_server, docker_calls, docker_stand_in  # noqa: F401
+from tests.image_support import REPO, aws_env, aws_server, docker_calls, docker_stand_in  # noqa: F401
 from resilient_fsdp.ecr import Ecr, EcrError, registry_address
 
 MOTO_ACCOUNT = "123456789012"  # the account moto's server answers GetCallerIdentity with
@@ -97,7 +97,7 @@ def test_missing_credentials_say_how_to_provide_them(aws_server, monkeypatch):
 
 
 def test_unreachable_endpoint_is_named(monkeypatch):
-    from image_support import free_port
+    from tests.image_support import free_port
 
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(key)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, _env, assert_no_leftovers, processes_of, read_losses, read_summary, run_local, write_module
+from tests.support import REPO, _env, assert_no_leftovers, processes_of, read_losses, read_summary, run_local, write_module
 from resilient_fsdp.launcher import LocalJob, agent_command, find_root_cause
 
 

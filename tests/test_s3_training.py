@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, _env, assert_no_leftovers, processes_of, read_events, read_summary, run_local, run_trainer
+from tests.support import REPO, _env, assert_no_leftovers, processes_of, read_events, read_summary, run_local, run_trainer
 from resilient_fsdp import s3_tier
 
 CKPT = ["train.steps=12", "checkpoint.interval_steps=4"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import assert_no_leftovers, read_events, read_losses, read_summary, run_local, run_trainer, write_module
+from tests.support import assert_no_leftovers, read_events, read_losses, read_summary, run_local, run_trainer, write_module
 
 STEPS = 40
 
