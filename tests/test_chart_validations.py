@@ -164,11 +164,11 @@ def test_should_list_the_schema_fault_kinds_when_trainer_kinds_change():
     import json
 
     from tests.chart_support import REPO
-    from resilient_fsdp.faults import KINDS
+    from resilient_fsdp.config import FAULT_KINDS
 
     schema = json.loads((REPO / "charts/resilient-fsdp/values.schema.json").read_text())
     pattern = schema["properties"]["chaos"]["properties"]["inject"]["items"]["pattern"]
-    assert sorted(pattern[pattern.index("(") + 1:pattern.index(")")].split("|")) == sorted(KINDS)
+    assert sorted(pattern[pattern.index("(") + 1:pattern.index(")")].split("|")) == sorted(FAULT_KINDS)
 
 
 # ---- the validator itself must catch what the cluster would reject --------------------------------

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from resilient_fsdp.agent import exit_code
-from resilient_fsdp.config import ConfigError, load_config
-from resilient_fsdp.faults import FaultLedger, FaultSpec, parse_fault, parse_faults
+from resilient_fsdp.config import ConfigError, FaultSpec, load_config, parse_fault, parse_faults
+from resilient_fsdp.faults import FaultLedger
 from resilient_fsdp.launcher import retryable
 from resilient_fsdp.resilience import ft_config, ft_launcher_flags
 from resilient_fsdp.restarts import record_recoveries, summarize

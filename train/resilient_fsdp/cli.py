@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from .config import ConfigError, describe, dump_yaml, load_config
+from .config import ConfigError, describe, dump_yaml, load_config, parse_faults
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
@@ -96,7 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from .faults import parse_faults
     from .launcher import LocalJob, LocalLauncher
 
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):

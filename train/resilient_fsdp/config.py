@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -402,12 +403,86 @@ def _check_across_keys(config: Config) -> None:
         if not r.in_process_heartbeat_timeout_s < r.in_process_barrier_timeout_s:
             raise ConfigError(f"resilience.in_process_heartbeat_timeout_s={r.in_process_heartbeat_timeout_s} must be "
                               f"less than resilience.in_process_barrier_timeout_s={r.in_process_barrier_timeout_s}")
-    from .faults import parse_fault  # late: faults imports this module
-    from .s3_tier import check_config as check_s3_config  # late, likewise
-
     for text in r.inject:
         parse_fault(text, key="resilience.inject")
     check_s3_config(config.checkpoint.s3)
+
+
+# ---- the value grammars the configuration checks -----------------------------------------------
+# Here rather than in the modules that use them (resilience.faults, checkpoint.s3), so that
+# those import the configuration and it imports nothing of this package.
+
+FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "sigterm", "node-loss")
+_FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSpec:
+    """One fault to inject, ``KIND@STEP[:rank=R]`` (see :mod:`resilient_fsdp.resilience.faults`)."""
+
+    kind: str
+    step: int
+    rank: int = 0
+
+    @property
+    def key(self) -> str:
+        """File-name-safe identity of this fault."""
+        return f"{self.kind}@{self.step}-rank{self.rank}"
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}:rank={self.rank}"
+
+
+def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
+    m = _FAULT_SPEC.match(text.strip())
+    if not m:
+        raise ConfigError(f"{key} {text!r}: expected KIND@STEP[:rank=R], e.g. sigkill@20:rank=1")
+    if m["kind"] not in FAULT_KINDS:
+        raise ConfigError(f"{key} {text!r}: unknown fault kind '{m['kind']}'; choose one of {', '.join(FAULT_KINDS)}")
+    step = int(m["step"])
+    if step < 1:
+        raise ConfigError(f"{key} {text!r}: STEP must be 1 or more")
+    return FaultSpec(m["kind"], step, int(m["rank"] or 0))
+
+
+def parse_faults(texts: list[str], world_size: Optional[int] = None) -> list[FaultSpec]:
+    specs = [parse_fault(t, "resilience.inject") for t in texts]
+    if world_size is not None:
+        for spec in specs:
+            if spec.rank >= world_size:
+                raise ConfigError(f"resilience.inject {str(spec)!r}: rank {spec.rank} does not exist in a job of "
+                                  f"{world_size} ranks")
+    return specs
+
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+
+def split_s3_uri(uri: str, key: str = "checkpoint.s3.uri") -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> (bucket, prefix without slashes at either end); a ConfigError naming
+    ``key`` otherwise."""
+    if not uri.startswith("s3://"):
+        raise ConfigError(f"{key}={uri!r} must look like s3://bucket/prefix")
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise ConfigError(f"{key}={uri!r}: {bucket!r} is not a valid bucket name (3-63 characters: lower-case "
+                          "letters, digits, dots and hyphens)")
+    prefix = prefix.strip("/")
+    if "//" in prefix:
+        raise ConfigError(f"{key}={uri!r}: empty path segment in the prefix")
+    return bucket, prefix
+
+
+def check_s3_config(cfg: S3Config) -> None:
+    """Rules across ``checkpoint.s3`` keys; each message names the key and the fix."""
+    if cfg.uri is None:
+        return
+    split_s3_uri(cfg.uri)
+    if cfg.endpoint_url is not None and not re.match(r"^https?://[^/\s]+", cfg.endpoint_url):
+        raise ConfigError(f"checkpoint.s3.endpoint_url={cfg.endpoint_url!r} must look like http(s)://host:port")
+    if cfg.retry_backoff_s > cfg.retry_backoff_max_s:
+        raise ConfigError(f"checkpoint.s3.retry_backoff_s={cfg.retry_backoff_s} must not exceed "
+                          f"checkpoint.s3.retry_backoff_max_s={cfg.retry_backoff_max_s}")
 
 
 def to_dict(config: Config) -> dict:

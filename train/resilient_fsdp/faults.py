@@ -22,66 +22,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
 
-from .config import ConfigError
+from .config import FaultSpec
 
-KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "sigterm", "node-loss")
 # Set by the node agent wrapper (resilient_fsdp.agent): the process that stands for the node (pod).
 NODE_PID_ENV = "RESILIENT_FSDP_NODE_PID"
 NODE_START_ENV = "RESILIENT_FSDP_NODE_START"
 
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
-
 
 class InjectedFault(RuntimeError):
     """Raised by an ``exception`` fault."""
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    kind: str
-    step: int
-    rank: int = 0
-
-    @property
-    def key(self) -> str:
-        """File-name-safe identity of this fault."""
-        return f"{self.kind}@{self.step}-rank{self.rank}"
-
-    def __str__(self) -> str:
-        return f"{self.kind}@{self.step}:rank={self.rank}"
-
-
-def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
-    m = _SPEC.match(text.strip())
-    if not m:
-        raise ConfigError(f"{key} {text!r}: expected KIND@STEP[:rank=R], e.g. sigkill@20:rank=1")
-    if m["kind"] not in KINDS:
-        raise ConfigError(f"{key} {text!r}: unknown fault kind '{m['kind']}'; choose one of {', '.join(KINDS)}")
-    step = int(m["step"])
-    if step < 1:
-        raise ConfigError(f"{key} {text!r}: STEP must be 1 or more")
-    return FaultSpec(m["kind"], step, int(m["rank"] or 0))
-
-
-def parse_faults(texts: list[str], world_size: Optional[int] = None) -> list[FaultSpec]:
-    specs = [parse_fault(t, "resilience.inject") for t in texts]
-    if world_size is not None:
-        for spec in specs:
-            if spec.rank >= world_size:
-                raise ConfigError(f"resilience.inject {str(spec)!r}: rank {spec.rank} does not exist in a job of "
-                                  f"{world_size} ranks")
-    return specs
 
 
 class FaultLedger:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import checkpoint_store as store
-from .config import ConfigError, S3Config
+from .config import S3Config, split_s3_uri
 
 Progress = Optional[Callable[[int], None]]  # called with bytes moved since the last call
 
@@ -44,7 +44,6 @@ Progress = Optional[Callable[[int], None]]  # called with bytes moved since the 
 ID_METADATA = "checkpoint-id"
 # Inside a partial download: marks it as a copy of S3 data, which a later restore may delete.
 DOWNLOAD_MARK = ".s3-download"
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MIB = 1024 * 1024
 
@@ -65,28 +64,7 @@ class S3Location:
 
 def parse_s3_uri(uri: str, key: str = "checkpoint.s3.uri") -> S3Location:
     """``s3://bucket/prefix`` -> :class:`S3Location`; a ConfigError naming ``key`` otherwise."""
-    if not uri.startswith("s3://"):
-        raise ConfigError(f"{key}={uri!r} must look like s3://bucket/prefix")
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
-    if not _BUCKET.match(bucket) or ".." in bucket:
-        raise ConfigError(f"{key}={uri!r}: {bucket!r} is not a valid bucket name (3-63 characters: lower-case "
-                          "letters, digits, dots and hyphens)")
-    prefix = prefix.strip("/")
-    if "//" in prefix:
-        raise ConfigError(f"{key}={uri!r}: empty path segment in the prefix")
-    return S3Location(bucket, prefix)
-
-
-def check_config(cfg: S3Config) -> None:
-    """Rules across ``checkpoint.s3`` keys; each message names the key and the fix."""
-    if cfg.uri is None:
-        return
-    parse_s3_uri(cfg.uri)
-    if cfg.endpoint_url is not None and not re.match(r"^https?://[^/\s]+", cfg.endpoint_url):
-        raise ConfigError(f"checkpoint.s3.endpoint_url={cfg.endpoint_url!r} must look like http(s)://host:port")
-    if cfg.retry_backoff_s > cfg.retry_backoff_max_s:
-        raise ConfigError(f"checkpoint.s3.retry_backoff_s={cfg.retry_backoff_s} must not exceed "
-                          f"checkpoint.s3.retry_backoff_max_s={cfg.retry_backoff_max_s}")
+    return S3Location(*split_s3_uri(uri, key))
 
 
 def make_client(cfg: S3Config, max_attempts: Optional[int] = None) -> Any:

@@ -27,8 +27,8 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from . import distributed, parallelize, restarts
 from .checkpoint import Checkpointer, Engine, TrainingState, build_engine
-from .config import Config, ConfigError, describe, dump_yaml, load_config
-from .faults import FaultInjector, FaultLedger, parse_faults
+from .config import Config, ConfigError, describe, dump_yaml, load_config, parse_faults
+from .faults import FaultInjector, FaultLedger
 from .resilience import GracefulStop, InProcessAttempt, ProgressMonitor, StopRequested, run_in_process
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
