@@ -15,12 +15,13 @@ deletes an incomplete or unreadable checkpoint: it is reported and left for the 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+from . import atomic
 
 MARKER = "COMPLETE"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
@@ -42,31 +43,17 @@ def partial_name(step: int, token: str) -> str:
     return f"step_{step:08d}.incomplete-{token}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(partial: Path, manifest: dict) -> Path:
     """Mark ``partial`` complete and rename it to its final name; returns the final path.
 
     If a committed checkpoint of the same step already exists (a run resumed from an older one
     with ``checkpoint.resume_from``), it is moved aside to ``<name>.superseded-<time>``, not deleted.
     """
-    marker = partial / MARKER
-    with open(marker, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(partial)
+    atomic.write_json(partial / MARKER, manifest, newline=False)
     final = partial.parent / committed_name(manifest["step"])
     if final.exists():
-        final.rename(final.with_name(f"{final.name}.superseded-{int(time.time())}"))
-    os.rename(partial, final)
-    _fsync_dir(final.parent)
+        atomic.rename(final, final.with_name(f"{final.name}.superseded-{int(time.time())}"))
+    atomic.rename(partial, final)
     return final
 
 

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import psutil
 
+from . import atomic
 from .config import FaultSpec
 
 # Set by the node agent wrapper (resilient_fsdp.agent): the process that stands for the node (pod).
@@ -52,15 +53,8 @@ class FaultLedger:
     def claim(self, spec: FaultSpec, record: dict) -> bool:
         """Record ``spec`` as fired; False if it already was (by any rank, in any earlier attempt)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(self.dir / f"{spec.key}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())  # the fault may kill this process next: the record must survive it
-        return True
+        # Durable before the fault fires: it may kill this process next.
+        return atomic.create_exclusive(self.dir / f"{spec.key}.json", json.dumps(record, sort_keys=True))
 
     def fired(self) -> list[dict]:
         """Every fired fault, oldest first."""
@@ -84,10 +78,7 @@ class FaultLedger:
         return found
 
     def record_recovery(self, key: str, record: dict) -> None:
-        path = self.dir / f"{key}.recovery.json"
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(record, sort_keys=True))
-        os.replace(tmp, path)
+        atomic.write_json(self.dir / f"{key}.recovery.json", record, indent=None, newline=False)
 
 
 def node_root_pid() -> int:

@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
+from . import atomic
 from .bench_recovery import fresh_dir
 from .gpu_sections import GPU_PLAN, SECTIONS, TINY_PLAN, run_child, tail
 
@@ -72,11 +73,8 @@ class Report:
 
     def write(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        for name, text in (("gpu-check.json", json.dumps(self.data, indent=2, sort_keys=True, default=str) + "\n"),
-                           ("gpu-check.md", markdown(self.data))):
-            tmp = self.out / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, self.out / name)
+        atomic.write_json(self.out / "gpu-check.json", self.data, default=str)
+        atomic.write_text(self.out / "gpu-check.md", markdown(self.data))
 
 
 def adopt_orphans() -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import atomic
 from .bench_recovery import fresh_dir
 
 # Dense bf16 tensor-core peaks (NVIDIA's H100 and H200 SXM datasheets: 1,979 TFLOP/s "with
@@ -84,10 +85,8 @@ class Section:
 
     def save(self, status: str = "running", **extra: Any) -> None:
         """Write the results so far: a section killed at its budget still reports them."""
-        path = self.work / f"{self.name}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"status": status, "results": self.results, **extra}, indent=2, default=str))
-        os.replace(tmp, path)
+        atomic.write_json(self.work / f"{self.name}.json", {"status": status, "results": self.results, **extra},
+                          sort_keys=False, default=str, newline=False)
 
     def overrides(self, run_dir: Path, big: bool) -> list[str]:
         p = self.plan

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .parallelize import canonical_name
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON so readers see the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 @torch.no_grad()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import os
 import re
 import shutil
 import threading
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import atomic
 from . import checkpoint_store as store
 from .config import S3Config, split_s3_uri
 
@@ -300,8 +300,7 @@ def download_checkpoint(client: Any, cfg: S3Config, loc: S3Location, remote: Rem
         if got != size:
             raise RuntimeError(f"{loc.uri(name, rel)}: downloaded {got} bytes, the marker says {size}; "
                                f"the partial download stays at {partial}")
-        with open(partial / rel, "rb") as f:
-            os.fsync(f.fileno())
+        atomic.fsync_file(partial / rel)
     (partial / DOWNLOAD_MARK).unlink()
     final = store.commit(partial, manifest)
     return store.CheckpointInfo(step, final, manifest)

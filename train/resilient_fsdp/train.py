@@ -25,14 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from . import distributed, parallelize, restarts
+from . import atomic, distributed, parallelize, restarts
 from .checkpoint import Checkpointer, Engine, TrainingState, build_engine
 from .config import Config, ConfigError, describe, dump_yaml, load_config, parse_faults
 from .faults import FaultInjector, FaultLedger
 from .resilience import GracefulStop, InProcessAttempt, ProgressMonitor, StopRequested, run_in_process
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
-from .metrics import MetricsLog, params_sha256, write_json_atomic
+from .metrics import MetricsLog, params_sha256
 from .model import build_model, count_params, preset_args
 from .s3_tier import Uploader
 from . import checkpoint_store
@@ -159,7 +159,7 @@ class ProcessResources:
             if self.summary_path is not None and self.summary_path.exists():
                 summary = json.loads(self.summary_path.read_text())
                 summary["s3"] = {**(summary.get("s3") or {}), **status}
-                write_json_atomic(self.summary_path, summary)
+                atomic.write_json(self.summary_path, summary)
         finally:
             log.close()
 
@@ -418,7 +418,7 @@ class Trainer:
             self.metrics.event({"event": "finish", "t": time.time(), "step": self.state.step})
             self.metrics.close()
             summary.update(restarts.summarize(self.metrics.path, self.ledger))
-            write_json_atomic(self.run_dir / "summary.json", summary)
+            atomic.write_json(self.run_dir / "summary.json", summary)
             self.metrics.info(f"done: step {summary['final_step']} | final loss {summary['final_loss']:.4f} | "
                               f"{summary['tokens_per_s']:,.0f} tok/s | wall {wall:.1f} s | goodput "
                               f"{summary['goodput']:.3f} | params_sha256 {digest[:16]}… | summary "
