@@ -67,7 +67,7 @@ def test_should_state_its_restart_arithmetic_when_profile_header_is_read(profile
     assert backoff and int(backoff[1]) == values["job"]["backoffLimit"]
     assert restarts and int(restarts[1]) == values["trainer"]["resilience"]["max_restarts"]
     if profile != "dev-cpu":
-        # The advisor's derivation (tests/test_goodput.py checks the numbers against it).
+        # The advisor's derivation (tests/goodput/test_goodput.py checks the numbers against it).
         assert "MTBF" in header and "Daly" in header and "# advise:" in header
         assert f"checkpoint.interval_s {values['trainer']['checkpoint']['interval_s']}" in header
 

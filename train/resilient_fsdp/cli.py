@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_render_parser(sub)
     add_validate_parser(sub)
 
-    from .advise import add_parser as add_advise_parser
-    from .report import add_parser as add_report_parser
-    from .simulate import add_parser as add_simulate_parser
+    from .goodput.advise import add_parser as add_advise_parser
+    from .goodput.report import add_parser as add_report_parser
+    from .goodput.simulate import add_parser as add_simulate_parser
 
     add_advise_parser(sub)
     add_report_parser(sub)

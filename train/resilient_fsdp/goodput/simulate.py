@@ -13,7 +13,7 @@ A strategy decides which layer handles each class: ``job`` (every failure restar
 (+ in-process restart for ``transient``). Every recovery resumes from the newest *committed*
 checkpoint; a failure during a recovery starts that recovery again.
 
-Training between failures follows ``goodput_model``: ``T`` seconds of training, a stall of
+Training between failures follows ``model``: ``T`` seconds of training, a stall of
 ``delta``, and a background write that commits ``W`` seconds after the stall ends.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import goodput_model as gm
+from . import model as gm
 
 CLASSES = ("transient", "process", "node")
 STRATEGIES = {

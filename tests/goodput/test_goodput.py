@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from tests.support import REPO, read_summary, run_local
-from resilient_fsdp import advise as adv
-from resilient_fsdp import goodput_model as gm
-from resilient_fsdp import simulate as sim
+from resilient_fsdp.goodput import advise as adv
+from resilient_fsdp.goodput import model as gm
+from resilient_fsdp.goodput import simulate as sim
 
 VALUES_DIR = REPO / "values"
 # dev-cpu is for drills on a kind/minikube cluster: nothing fails on its own there, so its

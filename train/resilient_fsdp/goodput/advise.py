@@ -5,7 +5,7 @@ node MTBF (default: the Llama 3 failure rate per GPU-hour), the planned job leng
 measured costs: the checkpoint stall, the background write time, and the restart time (given, or
 read from ``bench checkpoint`` / ``bench recovery`` JSON with ``--from-bench``).
 
-Outputs, with the rule behind each (see ``goodput_model`` for the formulas):
+Outputs, with the rule behind each (see ``model`` for the formulas):
 
 * ``checkpoint.interval_s``: Daly's interval, rounded down to a whole minute (ten seconds below
   ten minutes), at most an hour, never below the write time;
@@ -29,9 +29,9 @@ from typing import Optional
 
 import yaml
 
-from . import goodput_model as gm
+from . import model as gm
 
-CHART_VALUES = Path(__file__).resolve().parents[2] / "charts" / "resilient-fsdp" / "values.yaml"
+CHART_VALUES = Path(__file__).resolve().parents[3] / "charts" / "resilient-fsdp" / "values.yaml"
 SAFETY = 5.0  # margin over the measured duration a section timeout covers (NVRx's default factor)
 # The first steps after a (re)start run warm-up work (allocator growth, NCCL communicators made
 # on first use) that can take minutes at scale; learned timeouts replace these after
