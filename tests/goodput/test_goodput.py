@@ -113,7 +113,7 @@ def test_profile_restart_settings_are_the_advisors(profile):
 
 
 def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):
-    from resilient_fsdp.chart import load_values, render
+    from resilient_fsdp.deploy.chart import load_values, render
 
     proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
                            "--nodes", "4", "--ckpt-stall-s", "0.5", "--ckpt-write-s", "60", "--values"],

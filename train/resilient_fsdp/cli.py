@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
     _add_config_args(config)
 
-    from .chart import add_parser as add_render_parser
-    from .validate import add_parser as add_validate_parser
+    from .deploy.chart import add_parser as add_render_parser
+    from .deploy.validate import add_parser as add_validate_parser
 
     add_render_parser(sub)
     add_validate_parser(sub)

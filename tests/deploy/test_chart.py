@@ -8,9 +8,9 @@ import re
 import pytest
 import yaml
 
-from tests.chart_support import (MY_CLUSTER, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
+from tests.deploy.chart_support import (MY_CLUSTER, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
                            mount, pod_spec, profile_files, render, volume)
-from resilient_fsdp import chart, validate
+from resilient_fsdp.deploy import chart, validate
 from resilient_fsdp.config import Config, load_config, to_dict
 from resilient_fsdp.resilience import ft_config, ft_launcher_flags
 
@@ -396,7 +396,7 @@ def test_should_tell_how_to_follow_resume_and_stop_when_notes_are_printed():
 def test_should_match_the_trainer_config_when_values_schema_is_generated():
     schema = (REPO / "charts/resilient-fsdp/values.schema.json").read_text()
     assert json.loads(schema)["properties"]["trainer"] == chart.trainer_schema(), \
-        "run: python -m resilient_fsdp.chart --update-schema"
+        "run: python -m resilient_fsdp.deploy.chart --update-schema"
     assert json.loads(schema)["$schema"] == "http://json-schema.org/draft-07/schema#"
 
 

@@ -1,4 +1,4 @@
-"""scripts/check-image (resilient_fsdp.image_check): the checks a built image runs on itself.
+"""scripts/check-image (resilient_fsdp.deploy.image_check): the checks a built image runs on itself.
 
 This machine is not the image: its torch is the CPU build and it has no NCCL, EFA libraries or
 GPU. So here the checks must fail where the image would pass, naming what is missing, and the
@@ -13,9 +13,9 @@ import subprocess
 import pytest
 import torch
 
-from tests.image_support import REPO
-from resilient_fsdp import image_check
-from resilient_fsdp.image_check import Pins
+from tests.deploy.image_support import REPO
+from resilient_fsdp.deploy import image_check
+from resilient_fsdp.deploy.image_check import Pins
 
 NO_GPU = not torch.cuda.is_available()
 NVRX_HERE = importlib.metadata.version("nvidia-resiliency-ext")  # this venv's (0.4.1), not the image's

@@ -15,15 +15,15 @@ import sys
 
 import pytest
 
-from tests.image_support import REPO, aws_env, docker_calls, docker_stand_in
-from resilient_fsdp.image import dockerfile_args, nvrx_pin, project_version
+from tests.deploy.image_support import REPO, aws_env, docker_calls, docker_stand_in
+from resilient_fsdp.deploy.image import dockerfile_args, nvrx_pin, project_version
 
 VERSION = project_version()
 
 
 def build_image(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environment = aws_env(None) if env is None else env
-    return subprocess.run([sys.executable, "-m", "resilient_fsdp.image", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.image", *args], capture_output=True, text=True,
                           env=environment, cwd=REPO, timeout=120, stdin=subprocess.DEVNULL)
 
 

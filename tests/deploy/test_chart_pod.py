@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tests.chart_support import VALUES_DIR, config_map, container, render
+from tests.deploy.chart_support import VALUES_DIR, config_map, container, render
 from tests.support import assert_no_leftovers, read_summary, run_guarded
 from resilient_fsdp.launcher import free_port
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.image_support import REPO
-from resilient_fsdp import chart
-from resilient_fsdp.image import dockerfile_args
+from tests.deploy.image_support import REPO
+from resilient_fsdp.deploy import chart
+from resilient_fsdp.deploy.image import dockerfile_args
 
 TRAINER = REPO / "images/trainer/Dockerfile"
 CUSTOM = REPO / "images/custom-model/Dockerfile"
@@ -185,7 +185,7 @@ def test_efa_installer_runs_in_container_mode():
 
 def test_build_checks_itself_against_the_pins():
     run = [rest for word, rest in dict(stages(TRAINER))["trainer"] if word == "RUN"][-1]
-    assert "python -m resilient_fsdp.image_check --build" in run
+    assert "python -m resilient_fsdp.deploy.image_check --build" in run
     for flag, arg in (("--expect-torch", "BASE_TORCH_VERSION"), ("--expect-cuda", "BASE_CUDA_VERSION"),
                       ("--expect-nccl", "BASE_NCCL_VERSION"), ("--expect-nvrx", "NVRX_VERSION")):
         assert f'{flag} "${{{arg}}}"' in run

@@ -15,10 +15,10 @@ import sys
 import yaml
 
 from tests.support import assert_no_leftovers, read_summary, run_local, run_trainer
-from tests.image_support import REPO
-from resilient_fsdp import chart
+from tests.deploy.image_support import REPO
+from resilient_fsdp.deploy import chart
 from resilient_fsdp.config import ModelConfig
-from resilient_fsdp.image import dockerfile_args, project_version
+from resilient_fsdp.deploy.image import dockerfile_args, project_version
 
 EXAMPLE = REPO / "images/custom-model"
 VALUES = EXAMPLE / "values.yaml"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chart_support import crds, render, render_error  # noqa: F401
-from resilient_fsdp import validate
+from tests.deploy.chart_support import crds, render, render_error  # noqa: F401
+from resilient_fsdp.deploy import validate
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
 
@@ -128,7 +128,7 @@ def test_should_fail_naming_the_key_when_values_break_a_cross_key_rule(case):
 
 
 def test_should_fail_naming_the_release_when_job_name_is_not_dns_1035():
-    from resilient_fsdp import chart
+    from resilient_fsdp.deploy import chart
 
     with pytest.raises(chart.ChartError) as caught:
         chart.render({"storage": {"existingClaim": "ckpt"}}, release="9lives")
@@ -163,7 +163,7 @@ def test_should_reject_naming_the_key_when_values_break_the_schema(case):
 def test_should_list_the_schema_fault_kinds_when_trainer_kinds_change():
     import json
 
-    from tests.chart_support import REPO
+    from tests.deploy.chart_support import REPO
     from resilient_fsdp.config import FAULT_KINDS
 
     schema = json.loads((REPO / "charts/resilient-fsdp/values.schema.json").read_text())

@@ -1,4 +1,4 @@
-"""Is this container image sound? ``python -m resilient_fsdp.image_check`` (``scripts/check-image``).
+"""Is this container image sound? ``python -m resilient_fsdp.deploy.image_check`` (``scripts/check-image``).
 
 Two depths, one list of checks:
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chart_support import PROFILES, profile_files, render
-from resilient_fsdp import chart, chart_scan
+from tests.deploy.chart_support import PROFILES, profile_files, render
+from resilient_fsdp.deploy import chart, chart_scan
 
 # A namespace of its own, as a real install uses (the default namespace is a finding in itself).
 NAMESPACE = "ml-training"

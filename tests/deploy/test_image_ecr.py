@@ -16,8 +16,8 @@ import sys
 import boto3
 import pytest
 
-from tests.image_support import REPO, aws_env, aws_server, docker_calls, docker_stand_in  # noqa: F401
-from resilient_fsdp.ecr import Ecr, EcrError, registry_address
+from tests.deploy.image_support import REPO, aws_env, aws_server, docker_calls, docker_stand_in  # noqa: F401
+from resilient_fsdp.deploy.ecr import Ecr, EcrError, registry_address
 
 MOTO_ACCOUNT = "123456789012"  # the account moto's server answers GetCallerIdentity with
 
@@ -97,7 +97,7 @@ def test_missing_credentials_say_how_to_provide_them(aws_server, monkeypatch):
 
 
 def test_unreachable_endpoint_is_named(monkeypatch):
-    from tests.image_support import free_port
+    from tests.deploy.image_support import free_port
 
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(key)
@@ -110,7 +110,7 @@ def test_unreachable_endpoint_is_named(monkeypatch):
 
 
 def _build_image(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resilient_fsdp.image", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.image", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout, stdin=subprocess.DEVNULL)
 
 

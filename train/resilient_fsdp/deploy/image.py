@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from .ecr import ACCOUNT_RE, REPOSITORY_RE, Ecr, EcrError, Login, default_region, registry_address
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # The images this repository builds: Dockerfile and build context, relative to the repository.
 IMAGES = {
     "trainer": ("images/trainer/Dockerfile", "."),

@@ -1,4 +1,4 @@
-"""The image's Python dependencies (resilient_fsdp.image_deps): this project's pins on the base's.
+"""The image's Python dependencies (resilient_fsdp.deploy.image_deps): this project's pins on the base's.
 
 The rules are tested on made-up base images; the lock's completeness with pip's own resolver for
 the image's platform (Python 3.12, glibc 2.39), against the package index.
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.image_support import REPO
-from resilient_fsdp import image_deps
-from resilient_fsdp.image_deps import DepsError, canonical, merged_pins, plan, project_requirements, verify
+from tests.deploy.image_support import REPO
+from resilient_fsdp.deploy import image_deps
+from resilient_fsdp.deploy.image_deps import DepsError, canonical, merged_pins, plan, project_requirements, verify
 
-SCRIPT = REPO / "train/resilient_fsdp/image_deps.py"
+SCRIPT = REPO / "train/resilient_fsdp/deploy/image_deps.py"
 
 
 def base(**versions: str) -> dict[str, tuple[str, str]]:

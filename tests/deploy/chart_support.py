@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from resilient_fsdp import chart, validate
+from resilient_fsdp.deploy import chart, validate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VALUES_DIR = REPO / "values"
 MY_CLUSTER = VALUES_DIR / "examples" / "my-cluster.yaml"
 PROFILES = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))

@@ -7,7 +7,7 @@ with the offending key named, as the trainer's configuration errors do.
 
 The chart's ``trainer`` values are the trainer's own configuration; :func:`trainer_schema` derives
 their part of ``values.schema.json`` from :mod:`resilient_fsdp.config`, so the chart rejects exactly
-the keys the trainer rejects (``python -m resilient_fsdp.chart --update-schema`` rewrites it).
+the keys the trainer rejects (``python -m resilient_fsdp.deploy.chart --update-schema`` rewrites it).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any, Optional
 
 import yaml
 
-from .config import ConfigError
+from ..config import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 CHART_ENV = "RESILIENT_FSDP_CHART"
 DEFAULT_RELEASE = "resilient-fsdp"
 DEFAULT_NAMESPACE = "default"
@@ -252,7 +252,7 @@ def trainer_schema() -> dict:
     """Draft-07 schema of the ``trainer`` values, derived from the trainer's own config classes."""
     from pydantic import TypeAdapter
 
-    from .config import Config
+    from ..config import Config
 
     full = TypeAdapter(Config).json_schema()
     defs = full.pop("$defs", {})
@@ -297,7 +297,7 @@ def update_schema_file(chart: Optional[str | Path] = None) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.chart")
+    parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.deploy.chart")
     parser.add_argument("--update-schema", action="store_true",
                         help="rewrite the trainer part of values.schema.json from resilient_fsdp.config")
     args = parser.parse_args(argv)

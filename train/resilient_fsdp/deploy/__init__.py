@@ -1,0 +1,12 @@
+"""What an operator runs on a workstation to put the job on a cluster.
+
+- ``chart``: ``resilient-fsdp render``: the Helm chart through Helm's engine, values merged as
+  ``helm -f/--set`` merges them; the trainer part of ``values.schema.json`` from the config;
+- ``validate``: ``resilient-fsdp validate``: lint, the Kubernetes and CRD schemas, the operator's rules;
+- ``chart_scan``: the checkov scan of the rendered chart and its accepted findings;
+- ``image``: ``scripts/build-image``: ``docker build`` with the pins as build arguments, ``--push``;
+- ``ecr``: ECR through boto3: registry address, repository, login token;
+- ``image_deps``: the image's Python packages, this project's pins over the base image's (also
+  run from a lone copy of the file while the image is built);
+- ``image_check``: ``scripts/check-image``: the image's build-time and on-node checks.
+"""
