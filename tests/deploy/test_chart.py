@@ -12,7 +12,7 @@ from tests.deploy.chart_support import (MY_CLUSTER, PROFILES, REPO, VALUES_DIR, 
                            mount, pod_spec, profile_files, render, volume)
 from resilient_fsdp.deploy import chart, validate
 from resilient_fsdp.config import Config, load_config, to_dict
-from resilient_fsdp.resilience import ft_config, ft_launcher_flags
+from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
 
 # The profiles the chart ships; more may be added, none of these removed.
 REQUIRED_PROFILES = {"dev-cpu", "g5-12xlarge-1node", "p4d-2node", "p5-4node", "p5-16node", "p5en-64node",
@@ -154,7 +154,7 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
                       "trainer.resilience.workers_stop_timeout_s=20", "trainer.resilience.graceful_stop_timeout_s=300",
                       release="run1")
     c = container(rendered)
-    assert c["command"] == ["python", "-m", "resilient_fsdp.agent"]
+    assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
     args = c["args"]
     assert args[:8] == ["--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml", "--nnodes=4", "--nproc-per-node=8",
                         "--rdzv-backend=c10d", "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500",

@@ -200,7 +200,7 @@ def test_oci_labels_user_and_exec_form_entrypoint():
     user = [rest for word, rest in final if word == "USER"]
     assert user == ["${TRAINER_UID}:${TRAINER_UID}"] and dockerfile_args(TRAINER)["TRAINER_UID"] == "10001"
     entrypoint = [rest for word, rest in final if word == "ENTRYPOINT"]
-    assert entrypoint == ['["python", "-m", "resilient_fsdp.agent"]']  # exec form: signals reach PID 1
+    assert entrypoint == ['["python", "-m", "resilient_fsdp.resilience.agent"]']  # exec form: signals reach PID 1
 
 
 def test_entrypoint_and_user_match_what_the_chart_runs():

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from .launcher import LocalJob, LocalLauncher
+    from .local.launcher import LocalJob, LocalLauncher
 
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
         if value < 1:

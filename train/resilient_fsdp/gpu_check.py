@@ -81,7 +81,7 @@ def adopt_orphans() -> None:
     """Become a child subreaper: processes a section orphans (NVRx workers, ft_launcher agents)
     re-parent here, so the sweep after each section can end them and free the GPU."""
     try:
-        from .launcher import become_subreaper
+        from .resilience.processes import become_subreaper
     except ImportError:  # a missing package: the environment section reports it
         return
     become_subreaper()
@@ -92,7 +92,7 @@ def sweep_descendants() -> int:
     try:
         import psutil
 
-        from .launcher import kill_descendants
+        from .resilience.processes import kill_descendants
     except ImportError:
         return 0
     left = len(psutil.Process().children(recursive=True))

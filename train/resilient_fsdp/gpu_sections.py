@@ -224,7 +224,7 @@ def section_environment(s: Section) -> None:
     except (ValueError, OSError):
         r["memory_gib"] = None
     try:
-        from .agent import ft_launcher_executable
+        from .resilience.agent import ft_launcher_executable
 
         r["ft_launcher"] = ft_launcher_executable()[0]
     except Exception as exc:  # noqa: BLE001 - the in_job section will fail on it; say why here
@@ -489,7 +489,7 @@ def _recovery_results(s: Section, summary: dict) -> None:
 
 
 def section_in_process(s: Section) -> None:
-    from .launcher import free_port
+    from .local.launcher import free_port
 
     p, r = s.plan, s.results
     fresh_dir(s.dir)
@@ -522,9 +522,10 @@ def section_in_process(s: Section) -> None:
 def section_in_job(s: Section) -> None:
     from .bench_recovery import COMMON
     from .config import load_config
-    from .launcher import QUIET_WARNINGS, LocalJob, agent_command, free_port, write_ft_config
+    from .local.launcher import LocalJob, agent_command, free_port, write_ft_config
     from .nvrx_compat import NVRX_VERSION
-    from .restarts import JOB_START_ENV
+    from .resilience.accounting import JOB_START_ENV
+    from .resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_IN_NODE, RDZV_STORE_OUTSIDE
 
     p, r = s.plan, s.results
     fresh_dir(s.dir)
@@ -537,7 +538,7 @@ def section_in_job(s: Section) -> None:
     # The node hosts its own rendezvous store, as the pod at the rendezvous endpoint does. The local
     # launcher serves the store itself (is_host=false), which NVRx 0.7's rendezvous does not
     # support: there the store host must be an agent, since it closes every round.
-    cmd = [("--rdzv-conf=is_host=true" if a == "--rdzv-conf=is_host=false" else a)
+    cmd = [(RDZV_STORE_IN_NODE if a == RDZV_STORE_OUTSIDE else a)
            for a in agent_command(job, 0, free_port())]
     log = s.work / f"{s.name}-runs.log"
     code = run_logged(cmd, log, s.remaining() - 5, {JOB_START_ENV: repr(time.time()), "PYTHONWARNINGS": QUIET_WARNINGS})
@@ -546,7 +547,7 @@ def section_in_job(s: Section) -> None:
     _recovery_results(s, json.loads((s.dir / "summary.json").read_text()))
     if r["layer_seen"] != "in_job":
         raise RuntimeError(f"the fault was recovered by the {r['layer_seen']} layer, not in-job")
-    r["exercised"] = [f"ft_launcher (NVRx {NVRX_VERSION}) under the node wrapper (resilient_fsdp.agent), as a pod runs "
+    r["exercised"] = [f"ft_launcher (NVRx {NVRX_VERSION}) under the node wrapper (resilient_fsdp.resilience.agent), as a pod runs "
                       "it, hosting its own rendezvous store, with " + ("CPU (gloo)" if s.cpu else "CUDA (NCCL)")
                       + " workers", "the rank's death detected, the node's workers respawned after a new "
                       "rendezvous, training resumed from the newest committed async checkpoint"]

@@ -25,11 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from . import atomic, distributed, parallelize, restarts
+from . import atomic, distributed, parallelize
+from .resilience import accounting
 from .checkpoint import Checkpointer, Engine, TrainingState, build_engine
 from .config import Config, ConfigError, describe, dump_yaml, load_config, parse_faults
-from .faults import FaultInjector, FaultLedger
-from .resilience import GracefulStop, InProcessAttempt, ProgressMonitor, StopRequested, run_in_process
+from .resilience.faults import FaultInjector, FaultLedger
+from .resilience.graceful_stop import GracefulStop, StopRequested
+from .resilience.inprocess import InProcessAttempt, run_in_process
+from .resilience.rank_monitor import ProgressMonitor
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256
@@ -198,7 +201,7 @@ class Trainer:
         self.ledger = FaultLedger(self.run_dir)
         self.injector = FaultInjector(parse_faults(cfg.resilience.inject, self.info.world_size), self.info.rank,
                                       self.ledger)
-        self.layer = restarts.detect_layer(self.run_dir / "metrics.jsonl", self.attempt, self.info.rank, self.info.device)
+        self.layer = accounting.detect_layer(self.run_dir / "metrics.jsonl", self.attempt, self.info.rank, self.info.device)
         if cfg.train.deterministic:
             # On CUDA a few kernels lack deterministic versions: warn rather than refuse.
             torch.use_deterministic_algorithms(True, warn_only=self.info.device.type == "cuda")
@@ -351,7 +354,7 @@ class Trainer:
         raise StopRequested(self.state.step, code)
 
     def log_recoveries(self, resumed_step: int) -> None:
-        for recovery in restarts.record_recoveries(self.ledger, self.layer, resumed_step, time.time()):
+        for recovery in accounting.record_recoveries(self.ledger, self.layer, resumed_step, time.time()):
             self.metrics.event({"event": "recovery", "t": time.time(), **recovery})
             self.metrics.info(f"recovered from {recovery['fault']} by {recovery['layer'].replace('_', '-')} restart "
                               f"in {recovery['recovery_s']:.2f} s; {recovery['lost_steps']} step(s) trained again")
@@ -417,7 +420,7 @@ class Trainer:
             self.resources.summary_path = self.run_dir / "summary.json"
             self.metrics.event({"event": "finish", "t": time.time(), "step": self.state.step})
             self.metrics.close()
-            summary.update(restarts.summarize(self.metrics.path, self.ledger))
+            summary.update(accounting.summarize(self.metrics.path, self.ledger))
             atomic.write_json(self.run_dir / "summary.json", summary)
             self.metrics.info(f"done: step {summary['final_step']} | final loss {summary['final_loss']:.4f} | "
                               f"{summary['tokens_per_s']:,.0f} tok/s | wall {wall:.1f} s | goodput "

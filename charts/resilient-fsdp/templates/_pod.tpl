@@ -1,7 +1,7 @@
 {{/*
 The pod template of every replica, Master or Worker: written once, called with
 (dict "ctx" $ "role" "master"|"worker"). Each pod is one node of the job: the node wrapper
-(resilient_fsdp.agent) runs ft_launcher, which runs `--nproc-per-node` trainer ranks.
+(resilient_fsdp.resilience.agent) runs ft_launcher, which runs `--nproc-per-node` trainer ranks.
 */}}
 {{- define "resilient-fsdp.podTemplate" -}}
 {{- $ := .ctx }}
@@ -65,7 +65,7 @@ spec:
     - name: pytorch
       image: {{ include "resilient-fsdp.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      command: [python, -m, resilient_fsdp.agent]
+      command: [python, -m, resilient_fsdp.resilience.agent]
       args:
         - --ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml
         - --nnodes={{ include "resilient-fsdp.nnodes" $ }}

@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..faults import FaultLedger
-from ..restarts import read_records
+from ..resilience.faults import FaultLedger
+from ..resilience.accounting import read_records
 
 LAYER_COLOURS = {"in_process": "tab:green", "in_job": "tab:orange", "job": "tab:red"}
 

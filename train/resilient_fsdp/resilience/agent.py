@@ -1,4 +1,4 @@
-"""``python -m resilient_fsdp.agent FT_LAUNCHER_ARGS...``: a node's main process (a pod's PID 1).
+"""``python -m resilient_fsdp.resilience.agent FT_LAUNCHER_ARGS...``: a node's main process (a pod's PID 1).
 
 It runs ``ft_launcher`` with the given arguments and turns its ending into an exit code the
 job-level restart policy reads correctly (PyTorchJob ``restartPolicy: ExitCode`` retries 128-255
@@ -30,8 +30,8 @@ from typing import Optional
 import psutil
 
 from .faults import NODE_PID_ENV, NODE_START_ENV
-from .launcher import become_subreaper, kill_descendants
-from .resilience import NODE_STOP_ENV
+from .graceful_stop import NODE_STOP_ENV
+from .processes import become_subreaper, kill_descendants
 
 
 def ft_launcher_executable() -> list[str]:

@@ -8,13 +8,13 @@ import sys
 import time
 
 from tests.support import REPO, _env, assert_no_leftovers, processes_of, read_losses, read_summary, run_local, write_module
-from resilient_fsdp.launcher import LocalJob, agent_command, find_root_cause
+from resilient_fsdp.local.launcher import LocalJob, agent_command, find_root_cause
 
 
 def test_agent_command_is_what_a_pod_runs(tmp_path):
     job = LocalJob(nodes=3, nproc_per_node=4, run_dir=tmp_path, trainer_args=["--set", "seed=1"], run_id="r1")
     cmd = agent_command(job, node=2, port=29555)
-    assert cmd[1:3] == ["-m", "resilient_fsdp.agent"]  # the node wrapper, around ft_launcher
+    assert cmd[1:3] == ["-m", "resilient_fsdp.resilience.agent"]  # the node wrapper, around ft_launcher
     for flag in ("--nnodes=3", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555",
                  "--rdzv-id=r1", "--max-restarts=3", "--rdzv-conf=is_host=false", "--workers-stop-timeout=15",
                  "--term-timeout=600"):

@@ -1,6 +1,6 @@
 """``resilient-fsdp local``: a multi-node job on one machine, launched the way pods launch it.
 
-Each simulated node is what every pod runs: the node wrapper (:mod:`resilient_fsdp.agent`) around
+Each simulated node is what every pod runs: the node wrapper (:mod:`resilient_fsdp.resilience.agent`) around
 one ``ft_launcher`` agent, which joins a c10d rendezvous on an explicit loopback endpoint, exactly
 as pods join through the rendezvous Service, and starts ``--nproc-per-node`` trainer ranks. This
 module forwards their output with a node and local-rank prefix, keeps a full log per node, stops
@@ -20,7 +20,6 @@ re-parented here rather than to init, and the final sweep kills every remaining 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -35,19 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
-import psutil
-import yaml
-
-from .config import ResilienceConfig
-from .faults import FaultLedger
-from .resilience import ft_config, ft_launcher_flags
-from .restarts import JOB_START_ENV
-
+from ..config import ResilienceConfig
+from ..resilience.accounting import JOB_START_ENV
+from ..resilience.faults import FaultLedger
+from ..resilience.ft_config import ft_launcher_flags
+from ..resilience.ft_config import write_ft_config as write_ft_yaml
+from ..resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_OUTSIDE
+from ..resilience.processes import become_subreaper, kill_descendants
 
 TRAINER_MODULE = "resilient_fsdp.train"
-# Silences a deprecation notice that torch prints in every process when NVRx's pynvml dependency
-# is installed; it says nothing about the job.
-QUIET_WARNINGS = "ignore:The pynvml package is deprecated:FutureWarning"
+AGENT_MODULE = "resilient_fsdp.resilience.agent"
 _WORKER_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]+)(?P<local>\d+)\]:")
 
 
@@ -84,9 +80,7 @@ def write_ft_config(job: LocalJob) -> Path:
     """The ``fault_tolerance:`` section ``ft_launcher`` reads (``--ft-cfg-path``), from the
     ``resilience`` config: a file rather than flags because NVRx renamed its flags between
     releases while the YAML keys stayed (and unknown keys are ignored)."""
-    path = job.run_dir / "ft_config.yaml"
-    path.write_text(yaml.safe_dump(ft_config(job.resilience), sort_keys=False))
-    return path
+    return write_ft_yaml(job.run_dir / "ft_config.yaml", job.resilience)
 
 
 def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
@@ -95,14 +89,14 @@ def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
     by this launcher). That flag, and several agents on one host, are NVRx 0.4 features: 0.7
     keeps only its own rendezvous, one agent per host, so local multi-node runs use 0.4."""
     return [
-        sys.executable, "-m", "resilient_fsdp.agent",
+        sys.executable, "-m", AGENT_MODULE,
         f"--ft-cfg-path={job.run_dir / 'ft_config.yaml'}",
         f"--nnodes={job.nodes}",
         f"--nproc-per-node={job.nproc_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={job.run_id}",
-        "--rdzv-conf=is_host=false",
+        RDZV_STORE_OUTSIDE,
         *ft_launcher_flags(job.resilience),
         "--monitor-interval=0.5",
         f"--log-dir={job.run_dir / 'logs' / f'node{node}'}",
@@ -110,15 +104,6 @@ def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
         "-m", TRAINER_MODULE,
         *job.trainer_args,
     ]
-
-
-def become_subreaper() -> None:
-    # PR_SET_CHILD_SUBREAPER = 36: orphaned descendants re-parent to us, so we can always reap them.
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
 
 
 class _Forwarder(threading.Thread):
@@ -337,20 +322,3 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def kill_descendants(timeout: float = 5.0) -> None:
-    """Terminate, then kill, every process descended from this one (re-parented ones included)."""
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        try:
-            child.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=timeout)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=timeout)

@@ -1,4 +1,4 @@
-"""Run by tests/test_resilience.py: a node wrapper's view of a rank that dies and leaves helpers.
+"""Run by tests/resilience/test_resilience.py: a node wrapper's view of a rank that dies and leaves helpers.
 
 Tree: this process (subreaper) -> "launcher" -> "rank" (session leader) -> "helper" (ignores
 SIGTERM) and a detached "monitor" (double fork + setsid, as NVRx's in-process monitor does).
@@ -15,8 +15,8 @@ import time
 
 import psutil
 
-from resilient_fsdp.agent import RankHelperSweeper
-from resilient_fsdp.launcher import become_subreaper
+from resilient_fsdp.resilience.agent import RankHelperSweeper
+from resilient_fsdp.resilience.processes import become_subreaper
 
 RANK = r'''
 import os, signal, subprocess, sys, time

@@ -9,12 +9,12 @@ import signal
 import pytest
 import yaml
 
-from resilient_fsdp.agent import exit_code
+from resilient_fsdp.resilience.agent import exit_code
 from resilient_fsdp.config import ConfigError, FaultSpec, load_config, parse_fault, parse_faults
-from resilient_fsdp.faults import FaultLedger
-from resilient_fsdp.launcher import retryable
-from resilient_fsdp.resilience import ft_config, ft_launcher_flags
-from resilient_fsdp.restarts import record_recoveries, summarize
+from resilient_fsdp.resilience.faults import FaultLedger
+from resilient_fsdp.local.launcher import retryable
+from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
+from resilient_fsdp.resilience.accounting import record_recoveries, summarize
 
 
 def test_fault_specs_parse_and_bad_ones_name_the_fix():

@@ -32,10 +32,10 @@ from typing import Callable, Optional
 
 import psutil
 
-from . import atomic
-from .config import FaultSpec
+from .. import atomic
+from ..config import FaultSpec
 
-# Set by the node agent wrapper (resilient_fsdp.agent): the process that stands for the node (pod).
+# Set by the node agent wrapper (resilient_fsdp.resilience.agent): the process that stands for the node (pod).
 NODE_PID_ENV = "RESILIENT_FSDP_NODE_PID"
 NODE_START_ENV = "RESILIENT_FSDP_NODE_START"
 

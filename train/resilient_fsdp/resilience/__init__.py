@@ -1,0 +1,12 @@
+"""The restart layers, and what they need in a pod.
+
+- ``rank_monitor``: in-job hang detection: sections reported to ``ft_launcher``'s rank monitor;
+- ``inprocess``: in-process restart (NVRx ``inprocess.Wrapper``) around the training function;
+- ``graceful_stop``: SIGTERM becomes "finish the step, commit a checkpoint, exit retryably";
+- ``ft_config``: the ``fault_tolerance:`` settings and the ``ft_launcher`` flags;
+- ``nvrx``: every adaptation to NVRx's restart layers (CPU, versions);
+- ``faults``: fault injection and its once-per-job ledger;
+- ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;
+- ``agent``: a node's main process (a pod's PID 1) around ``ft_launcher``;
+- ``processes``: process-tree helpers the agent shares with the local launcher.
+"""

@@ -1,0 +1,86 @@
+"""In-process restart: NVRx ``inprocess.Wrapper`` re-enters the training function in the same
+processes after an exception or a hang on any rank.
+
+No ``from __future__ import annotations`` here: ``inprocess.Wrapper`` finds the parameter that
+receives its ``CallWrapper`` by the annotation's class, which string annotations would hide.
+"""
+
+import datetime
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ..config import ResilienceConfig
+from . import nvrx
+
+# NVRx in-process restart warns at every start that its own logging was not configured.
+warnings.filterwarnings("ignore", message="logging not initialized, logs are disabled")
+
+
+class InProcessRestartsExhausted(BaseException):
+    """Passes through in-process restart to the in-job restart below it."""
+
+
+@dataclass(frozen=True)
+class InProcessAttempt:
+    """One call of the training function under in-process restart.
+
+    ``number``: 0 for the first call, then one more per restart (equal on every rank).
+    ``ping``: marks progress (once per step) for the wrapper's hang detection.
+    ``store``: the key space this attempt's process group must rendezvous in.
+    """
+    number: int
+    ping: Callable[[], None]
+    store: Any
+
+
+def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any]) -> Any:
+    """Run ``body(attempt)`` under ``inprocess.Wrapper``; on a fault anywhere, every rank calls it
+    again (``attempt.number`` + 1) in the same process.
+
+    ``body`` must create the process group (in ``attempt.store``) and the model itself and load
+    the newest checkpoint.
+    """
+    from nvidia_resiliency_ext import inprocess
+    from nvidia_resiliency_ext.inprocess import CallWrapper
+
+    seconds = datetime.timedelta
+    soft = cfg.in_process_soft_timeout_s
+    # Monitoring intervals must be shorter than the timeouts they serve; short timeouts (tests)
+    # get proportionally short intervals.
+    interval = seconds(seconds=min(1.0, soft / 5, cfg.in_process_heartbeat_timeout_s / 5))
+    wrapper = inprocess.Wrapper(
+        store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.in_process_store_port_offset},
+        abort=nvrx.make_abort(),
+        health_check=None,
+        soft_timeout=seconds(seconds=soft),
+        hard_timeout=seconds(seconds=cfg.in_process_hard_timeout_s),
+        heartbeat_timeout=seconds(seconds=cfg.in_process_heartbeat_timeout_s),
+        barrier_timeout=seconds(seconds=cfg.in_process_barrier_timeout_s),
+        completion_timeout=seconds(seconds=cfg.in_process_barrier_timeout_s),
+        monitor_thread_interval=interval,
+        monitor_process_interval=interval,
+        heartbeat_interval=interval,
+        progress_watchdog_interval=interval,
+        last_call_wait=seconds(seconds=min(1.0, soft / 10)),
+        termination_grace_time=seconds(seconds=min(5.0, soft)),
+    )
+    nvrx.without_health_checks(wrapper)
+
+    def attempt(call_wrapper: CallWrapper = None):
+        iteration = call_wrapper.iteration
+        if iteration >= cfg.in_process_max_iterations:
+            raise InProcessRestartsExhausted(
+                f"{iteration} in-process restarts reached resilience.in_process_max_iterations="
+                f"{cfg.in_process_max_iterations}; leaving recovery to the in-job restart")
+        # The wrapper's own store is hosted by rank 0 of this generation of processes, so it is
+        # new after every in-job restart, and every rank of a generation agrees on the iteration.
+        # Keys derived from TORCHELASTIC_RESTART_COUNT would not do: a node restarted because a
+        # peer failed keeps its count, so nodes would rendezvous under different keys and hang.
+        store = dist.PrefixStore(f"/resilient_fsdp/in_process_{iteration}", call_wrapper.base_store)
+        return body(InProcessAttempt(iteration, call_wrapper.ping, store))
+
+    return wrapper(attempt)()
