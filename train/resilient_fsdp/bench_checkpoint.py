@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from . import nvrx_compat
+from .checkpoint import nvrx
 from .bench_results import write_results
-from .checkpoint import Checkpointer
+from .checkpoint.checkpointer import Checkpointer
 from .config import load_config
 from .distributed import shutdown
 from .train import Trainer
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         _timed_steps(trainer, 2)  # creates the AdamW state, warms allocator and kernels
         idle = _timed_steps(trainer, args.idle_steps)
         results: dict = {"params": trainer.num_params, "preset": args.preset, "torch": torch.__version__,
-                         "nvrx": nvrx_compat.NVRX_VERSION, "threads": torch.get_num_threads(),
+                         "nvrx": nvrx.NVRX_VERSION, "threads": torch.get_num_threads(),
                          "cpu_count": os.cpu_count(), "device": trainer.info.device.type}
         during_all: list[float] = []
         step = 0

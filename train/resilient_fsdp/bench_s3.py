@@ -4,8 +4,8 @@ One run, one checkpoint-shaped directory (``--files`` files of random bytes, ``-
 all), four timed phases against the same S3 endpoint:
 
 - single stream: each file with one ``PutObject`` / one streamed ``GetObject``, one after another;
-- managed: the S3 tier's own code path (:func:`s3_tier.upload_checkpoint` and
-  :func:`s3_tier.download_checkpoint`): boto3's managed transfer, multipart above
+- managed: the S3 tier's own code path (:func:`checkpoint.s3.transfer.upload_checkpoint`
+  and :func:`~checkpoint.s3.transfer.download_checkpoint`): boto3's managed transfer, multipart above
   ``--threshold-mib``, ``--max-concurrency`` parallel requests, every file at once, marker last.
 
 Without ``--endpoint-url`` it starts moto's standalone S3 server on loopback (the ``test`` extra
@@ -32,8 +32,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from . import checkpoint_store as store
-from . import s3_tier
+from .checkpoint import store
+from .checkpoint.s3 import client as s3_client
+from .checkpoint.s3 import remote as s3_remote
+from .checkpoint.s3 import transfer as s3_transfer
 from .bench_results import write_results
 from .config import ConfigError, S3Config
 
@@ -124,19 +126,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def single_stream_upload(client: Any, loc: s3_tier.S3Location, ckpt: Path) -> int:
+def single_stream_upload(client: Any, loc: s3_client.S3Location, ckpt: Path) -> int:
     total = 0
-    for rel, size in s3_tier.local_files(ckpt).items():
+    for rel, size in s3_remote.local_files(ckpt).items():
         with open(ckpt / rel, "rb") as f:
             client.put_object(Bucket=loc.bucket, Key=loc.key("single", rel), Body=f)
         total += size
     return total
 
 
-def single_stream_download(client: Any, loc: s3_tier.S3Location, ckpt: Path, dest: Path) -> int:
+def single_stream_download(client: Any, loc: s3_client.S3Location, ckpt: Path, dest: Path) -> int:
     total = 0
     dest.mkdir(parents=True)
-    for rel in s3_tier.local_files(ckpt):
+    for rel in s3_remote.local_files(ckpt):
         body = client.get_object(Bucket=loc.bucket, Key=loc.key("single", rel))["Body"]
         with open(dest / rel, "wb") as f:
             while block := body.read(CHUNK):
@@ -145,7 +147,7 @@ def single_stream_download(client: Any, loc: s3_tier.S3Location, ckpt: Path, des
     return total
 
 
-def delete_prefix(client: Any, loc: s3_tier.S3Location) -> None:
+def delete_prefix(client: Any, loc: s3_client.S3Location) -> None:
     base = loc.key() + "/" if loc.prefix else ""
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=base):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -179,8 +181,8 @@ def _timed(clock: CpuClock, fn, *args) -> tuple[float, tuple[float, float], Any]
 
 
 def _same_files(a: Path, b: Path) -> bool:
-    names = s3_tier.local_files(a)
-    return names == s3_tier.local_files(b) and all(sha256_file(a / n) == sha256_file(b / n) for n in names)
+    names = s3_remote.local_files(a)
+    return names == s3_remote.local_files(b) and all(sha256_file(a / n) == sha256_file(b / n) for n in names)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -206,19 +208,19 @@ def run(args: argparse.Namespace) -> dict:
     try:
         endpoint = server.endpoint if server else args.endpoint_url
         # A fresh sub-prefix: the benchmark deletes only what it wrote.
-        base = s3_tier.parse_s3_uri(args.uri or "s3://bench-s3/run", key="--uri")
+        base = s3_client.parse_s3_uri(args.uri or "s3://bench-s3/run", key="--uri")
         uri = f"s3://{base.bucket}/{base.key(f'bench-s3-{uuid.uuid4().hex[:8]}')}"
         cfg = S3Config(uri=uri, endpoint_url=endpoint, max_concurrency=args.max_concurrency,
                        multipart_threshold_mb=args.threshold_mib, multipart_chunksize_mb=args.chunk_mib,
                        addressing_style="path" if server else "auto", max_attempts=3)
-        loc = s3_tier.parse_s3_uri(uri)
-        client = s3_tier.make_client(cfg)
+        loc = s3_client.parse_s3_uri(uri)
+        client = s3_client.make_client(cfg)
         if server:
             client.create_bucket(Bucket=loc.bucket)
         size = int(args.size_gib * 1024 ** 3)
         print(f"writing {args.files} file(s), {size / 1024 ** 3:.2f} GiB of random bytes into {work}", flush=True)
         ckpt = make_checkpoint(work / "source", size, args.files)
-        nbytes = sum(s3_tier.local_files(ckpt).values())
+        nbytes = sum(s3_remote.local_files(ckpt).values())
         load_start = os.getloadavg()  # other work on the machine skews the figures: record it
         rss = PeakRss(server.proc.pid if server else None)
         clock = CpuClock(server.proc.pid if server else None)
@@ -238,13 +240,13 @@ def run(args: argparse.Namespace) -> dict:
         record("download_single_stream", seconds, cpu, moved)
         single_ok = _same_files(ckpt, work / "single")
         shutil.rmtree(work / "single")
-        delete_prefix(client, s3_tier.S3Location(loc.bucket, loc.key("single")))  # the server's disk and memory
+        delete_prefix(client, s3_client.S3Location(loc.bucket, loc.key("single")))  # the server's disk and memory
 
-        seconds, cpu, result = _timed(clock, s3_tier.upload_checkpoint, client, cfg, loc, ckpt)
+        seconds, cpu, result = _timed(clock, s3_transfer.upload_checkpoint, client, cfg, loc, ckpt)
         record("upload_managed", seconds, cpu, result["bytes"])
-        found = s3_tier.newest_complete(client, loc)
+        found = s3_remote.newest_complete(client, loc)
         (work / "managed").mkdir()
-        seconds, cpu, info = _timed(clock, s3_tier.download_checkpoint, client, cfg, loc, found[0], found[1],
+        seconds, cpu, info = _timed(clock, s3_transfer.download_checkpoint, client, cfg, loc, found[0], found[1],
                                     work / "managed")
         record("download_managed", seconds, cpu, nbytes)
         managed_ok = _same_files(ckpt, info.path)

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_recovery import add_parser as add_recovery_bench
     from .bench_s3 import add_parser as add_s3_bench
     from .bench_soak import add_parser as add_soak_bench
-    from .checkpoints_cli import add_parser as add_checkpoints
+    from .checkpoint.commands import add_parser as add_checkpoints
 
     add_checkpoint_bench(bench_sub)
     add_recovery_bench(bench_sub)
@@ -142,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # torch prints this deprecation notice on import when NVRx's pynvml dependency is present.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
-    from .checkpoints_cli import run as cmd_checkpoints
+    from .checkpoint.commands import run as cmd_checkpoints
 
     handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
                "bench": lambda a: a.bench(a), "checkpoints": cmd_checkpoints,

@@ -370,7 +370,7 @@ def section_throughput(s: Section) -> None:
 def section_checkpoint(s: Section) -> None:
     import torch
 
-    from . import nvrx_compat
+    from .checkpoint import nvrx
     from .bench_checkpoint import _timed_steps, measure_engine
     from .config import load_config
     from .distributed import shutdown
@@ -386,7 +386,7 @@ def section_checkpoint(s: Section) -> None:
         nbytes = state_bytes(trainer.checkpointer.state.state_dict(with_rng=False))
         r.update({"preset": p.big_preset, "params": trainer.num_params, "state_bytes": nbytes,
                   "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors, one rank",
-                  "nvrx": nvrx_compat.NVRX_VERSION})
+                  "nvrx": nvrx.NVRX_VERSION})
         idle = _timed_steps(trainer, 5)
         r["step_time_idle_s"] = round(statistics.median(idle), 4)
         s.save()
@@ -523,7 +523,7 @@ def section_in_job(s: Section) -> None:
     from .bench_recovery import COMMON
     from .config import load_config
     from .local.launcher import LocalJob, agent_command, free_port, write_ft_config
-    from .nvrx_compat import NVRX_VERSION
+    from .checkpoint.nvrx import NVRX_VERSION
     from .resilience.accounting import JOB_START_ENV
     from .resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_IN_NODE, RDZV_STORE_OUTSIDE
 

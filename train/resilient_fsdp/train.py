@@ -27,7 +27,9 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from . import atomic, distributed, parallelize
 from .resilience import accounting
-from .checkpoint import Checkpointer, Engine, TrainingState, build_engine
+from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.engines import Engine, build_engine
+from .checkpoint.state import CheckpointState
 from .config import Config, ConfigError, describe, dump_yaml, load_config, parse_faults
 from .resilience.faults import FaultInjector, FaultLedger
 from .resilience.graceful_stop import GracefulStop, StopRequested
@@ -37,8 +39,8 @@ from .data import BatchLoader, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256
 from .model import build_model, count_params, preset_args
-from .s3_tier import Uploader
-from . import checkpoint_store
+from .checkpoint import store as checkpoint_store
+from .checkpoint.s3.uploader import Uploader
 
 @dataclass
 class TrainState:
@@ -225,7 +227,7 @@ class Trainer:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainState()
         # 5. Checkpointer: everything a resumed run needs, and what it must match.
-        training_state = TrainingState(self.model, self.optimizer, self.lr_scheduler, self.state, self.data,
+        training_state = CheckpointState(self.model, self.optimizer, self.lr_scheduler, self.state, self.data,
                                        self.info.rank, resilience=self.monitor)
         identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
                     "shape_digest": training_state.shape_digest()}

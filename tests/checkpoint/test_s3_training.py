@@ -11,13 +11,14 @@ import time
 import pytest
 
 from tests.support import REPO, _env, assert_no_leftovers, processes_of, read_events, read_summary, run_local, run_trainer
-from resilient_fsdp import s3_tier
+from resilient_fsdp.checkpoint.s3 import client as s3_client
+from resilient_fsdp.checkpoint.s3 import remote as s3_remote
 
 CKPT = ["train.steps=12", "checkpoint.interval_steps=4"]
 
 
 def complete_steps(s3, prefix):
-    return [r.step for r in s3_tier.list_remote(s3.client, s3_tier.parse_s3_uri(s3.uri(prefix))) if r.complete]
+    return [r.step for r in s3_remote.list_remote(s3.client, s3_client.parse_s3_uri(s3.uri(prefix))) if r.complete]
 
 
 class Background:

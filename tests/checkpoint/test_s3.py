@@ -9,8 +9,11 @@ import time
 
 import pytest
 
-from resilient_fsdp import checkpoint_store as store
-from resilient_fsdp import s3_tier
+from resilient_fsdp.checkpoint import store
+from resilient_fsdp.checkpoint.s3 import client as s3_client
+from resilient_fsdp.checkpoint.s3 import remote as s3_remote
+from resilient_fsdp.checkpoint.s3 import transfer as s3_transfer
+from resilient_fsdp.checkpoint.s3 import uploader as s3_uploader
 from resilient_fsdp.cli import main as cli_main
 from resilient_fsdp.config import ConfigError, S3Config, load_config
 
@@ -62,11 +65,11 @@ def test_bad_s3_settings_name_the_key(override, expected):
 
 def test_upload_sends_the_marker_last_and_a_restore_is_byte_exact(s3, tmp_path):
     cfg = s3_config(s3, "run/ckpts")
-    loc = s3_tier.parse_s3_uri(cfg.uri)
+    loc = s3_client.parse_s3_uri(cfg.uri)
     ckpt = make_checkpoint(tmp_path / "local", 40)
-    client = s3_tier.make_client(cfg)
+    client = s3_client.make_client(cfg)
     calls = Calls(client)
-    result = s3_tier.upload_checkpoint(client, cfg, loc, ckpt)
+    result = s3_transfer.upload_checkpoint(client, cfg, loc, ckpt)
     assert result == {"step": 40, "bytes": 6 * MIB + 100_000, "skipped_files": 0, "status": "uploaded"}
     writes = calls.ops("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload")
     assert writes[-1] == ("PutObject", "run/ckpts/step_00000040/COMPLETE")  # nothing after the marker
@@ -75,33 +78,33 @@ def test_upload_sends_the_marker_last_and_a_restore_is_byte_exact(s3, tmp_path):
                                                                      for i in range(3)]
     # Uploading the same commit again sends no data.
     calls.seen.clear()
-    assert s3_tier.upload_checkpoint(client, cfg, loc, ckpt)["status"] == "already-there"
+    assert s3_transfer.upload_checkpoint(client, cfg, loc, ckpt)["status"] == "already-there"
     assert not calls.ops("PutObject", "UploadPart")
 
-    found = s3_tier.newest_complete(client, loc)
-    restored = s3_tier.download_checkpoint(client, cfg, loc, *found, tmp_path / "empty")
+    found = s3_remote.newest_complete(client, loc)
+    restored = s3_transfer.download_checkpoint(client, cfg, loc, *found, tmp_path / "empty")
     assert restored.path == tmp_path / "empty" / "step_00000040"
     assert [p.name for p in (tmp_path / "empty").iterdir()] == ["step_00000040"]  # no partial left behind
     for f in ckpt.glob("*.distcp"):
         assert (restored.path / f.name).read_bytes() == f.read_bytes()
     local, remote = store.read_manifest(ckpt), store.read_manifest(restored.path)
-    assert s3_tier.checkpoint_id(local) == s3_tier.checkpoint_id(remote) and remote["files"]["__1_0.distcp"] == 100_000
+    assert s3_remote.checkpoint_id(local) == s3_remote.checkpoint_id(remote) and remote["files"]["__1_0.distcp"] == 100_000
 
 
 def test_a_cut_off_upload_is_never_restored_and_its_retry_sends_only_what_is_missing(s3, tmp_path):
     cfg = s3_config(s3, "job")
-    loc, client = s3_tier.parse_s3_uri(cfg.uri), s3_tier.make_client(cfg)
-    s3_tier.upload_checkpoint(client, cfg, loc, make_checkpoint(tmp_path / "local", 4))
+    loc, client = s3_client.parse_s3_uri(cfg.uri), s3_client.make_client(cfg)
+    s3_transfer.upload_checkpoint(client, cfg, loc, make_checkpoint(tmp_path / "local", 4))
     step8 = make_checkpoint(tmp_path / "local", 8)
-    ident = s3_tier.checkpoint_id(store.read_manifest(step8))
+    ident = s3_remote.checkpoint_id(store.read_manifest(step8))
     # What an upload cut off after one file leaves: that file with its checkpoint id, no marker;
     # and a file of another commit of the same step, which must not be kept.
     client.put_object(Bucket=s3.bucket, Key="job/step_00000008/__1_0.distcp",
-                      Body=(step8 / "__1_0.distcp").read_bytes(), Metadata={s3_tier.ID_METADATA: ident})
+                      Body=(step8 / "__1_0.distcp").read_bytes(), Metadata={s3_remote.ID_METADATA: ident})
     client.put_object(Bucket=s3.bucket, Key="job/step_00000008/__2_0.distcp", Body=b"",
-                      Metadata={s3_tier.ID_METADATA: "another-commit"})
+                      Metadata={s3_remote.ID_METADATA: "another-commit"})
     said = []
-    remote, manifest = s3_tier.newest_complete(client, loc, say=said.append)
+    remote, manifest = s3_remote.newest_complete(client, loc, say=said.append)
     assert remote.step == 4 and said == [f"skipping s3://{s3.bucket}/job/step_00000008/: no COMPLETE marker "
                                          "(an upload in progress or cut off)"]
     assert cli_main(["checkpoints", "pull", "--uri", cfg.uri, "--endpoint-url", s3.endpoint,
@@ -109,23 +112,23 @@ def test_a_cut_off_upload_is_never_restored_and_its_retry_sends_only_what_is_mis
     assert [p.name for p in (tmp_path / "pulled").iterdir()] == ["step_00000004"]
 
     calls = Calls(client)
-    result = s3_tier.upload_checkpoint(client, cfg, loc, step8, resume=True)
+    result = s3_transfer.upload_checkpoint(client, cfg, loc, step8, resume=True)
     assert result["status"] == "uploaded" and result["skipped_files"] == 1
     sent = {key.rsplit("/", 1)[1] for op, key in calls.ops("PutObject", "CreateMultipartUpload")}
     assert sent == {"__0_0.distcp", "__2_0.distcp", "COMPLETE"}
-    assert s3_tier.newest_complete(client, loc)[0].step == 8
+    assert s3_remote.newest_complete(client, loc)[0].step == 8
 
 
 def test_retention_keeps_the_newest_complete_ones_and_never_touches_incomplete_ones(s3, tmp_path):
     cfg = s3_config(s3, "r")
-    loc, client = s3_tier.parse_s3_uri(cfg.uri), s3_tier.make_client(cfg)
+    loc, client = s3_client.parse_s3_uri(cfg.uri), s3_client.make_client(cfg)
     for step in (2, 4, 6, 8):
-        s3_tier.upload_checkpoint(client, cfg, loc, make_checkpoint(tmp_path, step, sizes=(1000,)))
+        s3_transfer.upload_checkpoint(client, cfg, loc, make_checkpoint(tmp_path, step, sizes=(1000,)))
     client.put_object(Bucket=s3.bucket, Key="r/step_00000001/__0_0.distcp", Body=b"cut off")
-    assert s3_tier.apply_remote_retention(client, loc, keep_last=0) == []  # 0 keeps all
+    assert s3_remote.apply_remote_retention(client, loc, keep_last=0) == []  # 0 keeps all
     calls = Calls(client)
-    assert s3_tier.apply_remote_retention(client, loc, keep_last=2) == [2, 4]
-    assert [r.step for r in s3_tier.list_remote(client, loc) if r.complete] == [6, 8]
+    assert s3_remote.apply_remote_retention(client, loc, keep_last=2) == [2, 4]
+    assert [r.step for r in s3_remote.list_remote(client, loc) if r.complete] == [6, 8]
     assert "r/step_00000001/__0_0.distcp" in s3.keys("r/")
     # Each victim's marker goes before its data: never a marker without its files.
     deletes = [(op, key) for op, key in calls.seen if op.startswith("Delete")]
@@ -134,15 +137,15 @@ def test_retention_keeps_the_newest_complete_ones_and_never_touches_incomplete_o
     # With one complete checkpoint left, no keep_last deletes it.
     for step in (6,):
         client.delete_object(Bucket=s3.bucket, Key=f"r/step_{step:08d}/COMPLETE")
-    assert s3_tier.apply_remote_retention(client, loc, keep_last=1) == []
-    assert s3_tier.newest_complete(client, loc)[0].step == 8
+    assert s3_remote.apply_remote_retention(client, loc, keep_last=1) == []
+    assert s3_remote.newest_complete(client, loc)[0].step == 8
 
 
 def test_during_an_outage_the_backlog_stays_bounded_and_held_checkpoints_survive_local_retention(s3, tmp_path):
     cfg = s3_config(s3, "outage", max_pending=2, keep_last=0)
     root = tmp_path / "ckpts"
     s3.pause()
-    uploader = s3_tier.Uploader(cfg)
+    uploader = s3_uploader.Uploader(cfg)
     try:
         for step in (1, 2, 3, 4, 5):
             uploader.submit(step, make_checkpoint(root, step, sizes=(200_000,)))
@@ -167,17 +170,17 @@ def test_during_an_outage_the_backlog_stays_bounded_and_held_checkpoints_survive
     assert "timeout" in status["last_error"].lower()
     events = [record["event"] for record, _ in uploader.take_events()]
     assert events.count("s3_superseded") == 3 and "s3_error" in events and events.count("s3_upload") == 2
-    assert [r.step for r in s3_tier.list_remote(s3.client, s3_tier.parse_s3_uri(cfg.uri)) if r.complete] == [4, 5]
+    assert [r.step for r in s3_remote.list_remote(s3.client, s3_client.parse_s3_uri(cfg.uri)) if r.complete] == [4, 5]
     assert not uploader.holds(root / "step_00000001")  # released: local retention may take it now
 
 
 def test_start_up_check_names_a_missing_bucket_and_missing_credentials(s3, monkeypatch):
     missing = S3Config(uri="s3://no-such-bucket-here/x", endpoint_url=s3.endpoint, max_attempts=1)
-    assert "bucket 'no-such-bucket-here' does not exist" in s3_tier.check_access(missing)
-    assert s3_tier.check_access(S3Config(uri=s3.uri("x"), endpoint_url=s3.endpoint)) is None
+    assert "bucket 'no-such-bucket-here' does not exist" in s3_client.check_access(missing)
+    assert s3_client.check_access(S3Config(uri=s3.uri("x"), endpoint_url=s3.endpoint)) is None
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    assert "found no credentials in its default chain" in s3_tier.check_access(missing)
+    assert "found no credentials in its default chain" in s3_client.check_access(missing)
 
 
 def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):

@@ -13,7 +13,7 @@ MODES = ["async", "torch-async", "sync"]
 
 
 def probe(run_dir, mode, pythonpath=None) -> dict:
-    proc = run_guarded([sys.executable, str(REPO / "tests" / "ckpt_probe.py"), str(run_dir), mode], run_dir,
+    proc = run_guarded([sys.executable, str(REPO / "tests" / "checkpoint" / "ckpt_probe.py"), str(run_dir), mode], run_dir,
                        pythonpath, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

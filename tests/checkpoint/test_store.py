@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from resilient_fsdp import checkpoint_store as store
+from resilient_fsdp.checkpoint import store
 
 
 def _partial(root, step, token="abcd1234"):

@@ -21,9 +21,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import checkpoint_store as store
-from . import s3_tier
-from .config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, load_config
+from . import store
+from .s3 import client as s3_client
+from .s3 import remote as s3_remote
+from .s3 import transfer as s3_transfer
 
 
 def add_parser(sub: argparse._SubParsersAction, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -88,9 +90,9 @@ def _rate(nbytes: int, seconds: float) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    root, loc = cfg.checkpoint_dir, s3_tier.parse_s3_uri(cfg.checkpoint.s3.uri)
+    root, loc = cfg.checkpoint_dir, s3_client.parse_s3_uri(cfg.checkpoint.s3.uri)
     local, unusable = store.scan(root)
-    remote = s3_tier.list_remote(s3_tier.make_client(cfg.checkpoint.s3), loc)
+    remote = s3_remote.list_remote(s3_client.make_client(cfg.checkpoint.s3), loc)
     rows: dict[int, dict[str, Any]] = {}
     for c in local:
         rows.setdefault(c.step, {"step": c.step})["local"] = {"path": str(c.path), "bytes": store.dir_bytes(c.path)}
@@ -122,8 +124,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     cfg = _config(args)
     s3, root = cfg.checkpoint.s3, cfg.checkpoint_dir
-    loc, client = s3_tier.parse_s3_uri(s3.uri), s3_tier.make_client(s3)
-    found = s3_tier.newest_complete(client, loc, step=args.step, say=lambda m: print(m, file=sys.stderr))
+    loc, client = s3_client.parse_s3_uri(s3.uri), s3_client.make_client(s3)
+    found = s3_remote.newest_complete(client, loc, step=args.step, say=lambda m: print(m, file=sys.stderr))
     if found is None:
         what = f"step {args.step}" if args.step is not None else "checkpoint"
         print(f"error: no complete {what} under {s3.uri}", file=sys.stderr)
@@ -133,14 +135,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if existing is not None:
         print(f"step {remote.step} is already in {root}; nothing pulled")
         return 0
-    for stale in s3_tier.remove_stale_downloads(root):
+    for stale in s3_transfer.remove_stale_downloads(root):
         print(f"removed {stale}: an earlier, unfinished pull", file=sys.stderr)
     total = sum(manifest["files"].values())
     root.mkdir(parents=True, exist_ok=True)
     bar = _Bar(total, f"pull step {remote.step}")
     t0 = time.perf_counter()
     try:
-        info = s3_tier.download_checkpoint(client, s3, loc, remote, manifest, root, progress=bar)
+        info = s3_transfer.download_checkpoint(client, s3, loc, remote, manifest, root, progress=bar)
     finally:
         bar.close()
     print(f"pulled step {remote.step}: {_rate(total, time.perf_counter() - t0)} -> {info.path}")
@@ -157,12 +159,12 @@ def cmd_push(args: argparse.Namespace) -> int:
         print(f"error: no committed {what} in {root}", file=sys.stderr)
         return 1
     info = chosen[-1]
-    loc, client = s3_tier.parse_s3_uri(s3.uri), s3_tier.make_client(s3)
-    total = sum(s3_tier.local_files(info.path).values())
+    loc, client = s3_client.parse_s3_uri(s3.uri), s3_client.make_client(s3)
+    total = sum(s3_remote.local_files(info.path).values())
     bar = _Bar(total, f"push step {info.step}")
     t0 = time.perf_counter()
     try:
-        result = s3_tier.upload_checkpoint(client, s3, loc, info.path, replace=args.replace, resume=True, progress=bar,
+        result = s3_transfer.upload_checkpoint(client, s3, loc, info.path, replace=args.replace, resume=True, progress=bar,
                                            say=lambda m: print(m, file=sys.stderr))
     finally:
         bar.close()
@@ -185,5 +187,5 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError:
         raise
     except Exception as exc:
-        print(f"error: {s3_tier.describe_error(exc)}", file=sys.stderr)
+        print(f"error: {s3_client.describe_error(exc)}", file=sys.stderr)
         return 1

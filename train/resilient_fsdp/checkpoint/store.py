@@ -21,11 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import atomic
+from .. import atomic
 
 MARKER = "COMPLETE"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
 _PARTIAL = re.compile(r"^step_(\d{8})\.incomplete-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the previous committed one is intact."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,11 @@ Two kinds live here and nowhere else:
 
 It also guarantees snapshot semantics: NVRx 0.4.1 hands CPU tensors to its worker without
 copying them, so a later optimizer step could change what is written. The checkpointer stages
-(copies) state into reused buffers before scheduling; see ``checkpoint.StateStager``.
+(copies) state into reused buffers before scheduling; see :mod:`.staging`.
+
+The engines (:mod:`.engines`) reach NVRx only through this module: planning and scheduling an
+async DCP save, polling a queue without NVRx's CUDA-tensor collectives, finalizing, closing.
+The restart layers' adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ import signal
 import tempfile
 import threading
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
+# What checkpointing imports of NVRx, for reports of what a machine can import.
+NVRX_MODULES = ("nvidia_resiliency_ext.checkpointing.async_ckpt.core",)
 
 
 def cuda_present() -> bool:
@@ -133,6 +140,11 @@ def make_torch_async_checkpoint() -> Any:
     return ckpt
 
 
+def calls_queue_of(ckpt: Any) -> Any:
+    """The ``AsyncCallsQueue`` inside a ``TorchAsyncCheckpoint`` (NVRx keeps it private)."""
+    return ckpt._async_calls_queue
+
+
 def warm_up(calls_queue: Any) -> None:
     """Start the persistent worker now, with a no-op request, instead of at the first save.
 
@@ -167,6 +179,66 @@ def start_results_queue() -> threading.Thread:
     return thread
 
 
+def schedule_dcp_save(calls_queue: Any, staged: Any, path: Path, thread_count: int, fault_exit: bool
+                      ) -> tuple[tuple, str]:
+    """Plan an async DCP save of ``staged`` (already staged in host buffers) into ``path`` and hand
+    its write to the queue's worker. Returns the plan (for :func:`finalize_save`) and the file
+    the worker records an error in (:func:`take_worker_error`).
+
+    A rank with nothing to write schedules nothing; it still takes part in finalize.
+    """
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = FileSystemWriterAsync(str(path), thread_count=thread_count)
+    with cpu_shim():
+        plan = save_state_dict_async_plan(staged, writer, None, 0, planner=DefaultSavePlanner(),
+                                          enable_cache=plan_cache_enabled())
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        error_path = new_error_path()
+        if save_fn is not None:
+            request = AsyncRequest(partial(worker_write, error_path, fault_exit, save_fn), save_args, [],
+                                   async_fn_kwargs={},
+                                   preload_fn=partial(worker_preload, preload_fn) if preload_fn else None)
+            calls_queue.schedule_async_request(request)
+    return plan, error_path
+
+
+def torch_async_save(ckpt: Any, staged: Any, path: Path) -> None:
+    """``TorchAsyncCheckpoint.async_save`` of ``staged`` into the file ``path``."""
+    with cpu_shim():
+        ckpt.async_save(staged, str(path))
+
+
+def poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) -> tuple[bool, Optional[str]]:
+    """(this rank's writes finished, an error if its worker died); never blocks.
+
+    Finalizes finished calls locally (``no_dist``: NVRx's own agreement is a CUDA-tensor
+    collective; the caller agrees across ranks on the job's backend). ``finalize``: the owner's
+    finalize function when it is not the queue's (``TorchAsyncCheckpoint.finalize_async_save``).
+    """
+    finalize = finalize or calls_queue.maybe_finalize_async_calls
+    if calls_queue.get_num_unfinalized_calls():
+        finalize(blocking=False, no_dist=True)
+    if calls_queue.get_num_unfinalized_calls():
+        proc = worker_process(calls_queue)
+        if proc is not None and not proc.is_alive():
+            return True, f"the checkpoint writer process exited with code {proc.exitcode} before finishing"
+        return False, None
+    return True, None
+
+
+def take_worker_error(error_path: str) -> Optional[str]:
+    """The error :func:`worker_write` recorded (its last line, then the traceback), once; None if none."""
+    if not os.path.exists(error_path):
+        return None
+    text = Path(error_path).read_text()
+    os.unlink(error_path)
+    return text.strip().splitlines()[-1] + "\n" + text
+
+
 def finalize_save(plan: tuple) -> None:
     """Finish an async DCP save: gather every rank's write results and write ``.metadata``.
 
@@ -179,6 +251,11 @@ def finalize_save(plan: tuple) -> None:
     if cuda_present():
         save_state_dict_async_finalize(*plan)
         return
+    with cpu_shim():
+        _finalize_on_cpu(plan)
+
+
+def _finalize_on_cpu(plan: tuple) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.utils import _get_failure_dict
 

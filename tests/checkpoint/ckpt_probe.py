@@ -14,8 +14,8 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from resilient_fsdp import nvrx_compat
-from resilient_fsdp.checkpoint import rng_state
+from resilient_fsdp.checkpoint import nvrx
+from resilient_fsdp.checkpoint.state import rng_state
 from resilient_fsdp.config import load_config
 from resilient_fsdp.train import Trainer
 
@@ -65,7 +65,7 @@ def main(run_dir, mode):
     resumed_step = fresh.checkpointer.resume()
     after = snapshot(fresh)
     report = {
-        "nvrx_version": nvrx_compat.NVRX_VERSION,
+        "nvrx_version": nvrx.NVRX_VERSION,
         "mode": mode,
         "committed": record is not None,
         "resumed_step": resumed_step,

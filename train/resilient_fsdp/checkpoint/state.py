@@ -1,0 +1,96 @@
+"""What a checkpoint holds, for one rank: :class:`CheckpointState` gathers and restores it.
+
+Model and optimizer as FSDP2 DTensor state (``get_state_dict``), the LR schedule, the trainer's
+counters, the sampler position, the learned hang-detection timeouts and the rank's RNG state.
+Restoring all of it is what makes a resumed run continue bit for bit. ``to_local`` /
+``from_local`` turn DTensors into this rank's shards and back (the one-file-per-rank engine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from ..parallelize import canonical_name
+
+
+class CheckpointState:
+    """Gathers and restores everything a checkpoint holds, for one rank."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                 counters: Any, data: Any, rank: int, resilience: Any = None):
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.counters, self.data, self.rank = counters, data, rank
+        self.resilience = resilience  # learned hang-detection timeouts (resilience.rank_monitor)
+
+    def state_dict(self, with_rng: bool = True) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "trainer": self.counters.state_dict(),
+            "data": self.data.state_dict(),
+            # JSON text: its shape changes once timeouts are learned, and DCP loads by shape.
+            "resilience": json.dumps(self.resilience.state_dict() if self.resilience else {}, sort_keys=True),
+        }
+        if with_rng:
+            sd["rng"] = {f"rank{self.rank}": rng_state()}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        self.counters.load_state_dict(sd["trainer"])
+        self.data.load_state_dict(sd["data"])
+        if self.resilience is not None:
+            self.resilience.load_state_dict(json.loads(sd["resilience"]))
+        if "rng" in sd:
+            set_rng_state(sd["rng"][f"rank{self.rank}"])
+
+    def shape_digest(self) -> str:
+        """Identifies the model's architecture: names and global shapes of every parameter."""
+        h = hashlib.sha256()
+        for name, p in self.model.named_parameters():
+            h.update(f"{canonical_name(name)}:{tuple(p.shape)};".encode())
+        return h.hexdigest()
+
+
+def rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def to_local(sd: Any) -> Any:
+    """The same nested structure with every DTensor replaced by this rank's shard."""
+    if isinstance(sd, DTensor):
+        return sd.to_local()
+    if isinstance(sd, dict):
+        return {k: to_local(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [to_local(v) for v in sd]
+    return sd
+
+
+def from_local(loaded: Any, like: Any) -> Any:
+    """Inverse of :func:`to_local`: rebuild DTensors shaped like ``like`` from local shards."""
+    if isinstance(like, DTensor):
+        return DTensor.from_local(loaded.to(like.device), like.device_mesh, like.placements,
+                                  shape=like.shape, stride=like.stride(), run_check=False)
+    if isinstance(like, dict):
+        return {k: from_local(loaded[k], v) if k in loaded else v for k, v in like.items()}
+    return loaded
