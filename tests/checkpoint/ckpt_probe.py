@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from resilient_fsdp.checkpoint import nvrx
 from resilient_fsdp.checkpoint.state import rng_state
 from resilient_fsdp.config import load_config
-from resilient_fsdp.train import Trainer
+from resilient_fsdp.train.trainer import Trainer
 
 
 def local(t):
@@ -51,7 +51,7 @@ def main(run_dir, mode):
     trainer = Trainer(load_config(None, overrides))
     for _ in range(3):
         trainer.train_step()
-        trainer.state.step += 1
+        trainer.counters.step += 1
     before = snapshot(trainer)
     trainer.checkpointer.save(3)
     for _ in range(2):  # mutate parameters, optimizer state, schedule, sampler and RNG

@@ -41,7 +41,7 @@ def test_two_nodes_by_two_ranks_completes_with_a_valid_summary(tmp_path):
 def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
     write_module(plugin_dir, "raising_model", """
         import os
-        from resilient_fsdp.model import build_model
+        from resilient_fsdp.train.model import build_model
 
         def build(cfg):
             model = build_model("tiny")

@@ -28,8 +28,8 @@ from .checkpoint import nvrx
 from .bench_results import write_results
 from .checkpoint.checkpointer import Checkpointer
 from .config import load_config
-from .distributed import shutdown
-from .train import Trainer
+from .train.distributed import shutdown
+from .train.trainer import Trainer
 
 
 def _timed_steps(trainer: Trainer, n: int) -> list[float]:

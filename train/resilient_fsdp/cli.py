@@ -122,12 +122,12 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from . import train
+    from .train import entrypoint
 
     argv = (["--config", args.config] if args.config else []) + [a for o in args.overrides for a in ("--set", o)]
     argv += ["--run-dir", args.run_dir] if args.run_dir else []
     argv += [a for spec in args.inject for a in ("--inject", spec)]
-    return train.main(argv)
+    return entrypoint.main(argv)
 
 
 def cmd_config(args: argparse.Namespace) -> int:

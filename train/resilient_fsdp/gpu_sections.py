@@ -202,7 +202,7 @@ def section_environment(s: Section) -> None:
     r["nvrx"] = r["version_nvidia-resiliency-ext"]
     # What each section imports; a missing wheel shows up here, by name, before anything runs.
     imports = {}
-    for module in ("resilient_fsdp.config", "resilient_fsdp.train",
+    for module in ("resilient_fsdp.config", "resilient_fsdp.train.entrypoint",
                    "nvidia_resiliency_ext.checkpointing.async_ckpt.core", "nvidia_resiliency_ext.inprocess",
                    "nvidia_resiliency_ext.fault_tolerance.launcher"):
         try:
@@ -301,9 +301,9 @@ def section_throughput(s: Section) -> None:
     import torch
 
     from .config import load_config
-    from .distributed import shutdown
-    from .model import preset_args
-    from .train import Trainer
+    from .train.distributed import shutdown
+    from .train.model import preset_args
+    from .train.trainer import Trainer
 
     p, r = s.plan, s.results
     # Deterministic kernels are for exact comparisons (section 5); speed is measured without them.
@@ -373,8 +373,8 @@ def section_checkpoint(s: Section) -> None:
     from .checkpoint import nvrx
     from .bench_checkpoint import _timed_steps, measure_engine
     from .config import load_config
-    from .distributed import shutdown
-    from .train import Trainer
+    from .train.distributed import shutdown
+    from .train.trainer import Trainer
 
     p, r = s.plan, s.results
     cfg = load_config(None, s.overrides(s.dir, big=True) + ["checkpoint.save_final=false", "checkpoint.resume=false",
@@ -577,7 +577,7 @@ def run_child(args: argparse.Namespace) -> int:
         for folder in sorted(s.dir.rglob("checkpoints"), reverse=True):
             shutil.rmtree(folder, ignore_errors=True)
         try:
-            from .train import stop_helper_processes
+            from .train.entrypoint import stop_helper_processes
 
             stop_helper_processes()
         except Exception:  # noqa: BLE001 - cleanup only; the parent sweeps what is left

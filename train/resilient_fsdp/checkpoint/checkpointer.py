@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import CheckpointConfig, ConfigError
-from ..distributed import DistInfo
+from ..train.distributed import DistInfo
 from . import nvrx, resume, store
 from .engines import Engine, build_engine
 from .s3 import client as s3_client

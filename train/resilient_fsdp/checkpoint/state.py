@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..parallelize import canonical_name
+from ..train.parallelize import canonical_name
 
 
 class CheckpointState:

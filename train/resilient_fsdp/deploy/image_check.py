@@ -119,7 +119,7 @@ def check_nvrx(pins: Pins) -> Result:
 
 
 def check_trainer(_pins: Pins) -> Result:
-    for module in ("resilient_fsdp.train", "resilient_fsdp.resilience.agent"):
+    for module in ("resilient_fsdp.train.entrypoint", "resilient_fsdp.resilience.agent"):
         try:
             importlib.import_module(module)
         except Exception as exc:  # any import-time failure makes the image useless: report it
@@ -128,7 +128,8 @@ def check_trainer(_pins: Pins) -> Result:
         version = importlib.metadata.version("resilient-fsdp")
     except importlib.metadata.PackageNotFoundError:
         version = "from the source tree"
-    return Result("trainer", "ok", f"resilient-fsdp {version}: resilient_fsdp.train and resilient_fsdp.resilience.agent import")
+    return Result("trainer", "ok", f"resilient-fsdp {version}: resilient_fsdp.train.entrypoint and "
+                  "resilient_fsdp.resilience.agent import")
 
 
 def check_ft_launcher(_pins: Pins) -> Result:

@@ -1,19 +1,17 @@
-"""The trainer every pod runs: ``python -m resilient_fsdp.train [--config FILE] [--set k=v]...``.
+"""The trainer every rank runs: a thin composition root and the training loop.
 
-Launched by ``ft_launcher`` (or ``torchrun``) once per rank; without a launcher it is a world of
-one. The :class:`Trainer` is a thin composition root, built in a fixed order: device -> process
-group -> mesh -> model on ``meta`` -> activation checkpointing -> ``fully_shard`` per block, then
-the root -> ``to_empty`` + init -> optimizer / LR schedule -> checkpointer (which may resume).
+:class:`Trainer` is built in a fixed order: device -> process group -> mesh -> model on ``meta``
+-> activation checkpointing -> ``fully_shard`` per block, then the root -> ``to_empty`` + init ->
+optimizer / LR schedule -> checkpointer (which may resume). ``train()`` is the loop,
+``train_step()`` one optimizer step. The process around it (arguments, in-process restart, exit
+codes) is :mod:`.entrypoint`; what outlives an in-process restart is :mod:`.resources`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,27 +21,25 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from . import atomic, distributed, parallelize
-from .resilience import accounting
-from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.engines import Engine, build_engine
-from .checkpoint.state import CheckpointState
-from .config import Config, ConfigError, describe, dump_yaml, load_config, parse_faults
-from .resilience.faults import FaultInjector, FaultLedger
-from .resilience.graceful_stop import GracefulStop, StopRequested
-from .resilience.inprocess import InProcessAttempt, run_in_process
-from .resilience.rank_monitor import ProgressMonitor
+from .. import atomic
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.state import CheckpointState
+from ..config import Config, dump_yaml, parse_faults
+from ..resilience import accounting
+from ..resilience.faults import FaultInjector, FaultLedger
+from ..resilience.graceful_stop import StopRequested
+from ..resilience.inprocess import InProcessAttempt
+from . import distributed, parallelize
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256
 from .model import build_model, count_params, preset_args
-from .checkpoint import store as checkpoint_store
-from .checkpoint.s3.uploader import Uploader
+from .resources import ProcessResources, report_s3_events
+
 
 @dataclass
-class TrainState:
+class TrainCounters:
     """The trainer's own counters; saved with the model so a resume continues the count."""
 
     step: int = 0
@@ -81,94 +77,6 @@ def lr_lambda(cfg: Config):
     return factor
 
 
-class ProcessResources:
-    """What outlives an in-process restart: the checkpoint engine (its writer process and staging
-    buffers), rank 0's S3 uploader (its backlog), the link to ``ft_launcher``'s rank monitor, and
-    the SIGTERM flag. Re-creating the first would cost a process spawn per restart, the second
-    would drop uploads; the others belong to the process, not to an attempt."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.engine: Optional[Engine] = None
-        self.uploader: Optional[Uploader] = None
-        self.summary_path: Optional[Path] = None  # written by this process (rank 0)
-        self.monitor = ProgressMonitor(cfg.resilience)
-        self.stop = GracefulStop()
-        self.stop.install()
-
-    def checkpoint_engine(self, rank: int) -> Engine:
-        if self.engine is None:
-            # The launcher signals a node's ranks by process group, which includes the writer
-            # processes NVRx spawns. They must outlive a SIGTERM long enough for the graceful
-            # stop's final checkpoint: started with SIGTERM ignored (kept across exec), they are
-            # ended by the engine's close instead.
-            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
-                self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads)
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-        return self.engine
-
-    def s3_uploader(self, rank: int) -> Optional[Uploader]:
-        """Rank 0's uploader (one rank, so no file is uploaded twice); None on other ranks or
-        without ``checkpoint.s3.uri``."""
-        s3 = self.cfg.checkpoint.s3
-        if rank != 0 or not s3.uri or not s3.upload:
-            return None
-        if self.uploader is None:
-            self.uploader = Uploader(s3)
-        return self.uploader
-
-    def close(self, failed: bool) -> None:
-        if self.engine is not None:
-            self.engine.close(abort=failed)
-            self.engine = None
-        # Before the uploads drain: a rank monitor would take a long drain for a hang.
-        self.monitor.close()
-        if self.uploader is not None:
-            self.finish_uploads(failed)
-        self.stop.uninstall()
-
-    def finish_uploads(self, failed: bool) -> None:
-        """Rank 0, after the process group is gone (no peer waits in a collective meanwhile): give
-        pending uploads ``checkpoint.s3.drain_timeout_s`` unless the attempt failed (then the
-        restarted one uploads them), report, and put the outcome into ``summary.json``.
-
-        A SIGTERM during the wait ends it (the pod is going away; the next run uploads the rest).
-        """
-        uploader, self.uploader = self.uploader, None
-        s3, ckpt = self.cfg.checkpoint.s3, self.cfg.checkpoint
-        log = MetricsLog(Path(self.cfg.run_dir), True, self.cfg.train.log_every)
-        try:
-            pending = uploader.pending()
-            if pending and not failed:
-                log.info(f"waiting up to {s3.drain_timeout_s:g} s for the S3 upload of step(s) "
-                         f"{', '.join(map(str, pending))} (checkpoint.s3.drain_timeout_s)")
-                deadline, stopping = time.monotonic() + s3.drain_timeout_s, self.stop.requested
-                # In slices, so errors show in the log as they happen and a SIGTERM is noticed.
-                while not uploader.drain(min(1.0, max(0.0, deadline - time.monotonic()))):
-                    report_s3_events(log, uploader)
-                    if time.monotonic() >= deadline:
-                        break
-                    if self.stop.requested and not stopping:
-                        log.info("SIGTERM received while waiting for S3 uploads: not waiting any longer")
-                        break
-            uploader.close()
-            report_s3_events(log, uploader)
-            # Checkpoints kept only for their upload can go now (an abandoned one stays held).
-            checkpoint_store.apply_retention(self.cfg.checkpoint_dir, ckpt.keep_last, held=uploader.holds)
-            status = uploader.summary()
-            if status["pending"]:
-                log.info(f"warning: step(s) {', '.join(map(str, status['pending']))} not uploaded to {s3.uri} "
-                         f"(last error: {status['last_error']}); the next run with this checkpoint.dir uploads them")
-            if self.summary_path is not None and self.summary_path.exists():
-                summary = json.loads(self.summary_path.read_text())
-                summary["s3"] = {**(summary.get("s3") or {}), **status}
-                atomic.write_json(self.summary_path, summary)
-        finally:
-            log.close()
-
-
 class Trainer:
     cfg: Config
     info: distributed.DistInfo
@@ -176,7 +84,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LambdaLR
     data: BatchLoader
-    state: TrainState
+    counters: TrainCounters
     metrics: MetricsLog
     checkpointer: Checkpointer
 
@@ -225,13 +133,13 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=self.info.device.type == "cuda")
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.state = TrainState()
+        self.counters = TrainCounters()
         # 5. Checkpointer: everything a resumed run needs, and what it must match.
-        training_state = CheckpointState(self.model, self.optimizer, self.lr_scheduler, self.state, self.data,
+        checkpoint_state = CheckpointState(self.model, self.optimizer, self.lr_scheduler, self.counters, self.data,
                                        self.info.rank, resilience=self.monitor)
         identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
-                    "shape_digest": training_state.shape_digest()}
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, training_state, identity,
+                    "shape_digest": checkpoint_state.shape_digest()}
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, checkpoint_state, identity,
                                          self.metrics.info,
                                          engine_factory=lambda: resources.checkpoint_engine(self.info.rank),
                                          uploader=resources.s3_uploader(self.info.rank))
@@ -243,7 +151,7 @@ class Trainer:
 
     def log_start(self) -> None:
         cfg, info = self.cfg, self.info
-        resumed = self.state.step
+        resumed = self.counters.step
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             # Steps past the one we resume from will be trained again: drop their records so the
@@ -299,33 +207,33 @@ class Trainer:
         self.monitor.end("init")
         self.model.train()
         ckpt, monitor = self.checkpointer, self.monitor
-        resumed_step = self.state.step
+        resumed_step = self.counters.step
         last = min(self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps)
-        while self.state.step < last:
+        while self.counters.step < last:
             monitor.start("step")
-            self.injector.at_step_start(self.state.step + 1, self.state.step)
+            self.injector.at_step_start(self.counters.step + 1, self.counters.step)
             t0 = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
             loss, stop = self.train_step()
             step_time = time.perf_counter() - t0
             monitor.end("step")
             self.ping()
-            self.state.step += 1
-            self.state.tokens_seen += self.tokens_per_step
+            self.counters.step += 1
+            self.counters.tokens_seen += self.tokens_per_step
             self.step_times.append(step_time)
             self.last_loss = loss
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {self.state.step}; lower optim.lr or check the data")
+                raise FloatingPointError(f"loss is {loss} at step {self.counters.step}; lower optim.lr or check the data")
             # Finalize a background write that finished, then start one if due. Both are collective.
             monitor.start("checkpoint")
             t_ckpt = time.perf_counter()
             self.log_checkpoint(ckpt.poll())
-            if ckpt.due(self.state.step):
-                self.log_checkpoint(ckpt.save(self.state.step))
+            if ckpt.due(self.counters.step):
+                self.log_checkpoint(ckpt.save(self.counters.step))
             monitor.end("checkpoint")
             self.report_s3()
-            self.injector.after_checkpoint(self.state.step, ckpt.pending is not None)
-            self.metrics.step({"event": "step", "step": self.state.step, "loss": loss, "step_time_s": step_time,
+            self.injector.after_checkpoint(self.counters.step, ckpt.pending is not None)
+            self.metrics.step({"event": "step", "step": self.counters.step, "loss": loss, "step_time_s": step_time,
                                "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr,
                                "t": time.time()})
             if len(self.step_times) == 1:
@@ -336,8 +244,8 @@ class Trainer:
             self.log_learned(monitor.maybe_learn())
             if stop:
                 self.stop_gracefully()
-        if self.cfg.checkpoint.save_final and ckpt.last_saved_step != self.state.step:
-            self.log_checkpoint(ckpt.save(self.state.step))
+        if self.cfg.checkpoint.save_final and ckpt.last_saved_step != self.counters.step:
+            self.log_checkpoint(ckpt.save(self.counters.step))
         self.log_checkpoint(ckpt.wait())
         return self.finish()
 
@@ -345,15 +253,15 @@ class Trainer:
         """Commit a checkpoint of this step, then leave with the retryable stop code."""
         ckpt = self.checkpointer
         self.monitor.start("checkpoint")
-        if ckpt.last_saved_step != self.state.step:
-            self.log_checkpoint(ckpt.save(self.state.step))
+        if ckpt.last_saved_step != self.counters.step:
+            self.log_checkpoint(ckpt.save(self.counters.step))
         self.log_checkpoint(ckpt.wait())
         self.monitor.end("checkpoint")
         code = self.cfg.resilience.stop_exit_code
-        self.metrics.info(f"stop requested (SIGTERM): checkpoint of step {self.state.step} committed; exiting with "
+        self.metrics.info(f"stop requested (SIGTERM): checkpoint of step {self.counters.step} committed; exiting with "
                           f"code {code} so the job is restarted and resumes here")
-        self.metrics.event({"event": "stop", "t": time.time(), "step": self.state.step, "exit_code": code})
-        raise StopRequested(self.state.step, code)
+        self.metrics.event({"event": "stop", "t": time.time(), "step": self.counters.step, "exit_code": code})
+        raise StopRequested(self.counters.step, code)
 
     def log_recoveries(self, resumed_step: int) -> None:
         for recovery in accounting.record_recoveries(self.ledger, self.layer, resumed_step, time.time()):
@@ -363,7 +271,7 @@ class Trainer:
 
     def log_learned(self, timeouts: Optional[dict]) -> None:
         if timeouts:
-            self.metrics.event({"event": "timeouts_learned", "t": time.time(), "step": self.state.step, **timeouts})
+            self.metrics.event({"event": "timeouts_learned", "t": time.time(), "step": self.counters.step, **timeouts})
             self.metrics.info(f"hang-detection timeouts learned from observed durations: {timeouts}")
 
     def log_checkpoint(self, record: Optional[dict]) -> None:
@@ -398,7 +306,7 @@ class Trainer:
         wall = time.perf_counter() - self.t_start
         productive = sum(self.step_times)
         summary = {
-            "final_step": self.state.step,
+            "final_step": self.counters.step,
             "final_loss": self.last_loss,
             "params_sha256": digest,
             "wall_s": wall,
@@ -406,7 +314,7 @@ class Trainer:
             "device": self.info.device.type,
             "backend": self.info.backend,
             "num_params": self.num_params,
-            "tokens_seen": self.state.tokens_seen,
+            "tokens_seen": self.counters.tokens_seen,
             "steps_this_run": len(self.step_times),
             "tokens_per_s": self.tokens_per_step * len(self.step_times) / productive if productive else 0.0,
             "resumed_from_step": (self.checkpointer.resumed_from or {}).get("step"),
@@ -420,7 +328,7 @@ class Trainer:
             # this entry is then updated (ProcessResources.finish_uploads).
             summary["s3"] = self.s3_summary()
             self.resources.summary_path = self.run_dir / "summary.json"
-            self.metrics.event({"event": "finish", "t": time.time(), "step": self.state.step})
+            self.metrics.event({"event": "finish", "t": time.time(), "step": self.counters.step})
             self.metrics.close()
             summary.update(accounting.summarize(self.metrics.path, self.ledger))
             atomic.write_json(self.run_dir / "summary.json", summary)
@@ -432,12 +340,6 @@ class Trainer:
         return summary
 
 
-def report_s3_events(metrics: MetricsLog, uploader: Uploader) -> None:
-    for event, message in uploader.take_events():
-        metrics.event(event)
-        metrics.info(message)
-
-
 def _keep_line(line: str, resumed_step: int) -> bool:
     try:
         record = json.loads(line)
@@ -446,98 +348,3 @@ def _keep_line(line: str, resumed_step: int) -> bool:
     if record.get("event") in ("step", "checkpoint"):
         return int(record["step"]) <= resumed_step
     return True
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
-    p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
-                   help="inject a fault once per job (repeatable; adds to resilience.inject)")
-    p.add_argument("--describe-config", action="store_true", help="print every config key and exit")
-    return p.parse_args(argv)
-
-
-def resolve_config(args: argparse.Namespace) -> Config:
-    overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
-    cfg = load_config(args.config, overrides)
-    if args.inject:
-        parse_faults(args.inject)  # names the bad --inject value
-        cfg.resilience.inject = list(cfg.resilience.inject) + list(args.inject)
-    return cfg
-
-
-def attempt(cfg: Config, resources: ProcessResources, in_process: Optional[InProcessAttempt] = None) -> dict:
-    """One attempt at the training function: build everything, resume, train. In-process restart
-    calls it again after a fault; the process group and model are rebuilt each time."""
-    trainer = None
-    failed = True
-    try:
-        trainer = Trainer(cfg, resources, in_process)
-        summary = trainer.train()
-        failed = False
-        return summary
-    except StopRequested:
-        failed = False  # a clean, checkpointed stop: tear down in order
-        raise
-    finally:
-        if trainer is not None:
-            trainer.close(failed)
-        distributed.shutdown(clean=not failed)
-
-
-def run(args: argparse.Namespace) -> dict:
-    cfg = resolve_config(args)
-    resources = ProcessResources(cfg)
-    failed = True
-    try:
-        if cfg.resilience.in_process:
-            summary = run_in_process(cfg.resilience, lambda in_process: attempt(cfg, resources, in_process))
-        else:
-            summary = attempt(cfg, resources)
-        failed = False
-        return summary
-    except StopRequested:
-        failed = False
-        raise
-    finally:
-        resources.close(failed)
-
-
-@record
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
-    if args.describe_config:
-        print(describe(), end="")
-        return 0
-    try:
-        run(args)
-    except ConfigError as exc:
-        # Recorded for the launcher's root-cause report, then a clean message and a fail-fast code.
-        get_error_handler().record_exception(exc)
-        rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
-        return ConfigError.exit_code
-    except StopRequested as stop:
-        return stop.exit_code
-    finally:
-        stop_helper_processes()
-    return 0
-
-
-def stop_helper_processes() -> None:
-    """End multiprocessing helpers still running when the rank exits (the manager NVRx's writer
-    reports through, helpers left by in-process restarts): the interpreter would wait for them
-    at exit. The checkpoint writer itself was closed before; these hold no data. They were
-    started with SIGTERM ignored (see :class:`ProcessResources`), hence SIGKILL."""
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        child.kill()
-        child.join(timeout=2)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,8 +8,8 @@ import pytest
 from torch import nn
 
 from resilient_fsdp.config import ConfigError, DataConfig, ModelConfig
-from resilient_fsdp.data import build_dataset
-from resilient_fsdp.factories import call_factory, load_factory
+from resilient_fsdp.train.data import build_dataset
+from resilient_fsdp.train.factories import call_factory, load_factory
 from tests.support import write_module
 
 

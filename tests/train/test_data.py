@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from resilient_fsdp.config import ConfigError, DataConfig
-from resilient_fsdp.data import BatchLoader, ResumableSampler, SyntheticTokens, TokenFile, build_dataset
+from resilient_fsdp.train.data import BatchLoader, ResumableSampler, SyntheticTokens, TokenFile, build_dataset
 
 
 def test_synthetic_is_deterministic_and_in_range():

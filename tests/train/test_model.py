@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient_fsdp.model import build_model, count_params
+from resilient_fsdp.train.model import build_model, count_params
 
 
 @pytest.mark.parametrize("preset, nominal", [("125m", 125e6), ("1b", 1.1e9), ("8b", 8.0e9), ("70b", 70.6e9)])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 def load_factory(spec: str, key: str) -> Callable[..., Any]:

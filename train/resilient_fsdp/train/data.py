@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .config import ConfigError, DataConfig
+from ..config import ConfigError, DataConfig
 from .factories import call_factory
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import ConfigError, DistConfig
+from ..config import ConfigError, DistConfig
 
 
 @dataclass(frozen=True)

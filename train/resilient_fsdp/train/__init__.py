@@ -1,0 +1,12 @@
+"""What every rank runs: ``python -m resilient_fsdp.train [--config FILE] [--set k=v]...``.
+
+- ``entrypoint``: one rank's process: arguments, in-process restart around the attempts, exit codes;
+- ``trainer``: the composition root and the loop (``Trainer``, its ``TrainCounters``);
+- ``resources``: what outlives an in-process restart (checkpoint engine, S3 uploader, monitor);
+- ``model``: the built-in decoder-only transformer and its size presets;
+- ``parallelize``: FSDP2 sharding and activation checkpointing;
+- ``data``: token datasets and the resumable distributed sampler;
+- ``factories``: ``pkg.module:function`` imports for custom models and datasets;
+- ``distributed``: device, backend and process group from launcher variables;
+- ``metrics``: progress lines, ``metrics.jsonl``, parameter hashing.
+"""

@@ -1,0 +1,112 @@
+"""What outlives an in-process restart: :class:`ProcessResources`, one per rank process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+from .. import atomic
+from ..checkpoint import store as checkpoint_store
+from ..checkpoint.engines import Engine, build_engine
+from ..checkpoint.s3.uploader import Uploader
+from ..config import Config
+from ..resilience.graceful_stop import GracefulStop
+from ..resilience.rank_monitor import ProgressMonitor
+from .metrics import MetricsLog
+
+
+class ProcessResources:
+    """What outlives an in-process restart: the checkpoint engine (its writer process and staging
+    buffers), rank 0's S3 uploader (its backlog), the link to ``ft_launcher``'s rank monitor, and
+    the SIGTERM flag. Re-creating the first would cost a process spawn per restart, the second
+    would drop uploads; the others belong to the process, not to an attempt."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.engine: Optional[Engine] = None
+        self.uploader: Optional[Uploader] = None
+        self.summary_path: Optional[Path] = None  # written by this process (rank 0)
+        self.monitor = ProgressMonitor(cfg.resilience)
+        self.stop = GracefulStop()
+        self.stop.install()
+
+    def checkpoint_engine(self, rank: int) -> Engine:
+        if self.engine is None:
+            # The launcher signals a node's ranks by process group, which includes the writer
+            # processes NVRx spawns. They must outlive a SIGTERM long enough for the graceful
+            # stop's final checkpoint: started with SIGTERM ignored (kept across exec), they are
+            # ended by the engine's close instead.
+            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        return self.engine
+
+    def s3_uploader(self, rank: int) -> Optional[Uploader]:
+        """Rank 0's uploader (one rank, so no file is uploaded twice); None on other ranks or
+        without ``checkpoint.s3.uri``."""
+        s3 = self.cfg.checkpoint.s3
+        if rank != 0 or not s3.uri or not s3.upload:
+            return None
+        if self.uploader is None:
+            self.uploader = Uploader(s3)
+        return self.uploader
+
+    def close(self, failed: bool) -> None:
+        if self.engine is not None:
+            self.engine.close(abort=failed)
+            self.engine = None
+        # Before the uploads drain: a rank monitor would take a long drain for a hang.
+        self.monitor.close()
+        if self.uploader is not None:
+            self.finish_uploads(failed)
+        self.stop.uninstall()
+
+    def finish_uploads(self, failed: bool) -> None:
+        """Rank 0, after the process group is gone (no peer waits in a collective meanwhile): give
+        pending uploads ``checkpoint.s3.drain_timeout_s`` unless the attempt failed (then the
+        restarted one uploads them), report, and put the outcome into ``summary.json``.
+
+        A SIGTERM during the wait ends it (the pod is going away; the next run uploads the rest).
+        """
+        uploader, self.uploader = self.uploader, None
+        s3, ckpt = self.cfg.checkpoint.s3, self.cfg.checkpoint
+        log = MetricsLog(Path(self.cfg.run_dir), True, self.cfg.train.log_every)
+        try:
+            pending = uploader.pending()
+            if pending and not failed:
+                log.info(f"waiting up to {s3.drain_timeout_s:g} s for the S3 upload of step(s) "
+                         f"{', '.join(map(str, pending))} (checkpoint.s3.drain_timeout_s)")
+                deadline, stopping = time.monotonic() + s3.drain_timeout_s, self.stop.requested
+                # In slices, so errors show in the log as they happen and a SIGTERM is noticed.
+                while not uploader.drain(min(1.0, max(0.0, deadline - time.monotonic()))):
+                    report_s3_events(log, uploader)
+                    if time.monotonic() >= deadline:
+                        break
+                    if self.stop.requested and not stopping:
+                        log.info("SIGTERM received while waiting for S3 uploads: not waiting any longer")
+                        break
+            uploader.close()
+            report_s3_events(log, uploader)
+            # Checkpoints kept only for their upload can go now (an abandoned one stays held).
+            checkpoint_store.apply_retention(self.cfg.checkpoint_dir, ckpt.keep_last, held=uploader.holds)
+            status = uploader.summary()
+            if status["pending"]:
+                log.info(f"warning: step(s) {', '.join(map(str, status['pending']))} not uploaded to {s3.uri} "
+                         f"(last error: {status['last_error']}); the next run with this checkpoint.dir uploads them")
+            if self.summary_path is not None and self.summary_path.exists():
+                summary = json.loads(self.summary_path.read_text())
+                summary["s3"] = {**(summary.get("s3") or {}), **status}
+                atomic.write_json(self.summary_path, summary)
+        finally:
+            log.close()
+
+
+def report_s3_events(metrics: MetricsLog, uploader: Uploader) -> None:
+    for event, message in uploader.take_events():
+        metrics.event(event)
+        metrics.info(message)
