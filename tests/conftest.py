@@ -35,7 +35,7 @@ def nvrx_lane() -> Path:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    from resilient_fsdp.bench_s3 import LocalS3Server
+    from resilient_fsdp.bench.s3 import LocalS3Server
 
     server = LocalS3Server(tmp_path_factory.mktemp("s3-server") / "server.log")
     yield server

@@ -31,7 +31,7 @@ def free_port() -> int:
 def aws_server(tmp_path_factory):
     """moto's standalone server on a free loopback port (the one the S3 tests and ``bench s3``
     use: it serves ECR and STS too); yields its URL, stops it afterwards."""
-    from resilient_fsdp.bench_s3 import LocalS3Server
+    from resilient_fsdp.bench.s3 import LocalS3Server
 
     try:
         server = LocalS3Server(tmp_path_factory.mktemp("moto") / "server.log")

@@ -128,7 +128,7 @@ def test_launcher_settings_are_understood_by_the_image_nvrx(nvrx_lane):
 
 
 def test_benchmarks_only_ever_delete_their_own_scratch_directories(tmp_path):
-    from resilient_fsdp.bench_recovery import fresh_dir
+    from resilient_fsdp.bench.recovery import fresh_dir
 
     users = tmp_path / "users-data"
     users.mkdir()

@@ -62,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
-    from .bench_checkpoint import add_parser as add_checkpoint_bench
-    from .bench_recovery import add_parser as add_recovery_bench
-    from .bench_s3 import add_parser as add_s3_bench
-    from .bench_soak import add_parser as add_soak_bench
+    from .bench.checkpoint import add_parser as add_checkpoint_bench
+    from .bench.recovery import add_parser as add_recovery_bench
+    from .bench.s3 import add_parser as add_s3_bench
+    from .bench.soak import add_parser as add_soak_bench
     from .checkpoint.commands import add_parser as add_checkpoints
 
     add_checkpoint_bench(bench_sub)

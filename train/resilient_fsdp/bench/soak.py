@@ -19,8 +19,8 @@ import os
 import statistics
 from pathlib import Path
 
-from .bench_results import write_results
-from .bench_recovery import fresh_dir, run_job
+from .results import write_results
+from .recovery import fresh_dir, run_job
 
 DEFAULT_KINDS = "exception,sigkill,hang,exception,sigkill-during-save,hang,exception,node-loss,exception,sigterm"
 # ``--in-process`` adds in-process restart (for exceptions and hangs) to the in-job and job-level

@@ -1,4 +1,4 @@
-"""``python -m resilient_fsdp.gpu_check``: the CUDA path, measured in one call on one GPU.
+"""``python -m resilient_fsdp.bench.gpu.check``: the CUDA path, measured in one call on one GPU.
 
 Run through ``scripts/gpu-check`` (which first installs the wheels the machine lacks). Sections:
 
@@ -34,9 +34,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
-from . import atomic
-from .bench_recovery import fresh_dir
-from .gpu_sections import GPU_PLAN, SECTIONS, TINY_PLAN, run_child, tail
+from ... import atomic
+from ..recovery import fresh_dir
+from .section import GPU_PLAN, TINY_PLAN, tail
+from .sections import SECTIONS, run_child
 
 # Run order: exact_resume runs before the restart sections because its uninterrupted run is the
 # reference their final parameters are compared with.
@@ -81,7 +82,7 @@ def adopt_orphans() -> None:
     """Become a child subreaper: processes a section orphans (NVRx workers, ft_launcher agents)
     re-parent here, so the sweep after each section can end them and free the GPU."""
     try:
-        from .resilience.processes import become_subreaper
+        from ...resilience.processes import become_subreaper
     except ImportError:  # a missing package: the environment section reports it
         return
     become_subreaper()
@@ -92,7 +93,7 @@ def sweep_descendants() -> int:
     try:
         import psutil
 
-        from .resilience.processes import kill_descendants
+        from ...resilience.processes import kill_descendants
     except ImportError:
         return 0
     left = len(psutil.Process().children(recursive=True))
@@ -105,7 +106,7 @@ def run_section(name: str, args: argparse.Namespace, work: Path, timeout: float,
     """One section in a child process; its result file, or what is known when it failed."""
     result_file = work / f"{name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "resilient_fsdp.gpu_check", "--section", name, "--work-dir", str(work),
+    cmd = [sys.executable, "-m", "resilient_fsdp.bench.gpu.check", "--section", name, "--work-dir", str(work),
            "--budget-s", f"{timeout:.1f}"] + (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]

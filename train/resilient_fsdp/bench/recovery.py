@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .bench_results import write_results
+from .results import write_results
 
 # Shared by every variant: gloo cannot abort a collective, so ranks waiting on the failed one
 # wait out dist.timeout_s (after the first step; start-up keeps a long timeout). NCCL is aborted

@@ -2,9 +2,9 @@
 
 ``constraints-gpu-check.txt`` names them (exact versions, with the reason each travels). Two steps:
 
-- ``python -m resilient_fsdp.gpu_wheels download --dest .whl``, where a package index is reachable:
+- ``python -m resilient_fsdp.bench.gpu.wheels download --dest .whl``, where a package index is reachable:
   fetches exactly those wheels for CPython 3.12 on x86-64 Linux (the GPU machine's Python);
-- ``python -m resilient_fsdp.gpu_wheels install --wheels .whl --target DIR``, on the GPU machine:
+- ``python -m resilient_fsdp.bench.gpu.wheels install --wheels .whl --target DIR``, on the GPU machine:
   installs each carried wheel that the machine lacks, or has in an older version, into ``DIR``
   with ``pip --no-index --no-deps``; the caller puts ``DIR`` first on ``PYTHONPATH``.
 
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 PINS = REPO / "constraints-gpu-check.txt"
 # The GPU machine runs CPython 3.12 on x86-64. pip matches manylinux tags exactly, so every glibc
 # level a pinned wheel may be tagged with is listed; NVRx 0.7 is published for glibc 2.39 only.
@@ -173,7 +173,7 @@ def install(wheels_dir: Path, target: Path) -> list[Decision]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.gpu_wheels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.bench.gpu.wheels", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("download", help=f"fetch the wheels {PINS.name} names (needs a package index)")
     d.add_argument("--dest", default=str(REPO / ".whl"), help="folder for the wheels (default .whl)")

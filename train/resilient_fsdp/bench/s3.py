@@ -32,12 +32,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from .checkpoint import store
-from .checkpoint.s3 import client as s3_client
-from .checkpoint.s3 import remote as s3_remote
-from .checkpoint.s3 import transfer as s3_transfer
-from .bench_results import write_results
-from .config import ConfigError, S3Config
+from ..checkpoint import store
+from ..checkpoint.s3 import client as s3_client
+from ..checkpoint.s3 import remote as s3_remote
+from ..checkpoint.s3 import transfer as s3_transfer
+from .results import write_results
+from ..config import ConfigError, S3Config
 
 CHUNK = 8 * 1024 * 1024
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, assert_no_leftovers, run_guarded
-from resilient_fsdp import gpu_check, gpu_sections
-from resilient_fsdp.gpu_wheels import PINS, decide, install, read_pins
+from resilient_fsdp.bench.gpu import check as gpu_check
+from resilient_fsdp.bench.gpu import measure, section
+from resilient_fsdp.bench.gpu.wheels import PINS, decide, install, read_pins
 
 
 def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
@@ -85,10 +86,10 @@ def test_bad_flags_are_named_with_the_fix(tmp_path):
 
 
 def test_mfu_peak_is_known_for_h200_and_refused_for_unknown_gpus():
-    assert gpu_sections.peak_flops("NVIDIA H200", None)[0] == 989.4e12
-    peak, why = gpu_sections.peak_flops("NVIDIA A10G", None)
+    assert measure.peak_flops("NVIDIA H200", None)[0] == 989.4e12
+    peak, why = measure.peak_flops("NVIDIA A10G", None)
     assert peak is None and "--peak-tflops" in why
-    assert gpu_sections.peak_flops("NVIDIA A10G", 125.0) == (125e12, "--peak-tflops")
+    assert measure.peak_flops("NVIDIA A10G", 125.0) == (125e12, "--peak-tflops")
 
 
 def test_carried_wheels_are_pinned_and_agree_with_the_project_pins():
@@ -162,8 +163,8 @@ def test_every_configuration_the_gpu_plan_uses_is_valid(tmp_path):
     from resilient_fsdp.config import load_config
 
     args = gpu_check.parse_args(["--work-dir", str(tmp_path)])
-    s = gpu_sections.Section("in_process", args)
-    assert s.plan is gpu_sections.GPU_PLAN and not s.cpu
+    s = section.Section("in_process", args)
+    assert s.plan is section.GPU_PLAN and not s.cpu
     big = load_config(None, s.overrides(tmp_path, big=True) + ["train.deterministic=false"])
     assert (big.model.preset, big.data.seq_len, big.dist.device, big.optim.lr) == ("1b", 2048, "cuda", 3e-4)
     runs = load_config(None, s.in_process_overrides(tmp_path))

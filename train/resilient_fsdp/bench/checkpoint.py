@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import nvrx
-from .bench_results import write_results
-from .checkpoint.checkpointer import Checkpointer
-from .config import load_config
-from .train.distributed import shutdown
-from .train.trainer import Trainer
+from ..checkpoint import nvrx
+from .results import write_results
+from ..checkpoint.checkpointer import Checkpointer
+from ..config import load_config
+from ..train.distributed import shutdown
+from ..train.trainer import Trainer
 
 
 def _timed_steps(trainer: Trainer, n: int) -> list[float]:

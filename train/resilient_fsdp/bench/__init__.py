@@ -1,0 +1,9 @@
+"""How things are measured: ``resilient-fsdp bench ...`` and the GPU check.
+
+- ``checkpoint``: ``bench checkpoint``: training-loop stall of sync vs async saves;
+- ``recovery``: ``bench recovery``: one fault recovered by each restart layer;
+- ``soak``: ``bench soak``: a fault a minute for ten minutes: goodput and exactness;
+- ``s3``: ``bench s3``: S3 throughput, managed transfer vs one stream (and the local S3 server);
+- ``results``: how every benchmark writes its ``--out`` JSON;
+- ``gpu``: ``scripts/gpu-check``: the prepared one-GPU check and the wheels it carries.
+"""
