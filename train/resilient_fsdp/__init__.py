@@ -1,17 +1,24 @@
 """resilient-fsdp: fault-tolerant PyTorch FSDP2 training with NVRx, from a laptop to EKS.
 
-Modules, one concept each:
+The folders are the architecture; each package's own docstring lists its modules.
 
-- ``config``: the typed run configuration (defaults < YAML file < ``--set``).
-- ``model``: the built-in decoder-only transformer and its size presets.
-- ``factories``: ``pkg.module:function`` imports for custom models and datasets.
-- ``data``: token datasets and the resumable distributed sampler.
-- ``distributed``: device, backend and process-group setup from launcher variables.
-- ``parallelize``: FSDP2 sharding and activation checkpointing.
-- ``metrics``: progress lines, ``metrics.jsonl``, ``summary.json`` and parameter hashing.
-- ``train``: the trainer entrypoint every pod runs (``python -m resilient_fsdp.train``).
-- ``launcher``: ``resilient-fsdp local``, simulated nodes of ``ft_launcher`` agents on one machine.
-- ``cli``: the ``resilient-fsdp`` command.
+- ``config``: the typed run configuration (defaults < YAML file < ``--set``); imports nothing else here.
+- ``atomic``: the one way files are replaced in place (write, fsync, rename, fsync the directory).
+- ``cli``: the ``resilient-fsdp`` command (argument parsing and dispatch only).
+- ``train/``: what every rank runs (``python -m resilient_fsdp.train``): the trainer, model,
+  FSDP2 sharding, data, process group, metrics.
+- ``checkpoint/``: what a checkpoint holds, the engines, commit and retention, resume, the S3
+  tier, every adaptation to NVRx's async checkpointing, ``resilient-fsdp checkpoints``.
+- ``resilience/``: the restart layers (hang detection, in-process restart, graceful stop), fault
+  injection, restart accounting, the node agent every pod runs.
+- ``local/``: the one-machine cluster of ``resilient-fsdp local``.
+- ``deploy/``: the Helm chart from Python, validation, the image build and its checks.
+- ``bench/``: the benchmarks and the GPU check.
+- ``goodput/``: the goodput model, ``advise``, ``simulate`` and ``report``.
+
+The pod side (``config``, ``atomic``, ``train``, ``checkpoint``, ``resilience``) imports nothing
+from ``local``, ``deploy``, ``bench`` or ``goodput``; ``tests/test_layout.py`` keeps this and the
+other layout rules true.
 
 Nothing runs at import time: NVRx and torch elastic spawn fresh interpreters that import these
 modules, so every side effect lives behind a function call.
