@@ -1,7 +1,7 @@
 """scripts/build-image: the docker commands it runs, and its errors for bad input.
 
 --dry-run prints every command without Docker; where a test needs the commands to run, no
-Docker engine exists here, so tests/test_image_ecr.py uses a recording stand-in for the CLI.
+Docker engine exists here, so tests/deploy/test_image_ecr.py uses a recording stand-in for the CLI.
 """
 
 from __future__ import annotations

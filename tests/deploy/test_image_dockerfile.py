@@ -1,7 +1,7 @@
 """images/trainer/Dockerfile and images/custom-model/Dockerfile, read as text and by hadolint.
 
 No Docker engine runs here, so nothing is built: these tests hold the files to the rules a build
-relies on (pins, stage order, the checks it runs); tests/test_image_check.py runs those checks.
+relies on (pins, stage order, the checks it runs); tests/deploy/test_image_check.py runs those checks.
 """
 
 from __future__ import annotations

@@ -442,7 +442,8 @@ def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
     if not m:
         raise ConfigError(f"{key} {text!r}: expected KIND@STEP[:rank=R], e.g. sigkill@20:rank=1")
     if m["kind"] not in FAULT_KINDS:
-        raise ConfigError(f"{key} {text!r}: unknown fault kind '{m['kind']}'; choose one of {', '.join(FAULT_KINDS)}")
+        raise ConfigError(f"{key} {text!r}: unknown fault kind '{m['kind']}'; choose one of "
+                          f"{', '.join(FAULT_KINDS)}")
     step = int(m["step"])
     if step < 1:
         raise ConfigError(f"{key} {text!r}: STEP must be 1 or more")

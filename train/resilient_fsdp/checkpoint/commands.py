@@ -164,8 +164,8 @@ def cmd_push(args: argparse.Namespace) -> int:
     bar = _Bar(total, f"push step {info.step}")
     t0 = time.perf_counter()
     try:
-        result = s3_transfer.upload_checkpoint(client, s3, loc, info.path, replace=args.replace, resume=True, progress=bar,
-                                           say=lambda m: print(m, file=sys.stderr))
+        result = s3_transfer.upload_checkpoint(client, s3, loc, info.path, replace=args.replace, resume=True,
+                                               progress=bar, say=lambda m: print(m, file=sys.stderr))
     finally:
         bar.close()
     where = loc.uri(store.committed_name(info.step)) + "/"

@@ -111,7 +111,8 @@ class Trainer:
         self.ledger = FaultLedger(self.run_dir)
         self.injector = FaultInjector(parse_faults(cfg.resilience.inject, self.info.world_size), self.info.rank,
                                       self.ledger)
-        self.layer = accounting.detect_layer(self.run_dir / "metrics.jsonl", self.attempt, self.info.rank, self.info.device)
+        self.layer = accounting.detect_layer(self.run_dir / "metrics.jsonl", self.attempt, self.info.rank,
+                                             self.info.device)
         if cfg.train.deterministic:
             # On CUDA a few kernels lack deterministic versions: warn rather than refuse.
             torch.use_deterministic_algorithms(True, warn_only=self.info.device.type == "cuda")

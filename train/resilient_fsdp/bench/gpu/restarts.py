@@ -135,7 +135,8 @@ def section_in_job(s: Section) -> None:
     _recovery_results(s, json.loads((s.dir / "summary.json").read_text()))
     if r["layer_seen"] != "in_job":
         raise RuntimeError(f"the fault was recovered by the {r['layer_seen']} layer, not in-job")
-    r["exercised"] = [f"ft_launcher (NVRx {NVRX_VERSION}) under the node wrapper (resilient_fsdp.resilience.agent), as a pod runs "
+    r["exercised"] = [f"ft_launcher (NVRx {NVRX_VERSION}) under the node wrapper (resilient_fsdp.resilience.agent), "
+                      "as a pod runs "
                       "it, hosting its own rendezvous store, with " + ("CPU (gloo)" if s.cpu else "CUDA (NCCL)")
                       + " workers", "the rank's death detected, the node's workers respawned after a new "
                       "rendezvous, training resumed from the newest committed async checkpoint"]
