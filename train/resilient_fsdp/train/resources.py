@@ -46,7 +46,7 @@ class ProcessResources:
                 signal.signal(signal.SIGTERM, previous)
         return self.engine
 
-    def s3_uploader(self, rank: int) -> Optional[Uploader]:
+    def s3_uploader(self, rank: int, world_size: int = 1) -> Optional[Uploader]:
         """Rank 0's uploader (one rank, so no file is uploaded twice); None on other ranks or
         without ``checkpoint.s3.uri``."""
         s3 = self.cfg.checkpoint.s3

@@ -140,15 +140,20 @@ class Trainer:
                                        self.info.rank, resilience=self.monitor)
         identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
                     "shape_digest": checkpoint_state.shape_digest()}
+        self.grad_accum = cfg.train.grad_accum_steps  # a resume at another world size may change it
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, checkpoint_state, identity,
                                          self.metrics.info,
                                          engine_factory=lambda: resources.checkpoint_engine(self.info.rank),
-                                         uploader=resources.s3_uploader(self.info.rank))
+                                         uploader=resources.s3_uploader(self.info.rank, self.info.world_size),
+                                         batch={"grad_accum_steps": self.grad_accum,
+                                                "micro_batch_size": cfg.data.micro_batch_size})
         self.checkpointer.preflight()
-        self.tokens_per_step = (self.info.world_size * cfg.train.grad_accum_steps * cfg.data.micro_batch_size
-                                * cfg.data.seq_len)
         self.step_times: list[float] = []
         self.last_loss = float("nan")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.info.world_size * self.grad_accum * self.cfg.data.micro_batch_size * self.cfg.data.seq_len
 
     def log_start(self) -> None:
         cfg, info = self.cfg, self.info
@@ -175,7 +180,7 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-        (loss / self.cfg.train.grad_accum_steps).backward()
+        (loss / self.grad_accum).backward()
         return loss.detach()
 
     def train_step(self) -> tuple[float, bool]:
@@ -184,7 +189,7 @@ class Trainer:
         Returns the global mean loss and whether any rank was asked to stop (SIGTERM): the flag
         rides on the loss all-reduce, so agreeing on it costs no extra collective.
         """
-        accum = self.cfg.train.grad_accum_steps
+        accum = self.grad_accum
         local_loss = torch.zeros((), device=self.info.device)
         for micro in range(accum):
             # Reduce-scatter gradients only after the last micro-batch.
@@ -204,6 +209,7 @@ class Trainer:
 
     def train(self) -> dict:
         self.checkpointer.resume()
+        self.grad_accum = self.checkpointer.grad_accum_steps or self.grad_accum
         self.log_start()
         self.monitor.end("init")
         self.model.train()

@@ -1,20 +1,19 @@
-"""Moving one checkpoint: upload (data files, then the marker), download (committed like a
-freshly written checkpoint), and the restore of the newest complete one at start."""
+"""Moving one checkpoint's files: upload (data files, then the marker), download (checked,
+resumable, committed like a freshly written checkpoint)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ... import atomic
 from ...config import S3Config
-from .. import store
-from .client import S3Location, error_code, make_client, parse_s3_uri, transfer_config
-from .remote import (DOWNLOAD_MARK, ID_METADATA, RemoteCheckpoint, checkpoint_id, local_files, newest_complete,
+from .. import integrity, store
+from .client import S3Location, error_code, transfer_config
+from .remote import (DOWNLOAD_MARK, ID_METADATA, RemoteCheckpoint, checkpoint_id, local_files,
                      read_remote_manifest)
 
 Progress = Optional[Callable[[int], None]]  # called with bytes moved since the last call
@@ -83,9 +82,35 @@ def upload_checkpoint(client: Any, cfg: S3Config, loc: S3Location, path: Path, *
     return {"step": step, "bytes": sum(todo.values()), "skipped_files": len(files) - len(todo), "status": "uploaded"}
 
 
+def prepare_download(root: Path, step: int, ident: str, uri: str) -> tuple[Path, int]:
+    """The directory a download of checkpoint ``ident`` (step ``step``) goes into: the partial
+    download an earlier start left for the same checkpoint, resumed (returns how many files it
+    already holds), else a new one. Partial downloads of other checkpoints are deleted (copies of
+    S3 data, never the only copy); partial checkpoints written by training are left alone."""
+    reuse = None
+    if root.is_dir():
+        for entry in sorted(root.glob("step_*.incomplete-*")):
+            mark = entry / DOWNLOAD_MARK
+            if not mark.is_file():
+                continue
+            try:
+                same = json.loads(mark.read_text()).get("id") == ident and entry.name.startswith(store.committed_name(step))
+            except ValueError:
+                same = False
+            if same and reuse is None:
+                reuse = entry
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+    if reuse is not None:
+        return reuse, sum(1 for f in reuse.rglob("*") if f.is_file() and f.name != DOWNLOAD_MARK)
+    partial = root / store.partial_name(step, ident[:12])
+    partial.mkdir(parents=True)
+    (partial / DOWNLOAD_MARK).write_text(json.dumps({"uri": uri, "id": ident}) + "\n")
+    return partial, 0
+
+
 def remove_stale_downloads(root: Path) -> list[Path]:
-    """Delete partial downloads a previous restore left (copies of S3 data, never the only copy);
-    partial checkpoints written by training are left alone."""
+    """Delete every partial download a previous restore or pull left."""
     removed = []
     if root.is_dir():
         for entry in sorted(root.glob("step_*.incomplete-*")):
@@ -95,54 +120,56 @@ def remove_stale_downloads(root: Path) -> list[Path]:
     return removed
 
 
-def download_checkpoint(client: Any, cfg: S3Config, loc: S3Location, remote: RemoteCheckpoint, manifest: dict,
-                        root: Path, progress: Progress = None) -> store.CheckpointInfo:
-    """Download a complete checkpoint into ``root`` with the local commit discipline: files go
-    into ``step_N.incomplete-<id>/``, sizes are checked, then the marker and the atomic rename."""
+def download_files(client: Any, cfg: S3Config, loc: S3Location, manifest: dict, names: list[str], partial: Path,
+                   verify: bool, progress: Progress = None) -> int:
+    """Download ``names`` of the checkpoint ``manifest`` describes into ``partial``, each file
+    checked against the marker's size and (``verify``) the checksum recorded when it was written.
+    A file already there that passes is not downloaded again (a resumed download); one that fails
+    is deleted and the download raises, naming it. Returns the bytes downloaded."""
     from boto3.s3.transfer import create_transfer_manager
 
-    step = remote.step
-    name = store.committed_name(step)
-    partial = root / store.partial_name(step, uuid.uuid4().hex[:8])
-    partial.mkdir(parents=True)
-    (partial / DOWNLOAD_MARK).write_text(loc.uri(name) + "\n")
-    files: dict[str, int] = manifest["files"]
-    for rel in files:
+    name = store.committed_name(int(manifest["step"]))
+    sizes: dict[str, int] = manifest["files"]
+    sums = manifest.get("checksums") or {}
+
+    def good(rel: str) -> Optional[str]:
+        path = partial / rel
+        if not path.is_file() or path.stat().st_size != sizes[rel]:
+            return f"{loc.uri(name, rel)}: {path.stat().st_size if path.is_file() else 'no'} bytes, the marker says {sizes[rel]}"
+        if verify and rel in sums:
+            problems = integrity.verify(partial, sums, [rel])
+            return f"{loc.uri(name, rel)}: {problems[0]}" if problems else None
+        return None
+
+    todo = [rel for rel in names if good(rel) is not None]
+    for rel in todo:
         (partial / rel).parent.mkdir(parents=True, exist_ok=True)
     with create_transfer_manager(client, transfer_config(cfg)) as manager:
         futures = [manager.download(loc.bucket, loc.key(name, rel), str(partial / rel),
-                                    subscribers=_progress_subscribers(progress)) for rel in files]
+                                    subscribers=_progress_subscribers(progress)) for rel in todo]
         for future in futures:
             future.result()
-    for rel, size in files.items():
-        got = (partial / rel).stat().st_size
-        if got != size:
-            raise RuntimeError(f"{loc.uri(name, rel)}: downloaded {got} bytes, the marker says {size}; "
-                               f"the partial download stays at {partial}")
+    for rel in names:
+        problem = good(rel)
+        if problem:
+            (partial / rel).unlink(missing_ok=True)
+            raise RuntimeError(f"{problem}; the file was deleted and is downloaded again by the next attempt")
         atomic.fsync_file(partial / rel)
-    (partial / DOWNLOAD_MARK).unlink()
+    return sum(sizes[rel] for rel in todo)
+
+
+def commit_download(partial: Path, manifest: dict) -> store.CheckpointInfo:
+    """Commit a finished download exactly like a freshly written checkpoint."""
+    (partial / DOWNLOAD_MARK).unlink(missing_ok=True)
     final = store.commit(partial, manifest)
-    return store.CheckpointInfo(step, final, manifest)
+    return store.CheckpointInfo(int(manifest["step"]), final, manifest)
 
 
-def restore_newest(cfg: S3Config, root: Path, say: Callable[[str], None]) -> Optional[store.CheckpointInfo]:
-    """Download the newest complete checkpoint under ``cfg.uri`` into ``root``; None if there is none."""
-    loc = parse_s3_uri(cfg.uri)
-    client = make_client(cfg)
-    for stale in remove_stale_downloads(root):
-        say(f"removed {stale}: a partial download from S3 left by an earlier start")
-    found = newest_complete(client, loc, say=say)
-    if found is None:
-        say(f"no complete checkpoint under {cfg.uri}: starting from scratch")
-        return None
-    remote, manifest = found
-    total = sum(manifest["files"].values())
-    say(f"no complete checkpoint in {root}: restoring step {remote.step} from {loc.uri(store.committed_name(remote.step))}/ "
-        f"({len(manifest['files'])} files, {total / 1e6:.1f} MB)")
-    t0 = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    info = download_checkpoint(client, cfg, loc, remote, manifest, root)
-    seconds = time.perf_counter() - t0
-    say(f"restored step {remote.step} from S3 in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s) "
-        f"-> {info.path}")
-    return info
+def download_checkpoint(client: Any, cfg: S3Config, loc: S3Location, remote: RemoteCheckpoint, manifest: dict,
+                        root: Path, progress: Progress = None, verify: bool = True) -> store.CheckpointInfo:
+    """Download a complete checkpoint into ``root`` in this process, with the local commit
+    discipline: files go into ``step_N.incomplete-<id>/`` (resumed if an earlier download of the
+    same checkpoint was cut off), are checked, then the marker and the atomic rename."""
+    partial, _ = prepare_download(root, remote.step, checkpoint_id(manifest), loc.uri(store.committed_name(remote.step)))
+    download_files(client, cfg, loc, manifest, list(manifest["files"]), partial, verify, progress)
+    return commit_download(partial, manifest)

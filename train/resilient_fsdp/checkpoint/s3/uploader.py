@@ -59,7 +59,7 @@ class Uploader:
         self._thread.start()
 
     # -- the training thread's side --
-    def submit(self, step: int, path: Path, adopt: bool = False) -> None:
+    def submit(self, step: int, path: Path, adopt: bool = False, manifest: Optional[dict] = None) -> None:
         """Queue a committed checkpoint; with the backlog full, the oldest waiting one is dropped."""
         path = path.resolve()
         with self._cond:
