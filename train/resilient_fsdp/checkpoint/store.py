@@ -189,7 +189,7 @@ def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = l
     if keep_last > 0 and committed:
         oldest_kept = committed[-min(keep_last, len(committed))].step
         victims += [p for step, p in aside(root)["superseded"] if step < oldest_kept]
-    deleted = []
+    deleted, removed = [], set()
     for path in victims:
         if held(path):
             continue
@@ -200,9 +200,11 @@ def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = l
             say(f"warning: retention could not remove {path} ({exc.strerror or exc}); training goes on")
             continue
         deleted.append(path)
+        removed.add(marked)
         _remove(marked, say)
     for _step, leftover in aside(root)["deleting"]:
-        _remove(leftover, say)
+        if leftover not in removed:
+            _remove(leftover, say)
     return deleted
 
 
