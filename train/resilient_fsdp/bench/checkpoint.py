@@ -49,13 +49,20 @@ def measure_engine(trainer: Trainer, mode: str, root: Path, saves: int, warmup_s
     ckpt = Checkpointer(cfg, root / mode, trainer.info, trainer.checkpointer.state,
                         trainer.checkpointer.identity, lambda _msg: None)
     ckpt.preflight()
-    stalls, writes, during, nbytes = [], [], [], 0
+    stalls, writes, during, nbytes, growth = [], [], [], 0, []
+    cuda = trainer.info.device.type == "cuda"
     try:
         for i in range(warmup_saves + saves):
             step += 1
+            if cuda:  # device memory the save itself takes (staging must not copy shards back)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
             record = ckpt.save(step)
             stall = time.perf_counter() - t0
+            if cuda and i >= warmup_saves:
+                growth.append(torch.cuda.max_memory_allocated() - base)
             steps_during = []
             while record is None:
                 t1 = time.perf_counter()
@@ -72,7 +79,8 @@ def measure_engine(trainer: Trainer, mode: str, root: Path, saves: int, warmup_s
     finally:
         ckpt.close()
     figures = {"stall_s": statistics.median(stalls), "write_s": statistics.median(writes), "bytes": nbytes,
-               "stall_s_all": stalls, "steps_during_write": len(during) / max(1, saves)}
+               "stall_s_all": stalls, "steps_during_write": len(during) / max(1, saves),
+               "device_peak_growth_bytes": max(growth) if growth else None}
     return figures, during, step
 
 
