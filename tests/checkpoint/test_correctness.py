@@ -55,14 +55,15 @@ def _in_process_importable(pythonpath) -> str:
     return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
 
 
-# Learned hang-detection timeouts are saved as JSON text that grows once they are learned: saves
-# after that have a non-tensor item of another size, which is what a stale write result turns
-# into a corrupted checkpoint.
+# Learned hang-detection timeouts are saved as JSON text that grows once they are learned. They
+# are learned after 12 steps of the process: after the restart (attempt 1 fails at step 9 and
+# attempt 2 resumes from step 4), between the saves of steps 8 and 12. Saves from then on have a
+# non-tensor item of another size, which is what a stale write result turns into a corrupted
+# checkpoint.
 IN_PROCESS = ["resilience.in_process=true", "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=20",
               "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
               "resilience.in_process_barrier_timeout_s=120", "resilience.step_timeout_s=60",
-              "resilience.learn_timeouts=true", "resilience.learn_after_steps=6", "resilience.min_learned_timeout_s=1",
-              "resilience.workload_check_interval_s=0.5"]
+              "resilience.learn_timeouts=true", "resilience.learn_after_steps=12"]
 RUN = ["train.steps=24", "checkpoint.interval_steps=4", "checkpoint.keep_last=0", "train.log_every=4"]
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -107,6 +109,10 @@ class Trainer:
         # 1. Device and process group; backend follows the device.
         self.info = distributed.init_distributed(cfg.dist, in_process.store if in_process else None)
         self.is_rank0 = self.info.rank == 0
+        # Python's and NumPy's generators (datasets and user code draw from them): seeded per rank,
+        # so runs repeat; checkpoints save and restore them with torch's.
+        random.seed(cfg.seed * 1_000_003 + self.info.rank)
+        np.random.seed((cfg.seed * 1_000_003 + self.info.rank) % 2**32)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ledger = FaultLedger(self.run_dir)
         self.injector = FaultInjector(parse_faults(cfg.resilience.inject, self.info.world_size), self.info.rank,
