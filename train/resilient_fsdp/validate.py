@@ -10,8 +10,9 @@ Three checks per document, each reported with the object and the field at fault:
 - the training operator's admission-webhook rules for PyTorchJobs (a container named
   ``pytorch``, one Master replica, a Worker when elastic, a DNS-1035 name), which no schema states.
 
-The CRDs are read from a directory: ``--crds``, else ``$RESILIENT_FSDP_CRDS``, else
-``../shared/crds`` beside this checkout, else ``.crds`` (``scripts/fetch-crds`` downloads them there).
+The CRDs are read from a directory: ``--crds``, else ``$RESILIENT_FSDP_CRDS``, else the copy vendored
+in this checkout, ``charts/vendor/crds`` (pinned versions, each file's source and sha256 in its
+``manifest.json``; ``scripts/fetch-crds`` updates them).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import yaml
 from .chart import KUBERNETES_VERSION, REPO_ROOT, ChartError
 
 CRDS_ENV = "RESILIENT_FSDP_CRDS"
+# Pinned copies of the operators' CRDs (never installed by the chart: each operator owns its own).
+VENDORED_CRDS = REPO_ROOT / "charts" / "vendor" / "crds"
 PYTORCHJOB = ("kubeflow.org/v1", "PyTorchJob")
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # runPolicy.managedBy values the operator accepts (empty means itself).
@@ -50,12 +53,11 @@ class Problem:
 
 
 def crd_dir(explicit: Optional[str | Path] = None) -> Path:
-    """Where the CRDs are: ``explicit``, else ``$RESILIENT_FSDP_CRDS``, else ``../shared/crds`` beside
-    the checkout, else ``.crds`` (where ``scripts/fetch-crds`` puts them)."""
+    """Where the CRDs are: ``explicit``, else ``$RESILIENT_FSDP_CRDS``, else the vendored copy
+    (``charts/vendor/crds``, which ``scripts/fetch-crds`` updates)."""
     if explicit or os.environ.get(CRDS_ENV):
         return Path(explicit or os.environ[CRDS_ENV])
-    shared = REPO_ROOT.parent / "shared" / "crds"
-    return shared if shared.is_dir() else REPO_ROOT / ".crds"
+    return VENDORED_CRDS
 
 
 def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
@@ -206,7 +208,7 @@ def add_parser(sub) -> None:
                                    f"against the Kubernetes {KUBERNETES_VERSION} schemas, the CRDs' schemas and "
                                    "the PyTorchJob webhook's rules. Exits 1 when anything fails.")
     add_values_args(p)
-    p.add_argument("--crds", help=f"directory of CRD manifests; default ${CRDS_ENV}, else ../shared/crds")
+    p.add_argument("--crds", help=f"directory of CRD manifests; default ${CRDS_ENV}, else charts/vendor/crds")
     p.set_defaults(run=_cmd_validate)
 
 
