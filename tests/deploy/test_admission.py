@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from chart_support import render
+from tests.deploy.chart_support import render
 from resilient_fsdp.deploy import admission
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chart_support import render, render_error
+from tests.deploy.chart_support import render, render_error
 
 JOBSET = "workload.kind=JobSet"
 
@@ -29,7 +29,7 @@ def test_should_run_nodes_indexed_pods_that_never_restart_in_place_when_kind_is_
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 4, 4)
     assert pod(js)["spec"]["restartPolicy"] == "Never"
     (c,) = pod(js)["spec"]["containers"]
-    assert c["name"] == "node" and c["command"] == ["python", "-m", "resilient_fsdp.agent"]
+    assert c["name"] == "node" and c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
 
 
 def test_should_ignore_disruptions_first_and_fail_on_exit_codes_1_to_127_when_kind_is_jobset():
@@ -72,7 +72,7 @@ def test_should_keep_elastic_membership_on_pod_zero_when_kind_is_jobset_and_elas
 
 
 def test_should_run_the_same_pod_as_a_pytorchjob_when_kind_changes():
-    from chart_support import job as pytorchjob
+    from tests.deploy.chart_support import job as pytorchjob
 
     js_pod = pod(jobset("nodes=2"))
     pj_pod = pytorchjob(render("nodes=2"))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]

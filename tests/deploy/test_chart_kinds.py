@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from chart_support import PROFILES, crds, job, profile_files, render  # noqa: F401
-from resilient_fsdp import chart, validate
+from tests.deploy.chart_support import PROFILES, crds, job, profile_files, render  # noqa: F401
+from resilient_fsdp.deploy import chart, validate
 
 KINDS = ("PyTorchJob", "JobSet", "TrainJob")
 OBJECTS = {"PyTorchJob": {"PyTorchJob"}, "JobSet": {"JobSet"}, "TrainJob": {"TrainJob", "TrainingRuntime"}}
@@ -27,7 +27,7 @@ def kind_values(profile: str, kind: str) -> dict:
 def test_should_render_lint_and_validate_when_profile_runs_as_each_kind(profile, kind, crds):
     if profile == "my-cluster":
         # The example cluster file on its own, over the chart's defaults.
-        from chart_support import MY_CLUSTER
+        from tests.deploy.chart_support import MY_CLUSTER
         values = chart.load_values([MY_CLUSTER], [f"workload.kind={kind}", "storage.type=fsx"])
     else:
         values = kind_values(profile, kind)

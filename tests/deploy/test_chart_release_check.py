@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from chart_support import crds, pod_spec, render  # noqa: F401
-from resilient_fsdp import validate
+from tests.deploy.chart_support import crds, pod_spec, render  # noqa: F401
+from resilient_fsdp.deploy import validate
 
 
 def check_pod(rendered) -> dict:
@@ -62,6 +62,6 @@ def test_should_pass_the_kubernetes_pod_schema_when_validated(crds):
 
 
 def test_should_reject_a_bad_quantity_naming_the_key_when_resources_are_set():
-    from chart_support import render_error
+    from tests.deploy.chart_support import render_error
 
     assert "releaseCheck.resources.memory" in render_error("releaseCheck.resources.memory=lots")

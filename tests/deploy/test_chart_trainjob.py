@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chart_support import render, render_error
+from tests.deploy.chart_support import render, render_error
 
 TRAINJOB = "workload.kind=TrainJob"
 CTR = "workload.trainJob.clusterTrainingRuntime=torch-distributed"
@@ -72,7 +72,7 @@ def test_should_carry_the_pod_through_trainer_and_a_runtime_patch_when_a_cluster
     assert spec["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
                                   "name": "torch-distributed"}
     trainer = spec["trainer"]
-    assert trainer["command"] == ["python", "-m", "resilient_fsdp.agent"] and "--nnodes=3" in trainer["args"]
+    assert trainer["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"] and "--nnodes=3" in trainer["args"]
     assert trainer["resourcesPerNode"]["limits"]["vpc.amazonaws.com/efa"] == 32
     assert {e["name"] for e in trainer["env"]} >= {"FI_PROVIDER", "NCCL_DEBUG"}
     (patch,) = spec["runtimePatches"]

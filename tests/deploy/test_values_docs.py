@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 
+from tests.support import REPO
 from resilient_fsdp.deploy import values_docs
 
-REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "resilient-fsdp"
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from resilient_fsdp import validate
+from tests.support import REPO
+from resilient_fsdp.deploy import validate
 
-REPO = Path(__file__).resolve().parents[2]
 VENDOR = REPO / "charts" / "vendor" / "crds"
 MANIFEST = json.loads((VENDOR / "manifest.json").read_text())
 # The versions the chart is written against (README, docs/eks-helm.md); fetch-crds pins the same.
