@@ -18,7 +18,8 @@ code is 1 when any failed:
 - **rendezvous host**: the name every agent passes to ``--rdzv-endpoint`` resolves. It resolves
   once the job's first pod exists, so the check keeps trying for ``--rdzv-timeout`` seconds.
 
-Standard library only: it runs in the trainer image without touching torch or CUDA.
+Standard library and ``resilient_fsdp.atomic`` only: it runs in the trainer image without touching
+torch or CUDA.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+from resilient_fsdp import atomic
 
 
 @dataclass(frozen=True)
@@ -77,15 +80,12 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
                                    f"{os.getuid()}:{os.getgid()} on the file system), or run the pods as its owner "
                                    f"(pod.securityContext)")
     probe = target / f".release-check-{socket.gethostname()}-{os.getpid()}"
-    payload = os.urandom(4096)
+    payload = os.urandom(2048).hex()
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if probe.read_bytes() != payload:
+        # Created exclusively and synced, as the trainer's own records are (atomic.create_exclusive).
+        if not atomic.create_exclusive(probe, payload):
+            return Result(name, False, f"{probe} exists already: another check with this pod's name is running")
+        if probe.read_text() != payload:
             return Result(name, False, f"{probe} read back different bytes: the volume is not consistent")
     except OSError as exc:
         return Result(name, False, f"cannot write in {target} as {who} ({exc.strerror}); it has {_owner(target)}: "
