@@ -142,7 +142,8 @@ def render(chart: Path = CHART) -> str:
         "Start from a profile in `values/` and add a file with what only your cluster knows "
         "(`values/examples/my-cluster.yaml`). `values.schema.json` rejects unknown keys and "
         "`templates/validations.yaml` the combinations that cannot work, naming the key to change. "
-        "The repository README and `docs/eks-helm.md` explain the workload kinds and the restart budget.",
+        "`docs/eks-helm.md` in the repository explains which workload kind to pick and what the restart "
+        "budget does under each.",
         "",
     ]
     if meta.get("sources"):
