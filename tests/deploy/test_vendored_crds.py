@@ -15,7 +15,7 @@ from resilient_fsdp.deploy import validate
 
 VENDOR = REPO / "charts" / "vendor" / "crds"
 MANIFEST = json.loads((VENDOR / "manifest.json").read_text())
-# The versions the chart is written against (README, docs/eks-helm.md); fetch-crds pins the same.
+# The versions the chart is written against (docs/eks-helm.md); fetch-crds pins the same.
 EXPECTED = {
     "pytorchjobs.kubeflow.org": "v1.9.4",
     "jobsets.jobset.x-k8s.io": "v0.12.0",
