@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import resilient_fsdp
-from resilient_fsdp.local import netns
+from resilient_fsdp.local import netns, run_state
 from resilient_fsdp.local.netns import NetnsError, available, cleanup_stale
 from resilient_fsdp.local.pods import PodNetwork
 
@@ -39,8 +39,8 @@ def leftovers() -> list[str]:
     """Everything on the host that carries the prefix, plus state files and temp directories."""
     names = [n for n in netns.list_netns() if n.startswith(netns.PREFIX)]
     names += [n for n in netns.list_links() if n.startswith(netns.PREFIX)]
-    if netns.STATE_DIR.exists():
-        names += [p.name for p in netns.STATE_DIR.iterdir() if p.name != ".lock"]
+    if run_state.STATE_DIR.exists():
+        names += [p.name for p in run_state.STATE_DIR.iterdir() if p.name != ".lock"]
     return names
 
 
@@ -93,7 +93,7 @@ def wait_exec(proc: subprocess.Popen, name: str, timeout: float = 10) -> None:
 
 
 def gone(pid: int) -> bool:
-    return netns.process_start(pid) is None  # exited, or a zombie
+    return run_state.process_start(pid) is None  # exited, or a zombie
 
 
 SERVER = f"""
@@ -266,10 +266,10 @@ def test_close_kills_removes_everything_and_is_idempotent():
     sleeper = pod.spawn(["sleep", "300"])
     wait_exec(sleeper, "sleep")
     assert pod.netns in netns.list_netns() and network.bridge in netns.list_links()
-    assert netns.state_path(network.run_id).exists()
+    assert run_state.state_path(network.run_id).exists()
     network.close()
     assert sleeper.wait(timeout=5) == -signal.SIGKILL
-    assert not netns.state_path(network.run_id).exists() and not network.dir.exists()
+    assert not run_state.state_path(network.run_id).exists() and not network.dir.exists()
     network.close()
     with pytest.raises(NetnsError, match="closed"):
         pod.spawn(["true"])
@@ -277,7 +277,8 @@ def test_close_kills_removes_everything_and_is_idempotent():
 
 LAUNCHER = """
 import json, sys, time
-from resilient_fsdp.local.pods import PodNetwork, install_signal_cleanup
+from resilient_fsdp.local.exit_cleanup import install_signal_cleanup
+from resilient_fsdp.local.pods import PodNetwork
 net = PodNetwork()
 if sys.argv[1] == "handlers":
     install_signal_cleanup()
@@ -323,7 +324,7 @@ def test_next_start_removes_what_a_sigkilled_launcher_left(tmp_path):
             assert not any(gone(pid) for pid in run["pids"])
         assert len({live.subnet, *(run["subnet"] for run in runs)}) == 3  # one /24 per run
         # The second run's state file is lost: only the prefix scan can find its resources.
-        netns.state_path(runs[1]["run_id"]).unlink()
+        run_state.state_path(runs[1]["run_id"]).unlink()
 
         removed = cleanup_stale()
 
@@ -331,10 +332,10 @@ def test_next_start_removes_what_a_sigkilled_launcher_left(tmp_path):
             assert present(run) == []
             assert all(gone(pid) for pid in run["pids"])
             assert set(run["netns"] + run["links"]) <= set(removed)
-            assert not netns.state_path(run["run_id"]).exists() and not netns.run_dir(run["run_id"]).exists()
+            assert not run_state.state_path(run["run_id"]).exists() and not run_state.run_dir(run["run_id"]).exists()
         # The live run is untouched and still works.
         assert live_proc.poll() is None
-        assert netns.state_path(live.run_id).exists()
+        assert run_state.state_path(live.run_id).exists()
         assert run_py(live.pods["other-0"], "import socket; print(socket.gethostname())").strip() == "other-0"
     assert live_proc.wait(timeout=5) == -signal.SIGKILL
 
@@ -347,7 +348,7 @@ def test_signal_handlers_clean_up(tmp_path, sig, status):
     assert proc.wait(timeout=15) == status
     assert present(run) == []
     assert all(gone(pid) for pid in run["pids"])
-    assert not netns.state_path(run["run_id"]).exists()
+    assert not run_state.state_path(run["run_id"]).exists()
 
 
 def test_available_and_clear_errors(net, tmp_path):

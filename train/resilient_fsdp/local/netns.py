@@ -1,15 +1,12 @@
-"""Linux plumbing for local pods: names, state files, process kills, teardown, stale-run cleanup.
+"""Linux plumbing for local pods: names, subnets, process kills, teardown, stale-run cleanup.
 
 Every resource a run creates carries ``PREFIX`` and the run id:
 
 - the bridge ``rfn<id>-br`` and the host ends of the pods' veth pairs ``rfn<id>-v<index>``;
 - the network namespaces ``rfn<id>-<pod hostname>`` (the pod ends of the veths live inside them,
-  named ``eth0``, so they never appear among the host's links);
-- the state file ``/run/resilient-fsdp/netns/<id>.json`` and the temp directory ``<id>.d`` beside it.
+  named ``eth0``, so they never appear among the host's links).
 
-The state file records the names, the run's /24 and its owner (pid and start time, so a reused pid
-does not pass for the owner). It is written before the first resource exists and removed after the
-last one is gone, so a launcher killed at any point leaves a record; ``cleanup_stale()`` removes
+Each run also has a state file and a temp directory (``run_state``). ``cleanup_stale()`` removes
 what runs whose owner is gone left behind, by those records and by a prefix scan. Nothing without
 the prefix is ever touched.
 
@@ -20,7 +17,6 @@ Only the ``ip`` (iproute2) and ``unshare`` (util-linux) commands are used: Pytho
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ipaddress
 import json
 import os
@@ -32,10 +28,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
+
+from .run_state import owner_alive, read_states, remove_leftover_files, remove_state, run_dir, state_lock
 
 PREFIX = "rfn"
-STATE_DIR = Path("/run/resilient-fsdp/netns")
 # Where `ip netns` keeps named namespaces (a bind mount of each namespace's nsfs file).
 NETNS_DIR = Path("/run/netns")
 # IFNAMSIZ is 16 bytes including the terminating NUL, so an interface name holds 15 characters:
@@ -49,7 +46,6 @@ SUBNET_POOL = tuple(
     ipaddress.IPv4Network(f"10.{second}.{third}.0/24") for second in (213, 157, 89) for third in range(32)
 )
 
-RUN_ID = re.compile(r"^[a-z0-9]{1,6}$")
 HOSTNAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 ALIAS = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
@@ -72,19 +68,6 @@ def veth_name(run_id: str, index: int) -> str:
 
 def netns_name(run_id: str, hostname: str) -> str:
     return f"{PREFIX}{run_id}-{hostname}"
-
-
-def state_path(run_id: str) -> Path:
-    return STATE_DIR / f"{run_id}.json"
-
-
-def run_dir(run_id: str) -> Path:
-    """The run's temp directory: the hosts file, and the empty directory pods stage mounts on."""
-    return STATE_DIR / f"{run_id}.d"
-
-
-def new_run_id() -> str:
-    return secrets.token_hex(3)
 
 
 def tool(name: str) -> str:
@@ -134,84 +117,6 @@ def list_links() -> list[str]:
     """Names of the host's network interfaces."""
     out = run([tool("ip"), "-j", "link", "show"], "listing network interfaces").stdout
     return [link["ifname"] for link in json.loads(out or "[]")]
-
-
-# --- Owners and state files -------------------------------------------------------------------
-
-
-def process_start(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot; None when it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may contain spaces: split after it.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])  # field 22, starttime
-
-
-def boot_id() -> str:
-    """This boot's id: a start time only identifies a process within one boot."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def owner_alive(state: dict) -> bool:
-    """Whether the launcher that wrote ``state`` still runs (same boot, pid AND start time)."""
-    if state.get("boot_id") != boot_id():  # /run is not a tmpfs everywhere: it may outlive a boot
-        return False
-    try:
-        start = process_start(int(state["owner_pid"]))
-        return start is not None and start == int(state["owner_start"])
-    except (KeyError, TypeError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def state_lock() -> Iterator[None]:
-    """Serialise subnet choice, probes and stale cleanup across launchers.
-
-    An flock is released by the kernel when its holder dies, so a SIGKILLed launcher cannot
-    leave it held. Not reentrant: a second flock from the same process on a new descriptor blocks.
-    """
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    fd = os.open(STATE_DIR / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def write_state(run_id: str, state: dict) -> None:
-    """Replace the run's state file atomically (a reader never sees half a file)."""
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    path = state_path(run_id)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def read_states() -> dict[str, dict]:
-    """Every run's state by run id; an unreadable file reads as ``{}`` (an ownerless run)."""
-    states: dict[str, dict] = {}
-    for path in STATE_DIR.glob("*.json"):
-        if not RUN_ID.match(path.stem):
-            continue
-        try:
-            states[path.stem] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            states[path.stem] = {}
-    return states
-
-
-def remove_state(run_id: str) -> None:
-    for path in (state_path(run_id), state_path(run_id).with_name(f"{run_id}.json.tmp")):
-        path.unlink(missing_ok=True)
 
 
 # --- Subnets ----------------------------------------------------------------------------------
@@ -388,13 +293,7 @@ def cleanup_stale(locked: bool = False) -> list[str]:
     for run_id, (netns, links) in orphans.items():
         names, _ = teardown(run_id, netns, links)
         removed += names
-    for path in STATE_DIR.glob("*.d"):
-        run_id = path.name[:-2]
-        if RUN_ID.match(run_id) and run_id not in live:
-            shutil.rmtree(path, ignore_errors=True)
-    for path in STATE_DIR.glob("*.json.tmp"):
-        if path.name[: -len(".json.tmp")] not in live:
-            path.unlink(missing_ok=True)
+    remove_leftover_files(live)
     return removed
 
 

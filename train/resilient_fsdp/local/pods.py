@@ -7,13 +7,14 @@ out of it (their only route is the /24 itself), so pods reach each other and not
 
 Each process a pod runs gets its own UTS and mount namespaces on top of the pod's network
 namespace: the pod's hostname, a hosts file that resolves every pod and alias, and bind mounts
-(see ``podinit``). Names, state files and stale-run cleanup are in ``netns``.
+(see ``podinit``). Names and stale-run cleanup are in ``netns``, state files in ``run_state``,
+cleanup at exit and on signals in ``exit_cleanup``.
 
 Typical use::
 
     cleanup_stale()                      # done by PodNetwork() too, unless reap_stale=False
     with PodNetwork() as net:
-        restore = install_signal_cleanup([net])
+        restore = exit_cleanup.install_signal_cleanup([net])
         master = net.add_pod("myjob-master-0", aliases=["myjob-master-0.myjob.default.svc"])
         worker = net.add_pod("myjob-worker-0")
         proc = master.spawn(["python", "-m", "resilient_fsdp.train"], ro_mounts={cfg: "/etc/app/config.yaml"})
@@ -23,7 +24,6 @@ Typical use::
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import signal
@@ -31,28 +31,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from . import netns
+from . import exit_cleanup, netns, run_state
 from .netns import NetnsError
 
 PODINIT = Path(__file__).with_name("podinit.py")
-
-# Networks this process created and has not closed: for the signal handlers and atexit.
-_OPEN: dict[int, PodNetwork] = {}
-_ATEXIT = False
-
-
-def _close_open_networks() -> None:
-    for network in list(_OPEN.values()):
-        try:
-            network.close()
-        except Exception as exc:  # a handler or atexit must go on to the next network
-            _report(network, exc)
-
-
-def _report(network: PodNetwork, exc: Exception) -> None:
-    print(f"resilient-fsdp: cleaning up local pods of run {network.run_id}: {exc}", file=sys.stderr)
 
 
 class Pod:
@@ -207,13 +191,12 @@ class PodNetwork:
     """
 
     def __init__(self, run_id: str | None = None, *, reap_stale: bool = True):
-        global _ATEXIT
-        self.run_id = run_id or netns.new_run_id()
-        if not netns.RUN_ID.match(self.run_id):
+        self.run_id = run_id or run_state.new_run_id()
+        if not run_state.RUN_ID.match(self.run_id):
             raise ValueError(f"run id {self.run_id!r}: use 1 to 6 characters of a-z and 0-9")
         self.tools = {"ip": netns.tool("ip"), "unshare": netns.tool("unshare")}
         self.bridge = netns.bridge_name(self.run_id)
-        self.dir = netns.run_dir(self.run_id)
+        self.dir = run_state.run_dir(self.run_id)
         self.hosts_file = self.dir / "hosts"
         self.stage_dir = self.dir / "stage"
         self.pods: dict[str, Pod] = {}
@@ -221,19 +204,16 @@ class PodNetwork:
         self.stale_removed: list[str] = []
         self._owner = os.getpid()
         self._closed = False
-        with netns.state_lock():
+        with run_state.state_lock():
             if reap_stale:
                 self.stale_removed = netns.cleanup_stale(locked=True)
-            states = netns.read_states()
+            states = run_state.read_states()
             mine = f"{netns.PREFIX}{self.run_id}-"
             if self.run_id in states or any(n.startswith(mine) for n in netns.list_netns() + netns.list_links()):
                 raise NetnsError(f"run id {self.run_id} is in use by another local run; pick another")
             self.subnet = netns.choose_subnet(s["subnet"] for s in states.values() if s.get("subnet"))
             self._save_state()  # recorded before anything exists, so a crash from here on is found
-        _OPEN[id(self)] = self
-        if not _ATEXIT:
-            atexit.register(_close_open_networks)
-            _ATEXIT = True
+        exit_cleanup.register(self)
         try:
             self.dir.mkdir(mode=0o755)
             self.stage_dir.mkdir(mode=0o755)
@@ -334,9 +314,9 @@ class PodNetwork:
                 proc.poll()
         if problems:
             raise NetnsError(f"closing local run {self.run_id}: {'; '.join(problems)}")
-        netns.remove_state(self.run_id)
+        run_state.remove_state(self.run_id)
         self._closed = True
-        _OPEN.pop(id(self), None)
+        exit_cleanup.unregister(self)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -350,12 +330,12 @@ class PodNetwork:
                 raise ValueError(f"host name {name!r} is already taken in run {self.run_id}")
 
     def _save_state(self) -> None:
-        start = netns.process_start(self._owner)
-        netns.write_state(self.run_id, {
+        start = run_state.process_start(self._owner)
+        run_state.write_state(self.run_id, {
             "run_id": self.run_id,
             "owner_pid": self._owner,
             "owner_start": start,
-            "boot_id": netns.boot_id(),
+            "boot_id": run_state.boot_id(),
             "subnet": str(self.subnet),
             "links": [self.bridge] + [pod.veth for pod in self.pods.values()],
             "netns": [pod.netns for pod in self.pods.values()],
@@ -374,51 +354,6 @@ class PodNetwork:
         # Rewritten in place, not replaced: running pods bind-mounted this inode.
         with open(self.hosts_file, "w") as f:
             f.write("\n".join(lines) + "\n")
-
-
-def install_signal_cleanup(
-    networks: Iterable[PodNetwork] | None = None,
-    signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM),
-) -> Callable[[], None]:
-    """Make SIGINT and SIGTERM close local runs first, then have their usual effect.
-
-    The handler ignores further signals while it closes ``networks`` (default: every network
-    this process has open), restores the previous handlers and hands the signal on: a Python
-    handler is called (SIGINT's default raises KeyboardInterrupt, so ``with`` blocks and
-    ``finally`` still run), a default disposition is re-raised so the process dies of the signal
-    (exit status -SIGTERM). Call from the main thread. Returns a function that restores the
-    previous handlers.
-    """
-    chosen = None if networks is None else list(networks)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-    def handler(signum: int, frame) -> None:
-        # Ignore a second signal while cleaning up (an impatient second Ctrl-C would otherwise
-        # interrupt the cleanup it asked for), then hand this one on with the old handlers back.
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)
-        if chosen is None:
-            _close_open_networks()
-        else:
-            for network in chosen:
-                try:
-                    network.close()
-                except Exception as exc:
-                    _report(network, exc)
-        restore()
-        before = previous[signum]
-        if callable(before):
-            before(signum, frame)
-        elif before in (signal.SIG_DFL, None):
-            os.kill(os.getpid(), signum)
-
-    for sig in signals:
-        signal.signal(sig, handler)
-    return restore
 
 
 def _source(host_path: str | os.PathLike[str]) -> str:
