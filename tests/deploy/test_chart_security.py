@@ -43,3 +43,12 @@ def test_should_scan_the_pods_inside_the_pytorchjob_when_a_pod_setting_is_weaken
                   "pod.containerSecurityContext.allowPrivilegeEscalation=true", namespace=NAMESPACE).documents()
     failed = {f.check_id for f in chart_scan.scan({"weak": docs}, checkov)["weak"]}
     assert {"CKV_K8S_20", "CKV_K8S_22"} <= failed
+
+
+@pytest.mark.parametrize("kind", ["JobSet", "TrainJob"])
+def test_should_scan_the_pods_inside_a_jobset_or_runtime_when_a_pod_setting_is_weakened(checkov, kind):
+    docs = render(f"workload.kind={kind}", "pod.containerSecurityContext.readOnlyRootFilesystem=false",
+                  "releaseCheck.enabled=false", namespace=NAMESPACE).documents()
+    assert [p["metadata"]["name"] for p in chart_scan.pods_of(docs)] == ["resilient-fsdp-node-0"]
+    failed = {f.check_id for f in chart_scan.scan({"weak": docs}, checkov)["weak"]}
+    assert "CKV_K8S_22" in failed

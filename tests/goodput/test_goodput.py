@@ -3,6 +3,8 @@ run report (from a real 2-node x 2-rank job with injected faults)."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import math
 import subprocess
@@ -127,6 +129,24 @@ def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):
     job = rendered.find("PyTorchJob")
     assert "resilient-fsdp advise" in proc.stdout
     assert job["spec"]["runPolicy"]["backoffLimit"] == yaml.safe_load(proc.stdout)["job"]["backoffLimit"]
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("PyTorchJob", ["not a bound", "kubeflow/trainer#2045", "0 fails the job at the first pod failure"]),
+    ("JobSet", ["the Job absorbs", "workload.jobSet.maxRestarts"]),
+    ("TrainJob", ["as JobSet", "TrainingRuntime"]),
+])
+def test_advise_says_what_backoff_limit_does_under_each_workload_kind(kind, words):
+    args = ["--instance", "p5.48xlarge", "--nodes", "4", "--ckpt-stall-s", "0.5", "--ckpt-write-s", "60"]
+    parser = argparse.ArgumentParser()
+    adv.add_parser(parser.add_subparsers())
+    table, snippet = io.StringIO(), io.StringIO()
+    assert adv.main(parser.parse_args(["advise", *args, "--kind", kind]), out=table) == 0
+    assert adv.main(parser.parse_args(["advise", *args, "--kind", kind, "--values"]), out=snippet) == 0
+    row = next(line for line in table.getvalue().splitlines() if line.startswith(f"backoffLimit ({kind})"))
+    header = next(line for line in snippet.getvalue().splitlines() if line.startswith("# job.backoffLimit"))
+    for w in words:
+        assert w in row and w in header, (w, row, header)
 
 
 # ---- the simulation -------------------------------------------------------------------------

@@ -12,7 +12,8 @@ The folders are the architecture; each package's own docstring lists its modules
 - ``resilience/``: the restart layers (hang detection, in-process restart, graceful stop), fault
   injection, restart accounting, the node agent every pod runs.
 - ``local/``: the one-machine cluster of ``resilient-fsdp local``.
-- ``deploy/``: the Helm chart from Python, validation, the image build and its checks.
+- ``deploy/``: the Helm chart from Python, validation with each workload kind's admission rules,
+  the ``helm test`` release check, the chart README, the image build and its checks.
 - ``bench/``: the benchmarks and the GPU check.
 - ``goodput/``: the goodput model, ``advise``, ``simulate`` and ``report``.
 

@@ -44,7 +44,7 @@ class ModelConfig:
     """Size preset of the built-in decoder-only transformer (tiny runs in seconds on CPU)."""
     factory: Optional[str] = None
     """``pkg.module:function`` building a custom ``torch.nn.Module`` from this section; replaces the
-    built-in model. Called under the meta device; see README "Custom models and datasets"."""
+    built-in model. Called under the meta device; see docs/config.md, "Custom models and datasets"."""
     vocab_size: Optional[int] = Field(default=None, gt=0)
     """Vocabulary size; default: the preset's. Token ids in the data must be below it."""
     activation_checkpointing: bool = False

@@ -117,9 +117,52 @@ app.kubernetes.io/part-of: resilient-fsdp
 {{- end }}
 {{- end }}
 
-{{/* The pod whose ft_launcher agent hosts the rendezvous store, and its Service's port. */}}
+{{/*
+The host whose ft_launcher agent serves the rendezvous store: the first pod of the job.
+- PyTorchJob: the Service the operator creates per pod, `<job>-master-0` (`<job>-worker-0` when elastic).
+- JobSet and TrainJob: pod 0's stable hostname under the JobSet's headless Service,
+  `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>` (jobset v0.12.0
+  api/jobset/v1alpha2/jobset_types.go, Network); the subdomain defaults to the JobSet's name, and a
+  TrainJob's JobSet takes the TrainJob's name. Trainer's own PET_MASTER_ADDR is the same name
+  (kubeflow/trainer v2.3.0 pkg/runtime/framework/plugins/torch/torch.go).
+*/}}
 {{- define "resilient-fsdp.rdzvHost" -}}
-{{- include "resilient-fsdp.fullname" . }}-{{ if .Values.elastic.enabled }}worker{{ else }}master{{ end }}-0
+{{- $name := include "resilient-fsdp.fullname" . }}
+{{- if eq .Values.workload.kind "PyTorchJob" }}
+{{- $name }}-{{ if .Values.elastic.enabled }}worker{{ else }}master{{ end }}-0
+{{- else }}
+{{- printf "%s-%s-0-0.%s" $name (include "resilient-fsdp.replicatedJob" .) $name }}
+{{- end }}
+{{- end }}
+
+{{/* The JobSet's one replicated Job: `node`, the name Trainer's torch plugin expects. */}}
+{{- define "resilient-fsdp.replicatedJob" -}}node{{- end }}
+
+{{/* The trainer container's name: `pytorch` (training operator webhook) or `node` (Trainer). */}}
+{{- define "resilient-fsdp.containerName" -}}
+{{- if eq .Values.workload.kind "PyTorchJob" }}pytorch{{ else }}node{{ end }}
+{{- end }}
+
+{{/*
+The pod-template annotations Kueue's topology-aware scheduling reads, as YAML (empty: none).
+Kueue reads them per PodSet, from the pod template (kueue v0.19 apis/kueue/v1beta2/topology_types.go).
+A PyTorchJob has two PodSets, Master and Worker: one podset-group-name keeps them in one domain.
+*/}}
+{{- define "resilient-fsdp.podSetAnnotations" -}}
+{{- $t := .Values.scheduling.topology }}
+{{- if $t.required }}
+kueue.x-k8s.io/podset-required-topology: {{ $t.required | quote }}
+{{- else if $t.preferred }}
+kueue.x-k8s.io/podset-preferred-topology: {{ $t.preferred | quote }}
+{{- end }}
+{{- if and (or $t.required $t.preferred) (eq .Values.workload.kind "PyTorchJob") }}
+kueue.x-k8s.io/podset-group-name: {{ include "resilient-fsdp.fullname" . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The longest pod name a JobSet of this job makes: `<jobset>-node-0-<nodes-1>-<5 random>`. */}}
+{{- define "resilient-fsdp.longestJobSetPodName" -}}
+{{- printf "%s-%s-0-%d-abcde" (include "resilient-fsdp.fullname" .) (include "resilient-fsdp.replicatedJob" .) (sub (int .Values.nodes) 1) }}
 {{- end }}
 
 {{/* `--nnodes`: a count, or min:max when elastic. */}}

@@ -1,6 +1,7 @@
 {{/*
-The pod template of every replica, Master or Worker: written once, called with
-(dict "ctx" $ "role" "master"|"worker"). Each pod is one node of the job: the node wrapper
+The pod template of every kind and replica: a PyTorchJob's Master and Workers, the JobSet's and
+the TrainingRuntime's `node` Job. Written once, called with
+(dict "ctx" $ "role" "master"|"worker"|"node"). Each pod is one node of the job: the node wrapper
 (resilient_fsdp.resilience.agent) runs ft_launcher, which runs `--nproc-per-node` trainer ranks.
 */}}
 {{- define "resilient-fsdp.podTemplate" -}}
@@ -23,11 +24,17 @@ metadata:
   {{- if $v.pod.doNotDisrupt }}
   {{- $_ := set $annotations "karpenter.sh/do-not-disrupt" "true" }}
   {{- end }}
+  {{- $annotations = merge $annotations (include "resilient-fsdp.podSetAnnotations" $ | fromYaml) }}
   {{- with $annotations }}
   annotations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
+  {{- if ne $v.workload.kind "PyTorchJob" }}
+  # A Job with a podFailurePolicy takes only Never; left empty, the JobSet webhook would make it
+  # OnFailure (the kubelet restarts the container in place, out of the exit-code rules' reach).
+  restartPolicy: Never
+  {{- end }}
   serviceAccountName: {{ include "resilient-fsdp.serviceAccountName" $ }}
   automountServiceAccountToken: {{ $v.serviceAccount.automountToken }}
   terminationGracePeriodSeconds: {{ include "resilient-fsdp.terminationGrace" $ }}
@@ -61,8 +68,9 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   containers:
-    # The operator's admission webhook requires the container named `pytorch`.
-    - name: pytorch
+    # The name each kind needs: `pytorch` for the training operator's webhook and exit-code
+    # reading, `node` for Kubeflow Trainer's torch plugin (and the podFailurePolicy's containerName).
+    - name: {{ include "resilient-fsdp.containerName" $ }}
       image: {{ include "resilient-fsdp.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       command: [python, -m, resilient_fsdp.resilience.agent]
@@ -88,8 +96,9 @@ spec:
         {{- end }}
         {{- end }}
       ports:
-        # The operator points MASTER_PORT at the port of this name; here it is the rendezvous store.
-        - name: pytorchjob-port
+        # The rendezvous store. The training operator points MASTER_PORT at the port named
+        # `pytorchjob-port`; Trainer adds its own 29500, which this port must not take.
+        - name: {{ if eq $v.workload.kind "PyTorchJob" }}pytorchjob-port{{ else }}rendezvous{{ end }}
           containerPort: {{ int $v.rendezvous.port }}
           protocol: TCP
       env:

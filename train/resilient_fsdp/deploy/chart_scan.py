@@ -1,8 +1,8 @@
 """Security scan of the rendered chart with checkov, and the failed checks this project accepts.
 
-checkov knows pod specs only inside built-in workload kinds, so a PyTorchJob's pod templates would
-go unscanned. :func:`scan_documents` therefore also writes each replica's template out as the Pod
-the training operator creates from it, and scans those with the rest of the manifests.
+checkov knows pod specs only inside built-in workload kinds, so the pod templates of a PyTorchJob,
+JobSet or TrainingRuntime would go unscanned. :func:`scan` therefore also writes each template
+out as the Pod its controller creates from it, and scans those with the rest of the manifests.
 
 checkov runs from its own virtual environment (``.venv/tools/checkov``, pinned by
 ``constraints-checkov.txt``; ``scripts/test`` creates it) because its dependency pins conflict with
@@ -60,15 +60,26 @@ def checkov_executable() -> Path:
     return path
 
 
+def _templates(doc: dict) -> list[tuple[str, dict]]:
+    """(role, pod template) of a PyTorchJob's replicas, or of a JobSet's or TrainingRuntime's Jobs."""
+    spec = doc.get("spec") or {}
+    if doc.get("kind") == "PyTorchJob":
+        return [(role, (r or {}).get("template") or {}) for role, r in (spec.get("pytorchReplicaSpecs") or {}).items()]
+    if doc.get("kind") == "TrainingRuntime":
+        spec = (spec.get("template") or {}).get("spec") or {}
+    elif doc.get("kind") != "JobSet":
+        return []
+    return [(r.get("name", "job"), ((r.get("template") or {}).get("spec") or {}).get("template") or {})
+            for r in spec.get("replicatedJobs") or []]
+
+
 def pods_of(docs: list[dict]) -> list[dict]:
-    """The Pods a PyTorchJob's replica templates become, one per replica type."""
+    """The Pods the job objects' templates become: one per PyTorchJob replica type, one per JobSet
+    (or TrainingRuntime) replicated Job."""
     pods = []
     for doc in docs:
-        if doc.get("kind") != "PyTorchJob":
-            continue
         meta = doc.get("metadata") or {}
-        for role, rspec in ((doc.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
-            template = rspec.get("template") or {}
+        for role, template in _templates(doc):
             pods.append({
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {**(template.get("metadata") or {}), "name": f"{meta.get('name')}-{role.lower()}-0",

@@ -8,10 +8,14 @@ Three checks per document, each reported with the object and the field at fault:
   same way (the API server's strict field validation), and the PyTorchJob's pod templates against
   the Kubernetes ``PodTemplate`` schema as well;
 - the training operator's admission-webhook rules for PyTorchJobs (a container named
-  ``pytorch``, one Master replica, a Worker when elastic, a DNS-1035 name), which no schema states.
+  ``pytorch``, one Master replica, a Worker when elastic, a DNS-1035 name), which no schema states;
+  for JobSets, TrainJobs and TrainingRuntimes the rules of the JobSet and Trainer webhooks and of
+  the Job API (:mod:`resilient_fsdp.deploy.admission`), and each embedded Job template against the
+  Kubernetes ``batch/v1`` Job schema.
 
-The CRDs are read from a directory: ``--crds``, else ``$RESILIENT_FSDP_CRDS``, else
-``../shared/crds`` beside this checkout, else ``.crds`` (``scripts/fetch-crds`` downloads them there).
+The CRDs are read from a directory: ``--crds``, else ``$RESILIENT_FSDP_CRDS``, else the copy vendored
+in this checkout, ``charts/vendor/crds`` (pinned versions, each file's source and sha256 in its
+``manifest.json``; ``scripts/fetch-crds`` updates them).
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ import yaml
 from .chart import KUBERNETES_VERSION, REPO_ROOT, ChartError
 
 CRDS_ENV = "RESILIENT_FSDP_CRDS"
+# Pinned copies of the operators' CRDs (never installed by the chart: each operator owns its own).
+VENDORED_CRDS = REPO_ROOT / "charts" / "vendor" / "crds"
 PYTORCHJOB = ("kubeflow.org/v1", "PyTorchJob")
+JOBSET = ("jobset.x-k8s.io/v1alpha2", "JobSet")
+TRAINJOB = ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+RUNTIMES = {("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"), ("trainer.kubeflow.org/v1alpha1",
+                                                                    "ClusterTrainingRuntime")}
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # runPolicy.managedBy values the operator accepts (empty means itself).
 _MANAGED_BY = ("", "kubeflow.org/training-operator", "kueue.x-k8s.io/multikueue")
@@ -50,12 +60,11 @@ class Problem:
 
 
 def crd_dir(explicit: Optional[str | Path] = None) -> Path:
-    """Where the CRDs are: ``explicit``, else ``$RESILIENT_FSDP_CRDS``, else ``../shared/crds`` beside
-    the checkout, else ``.crds`` (where ``scripts/fetch-crds`` puts them)."""
+    """Where the CRDs are: ``explicit``, else ``$RESILIENT_FSDP_CRDS``, else the vendored copy
+    (``charts/vendor/crds``, which ``scripts/fetch-crds`` updates)."""
     if explicit or os.environ.get(CRDS_ENV):
         return Path(explicit or os.environ[CRDS_ENV])
-    shared = REPO_ROOT.parent / "shared" / "crds"
-    return shared if shared.is_dir() else REPO_ROOT / ".crds"
+    return VENDORED_CRDS
 
 
 def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
@@ -174,9 +183,30 @@ def check_pytorchjob_webhook(doc: dict) -> list[Problem]:
     return found
 
 
+def check_job_templates(doc: dict, replicated_jobs: list, path: str,
+                        version: str = KUBERNETES_VERSION) -> list[Problem]:
+    """Each replicated Job's template as the batch/v1 Job it becomes, against the pinned Kubernetes
+    schema (the CRD embeds a Job schema of its own Kubernetes release)."""
+    problems = []
+    for i, rjob in enumerate(replicated_jobs or []):
+        template = (rjob or {}).get("template") or {}
+        job = {"apiVersion": "batch/v1", "kind": "Job",
+               "metadata": {**(template.get("metadata") or {}),
+                            "name": f"{(doc.get('metadata') or {}).get('name')}-{(rjob or {}).get('name')}-0"},
+               "spec": template.get("spec") or {}}
+        for p in check_kubernetes(job, version):
+            problems.append(Problem(_name(doc), f"{path}[{i}].template.{p.path}", p.message, p.check))
+    return problems
+
+
 def validate_documents(docs: list[dict], crds: dict[tuple[str, str], dict],
                        version: str = KUBERNETES_VERSION) -> list[Problem]:
     """Every problem in ``docs``; empty when all pass."""
+    from resilient_fsdp.deploy import admission
+
+    def found(doc: dict, findings: list) -> list[Problem]:
+        return [Problem(_name(doc), f.path, f.message, f.check) for f in findings]
+
     problems: list[Problem] = []
     for doc in docs:
         key = (doc.get("apiVersion"), doc.get("kind"))
@@ -194,6 +224,22 @@ def validate_documents(docs: list[dict], crds: dict[tuple[str, str], dict],
                 for p in check_kubernetes(wrapped, version):
                     problems.append(Problem(_name(doc), f"spec.pytorchReplicaSpecs.{role}.{p.path}", p.message,
                                             p.check))
+        elif key == JOBSET:
+            problems += found(doc, admission.check_jobset(doc))
+            problems += check_job_templates(doc, (doc.get("spec") or {}).get("replicatedJobs"),
+                                            "spec.replicatedJobs", version)
+        elif key in RUNTIMES:
+            problems += found(doc, admission.check_training_runtime(doc))
+            spec = ((doc.get("spec") or {}).get("template") or {}).get("spec") or {}
+            problems += check_job_templates(doc, spec.get("replicatedJobs"), "spec.template.spec.replicatedJobs",
+                                            version)
+        elif key == TRAINJOB:
+            # The runtime it names, when it is among the documents (else it lives in the cluster).
+            ref = (doc.get("spec") or {}).get("runtimeRef") or {}
+            runtime_kind = ref.get("kind", "ClusterTrainingRuntime")
+            runtime = next((d for d in docs if d.get("kind") == runtime_kind
+                            and (d.get("metadata") or {}).get("name") == ref.get("name")), None)
+            problems += found(doc, admission.check_trainjob(doc, runtime))
     return problems
 
 
@@ -204,9 +250,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="render, lint and validate the manifests against Kubernetes and CRD schemas",
                        description="Render the chart (as `render` does), lint it strictly, and check every object "
                                    f"against the Kubernetes {KUBERNETES_VERSION} schemas, the CRDs' schemas and "
-                                   "the PyTorchJob webhook's rules. Exits 1 when anything fails.")
+                                   "the admission rules of the training operator, JobSet, Trainer and the Job API. "
+                                   "Exits 1 when anything fails.")
     add_values_args(p)
-    p.add_argument("--crds", help=f"directory of CRD manifests; default ${CRDS_ENV}, else ../shared/crds")
+    p.add_argument("--crds", help=f"directory of CRD manifests; default ${CRDS_ENV}, else charts/vendor/crds")
     p.set_defaults(run=_cmd_validate)
 
 

@@ -14,7 +14,9 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
   absorbs slow starts (``ft_launcher`` kills a rank that overstays a section);
 * ``resilience.max_restarts`` and ``job.backoffLimit``: the 99th percentile of the Poisson number
   of failures over the job, at least 3, so a job with the expected failure rate exhausts neither
-  more than once in a hundred runs.
+  more than once in a hundred runs. What ``job.backoffLimit`` then does depends on the chart's
+  ``workload.kind`` (``--kind``; :data:`BACKOFF_LIMIT_MEANING`): a JobSet's Job counts it, a
+  PyTorchJob under ``restartPolicy: ExitCode`` does not.
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ RESTART_LIMIT_FLOOR = 3
 RESTART_QUANTILE = 0.99
 DEFAULT_RESTART_S = 120.0  # an in-job restart at scale: detection, respawn, rendezvous, load
 DEFAULT_STARTUP_S = 60.0  # building and sharding the model and joining the rendezvous
+# What the chart's job.backoffLimit does under each workload.kind. PyTorchJob: training-operator
+# v1.9.4 recreates a pod that exits 128-255 under restartPolicy ExitCode, and its backoff check
+# (pkg/controller.v1/common/job.go with a FakeWorkQueue whose NumRequeues is always 0;
+# pkg/core/job.go, which adds up restarts of Running pods only) fires only for a limit of 0
+# (kubeflow/trainer#2045). JobSet and TrainJob: the Job counts pod failures its podFailurePolicy
+# does not ignore (kubernetes batch/v1), and the chart restarts the whole JobSet when it is spent.
+BACKOFF_LIMIT_MEANING = {
+    "PyTorchJob": "not a bound under restartPolicy ExitCode (training-operator v1.9.4, kubeflow/trainer#2045): "
+                  "0 fails the job at the first pod failure, >= 1 never stops recreating pods that exit 128-255; "
+                  "only an exit of 1-127 or job.activeDeadlineSeconds ends the job. A budget that counts: --kind JobSet",
+    "JobSet": "pod failures (exits 128-255, evictions excepted) the Job absorbs; one more restarts the whole "
+              "JobSet with a fresh budget, up to workload.jobSet.maxRestarts times",
+    "TrainJob": "as JobSet, in the TrainingRuntime the chart renders (an existing ClusterTrainingRuntime keeps "
+                "its own policy)",
+}
 # Longer intervals are not worth their lost work in failures the model leaves out (a corrupt
 # newest checkpoint sends the job back two intervals; operators stop jobs on purpose).
 MAX_INTERVAL_S = 3600
@@ -194,6 +211,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-bench", action="append", default=[], metavar="FILE",
                    help="take measured costs from `bench checkpoint` / `bench recovery` JSON (repeatable)")
     p.add_argument("--values", action="store_true", help="print a values snippet for the chart instead of the table")
+    p.add_argument("--kind", choices=sorted(BACKOFF_LIMIT_MEANING), default="PyTorchJob",
+                   help="the chart's workload.kind, which decides what job.backoffLimit does (default PyTorchJob)")
     p.set_defaults(run=main)
 
 
@@ -220,7 +239,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
                   startup_s=args.startup_s, mtbf_source=source)
 
 
-def render_table(a: Advice) -> str:
+def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
     i = a.inputs
     g = a.goodput
     rows = [
@@ -242,16 +261,18 @@ def render_table(a: Advice) -> str:
                                      f"sections cover the loop)"),
         ("max_restarts / backoffLimit", f"{a.max_restarts} / {a.backoff_limit} = max({RESTART_LIMIT_FLOOR}, "
                                         f"Poisson({a.expected_failures:.2f}) {RESTART_QUANTILE:.0%} quantile)"),
+        (f"backoffLimit ({kind})", BACKOFF_LIMIT_MEANING[kind]),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def render_values(a: Advice) -> str:
+def render_values(a: Advice, kind: str = "PyTorchJob") -> str:
     i = a.inputs
     header = (f"# resilient-fsdp advise --instance {i.instance} --nodes {i.nodes} --job-hours {i.job_hours:g} "
               f"--ckpt-stall-s {i.ckpt_stall_s:g} --ckpt-write-s {i.ckpt_write_s:g} --restart-s {i.restart_s:g} "
-              f"--step-s {i.step_s:g} --startup-s {i.startup_s:g}\n")
+              f"--step-s {i.step_s:g} --startup-s {i.startup_s:g}\n"
+              f"# job.backoffLimit with workload.kind={kind}: {BACKOFF_LIMIT_MEANING[kind]}\n")
     return header + yaml.safe_dump(a.values(), sort_keys=False)
 
 
@@ -262,7 +283,8 @@ def main(args: argparse.Namespace, out=None) -> int:
     except AdviseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(render_values(advice) if args.values else render_table(advice), file=out)
+    kind = getattr(args, "kind", "PyTorchJob")
+    print(render_values(advice, kind) if args.values else render_table(advice, kind), file=out)
     return 0
 
 

@@ -1,8 +1,15 @@
 """``python -m resilient_fsdp.train``: what every rank runs (see :mod:`.entrypoint`)."""
 
+import importlib.util
 import sys
 
 from .entrypoint import main
 
 if __name__ == "__main__":
+    # The processes multiprocessing spawns from a rank (NVRx's checkpoint writer and the manager
+    # its results go through) first import the main module by name, unless it is a package's
+    # __main__, which they skip. They need the trainer's imports: without torch.distributed.checkpoint
+    # loaded there, every save waits seconds for it. Naming the entrypoint as the main module
+    # gives them what they had when the trainer was a single module.
+    __spec__ = importlib.util.find_spec("resilient_fsdp.train.entrypoint")
     sys.exit(main())

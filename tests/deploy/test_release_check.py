@@ -1,0 +1,111 @@
+"""resilient_fsdp.deploy.release_check, the `helm test` check, run here on CPU against temp dirs.
+
+What these tests can and cannot show: the shared-volume and rendezvous checks run for real (a temp
+directory, names that resolve or not). No GPU or EFA device exists on this machine, so the device
+checks are exercised only where they do not need one: skipped when nothing is requested, failing
+when devices are requested but absent (this machine's real /dev), and counting fake device nodes
+in a temp directory. That real device plugins expose /dev/nvidiaN and /dev/infiniband/uverbsN is
+checked only on a cluster, by `helm test` itself.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from resilient_fsdp.deploy import release_check as rc
+
+
+def test_should_write_read_and_remove_a_probe_when_checkpoint_dir_is_on_the_volume(tmp_path):
+    target = tmp_path / "runs" / "job" / "checkpoints"
+    result = rc.check_shared_volume(tmp_path, target)
+    assert result.ok, result
+    assert target.is_dir() and list(target.iterdir()) == []  # created, and the probe is gone
+    assert f"uid {__import__('os').getuid()}" in result.detail
+
+
+def test_should_fail_naming_the_fix_when_volume_is_not_mounted(tmp_path):
+    result = rc.check_shared_volume(tmp_path / "missing", tmp_path / "missing" / "ckpt")
+    assert not result.ok and "storage.mountPath" in result.detail
+
+
+def test_should_fail_when_checkpoint_dir_is_off_the_volume(tmp_path):
+    (tmp_path / "fsx").mkdir()
+    result = rc.check_shared_volume(tmp_path / "fsx", tmp_path / "elsewhere")
+    assert not result.ok and "trainer.checkpoint.dir" in result.detail
+
+
+def test_should_fail_naming_the_owner_when_directory_cannot_be_created(tmp_path):
+    # Tests run as root, whom permission bits do not stop: a file where a directory should be does.
+    (tmp_path / "runs").write_text("not a directory")
+    result = rc.check_shared_volume(tmp_path, tmp_path / "runs" / "job")
+    assert not result.ok
+    assert "cannot create" in result.detail and "owner" in result.detail and "pod.securityContext" in result.detail
+
+
+def test_should_fail_naming_the_fix_when_the_volume_refuses_writes(tmp_path, monkeypatch):
+    real_open = rc.os.open
+
+    def refuse(path, flags, mode=0o777):
+        if ".release-check-" in str(path):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(rc.os, "open", refuse)
+    result = rc.check_shared_volume(tmp_path, tmp_path)
+    assert not result.ok and "Permission denied" in result.detail and "writable by the pods' user" in result.detail
+
+
+def test_should_skip_the_device_checks_when_no_devices_are_requested(tmp_path):
+    assert rc.check_devices("GPUs", 0, tmp_path, r"nvidia[0-9]+", "NVIDIA device plugin").ok
+    assert "not requested" in rc.check_devices("EFA", 0, tmp_path, r"uverbs[0-9]+", "EFA device plugin").detail
+
+
+def test_should_fail_when_requested_gpus_are_not_visible():
+    # This machine has no GPU: the real /dev shows no /dev/nvidiaN.
+    result = rc.check_devices("GPUs", 8, rc.Path("/dev"), r"nvidia[0-9]+", "NVIDIA device plugin")
+    assert not result.ok and "requested 8, 0 visible" in result.detail and "gpusPerNode" in result.detail
+
+
+def test_should_count_only_numbered_device_nodes_when_devices_are_requested(tmp_path):
+    # Fake device nodes (plain files): this tests the counting, not a device plugin.
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    assert rc.check_devices("GPUs", 2, tmp_path, r"nvidia[0-9]+", "NVIDIA device plugin").ok
+    assert not rc.check_devices("GPUs", 3, tmp_path, r"nvidia[0-9]+", "NVIDIA device plugin").ok
+
+
+def test_should_resolve_the_rendezvous_host_when_it_exists():
+    result = rc.check_rendezvous_host("localhost", 29400, timeout_s=0)
+    assert result.ok and "localhost:29400" in result.detail
+
+
+def test_should_retry_then_fail_naming_the_wait_when_rendezvous_host_does_not_resolve():
+    calls, now = [], [0.0]
+
+    def resolve(host, port, type):  # noqa: A002 - socket.getaddrinfo's keyword
+        calls.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    result = rc.check_rendezvous_host("job-node-0-0.job", 29400, timeout_s=12, interval_s=5, resolve=resolve,
+                                      clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert not result.ok and len(calls) == 3  # t = 0, 5, 10
+    assert "job-node-0-0.job" in result.detail and "joinTimeoutSeconds" in result.detail
+
+
+def test_should_exit_1_listing_failures_when_run_as_a_module(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.release_check", f"--shared-dir={tmp_path}",
+                           f"--check-dir={tmp_path}/ckpt", "--rdzv-host=localhost", "--rdzv-timeout=0", "--gpus=1",
+                           f"--dev-dir={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("ok   shared volume") and lines[1].startswith("FAIL GPUs")
+    assert lines[-1] == "release check: 3 ok, 1 failed (GPUs)"
+
+
+def test_should_exit_0_when_every_check_passes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.release_check", f"--shared-dir={tmp_path}",
+                           "--rdzv-host=localhost", "--rdzv-timeout=0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 ok, 0 failed" in proc.stdout

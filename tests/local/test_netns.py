@@ -1,0 +1,387 @@
+"""Local pods as network namespaces: real namespaces, bridges and processes, nothing mocked.
+
+Needs root (skipped otherwise). Every test must leave nothing with the prefix behind, checked
+after each one; every wait is bounded by a subprocess timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import resilient_fsdp
+from resilient_fsdp.local import netns, run_state
+from resilient_fsdp.local.netns import NetnsError, available, cleanup_stale
+from resilient_fsdp.local.pods import PodNetwork
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="local pods need root (network namespaces)")
+
+PY = sys.executable
+TRAIN_DIR = Path(resilient_fsdp.__file__).resolve().parents[1]
+MASTER, WORKER = "myjob-master-0", "myjob-worker-0"
+ALIASES = ["myjob-master-0.myjob.default.svc", "myjob-master-0.default.svc.cluster.local", "myjob"]
+PORT = 29500  # each pod has its own port space: no clash with the host or other tests
+
+
+def leftovers() -> list[str]:
+    """Everything on the host that carries the prefix, plus state files and temp directories."""
+    names = [n for n in netns.list_netns() if n.startswith(netns.PREFIX)]
+    names += [n for n in netns.list_links() if n.startswith(netns.PREFIX)]
+    if run_state.STATE_DIR.exists():
+        names += [p.name for p in run_state.STATE_DIR.iterdir() if p.name != ".lock"]
+    return names
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    assert leftovers() == [], "left by an earlier run: remove them (netns.cleanup_stale() does)"
+    yield
+    assert leftovers() == []
+
+
+@pytest.fixture
+def net():
+    with PodNetwork() as network:
+        network.add_pod(MASTER, aliases=ALIASES)
+        network.add_pod(WORKER)
+        yield network
+
+
+def run_py(pod, code: str, timeout: float = 15, **kwargs) -> str:
+    """Run Python code in ``pod``; return its stdout, failing the test on a non-zero exit."""
+    proc = pod.spawn([PY, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, **kwargs)
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode} in {pod.hostname}:\n{out}\n{err}"
+    return out
+
+
+def read_line(proc: subprocess.Popen, timeout: float = 15) -> str:
+    """One line of a child's stdout, or fail after ``timeout`` (never block the suite)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        proc.kill()
+        pytest.fail(f"no output from {proc.args!r} within {timeout} s")
+    line = proc.stdout.readline()
+    assert line, f"{proc.args!r} exited before printing: {proc.wait(timeout=5)}"
+    return line
+
+
+def wait_exec(proc: subprocess.Popen, name: str, timeout: float = 10) -> None:
+    """Wait until ``proc`` runs ``name``: past the exec chain, so it is inside its pod."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{proc.pid}/comm").read_text().strip() == name:
+                return
+        except OSError:
+            pass
+        time.sleep(0.01)
+    pytest.fail(f"{proc.args!r} did not start {name} within {timeout} s")
+
+
+def gone(pid: int) -> bool:
+    return run_state.process_start(pid) is None  # exited, or a zombie
+
+
+SERVER = f"""
+import socket, sys
+srv = socket.create_server(("0.0.0.0", {PORT}), reuse_port=True)
+print("ready", flush=True)
+while True:
+    conn, _ = srv.accept()
+    with conn:
+        conn.sendall(conn.recv(64) + b" from " + socket.gethostname().encode())
+"""
+
+CLIENT = """
+import socket, sys, time
+host, port, timeout, until = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+deadline = time.monotonic() + until
+while True:
+    start = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(b"ping")
+            print("ok", s.recv(64).decode(), round(time.monotonic() - start, 2))
+            break
+    except OSError as exc:
+        if time.monotonic() >= deadline:
+            print("fail", type(exc).__name__, round(time.monotonic() - start, 2))
+            break
+        time.sleep(0.1)
+"""
+
+
+def connect(pod, host: str, timeout: float = 1.0, retry_for: float = 0.0) -> str:
+    args = ["-c", CLIENT, host, str(PORT), str(timeout), str(retry_for)]
+    proc = pod.spawn([PY, *args], stdout=subprocess.PIPE, text=True)
+    return proc.communicate(timeout=timeout + retry_for + 15)[0].strip()
+
+
+def start_server(pod) -> subprocess.Popen:
+    proc = pod.spawn([PY, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    assert read_line(proc).strip() == "ready"
+    return proc
+
+
+def test_two_pods_hostnames_hosts_file_and_tcp(net):
+    master, worker = net.pods[MASTER], net.pods[WORKER]
+    names = [MASTER, WORKER, *ALIASES]
+    probe = f"""
+        import json, os, socket
+        srv = socket.create_server(("localhost", 0))
+        with socket.create_connection(("localhost", srv.getsockname()[1]), timeout=5) as c:
+            conn, _ = srv.accept(); c.sendall(b"hi"); echoed = conn.recv(2).decode()
+        print(json.dumps({{"hostname": socket.gethostname(), "pid": os.getpid(), "echoed": echoed,
+                           "resolved": {{n: socket.gethostbyname(n) for n in {names!r} + ["localhost"]}}}}))
+    """
+    expected = {MASTER: master.ip, WORKER: worker.ip, **{a: master.ip for a in ALIASES}, "localhost": "127.0.0.1"}
+    for pod in (master, worker):
+        proc = pod.spawn([PY, "-c", textwrap.dedent(probe)], stdout=subprocess.PIPE, text=True)
+        seen = json.loads(proc.communicate(timeout=15)[0])
+        assert seen["hostname"] == pod.hostname
+        assert seen["pid"] == proc.pid  # the exec chain: Popen's pid is the command itself
+        assert seen["resolved"] == expected
+        assert seen["echoed"] == "hi"  # localhost works inside the pod
+    assert master.ip != worker.ip and all(ip.startswith(str(net.subnet)[:-4]) for ip in (master.ip, worker.ip))
+
+    server = start_server(master)
+    try:
+        assert connect(worker, MASTER).startswith(f"ok ping from {MASTER}")
+        assert connect(worker, ALIASES[0]).startswith(f"ok ping from {MASTER}")
+    finally:
+        server.kill()
+        server.wait(timeout=5)
+
+    # The host keeps no address on the bridge or the veths: it has no way into the pods' /24.
+    for link in [net.bridge, master.veth, worker.veth]:
+        info = json.loads(netns.run(["ip", "-j", "addr", "show", "dev", link], "reading").stdout)
+        assert info[0]["addr_info"] == [], link
+    longest = [netns.bridge_name("zzzzzz"), netns.veth_name("zzzzzz", netns.MAX_PODS - 1)]
+    assert all(len(name) <= netns.IFNAME_MAX for name in longest)
+
+
+def test_mount_with_missing_parents_creates_nothing_on_the_host(net, tmp_path):
+    config, ckpt = tmp_path / "config.yaml", tmp_path / "ckpt"
+    config.write_text("model: tiny\n")
+    ckpt.mkdir()
+    hosts_before = Path("/etc/hosts").read_bytes()
+    assert not Path("/checkpoints").exists() and not Path("/etc/resilient-fsdp").exists()
+    out = run_py(net.pods[WORKER], f"""
+        import errno, json, os
+        open("/checkpoints/from-pod", "w").write("saved")
+        open({str(tmp_path / "via-root-fs")!r}, "w").write("x")  # an existing path still reaches the host
+        try:
+            open("/etc/resilient-fsdp/config.yaml", "w")
+            ro = None
+        except OSError as exc:
+            ro = exc.errno
+        print(json.dumps({{"cwd": os.getcwd(), "config": open("/etc/resilient-fsdp/config.yaml").read(),
+                           "ro": ro, "passwd": os.path.exists("/etc/passwd"),
+                           "hosts": open("/etc/hosts").read(), "proc": os.path.exists("/proc/self/ns/net")}}))
+    """, cwd="/checkpoints", mounts={ckpt: "/checkpoints"}, ro_mounts={config: "/etc/resilient-fsdp/config.yaml"})
+    seen = json.loads(out)
+    assert seen["cwd"] == "/checkpoints"
+    assert seen["config"] == "model: tiny\n"
+    assert seen["ro"] == errno.EROFS
+    assert seen["passwd"] and seen["proc"]
+    assert f"{net.pods[MASTER].ip}\t{MASTER}" in seen["hosts"]
+    assert (ckpt / "from-pod").read_text() == "saved"
+    assert (tmp_path / "via-root-fs").read_text() == "x"
+    assert not Path("/checkpoints").exists() and not Path("/etc/resilient-fsdp").exists()
+    assert Path("/etc/hosts").read_bytes() == hosts_before
+    assert os.listdir(net.stage_dir) == []  # pods only ever mount on it in their own namespaces
+
+
+def test_partition_cuts_a_pod_off_and_heals(net):
+    master, worker = net.pods[MASTER], net.pods[WORKER]
+    server = start_server(master)
+    try:
+        assert connect(worker, MASTER).startswith("ok")
+        master.partition(True)
+        assert master.partitioned
+        t0 = time.monotonic()
+        assert connect(worker, MASTER, timeout=1.0).startswith("fail")
+        assert time.monotonic() - t0 < 10
+        assert connect(master, MASTER).startswith("ok")  # a cut-off pod still reaches itself
+        master.partition(False)
+        assert connect(worker, MASTER, retry_for=5).startswith("ok")
+
+        timer = worker.partition_for(1.5)
+        assert connect(worker, MASTER, timeout=0.5).startswith("fail")
+        timer.join(timeout=5)
+        assert not worker.partitioned
+        assert connect(worker, MASTER, retry_for=5).startswith("ok")
+    finally:
+        server.kill()
+        server.wait(timeout=5)
+
+
+def test_kill_all_kills_the_whole_pod_and_it_can_be_recreated(net):
+    master, worker = net.pods[MASTER], net.pods[WORKER]
+    sleepers = [master.spawn(["sleep", "300"]) for _ in range(2)]
+    for proc in sleepers:
+        wait_exec(proc, "sleep")
+    parent = master.spawn([PY, "-c", textwrap.dedent("""
+        import subprocess, time
+        child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        print(child.pid, flush=True)
+        time.sleep(300)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(read_line(parent))
+    bystander = worker.spawn(["sleep", "300"])
+    wait_exec(bystander, "sleep")
+    expected = {p.pid for p in sleepers} | {parent.pid, grandchild}
+    assert expected <= set(master.pids())
+    listed = netns.run(["ip", "netns", "pids", master.netns], "listing").stdout.split()
+    assert sorted(map(int, listed)) == master.pids()
+
+    killed = master.kill_all()
+    assert expected <= set(killed)
+    assert master.pids() == []
+    assert all(gone(pid) for pid in expected)
+    assert [p.returncode for p in sleepers + [parent]] == [-signal.SIGKILL] * 3
+    assert bystander.poll() is None and worker.pids() == [bystander.pid]
+
+    out = run_py(master, "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))")
+    assert out.split() == [MASTER, master.ip]
+
+
+def test_close_kills_removes_everything_and_is_idempotent():
+    network = PodNetwork()
+    pod = network.add_pod("solo-0")
+    sleeper = pod.spawn(["sleep", "300"])
+    wait_exec(sleeper, "sleep")
+    assert pod.netns in netns.list_netns() and network.bridge in netns.list_links()
+    assert run_state.state_path(network.run_id).exists()
+    network.close()
+    assert sleeper.wait(timeout=5) == -signal.SIGKILL
+    assert not run_state.state_path(network.run_id).exists() and not network.dir.exists()
+    network.close()
+    with pytest.raises(NetnsError, match="closed"):
+        pod.spawn(["true"])
+
+
+LAUNCHER = """
+import json, sys, time
+from resilient_fsdp.local.exit_cleanup import install_signal_cleanup
+from resilient_fsdp.local.pods import PodNetwork
+net = PodNetwork()
+if sys.argv[1] == "handlers":
+    install_signal_cleanup()
+pods = [net.add_pod("myjob-master-0"), net.add_pod("myjob-worker-0")]
+procs = [pod.spawn(["sleep", "300"], start_new_session=True) for pod in pods]
+deadline = time.monotonic() + 10  # past the exec chain: the sleeps are inside their pods
+while time.monotonic() < deadline and any(open(f"/proc/{p.pid}/comm").read() != "sleep\\n" for p in procs):
+    time.sleep(0.01)
+print(json.dumps({"run_id": net.run_id, "subnet": str(net.subnet), "netns": [p.netns for p in pods],
+                  "links": [net.bridge] + [p.veth for p in pods], "pids": [p.pid for p in procs]}), flush=True)
+try:
+    time.sleep(300)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def start_launcher(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, dict]:
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    env = {**os.environ, "PYTHONPATH": str(TRAIN_DIR)}
+    proc = subprocess.Popen([PY, str(script), mode], stdout=subprocess.PIPE, text=True, env=env)
+    return proc, json.loads(read_line(proc))
+
+
+def present(run: dict) -> list[str]:
+    names = set(netns.list_netns()) | set(netns.list_links())
+    return [n for n in run["netns"] + run["links"] if n in names]
+
+
+def test_next_start_removes_what_a_sigkilled_launcher_left(tmp_path):
+    with PodNetwork() as live:
+        live_proc = live.add_pod("other-0").spawn(["sleep", "300"])
+        wait_exec(live_proc, "sleep")
+        # Both alive at once: each start reaps dead runs, and must leave live ones alone.
+        launchers = [start_launcher(tmp_path, "plain") for _ in range(2)]
+        runs = [run for _, run in launchers]
+        for proc, _ in launchers:
+            proc.kill()
+            proc.wait(timeout=5)
+        for run in runs:
+            assert present(run) == run["netns"] + run["links"]  # SIGKILL: nothing could clean up
+            assert not any(gone(pid) for pid in run["pids"])
+        assert len({live.subnet, *(run["subnet"] for run in runs)}) == 3  # one /24 per run
+        # The second run's state file is lost: only the prefix scan can find its resources.
+        run_state.state_path(runs[1]["run_id"]).unlink()
+
+        removed = cleanup_stale()
+
+        for run in runs:
+            assert present(run) == []
+            assert all(gone(pid) for pid in run["pids"])
+            assert set(run["netns"] + run["links"]) <= set(removed)
+            assert not run_state.state_path(run["run_id"]).exists() and not run_state.run_dir(run["run_id"]).exists()
+        # The live run is untouched and still works.
+        assert live_proc.poll() is None
+        assert run_state.state_path(live.run_id).exists()
+        assert run_py(live.pods["other-0"], "import socket; print(socket.gethostname())").strip() == "other-0"
+    assert live_proc.wait(timeout=5) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)])
+def test_signal_handlers_clean_up(tmp_path, sig, status):
+    proc, run = start_launcher(tmp_path, "handlers")
+    assert present(run) == run["netns"] + run["links"]
+    proc.send_signal(sig)
+    assert proc.wait(timeout=15) == status
+    assert present(run) == []
+    assert all(gone(pid) for pid in run["pids"])
+    assert not run_state.state_path(run["run_id"]).exists()
+
+
+def test_available_and_clear_errors(net, tmp_path):
+    assert available() == (True, "network namespaces, bridges and veth pairs work")
+    # Another run's /24 is never handed out again, nor one the host routes or uses.
+    chosen = netns.choose_subnet([str(net.subnet)])
+    assert chosen != net.subnet and chosen.subnet_of(ipaddress.IPv4Network("10.0.0.0/8"))
+    assert not any(chosen.overlaps(n) for n in netns.host_networks())
+    with pytest.raises(NetnsError, match="no-such-tool: command not found: install no-such-tool"):
+        netns.run(["no-such-tool"], "probing")
+    with pytest.raises(NetnsError, match=r"deleting: `ip link del rfnzzzzzz-br` failed: .*Cannot find device"):
+        netns.run(["ip", "link", "del", "rfnzzzzzz-br"], "deleting")
+    with pytest.raises(ValueError, match="run id"):
+        PodNetwork("Bad_Id")
+    with pytest.raises(ValueError, match="already taken"):
+        net.add_pod(MASTER)
+    with pytest.raises(NetnsError, match="does not exist on the host"):
+        net.pods[MASTER].spawn(["true"], mounts={tmp_path / "missing": "/data"})
+    (tmp_path / "file").write_text("x")
+    proc = net.pods[MASTER].spawn(["true"], mounts={tmp_path / "file": "/tmp"}, stderr=subprocess.PIPE, text=True)
+    assert proc.communicate(timeout=15)[1].count("setup failed: cannot mount the file") == 1
+    assert proc.returncode == 125
+    proc = net.pods[MASTER].spawn(["no-such-command"], stderr=subprocess.PIPE, text=True)
+    assert "no-such-command: command not found" in proc.communicate(timeout=15)[1] and proc.returncode == 127
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop capabilities")
+def test_available_says_why_not_without_capabilities():
+    # Root without CAP_NET_ADMIN/CAP_SYS_ADMIN, as in an unprivileged container.
+    drop = ["--bounding-set=-net_admin,-sys_admin", "--inh-caps=-net_admin,-sys_admin"]
+    code = "import json; from resilient_fsdp.local.netns import available; print(json.dumps(available()))"
+    env = {**os.environ, "PYTHONPATH": str(TRAIN_DIR)}
+    out = subprocess.run(["setpriv", *drop, PY, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    ok, reason = json.loads(out.stdout)
+    assert not ok
+    assert reason.startswith("creating a network namespace: ") and "CAP_NET_ADMIN" in reason, reason

@@ -1,0 +1,179 @@
+"""The chart's ``helm test`` check: can this release's pods train, before they spend GPU hours?
+
+Run in a Pod with the training pods' image, user, volumes and placement
+(``templates/tests/release-check.yaml``)::
+
+    python -m resilient_fsdp.deploy.release_check --shared-dir /fsx \\
+        --check-dir /fsx/runs/job/checkpoints --rdzv-host job-node-0-0.job --rdzv-port 29400 \\
+        [--gpus 8 --efa 32]
+
+Each check prints one line, ``ok`` or ``FAIL`` with what was found and what to change; the exit
+code is 1 when any failed:
+
+- **shared volume**: the checkpoint directory (created if missing, as the trainer would) takes a
+  file from this process's user: written, synced, read back and removed. A new FSx for Lustre
+  file system's root belongs to root, and a pod running as UID 10001 cannot write there.
+- **GPUs** / **EFA**, only when requested: the device nodes the NVIDIA and EFA device plugins
+  give a pod (``/dev/nvidiaN``, ``/dev/infiniband/uverbsN``) number at least what was requested.
+- **rendezvous host**: the name every agent passes to ``--rdzv-endpoint`` resolves. It resolves
+  once the job's first pod exists, so the check keeps trying for ``--rdzv-timeout`` seconds.
+
+Standard library and ``resilient_fsdp.atomic`` only: it runs in the trainer image without touching
+torch or CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from resilient_fsdp import atomic
+
+
+@dataclass(frozen=True)
+class Result:
+    """One check's outcome: its name, whether it passed, and what was found (or what to change)."""
+
+    name: str
+    ok: bool
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+
+
+def _owner(path: Path) -> str:
+    try:
+        st = path.stat()
+    except OSError:
+        return "unknown owner"
+    return f"owner {st.st_uid}:{st.st_gid}, mode {st.st_mode & 0o7777:o}"
+
+
+def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
+    """The checkpoint directory is on the shared volume and this user can create it and write there."""
+    name = "shared volume"
+    who = f"uid {os.getuid()} gid {os.getgid()}"
+    shared, target = Path(shared_dir), Path(check_dir)
+    if not shared.is_dir():
+        return Result(name, False, f"{shared} is not mounted (no such directory): check the pod's volume "
+                                   f"and storage.mountPath")
+    if os.path.commonpath([os.path.abspath(shared), os.path.abspath(target)]) != os.path.abspath(shared):
+        return Result(name, False, f"{target} is not under the shared volume {shared}: every pod must see the "
+                                   f"same checkpoints; set trainer.checkpoint.dir under storage.mountPath")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        # The deepest directory that exists is the one that refused.
+        parent = target
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        return Result(name, False, f"cannot create {target} as {who} ({exc.strerror}); {parent} has "
+                                   f"{_owner(parent)}: make it writable by the pods' user (e.g. chown "
+                                   f"{os.getuid()}:{os.getgid()} on the file system), or run the pods as its owner "
+                                   f"(pod.securityContext)")
+    probe = target / f".release-check-{socket.gethostname()}-{os.getpid()}"
+    payload = os.urandom(2048).hex()
+    try:
+        # Created exclusively and synced, as the trainer's own records are (atomic.create_exclusive).
+        if not atomic.create_exclusive(probe, payload):
+            return Result(name, False, f"{probe} exists already: another check with this pod's name is running")
+        if probe.read_text() != payload:
+            return Result(name, False, f"{probe} read back different bytes: the volume is not consistent")
+    except OSError as exc:
+        return Result(name, False, f"cannot write in {target} as {who} ({exc.strerror}); it has {_owner(target)}: "
+                                   f"make it writable by the pods' user, or run the pods as its owner "
+                                   f"(pod.securityContext)")
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return Result(name, True, f"{target} writable by {who}")
+
+
+def _count(directory: Path, pattern: str) -> int:
+    rx = re.compile(pattern)
+    try:
+        return sum(1 for entry in os.listdir(directory) if rx.fullmatch(entry))
+    except OSError:
+        return 0
+
+
+def check_devices(name: str, requested: int, directory: Path, pattern: str, plugin: str) -> Result:
+    """At least ``requested`` device nodes matching ``pattern`` in ``directory``; skipped when none requested."""
+    if requested <= 0:
+        return Result(name, True, "not requested (skipped)")
+    found = _count(directory, pattern)
+    if found < requested:
+        return Result(name, False, f"requested {requested}, {found} visible in {directory}: the {plugin} did not "
+                                   f"give this pod its devices; check that it runs on the node and that the "
+                                   f"instance type has them (instanceType, gpusPerNode, efa.devices)")
+    return Result(name, True, f"{found} visible in {directory} (requested {requested})")
+
+
+def check_rendezvous_host(host: str, port: int, timeout_s: float, interval_s: float = 5.0,
+                          resolve: Callable = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic,
+                          sleep: Callable[[float], None] = time.sleep) -> Result:
+    """``host`` resolves within ``timeout_s`` seconds (tried every ``interval_s``)."""
+    name = "rendezvous host"
+    deadline = clock() + timeout_s
+    while True:
+        try:
+            addresses = sorted({info[4][0] for info in resolve(host, port, type=socket.SOCK_STREAM)})
+            return Result(name, True, f"{host}:{port} -> {', '.join(addresses)}")
+        except OSError as exc:
+            error = exc
+        if clock() + interval_s > deadline:
+            break
+        sleep(interval_s)
+    return Result(name, False, f"{host} did not resolve in {timeout_s:g} s ({error}): it resolves once the job's "
+                               f"first pod exists; if that pod is Pending (no node, or Kueue has not admitted the "
+                               f"job) run the check again later, otherwise every agent would wait "
+                               f"rendezvous.joinTimeoutSeconds and fail")
+
+
+def run_checks(args: argparse.Namespace) -> list[Result]:
+    dev = Path(args.dev_dir)
+    return [
+        check_shared_volume(Path(args.shared_dir), Path(args.check_dir or args.shared_dir)),
+        check_devices("GPUs", args.gpus, dev, r"nvidia[0-9]+", "NVIDIA device plugin"),
+        check_devices("EFA", args.efa, dev / "infiniband", r"uverbs[0-9]+", "EFA device plugin"),
+        check_rendezvous_host(args.rdzv_host, args.rdzv_port, args.rdzv_timeout),
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.deploy.release_check",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--shared-dir", required=True, help="where the shared volume is mounted (storage.mountPath)")
+    p.add_argument("--check-dir", help="the checkpoint directory to create and write in; default: --shared-dir")
+    p.add_argument("--rdzv-host", required=True, help="the host in every agent's --rdzv-endpoint")
+    p.add_argument("--rdzv-port", type=int, default=29400, help="its port (reported only; default 29400)")
+    p.add_argument("--rdzv-timeout", type=float, default=300.0, help="seconds to keep trying it (default 300)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs this pod requested (0: skip the check)")
+    p.add_argument("--efa", type=int, default=0, help="EFA interfaces this pod requested (0: skip the check)")
+    p.add_argument("--dev-dir", default="/dev", help="where device nodes appear (default /dev)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    results = run_checks(args)
+    for result in results:
+        print(result, flush=True)
+    failed = [r.name for r in results if not r.ok]
+    print(f"release check: {len(results) - len(failed)} ok, {len(failed)} failed"
+          + (f" ({', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

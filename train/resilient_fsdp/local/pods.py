@@ -1,0 +1,373 @@
+"""Kubernetes pods simulated on one machine: ``PodNetwork`` (one local run) and its ``Pod``s.
+
+A ``PodNetwork`` owns a Linux bridge and, per pod, a network namespace joined to the bridge by a
+veth pair, with an address in the run's own /24 of 10.0.0.0/8. The bridge has no address on the
+host and nothing forwards or NATs: the host has no route into the /24 and the pods have no route
+out of it (their only route is the /24 itself), so pods reach each other and nothing else.
+
+Each process a pod runs gets its own UTS and mount namespaces on top of the pod's network
+namespace: the pod's hostname, a hosts file that resolves every pod and alias, and bind mounts
+(see ``podinit``). Names and stale-run cleanup are in ``netns``, state files in ``run_state``,
+cleanup at exit and on signals in ``exit_cleanup``.
+
+Typical use::
+
+    cleanup_stale()                      # done by PodNetwork() too, unless reap_stale=False
+    with PodNetwork() as net:
+        restore = exit_cleanup.install_signal_cleanup([net])
+        master = net.add_pod("myjob-master-0", aliases=["myjob-master-0.myjob.default.svc"])
+        worker = net.add_pod("myjob-worker-0")
+        proc = master.spawn(["python", "-m", "resilient_fsdp.train"], ro_mounts={cfg: "/etc/app/config.yaml"})
+        worker.kill_all()                # node loss
+        worker.partition_for(30)         # network partition
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from . import exit_cleanup, netns, run_state
+from .netns import NetnsError
+
+PODINIT = Path(__file__).with_name("podinit.py")
+
+
+class Pod:
+    """One simulated pod: a network namespace with an address, a hostname, and its processes."""
+
+    def __init__(self, network: PodNetwork, hostname: str, index: int, ip: str):
+        self.network = network
+        self.hostname = hostname
+        self.index = index
+        self.ip = ip
+        self.netns = netns.netns_name(network.run_id, hostname)
+        self.veth = netns.veth_name(network.run_id, index)  # the host end, on the bridge
+        self._procs: list[subprocess.Popen] = []
+        self._partitioned = False
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Pod({self.hostname!r}, ip={self.ip!r}, netns={self.netns!r})"
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        mounts: Mapping[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
+        ro_mounts: Mapping[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
+        stdin=None,
+        stdout=None,
+        stderr=None,
+        start_new_session: bool = False,
+        **popen_kwargs,
+    ) -> subprocess.Popen:
+        """Start ``argv`` inside the pod; the returned Popen's pid is the command's own pid.
+
+        Args:
+            argv: the command and its arguments (looked up on PATH inside the pod).
+            env: its environment (default: this process's).
+            cwd: its working directory as the pod sees it (may be a mount target).
+            mounts: host path (file or directory) -> absolute pod path, read-write.
+            ro_mounts: the same, read-only (ConfigMaps). A pod path whose parents do not exist is
+                made on a tmpfs private to the process; nothing is created on the host.
+            stdin, stdout, stderr, start_new_session, popen_kwargs: as for ``subprocess.Popen``.
+
+        Setup failures inside the pod (a mount) exit with status 125 and a line on stderr.
+        """
+        self.network._check_open()
+        if isinstance(argv, (str, bytes)) or not argv:
+            raise TypeError("argv must be a non-empty sequence of strings")
+        if "args" in popen_kwargs or "executable" in popen_kwargs:
+            raise TypeError("spawn() takes the command as argv only")
+        specs = [{"source": str(self.network.hosts_file), "target": "/etc/hosts", "ro": True}]
+        for table, ro in ((mounts or {}, False), (ro_mounts or {}, True)):
+            for host_path, pod_path in table.items():
+                specs.append({"source": _source(host_path), "target": _target(pod_path), "ro": ro})
+        targets = [s["target"] for s in specs]
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"two mounts share a pod path (or one replaces /etc/hosts): {sorted(targets)}")
+        spec = {
+            "hostname": self.hostname,
+            "mounts": specs,
+            "stage": str(self.network.stage_dir),
+            "cwd": os.path.abspath(cwd) if cwd is not None else None,
+        }
+        tools = self.network.tools
+        command = [
+            tools["ip"], "netns", "exec", self.netns,
+            tools["unshare"], "--uts", "--mount", "--propagation", "private", "--",
+            sys.executable or "python3", "-I", "-S", str(PODINIT), json.dumps(spec, separators=(",", ":")),
+            "--", *map(str, argv),
+        ]
+        proc = subprocess.Popen(
+            command, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+            start_new_session=start_new_session, **popen_kwargs,
+        )
+        self._procs = [p for p in self._procs if p.poll() is None] + [proc]
+        return proc
+
+    def pids(self) -> list[int]:
+        """Every process now in the pod's network namespace."""
+        return netns.pids_in_netns([self.netns])
+
+    def kill_all(self, sig: int = signal.SIGKILL, timeout: float = 5.0) -> list[int]:
+        """Signal every process in the pod at once (a lost node for SIGKILL); return their pids.
+
+        With SIGKILL it returns once the pod holds no process; the pod itself stays, and
+        ``spawn`` can start its processes again (a recreated pod: same address and hostname).
+        """
+        pids = netns.kill_netns_processes([self.netns], sig, timeout)
+        for proc in self._procs:  # reap our own children, so they do not linger as zombies
+            proc.poll()
+        return pids
+
+    @property
+    def partitioned(self) -> bool:
+        return self._partitioned
+
+    def partition(self, on: bool = True) -> None:
+        """Cut the pod off from the other pods (``on``) or reconnect it.
+
+        Takes the host end of the veth down: the pod keeps its address and its loopback, but its
+        eth0 loses carrier and every packet to or from the other pods is dropped, so connections
+        time out or find no route, as across a real partition. Cancels a pending ``partition_for``.
+        """
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._set_link(on)
+
+    def partition_for(self, seconds: float) -> threading.Timer:
+        """Cut the pod off now and reconnect it after ``seconds`` (in a daemon timer thread)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._set_link(True)
+            self._timer = threading.Timer(seconds, self._heal)
+            self._timer.daemon = True
+            self._timer.start()
+            return self._timer
+
+    def _heal(self) -> None:
+        with self._lock:
+            self._timer = None
+            if not self.network.closed:
+                self._set_link(False)
+
+    def _set_link(self, down: bool) -> None:
+        state = "down" if down else "up"
+        what = f"{'cutting off' if down else 'reconnecting'} pod {self.hostname}"
+        netns.run([self.network.tools["ip"], "link", "set", self.veth, state], what)
+        self._partitioned = down
+
+    def _stop_timer(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+
+class PodNetwork:
+    """The pods of one local run: a bridge, a /24, and per pod a network namespace.
+
+    Args:
+        run_id: up to 6 of ``[a-z0-9]``; random when omitted. All names carry it.
+        reap_stale: first remove what dead runs left behind (``netns.cleanup_stale``); the names
+            removed are in ``stale_removed``.
+
+    Raises:
+        NetnsError: naming the failed step and its fix; nothing is left behind then.
+    """
+
+    def __init__(self, run_id: str | None = None, *, reap_stale: bool = True):
+        self.run_id = run_id or run_state.new_run_id()
+        if not run_state.RUN_ID.match(self.run_id):
+            raise ValueError(f"run id {self.run_id!r}: use 1 to 6 characters of a-z and 0-9")
+        self.tools = {"ip": netns.tool("ip"), "unshare": netns.tool("unshare")}
+        self.bridge = netns.bridge_name(self.run_id)
+        self.dir = run_state.run_dir(self.run_id)
+        self.hosts_file = self.dir / "hosts"
+        self.stage_dir = self.dir / "stage"
+        self.pods: dict[str, Pod] = {}
+        self.aliases: dict[str, str] = {}  # alias -> pod hostname
+        self.stale_removed: list[str] = []
+        self._owner = os.getpid()
+        self._closed = False
+        with run_state.state_lock():
+            if reap_stale:
+                self.stale_removed = netns.cleanup_stale(locked=True)
+            states = run_state.read_states()
+            mine = f"{netns.PREFIX}{self.run_id}-"
+            if self.run_id in states or any(n.startswith(mine) for n in netns.list_netns() + netns.list_links()):
+                raise NetnsError(f"run id {self.run_id} is in use by another local run; pick another")
+            self.subnet = netns.choose_subnet(s["subnet"] for s in states.values() if s.get("subnet"))
+            self._save_state()  # recorded before anything exists, so a crash from here on is found
+        exit_cleanup.register(self)
+        try:
+            self.dir.mkdir(mode=0o755)
+            self.stage_dir.mkdir(mode=0o755)
+            self._write_hosts()
+            # addrgenmode none: no IPv6 link-local address either, so the host has no address
+            # at all on the bridge and sends nothing (router solicitations, MLD) to the pods.
+            netns.run([self.tools["ip"], "-batch", "-"], f"creating bridge {self.bridge}", stdin=(
+                f"link add {self.bridge} type bridge\n"
+                f"link set {self.bridge} addrgenmode none\n"
+                f"link set {self.bridge} up\n"
+            ))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> PodNetwork:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PodNetwork(run_id={self.run_id!r}, subnet={str(self.subnet)!r}, pods={list(self.pods)})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add_pod(self, hostname: str, aliases: Iterable[str] = ()) -> Pod:
+        """Create a pod: its namespace, veth pair, loopback and address; resolvable by all pods.
+
+        Args:
+            hostname: the Kubernetes pod hostname, a DNS label (``myjob-worker-0``).
+            aliases: more names for its address (a Service, ``<pod>.<svc>.<ns>.svc``, ...).
+        """
+        self._check_open()
+        aliases = list(aliases)
+        if not netns.HOSTNAME.match(hostname):
+            raise ValueError(f"pod hostname {hostname!r}: use a DNS label (a-z, 0-9, '-', at most 63)")
+        self._check_new_names([hostname, *aliases])
+        index = len(self.pods)
+        if index >= netns.MAX_PODS:
+            raise NetnsError(f"a local run holds at most {netns.MAX_PODS} pods (one /24)")
+        pod = Pod(self, hostname, index, str(self.subnet.network_address + 1 + index))
+        self.pods[hostname] = pod
+        self.aliases.update((alias, hostname) for alias in aliases)
+        self._save_state()
+        ip = self.tools["ip"]
+        try:
+            # The pod end is created inside the namespace, so "eth0" never clashes with the host's.
+            netns.run([ip, "-batch", "-"], f"creating pod {hostname}", stdin=(
+                f"netns add {pod.netns}\n"
+                f"link add {pod.veth} type veth peer name eth0 netns {pod.netns}\n"
+                f"link set {pod.veth} master {self.bridge} addrgenmode none up\n"
+            ))
+            netns.run([ip, "-n", pod.netns, "-batch", "-"], f"configuring pod {hostname}", stdin=(
+                "link set lo up\n"
+                "link set eth0 addrgenmode none\n"
+                f"addr add {pod.ip}/{self.subnet.prefixlen} dev eth0\n"
+                "link set eth0 up\n"
+            ))
+        except BaseException:
+            netns.teardown(self.run_id, [pod.netns], [pod.veth])
+            del self.pods[hostname]
+            self.aliases = {a: h for a, h in self.aliases.items() if h != hostname}
+            self._save_state()
+            raise
+        self._write_hosts()
+        return pod
+
+    def add_alias(self, alias: str, pod: Pod | str) -> None:
+        """Make ``alias`` resolve to ``pod``'s address in every pod, including running ones."""
+        self._check_open()
+        hostname = pod.hostname if isinstance(pod, Pod) else pod
+        if hostname not in self.pods:
+            raise KeyError(f"no pod {hostname!r} in run {self.run_id}")
+        self._check_new_names([alias])
+        self.aliases[alias] = hostname
+        self._save_state()
+        self._write_hosts()
+
+    def close(self) -> None:
+        """Remove everything the run created; idempotent, and safe from a signal handler.
+
+        Kills the pods' processes, then deletes the veth pairs, namespaces, bridge, temp files
+        and, last, the state file (so an interrupted close is finished by ``cleanup_stale``).
+        A handler that interrupts a close runs a complete one itself: every step skips what is
+        already gone. Raises ``NetnsError`` if something could not be removed.
+        """
+        if self._closed or os.getpid() != self._owner:  # a forked child does not own the run
+            return
+        for pod in self.pods.values():
+            pod._stop_timer()
+        links = [pod.veth for pod in self.pods.values()] + [self.bridge]
+        _, problems = netns.teardown(self.run_id, [pod.netns for pod in self.pods.values()], links)
+        for pod in self.pods.values():
+            for proc in pod._procs:
+                proc.poll()
+        if problems:
+            raise NetnsError(f"closing local run {self.run_id}: {'; '.join(problems)}")
+        run_state.remove_state(self.run_id)
+        self._closed = True
+        exit_cleanup.unregister(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NetnsError(f"local run {self.run_id} is closed")
+
+    def _check_new_names(self, names: list[str]) -> None:
+        for name in names:
+            if not netns.ALIAS.match(name):
+                raise ValueError(f"host name {name!r} is not a valid DNS name")
+            if name in self.pods or name in self.aliases or name == "localhost" or names.count(name) > 1:
+                raise ValueError(f"host name {name!r} is already taken in run {self.run_id}")
+
+    def _save_state(self) -> None:
+        start = run_state.process_start(self._owner)
+        run_state.write_state(self.run_id, {
+            "run_id": self.run_id,
+            "owner_pid": self._owner,
+            "owner_start": start,
+            "boot_id": run_state.boot_id(),
+            "subnet": str(self.subnet),
+            "links": [self.bridge] + [pod.veth for pod in self.pods.values()],
+            "netns": [pod.netns for pod in self.pods.values()],
+            "pods": {pod.hostname: pod.ip for pod in self.pods.values()},
+        })
+
+    def _write_hosts(self) -> None:
+        lines = [
+            f"# resilient-fsdp local run {self.run_id}: the pods of {self.subnet}",
+            "127.0.0.1\tlocalhost",
+            "::1\tlocalhost ip6-localhost ip6-loopback",
+        ]
+        for pod in self.pods.values():
+            names = [pod.hostname] + [a for a, h in self.aliases.items() if h == pod.hostname]
+            lines.append(f"{pod.ip}\t{' '.join(names)}")
+        # Rewritten in place, not replaced: running pods bind-mounted this inode.
+        with open(self.hosts_file, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def _source(host_path: str | os.PathLike[str]) -> str:
+    path = os.path.realpath(host_path)
+    if not os.path.exists(path):
+        raise NetnsError(f"mount source {os.fspath(host_path)} does not exist on the host")
+    return path
+
+
+def _target(pod_path: str | os.PathLike[str]) -> str:
+    path = os.fspath(pod_path)
+    if not os.path.isabs(path):
+        raise ValueError(f"pod mount path {path!r} must be absolute")
+    path = os.path.normpath(path)
+    if path in ("/", "//"):
+        raise ValueError("cannot mount over the pod's root directory")
+    return "/" + path.lstrip("/")
