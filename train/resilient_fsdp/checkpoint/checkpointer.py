@@ -220,7 +220,7 @@ class Checkpointer:
             return None
         pending, self.pending = self.pending, None
         if not all_done:
-            self.engine.forget()
+            self.engine.abandon()
             raise CheckpointError(f"checkpoint of step {pending['step']} failed: its write did not finish within "
                                   f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
                                   f"incomplete at {pending['dir']} and will not be loaded")
@@ -300,4 +300,4 @@ class Checkpointer:
         if self.owns_engine:
             self._engine.close(abort=abort)
         elif abort:
-            self._engine.drain()
+            self._engine.drain(timeout_s=self.cfg.write_timeout_s)
