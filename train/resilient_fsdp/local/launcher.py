@@ -36,7 +36,7 @@ from typing import Optional, TextIO
 
 from ..config import ResilienceConfig
 from ..resilience.accounting import JOB_START_ENV
-from ..resilience.faults import FaultLedger
+from ..resilience.faults import NODE_INDEX_ENV, FaultLedger
 from ..resilience.ft_config import ft_launcher_flags
 from ..resilience.ft_config import write_ft_config as write_ft_yaml
 from ..resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_OUTSIDE
@@ -182,8 +182,9 @@ class LocalLauncher:
             self.out.write(f"[local] {message}\n")
             self.out.flush()
 
-    def _env(self) -> dict:
+    def _env(self, node: int) -> dict:
         env = dict(os.environ)
+        env[NODE_INDEX_ENV] = str(node)  # which pod this is, for faults aimed at node=N
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), QUIET_WARNINGS) if w)
         env[JOB_START_ENV] = repr(self.job_start)
@@ -195,7 +196,7 @@ class LocalLauncher:
         # A new session per agent: one killpg stops the agent and the workers it spawned.
         proc = subprocess.Popen(agent_command(self.job, node, port), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                env=self._env(), start_new_session=True)
+                                env=self._env(node), start_new_session=True)
         fwd = _Forwarder(node, proc.stdout, log_dir / f"node{node}.log", self.out, self.lock, self.job.verbose)
         fwd.start()
         self.forwarders.append(fwd)

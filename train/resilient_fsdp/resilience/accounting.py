@@ -31,6 +31,10 @@ from .faults import NODE_START_ENV, FaultLedger
 LAYERS = ("in_process", "in_job", "job")
 JOB_START_ENV = "RESILIENT_FSDP_JOB_START"
 _LIFECYCLE = ("start", "finish")
+# What a fault's ledger record says about how it landed, carried into its recovery record:
+# the rank that fired it, a sigkill-during-save's bytes on disk, a node fault's request file.
+_FAULT_DETAILS = ("rank", "node_index", "during_write", "bytes_on_disk", "expected_bytes", "checkpoint_step", "note",
+                  "request")
 
 
 def read_records(metrics_path: Path) -> list[dict]:
@@ -89,7 +93,8 @@ def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: f
         record = {"fault": fault["fault"], "kind": fault["kind"], "layer": layer,
                   "recovery_s": now - fault["t_fault"], "fault_step": fault["completed_step"],
                   "resumed_from_step": resumed_step,
-                  "lost_steps": max(0, fault["completed_step"] - resumed_step)}
+                  "lost_steps": max(0, fault["completed_step"] - resumed_step),
+                  **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}
         ledger.record_recovery(fault["key"], record)
         new.append(record)
     return new
@@ -120,6 +125,11 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         "faults_injected": [f["fault"] for f in faults],
         "restarts": restarts,
         "recoveries": [recoveries[f["key"]] for f in faults if f["key"] in recoveries],
+        # Fired, and no restart followed: training went on (a partition that healed before any
+        # collective timed out, or one nothing executed).
+        "unrecovered": [{"fault": f["fault"], "kind": f["kind"], "fault_step": f["completed_step"],
+                         "why": "no restart followed it; training went on"}
+                        for f in faults if f["key"] not in recoveries],
         "productive_s": productive,
         "job_wall_s": wall,
         "goodput": productive / wall if wall > 0 else 0.0,
