@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_local(args: argparse.Namespace) -> int:
     from .local.launcher import LocalJob, LocalLauncher
+    from .resilience.faults import check_executable
 
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
         if value < 1:
@@ -112,8 +113,9 @@ def cmd_local(args: argparse.Namespace) -> int:
     # Validate here, once, before starting any process: a typo should not cost a rendezvous.
     config_path = str(Path(args.config).resolve()) if args.config else None
     cfg = load_config(config_path, overrides + [f"run_dir={run_dir}"])
-    parse_faults(list(cfg.resilience.inject) + args.inject, world_size=args.nodes * args.nproc_per_node,
-                 nodes=args.nodes)
+    faults = parse_faults(list(cfg.resilience.inject) + args.inject, world_size=args.nodes * args.nproc_per_node,
+                          nodes=args.nodes)
+    check_executable(faults)  # the simulated nodes inherit this environment
     trainer_args = (["--config", config_path] if config_path else []) + \
         [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(run_dir)] + \
         [a for spec in args.inject for a in ("--inject", spec)]

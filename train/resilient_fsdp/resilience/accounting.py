@@ -85,7 +85,7 @@ def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.de
 def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: float) -> list[dict]:
     """Rank 0, after the first step completed in an attempt caused by a restart: close every
     fired fault that has no recovery yet. Returns the new recovery records."""
-    done = ledger.recoveries()
+    done = {**ledger.recoveries(), **ledger.went_on()}
     new = []
     for fault in ledger.fired():
         if fault["key"] in done or fault["t_fault"] > now:
@@ -116,7 +116,7 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
     for r in records:
         if r.get("event") == "start" and r.get("layer") in restarts:
             restarts[r["layer"]] += 1
-    recoveries = ledger.recoveries()
+    recoveries, went_on = ledger.recoveries(), ledger.went_on()
     faults = ledger.fired()
     productive = sum(r["step_time_s"] for r in records if r.get("event") == "step")
     start = job_start_time(records)
@@ -127,10 +127,17 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         "recoveries": [recoveries[f["key"]] for f in faults if f["key"] in recoveries],
         # Fired, and no restart followed: training went on (a partition that healed before any
         # collective timed out, or one nothing executed).
-        "unrecovered": [{"fault": f["fault"], "kind": f["kind"], "fault_step": f["completed_step"],
-                         "why": "no restart followed it; training went on"}
-                        for f in faults if f["key"] not in recoveries],
+        "unrecovered": [_unrecovered(f, went_on.get(f["key"])) for f in faults if f["key"] not in recoveries],
         "productive_s": productive,
         "job_wall_s": wall,
         "goodput": productive / wall if wall > 0 else 0.0,
     }
+
+
+def _unrecovered(fault: dict, went_on: Optional[dict]) -> dict:
+    if went_on:
+        why = f"no restart: training went on (step {went_on['step']} completed {went_on['after_s']:.1f} s after it)"
+    else:
+        why = "no restart followed it"
+    return {"fault": fault["fault"], "kind": fault["kind"], "fault_step": fault["completed_step"], "why": why,
+            **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}

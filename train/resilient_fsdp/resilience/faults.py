@@ -90,7 +90,7 @@ class FaultLedger:
         """Every fired fault, oldest first."""
         records = []
         for path in self.dir.glob("*.json") if self.dir.is_dir() else []:
-            if path.name.endswith(".recovery.json"):
+            if path.name.endswith((".recovery.json", ".went-on.json")):
                 continue
             try:
                 records.append(json.loads(path.read_text()))
@@ -109,6 +109,20 @@ class FaultLedger:
 
     def record_recovery(self, key: str, record: dict) -> None:
         atomic.write_json(self.dir / f"{key}.recovery.json", record, indent=None, newline=False)
+
+    def record_went_on(self, key: str, record: dict) -> None:
+        """Training went on past a fault that stops nothing by itself (a partition that healed
+        in time): no restart is its recovery."""
+        atomic.write_json(self.dir / f"{key}.went-on.json", record, indent=None, newline=False)
+
+    def went_on(self) -> dict[str, dict]:
+        found = {}
+        for path in self.dir.glob("*.went-on.json") if self.dir.is_dir() else []:
+            try:
+                found[path.name[: -len(".went-on.json")]] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return found
 
 
 def node_index() -> int:
@@ -274,9 +288,11 @@ class FaultInjector:
                      if (s.node is None and s.rank == rank) or (s.node == self.node and local_rank == 0)]
         self.rank, self.ledger, self.on_fire = rank, ledger, on_fire
         self.watch: Optional[SaveWatch] = None
+        self.partitions: list[tuple[FaultSpec, float]] = []  # fired here, (spec, t_fault)
 
     def at_step_start(self, step: int, completed_step: int) -> None:
         """Called inside the step section before step ``step`` (``completed_step`` = step - 1) runs."""
+        self._note_healed_partitions(completed_step)
         for spec in self.mine:
             if spec.kind in self.PRE_STEP and spec.step == step:
                 self.fire(spec, completed_step)
@@ -333,6 +349,7 @@ class FaultInjector:
             atomic.write_json(request, {"kind": spec.kind, "node": self.node, "step": spec.step, "for_s": spec.for_s,
                                         "rank": self.rank, "time": record["t_fault"]})
             if spec.kind == "partition":
+                self.partitions.append((spec, record["t_fault"]))
                 return  # the cluster cuts the link; training goes on until it notices
             self._await_node_loss(spec, request)
         if spec.kind == "exception":
@@ -351,6 +368,16 @@ class FaultInjector:
         if spec.kind in ("hang", "hang-in-collective"):
             while True:  # Python-level, so an in-process restart can interrupt it
                 time.sleep(0.05)
+
+    def _note_healed_partitions(self, completed_step: int) -> None:
+        """A step completed after a partition's ``for`` seconds were over: it healed without a
+        restart (or nothing executed it), so the next restart is not its recovery."""
+        now = time.time()
+        for spec, t_fault in list(self.partitions):
+            if spec.for_s is not None and now - t_fault > spec.for_s:
+                self.ledger.record_went_on(spec.key, {"fault": str(spec), "step": completed_step,
+                                                      "after_s": now - t_fault})
+                self.partitions.remove((spec, t_fault))
 
     def _await_node_loss(self, spec: FaultSpec, request: Path) -> None:
         """After a node-loss request: the cluster kills this pod. If it has not within
