@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 
+from resilient_fsdp.checkpoint.nvrx import NVRX_VERSION
 from resilient_fsdp.resilience.faults import NODE_INDEX_ENV
 from tests.support import assert_no_leftovers, processes_of, read_losses, read_summary, run_local
 
@@ -36,12 +38,14 @@ def fault_free_run(run_dir: Path, nodes: int, nproc: int) -> tuple[dict, list[fl
 
 
 def run_with_faults(run_dir: Path, specs: list[str], reference: tuple[dict, list[float]], nodes: int = 2,
-                    nproc: int = 2, extra: list[str] | None = None, timeout: float = 400, **kwargs) -> dict:
+                    nproc: int = 2, overrides: list[str] | None = None, extra: list[str] | None = None,
+                    timeout: float = 400, nvrx_version: str = NVRX_VERSION, **kwargs) -> dict:
     """Run the job with ``specs`` injected; it must finish bitwise equal to ``reference`` with
-    every fault recorded and nothing left running. Returns its summary."""
+    every fault recorded and nothing left running, and say which NVRx and torch it ran.
+    Returns its summary."""
     baseline, baseline_losses = reference
-    proc = run_local(run_dir, nodes=nodes, nproc=nproc, overrides=COMMON + (extra or []),
-                     extra=[f"--inject={s}" for s in specs], timeout=timeout, **kwargs)
+    proc = run_local(run_dir, nodes=nodes, nproc=nproc, overrides=COMMON + (overrides or []),
+                     extra=[f"--inject={s}" for s in specs] + (extra or []), timeout=timeout, **kwargs)
     out = proc.stdout[-8000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
     summary = read_summary(run_dir)
@@ -50,6 +54,8 @@ def run_with_faults(run_dir: Path, specs: list[str], reference: tuple[dict, list
     assert read_losses(run_dir) == baseline_losses  # the whole curve, exactly
     assert summary["faults_injected"] == specs
     assert 0 < summary["goodput"] < 1
+    assert summary["nvrx_version"] == nvrx_version and summary["torch_version"] == torch.__version__
+    assert f"NVRx {nvrx_version}, torch {torch.__version__}" in proc.stdout  # the start line
     assert_no_leftovers(run_dir)
     summary["_output"] = out
     return summary
@@ -66,9 +72,11 @@ def check_recoveries(summary: dict, layers: list[str]) -> None:
         assert r["recovery_s"] > 0
         if r["kind"] == "sigkill-during-save":  # the checkpoint it tore (fault_step) never committed
             assert r["resumed_from_step"] == r["fault_step"] - 4
+        elif r["kind"] == "sigterm":  # graceful stop: the step it stopped at was checkpointed
+            assert r["resumed_from_step"] == r["fault_step"] + 1
         else:
             assert r["resumed_from_step"] == r["fault_step"] - r["fault_step"] % 4
-        assert r["lost_steps"] == r["fault_step"] - r["resumed_from_step"]
+        assert r["lost_steps"] == max(0, r["fault_step"] - r["resumed_from_step"])
 
 
 def check_landed_mid_write(record: dict) -> None:

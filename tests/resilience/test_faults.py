@@ -60,7 +60,7 @@ MULTI = [
 
 @pytest.mark.parametrize("specs,extra,layers", MULTI, ids=["default", "in_process"])
 def test_faults_in_one_job_are_each_recovered_by_their_layer(tmp_path, reference_2x2, specs, extra, layers):
-    summary = run_with_faults(tmp_path / "run", specs, reference_2x2, extra=extra)
+    summary = run_with_faults(tmp_path / "run", specs, reference_2x2, overrides=extra)
     check_recoveries(summary, layers)
 
 
