@@ -86,6 +86,14 @@ def test_a_partition_request_is_written_atomically_and_training_goes_on(tmp_path
     assert fired["fault"] == "partition@9:node=1:for=5" and fired["request"].endswith("partition-step9-node1.json")
     injector.at_step_start(9, 8)  # once per job
     assert len(ledger.fired()) == 1
+    # Still training after its 5 s: it healed (or nothing cut the link), so the next restart
+    # is not its recovery, and the summary lists it as unrecovered.
+    injector.partitions = [(spec, t - 10) for spec, t in injector.partitions]
+    injector.at_step_start(12, 11)
+    assert ledger.went_on()["partition@9-node1"]["step"] == 11
+    assert record_recoveries(ledger, "in_job", resumed_step=8, now=fired["t_fault"] + 30) == []
+    (unrecovered,) = summarize(tmp_path / "metrics.jsonl", ledger)["unrecovered"]
+    assert unrecovered["fault"] == "partition@9:node=1:for=5" and "training went on (step 11" in unrecovered["why"]
 
 
 def test_in_process_timeouts_must_be_ordered():
