@@ -62,21 +62,24 @@ def run_with_faults(run_dir: Path, specs: list[str], reference: tuple[dict, list
 
 
 def check_recoveries(summary: dict, layers: list[str]) -> None:
-    """One recovery per fault, by the layer named, from the newest committed checkpoint before it
-    (every 4 steps); what came after that checkpoint was trained again."""
+    """One recovery per fault, by the layer named, from a committed checkpoint before it (every 4
+    steps); what came after that checkpoint was trained again."""
     recoveries = summary["recoveries"]
     assert [r["layer"] for r in recoveries] == layers, summary["_output"]
     for layer in set(layers):
         assert summary["restarts"][layer] >= layers.count(layer)
     for r in recoveries:
-        assert r["recovery_s"] > 0
+        assert r["recovery_s"] > 0, r
         if r["kind"] == "sigkill-during-save":  # the checkpoint it tore (fault_step) never committed
-            assert r["resumed_from_step"] == r["fault_step"] - 4
+            assert r["resumed_from_step"] == r["fault_step"] - 4, r
         elif r["kind"] == "sigterm":  # graceful stop: the step it stopped at was checkpointed
-            assert r["resumed_from_step"] == r["fault_step"] + 1
+            assert r["resumed_from_step"] == r["fault_step"] + 1, r
         else:
-            assert r["resumed_from_step"] == r["fault_step"] - r["fault_step"] % 4
-        assert r["lost_steps"] == max(0, r["fault_step"] - r["resumed_from_step"])
+            # The newest checkpoint before the fault, or the one before it when the fault came
+            # before the newest's asynchronous write had committed (it commits at a later step).
+            newest = r["fault_step"] - r["fault_step"] % 4
+            assert r["resumed_from_step"] in (newest, max(0, newest - 4)), r
+        assert r["lost_steps"] == max(0, r["fault_step"] - r["resumed_from_step"]), r
 
 
 def check_landed_mid_write(record: dict) -> None:
