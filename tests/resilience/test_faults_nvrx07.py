@@ -28,22 +28,23 @@ def lane(nvrx_lane):
     return nvrx_lane
 
 
-def test_every_kind_a_single_pod_can_take_is_recovered_under_nvrx07(tmp_path, lane, reference_1x2):
-    specs = ["exception@3:rank=0", "hang@5:rank=1", "hang-in-collective@7:rank=0", "sigkill@9:rank=1",
-             "sigkill-during-save@10:rank=0", "sigterm@14:node=0", "node-loss@18:node=0"]
+def test_in_job_and_job_level_faults_under_nvrx07(tmp_path, lane, reference_1x2):
+    specs = ["exception@3:rank=0", "hang@7:rank=1", "hang-in-collective@11:rank=0", "sigkill-during-save@13:rank=1",
+             "sigterm@19:node=0"]
     # 0.7 counts --max-restarts as rounds of the whole job (its _handle_restart_decision), not per
-    # node: five in-job restarts need five; sigterm and node-loss recreate the pod instead.
-    summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, extra=["--max-restarts=5"],
-                              pythonpath=[lane], nvrx_version=LANE_VERSION, timeout=500)
-    check_recoveries(summary, ["in_job"] * 5 + ["job", "job"])
-    check_landed_mid_write(summary["recoveries"][4])
+    # node: four in-job restarts need four; sigterm recreates the pod instead.
+    summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, extra=["--max-restarts=4"],
+                              pythonpath=[lane], nvrx_version=LANE_VERSION, timeout=600)
+    check_recoveries(summary, ["in_job"] * 4 + ["job"])
+    check_landed_mid_write(summary["recoveries"][3])
 
 
 def test_in_process_restart_under_nvrx07(tmp_path, lane, reference_1x2):
-    specs = ["exception@3:rank=0", "hang@6:rank=1", "hang-in-collective@10:rank=0", "sigkill@13:rank=1"]
+    specs = ["exception@3:rank=0", "hang@6:rank=1", "hang-in-collective@10:rank=0", "sigkill@13:rank=1",
+             "node-loss@18:node=0"]
     summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, overrides=IN_PROCESS,
-                              pythonpath=[lane], nvrx_version=LANE_VERSION, timeout=400)
-    check_recoveries(summary, ["in_process", "in_process", "in_process", "in_job"])
+                              pythonpath=[lane], nvrx_version=LANE_VERSION, timeout=600)
+    check_recoveries(summary, ["in_process", "in_process", "in_process", "in_job", "job"])
 
 
 def test_several_loopback_nodes_are_refused_under_nvrx07(tmp_path, lane):
