@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from resilient_fsdp.checkpoint import store
@@ -87,22 +88,34 @@ def test_superseded_copies_never_collide_are_listed_and_follow_retention(tmp_pat
 
 
 def test_retention_killed_mid_delete_never_leaves_a_checkpoint_that_scans_as_good(tmp_path):
-    """A real crash: retention runs in another process, killed while it deletes the victim."""
+    """A real crash: retention runs in another process, killed while it deletes the victim. The
+    process stops itself after its 100th file removal (an audit hook sees each ``os.remove``), so
+    the kill lands mid-delete however loaded the machine is."""
     for step in (1, 2):
         path = _partial(tmp_path, step)
-        for i in range(4000):
+        for i in range(400):
             (path / f"__{i}_0.distcp").write_bytes(b"x")
         store.commit(path, {"step": step})
-    code = ("import sys; from pathlib import Path; from resilient_fsdp.checkpoint import store; "
-            "store.apply_retention(Path(sys.argv[1]), keep_last=1)")
+    code = ("import os, signal, sys\n"
+            "from pathlib import Path\n"
+            "from resilient_fsdp.checkpoint import store\n"
+            "removed = [0]\n"
+            "def stop_midway(event, args):\n"
+            "    if event == 'os.remove':\n"
+            "        removed[0] += 1\n"
+            "        if removed[0] == 100:\n"
+            "            os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "sys.addaudithook(stop_midway)\n"
+            "store.apply_retention(Path(sys.argv[1]), keep_last=1)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=_env())
     victim_files = lambda: sum(len(list(p.iterdir())) for p in tmp_path.iterdir() if p.name.startswith("step_00000001"))
     deadline = time.monotonic() + 60
-    while victim_files() > 3990 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
+    while proc.poll() is None and psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
     proc.kill()
     proc.wait()
-    assert 0 < victim_files() < 4001, "the kill came too late to cut the deletion; the test proves nothing"
+    assert 0 < victim_files() < 401, "the kill did not cut the deletion; the test proves nothing"
     assert [c.step for c in store.scan(tmp_path)[0]] == [2]  # step 1 is no checkpoint any more
     assert store.scan(tmp_path)[1] == []
     store.apply_retention(tmp_path, keep_last=1)  # the next pass removes the leftovers
