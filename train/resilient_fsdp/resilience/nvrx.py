@@ -1,10 +1,15 @@
 """Every adaptation this project makes to NVRx's restart layers, in one place.
 
-- **CPU (gloo) process groups**: NVRx's in-process restart aborts NCCL only; :func:`abort_process_groups`
-  aborts every backend (gloo's ``abort`` since torch 2.7) and destroys the groups, and
-  :func:`make_abort` hands it to ``inprocess.Wrapper``.
+- **CPU (gloo) process groups**: NVRx's in-process restart aborts NCCL only, and gloo's ``abort``
+  does not wake a collective already blocked on a peer. :func:`abort_process_groups` shuts down
+  the TCP connections of the process groups (recorded when they were made,
+  :func:`recording_group_sockets`): the local collective fails at once and every peer reads EOF
+  instead of waiting out ``dist.timeout_s``; then it aborts every backend (NCCL's abort is what
+  keeps ``destroy_process_group`` from blocking on a pending collective) and destroys the groups.
+  :func:`make_abort` hands it to ``inprocess.Wrapper``; the trainer runs it on a failed attempt.
 - **NVRx 0.7's health checks**: 0.7 adds GPU, NVLink and NIC checks to in-process restart when
-  ``LOCAL_RANK`` is set; on a CPU-only host they fail: :func:`without_health_checks`.
+  ``LOCAL_RANK`` is set; without a GPU they fail and turn every restart into a termination, so
+  :func:`adapt_health_checks` drops those three there (and says so), and keeps them on GPU nodes.
 - **The c10d rendezvous store**: ``--rdzv-conf=is_host=false`` (the store served from outside the
   nodes, as ``resilient-fsdp local`` serves it so that any node may die) is an NVRx 0.4 feature;
   0.7 keeps only its own rendezvous, whose store an agent must host since it closes every round.
@@ -16,6 +21,12 @@ The checkpointing side has its own module, :mod:`resilient_fsdp.checkpoint.nvrx`
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import sys
+from typing import Callable, Iterable, Iterator, Optional
+
 # What the restart layers import of NVRx (in-process restart; ft_launcher, which the node agent
 # runs), for reports of what a machine can import.
 NVRX_MODULES = ("nvidia_resiliency_ext.inprocess", "nvidia_resiliency_ext.fault_tolerance.launcher")
@@ -24,16 +35,77 @@ RDZV_STORE_IN_NODE = "--rdzv-conf=is_host=true"
 QUIET_WARNINGS = "ignore:The pynvml package is deprecated:FutureWarning"
 
 
-def abort_process_groups() -> None:
-    """Abort every process group's backend, then destroy them.
+# (fd, local address, remote address) of every TCP connection the process groups made.
+_GROUP_SOCKETS: set[tuple] = set()
 
-    NVRx's default abort handles NCCL only; gloo's ``abort`` (torch >= 2.7) fails the operations
-    a rank can still be woken from. An operation waiting on a peer that never answers still runs
-    to ``dist.timeout_s``: gloo has no way to cancel it, which is why tests keep that timeout short.
+
+def _tcp_connections(skip_ports: Iterable[int] = ()) -> set[tuple]:
+    import psutil
+
+    skip = set(skip_ports)
+    found = set()
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return found
+    for c in conns:
+        if c.fd < 0 or c.status != psutil.CONN_ESTABLISHED or not c.raddr:
+            continue
+        if c.laddr.port in skip or c.raddr.port in skip:
+            continue  # a rendezvous or in-process store: not the group's, and still needed
+        found.add((c.fd, tuple(c.laddr), tuple(c.raddr)))
+    return found
+
+
+@contextlib.contextmanager
+def recording_group_sockets(store_ports: Iterable[int] = ()) -> Iterator[None]:
+    """Record the TCP connections made inside the block (gloo connects every pair when a group is
+    created), except those to or from ``store_ports``, for :func:`abort_process_groups`."""
+    ports = list(store_ports)
+    before = _tcp_connections(ports)
+    yield
+    _GROUP_SOCKETS.update(_tcp_connections(ports) - before)
+
+
+def forget_group_sockets() -> None:
+    """The groups were destroyed cleanly: their connections are closed."""
+    _GROUP_SOCKETS.clear()
+
+
+def shutdown_group_sockets() -> int:
+    """``shutdown(SHUT_RDWR)`` on the recorded connections that are still open (the same fd and
+    addresses: a closed fd's number may have been reused). Returns how many were shut down."""
+    current = _tcp_connections()
+    done = 0
+    for fd, _laddr, _raddr in _GROUP_SOCKETS & current:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # acts on the connection, not on this descriptor
+            done += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()  # closes the duplicate only
+    _GROUP_SOCKETS.clear()
+    return done
+
+
+def abort_process_groups() -> None:
+    """Abort every process group, then destroy them; for a failed attempt, never a clean one.
+
+    First the groups' TCP connections are shut down: a gloo collective blocked on a peer wakes
+    with an error, and every peer's pending collective fails at once (EOF) rather than at
+    ``dist.timeout_s``; gloo's own ``abort`` (torch 2.13) wakes neither. Then every backend's
+    ``abort`` runs, NCCL's included, so that ``destroy_process_group`` does not block on a
+    collective still pending; then the groups are destroyed.
     """
     import torch
     import torch.distributed as dist
 
+    shutdown_group_sockets()
     if not (dist.is_available() and dist.is_initialized()):
         return
     for group in list(dist.distributed_c10d._world.pg_names):
@@ -64,9 +136,44 @@ def make_abort():
     return AbortProcessGroups()
 
 
-def without_health_checks(wrapper):
-    """``wrapper`` with NVRx 0.7's restart health checks (GPU, NVLink, NIC) off: on a CPU-only
-    host they fail and would turn every restart into a termination. 0.4 has none."""
-    if hasattr(wrapper, "restart_health_check"):
+# NVRx 0.7's restart health checks that need a GPU (and its NVLink and NICs, read through NVML).
+GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
+
+
+def adapt_health_checks(wrapper, gpu_present: Optional[bool] = None,
+                        say: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Drop NVRx 0.7's GPU, NVLink and NIC restart health checks from ``wrapper`` when no GPU is
+    present (they fail there, and every in-process restart would become a termination); keep
+    them, and any other check, on GPU nodes. NVRx 0.4 has none. Returns the names dropped."""
+    checks = getattr(wrapper, "restart_health_check", None)
+    if checks is None:
+        return []
+    if gpu_present is None:
+        import torch
+
+        gpu_present = torch.cuda.is_available()
+    if gpu_present:
+        return []
+    instances = list(getattr(checks, "instances", (checks,)))
+    kept = [c for c in instances if type(c).__name__ not in GPU_HEALTH_CHECKS]
+    dropped = [type(c).__name__ for c in instances if type(c).__name__ in GPU_HEALTH_CHECKS]
+    if not dropped:
+        return []
+    if not kept:
         wrapper.restart_health_check = None
-    return wrapper
+    elif len(kept) == 1:
+        wrapper.restart_health_check = kept[0]
+    else:
+        wrapper.restart_health_check = _compose(checks, kept)
+    message = (f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: no GPU: in-process restart runs without "
+               f"NVRx's {', '.join(dropped)} (they need a GPU and NVML)")
+    (say or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
+    return dropped
+
+
+def _compose(original, kept: list):
+    """A chain of ``kept`` of the same composition class as ``original`` (NVRx's ``Compose``)."""
+    compose = next((c for c in type(original).__mro__ if c.__name__ == "Compose"), None)
+    if compose is None:
+        from nvidia_resiliency_ext.inprocess.compose import Compose as compose
+    return compose(*kept)
