@@ -48,7 +48,14 @@ class ModelConfig:
     vocab_size: Optional[int] = Field(default=None, gt=0)
     """Vocabulary size; default: the preset's. Token ids in the data must be below it."""
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward: less memory, ~30% more compute."""
+    """Recompute each transformer block's activations in backward: less memory, ~30% more compute.
+    The RNG state is replayed for the recompute (dropout draws the same masks) unless the model
+    class sets ``recompute_needs_rng = False``."""
+    blocks: Optional[str] = None
+    """Attribute (a dotted path, e.g. ``transformer.h``) of a ``model.factory`` model that holds its
+    repeated blocks (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``): each is sharded
+    by FSDP on its own and wrapped by activation checkpointing. Unset: ``layers``; a model with
+    neither is refused."""
 
 
 @dataclass(config=_STRICT)
