@@ -24,8 +24,8 @@ image's NVRx version where that version's launcher cannot be imported.
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -45,19 +45,16 @@ LAUNCHER_ENV = "RESILIENT_FSDP_AGENT_LAUNCHER"
 
 
 def ft_launcher_executable() -> list[str]:
-    """``ft_launcher`` from this interpreter's environment, else from PATH (or torchrun, see above)."""
+    """The launcher command: ``ft_launcher`` from this interpreter's environment (or torchrun)."""
     choice = os.environ.get(LAUNCHER_ENV, "ft_launcher")
     if choice == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run"]
     if choice != "ft_launcher":
         raise ValueError(f"{LAUNCHER_ENV}={choice!r}: choose ft_launcher or torchrun")
-    beside = Path(sys.executable).parent / "ft_launcher"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("ft_launcher")
-    if found:
-        return [found]
-    raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
+    # ft_launcher, leaving the rendezvous open when this node fails for good (resilience.nvrx).
+    return [sys.executable, "-m", "resilient_fsdp.resilience.nvrx"]
 
 
 def exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False) -> int:

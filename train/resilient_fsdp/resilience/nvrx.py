@@ -13,6 +13,12 @@
 - **The c10d rendezvous store**: ``--rdzv-conf=is_host=false`` (the store served from outside the
   nodes, as ``resilient-fsdp local`` serves it so that any node may die) is an NVRx 0.4 feature;
   0.7 keeps only its own rendezvous, whose store an agent must host since it closes every round.
+- **A node whose ranks failed for good leaves the rendezvous open.** ``ft_launcher`` closes the
+  rendezvous permanently when its in-job restarts are spent (NVRx 0.4: ``clean_rdzv_shutdown(close=
+  True)``; 0.7: ``shutdown_due_to_failure``), so the pod the job level recreates, and every other
+  node at its next round, would fail with ``RendezvousClosedError``: the job could never recover.
+  ``python -m resilient_fsdp.resilience.nvrx ARGS`` is ``ft_launcher`` with that closing left out
+  (:func:`keep_rendezvous_open`); the node agent runs it. A stop by a signal never closed it.
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
@@ -177,3 +183,37 @@ def _compose(original, kept: list):
     if compose is None:
         from nvidia_resiliency_ext.inprocess.compose import Compose as compose
     return compose(*kept)
+
+
+def keep_rendezvous_open(launcher_module) -> str:
+    """Patch ``ft_launcher`` (its ``launcher`` module) not to close the rendezvous for good when
+    this node's ranks fail; returns which NVRx hook was patched."""
+    agent = getattr(launcher_module, "LocalElasticAgent", None)
+    if agent is not None and hasattr(agent, "clean_rdzv_shutdown"):  # 0.4
+        original = agent.clean_rdzv_shutdown
+
+        def clean_rdzv_shutdown(self, close):
+            return original(self, close=False)
+
+        agent.clean_rdzv_shutdown = clean_rdzv_shutdown
+        return "clean_rdzv_shutdown"
+    from nvidia_resiliency_ext.fault_tolerance import ft_rendezvous_barrier as barrier  # 0.7
+
+    for cls in vars(barrier).values():
+        if isinstance(cls, type) and "shutdown_due_to_failure" in vars(cls):
+            cls.shutdown_due_to_failure = lambda self: False
+            return f"{cls.__name__}.shutdown_due_to_failure"
+    return ""
+
+
+def ft_launcher_main(argv: list[str]) -> None:
+    """``ft_launcher`` with :func:`keep_rendezvous_open` applied; exits with its exit code."""
+    from nvidia_resiliency_ext.fault_tolerance import launcher
+
+    keep_rendezvous_open(launcher)
+    sys.argv = ["ft_launcher", *argv]
+    launcher.main()
+
+
+if __name__ == "__main__":
+    ft_launcher_main(sys.argv[1:])
