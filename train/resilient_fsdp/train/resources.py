@@ -33,6 +33,10 @@ class ProcessResources:
         self.stop.install()
 
     def checkpoint_engine(self, rank: int) -> Engine:
+        if self.engine is not None and self.engine.hung:
+            # A writer that outlived checkpoint.write_timeout_s may never take another write.
+            self.engine.close(abort=True)
+            self.engine = None
         if self.engine is None:
             # The launcher signals a node's ranks by process group, which includes the writer
             # processes NVRx spawns: the engines start them with SIGTERM blocked, so they outlive
