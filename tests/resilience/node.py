@@ -1,6 +1,7 @@
 """One node as a pod runs it, for the restart-policy tests: the node agent
-(``python -m resilient_fsdp.resilience.agent``) around ``ft_launcher`` (or torchrun, for the image's
-NVRx lane, whose launcher cannot be imported here) and the trainer's ranks; real processes."""
+(``python -m resilient_fsdp.resilience.agent``) around ``ft_launcher`` (or torchrun) and the
+trainer's ranks; real processes. The agent hosts the rendezvous store, as a one-node pod does and
+as NVRx 0.7's barrier rendezvous requires."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from resilient_fsdp.config import load_config
 from resilient_fsdp.resilience.ft_config import ft_launcher_flags, write_ft_config
+from resilient_fsdp.resilience.nvrx import RDZV_STORE_IN_NODE
 from tests.support import FAST, REPO, _env, run_guarded
 
 AGENT = [sys.executable, "-m", "resilient_fsdp.resilience.agent"]
@@ -36,7 +38,7 @@ def node_command(run_dir: Path, overrides: list[str], launcher: str = "ft_launch
         return [*AGENT, *rdzv, f"--max-restarts={resilience.max_restarts}", *trainer]
     ft_cfg = write_ft_config(run_dir / "ft_config.yaml", resilience)
     return [*AGENT, f"--ft-cfg-path={ft_cfg}", *rdzv, f"--rdzv-id=node-{run_dir.name}",
-            *ft_launcher_flags(resilience), *trainer]
+            RDZV_STORE_IN_NODE, *ft_launcher_flags(resilience), *trainer]
 
 
 def run_node(run_dir: Path, overrides: list[str], launcher: str = "ft_launcher", pythonpath: list[Path] | None = None,

@@ -13,7 +13,7 @@ import pytest
 from resilient_fsdp.config import ConfigError
 from resilient_fsdp.local.launcher import retryable
 from resilient_fsdp.resilience import exit_codes
-from resilient_fsdp.resilience.exit_codes import CONFIG, INFRASTRUCTURE, node_exit_code
+from resilient_fsdp.resilience.exit_codes import CONFIG, INFRASTRUCTURE, RENDEZVOUS_LOST, node_exit_code
 from tests.resilience.node import attempts, run_node, start_node
 from tests.support import REPO, assert_no_leftovers, run_local, write_module
 
@@ -57,6 +57,22 @@ def test_node_exit_code_follows_the_table(returncode, stop, config_failure, expe
     assert code == expected
     kind = exit_codes.row(row).kind
     assert retryable(code) == (kind in ("stop", "infrastructure"))
+
+
+@pytest.mark.parametrize("returncode,stop,config_failure,expected", [
+    (1, None, False, RENDEZVOUS_LOST),                   # the store's host went away: this node is healthy
+    (1, signal.SIGTERM, False, 143),                     # stopped: the stop's code, not the store's
+    (1, None, True, CONFIG),                             # a configuration failure still fails the job
+    (0, None, False, 0),
+])
+def test_a_lost_rendezvous_store_is_retried_by_the_job_level(returncode, stop, config_failure, expected):
+    """The row only: a node that loses its store is run by the local cluster's tests (issue 15)."""
+    code = node_exit_code(returncode, stop, config_failure, store_lost=True)
+    assert code == expected
+    assert retryable(code) == (code >= 128)
+    if code == RENDEZVOUS_LOST:
+        assert exit_codes.row("rendezvous-store-lost").code == "200"
+        assert exit_codes.describe_code(code) == "200: rendezvous-store-lost, retried by the job level"
 
 
 def test_which_exceptions_are_never_retried():

@@ -1,12 +1,10 @@
 """Graceful stop on both NVRx lanes: SIGTERM to a node (the ``sigterm`` fault, as on eviction)
 commits a checkpoint of the current step, the node exits 143, and the job resumes from it bitwise.
 
-A node is the agent a pod runs, the launcher and two ranks (real processes, gloo). On the pinned
-lane (NVRx 0.4.1) the launcher is ``ft_launcher``. On the image's lane (0.7) the ranks and their
-checkpoint writers run NVRx 0.7, whose writer installs its own SIGTERM handler; 0.7's launcher
-cannot be imported on this machine (it needs httpx, grpcio and protobuf), so that node runs
-torch's launcher, which stops its ranks the same way (SIGTERM to each rank's process group, which
-holds the writer and its results Manager).
+A node is the agent a pod runs, ``ft_launcher`` and two ranks (real processes, gloo), on the
+pinned lane (NVRx 0.4.1) and on the image's (0.7, whose checkpoint writer installs its own SIGTERM
+handler: the trainer starts it with SIGTERM blocked, so the SIGTERM ``ft_launcher`` sends each
+rank's process group reaches the trainer only, and the writer finishes the final checkpoint).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from tests.support import assert_no_leftovers, read_events, read_losses, read_su
 
 RUN = ["train.steps=12", "checkpoint.interval_steps=4", "train.log_every=4", "resilience.learn_timeouts=false",
        "resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5"]
-LANES = {"pinned": "ft_launcher", "image": "torchrun"}
+LANES = ("pinned", "image")
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +29,11 @@ def fault_free(tmp_path_factory):
     return read_summary(run_dir)["params_sha256"], read_losses(run_dir)
 
 
-@pytest.mark.parametrize("lane", list(LANES))
+@pytest.mark.parametrize("lane", LANES)
 def test_sigterm_commits_a_checkpoint_exits_143_and_the_job_resumes_bitwise(tmp_path, request, fault_free, lane):
     pythonpath = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
     run_dir = tmp_path / "run"
-    stopped = run_node(run_dir, RUN, launcher=LANES[lane], pythonpath=pythonpath, inject=["sigterm@6:rank=1"])
+    stopped = run_node(run_dir, RUN, pythonpath=pythonpath, inject=["sigterm@6:rank=1"])
     out = stopped.stdout[-3000:] + stopped.stderr[-4000:]
     assert stopped.returncode == 143, out
     assert "stopped by SIGTERM" in stopped.stderr
@@ -48,7 +46,7 @@ def test_sigterm_commits_a_checkpoint_exits_143_and_the_job_resumes_bitwise(tmp_
     assert manifest["nvrx_version"].startswith(expected_nvrx), manifest["nvrx_version"]
     assert_no_leftovers(run_dir)
 
-    resumed = run_node(run_dir, RUN, launcher=LANES[lane], pythonpath=pythonpath)
+    resumed = run_node(run_dir, RUN, pythonpath=pythonpath)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     summary = read_summary(run_dir)
     sha, losses = fault_free

@@ -10,7 +10,8 @@ chart's JobSet rules do the same (``podFailurePolicy``). So the classification i
   before it restarts the rank, and the pod exits 2, which fails the job with the reason;
 - **infrastructure-type** failures (signals, hangs, lost peers or rendezvous store, CUDA/NCCL
   errors, anything unknown) are retried by every layer in turn; when the in-job restarts are spent
-  the pod exits :data:`INFRASTRUCTURE` (128 + ``EX_TEMPFAIL``), which the job level retries.
+  the pod exits :data:`INFRASTRUCTURE` (128 + ``EX_TEMPFAIL``), which the job level retries; a
+  node that lost its rendezvous store exits :data:`RENDEZVOUS_LOST`, also retried.
 
 :data:`TABLE` is that classification as data: the node agent (:mod:`.agent`) and the trainer
 (:mod:`resilient_fsdp.train.entrypoint`) act on it, and ``docs/faults-and-restarts.md`` shows
@@ -50,6 +51,9 @@ SUCCESS = 0
 CONFIG = ConfigError.exit_code  # 2
 INFRASTRUCTURE = 128 + EX_TEMPFAIL  # 203
 NVRX_NO_RESTART = 93  # NVRx 0.7's ft_launcher: NoRestartRequested (--ft-no-restart-exit-code)
+# The node lost the rendezvous store (its host, pod 0's agent, went away with its pod): outside
+# 129-192, where 128 + a signal lives, so the two read apart.
+RENDEZVOUS_LOST = 200
 
 TABLE: tuple[Row, ...] = (
     Row("done", str(SUCCESS), "success", "training finished (every rank exited 0)", "-",
@@ -72,9 +76,13 @@ TABLE: tuple[Row, ...] = (
     Row("killed", "128 + N (137 for SIGKILL)", "infrastructure",
         "`ft_launcher` itself was killed by signal N (the OOM killer, a node going down)",
         "job level", "the pod is recreated"),
+    Row("rendezvous-store-lost", str(RENDEZVOUS_LOST), "infrastructure",
+        "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost); "
+        "this node is healthy",
+        "job level", "the pod is recreated and joins the store of the host's replacement"),
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
-        "peers or a lost rendezvous store, CUDA/NCCL errors, in-process restarts spent, any other "
+        "peers, CUDA/NCCL errors, in-process restarts spent, any other "
         "exception; its in-job restarts (`resilience.max_restarts`) are spent",
         "in-process (exceptions, hangs), then in-job, then job level",
         "the pod is recreated (128 + `EX_TEMPFAIL`)"),
@@ -90,9 +98,11 @@ def is_configuration_failure(exc: BaseException) -> bool:
     return isinstance(exc, (ConfigError, FloatingPointError))
 
 
-def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False) -> int:
+def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False,
+                   store_lost: bool = False) -> int:
     """The node's exit code from ``ft_launcher``'s return code, the stop signal the node received
-    (if any), and whether a rank reported a configuration-type failure."""
+    (if any), whether a rank reported a configuration-type failure, and whether ``ft_launcher``
+    failed because the rendezvous store went away (read from its output by the agent)."""
     if config_failure:
         return CONFIG
     if returncode < 0:
@@ -103,15 +113,18 @@ def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: 
         return 128 + stop_signal  # ranks checkpointed and stopped; ft_launcher says 1
     if returncode in (CONFIG, NVRX_NO_RESTART):
         return returncode  # its own bad flags (argparse), or NVRx decided against a restart
+    if store_lost:
+        return RENDEZVOUS_LOST
     return INFRASTRUCTURE
 
 
 def describe_code(code: int) -> str:
     """One line for a node's exit code: which row, and whether the job level retries it."""
     if code in RETRIED:
-        name = "restarts-exhausted" if code == INFRASTRUCTURE else "stopped or killed"
+        named = {INFRASTRUCTURE: "restarts-exhausted", RENDEZVOUS_LOST: "rendezvous-store-lost"}
+        name = named.get(code, "stopped or killed")
         try:
-            sig = f" ({signal.Signals(code - 128).name})" if code != INFRASTRUCTURE else ""
+            sig = f" ({signal.Signals(code - 128).name})" if code not in named else ""
         except ValueError:
             sig = ""
         return f"{code}: {name}{sig}, retried by the job level"

@@ -61,7 +61,8 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
     # Monitoring intervals must be shorter than the timeouts they serve; short timeouts (tests)
     # get proportionally short intervals.
     interval = seconds(seconds=min(1.0, soft / 5, cfg.in_process_heartbeat_timeout_s / 5))
-    wrapper = inprocess.Wrapper(
+    wrapper = nvrx.new_wrapper(
+        inprocess.Wrapper,
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.in_process_store_port_offset},
         abort=nvrx.make_abort(),
         health_check=None,
@@ -77,7 +78,6 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
         last_call_wait=seconds(seconds=min(1.0, soft / 10)),
         termination_grace_time=seconds(seconds=min(5.0, soft)),
     )
-    nvrx.adapt_health_checks(wrapper)
 
     def attempt(call_wrapper: CallWrapper = None):
         iteration = call_wrapper.iteration

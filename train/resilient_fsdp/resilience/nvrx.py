@@ -8,8 +8,10 @@
   keeps ``destroy_process_group`` from blocking on a pending collective) and destroys the groups.
   :func:`make_abort` hands it to ``inprocess.Wrapper``; the trainer runs it on a failed attempt.
 - **NVRx 0.7's health checks**: 0.7 adds GPU, NVLink and NIC checks to in-process restart when
-  ``LOCAL_RANK`` is set; without a GPU they fail and turn every restart into a termination, so
-  :func:`adapt_health_checks` drops those three there (and says so), and keeps them on GPU nodes.
+  ``LOCAL_RANK`` is set; without a GPU they fail and turn every restart into a termination (and
+  constructing them logs NVML errors in every rank), so :func:`new_wrapper` builds the wrapper
+  without them there (and says so), and keeps them on GPU nodes; :func:`adapt_health_checks`
+  drops any that a wrapper built otherwise carries.
 - **The c10d rendezvous store**: ``--rdzv-conf=is_host=false`` (the store served from outside the
   nodes, as ``resilient-fsdp local`` serves it so that any node may die) is an NVRx 0.4 feature;
   0.7 keeps only its own barrier rendezvous (``ft_rendezvous_barrier.py``), in which only the
@@ -157,6 +159,40 @@ def make_abort():
     return AbortProcessGroups()
 
 
+def new_wrapper(wrapper_class, gpu_present: Optional[bool] = None, say: Optional[Callable[[str], None]] = None,
+                **kwargs):
+    """``wrapper_class(**kwargs)`` (NVRx's ``inprocess.Wrapper``) with NVRx 0.7's GPU, NVLink and NIC
+    restart health checks only where a GPU is present.
+
+    0.7 adds them in the constructor when ``LOCAL_RANK`` is set, and constructing them initialises
+    NVML, which fails (and logs it) on a host without one: there the wrapper is built with
+    ``LOCAL_RANK`` hidden, and the absence is said once. With a GPU, or under NVRx 0.4 (which has
+    no such checks), the wrapper is built as NVRx builds it.
+    """
+    if gpu_present is None:
+        import torch
+
+        gpu_present = torch.cuda.is_available()
+    adds_gpu_checks = hasattr(wrapper_class, "_construct_restart_health_check")  # 0.7's constructor step
+    if gpu_present or not adds_gpu_checks or "LOCAL_RANK" not in os.environ:
+        wrapper = wrapper_class(**kwargs)
+        adapt_health_checks(wrapper, gpu_present, say)
+        return wrapper
+    local_rank = os.environ.pop("LOCAL_RANK")
+    try:
+        wrapper = wrapper_class(**kwargs)
+    finally:
+        os.environ["LOCAL_RANK"] = local_rank
+    _say_dropped(list(GPU_HEALTH_CHECKS), say)
+    return wrapper
+
+
+def _say_dropped(dropped: list[str], say: Optional[Callable[[str], None]]) -> None:
+    message = (f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: no GPU: in-process restart runs without "
+               f"NVRx's {', '.join(dropped)} (they need a GPU and NVML)")
+    (say or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
+
+
 # NVRx 0.7's restart health checks that need a GPU (and its NVLink and NICs, read through NVML).
 GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
 
@@ -186,9 +222,7 @@ def adapt_health_checks(wrapper, gpu_present: Optional[bool] = None,
         wrapper.restart_health_check = kept[0]
     else:
         wrapper.restart_health_check = _compose(checks, kept)
-    message = (f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: no GPU: in-process restart runs without "
-               f"NVRx's {', '.join(dropped)} (they need a GPU and NVML)")
-    (say or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
+    _say_dropped(dropped, say)
     return dropped
 
 
