@@ -32,15 +32,20 @@ def fault_free(tmp_path_factory):
     return read_summary(run_dir), read_losses(run_dir)
 
 
-def test_faults_escalate_through_every_layer_and_the_job_ends_bitwise(tmp_path, fault_free):
+@pytest.mark.parametrize("lane", ["pinned", "image"])
+def test_faults_escalate_through_every_layer_and_the_job_ends_bitwise(tmp_path, request, fault_free, lane):
+    """On both NVRx lanes (0.4.1 pinned, the image's 0.7: its in-process restart, ft_launcher and
+    agent-hosted rendezvous store; one node, whose in-job budget is also 0.7's per-job count)."""
     baseline, losses = fault_free
+    pythonpath = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=1, nproc=2, overrides=COMMON, extra=[f"--inject={s}" for s in ESCALATING]
-                     + ["--max-node-restarts=1"], timeout=600)
+                     + ["--max-node-restarts=1"], pythonpath=pythonpath, timeout=600)
     out = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
     assert "node0 exited with code 203: recreating it" in proc.stdout
     summary = read_summary(run_dir)
+    assert summary["nvrx_version"].startswith("0.7" if lane == "image" else "0.4"), summary["nvrx_version"]
     assert summary["restarts"] == {"in_process": 1, "in_job": 1, "job": 1}, out
     assert [r["layer"] for r in summary["recoveries"]] == ["in_process", "in_job", "job"], out
     assert summary["faults_injected"] == ESCALATING

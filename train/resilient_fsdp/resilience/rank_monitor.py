@@ -189,6 +189,11 @@ class ProgressMonitor:
 
     def close(self) -> None:
         if self.client is not None:
+            # A drain still open (Trainer.close closes the monitor inside it) is closed first:
+            # NVRx 0.7's monitor warns of sections left open at shutdown.
+            for section in sorted(self.open):
+                self.client.end_section(section)
+            self.open.clear()
             self.client.shutdown_workload_monitoring()
             self.client = None
 
