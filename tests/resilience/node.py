@@ -1,6 +1,6 @@
 """One node as a pod runs it, for the restart-policy tests: the node agent
-(``python -m resilient_fsdp.resilience.agent``) around ``ft_launcher`` (or torchrun) and the
-trainer's ranks; real processes. The agent hosts the rendezvous store, as a one-node pod does and
+(``python -m resilient_fsdp.resilience.agent``) around ``ft_launcher`` and the trainer's
+ranks; real processes. The agent hosts the rendezvous store, as a one-node pod does and
 as NVRx 0.7's barrier rendezvous requires."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_command(run_dir: Path, overrides: list[str], launcher: str = "ft_launcher", nproc: int = 2,
+def node_command(run_dir: Path, overrides: list[str], nproc: int = 2,
                  inject: list[str] | None = None, trainer_args: list[str] | None = None) -> list[str]:
     """The agent's command line for a one-node job of ``nproc`` ranks in ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -34,29 +34,26 @@ def node_command(run_dir: Path, overrides: list[str], launcher: str = "ft_launch
     rdzv = ["--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5", f"--log-dir={run_dir / 'logs'}"]
     resilience = load_config(None, overrides).resilience
-    if launcher == "torchrun":
-        return [*AGENT, *rdzv, f"--max-restarts={resilience.max_restarts}", *trainer]
     ft_cfg = write_ft_config(run_dir / "ft_config.yaml", resilience)
     return [*AGENT, f"--ft-cfg-path={ft_cfg}", *rdzv, f"--rdzv-id=node-{run_dir.name}",
             RDZV_STORE_IN_NODE, *ft_launcher_flags(resilience), *trainer]
 
 
-def run_node(run_dir: Path, overrides: list[str], launcher: str = "ft_launcher", pythonpath: list[Path] | None = None,
+def run_node(run_dir: Path, overrides: list[str], pythonpath: list[Path] | None = None,
              inject: list[str] | None = None, timeout: float = 300, trainer_args: list[str] | None = None
              ) -> subprocess.CompletedProcess:
     """Run one node to its end; the agent's exit code is the pod's."""
-    cmd = node_command(run_dir, overrides, launcher, inject=inject, trainer_args=trainer_args)
-    env = {"RESILIENT_FSDP_AGENT_LAUNCHER": launcher, "PYTHONUNBUFFERED": "1"}
+    cmd = node_command(run_dir, overrides, inject=inject, trainer_args=trainer_args)
+    env = {"PYTHONUNBUFFERED": "1"}
     return run_guarded(cmd, run_dir, pythonpath, timeout, env)
 
 
-def start_node(run_dir: Path, overrides: list[str], launcher: str = "ft_launcher") -> subprocess.Popen:
+def start_node(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
     """Start one node in the background (output to ``run_dir/node.log``)."""
-    cmd = node_command(run_dir, overrides, launcher)
+    cmd = node_command(run_dir, overrides)
     log = open(run_dir / "node.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env=_env(None, run_dir, {"RESILIENT_FSDP_AGENT_LAUNCHER": launcher,
-                                                     "PYTHONUNBUFFERED": "1"}))
+                            env=_env(None, run_dir, {"PYTHONUNBUFFERED": "1"}))
 
 
 def attempts(log_dir: Path) -> list[str]:

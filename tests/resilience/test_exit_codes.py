@@ -100,16 +100,19 @@ NAN_MODEL = """
 """
 
 
-@pytest.mark.parametrize("in_process", [False, True], ids=["in-job", "in-process"])
-def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, plugin_dir, in_process):
-    """A missing data file (in-job only) or a NaN loss (in-process restart on): the node exits 2 at
-    once although every layer has restarts left; ft_launcher started the ranks once."""
+@pytest.mark.parametrize("in_process,lane", [(False, "pinned"), (True, "pinned"), (True, "image")],
+                         ids=["in-job", "in-process", "in-process-nvrx07"])
+def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugin_dir, in_process, lane):
+    """A missing data file (in-job only) or a NaN loss (in-process restart on, on both NVRx lanes):
+    the node exits 2 at once although every layer has restarts left; ft_launcher started the
+    ranks once."""
     write_module(plugin_dir, "nan_model", NAN_MODEL)
     run_dir = tmp_path / "run"
     cause = ["model.factory=nan_model:build"] if in_process else ["data.source=tokens",
                                                                    f"data.path={tmp_path / 'missing.bin'}"]
+    lanes = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
     t0 = time.monotonic()
-    proc = run_local(run_dir, nodes=1, nproc=2, pythonpath=[plugin_dir], timeout=240,
+    proc = run_local(run_dir, nodes=1, nproc=2, pythonpath=[plugin_dir, *lanes], timeout=240,
                      overrides=RUN + (IN_PROCESS if in_process else []) + cause + ["resilience.max_restarts=3"],
                      extra=["--max-node-restarts=2"])
     out = proc.stdout + proc.stderr

@@ -16,10 +16,6 @@ and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
 
 It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
 the node, and since when) and, as a child subreaper, reaps whatever the node leaves behind.
-
-``RESILIENT_FSDP_AGENT_LAUNCHER=torchrun`` runs torch's own launcher instead of ``ft_launcher``:
-the same node contract without NVRx's hang detection. The tests use it to run ranks on the
-image's NVRx version where that version's launcher cannot be imported.
 """
 
 from __future__ import annotations
@@ -41,19 +37,11 @@ from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
 
-LAUNCHER_ENV = "RESILIENT_FSDP_AGENT_LAUNCHER"
-
-
 def ft_launcher_executable() -> list[str]:
-    """The launcher command: ``ft_launcher`` from this interpreter's environment (or torchrun)."""
-    choice = os.environ.get(LAUNCHER_ENV, "ft_launcher")
-    if choice == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run"]
-    if choice != "ft_launcher":
-        raise ValueError(f"{LAUNCHER_ENV}={choice!r}: choose ft_launcher or torchrun")
+    """``ft_launcher`` of this interpreter's NVRx, leaving the rendezvous open when this node fails
+    for good (:func:`.nvrx.keep_rendezvous_open`)."""
     if importlib.util.find_spec("nvidia_resiliency_ext") is None:
         raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
-    # ft_launcher, leaving the rendezvous open when this node fails for good (resilience.nvrx).
     return [sys.executable, "-m", "resilient_fsdp.resilience.nvrx"]
 
 
