@@ -55,9 +55,11 @@ def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
             return model
     """)
     run_dir = tmp_path / "run"
+    # An exception is an infrastructure-type failure (retried by every layer): no job-level restart
+    # here, so the job fails once the in-job restarts are spent.
     proc = run_local(run_dir, nodes=2, nproc=2, pythonpath=[plugin_dir],
-                     overrides=["train.steps=50", "model.factory=raising_model:build"])
-    assert proc.returncode != 0
+                     overrides=["train.steps=50", "model.factory=raising_model:build"], extra=["--max-node-restarts=0"])
+    assert proc.returncode == 203
     assert "job FAILED" in proc.stdout
     assert "RuntimeError: injected failure on rank 3 at step 3" in proc.stdout.split("job FAILED", 1)[1]
     assert not (run_dir / "summary.json").exists()

@@ -29,16 +29,16 @@ def lane(nvrx_lane):
 
 
 def test_in_job_faults_under_nvrx07(tmp_path, lane, reference_1x2):
-    # Not sigterm here: 0.7's checkpoint worker installs a SIGTERM handler that exits 143 (its
-    # async_ckpt/core.py, at worker start), overriding the ignored SIGTERM it inherits, so the
-    # SIGTERM ft_launcher sends a stopping node's ranks kills the writer and the graceful stop's
-    # final checkpoint never finishes. Shielding the writer is the restart-policy issue's.
-    specs = ["exception@3:rank=0", "hang@7:rank=1", "hang-in-collective@11:rank=0", "sigkill-during-save@13:rank=1"]
+    # sigterm: 0.7's checkpoint worker installs its own SIGTERM handler (async_ckpt/core.py) that
+    # exits 143; the trainer starts it with SIGTERM blocked, so the SIGTERM ft_launcher sends a
+    # stopping node's ranks reaches the trainer only, and the graceful stop's checkpoint commits.
+    specs = ["exception@3:rank=0", "hang@7:rank=1", "hang-in-collective@11:rank=0", "sigkill-during-save@13:rank=1",
+             "sigterm@18:node=0"]
     # 0.7 counts --max-restarts as rounds of the whole job (its _handle_restart_decision), not per
     # node: four in-job restarts need four.
     summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, extra=["--max-restarts=4"],
                               pythonpath=[lane], nvrx_version=LANE_VERSION, timeout=600)
-    check_recoveries(summary, ["in_job"] * 4)
+    check_recoveries(summary, ["in_job"] * 4 + ["job"])
     check_landed_mid_write(summary["recoveries"][3])
 
 

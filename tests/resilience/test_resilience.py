@@ -9,10 +9,8 @@ import signal
 import pytest
 import yaml
 
-from resilient_fsdp.resilience.agent import exit_code
 from resilient_fsdp.config import ConfigError, FaultSpec, load_config, parse_fault, parse_faults
 from resilient_fsdp.resilience.faults import NODE_INDEX_ENV, REQUESTS_ENV, FaultInjector, FaultLedger
-from resilient_fsdp.local.launcher import retryable
 from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
 from resilient_fsdp.resilience.accounting import record_recoveries, summarize
 
@@ -119,7 +117,7 @@ def test_ft_config_carries_the_resilience_settings_for_every_nvrx_version():
     cfg = load_config(None, ["resilience.step_timeout_s=30", "resilience.termination_signal=SIGTERM",
                              "resilience.max_restarts=5", "resilience.workers_stop_timeout_s=4"]).resilience
     ft = ft_config(cfg)["fault_tolerance"]
-    assert ft["rank_section_timeouts"] == {"init": 900.0, "step": 30.0, "checkpoint": 900.0}
+    assert ft["rank_section_timeouts"] == {"init": 900.0, "step": 30.0, "checkpoint": 900.0, "drain": 900.0}
     assert ft["rank_out_of_section_timeout"] == 600.0 and ft["rank_termination_signal"] == "SIGTERM"
     assert ft["rank_heartbeat_timeout"] is None and ft["enable_nic_monitor"] is False
     yaml.safe_dump(ft_config(cfg))  # plain YAML types only
@@ -130,18 +128,6 @@ def test_ft_config_carries_the_resilience_settings_for_every_nvrx_version():
     parsed = FaultToleranceConfig.from_kwargs(**ft)
     parsed._fix_rank_termination_signal_type()
     assert parsed.rank_section_timeouts["step"] == 30.0 and parsed.rank_termination_signal == signal.SIGTERM
-
-
-@pytest.mark.parametrize("returncode,stop,expected", [
-    (0, None, 0),                      # training finished
-    (1, None, 1),                      # restarts exhausted: a permanent failure
-    (-9, None, 137),                   # the launcher was killed: retryable
-    (1, signal.SIGTERM, 143),          # evicted: ranks checkpointed, ft_launcher reports 1
-    (0, signal.SIGTERM, 0),            # SIGTERM arrived as training finished
-])
-def test_node_exit_codes_follow_the_exit_code_restart_policy(returncode, stop, expected):
-    assert exit_code(returncode, stop) == expected
-    assert retryable(expected) == (expected >= 128)
 
 
 def _write_metrics(path, records):
@@ -221,3 +207,118 @@ def test_node_wrapper_kills_a_dead_ranks_helpers_but_not_detached_monitors():
     assert result["killed"] == [result["helper"]]
     assert result["alive"][str(result["helper"])] is False
     assert len(result["monitors"]) == 1 and result["alive"][str(result["monitors"][0])] is True
+
+
+# ---- hang detection: configured timeouts are floors ---------------------------------------------
+
+def test_learned_timeouts_never_go_below_the_configured_ones():
+    from resilient_fsdp.resilience.rank_monitor import with_floors
+
+    configured = {"init": 900.0, "step": 600.0, "checkpoint": 610.0, "drain": 610.0}
+    # NVRx learned 5 x a few milliseconds for step and checkpoint, and for out-of-section time.
+    learned = {"init": 900.0, "step": 0.4, "checkpoint": 0.6, "drain": 610.0}
+    section, oos = with_floors(learned, 0.2, {"step", "checkpoint"}, True, configured, 300.0, 60.0)
+    assert section == configured and oos == 300.0
+    # A step that really takes long raises its timeout above the configured one.
+    section, _ = with_floors({**learned, "step": 1500.0}, 0.2, {"step", "checkpoint"}, True, configured, 300.0, 60.0)
+    assert section["step"] == 1500.0 and section["checkpoint"] == 610.0
+    # Values restored from an older checkpoint: a missing section gets its configured value, a
+    # section configured without a limit stays without one, and a short configured value still
+    # gets the minimum when learned.
+    section, oos = with_floors({"step": 2.0, "checkpoint": 3.0}, 1.0, {"step", "checkpoint"}, True,
+                               {**configured, "step": 30.0, "checkpoint": None}, None, 60.0)
+    assert section == {"init": 900.0, "step": 60.0, "checkpoint": None, "drain": 610.0} and oos is None
+
+
+# ---- NVRx 0.7's restart health checks --------------------------------------------------------------
+
+def _health_checks(names):
+    """NVRx 0.7's ``Wrapper.restart_health_check``: a ``Compose`` of its checks. Stand-ins that carry
+    their class names (the real ones need a GPU to run), composed by the installed NVRx's own
+    ``Compose``; the real 0.7 wrapper is built below, in the image's lane."""
+    from types import SimpleNamespace
+
+    from nvidia_resiliency_ext.inprocess.compose import Compose
+    from nvidia_resiliency_ext.inprocess.health_check import HealthCheck
+
+    def check_class(name):
+        return type(name, (HealthCheck,), {"__call__": lambda self, state, train_ex=None: state})
+
+    checks = [check_class(n)() for n in names]
+    return SimpleNamespace(restart_health_check=Compose(*checks)), checks
+
+
+def test_without_a_gpu_only_the_gpu_nvlink_and_nic_checks_are_dropped_and_said(capsys):
+    from resilient_fsdp.resilience.nvrx import adapt_health_checks
+
+    wrapper, (user, *_hw) = _health_checks(["UserCheck", "ChainedGPUHealthCheck", "ChainedNVLHealthCheck",
+                                             "ChainedNicHealthCheck"])
+    dropped = adapt_health_checks(wrapper, gpu_present=False)
+    assert dropped == ["ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck"]
+    assert wrapper.restart_health_check is user
+    assert "no GPU: in-process restart runs without NVRx's ChainedGPUHealthCheck" in capsys.readouterr().err
+    wrapper, _ = _health_checks(["ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck"])
+    adapt_health_checks(wrapper, gpu_present=False)
+    assert wrapper.restart_health_check is None
+    wrapper, checks = _health_checks(["UserA", "ChainedGPUHealthCheck", "UserB"])
+    adapt_health_checks(wrapper, gpu_present=False)
+    assert [type(c).__name__ for c in wrapper.restart_health_check.instances] == ["UserA", "UserB"]
+
+
+def test_on_a_gpu_node_every_health_check_is_kept(capsys):
+    """Simulated: this machine has no GPU, so the GPU branch is taken by passing gpu_present."""
+    from resilient_fsdp.resilience.nvrx import adapt_health_checks
+
+    wrapper, checks = _health_checks(["ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck"])
+    before = wrapper.restart_health_check
+    assert adapt_health_checks(wrapper, gpu_present=True) == []
+    assert wrapper.restart_health_check is before and list(before.instances) == checks
+    assert capsys.readouterr().err == ""
+
+
+def test_nvrx_0_4_has_no_restart_health_checks_to_adapt():
+    from nvidia_resiliency_ext import inprocess
+
+    from resilient_fsdp.resilience.nvrx import adapt_health_checks
+
+    wrapper = inprocess.Wrapper()
+    assert not hasattr(wrapper, "restart_health_check") and adapt_health_checks(wrapper, gpu_present=False) == []
+
+
+NVRX07_WRAPPER = """
+import os, sys
+os.environ["LOCAL_RANK"] = "0"
+from nvidia_resiliency_ext import inprocess
+from resilient_fsdp.resilience.nvrx import new_wrapper
+wrapper = new_wrapper(inprocess.Wrapper, gpu_present=sys.argv[1] == "gpu", health_check=None)
+checks = wrapper.restart_health_check
+print("checks:", ",".join(type(c).__name__ for c in getattr(checks, "instances", ())) if checks else "none")
+print("LOCAL_RANK:", os.environ["LOCAL_RANK"])
+"""
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu-simulated"])
+def test_nvrx07_wrapper_is_built_without_gpu_checks_only_without_a_gpu(nvrx_lane, gpu):
+    """NVRx 0.7's real ``Wrapper`` (the image's lane). Without a GPU it is built without its GPU,
+    NVLink and NIC checks, so no NVML error is logged, and the rank says so. The GPU branch is
+    simulated (``gpu_present=True`` on this GPU-less machine): the three checks are built and
+    kept, and constructing them on CPU is what logs the NVML errors the other branch avoids."""
+    import subprocess
+    import sys
+
+    from resilient_fsdp.resilience.nvrx import GPU_HEALTH_CHECKS
+    from tests.support import REPO, _env
+
+    proc = subprocess.run([sys.executable, "-c", NVRX07_WRAPPER, "gpu" if gpu else "cpu"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=_env([nvrx_lane]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOCAL_RANK: 0" in proc.stdout
+    if gpu:
+        assert f"checks: {','.join(GPU_HEALTH_CHECKS)}" in proc.stdout
+        assert "no GPU" not in proc.stderr
+        assert "NVMLError" in proc.stderr  # what the CPU branch must not log
+    else:
+        assert "checks: none" in proc.stdout
+        assert "NVMLError" not in proc.stderr and "Failed to shut down NVML" not in proc.stderr, proc.stderr[-3000:]
+        assert ("no GPU: in-process restart runs without NVRx's ChainedGPUHealthCheck, ChainedNVLHealthCheck, "
+                "ChainedNicHealthCheck") in proc.stderr

@@ -48,7 +48,14 @@ class ModelConfig:
     vocab_size: Optional[int] = Field(default=None, gt=0)
     """Vocabulary size; default: the preset's. Token ids in the data must be below it."""
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward: less memory, ~30% more compute."""
+    """Recompute each transformer block's activations in backward: less memory, ~30% more compute.
+    The RNG state is replayed for the recompute (dropout draws the same masks) unless the model
+    class sets ``recompute_needs_rng = False``."""
+    blocks: Optional[str] = None
+    """Attribute (a dotted path, e.g. ``transformer.h``) of a ``model.factory`` model that holds its
+    repeated blocks (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``): each is sharded
+    by FSDP on its own and wrapped by activation checkpointing. Unset: ``layers``; a model with
+    neither is refused."""
 
 
 @dataclass(config=_STRICT)
@@ -242,17 +249,20 @@ class ResilienceConfig:
     """In-job hang detection: longest start-up (process group, model, resume) before the rank is
     declared hung and restarted. ``null`` disables it."""
     step_timeout_s: Optional[float] = Field(default=600.0, gt=0)
-    """Longest training step before the rank is declared hung (replaced by a learned value, see
-    ``learn_timeouts``). ``null`` disables it."""
+    """Longest training step before the rank is declared hung (a learned value may raise it, never
+    lower it, see ``learn_timeouts``). ``null`` disables it."""
     checkpoint_timeout_s: Optional[float] = Field(default=900.0, gt=0)
-    """Longest checkpoint call (staging, or waiting for a write) before the rank is declared hung."""
+    """Longest checkpoint call (staging, or committing a write), and the budget of the waits for
+    checkpoint writes and the end of the job (the ``drain`` section: the final save, a graceful
+    stop, a save that waits for the previous write), before the rank is declared hung."""
     out_of_section_timeout_s: Optional[float] = Field(default=600.0, gt=0)
     """Longest time outside start-up, steps and checkpoints (logging, evaluation) before the rank is
     declared hung."""
     learn_timeouts: bool = True
-    """Replace the step/checkpoint/out-of-section timeouts with ``safety_factor`` times the longest
+    """Raise the step/checkpoint/out-of-section timeouts to ``safety_factor`` times the longest
     observed durations (NVRx ``calculate_and_set_section_timeouts``) once ``learn_after_steps``
-    steps and a checkpoint were seen; learned values are saved in checkpoints and reused on resume."""
+    steps and a checkpoint were seen. The configured values are floors: a learned value never lowers
+    them. Learned values are saved in checkpoints and reused on resume, raised to the configured ones."""
     learn_after_steps: int = Field(default=50, gt=0)
     """Steps to observe before learning timeouts."""
     safety_factor: float = Field(default=5.0, ge=1)

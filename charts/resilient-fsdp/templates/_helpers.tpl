@@ -201,6 +201,7 @@ fault_tolerance:
     init: {{ include "resilient-fsdp.resilience" (set $r "key" "init_timeout_s") }}
     step: {{ include "resilient-fsdp.resilience" (set $r "key" "step_timeout_s") }}
     checkpoint: {{ include "resilient-fsdp.resilience" (set $r "key" "checkpoint_timeout_s") }}
+    drain: {{ include "resilient-fsdp.resilience" (set $r "key" "checkpoint_timeout_s") }}
   rank_out_of_section_timeout: {{ include "resilient-fsdp.resilience" (set $r "key" "out_of_section_timeout_s") }}
   safety_factor: {{ include "resilient-fsdp.resilience" (set $r "key" "safety_factor") }}
   rank_termination_signal: {{ include "resilient-fsdp.resilience" (set $r "key" "termination_signal") }}

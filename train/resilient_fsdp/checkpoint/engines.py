@@ -34,10 +34,10 @@ from .state import CheckpointState, to_local
 # Test and drill hook: ``KIND@STEP[:rank=R]`` makes the async writer of rank R (every rank without
 # ``:rank=``) fail while writing step STEP's checkpoint. KIND: ``exit`` (the writer dies after
 # writing the data, before the save is finalized), ``raise`` (the write fails), ``hang`` (it never
-# finishes). A bare ``STEP`` means ``exit@STEP``.
+# finishes), ``slow=SECONDS`` (it takes that much longer). A bare ``STEP`` means ``exit@STEP``.
 FAULT_WRITER_ENV = "RESILIENT_FSDP_FAULT_WRITER"
 FAULT_WRITER_EXIT_ENV = "RESILIENT_FSDP_FAULT_WRITER_EXIT_AT_STEP"  # the older spelling: exit@STEP
-_FAULT = re.compile(r"^(?:(exit|raise|hang)@)?(\d+)(?::rank=(\d+))?$")
+_FAULT = re.compile(r"^(?:(exit|raise|hang|slow=\d+(?:\.\d+)?)@)?(\d+)(?::rank=(\d+))?$")
 
 
 def writer_fault(step: int, rank: int) -> Optional[str]:
@@ -183,6 +183,7 @@ class AsyncEngine(Engine):
                               "the last save; a new one is started")
             nvrx.close_queue(self.queue, abort=True)
             self.queue = nvrx.make_calls_queue()
+            nvrx.warm_up(self.queue)  # its worker starts with SIGTERM blocked
         staged = self.stager.stage(state.state_dict())
         channel = integrity.new_channel(token, self.rank)
         self.dead = None
@@ -248,6 +249,7 @@ class TorchAsyncEngine(Engine):
                               "the last save; a new one is started")
             nvrx.close_queue(nvrx.calls_queue_of(self.ckpt), abort=True)
             nvrx.set_calls_queue(self.ckpt, nvrx.make_calls_queue())
+            nvrx.warm_up(nvrx.calls_queue_of(self.ckpt))  # its worker starts with SIGTERM blocked
         staged = self.stager.stage(to_local(state.state_dict()))
         channel = integrity.new_channel(token, self.rank)
         name = f"rank{self.rank:05d}.pt"

@@ -104,15 +104,47 @@ def set_calls_queue(ckpt: Any, calls_queue: Any) -> None:
     ckpt._async_calls_queue = calls_queue
 
 
+def without_sigterm(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread that blocks SIGTERM, so that the processes it starts block it too.
+
+    A launcher stops a node's ranks with SIGTERM to their process group, which includes the
+    writer and the results Manager NVRx starts: they must live on for a graceful stop's final
+    checkpoint, and are ended by the rank instead. A blocked signal (``pthread_sigmask``) is
+    inherited across fork and exec, and defeats the SIGTERM handler NVRx 0.7's worker installs;
+    ignoring it (``SIG_IGN``) would not, and would drop a SIGTERM meant for the rank meanwhile.
+    The resource tracker is started first: the first spawn of a process starts it and unblocks
+    SIGTERM in the spawning thread as it does.
+    """
+    import multiprocessing.resource_tracker
+
+    multiprocessing.resource_tracker.ensure_running()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="spawn-without-sigterm", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 def warm_up(calls_queue: Any) -> None:
-    """Start the persistent worker now, with a no-op request, instead of at the first save.
+    """Start the persistent worker now (SIGTERM blocked, :func:`without_sigterm`), with a no-op
+    request, instead of at the first save.
 
     Starting a spawned interpreter that imports torch takes seconds; done at the first save it
     would all count as training-loop stall. Its completion is drained by the next poll.
     """
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
-    calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+    without_sigterm(lambda: calls_queue.schedule_async_request(AsyncRequest(_noop, (), [])))
 
 
 def _results_queue_module() -> Any:
@@ -126,21 +158,20 @@ def start_results_queue() -> threading.Thread:
     returns its results (NVRx starts it at the first save, and waits seconds for the new
     interpreter). Join the returned thread before the first save.
 
-    The thread blocks SIGTERM before starting the Manager: the mask is inherited across fork and
-    exec, so the Manager ignores the SIGTERM a launcher sends to the rank's process group and
-    lives on for a graceful stop's final checkpoint (it is ended by the rank at exit).
+    The Manager is started with SIGTERM blocked (:func:`without_sigterm`): it lives on for a
+    graceful stop's final checkpoint and is ended by the rank at exit.
     """
-    fsa = _results_queue_module()
-    start = getattr(fsa, "_get_write_results_queue", None)
-
-    def run() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        if start is not None:
-            start()
-
-    thread = threading.Thread(target=run, name="nvrx-results-queue", daemon=True)
+    thread = threading.Thread(target=_ensure_results_queue, name="nvrx-results-queue", daemon=True)
     thread.start()
     return thread
+
+
+def _ensure_results_queue() -> None:
+    """Start NVRx's results Manager, SIGTERM blocked, unless it runs (planning would start one)."""
+    fsa = _results_queue_module()
+    start = getattr(fsa, "_get_write_results_queue", None)
+    if start is not None and getattr(fsa, "_results_queue", None) is None:
+        without_sigterm(start)
 
 
 # ---- one async DCP save ------------------------------------------------------------------------
@@ -167,6 +198,7 @@ def schedule_dcp_save(calls_queue: Any, staged: Any, path: Path, thread_count: i
     from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    _ensure_results_queue()  # a Manager that died is replaced here, not by planning (SIGTERM unblocked)
     writer = FileSystemWriterAsync(str(path), thread_count=thread_count)
     if hasattr(writer, "open_file"):  # 0.7+: the writer threads open files with this
         writer.open_file = partial(integrity.hashing_open, channel)

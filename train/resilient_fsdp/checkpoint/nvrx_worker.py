@@ -116,7 +116,10 @@ def worker_torch_save(channel: str, fault: Optional[str], state: Any, path: str)
 
 def _writer_fault(fault: Optional[str], when: str) -> None:
     """Fault injection (tests, drills): ``exit`` kills the writer after the data is written (as a
-    worker killed mid-save); ``raise`` fails the write before it starts; ``hang`` never finishes."""
+    worker killed mid-save); ``raise`` fails the write before it starts; ``hang`` never finishes;
+    ``slow=SECONDS`` finishes that much later."""
+    if fault and fault.startswith("slow=") and when == "after":
+        time.sleep(float(fault.split("=", 1)[1]))
     if fault == "exit" and when == "after":
         os._exit(137)
     if fault == "raise" and when == "before":

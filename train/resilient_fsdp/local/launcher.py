@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from ..config import ConfigError, ResilienceConfig
+from ..resilience import exit_codes
 from ..resilience.accounting import JOB_START_ENV
 from ..resilience.faults import NODE_INDEX_ENV, FaultLedger
 from ..resilience.ft_config import ft_launcher_flags
@@ -274,22 +275,41 @@ class LocalLauncher:
 
     def report_failure(self, node: int, code: int) -> None:
         job = self.job
-        limits = (f"in-job restarts per node: {job.resilience.max_restarts} (resilience.max_restarts); "
-                  f"job-level node restarts used: {self.node_restarts} of {job.max_node_restarts} "
-                  "(--max-node-restarts)")
+        r = job.resilience
+        spent = self.spent_layers(code)
         cause = find_root_cause(job.run_dir / "logs")
         if cause:
             self.say(f"job FAILED (node{node} exit code {code}); first error, {cause['where']}: {cause['message']}")
             self.say(f"  full traceback: {cause['path']}")
         else:
             self.say(f"job FAILED: node{node} exited with code {code}; see {job.run_dir / 'logs'}")
+        self.say(f"  {spent}")
         faults = FaultLedger(job.run_dir).fired()
+        limits = (f"in-process restarts per process: {r.in_process_max_iterations if r.in_process else 'off'} "
+                  f"(resilience.in_process_max_iterations); in-job restarts per node: {r.max_restarts} "
+                  f"(resilience.max_restarts); job-level node restarts used: {self.node_restarts} of "
+                  f"{job.max_node_restarts} (--max-node-restarts)")
         if faults:
             last = faults[-1]
             self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']}); restarts did "
                      f"not recover it within the limits: {limits}")
         else:
             self.say(f"  restart limits: {limits}")
+
+    def spent_layers(self, code: int) -> str:
+        """Which layer gave up last: the job level when the node's exit was retryable."""
+        if not retryable(code):
+            return f"not retried by any layer: node exit code {exit_codes.describe_code(code)}"
+        r, job = self.job.resilience, self.job
+        spent = f"the job-level restart is spent ({self.node_restarts} of {job.max_node_restarts} node restarts, " \
+                "--max-node-restarts)"
+        if code != exit_codes.INFRASTRUCTURE:
+            return f"{spent}: the node exited {exit_codes.describe_code(code)}"
+        below = f"in-job restarts (resilience.max_restarts={r.max_restarts})"
+        if r.in_process:
+            below = (f"in-process restarts (resilience.in_process_max_iterations={r.in_process_max_iterations}) "
+                     f"and its {below}")
+        return f"{spent}: the node exited {code} after its {below} were spent"
 
     def stop_all(self) -> None:
         """SIGTERM every agent's session, SIGKILL what remains, then reap stray descendants."""

@@ -2,14 +2,17 @@
 
 It runs ``ft_launcher`` with the given arguments and turns its ending into an exit code the
 job-level restart policy reads correctly (PyTorchJob ``restartPolicy: ExitCode`` retries 128-255
-and fails the job on 1-127):
+and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
 
 - stopped by the orchestrator (SIGTERM/SIGINT: eviction, spot reclaim, scale-down): the ranks
   checkpoint and exit; ``ft_launcher`` then reports 1, which would read as a permanent failure.
   This wrapper exits 128 + the signal instead, so the pod is recreated and the job resumes;
+- a rank reported a configuration-type failure (it writes the reason into the node's fatal file
+  and sends SIGUSR1): ``ft_launcher`` is stopped before it restarts the rank, and the node exits 2;
 - ``ft_launcher`` killed by a signal: 128 + the signal (what a shell reports);
-- otherwise ``ft_launcher``'s own code: 0 when training finished, 1 when the in-job restarts
-  are exhausted or a rank failed for good.
+- ``ft_launcher`` failed otherwise (in-job restarts spent after infrastructure-type failures,
+  lost peers or store): :data:`.exit_codes.INFRASTRUCTURE`, which the job level retries;
+- 0 when training finished.
 
 It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
 the node, and since when) and, as a child subreaper, reaps whatever the node leaves behind.
@@ -17,8 +20,8 @@ the node, and since when) and, as a child subreaper, reaps whatever the node lea
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,29 +32,22 @@ from typing import Optional
 
 import psutil
 
+from . import exit_codes
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
 
-
 def ft_launcher_executable() -> list[str]:
-    """``ft_launcher`` from this interpreter's environment, else from PATH."""
-    beside = Path(sys.executable).parent / "ft_launcher"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("ft_launcher")
-    if found:
-        return [found]
-    raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
+    """``ft_launcher`` of this interpreter's NVRx, leaving the rendezvous open when this node fails
+    for good (:func:`.nvrx.keep_rendezvous_open`)."""
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        raise FileNotFoundError("ft_launcher not found: install nvidia-resiliency-ext (pip install -e . in this repo)")
+    return [sys.executable, "-m", "resilient_fsdp.resilience.nvrx"]
 
 
-def exit_code(returncode: int, stop_signal: Optional[int]) -> int:
-    """The node's exit code from ``ft_launcher``'s return code and the stop signal received, if any."""
-    if returncode < 0:
-        return 128 + (-returncode)
-    if stop_signal is not None and returncode != 0:
-        return 128 + stop_signal
-    return returncode
+def exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False) -> int:
+    """The node's exit code (see :func:`.exit_codes.node_exit_code`)."""
+    return exit_codes.node_exit_code(returncode, stop_signal, config_failure)
 
 
 SWEEP_INTERVAL_S = 1.0
@@ -60,28 +56,32 @@ SWEEP_INTERVAL_S = 1.0
 class RankHelperSweeper:
     """Kills the helpers a dead rank leaves behind, while the node keeps running.
 
-    A rank's helper processes (the checkpoint writer, multiprocessing's Manager) ignore SIGTERM
+    A rank's helper processes (the checkpoint writer, multiprocessing's Manager) block SIGTERM
     and survive a rank that was killed; as the node's subreaper we inherit them. Every in-job
     restart would leave another set, with its memory, until the node exits. A helper is
     recognised by its session: ``ft_launcher`` starts each rank as a session leader, and helpers
     stay in their rank's session. Other orphans are left alone, in particular NVRx's in-process
     monitor, which detaches into a session of its own on purpose.
+
+    A rank that exited is forgotten once its helpers are gone. Its pid may be reused, even by a
+    new rank: a session's helpers are orphans when no process of that pid exists, or when the
+    process that has it now is younger than they are (it cannot be their session leader).
     """
 
     def __init__(self, launcher_pid: int):
         self.launcher_pid = launcher_pid
-        self.ranks: set[int] = set()
+        self.ranks: set[int] = set()  # session ids of ranks seen, dead ones until their helpers are gone
 
     def sweep(self) -> list[int]:
-        """Learn the current ranks, reap dead children, kill dead ranks' helpers. Returns the
-        pids killed."""
+        """Learn the current ranks, reap dead children, kill dead ranks' helpers, forget dead
+        ranks whose helpers are gone. Returns the pids killed."""
         try:
             for rank in psutil.Process(self.launcher_pid).children():
                 if _session(rank.pid) == rank.pid:
                     self.ranks.add(rank.pid)
         except psutil.NoSuchProcess:
             pass
-        killed = []
+        killed, helpers_left = [], set()
         for proc in psutil.Process().children():
             if proc.pid == self.launcher_pid:
                 continue
@@ -92,18 +92,24 @@ class RankHelperSweeper:
             except (psutil.NoSuchProcess, ChildProcessError):
                 continue
             leader = _session(proc.pid)
-            if leader in self.ranks and leader != proc.pid and not psutil.pid_exists(leader):
-                for victim in [*_descendants(proc), proc]:
-                    try:
-                        victim.kill()  # they ignore SIGTERM
-                        killed.append(victim.pid)
-                    except psutil.NoSuchProcess:
-                        pass
+            if leader not in self.ranks or leader == proc.pid:
+                continue
+            if not _leader_gone(leader, proc):
+                helpers_left.add(leader)
+                continue
+            for victim in [*_descendants(proc), proc]:
+                try:
+                    victim.kill()  # they block SIGTERM
+                    killed.append(victim.pid)
+                except psutil.NoSuchProcess:
+                    pass
         for pid in killed:
             try:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+        # A rank that exited and has no helper left is forgotten (its pid may come back).
+        self.ranks = {r for r in self.ranks if r in helpers_left or _alive(r)}
         return killed
 
 
@@ -114,11 +120,61 @@ def _session(pid: int) -> Optional[int]:
         return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _leader_gone(leader: int, helper: psutil.Process) -> bool:
+    """Whether the session leader ``helper`` belongs to has exited (its pid may be reused)."""
+    try:
+        current = psutil.Process(leader)
+        if current.status() == psutil.STATUS_ZOMBIE:
+            return True
+        return current.create_time() > helper.create_time()
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _descendants(proc: psutil.Process) -> list:
     try:
         return proc.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def check_launcher_args(args: list[str]) -> Optional[str]:
+    """A configuration error in the launcher's arguments that would fail every attempt alike."""
+    for arg in args:
+        if arg.startswith("--ft-cfg-path="):
+            path = arg.split("=", 1)[1]
+            if not os.path.isfile(path):
+                return f"--ft-cfg-path={path}: no such file (the chart's ConfigMap writes it; is it mounted?)"
+    return None
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _termination_message(text: str) -> None:
+    """Kubernetes shows ``/dev/termination-log`` in the pod's status; it exists only in a pod."""
+    path = os.environ.get("RESILIENT_FSDP_TERMINATION_LOG", "/dev/termination-log")
+    if os.path.isfile(path):
+        try:
+            with open(path, "w") as f:
+                f.write(text[-4000:])
+        except OSError:
+            pass
+
+
+def _say(message: str) -> None:
+    print(f"[resilient-fsdp agent] {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -129,10 +185,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = dict(os.environ)
     env[NODE_PID_ENV] = str(os.getpid())
     env[NODE_START_ENV] = repr(time.time())
-    stop_file = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}.stopping")
+    base = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}")
+    stop_file, fatal_file = base + ".stopping", base + ".fatal"
+    # A pod's agent is always PID 1: files left by one that was SIGKILLed (the pod's /tmp
+    # survives a container restart) would make every later SIGTERM read as a graceful stop.
+    for stale in (stop_file, fatal_file):
+        _remove(stale)
     env[NODE_STOP_ENV] = stop_file
-    child = subprocess.Popen([*ft_launcher_executable(), *args], env=env)
+    env[exit_codes.NODE_FATAL_ENV] = fatal_file
     received: list[int] = []
+    fatal: list[bool] = []
+    launcher: dict[str, subprocess.Popen] = {}
 
     def forward(signum: int, _frame) -> None:
         if not received:
@@ -140,13 +203,30 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(stop_file, "w") as f:
                 f.write(str(signum))
         received.append(signum)
-        try:
-            child.send_signal(signum)
-        except ProcessLookupError:
-            pass
+        if "child" in launcher:
+            _send(launcher["child"], signum)
 
+    def stop_launcher(_signum: int, _frame) -> None:
+        # A rank failed in a way no restart fixes: stop ft_launcher before it restarts the rank.
+        fatal.append(True)
+        if "child" in launcher:
+            _send(launcher["child"], signal.SIGTERM)
+
+    # Installed before the launcher starts: a SIGTERM to PID 1 in between would be lost.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
+    signal.signal(exit_codes.FATAL_SIGNAL, stop_launcher)
+    bad = check_launcher_args(args)
+    if bad:
+        _say(f"configuration error: {bad}; exiting {exit_codes.CONFIG}")
+        _termination_message(bad)
+        return exit_codes.CONFIG
+    child = subprocess.Popen([*ft_launcher_executable(), *args], env=env)
+    launcher["child"] = child
+    if received:
+        _send(child, received[-1])  # arrived while the launcher was being started
+    if fatal:
+        _send(child, signal.SIGTERM)
     sweeper = RankHelperSweeper(child.pid)
     while True:
         try:
@@ -155,13 +235,34 @@ def main(argv: Optional[list[str]] = None) -> int:
         except subprocess.TimeoutExpired:
             sweeper.sweep()
     kill_descendants(timeout=5.0)
-    if os.path.exists(stop_file):
-        os.unlink(stop_file)
-    code = exit_code(returncode, received[0] if received else None)
-    if received:
-        print(f"[resilient-fsdp agent] stopped by {signal.Signals(received[0]).name}; ft_launcher exited "
-              f"{returncode}; exiting {code}", file=sys.stderr, flush=True)
+    reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
+    for path in (stop_file, fatal_file):
+        _remove(path)
+    code = exit_code(returncode, received[0] if received else None, reason is not None)
+    if reason is not None:
+        _say(f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
+             f"(exited {returncode}); exiting {code}: {reason}")
+        _termination_message(reason)
+    elif received:
+        _say(f"stopped by {signal.Signals(received[0]).name}; ft_launcher exited {returncode}; exiting {code}")
+    elif code != 0:
+        _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
+        _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
     return code
+
+
+def _send(child: subprocess.Popen, signum: int) -> None:
+    try:
+        child.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip() or "a rank reported a configuration error"
+    except OSError:
+        return "a rank reported a configuration error"
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ def ft_config(cfg: ResilienceConfig) -> dict:
         # Hang detection uses sections; heartbeats are off.
         "initial_rank_heartbeat_timeout": None,
         "rank_heartbeat_timeout": None,
+        # "drain": waiting for checkpoint writes and the end of the job, never learned; its budget
+        # is the checkpoint timeout (resilience.rank_monitor).
         "rank_section_timeouts": {"init": cfg.init_timeout_s, "step": cfg.step_timeout_s,
-                                  "checkpoint": cfg.checkpoint_timeout_s},
+                                  "checkpoint": cfg.checkpoint_timeout_s, "drain": cfg.checkpoint_timeout_s},
         "rank_out_of_section_timeout": cfg.out_of_section_timeout_s,
         "safety_factor": cfg.safety_factor,
         "rank_termination_signal": cfg.termination_signal,

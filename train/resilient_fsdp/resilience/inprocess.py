@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..config import ResilienceConfig
-from . import nvrx
+from . import exit_codes, nvrx
 
 # NVRx in-process restart warns at every start that its own logging was not configured.
 warnings.filterwarnings("ignore", message="logging not initialized, logs are disabled")
@@ -22,6 +22,15 @@ warnings.filterwarnings("ignore", message="logging not initialized, logs are dis
 
 class InProcessRestartsExhausted(BaseException):
     """Passes through in-process restart to the in-job restart below it."""
+
+
+class NotRetried(BaseException):
+    """A configuration-type failure (:func:`.exit_codes.is_configuration_failure`), carried through
+    in-process restart, which retries every ``Exception``, so that no layer retries it."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,8 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
     # Monitoring intervals must be shorter than the timeouts they serve; short timeouts (tests)
     # get proportionally short intervals.
     interval = seconds(seconds=min(1.0, soft / 5, cfg.in_process_heartbeat_timeout_s / 5))
-    wrapper = inprocess.Wrapper(
+    wrapper = nvrx.new_wrapper(
+        inprocess.Wrapper,
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.in_process_store_port_offset},
         abort=nvrx.make_abort(),
         health_check=None,
@@ -68,7 +78,6 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
         last_call_wait=seconds(seconds=min(1.0, soft / 10)),
         termination_grace_time=seconds(seconds=min(5.0, soft)),
     )
-    nvrx.without_health_checks(wrapper)
 
     def attempt(call_wrapper: CallWrapper = None):
         iteration = call_wrapper.iteration
@@ -81,6 +90,11 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
         # Keys derived from TORCHELASTIC_RESTART_COUNT would not do: a node restarted because a
         # peer failed keeps its count, so nodes would rendezvous under different keys and hang.
         store = dist.PrefixStore(f"/resilient_fsdp/in_process_{iteration}", call_wrapper.base_store)
-        return body(InProcessAttempt(iteration, call_wrapper.ping, store))
+        try:
+            return body(InProcessAttempt(iteration, call_wrapper.ping, store))
+        except Exception as exc:
+            if exit_codes.is_configuration_failure(exc):
+                raise NotRetried(exc) from exc  # re-raised at once, never retried
+            raise
 
     return wrapper(attempt)()

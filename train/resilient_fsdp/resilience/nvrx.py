@@ -1,15 +1,28 @@
 """Every adaptation this project makes to NVRx's restart layers, in one place.
 
-- **CPU (gloo) process groups**: NVRx's in-process restart aborts NCCL only; :func:`abort_process_groups`
-  aborts every backend (gloo's ``abort`` since torch 2.7) and destroys the groups, and
-  :func:`make_abort` hands it to ``inprocess.Wrapper``.
+- **CPU (gloo) process groups**: NVRx's in-process restart aborts NCCL only, and gloo's ``abort``
+  does not wake a collective already blocked on a peer. :func:`abort_process_groups` shuts down
+  the TCP connections of the process groups (recorded when they were made,
+  :func:`recording_group_sockets`): the local collective fails at once and every peer reads EOF
+  instead of waiting out ``dist.timeout_s``; then it aborts every backend (NCCL's abort is what
+  keeps ``destroy_process_group`` from blocking on a pending collective) and destroys the groups.
+  :func:`make_abort` hands it to ``inprocess.Wrapper``; the trainer runs it on a failed attempt.
 - **NVRx 0.7's health checks**: 0.7 adds GPU, NVLink and NIC checks to in-process restart when
-  ``LOCAL_RANK`` is set; on a CPU-only host they fail: :func:`without_health_checks`.
+  ``LOCAL_RANK`` is set; without a GPU they fail and turn every restart into a termination (and
+  constructing them logs NVML errors in every rank), so :func:`new_wrapper` builds the wrapper
+  without them there (and says so), and keeps them on GPU nodes; :func:`adapt_health_checks`
+  drops any that a wrapper built otherwise carries.
 - **The c10d rendezvous store**: ``--rdzv-conf=is_host=false`` (the store served from outside the
   nodes, as ``resilient-fsdp local`` serves it so that any node may die) is an NVRx 0.4 feature;
   0.7 keeps only its own barrier rendezvous (``ft_rendezvous_barrier.py``), in which only the
   agent hosting the store closes a round, so an agent must host it
   (:func:`agent_hosts_rendezvous_store`); and it refuses two agents with one node address.
+- **A node whose ranks failed for good leaves the rendezvous open.** ``ft_launcher`` closes the
+  rendezvous permanently when its in-job restarts are spent (NVRx 0.4: ``clean_rdzv_shutdown(close=
+  True)``; 0.7: ``shutdown_due_to_failure``), so the pod the job level recreates, and every other
+  node at its next round, would fail with ``RendezvousClosedError``: the job could never recover.
+  ``python -m resilient_fsdp.resilience.nvrx ARGS`` is ``ft_launcher`` with that closing left out
+  (:func:`keep_rendezvous_open`); the node agent runs it. A stop by a signal never closed it.
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
@@ -18,7 +31,12 @@ The checkpointing side has its own module, :mod:`resilient_fsdp.checkpoint.nvrx`
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import sys
 from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
 
 # What the restart layers import of NVRx (in-process restart; ft_launcher, which the node agent
 # runs), for reports of what a machine can import.
@@ -40,16 +58,77 @@ def agent_hosts_rendezvous_store() -> bool:
     return any((Path(loc) / "fault_tolerance" / "ft_rendezvous_barrier.py").exists() for loc in locations)
 
 
-def abort_process_groups() -> None:
-    """Abort every process group's backend, then destroy them.
+# (fd, local address, remote address) of every TCP connection the process groups made.
+_GROUP_SOCKETS: set[tuple] = set()
 
-    NVRx's default abort handles NCCL only; gloo's ``abort`` (torch >= 2.7) fails the operations
-    a rank can still be woken from. An operation waiting on a peer that never answers still runs
-    to ``dist.timeout_s``: gloo has no way to cancel it, which is why tests keep that timeout short.
+
+def _tcp_connections(skip_ports: Iterable[int] = ()) -> set[tuple]:
+    import psutil
+
+    skip = set(skip_ports)
+    found = set()
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return found
+    for c in conns:
+        if c.fd < 0 or c.status != psutil.CONN_ESTABLISHED or not c.raddr:
+            continue
+        if c.laddr.port in skip or c.raddr.port in skip:
+            continue  # a rendezvous or in-process store: not the group's, and still needed
+        found.add((c.fd, tuple(c.laddr), tuple(c.raddr)))
+    return found
+
+
+@contextlib.contextmanager
+def recording_group_sockets(store_ports: Iterable[int] = ()) -> Iterator[None]:
+    """Record the TCP connections made inside the block (gloo connects every pair when a group is
+    created), except those to or from ``store_ports``, for :func:`abort_process_groups`."""
+    ports = list(store_ports)
+    before = _tcp_connections(ports)
+    yield
+    _GROUP_SOCKETS.update(_tcp_connections(ports) - before)
+
+
+def forget_group_sockets() -> None:
+    """The groups were destroyed cleanly: their connections are closed."""
+    _GROUP_SOCKETS.clear()
+
+
+def shutdown_group_sockets() -> int:
+    """``shutdown(SHUT_RDWR)`` on the recorded connections that are still open (the same fd and
+    addresses: a closed fd's number may have been reused). Returns how many were shut down."""
+    current = _tcp_connections()
+    done = 0
+    for fd, _laddr, _raddr in _GROUP_SOCKETS & current:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # acts on the connection, not on this descriptor
+            done += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()  # closes the duplicate only
+    _GROUP_SOCKETS.clear()
+    return done
+
+
+def abort_process_groups() -> None:
+    """Abort every process group, then destroy them; for a failed attempt, never a clean one.
+
+    First the groups' TCP connections are shut down: a gloo collective blocked on a peer wakes
+    with an error, and every peer's pending collective fails at once (EOF) rather than at
+    ``dist.timeout_s``; gloo's own ``abort`` (torch 2.13) wakes neither. Then every backend's
+    ``abort`` runs, NCCL's included, so that ``destroy_process_group`` does not block on a
+    collective still pending; then the groups are destroyed.
     """
     import torch
     import torch.distributed as dist
 
+    shutdown_group_sockets()
     if not (dist.is_available() and dist.is_initialized()):
         return
     for group in list(dist.distributed_c10d._world.pg_names):
@@ -80,9 +159,110 @@ def make_abort():
     return AbortProcessGroups()
 
 
-def without_health_checks(wrapper):
-    """``wrapper`` with NVRx 0.7's restart health checks (GPU, NVLink, NIC) off: on a CPU-only
-    host they fail and would turn every restart into a termination. 0.4 has none."""
-    if hasattr(wrapper, "restart_health_check"):
-        wrapper.restart_health_check = None
+def new_wrapper(wrapper_class, gpu_present: Optional[bool] = None, say: Optional[Callable[[str], None]] = None,
+                **kwargs):
+    """``wrapper_class(**kwargs)`` (NVRx's ``inprocess.Wrapper``) with NVRx 0.7's GPU, NVLink and NIC
+    restart health checks only where a GPU is present.
+
+    0.7 adds them in the constructor when ``LOCAL_RANK`` is set, and constructing them initialises
+    NVML, which fails (and logs it) on a host without one: there the wrapper is built with
+    ``LOCAL_RANK`` hidden, and the absence is said once. With a GPU, or under NVRx 0.4 (which has
+    no such checks), the wrapper is built as NVRx builds it.
+    """
+    if gpu_present is None:
+        import torch
+
+        gpu_present = torch.cuda.is_available()
+    adds_gpu_checks = hasattr(wrapper_class, "_construct_restart_health_check")  # 0.7's constructor step
+    if gpu_present or not adds_gpu_checks or "LOCAL_RANK" not in os.environ:
+        wrapper = wrapper_class(**kwargs)
+        adapt_health_checks(wrapper, gpu_present, say)
+        return wrapper
+    local_rank = os.environ.pop("LOCAL_RANK")
+    try:
+        wrapper = wrapper_class(**kwargs)
+    finally:
+        os.environ["LOCAL_RANK"] = local_rank
+    _say_dropped(list(GPU_HEALTH_CHECKS), say)
     return wrapper
+
+
+def _say_dropped(dropped: list[str], say: Optional[Callable[[str], None]]) -> None:
+    message = (f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: no GPU: in-process restart runs without "
+               f"NVRx's {', '.join(dropped)} (they need a GPU and NVML)")
+    (say or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
+
+
+# NVRx 0.7's restart health checks that need a GPU (and its NVLink and NICs, read through NVML).
+GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
+
+
+def adapt_health_checks(wrapper, gpu_present: Optional[bool] = None,
+                        say: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Drop NVRx 0.7's GPU, NVLink and NIC restart health checks from ``wrapper`` when no GPU is
+    present (they fail there, and every in-process restart would become a termination); keep
+    them, and any other check, on GPU nodes. NVRx 0.4 has none. Returns the names dropped."""
+    checks = getattr(wrapper, "restart_health_check", None)
+    if checks is None:
+        return []
+    if gpu_present is None:
+        import torch
+
+        gpu_present = torch.cuda.is_available()
+    if gpu_present:
+        return []
+    instances = list(getattr(checks, "instances", (checks,)))
+    kept = [c for c in instances if type(c).__name__ not in GPU_HEALTH_CHECKS]
+    dropped = [type(c).__name__ for c in instances if type(c).__name__ in GPU_HEALTH_CHECKS]
+    if not dropped:
+        return []
+    if not kept:
+        wrapper.restart_health_check = None
+    elif len(kept) == 1:
+        wrapper.restart_health_check = kept[0]
+    else:
+        wrapper.restart_health_check = _compose(checks, kept)
+    _say_dropped(dropped, say)
+    return dropped
+
+
+def _compose(original, kept: list):
+    """A chain of ``kept`` of the same composition class as ``original`` (NVRx's ``Compose``)."""
+    compose = next((c for c in type(original).__mro__ if c.__name__ == "Compose"), None)
+    if compose is None:
+        from nvidia_resiliency_ext.inprocess.compose import Compose as compose
+    return compose(*kept)
+
+
+def keep_rendezvous_open(launcher_module) -> str:
+    """Patch ``ft_launcher`` (its ``launcher`` module) not to close the rendezvous for good when
+    this node's ranks fail; returns which NVRx hook was patched."""
+    agent = getattr(launcher_module, "LocalElasticAgent", None)
+    if agent is not None and hasattr(agent, "clean_rdzv_shutdown"):  # 0.4
+        original = agent.clean_rdzv_shutdown
+
+        def clean_rdzv_shutdown(self, close):
+            return original(self, close=False)
+
+        agent.clean_rdzv_shutdown = clean_rdzv_shutdown
+        return "clean_rdzv_shutdown"
+    from nvidia_resiliency_ext.fault_tolerance import ft_rendezvous_barrier as barrier  # 0.7
+
+    for cls in vars(barrier).values():
+        if isinstance(cls, type) and "shutdown_due_to_failure" in vars(cls):
+            cls.shutdown_due_to_failure = lambda self: False
+            return f"{cls.__name__}.shutdown_due_to_failure"
+    return ""
+
+
+def ft_launcher_main(argv: list[str]) -> None:
+    """``ft_launcher`` with :func:`keep_rendezvous_open` applied; exits with its exit code."""
+    from nvidia_resiliency_ext.fault_tolerance import launcher
+
+    keep_rendezvous_open(launcher)
+    sys.argv = ["ft_launcher", *argv]
+    launcher.main()
+
+
+if __name__ == "__main__":
+    ft_launcher_main(sys.argv[1:])

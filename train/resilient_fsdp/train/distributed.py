@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import ConfigError, DistConfig
+from ..resilience import nvrx
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None) -> Dis
             where = {"store": store, "rank": rank, "world_size": world_size}
         else:
             where = {}
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-                                **where)
+        with nvrx.recording_group_sockets(_store_ports(store)):
+            dist.init_process_group(backend=backend, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None, **where)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
@@ -86,15 +88,34 @@ def use_steady_timeout(cfg: DistConfig) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg.timeout_s))
 
 
+def _store_ports(store: Optional[dist.Store]) -> list[int]:
+    """Ports of the stores a rank talks to (the launcher's, in-process restart's): their
+    connections are not the process group's and are never shut down with it."""
+    ports = [_env_int("MASTER_PORT", -1)]
+    while store is not None:
+        port = getattr(store, "port", None)
+        if isinstance(port, int):
+            ports.append(port)
+        store = getattr(store, "underlying_store", None)
+    return [p for p in ports if p > 0]
+
+
 def build_mesh(info: DistInfo) -> DeviceMesh:
     """A 1-D mesh over every rank: FSDP shards each parameter across the whole job."""
-    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+    with nvrx.recording_group_sockets(_store_ports(None)):
+        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
 
 
 def shutdown(clean: bool = True) -> None:
     """Destroy the process group; after a clean run, only once every rank got here, so no rank
-    tears down its connections while a peer is still finishing its last collective."""
-    if dist.is_initialized():
-        if clean:
-            dist.barrier()
+    tears down its connections while a peer is still finishing its last collective. After a
+    failure, abort it first (:func:`resilient_fsdp.resilience.nvrx.abort_process_groups`): peers
+    blocked in a collective fail at once, and a pending NCCL collective cannot block the destroy."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
         dist.destroy_process_group()
+        nvrx.forget_group_sockets()
+    else:
+        nvrx.abort_process_groups()

@@ -2,8 +2,9 @@
 
 Launched by ``ft_launcher`` (or ``torchrun``) once per rank; without a launcher it is a world of
 one. One process: the arguments, the configuration, one attempt at training (or several under
-in-process restart), and the exit code the restart layers read (0 done, 2 a configuration error,
-``resilience.stop_exit_code`` after a graceful stop).
+in-process restart), and the exit code the restart layers read (0 done, 2 a configuration-type
+failure, which it also reports to the node agent so that no layer retries it,
+``resilience.stop_exit_code`` after a graceful stop; :mod:`resilient_fsdp.resilience.exit_codes`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Optional
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ..config import Config, ConfigError, describe, load_config, parse_faults
+from ..resilience import exit_codes
 from ..resilience.graceful_stop import StopRequested
-from ..resilience.inprocess import InProcessAttempt, run_in_process
+from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
 from . import distributed
 from .resources import ProcessResources
 from .trainer import Trainer
@@ -78,23 +80,28 @@ def run(args: argparse.Namespace) -> dict:
         failed = False
         raise
     finally:
-        resources.close(failed)
+        with resources.monitor.draining():  # its writes may still be finishing: the drain budget
+            resources.close(failed)
 
 
 @record
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):  # argparse: bad flags, already explained on stderr
+            exit_codes.report_configuration_failure(
+                f"rank {os.environ.get('RANK', '0')}: invalid trainer arguments (the usage message is in its log)")
+        raise
     if args.describe_config:
         print(describe(), end="")
         return 0
     try:
         run(args)
-    except ConfigError as exc:
-        # Recorded for the launcher's root-cause report, then a clean message and a fail-fast code.
-        get_error_handler().record_exception(exc)
-        rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
-        return ConfigError.exit_code
+    except NotRetried as exc:
+        return configuration_failure(exc.error)
+    except (ConfigError, FloatingPointError) as exc:
+        return configuration_failure(exc)
     except StopRequested as stop:
         return stop.exit_code
     finally:
@@ -102,11 +109,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def configuration_failure(exc: BaseException) -> int:
+    """A failure no restart can fix: recorded for the launcher's root-cause report, reported to
+    the node agent (which stops ft_launcher instead of letting it restart the rank), a clean
+    message, and the fail-fast code."""
+    get_error_handler().record_exception(exc)
+    rank = os.environ.get("RANK", "0")
+    message = f"error (rank {rank}): {exc}"
+    print(message, file=sys.stderr, flush=True)
+    exit_codes.report_configuration_failure(message)
+    return exit_codes.CONFIG
+
+
 def stop_helper_processes() -> None:
     """End multiprocessing helpers still running when the rank exits (the manager NVRx's writer
     reports through, helpers left by in-process restarts): the interpreter would wait for them
     at exit. The checkpoint writer itself was closed before; these hold no data. They were
-    started with SIGTERM ignored (see :class:`ProcessResources`), hence SIGKILL."""
+    started with SIGTERM blocked (see :func:`resilient_fsdp.checkpoint.nvrx.without_sigterm`), hence SIGKILL."""
     import multiprocessing
 
     for child in multiprocessing.active_children():

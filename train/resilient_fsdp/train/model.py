@@ -101,8 +101,11 @@ class Transformer(nn.Module):
     """Decoder-only language model: ``forward(tokens[b, t]) -> logits[b, t, vocab]``.
 
     ``layers`` is the list of blocks that FSDP shards one by one (the trainer looks for it on
-    custom models too).
+    custom models too, unless ``model.blocks`` names another attribute). Its forward draws no
+    random numbers, so activation checkpointing need not save and restore RNG state.
     """
+
+    recompute_needs_rng = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()

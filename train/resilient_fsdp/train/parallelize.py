@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -10,19 +11,53 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..config import ConfigError
+
 
 # checkpoint_wrapper stores the wrapped block under this attribute name.
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
 
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: ``model.layers`` when the model has it."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        return list(layers)
-    if isinstance(layers, nn.ModuleDict):
-        return list(layers.values())
-    return []
+BLOCKS_KEY = "model.blocks"
+
+
+def blocks_of(model: nn.Module, attr: Optional[str] = None) -> list[nn.Module]:
+    """The repeated blocks FSDP shards one by one (and activation checkpointing wraps):
+    ``model.<attr>`` (a dotted path, ``model.blocks``) when given, else ``model.layers``.
+
+    A model without either is refused: it would silently become a single FSDP unit, every
+    parameter gathered at once. The error names the key that fixes it.
+    """
+    container = _blocks_container(model, attr)
+    if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return list(container)
+    return list(container.values())
+
+
+def _blocks_container(model: nn.Module, attr: Optional[str]) -> nn.Module:
+    path = attr or "layers"
+    target: object = model
+    for part in path.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            break
+    if isinstance(target, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(target):
+        return target
+    kind = type(model).__qualname__
+    if attr:
+        what = "missing" if target is None else f"a {type(target).__qualname__}"
+        raise ConfigError(f"{BLOCKS_KEY}={attr!r}: {kind}.{attr} is {what}, not a non-empty nn.ModuleList, "
+                          "nn.Sequential or nn.ModuleDict; name the attribute that holds the model's repeated "
+                          f"blocks, e.g. {BLOCKS_KEY}=transformer.h")
+    raise ConfigError(f"model {kind} has no .layers (an nn.ModuleList, nn.Sequential or nn.ModuleDict of its "
+                      f"repeated blocks): set {BLOCKS_KEY} to the attribute that holds them (e.g. {BLOCKS_KEY}=blocks "
+                      "or transformer.h), so that FSDP shards each block on its own")
+
+
+def needs_rng_in_recompute(model: nn.Module) -> bool:
+    """Whether recomputing a block must replay the random numbers of its forward (dropout, ...).
+    True unless the model says otherwise with ``recompute_needs_rng = False``."""
+    return bool(getattr(model, "recompute_needs_rng", True))
 
 
 def mixed_precision_for(device: torch.device) -> MixedPrecisionPolicy:
@@ -39,21 +74,24 @@ def canonical_name(name: str) -> str:
     return name.replace(_AC_PREFIX, "")
 
 
-def apply_ac(model: nn.Module) -> None:
-    """Wrap each block so its activations are recomputed in backward instead of stored."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        for i, block in enumerate(layers):
-            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-    elif isinstance(layers, nn.ModuleDict):
-        for name, block in layers.items():
-            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+def apply_ac(model: nn.Module, attr: Optional[str] = None) -> None:
+    """Wrap each block so its activations are recomputed in backward instead of stored.
+
+    The RNG state is saved at each block's forward and restored for its recompute, so dropout
+    draws the same masks again (otherwise the gradients are wrong), unless the model declares it
+    draws no random numbers (:func:`needs_rng_in_recompute`).
+    """
+    container = _blocks_container(model, attr)
+    preserve = needs_rng_in_recompute(model)
+    keys = range(len(container)) if isinstance(container, (nn.ModuleList, nn.Sequential)) else list(container.keys())
+    for key in keys:
+        container[key] = checkpoint_wrapper(container[key], preserve_rng_state=preserve)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
-    """``fully_shard`` each block, then the root (which takes the remaining embedding/head)."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, device: torch.device, attr: Optional[str] = None) -> None:
+    """``fully_shard`` each block (:func:`blocks_of`), then the root (which takes the rest)."""
     mp = mixed_precision_for(device)
-    blocks = blocks_of(model)
+    blocks = blocks_of(model, attr)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at the start of backward: keeping them
         # unsharded after forward saves one all-gather per step.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -40,14 +39,9 @@ class ProcessResources:
             self.engine = None
         if self.engine is None:
             # The launcher signals a node's ranks by process group, which includes the writer
-            # processes NVRx spawns. They must outlive a SIGTERM long enough for the graceful
-            # stop's final checkpoint: started with SIGTERM ignored (kept across exec), they are
-            # ended by the engine's close instead.
-            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
-                self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads)
-            finally:
-                signal.signal(signal.SIGTERM, previous)
+            # processes NVRx spawns: the engines start them with SIGTERM blocked, so they outlive
+            # it for the graceful stop's final checkpoint; the engine's close ends them.
+            self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads)
         return self.engine
 
     def s3_uploader(self, rank: int, world_size: int = 1) -> Optional[Uploader]:

@@ -133,8 +133,8 @@ class Trainer:
         mesh = distributed.build_mesh(self.info)
         self.model = build_any_model(cfg)
         if cfg.model.activation_checkpointing:
-            parallelize.apply_ac(self.model)
-        parallelize.apply_fsdp(self.model, mesh, self.info.device)
+            parallelize.apply_ac(self.model, cfg.model.blocks)
+        parallelize.apply_fsdp(self.model, mesh, self.info.device, cfg.model.blocks)
         parallelize.materialize(self.model, self.info.device, cfg.seed)
         self.num_params = count_params(self.model)
         # 4. Optimizer and schedule. foreach=False keeps CPU numerics independent of grouping.
@@ -245,10 +245,19 @@ class Trainer:
             # Finalize a background write that finished, then start one if due. Both are collective.
             monitor.start("checkpoint")
             t_ckpt = time.perf_counter()
-            self.log_checkpoint(ckpt.poll())
+            committed = ckpt.poll()
+            self.log_checkpoint(committed)
+            saved = committed is not None  # only calls that saved or committed teach its timeout
             if ckpt.due(self.counters.step):
+                if ckpt.pending is not None:
+                    # The save would wait for the previous write: that wait has the drain budget.
+                    monitor.end("checkpoint", learn=saved)
+                    with self.draining():
+                        self.log_checkpoint(ckpt.wait())
+                    monitor.start("checkpoint")
                 self.log_checkpoint(ckpt.save(self.counters.step))
-            monitor.end("checkpoint")
+                saved = True
+            monitor.end("checkpoint", learn=saved)
             self.report_s3()
             self.metrics.step({"event": "step", "step": self.counters.step, "loss": loss, "step_time_s": step_time,
                                "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr,
@@ -261,19 +270,24 @@ class Trainer:
             self.log_learned(monitor.maybe_learn())
             if stop:
                 self.stop_gracefully()
-        if self.cfg.checkpoint.save_final and ckpt.last_saved_step != self.counters.step:
-            self.log_checkpoint(ckpt.save(self.counters.step))
-        self.log_checkpoint(ckpt.wait())
-        return self.finish()
+        with self.draining():
+            if self.cfg.checkpoint.save_final and ckpt.last_saved_step != self.counters.step:
+                self.log_checkpoint(ckpt.save(self.counters.step))
+            self.log_checkpoint(ckpt.wait())
+            return self.finish()
+
+    def draining(self):
+        """Waiting for checkpoint writes and the end of the job: the ``drain`` section, with the
+        in-process watchdog pinged meanwhile (:meth:`.ProgressMonitor.draining`)."""
+        return self.monitor.draining(self.ping)
 
     def stop_gracefully(self) -> None:
         """Commit a checkpoint of this step, then leave with the retryable stop code."""
         ckpt = self.checkpointer
-        self.monitor.start("checkpoint")
-        if ckpt.last_saved_step != self.counters.step:
-            self.log_checkpoint(ckpt.save(self.counters.step))
-        self.log_checkpoint(ckpt.wait())
-        self.monitor.end("checkpoint")
+        with self.draining():
+            if ckpt.last_saved_step != self.counters.step:
+                self.log_checkpoint(ckpt.save(self.counters.step))
+            self.log_checkpoint(ckpt.wait())
         code = self.cfg.resilience.stop_exit_code
         self.metrics.info(f"stop requested (SIGTERM): checkpoint of step {self.counters.step} committed; exiting with "
                           f"code {code} so the job is restarted and resumes here")
@@ -314,10 +328,11 @@ class Trainer:
     def close(self, failed: bool) -> None:
         """Stop the checkpoint worker (an engine owned by the process is drained instead)."""
         self.injector.close()
-        self.checkpointer.close(abort=failed)
-        self.metrics.close()
-        if self.owns_resources:
-            self.resources.close(failed)
+        with self.draining():
+            self.checkpointer.close(abort=failed)
+            self.metrics.close()
+            if self.owns_resources:
+                self.resources.close(failed)
 
     def finish(self) -> dict:
         digest = params_sha256(self.model)  # collective: every rank takes part

@@ -95,7 +95,7 @@ def section_environment(s: Section) -> None:
     try:
         from ...resilience.agent import ft_launcher_executable
 
-        r["ft_launcher"] = ft_launcher_executable()[0]
+        r["ft_launcher"] = " ".join(ft_launcher_executable())
     except Exception as exc:  # noqa: BLE001 - the in_job section will fail on it; say why here
         r["ft_launcher"] = f"not found: {exc}"
     s.save()

@@ -1,0 +1,56 @@
+"""Graceful stop on both NVRx lanes: SIGTERM to a node (the ``sigterm`` fault, as on eviction)
+commits a checkpoint of the current step, the node exits 143, and the job resumes from it bitwise.
+
+A node is the agent a pod runs, ``ft_launcher`` and two ranks (real processes, gloo), on the
+pinned lane (NVRx 0.4.1) and on the image's (0.7, whose checkpoint writer installs its own SIGTERM
+handler: the trainer starts it with SIGTERM blocked, so the SIGTERM ``ft_launcher`` sends each
+rank's process group reaches the trainer only, and the writer finishes the final checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.resilience.node import run_node
+from tests.support import assert_no_leftovers, read_events, read_losses, read_summary
+
+RUN = ["train.steps=12", "checkpoint.interval_steps=4", "train.log_every=4", "resilience.learn_timeouts=false",
+       "resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5"]
+LANES = ("pinned", "image")
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fault-free")
+    proc = run_node(run_dir, RUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_summary(run_dir)["params_sha256"], read_losses(run_dir)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_sigterm_commits_a_checkpoint_exits_143_and_the_job_resumes_bitwise(tmp_path, request, fault_free, lane):
+    pythonpath = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
+    run_dir = tmp_path / "run"
+    stopped = run_node(run_dir, RUN, pythonpath=pythonpath, inject=["sigterm@6:rank=1"])
+    out = stopped.stdout[-3000:] + stopped.stderr[-4000:]
+    assert stopped.returncode == 143, out
+    assert "stopped by SIGTERM" in stopped.stderr
+    (stop,) = read_events(run_dir, "stop")
+    assert stop["exit_code"] == 143 and stop["step"] >= 6
+    final = run_dir / "checkpoints" / f"step_{stop['step']:08d}"
+    manifest = json.loads((final / "COMPLETE").read_text())
+    assert manifest["step"] == stop["step"]
+    expected_nvrx = "0.7" if lane == "image" else "0.4"
+    assert manifest["nvrx_version"].startswith(expected_nvrx), manifest["nvrx_version"]
+    assert_no_leftovers(run_dir)
+
+    resumed = run_node(run_dir, RUN, pythonpath=pythonpath)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    summary = read_summary(run_dir)
+    sha, losses = fault_free
+    assert summary["resumed_from_step"] == stop["step"] and summary["final_step"] == 12
+    assert summary["params_sha256"] == sha
+    assert read_losses(run_dir) == losses
+    assert_no_leftovers(run_dir)

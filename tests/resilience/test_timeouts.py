@@ -1,0 +1,65 @@
+"""Hang detection never undercuts what is configured: a final save slower than the learned timeouts
+would allow finishes (in-process restart on and off), and timeouts restored from a checkpoint are
+raised to what the restarted job configures. Real jobs under ft_launcher (gloo on CPU)."""
+
+from __future__ import annotations
+
+from resilient_fsdp.checkpoint.engines import FAULT_WRITER_ENV
+from tests.support import assert_no_leftovers, read_events, read_summary, run_local
+
+# Timeouts are learned after 4 steps from millisecond gaps: before configured values were floors,
+# max(5 x observed, min_learned_timeout_s=1) gave about 1 s for checkpoint and out-of-section time.
+LEARN = ["train.log_every=4", "checkpoint.interval_steps=4", "resilience.learn_timeouts=true",
+         "resilience.learn_after_steps=4", "resilience.min_learned_timeout_s=1",
+         "resilience.workload_check_interval_s=0.5"]
+CONFIGURED = ["resilience.step_timeout_s=60", "resilience.checkpoint_timeout_s=60",
+              "resilience.out_of_section_timeout_s=60"]
+IN_PROCESS = ["resilience.in_process=true", "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=20",
+              "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
+              "resilience.in_process_barrier_timeout_s=120"]
+
+
+def slow_final_write(seconds: float, step: int) -> dict:
+    """Every rank's writer takes ``seconds`` longer for the checkpoint of ``step`` (the last one)."""
+    return {FAULT_WRITER_ENV: f"slow={seconds:g}@{step}"}
+
+
+def assert_at_least(timeouts: dict, floor: float) -> None:
+    sections = timeouts["sections"]
+    assert sections["step"] >= floor and sections["checkpoint"] >= floor and timeouts["out_of_section"] >= floor, \
+        timeouts
+    assert sections["drain"] == sections["checkpoint"] or sections["drain"] >= floor
+
+
+def test_a_slow_final_save_finishes_and_restored_timeouts_keep_the_configured_floor(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_local(run_dir, nodes=1, nproc=2, overrides=LEARN + CONFIGURED + ["train.steps=8"],
+                      env=slow_final_write(8, 8), timeout=300)
+    out = first.stdout[-4000:] + first.stderr[-2000:]
+    assert first.returncode == 0, out
+    (learned,) = read_events(run_dir, "timeouts_learned")
+    assert_at_least(learned, 60)
+    assert read_summary(run_dir)["restarts"] == {"in_process": 0, "in_job": 0, "job": 0}
+    # The job is resumed with higher timeouts: the values restored from its checkpoint are raised.
+    second = run_local(run_dir, nodes=1, nproc=2, timeout=300,
+                       overrides=LEARN + ["train.steps=10", "resilience.step_timeout_s=90",
+                                          "resilience.checkpoint_timeout_s=90", "resilience.out_of_section_timeout_s=90"])
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
+    summary = read_summary(run_dir)
+    assert summary["resumed_from_step"] == 8
+    assert_at_least(summary["hang_timeouts"], 90)
+    assert_no_leftovers(run_dir)
+
+
+def test_a_slow_final_save_finishes_under_in_process_restart(tmp_path):
+    """The final wait is longer than in-process restart's soft timeout (20 s): its watchdog is
+    pinged while the rank waits, so nothing restarts."""
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=1, nproc=2, overrides=LEARN + CONFIGURED + IN_PROCESS + ["train.steps=8"],
+                     env=slow_final_write(26, 8), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = read_summary(run_dir)
+    assert summary["restarts"] == {"in_process": 0, "in_job": 0, "job": 0}
+    assert summary["checkpoints"][-1]["step"] == 8 and summary["checkpoints"][-1]["write_s"] > 26
+    assert_at_least(summary["hang_timeouts"], 60)
+    assert_no_leftovers(run_dir)

@@ -1,0 +1,163 @@
+"""What each layer retries, and the exit code a node (a pod's main process) ends with.
+
+The job-level restart policy sees only a pod's exit code: a PyTorchJob under
+``restartPolicy: ExitCode`` recreates a pod that exits 128-255 and fails the job on 1-127; the
+chart's JobSet rules do the same (``podFailurePolicy``). So the classification is:
+
+- **configuration-type** failures (a retry cannot fix them: a bad key or value, missing data, a
+  model or checkpoint that does not fit, another job's lease, a non-finite loss, bad flags) are
+  retried by no layer: in-process restart re-raises them at once, the node stops ``ft_launcher``
+  before it restarts the rank, and the pod exits 2, which fails the job with the reason;
+- **infrastructure-type** failures (signals, hangs, lost peers or rendezvous store, CUDA/NCCL
+  errors, anything unknown) are retried by every layer in turn; when the in-job restarts are spent
+  the pod exits :data:`INFRASTRUCTURE` (128 + ``EX_TEMPFAIL``), which the job level retries; a
+  node that lost its rendezvous store exits :data:`RENDEZVOUS_LOST`, also retried.
+
+:data:`TABLE` is that classification as data: the node agent (:mod:`.agent`) and the trainer
+(:mod:`resilient_fsdp.train.entrypoint`) act on it, and ``docs/faults-and-restarts.md`` shows
+:func:`markdown_table` of it (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .. import atomic
+from ..config import ConfigError
+from .faults import NODE_PID_ENV
+
+# Codes the job-level policy retries (PyTorchJob `restartPolicy: ExitCode`, the JobSet rules).
+RETRIED = range(128, 256)
+EX_TEMPFAIL = 75  # sysexits.h: "temporary failure; the user is invited to retry"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One kind of ending: the node's exit code and who retries it."""
+
+    name: str
+    code: str  # as shown in the docs ("2", "128 + N")
+    kind: str  # "success", "configuration", "stop" or "infrastructure"
+    what: str
+    retried_by: str
+    job: str
+
+
+SUCCESS = 0
+CONFIG = ConfigError.exit_code  # 2
+INFRASTRUCTURE = 128 + EX_TEMPFAIL  # 203
+NVRX_NO_RESTART = 93  # NVRx 0.7's ft_launcher: NoRestartRequested (--ft-no-restart-exit-code)
+# The node lost the rendezvous store (its host, pod 0's agent, went away with its pod): outside
+# 129-192, where 128 + a signal lives, so the two read apart.
+RENDEZVOUS_LOST = 200
+
+TABLE: tuple[Row, ...] = (
+    Row("done", str(SUCCESS), "success", "training finished (every rank exited 0)", "-",
+        "done once every pod exited 0"),
+    Row("configuration", str(CONFIG), "configuration",
+        "`ConfigError` (a bad key or value, missing data, a model or checkpoint that does not fit, a "
+        "missing `checkpoint.resume_from`, another job's lease), a non-finite loss, bad trainer or "
+        "launcher flags",
+        "none: in-process restart re-raises it at once; the rank marks its node, whose agent stops "
+        "`ft_launcher` before it restarts the rank",
+        "fails at once; the reason is the rank's error (pod log, termination message)"),
+    Row("nvrx-no-restart", str(NVRX_NO_RESTART), "configuration",
+        "NVRx 0.7's `ft_launcher` decided that restarting cannot help (its failure attribution said "
+        "stop, or no progress across restarts; this project's flags enable neither)",
+        "none", "fails"),
+    Row("stopped", "128 + N (143 for SIGTERM)", "stop",
+        "the node was asked to stop (eviction, spot reclaim, scale-down: SIGTERM or SIGINT); its ranks "
+        "committed a checkpoint of the current step",
+        "job level", "the pod is recreated and the job resumes from that checkpoint"),
+    Row("killed", "128 + N (137 for SIGKILL)", "infrastructure",
+        "`ft_launcher` itself was killed by signal N (the OOM killer, a node going down)",
+        "job level", "the pod is recreated"),
+    Row("rendezvous-store-lost", str(RENDEZVOUS_LOST), "infrastructure",
+        "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost); "
+        "this node is healthy",
+        "job level", "the pod is recreated and joins the store of the host's replacement"),
+    Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
+        "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
+        "peers, CUDA/NCCL errors, in-process restarts spent, any other "
+        "exception; its in-job restarts (`resilience.max_restarts`) are spent",
+        "in-process (exceptions, hangs), then in-job, then job level",
+        "the pod is recreated (128 + `EX_TEMPFAIL`)"),
+)
+
+
+def row(name: str) -> Row:
+    return next(r for r in TABLE if r.name == name)
+
+
+def is_configuration_failure(exc: BaseException) -> bool:
+    """A failure that no restart can fix (the ``configuration`` row): never retried."""
+    return isinstance(exc, (ConfigError, FloatingPointError))
+
+
+def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False,
+                   store_lost: bool = False) -> int:
+    """The node's exit code from ``ft_launcher``'s return code, the stop signal the node received
+    (if any), whether a rank reported a configuration-type failure, and whether ``ft_launcher``
+    failed because the rendezvous store went away (read from its output by the agent)."""
+    if config_failure:
+        return CONFIG
+    if returncode < 0:
+        return 128 + (-returncode)  # ft_launcher killed by a signal
+    if returncode == SUCCESS:
+        return SUCCESS
+    if stop_signal is not None:
+        return 128 + stop_signal  # ranks checkpointed and stopped; ft_launcher says 1
+    if returncode in (CONFIG, NVRX_NO_RESTART):
+        return returncode  # its own bad flags (argparse), or NVRx decided against a restart
+    if store_lost:
+        return RENDEZVOUS_LOST
+    return INFRASTRUCTURE
+
+
+def describe_code(code: int) -> str:
+    """One line for a node's exit code: which row, and whether the job level retries it."""
+    if code in RETRIED:
+        named = {INFRASTRUCTURE: "restarts-exhausted", RENDEZVOUS_LOST: "rendezvous-store-lost"}
+        name = named.get(code, "stopped or killed")
+        try:
+            sig = f" ({signal.Signals(code - 128).name})" if code not in named else ""
+        except ValueError:
+            sig = ""
+        return f"{code}: {name}{sig}, retried by the job level"
+    for r in TABLE:
+        if r.code == str(code):
+            return f"{code}: {r.name}, not retried"
+    return f"{code}: not retried"
+
+
+def markdown_table() -> str:
+    """:data:`TABLE` as the Markdown table ``docs/faults-and-restarts.md`` shows."""
+    lines = ["| node exit code | kind | what happened | retried by | the job |", "|---|---|---|---|---|"]
+    for r in TABLE:
+        lines.append(f"| {r.code} | {r.kind} | {r.what} | {r.retried_by} | {r.job} |")
+    return "\n".join(lines)
+
+
+# ---- a rank tells its node that its failure must not be retried ---------------------------------
+
+# Set by the node agent: the file a rank writes the reason of a configuration-type failure into
+# before it signals the agent (SIGUSR1), which then stops ft_launcher instead of letting it restart.
+NODE_FATAL_ENV = "RESILIENT_FSDP_NODE_FATAL_FILE"
+FATAL_SIGNAL = signal.SIGUSR1
+
+
+def report_configuration_failure(message: str) -> bool:
+    """Rank side: record ``message`` for the node agent and signal it; False without an agent."""
+    path, agent = os.environ.get(NODE_FATAL_ENV), os.environ.get(NODE_PID_ENV)
+    if not path or not agent:
+        return False
+    try:
+        atomic.write_text(Path(path), message)
+        os.kill(int(agent), FATAL_SIGNAL)
+    except (OSError, ValueError):
+        return False
+    return True
