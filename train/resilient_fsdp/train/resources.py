@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -32,13 +33,19 @@ class ProcessResources:
         self.monitor = ProgressMonitor(cfg.resilience)
         self.stop = GracefulStop()
         self.stop.install()
+        if cfg.checkpoint.mode != "sync":
+            # The writer process starts now, in the background and at low priority, so that it is
+            # ready when the first save after a (re)start comes (it imports torch for seconds).
+            self.checkpoint_engine(int(os.environ.get("RANK", "0")))
 
     def checkpoint_engine(self, rank: int) -> Engine:
+        if self.engine is not None:
+            self.engine.rank = rank
         if self.engine is None:
             # The launcher signals a node's ranks by process group, which includes the writer
             # processes NVRx spawns. They must outlive a SIGTERM long enough for the graceful
-            # stop's final checkpoint: started with SIGTERM ignored (kept across exec), they are
-            # ended by the engine's close instead.
+            # stop's final checkpoint: started with SIGTERM ignored and blocked (both kept across
+            # exec; the engine's starter thread blocks it), they are ended by the engine's close.
             previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
             try:
                 self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads)
