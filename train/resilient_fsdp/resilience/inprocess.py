@@ -14,10 +14,29 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..config import ResilienceConfig
-from . import nvrx
+from . import gloo_abort, nvrx
 
 # NVRx in-process restart warns at every start that its own logging was not configured.
 warnings.filterwarnings("ignore", message="logging not initialized, logs are disabled")
+
+
+LAST_CALL_WAIT_S = 0.1
+
+
+def _abort_with_gloo_shutdown():
+    """The abort in-process restart runs on every rank (from its monitor thread) once any rank
+    failed: the gloo group's connections are shut down first, so that a collective blocked on the
+    failed rank ends now instead of at ``dist.timeout_s`` (gloo cannot be aborted otherwise,
+    :mod:`.gloo_abort`), then every process group is aborted and destroyed (:mod:`.nvrx`)."""
+    from nvidia_resiliency_ext import inprocess
+
+    class AbortGlooThenProcessGroups(inprocess.abort.Abort):
+        def __call__(self, state):
+            gloo_abort.shutdown_gloo_connections()
+            nvrx.abort_process_groups()
+            return state
+
+    return AbortGlooThenProcessGroups()
 
 
 class InProcessRestartsExhausted(BaseException):
@@ -54,7 +73,7 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
     interval = seconds(seconds=min(1.0, soft / 5, cfg.in_process_heartbeat_timeout_s / 5))
     wrapper = inprocess.Wrapper(
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.in_process_store_port_offset},
-        abort=nvrx.make_abort(),
+        abort=_abort_with_gloo_shutdown(),
         health_check=None,
         soft_timeout=seconds(seconds=soft),
         hard_timeout=seconds(seconds=cfg.in_process_hard_timeout_s),
@@ -65,7 +84,9 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
         monitor_process_interval=interval,
         heartbeat_interval=interval,
         progress_watchdog_interval=interval,
-        last_call_wait=seconds(seconds=min(1.0, soft / 10)),
+        # How long the monitor waits for other ranks' interruption records before aborting: they
+        # name the faults in the log only; every rank is restarted either way.
+        last_call_wait=seconds(seconds=min(LAST_CALL_WAIT_S, soft / 10)),
         termination_grace_time=seconds(seconds=min(5.0, soft)),
     )
     nvrx.without_health_checks(wrapper)

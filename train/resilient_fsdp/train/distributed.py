@@ -7,6 +7,7 @@ The backend follows the device (gloo on CPU, NCCL on CUDA), so one entrypoint se
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import ConfigError, DistConfig
+from ..resilience.gloo_abort import tracking_gloo_connections
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,10 @@ def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None) -> Dis
             where = {"store": store, "rank": rank, "world_size": world_size}
         else:
             where = {}
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-                                **where)
+        # gloo's connections are recorded so that an abort can shut them down (resilience.gloo_abort).
+        with tracking_gloo_connections() if backend == "gloo" else contextlib.nullcontext():
+            dist.init_process_group(backend=backend, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None, **where)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
