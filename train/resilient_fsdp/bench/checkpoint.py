@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> dict:
     overrides = [f"run_dir={run_dir}", f"model.preset={args.preset}", f"data.seq_len={args.seq_len}",
                  f"data.micro_batch_size={args.micro_batch_size}", "checkpoint.save_final=false",
                  "checkpoint.resume=false", f"checkpoint.writer_threads={args.writer_threads}",
-                 "train.steps=100000"] + list(args.overrides)
+                 # The trainer's own checkpointer stays idle (no writer process): each engine
+                 # measured gets a checkpointer of its own.
+                 "checkpoint.mode=sync", "train.steps=100000"] + list(args.overrides)
     trainer = Trainer(load_config(None, overrides))
     pinned = None
     try:

@@ -81,8 +81,15 @@ class StagedEngine(Engine):
         raise NotImplementedError
 
     def _worker(self) -> Any:
-        """The calls queue, once its worker was started; a worker that died is replaced (said)."""
+        """The calls queue, once its worker was started; a worker that died is replaced (said).
+        Raises what kept a worker from starting (the caller records it as the save's error)."""
         self.starting.join()
+        if self.starting.error:
+            error = self.starting.error
+            nvrx.close_queue(self.calls_queue(), abort=True)
+            self.replace_calls_queue()
+            self.starting = nvrx.start_worker(self.calls_queue(), self.rank)  # tried again at the next save
+            raise RuntimeError(error)
         code = nvrx.worker_died(self.calls_queue())
         if code is not None:
             self.notes.append(f"rank {self.rank}: the checkpoint writer process had exited (code {code}) since "
@@ -92,6 +99,12 @@ class StagedEngine(Engine):
             self.starting = nvrx.start_worker(self.calls_queue(), self.rank)
             self.starting.join()
         return self.calls_queue()
+
+    def _worker_or_error(self) -> tuple[Any, Optional[str]]:
+        try:
+            return self._worker(), None
+        except RuntimeError as exc:  # failed by every rank together, at the commit
+            return self.calls_queue(), str(exc)
 
     def _stage(self, sd: Any, key: Optional[tuple] = None) -> Any:
         staged = self.stager.prepare(sd, key)
@@ -182,7 +195,7 @@ class AsyncEngine(StagedEngine):
         return PLAN_CACHED if self.plans.validated() else PLAN_KEEP
 
     def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH) -> None:
-        queue = self._worker()
+        queue, unavailable = self._worker_or_error()
         key = self.voted_key if self.voted_key is not None else (structure(sd), self.world_size)
         self.voted_key = None
         staged = self._stage(sd, key[0])
@@ -192,6 +205,8 @@ class AsyncEngine(StagedEngine):
         self.dead, self.save = None, None
 
         def schedule(planned: tuple) -> None:
+            if unavailable:
+                raise RuntimeError(unavailable)
             self.save = nvrx_dcp.schedule_dcp_save(queue, planned, registry, token, channel, fault)
 
         if plan == PLAN_CACHED:  # no collective left in planning: all of it off the loop
@@ -257,7 +272,7 @@ class TorchAsyncEngine(StagedEngine):
         return self.ckpt.finalize_async_save
 
     def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH) -> None:
-        self._worker()
+        _, unavailable = self._worker_or_error()
         local = to_local(sd)
         staged = self._stage(local)
         registry, channel = self.registry, integrity.new_channel(token, self.rank)
@@ -265,8 +280,12 @@ class TorchAsyncEngine(StagedEngine):
         fault = writer_fault(step, self.rank)
         self.dead = None
         self.pending = (channel, name)
-        self.job = self.stager.start_copy(local, lambda: nvrx.torch_async_save(self.ckpt, registry, staged,
-                                                                                partial_dir / name, channel, fault))
+        def schedule() -> None:
+            if unavailable:
+                raise RuntimeError(unavailable)
+            nvrx.torch_async_save(self.ckpt, registry, staged, partial_dir / name, channel, fault)
+
+        self.job = self.stager.start_copy(local, schedule)
 
     def collect(self) -> LocalOutcome:
         job_error = self._job_error()

@@ -132,21 +132,26 @@ def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
     worker, and the threads and processes it starts per write, inherit both) and whose SIGTERM is
     blocked (inherited across exec: NVRx 0.7's SIGTERM handler never runs; the resource tracker
     is started before, since its start unblocks SIGTERM in the calling thread). It gets a no-op
-    request, whose completion the next poll drains. Join the thread before using the queue.
+    request, whose completion the next poll drains. Join the thread before using the queue; its
+    ``error`` then says what failed, if anything.
     """
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
     def run() -> None:
         from multiprocessing import resource_tracker
 
-        lower_this_thread()
-        resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        caller = calls_queue._get_async_caller()
-        caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
-        calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+        try:
+            lower_this_thread()
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            caller = calls_queue._get_async_caller()
+            caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
+            calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save (StagedEngine._worker)
+            thread.error = f"the checkpoint writer process could not be started: {type(exc).__name__}: {exc}"
 
     thread = threading.Thread(target=run, name="checkpoint-writer-start", daemon=True)
+    thread.error = None
     thread.start()
     return thread
 

@@ -86,9 +86,9 @@ def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
 
     p = s.plan
     run_dir = s.dir / preset
-    cfg = load_config(None, s.overrides(run_dir, big=True) + [f"model.preset={preset}", "checkpoint.save_final=false",
-                                                              "checkpoint.resume=false", "train.steps=100000",
-                                                              "train.deterministic=false"])
+    cfg = load_config(None, s.overrides(run_dir, big=True) + [
+        f"model.preset={preset}", "checkpoint.mode=sync", "checkpoint.save_final=false", "checkpoint.resume=false",
+        "train.steps=100000", "train.deterministic=false"])
     trainer = Trainer(cfg)
     root = run_dir / "checkpoints"
     out: dict = {}
