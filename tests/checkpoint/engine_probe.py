@@ -11,11 +11,15 @@ usage: python engine_probe.py RUN_DIR SCENARIO MODE
   compared, bit for bit, with the state captured when it was saved.
 - ``dead-worker``: the writer process is killed between saves; the next save starts a new one
   and commits, and after another kill, closing returns at once.
+- ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
+  the failed attempt closes without waiting for it again, and the next attempt (an in-process
+  restart) gets a new engine that commits.
 
 Prints one JSON line.
 """
 
 import json
+import os
 import random
 import sys
 import time
@@ -105,7 +109,46 @@ def dead_worker(run_dir, mode):
     return out
 
 
+def hung_writer(run_dir, mode):
+    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "hang@2"
+    # The healthy writes get a deadline a loaded machine meets (the writer runs niced, so other
+    # processes on the machine slow it down); the hung one gets 2 s.
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false", "checkpoint.write_timeout_s=120"])
+    resources = ProcessResources(cfg)
+    first = Trainer(cfg, resources)
+    out = {}
+    step(first)
+    first.checkpointer.save(1)
+    out["first"] = first.checkpointer.wait() is not None
+    step(first)
+    first.checkpointer.save(2)
+    first.checkpointer.cfg.write_timeout_s = 2
+    try:
+        first.checkpointer.wait()
+        out["late_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the probe reports what was raised
+        out["late_error"] = str(exc)
+    first.checkpointer.cfg.write_timeout_s = 120
+    hung = first.checkpointer.engine
+    t0 = time.monotonic()
+    first.close(failed=True)
+    out["close_s"] = time.monotonic() - t0
+    distributed.shutdown(clean=False)
+
+    second = Trainer(cfg, resources)
+    out["resumed_step"] = second.checkpointer.resume()
+    out["replaced"] = second.checkpointer.engine is not hung and not second.checkpointer.engine.hung
+    step(second)
+    second.checkpointer.save(3)
+    out["after_restart"] = second.checkpointer.wait() is not None
+    second.close(failed=False)
+    distributed.shutdown()
+    resources.close(False)
+    return out
+
+
 if __name__ == "__main__":
     run_dir, scenario, mode = sys.argv[1:4]
-    report = {"stale": stale, "dead-worker": dead_worker}[scenario](run_dir, mode)
+    report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer}[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": nvrx.NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

@@ -1,5 +1,6 @@
-"""Every fault kind, injected into a real 2-node x 2-rank job (gloo): the job recovers by the
-layer meant for it and ends bitwise equal to the same job without faults."""
+"""Every fault kind, injected into a real 2-node x 2-rank job (gloo, NVRx 0.4.1): the job recovers
+by the layer meant for it and ends bitwise equal to the same job without faults. Rank 0 (which
+commits checkpoints and writes the summary) and node 0 are targets like any other."""
 
 from __future__ import annotations
 
@@ -7,109 +8,101 @@ import json
 
 import pytest
 
-from tests.support import assert_no_leftovers, read_losses, read_summary, run_local
-
-STEPS = 24
-COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=4", "train.log_every=4",
-          # Short enough for tests: a stuck rank is killed 2 s after SIGTERM, a hung step is
-          # detected after 8 s, rank monitors check twice a second.
-          "resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5",
-          "resilience.step_timeout_s=8", "resilience.learn_timeouts=false"]
-# Gloo cannot be aborted: ranks waiting on a failed peer wait out dist.timeout_s, so in-process
-# restart tests keep it short (it applies after the first step; start-up has its own). The soft
-# timeout must outlast any legitimate wait inside C++ (NVRx sees no progress then), such as ranks
-# of an overloaded two-core machine reaching the first collective seconds apart.
-IN_PROCESS = ["resilience.in_process=true", "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=20",
-              "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
-              "resilience.in_process_barrier_timeout_s=120", "resilience.step_timeout_s=60"]
-
-
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fault-free")
-    proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert_no_leftovers(run_dir)
-    return read_summary(run_dir), read_losses(run_dir)
-
+from resilient_fsdp.resilience.faults import REQUESTS_ENV
+from tests.resilience.fault_jobs import (COMMON, IN_PROCESS, StandInExecutor, check_landed_mid_write,
+                                         check_recoveries, run_with_faults)
+from tests.support import assert_no_leftovers, run_local
 
 # Faults that need their own job: their recovery is asserted in detail below.
 CASES = [
-    # kind, the layer expected to recover it
-    ("sigkill-during-save", "in_job"),
-    ("sigterm", "job"),
-    ("node-loss", "job"),
+    # fault, the layer expected to recover it
+    ("sigkill-during-save@10:rank=0", "in_job"),
+    ("sigterm@10:node=0", "job"),
+    ("node-loss@10:node=0", "job"),
 ]
 
 
-@pytest.mark.parametrize("kind,layer", CASES, ids=[k for k, _ in CASES])
-def test_fault_is_recovered_bitwise(tmp_path, fault_free, kind, layer):
-    baseline, baseline_losses = fault_free
+@pytest.mark.parametrize("spec,layer", CASES, ids=[s.split("@")[0] for s, _ in CASES])
+def test_fault_is_recovered_bitwise(tmp_path, reference_2x2, spec, layer):
     run_dir = tmp_path / "run"
-    spec = f"{kind}@10:rank=3"
-    proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON, extra=[f"--inject={spec}"], timeout=300)
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, out
-    summary = read_summary(run_dir)
-    assert summary["final_step"] == STEPS
-    assert summary["params_sha256"] == baseline["params_sha256"], out
-    assert read_losses(run_dir) == baseline_losses  # the whole curve, exactly
-    assert summary["faults_injected"] == [spec]
+    summary = run_with_faults(run_dir, [spec], reference_2x2, timeout=300)
     (recovery,) = summary["recoveries"]
-    assert recovery["layer"] == layer, out
+    assert recovery["layer"] == layer, summary["_output"]
     assert summary["restarts"][layer] >= 1
     assert recovery["recovery_s"] > 0
-    assert 0 < summary["goodput"] < 1
-    if kind == "sigterm":
+    if spec.startswith("sigterm"):
         # Graceful stop: the stop step was checkpointed, so nothing was trained twice.
         assert recovery["lost_steps"] == 0 and recovery["resumed_from_step"] == recovery["fault_step"] + 1
-    elif kind == "sigkill-during-save":
-        # Killed while step 12's write was in flight: that checkpoint never committed, the
-        # job resumed from step 8, and the torn one is left for inspection, not loaded.
+    elif spec.startswith("sigkill-during-save"):
+        # Rank 0 and its writer were killed while step 12's checkpoint was being written: it never
+        # committed, the job resumed from step 8, and the torn one is left for inspection.
         assert recovery["fault_step"] == 12 and recovery["resumed_from_step"] == 8
         assert recovery["lost_steps"] == 4
-        assert any(p.name.startswith("step_00000012.incomplete") for p in (run_dir / "checkpoints").iterdir())
+        check_landed_mid_write(recovery)
+        (torn,) = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_00000012.incomplete")]
+        assert not (torn / "COMPLETE").exists()
     else:
         assert recovery["resumed_from_step"] == 8 and recovery["lost_steps"] == 1
-    assert_no_leftovers(run_dir)
 
 
 # Several faults in one job (each fires once, at a step after the previous recovery); every one
 # must be recovered by the layer named, and the job must still end bitwise equal.
 MULTI = [
     # faults, extra overrides, the layer expected for each fault
-    (["exception@6:rank=3", "hang@12:rank=2", "sigkill@18:rank=1"], [], ["in_job", "in_job", "in_job"]),
+    (["exception@6:rank=0", "hang@12:rank=0", "sigkill@18:rank=0"], [], ["in_job", "in_job", "in_job"]),
     # In-process restart on: a process-killing fault in between goes to the in-job restart, which
     # respawns every rank (new processes, whose nodes' restart counts differ), and the next fault
-    # is again recovered in-process.
-    (["exception@6:rank=1", "sigkill@12:rank=2", "hang@18:rank=3"], IN_PROCESS, ["in_process", "in_job", "in_process"]),
+    # is again recovered in-process; rank 1's peers block inside the loss all-reduce.
+    (["exception@6:rank=0", "sigkill@12:rank=2", "hang@18:rank=0", "hang-in-collective@22:rank=1"], IN_PROCESS,
+     ["in_process", "in_job", "in_process", "in_process"]),
 ]
 
 
 @pytest.mark.parametrize("specs,extra,layers", MULTI, ids=["default", "in_process"])
-def test_faults_in_one_job_are_each_recovered_by_their_layer(tmp_path, fault_free, specs, extra, layers):
-    baseline, baseline_losses = fault_free
+def test_faults_in_one_job_are_each_recovered_by_their_layer(tmp_path, reference_2x2, specs, extra, layers):
+    summary = run_with_faults(tmp_path / "run", specs, reference_2x2, overrides=extra)
+    check_recoveries(summary, layers)
+
+
+def test_new_kinds_in_one_job_with_node_faults_sent_to_the_cluster(tmp_path, reference_2x2):
+    """node-loss, partition, sigkill-during-save and hang-in-collective in one job, with node-level
+    faults requested from the cluster (RESILIENT_FSDP_FAULT_REQUESTS) and a stand-in executor."""
+    run_dir, requests = tmp_path / "run", tmp_path / "requests"
+    executor = StandInExecutor(requests, run_dir)
+    executor.start()
+    specs = ["node-loss@6:node=1", "partition@8:node=0:for=0.5", "sigkill-during-save@13:rank=3",
+             "hang-in-collective@19:rank=2"]
+    try:
+        summary = run_with_faults(run_dir, specs, reference_2x2, env={REQUESTS_ENV: str(requests)})
+    finally:
+        executor.stop()
+    assert sorted(executor.seen) == ["node-loss-step6-node1.json", "partition-step8-node0.json"]
+    for name, request in executor.seen.items():
+        node = 1 if name.startswith("node-loss") else 0
+        assert set(request) == {"kind", "node", "step", "for_s", "rank", "time"}
+        assert request["node"] == node and request["rank"] % 2 == 0  # the node's local rank 0
+        assert request["kind"] == name.split("-step")[0] and request["time"] > 0
+    assert executor.seen["partition-step8-node0.json"]["for_s"] == 0.5
+    assert executor.seen["node-loss-step6-node1.json"]["for_s"] is None
+    assert executor.killed["node-loss-step6-node1.json"]  # the node's processes, killed by the executor
+    check_recoveries(summary, ["job", "in_job", "in_job"])
+    node_loss, during_save, hang = summary["recoveries"]
+    assert node_loss["request"].endswith("node-loss-step6-node1.json")
+    check_landed_mid_write(during_save)
+    assert hang["kind"] == "hang-in-collective"
+    # Nothing on loopback takes a link down: the partition healed by itself, and no restart is
+    # counted as its recovery.
+    (partition,) = summary["unrecovered"]
+    assert partition["fault"] == "partition@8:node=0:for=0.5" and "training went on" in partition["why"]
+
+
+def test_a_partition_is_refused_before_any_process_starts_where_nothing_executes_it(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON + extra,
-                     extra=[f"--inject={s}" for s in specs], timeout=400)
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, out
-    summary = read_summary(run_dir)
-    assert summary["final_step"] == STEPS
-    assert summary["params_sha256"] == baseline["params_sha256"], out
-    assert read_losses(run_dir) == baseline_losses
-    assert summary["faults_injected"] == specs
-    recoveries = summary["recoveries"]
-    assert [r["layer"] for r in recoveries] == layers, out
-    for layer in set(layers):
-        assert summary["restarts"][layer] >= layers.count(layer)
-    for r in recoveries:
-        # Resumed from the newest checkpoint (every 4 steps) before the fault; what came after
-        # it was trained again.
-        assert r["recovery_s"] > 0
-        assert r["resumed_from_step"] == r["fault_step"] - r["fault_step"] % 4
-        assert r["lost_steps"] == r["fault_step"] - r["resumed_from_step"]
-    assert 0 < summary["goodput"] < 1
+    proc = run_local(run_dir, nodes=2, nproc=1, overrides=COMMON, extra=["--inject=partition@3:node=1:for=5"],
+                     env={REQUESTS_ENV: ""}, timeout=60)
+    assert proc.returncode == 2
+    assert "'partition@3:node=1:for=5': a partition takes a pod's network link down" in proc.stderr
+    assert not (run_dir / "logs").exists()
     assert_no_leftovers(run_dir)
 
 

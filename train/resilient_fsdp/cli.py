@@ -46,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--max-node-restarts", type=int, default=3,
                        help="job-level restarts: times a failed node is recreated, as a PyTorchJob's "
                             "backoffLimit allows; default 3")
-    local.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
-                       help="inject a fault once per job: exception, hang, sigkill, sigkill-during-save, sigterm "
-                            "or node-loss (repeatable)")
+    local.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
+                       help="inject a fault once per job: exception, hang, hang-in-collective, sigkill, "
+                            "sigkill-during-save, sigterm, node-loss or partition (repeatable; "
+                            "docs/faults-and-restarts.md)")
     local.add_argument("-v", "--verbose", action="store_true",
                        help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
     local.add_argument("--rdzv-port", type=int, help="rendezvous port on 127.0.0.1; default: a free one")
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run one trainer process (a world of one without a launcher)")
     train.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
+    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
                        help="inject a fault once per job (repeatable)")
     _add_config_args(train)
 
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_local(args: argparse.Namespace) -> int:
     from .local.launcher import LocalJob, LocalLauncher
+    from .resilience.faults import check_executable
 
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
         if value < 1:
@@ -111,7 +113,9 @@ def cmd_local(args: argparse.Namespace) -> int:
     # Validate here, once, before starting any process: a typo should not cost a rendezvous.
     config_path = str(Path(args.config).resolve()) if args.config else None
     cfg = load_config(config_path, overrides + [f"run_dir={run_dir}"])
-    parse_faults(list(cfg.resilience.inject) + args.inject, world_size=args.nodes * args.nproc_per_node)
+    faults = parse_faults(list(cfg.resilience.inject) + args.inject, world_size=args.nodes * args.nproc_per_node,
+                          nodes=args.nodes)
+    check_executable(faults)  # the simulated nodes inherit this environment
     trainer_args = (["--config", config_path] if config_path else []) + \
         [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(run_dir)] + \
         [a for spec in args.inject for a in ("--inject", spec)]

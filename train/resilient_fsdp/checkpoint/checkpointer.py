@@ -43,8 +43,11 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, root: Path, info: DistInfo, state: CheckpointState,
                  identity: dict, say: Callable[[str], None],
                  engine_factory: Optional[Callable[[], Engine]] = None,
-                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None):
+                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None,
+                 faults: Optional[Any] = None):
         self.cfg, self.root, self.info, self.state = cfg, root, info, state
+        # Fault injection (resilience.faults.FaultInjector): told when a write starts and ends.
+        self.faults = faults
         self.uploader = uploader
         self.identity = identity  # what a resumed run must match: model shape, preset
         self.batch = batch or {}
@@ -192,6 +195,9 @@ class Checkpointer:
         if error:
             raise CheckpointError(error)
         partial_dir = self.root / store.partial_name(step, token)
+        if self.faults is not None:
+            self.faults.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
+                                     self.expected_written_bytes)
         self.engine.start(sd, partial_dir, step, token, min(v[2] for v in votes))
         for note in self.engine.take_notes():
             self.say(note)
@@ -227,6 +233,8 @@ class Checkpointer:
         t_wait = time.perf_counter()
         while True:
             done, _ = self.engine.local_status()
+            if done and self.faults is not None:
+                self.faults.save_written(self.pending["step"])
             late = block and time.perf_counter() - t_wait > self.cfg.write_timeout_s
             # Agree, in one collective: is any rank still writing, has any rank run out of time.
             t = torch.tensor([0.0 if done else 1.0, 1.0 if late else 0.0], dtype=torch.float64,
@@ -242,7 +250,7 @@ class Checkpointer:
             return None
         pending, self.pending = self.pending, None
         if not all_done:
-            self.engine.forget()
+            self.engine.abandon()
             raise CheckpointError(f"checkpoint of step {pending['step']} failed: its write did not finish within "
                                   f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
                                   f"incomplete at {pending['dir']} and will not be loaded")
@@ -295,6 +303,15 @@ class Checkpointer:
             self.uploader.submit(record["step"], Path(record["path"]), manifest=record["manifest"])
         self.apply_retention()
 
+    def expected_written_bytes(self) -> Optional[int]:
+        """What the writers of a save put on disk, taken from the newest committed checkpoint of
+        this world size and mode (a save of the same state writes the same files); None if none."""
+        for ckpt in reversed(store.scan(self.root)[0]):
+            m = ckpt.manifest
+            if m.get("world_size") == self.info.world_size and m.get("mode") == self.engine.mode:
+                return store.written_bytes(ckpt.path)
+        return None
+
     def apply_retention(self) -> None:
         """Rank 0: local retention in the background; a checkpoint still waiting for its S3
         upload is kept. Best-effort: what fails is said at the next step."""
@@ -323,5 +340,6 @@ class Checkpointer:
         if self.owns_engine:
             self._engine.close(abort=abort)
         elif abort:
-            # A write still running gets checkpoint.write_timeout_s (at most 2 minutes) to finish.
+            # A write still running gets checkpoint.write_timeout_s (at most 2 minutes) to finish;
+            # a hung one (abandoned at its deadline) is not waited for at all.
             self._engine.drain(timeout_s=min(120.0, self.cfg.write_timeout_s))

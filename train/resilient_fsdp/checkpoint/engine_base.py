@@ -53,6 +53,9 @@ class Engine:
     def __init__(self, rank: int):
         self.rank = rank
         self.notes: list[str] = []  # said by the checkpointer at the next step
+        # Set when a write outlived checkpoint.write_timeout_s: its writer may never take another
+        # write, so it is not waited for again and the engine is replaced, not reused.
+        self.hung = False
 
     def attach(self, world_size: int) -> None:
         """A new attempt (a new checkpointer, process group, model) starts using this engine."""
@@ -88,7 +91,7 @@ class Engine:
         """Rank-local: let a write left by a failed attempt finish, so an in-process restart can
         reuse this engine. That write stays an incomplete checkpoint; it is never committed."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while not self.hung and time.monotonic() < deadline:
             done, _ = self.local_status()
             if done:
                 break
@@ -97,6 +100,11 @@ class Engine:
 
     def forget(self) -> None:
         """Drop what is left of a save that will never be collected."""
+
+    def abandon(self) -> None:
+        """The write in flight ran out of time: drop it and mark the engine as hung."""
+        self.hung = True
+        self.forget()
 
     def close(self, abort: bool = False) -> None:
         pass

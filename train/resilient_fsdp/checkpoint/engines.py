@@ -139,7 +139,7 @@ class StagedEngine(Engine):
         """As :meth:`Engine.drain`; a write still running at the deadline is killed with its worker,
         and a new worker is started, so the next attempt does not queue behind it."""
         deadline = time.monotonic() + timeout_s
-        while not self.local_status()[0]:
+        while not self.hung and not self.local_status()[0]:
             if time.monotonic() > deadline:
                 self.stager.wait()
                 nvrx.close_queue(self.calls_queue(), abort=True)

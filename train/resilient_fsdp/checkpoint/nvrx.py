@@ -218,6 +218,12 @@ def _forget_worker(calls_queue: Any) -> None:
     caller = getattr(calls_queue, "persistent_caller", None)
     if caller is not None:
         caller.process = None
+        # What was put for a worker that never read it must not hold the exit: a queue's feeder
+        # thread blocked on a full pipe is otherwise joined at interpreter exit, forever.
+        for name in ("queue", "preload_q", "comp_q"):
+            q = getattr(caller, name, None)
+            if q is not None and hasattr(q, "cancel_join_thread"):
+                q.cancel_join_thread()
     calls_queue.async_calls.clear()
     calls_queue.persistent_caller = None
 

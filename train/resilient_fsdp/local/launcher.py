@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
-from ..config import ResilienceConfig
+from ..config import ConfigError, ResilienceConfig
 from ..resilience.accounting import JOB_START_ENV
-from ..resilience.faults import FaultLedger
+from ..resilience.faults import NODE_INDEX_ENV, FaultLedger
 from ..resilience.ft_config import ft_launcher_flags
 from ..resilience.ft_config import write_ft_config as write_ft_yaml
-from ..resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_OUTSIDE
+from ..resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_IN_NODE, RDZV_STORE_OUTSIDE, agent_hosts_rendezvous_store
 from ..resilience.processes import become_subreaper, kill_descendants
 
 TRAINER_MODULE = "resilient_fsdp.train"
@@ -83,11 +83,12 @@ def write_ft_config(job: LocalJob) -> Path:
     return write_ft_yaml(job.run_dir / "ft_config.yaml", job.resilience)
 
 
-def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
+def agent_command(job: LocalJob, node: int, port: int, store_in_node: bool = False) -> list[str]:
     """The command line of simulated node ``node``: the node wrapper around ``ft_launcher`` with
     the same flags a pod uses, plus ``--rdzv-conf=is_host=false`` (the rendezvous store is served
     by this launcher). That flag, and several agents on one host, are NVRx 0.4 features: 0.7
-    keeps only its own rendezvous, one agent per host, so local multi-node runs use 0.4."""
+    keeps only its own rendezvous, one agent per host address, so under 0.7 a single node hosts
+    the store itself (``store_in_node``) and multi-node runs need one address per pod."""
     return [
         sys.executable, "-m", AGENT_MODULE,
         f"--ft-cfg-path={job.run_dir / 'ft_config.yaml'}",
@@ -96,7 +97,7 @@ def agent_command(job: LocalJob, node: int, port: int) -> list[str]:
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={job.run_id}",
-        RDZV_STORE_OUTSIDE,
+        RDZV_STORE_IN_NODE if store_in_node else RDZV_STORE_OUTSIDE,
         *ft_launcher_flags(job.resilience),
         "--monitor-interval=0.5",
         f"--log-dir={job.run_dir / 'logs' / f'node{node}'}",
@@ -176,14 +177,17 @@ class LocalLauncher:
         self.job_start = time.time()
         self.node_restarts = 0
         self.rdzv_store = None
+        # NVRx 0.7's barrier rendezvous: only the agent hosting the store closes rounds.
+        self.store_in_node = agent_hosts_rendezvous_store()
 
     def say(self, message: str) -> None:
         with self.lock:
             self.out.write(f"[local] {message}\n")
             self.out.flush()
 
-    def _env(self) -> dict:
+    def _env(self, node: int) -> dict:
         env = dict(os.environ)
+        env[NODE_INDEX_ENV] = str(node)  # which pod this is, for faults aimed at node=N
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), QUIET_WARNINGS) if w)
         env[JOB_START_ENV] = repr(self.job_start)
@@ -193,9 +197,9 @@ class LocalLauncher:
         log_dir = self.job.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         # A new session per agent: one killpg stops the agent and the workers it spawned.
-        proc = subprocess.Popen(agent_command(self.job, node, port), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(agent_command(self.job, node, port, self.store_in_node), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                env=self._env(), start_new_session=True)
+                                env=self._env(node), start_new_session=True)
         fwd = _Forwarder(node, proc.stdout, log_dir / f"node{node}.log", self.out, self.lock, self.job.verbose)
         fwd.start()
         self.forwarders.append(fwd)
@@ -206,9 +210,15 @@ class LocalLauncher:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         become_subreaper()
         port = job.rdzv_port or free_port()
-        self.rdzv_store = serve_rendezvous_store(port)
+        if self.store_in_node and job.nodes > 1:
+            raise ConfigError(f"--nodes={job.nodes}: the NVRx installed here runs its barrier rendezvous, which closes "
+                              "when two agents share one node address, as every simulated node does on loopback; "
+                              "run one node here, or several in network namespaces (one address per pod)")
+        if not self.store_in_node:
+            self.rdzv_store = serve_rendezvous_store(port)
+        host = "node0's agent" if self.store_in_node else "this launcher"
         self.say(f"{job.nodes} node(s) x {job.nproc_per_node} rank(s), rendezvous c10d at 127.0.0.1:{port} "
-                 f"(id {job.run_id}); logs in {job.run_dir / 'logs'}")
+                 f"(id {job.run_id}, store hosted by {host}); logs in {job.run_dir / 'logs'}")
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
         def interrupted(signum, _frame):

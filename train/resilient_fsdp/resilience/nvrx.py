@@ -7,7 +7,9 @@
   ``LOCAL_RANK`` is set; on a CPU-only host they fail: :func:`without_health_checks`.
 - **The c10d rendezvous store**: ``--rdzv-conf=is_host=false`` (the store served from outside the
   nodes, as ``resilient-fsdp local`` serves it so that any node may die) is an NVRx 0.4 feature;
-  0.7 keeps only its own rendezvous, whose store an agent must host since it closes every round.
+  0.7 keeps only its own barrier rendezvous (``ft_rendezvous_barrier.py``), in which only the
+  agent hosting the store closes a round, so an agent must host it
+  (:func:`agent_hosts_rendezvous_store`); and it refuses two agents with one node address.
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
@@ -16,12 +18,26 @@ The checkpointing side has its own module, :mod:`resilient_fsdp.checkpoint.nvrx`
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # What the restart layers import of NVRx (in-process restart; ft_launcher, which the node agent
 # runs), for reports of what a machine can import.
 NVRX_MODULES = ("nvidia_resiliency_ext.inprocess", "nvidia_resiliency_ext.fault_tolerance.launcher")
 RDZV_STORE_OUTSIDE = "--rdzv-conf=is_host=false"
 RDZV_STORE_IN_NODE = "--rdzv-conf=is_host=true"
 QUIET_WARNINGS = "ignore:The pynvml package is deprecated:FutureWarning"
+
+
+def agent_hosts_rendezvous_store() -> bool:
+    """True where the installed NVRx (0.7+) runs its barrier rendezvous: the store must be hosted
+    by an agent (``--rdzv-conf=is_host=true``), since only the host closes rendezvous rounds
+    (0.7 ``ft_rendezvous_barrier.py``, ``_close_round``); an outside store leaves every round open
+    until ``join_timeout``. Found by the module's presence, without importing NVRx."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia_resiliency_ext")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any((Path(loc) / "fault_tolerance" / "ft_rendezvous_barrier.py").exists() for loc in locations)
 
 
 def abort_process_groups() -> None:

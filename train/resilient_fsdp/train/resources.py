@@ -39,6 +39,10 @@ class ProcessResources:
             self.checkpoint_engine(int(os.environ.get("RANK", "0")))
 
     def checkpoint_engine(self, rank: int) -> Engine:
+        if self.engine is not None and self.engine.hung:
+            # A writer that outlived checkpoint.write_timeout_s may never take another write.
+            self.engine.close(abort=True)
+            self.engine = None
         if self.engine is not None:
             self.engine.rank = rank
         if self.engine is None:
