@@ -44,6 +44,14 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     c = sections["checkpoint"]["results"]
     assert c["state_bytes"] > 0 and c["sync"]["bytes"] > 0
     assert c["sync"]["stall_s"] > 0 and c["async"]["stall_s"] > 0 and c["async"]["write_s"] > 0
+    # Issue 19: every engine, with the figures of bench checkpoint, and the 8b preset's needs.
+    assert c["engines_measured"] == ["sync", "async", "dcp_process", "torch-async", "dcp_thread"]
+    for engine in ("async", "dcp_process", "torch_async", "dcp_thread"):
+        f = c[engine]
+        assert f["stall_s"] == pytest.approx(f["save_call_s"] + f["wait_before_step_s"], rel=1e-6, abs=1e-9)
+        assert f["write_s"] > 0 and f["bytes"] > 0 and c["ratios"][f"{engine}_stall_over_sync"] > 0
+    big = c["other_presets"]["8b"]
+    assert big["estimate"]["params"] > 7e9 and "GPU only" in big["skipped"]
     assert c["async_stall_over_sync"] > 0 and isinstance(c["target_met"], bool)
     assert "copy-bound floor does not apply" in c["skipped"]["copy_floor"]
     # Issue 16's device-memory assertions run on a GPU only; the hash's code path runs here too.
@@ -68,7 +76,7 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     assert "skipped mfu: not applicable on CPU" in md and "skipped nccl_abort: needs CUDA" in md
     log = (out / "gpu-check.log").read_text()
     assert "===== section in_job: in_job-runs.log" in log and "===== section in_process: in_process-runs.log" in log
-    assert "| 2. async vs sync checkpoint | ok |" in proc.stdout  # the table is printed last
+    assert "| 2. checkpoint engines | ok |" in proc.stdout  # the table is printed last
 
 
 def test_a_section_over_its_budget_is_killed_and_recorded(tmp_path):
@@ -154,7 +162,7 @@ def test_the_report_renders_gpu_figures_and_keeps_the_table_intact():
     md = gpu_check.markdown(data)
     assert "# resilient-fsdp GPU check: NVIDIA H200" in md and "driver 580.159.04" in md and "NCCL 2.27.7" in md
     assert "MFU 30.9% of 989.4 TFLOP/s" in md and "bf16 matmul 790 TFLOP/s" in md
-    assert "| 2. async vs sync checkpoint | timeout | stall: sync 9.800 s" in md and "state 13.20 GB" in md
+    assert "| 2. checkpoint engines | timeout | stall: sync 9.800 s" in md and "state 13.20 GB" in md
     assert "**checkpoint** error: exceeded its time budget" in md
     assert "| 4. in-job restart (ft_launcher) | pending |" in md
     rows = [line for line in md.splitlines() if line.startswith("| 5.")]

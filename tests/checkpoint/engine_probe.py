@@ -111,8 +111,10 @@ def dead_worker(run_dir, mode):
 
 def hung_writer(run_dir, mode):
     os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "hang@2"
+    # The healthy writes get a deadline a loaded machine meets (the writer runs niced, so other
+    # processes on the machine slow it down); the hung one gets 2 s.
     cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false", "checkpoint.write_timeout_s=2"])
+                             "checkpoint.save_final=false", "checkpoint.write_timeout_s=120"])
     resources = ProcessResources(cfg)
     first = Trainer(cfg, resources)
     out = {}
@@ -121,11 +123,13 @@ def hung_writer(run_dir, mode):
     out["first"] = first.checkpointer.wait() is not None
     step(first)
     first.checkpointer.save(2)
+    first.checkpointer.cfg.write_timeout_s = 2
     try:
         first.checkpointer.wait()
         out["late_error"] = None
     except Exception as exc:  # noqa: BLE001 - the probe reports what was raised
         out["late_error"] = str(exc)
+    first.checkpointer.cfg.write_timeout_s = 120
     hung = first.checkpointer.engine
     t0 = time.monotonic()
     first.close(failed=True)

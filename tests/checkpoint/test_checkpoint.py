@@ -36,6 +36,24 @@ def test_image_nvrx_version_round_trip(tmp_path, nvrx_lane, mode):
     assert report["equal"] == {k: True for k in ("model", "optim", "lr_scheduler", "trainer", "data", "rng")}
 
 
+@pytest.mark.parametrize("lane", ["pinned", "image"])
+def test_a_cached_plan_writes_checkpoints_that_load_bitwise_and_a_changed_structure_invalidates_it(tmp_path, request,
+                                                                                                   lane):
+    """Issue 19: the plan cache (an explicit CheckpointMetadataCache) is validated at the second save
+    of a structure and skips planning from the third; an added key and a changed shape each start
+    a fresh cache. The staging buffers travel to the writer once per structure, not per save."""
+    pythonpath = [REPO] + ([] if lane == "pinned" else [request.getfixturevalue("nvrx_lane")])
+    proc = run_guarded([sys.executable, str(REPO / "tests" / "checkpoint" / "plan_cache_probe.py"), str(tmp_path / "c")],
+                       tmp_path, pythonpath, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saves = json.loads(proc.stdout.strip().splitlines()[-1])["saves"]
+    # 1-4 unchanged, 5-7 with an added key, 8-10 with a changed shape: fresh, keep, cached...
+    assert [s["vote"] for s in saves] == [0, 1, 2, 2, 0, 1, 2, 0, 1, 2]
+    assert all(s["bitwise"] for s in saves), saves
+    assert [s["step"] for s in saves if s["buffers_sent"]] == [1, 5, 8]
+    assert_no_leftovers(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")

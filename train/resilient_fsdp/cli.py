@@ -3,7 +3,7 @@
 - ``resilient-fsdp local``: run the trainer as N simulated nodes x P ranks under ``ft_launcher``.
 - ``resilient-fsdp train``: run one trainer process directly (what each rank runs).
 - ``resilient-fsdp config``: print the resolved configuration, or every key with ``--describe``.
-- ``resilient-fsdp bench checkpoint``: checkpoint stall of sync vs async saves.
+- ``resilient-fsdp bench checkpoint``: checkpoint stall of every engine, torch DCP's included.
 - ``resilient-fsdp bench recovery``: one fault recovered in-process, in-job and by a full relaunch.
 - ``resilient-fsdp bench soak``: a fault a minute for ten minutes: goodput and exactness.
 - ``resilient-fsdp bench s3``: S3 upload and download throughput, managed transfer vs one stream.

@@ -1,6 +1,7 @@
 """How things are measured: ``resilient-fsdp bench ...`` and the GPU check.
 
-- ``checkpoint``: ``bench checkpoint``: training-loop stall of sync vs async saves;
+- ``checkpoint``: ``bench checkpoint``: training-loop stall of every checkpoint engine, torch DCP's
+  ``async_save`` included (``checkpoint_engines``: the engines and the measuring loop);
 - ``recovery``: ``bench recovery``: one fault recovered by each restart layer;
 - ``soak``: ``bench soak``: a fault a minute for ten minutes: goodput and exactness;
 - ``s3``: ``bench s3``: S3 throughput, managed transfer vs one stream (and the local S3 server);

@@ -10,8 +10,10 @@ A local job (``--nodes`` x ``--nproc-per-node`` ranks, the ``tiny`` preset) gets
 
 ``recovery_s`` runs from the fault to the first step completed after the restore (for the
 relaunch it includes the failed job's shutdown and the new job's start); ``lost_steps`` counts
-steps trained again. Both come from the jobs' own ``summary.json``. Every run must also end with
-the fault-free parameters. Results: a table, and JSON with ``--out``.
+steps trained again. Both come from the jobs' own ``summary.json``. Per layer: the median, min and
+max of ``--repeats`` runs. Each run also reports the stall of the saves after the restart against
+a normal save before the fault (``save_after_restart_over_normal``: at most 2 is the target).
+Every run must also end with the fault-free parameters. Results: a table, and JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from pathlib import Path
 
 from .results import write_results
 
-# Shared by every variant: gloo cannot abort a collective, so ranks waiting on the failed one
-# wait out dist.timeout_s (after the first step; start-up keeps a long timeout). NCCL is aborted
-# instead, so on GPUs this wait does not exist.
+# Shared by every variant. In-process restart shuts the gloo group's connections down, so ranks
+# blocked on the failed one do not wait out dist.timeout_s; the in-job and relaunch layers still
+# may (after the first step; start-up keeps a long timeout).
 COMMON = ["resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5",
           "resilience.learn_timeouts=false", "resilience.in_process_soft_timeout_s=20",
           "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
@@ -48,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval-steps", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--timeout-s", type=float, default=2.0,
                    help="dist.timeout_s: how long gloo peers wait on the failed rank (default 2)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per layer; medians are reported")
+    p.add_argument("--repeats", type=int, default=5, help="runs per layer; median, min and max are reported")
+    p.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layers to measure")
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(bench=main)
 
@@ -84,7 +87,20 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     summary = json.loads((run_dir / "summary.json").read_text())
     (recovery,) = summary["recoveries"]
     return {"recovery_s": recovery["recovery_s"], "lost_steps": recovery["lost_steps"],
-            "layer_seen": recovery["layer"], "params_sha256": summary["params_sha256"]}
+            "layer_seen": recovery["layer"], "params_sha256": summary["params_sha256"],
+            **save_stalls(run_dir / "metrics.jsonl", args.fault_step)}
+
+
+def save_stalls(metrics: Path, fault_step: int) -> dict:
+    """Stall of the saves before the fault (the job's first, which allocates, left out) and after
+    the restart, from the run's checkpoint records."""
+    events = [json.loads(line) for line in metrics.read_text().splitlines() if '"checkpoint"' in line]
+    events = [e for e in events if e.get("event") == "checkpoint"]
+    before = sorted((e for e in events if e["step"] < fault_step), key=lambda e: e["step"])[1:]
+    after = [e["stall_s"] for e in events if e["step"] > fault_step]
+    normal = statistics.median(e["stall_s"] for e in before) if before else None
+    return {"normal_save_stall_s": normal, "save_after_restart_stall_s": after,
+            "save_after_restart_over_normal": max(after) / normal if normal and after else None}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -101,8 +117,10 @@ def main(args: argparse.Namespace) -> int:
     expected = json.loads((reference / "summary.json").read_text())["params_sha256"]
     results: dict = {"nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "steps": args.steps,
                      "fault": f"exception@{args.fault_step}", "checkpoint_interval_steps": args.interval_steps,
-                     "dist_timeout_s": args.timeout_s, "cpu_count": os.cpu_count(), "repeats": args.repeats}
-    for layer in LAYERS:
+                     "dist_timeout_s": args.timeout_s, "cpu_count": os.cpu_count(), "repeats": args.repeats,
+                     "loadavg_start": os.getloadavg()}
+    layers = list(args.layers)
+    for layer in layers:
         samples = []
         for i in range(args.repeats):
             run_dir = root / f"{layer}-{i}"
@@ -110,29 +128,36 @@ def main(args: argparse.Namespace) -> int:
             sample = measure(layer, run_dir, args, log)
             sample["bitwise_equal_to_fault_free"] = sample.pop("params_sha256") == expected
             samples.append(sample)
+            ratio = sample["save_after_restart_over_normal"]
             print(f"{layer:<14} run {i + 1}/{args.repeats}: recovery {sample['recovery_s']:.2f} s, lost steps "
                   f"{sample['lost_steps']}, recovered by {sample['layer_seen']}, bitwise equal "
-                  f"{sample['bitwise_equal_to_fault_free']}", flush=True)
-        results[layer] = {"recovery_s_median": statistics.median(s["recovery_s"] for s in samples),
+                  f"{sample['bitwise_equal_to_fault_free']}, save after restart / normal "
+                  + (f"{ratio:.2f}" if ratio is not None else "n/a"), flush=True)
+        times = [s["recovery_s"] for s in samples]
+        ratios = [s["save_after_restart_over_normal"] for s in samples if s["save_after_restart_over_normal"]]
+        results[layer] = {"recovery_s_median": statistics.median(times), "recovery_s_min": min(times),
+                          "recovery_s_max": max(times),
                           "lost_steps_median": statistics.median(s["lost_steps"] for s in samples),
+                          "save_after_restart_over_normal_max": max(ratios) if ratios else None,
                           "samples": samples}
-    results["ratios"] = {"in_process_over_full_relaunch":
-                         results["in_process"]["recovery_s_median"] / results["full_relaunch"]["recovery_s_median"],
-                         "in_job_over_full_relaunch":
-                         results["in_job"]["recovery_s_median"] / results["full_relaunch"]["recovery_s_median"]}
+    results["layers"] = layers
+    results["loadavg_end"] = os.getloadavg()
+    relaunch = results.get("full_relaunch", {}).get("recovery_s_median")
+    results["ratios"] = {f"{layer}_over_full_relaunch": results[layer]["recovery_s_median"] / relaunch
+                         for layer in ("in_process", "in_job") if layer in results and relaunch}
     print(format_table(results))
     write_results(results, args.out)
-    return 0 if all(s["bitwise_equal_to_fault_free"] for layer in LAYERS for s in results[layer]["samples"]) else 1
+    return 0 if all(s["bitwise_equal_to_fault_free"] for layer in layers for s in results[layer]["samples"]) else 1
 
 
 def format_table(results: dict) -> str:
-    rows = [f"{'layer':<14} {'recovery_s (median)':>20} {'lost_steps (median)':>20}"]
-    for layer in LAYERS:
+    rows = [f"{'layer':<14} {'recovery_s median (min..max)':>30} {'lost_steps':>11} {'save after restart/normal':>26}"]
+    for layer in results["layers"]:
         r = results[layer]
-        rows.append(f"{layer:<14} {r['recovery_s_median']:>20.2f} {r['lost_steps_median']:>20}")
-    ratios = results["ratios"]
-    rows.append(f"in-process / full relaunch: {ratios['in_process_over_full_relaunch']:.3f}; "
-                f"in-job / full relaunch: {ratios['in_job_over_full_relaunch']:.3f}")
+        ratio = r["save_after_restart_over_normal_max"]
+        rows.append(f"{layer:<14} {r['recovery_s_median']:>12.2f} ({r['recovery_s_min']:.2f}..{r['recovery_s_max']:.2f})"
+                    f"{'':>5} {r['lost_steps_median']:>11} {'n/a' if ratio is None else f'{ratio:.2f} (max)':>26}")
+    rows += [f"{name.replace('_', ' ')}: {value:.3f}" for name, value in results["ratios"].items()]
     return "\n".join(rows)
 
 

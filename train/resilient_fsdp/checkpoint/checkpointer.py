@@ -73,6 +73,7 @@ class Checkpointer:
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = self._engine_factory()
+            self._engine.attach(self.info.world_size)  # a new attempt: plans are made afresh
         return self._engine
 
     def prepare(self) -> None:
@@ -152,6 +153,7 @@ class Checkpointer:
         """Load the newest complete checkpoint (or ``resume_from`` at the job's first start);
         returns its step or None. One that fails verification or loading is reported and the
         next older one is tried."""
+        self.before_optimizer_step()  # loading changes the live state: no copy may be reading it
         return resume.run(self)
 
     # -- saving --
@@ -169,12 +171,16 @@ class Checkpointer:
     def save(self, step: int) -> Optional[dict]:
         """Start a checkpoint of the current state, named ``step``.
 
-        Returns the record of a checkpoint committed by this call: this one for ``sync``, else
-        the previous one if it was still in flight and had to be waited for.
+        Takes the state's structure and non-tensor values now; its tensors are copied into host
+        buffers while training goes on, until :meth:`before_optimizer_step`. Returns the record
+        of a checkpoint committed by this call: this one for ``sync``, else the previous one if it
+        was still in flight and had to be waited for.
         """
         t0 = time.perf_counter()
         # One write in flight at a time: the staging buffers are reused.
         previous = self.wait() if self.pending is not None else None
+        sd = self.state.state_dict()
+        vote = self.engine.vote(sd)
         token, error = None, None
         if self.info.rank == 0:
             token = uuid.uuid4().hex[:8]
@@ -183,21 +189,36 @@ class Checkpointer:
             except OSError as exc:
                 error = f"cannot create a checkpoint directory under checkpoint.dir={str(self.root)!r}: " \
                         f"{exc.strerror or exc}"
-        token, error = self._broadcast((token, error))
+        # One collective: rank 0's directory, and whether every rank can use its plan cache.
+        votes = self._all_gather((token, error, vote))
+        token, error = votes[0][0], votes[0][1]
         if error:
             raise CheckpointError(error)
         partial_dir = self.root / store.partial_name(step, token)
         if self.faults is not None:
             self.faults.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
                                      self.expected_written_bytes)
-        self.engine.start(self.state, partial_dir, step, token)
+        self.engine.start(sd, partial_dir, step, token, min(v[2] for v in votes))
         for note in self.engine.take_notes():
             self.say(note)
-        stall = time.perf_counter() - t0
-        self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": stall}
+        call = time.perf_counter() - t0
+        self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": call, "save_call_s": call,
+                        "staging_wait_s": 0.0, "staged": False}
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
         return self.poll(block=True) if self.engine.mode == "sync" else previous
+
+    def before_optimizer_step(self) -> float:
+        """Wait until the pending save's copy of the state is done (the trainer calls it just
+        before ``optimizer.step()``, the first change to parameters and optimizer state); that wait
+        counts as stall. Rank-local; returns the seconds waited."""
+        if self.pending is None or self.pending["staged"] or self._engine is None:
+            return 0.0
+        waited = self._engine.staged()
+        self.pending["staged"] = True
+        self.pending["staging_wait_s"] += waited
+        self.pending["stall_s"] += waited
+        return waited
 
     def poll(self, block: bool = False) -> Optional[dict]:
         """Collect and commit the pending checkpoint once every rank's write finished; with
@@ -208,6 +229,7 @@ class Checkpointer:
         self._say_retention()
         if self.pending is None:
             return None
+        self.before_optimizer_step()
         t_wait = time.perf_counter()
         while True:
             done, _ = self.engine.local_status()
@@ -270,7 +292,8 @@ class Checkpointer:
                 raise
             return None, (f"checkpoint of step {step} failed while finalizing: {type(exc).__name__}: {exc}; it "
                           f"stays incomplete at {where}")
-        return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"], "write_s": write_s,
+        return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"],
+                "save_call_s": pending["save_call_s"], "staging_wait_s": pending["staging_wait_s"], "write_s": write_s,
                 "bytes": nbytes, "path": str(final), "manifest": manifest}, None
 
     def _after_commit(self, record: dict) -> None:
@@ -317,4 +340,6 @@ class Checkpointer:
         if self.owns_engine:
             self._engine.close(abort=abort)
         elif abort:
-            self._engine.drain(timeout_s=self.cfg.write_timeout_s)
+            # A write still running gets checkpoint.write_timeout_s (at most 2 minutes) to finish;
+            # a hung one (abandoned at its deadline) is not waited for at all.
+            self._engine.drain(timeout_s=min(120.0, self.cfg.write_timeout_s))

@@ -1,68 +1,70 @@
-"""Every adaptation this project makes to NVRx's async checkpointing, in one place.
-
-Two kinds live here and nowhere else:
+"""Every adaptation this project makes to NVRx's async checkpointing, in one place (with
+:mod:`.nvrx_dcp`, the DCP save path, and :mod:`.nvrx_worker`, what runs in NVRx's worker).
 
 1. **CPU-only torch builds.** NVRx assumes CUDA in its async path: ``torch.cuda.synchronize()``
-   after staging (0.4.x, in the worker and in ``TorchAsyncCheckpoint.async_save``), CUDA tensors
-   for its cross-rank "done" and "call index" checks, a CUDA tensor when it verifies cached save
-   plans, and (0.7.x) ``torch.cuda.set_device`` at worker start. Without a GPU we
+   (0.4.x, in ``TorchAsyncCheckpoint.async_save`` and its staging), CUDA tensors for its
+   cross-rank "done" and "call index" checks, a CUDA tensor when it verifies a plan cache seeded
+   from loaded metadata, and (0.7.x) ``torch.cuda.set_device`` at worker start. Without a GPU we
 
-   - run staging / write calls under :func:`cpu_shim`, which makes ``torch.cuda.synchronize`` a
-     no-op. The shim is installed only when ``torch.cuda.is_available()`` is False, and it is
-     installed *inside NVRx's spawned worker* too, by the wrappers in :mod:`.nvrx_worker`,
-     which wrap the functions NVRx sends there (a spawned worker starts from a fresh interpreter,
-     so a patch made in the trainer would not reach it);
+   - run write calls under :func:`cpu_shim`, which makes ``torch.cuda.synchronize`` a no-op. The
+     shim is installed only when ``torch.cuda.is_available()`` is False, and it is installed
+     *inside NVRx's spawned worker* too, by the wrappers in :mod:`.nvrx_worker`, which wrap the
+     functions NVRx sends there (a spawned worker starts from a fresh interpreter, so a patch
+     made in the trainer would not reach it);
    - never ask NVRx for its CUDA-tensor collectives: the caller polls with ``no_dist=True`` and
      agrees across ranks with its own collective on the job's backend;
-   - disable save-plan caching (its verification allocates on ``cuda``);
+   - never seed the plan cache from loaded metadata (its verification allocates on ``cuda``);
    - on 0.7.x start the worker in ``cpu_shm_mode`` (no CUDA context, shared-memory tensors).
 
 2. **Version differences** between the pinned 0.4.1 (the newest release for glibc < 2.39) and the
    0.7.x the image ships: detected by feature (constructor parameters), not by version strings.
 
-It also guarantees snapshot semantics: NVRx 0.4.1 hands CPU tensors to its worker without
-copying them, so a later optimizer step could change what is written. The checkpointer stages
-(copies) state into reused buffers before scheduling; see :mod:`.staging`.
+3. **No waiting on the worker.** The persistent worker is started at process start, from a
+   helper thread with lowered CPU and I/O priority (inherited by the worker and every thread or
+   process it starts) and SIGTERM blocked (inherited too: a launcher's SIGTERM to the process
+   group does not cut a graceful stop's final write; the worker is ended by :func:`close_queue`).
+   Requests carry no staging function, so scheduling one never waits for the worker to take it,
+   and the staged tensors travel once (:mod:`.handoff`). Write results come back through each
+   save's own channel, never through NVRx's process-wide results queue, whose Manager process
+   (seconds to start after every restart) is therefore never started.
 
-3. **Correctness around NVRx's process-wide state.** NVRx's DCP writer returns every save's write
-   results through one queue per process, and its finalize takes the oldest item, whatever save it
-   belongs to. A write left in flight by a failed attempt (in-process restart) would make every
-   later commit of the process use the previous write's offsets. Each save here puts its results
-   into that queue *tagged* (:class:`TaggedResults`) and takes only its own (:func:`collect_save`);
-   stale items are dropped. Errors of the worker (its write, its staging function, a worker that
-   died) are recorded per save (:mod:`.integrity`'s channel) and never lost to an early reader. A
-   worker that died is noticed before the next save (a new one is started) and at close (nothing
-   waits for it); no call here waits without a deadline.
+4. **Correctness around the worker.** Errors of the worker (its write, a worker that died) are
+   recorded per save (:mod:`.integrity`'s channel) and read once, by that save. A worker that
+   died is noticed before the next save (a new one is started) and at close (nothing waits for
+   it); no call here waits without a deadline.
 
-4. **Checksums while writing.** The files of a save are written through
+5. **Checksums while writing.** The files of a save are written through
    :class:`.integrity.HashingStream`: NVRx 0.7 takes the ``open`` to use (``open_file``); 0.4.1
    calls the name ``open`` of its module, which the worker sets for the duration of a write.
 
-The engines (:mod:`.engines`) reach NVRx only through this module: planning and scheduling an
-async DCP save, polling a queue without NVRx's CUDA-tensor collectives, finalizing, closing.
-The restart layers' adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
+The engines (:mod:`.engines`) reach NVRx only through these modules. The restart layers'
+adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from queue import Empty
 from typing import Any, Callable, Optional
 
-from . import integrity
-from .nvrx_worker import (_TAG, TaggedResults, _noop, cpu_shim, cuda_present, worker_preload, worker_torch_save,
-                          worker_write)
+from . import handoff
+from .nvrx_worker import _noop, cpu_shim, cuda_present, worker_torch_save_staged
 
 NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
 # What checkpointing imports of NVRx, for reports of what a machine can import.
 NVRX_MODULES = ("nvidia_resiliency_ext.checkpointing.async_ckpt.core",)
+# The writer yields to training: its CPU niceness and I/O priority (best effort, lowest level:
+# it yields to training's I/O but is never starved the way the idle class can be on a busy disk).
+WRITER_NICE = 10
+WRITER_IO_LEVEL = 7
+
+__all__ = ["cpu_shim", "cuda_present"]
 
 
 # ---- construction, by feature ------------------------------------------------------------------
@@ -81,17 +83,18 @@ def make_calls_queue() -> Any:
     kwargs: dict[str, Any] = {"persistent": True}
     if _accepts(AsyncCallsQueue, "cpu_shm_mode") and not cuda_present():
         kwargs["cpu_shm_mode"] = True  # 0.7+: skip the worker's CUDA device setup
+    if _accepts(AsyncCallsQueue, "cpu_priority"):
+        kwargs["cpu_priority"] = None  # 0.7+: the worker inherits WRITER_NICE from its starter
     return AsyncCallsQueue(**kwargs)
 
 
 def make_torch_async_checkpoint() -> Any:
-    """NVRx's ``TorchAsyncCheckpoint``; on 0.7+ without a GPU, its queue in ``cpu_shm_mode``."""
+    """NVRx's ``TorchAsyncCheckpoint`` with a queue made by :func:`make_calls_queue`."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 
     ckpt = TorchAsyncCheckpoint()
-    if not cuda_present() and _accepts(type(ckpt._async_calls_queue), "cpu_shm_mode"):
-        ckpt._async_calls_queue.close()  # never started a worker; replace it
-        ckpt._async_calls_queue = make_calls_queue()
+    ckpt._async_calls_queue.close()  # never started a worker; replace it
+    ckpt._async_calls_queue = make_calls_queue()
     return ckpt
 
 
@@ -104,207 +107,75 @@ def set_calls_queue(ckpt: Any, calls_queue: Any) -> None:
     ckpt._async_calls_queue = calls_queue
 
 
-def without_sigterm(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on a thread that blocks SIGTERM, so that the processes it starts block it too.
+def lower_this_thread() -> None:
+    """This thread's CPU niceness to :data:`WRITER_NICE` and I/O priority to best effort, lowest
+    level: what a process or thread started from it inherits. Best effort: a failure is ignored."""
+    import psutil
 
-    A launcher stops a node's ranks with SIGTERM to their process group, which includes the
-    writer and the results Manager NVRx starts: they must live on for a graceful stop's final
-    checkpoint, and are ended by the rank instead. A blocked signal (``pthread_sigmask``) is
-    inherited across fork and exec, and defeats the SIGTERM handler NVRx 0.7's worker installs;
-    ignoring it (``SIG_IGN``) would not, and would drop a SIGTERM meant for the rank meanwhile.
-    The resource tracker is started first: the first spawn of a process starts it and unblocks
-    SIGTERM in the spawning thread as it does.
-    """
-    import multiprocessing.resource_tracker
-
-    multiprocessing.resource_tracker.ensure_running()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="spawn-without-sigterm", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+    except OSError:
+        pass
+    try:
+        psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, WRITER_IO_LEVEL)
+    except (psutil.Error, OSError, AttributeError, ValueError):
+        pass
 
 
-def warm_up(calls_queue: Any) -> None:
-    """Start the persistent worker now (SIGTERM blocked, :func:`without_sigterm`), with a no-op
-    request, instead of at the first save.
+def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
+    """Start the queue's persistent worker now, in the background, instead of at the first save.
 
-    Starting a spawned interpreter that imports torch takes seconds; done at the first save it
-    would all count as training-loop stall. Its completion is drained by the next poll.
+    A spawned interpreter that imports torch takes seconds; at the first save it would be stall.
+    The worker is started from a helper thread whose CPU and I/O priority are lowered first (the
+    worker, and the threads and processes it starts per write, inherit both) and whose SIGTERM is
+    blocked (inherited across exec: NVRx 0.7's SIGTERM handler never runs; the resource tracker
+    is started before, since its start unblocks SIGTERM in the calling thread). It gets a no-op
+    request, whose completion the next poll drains. Join the thread before using the queue; its
+    ``error`` then says what failed, if anything.
     """
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
-    without_sigterm(lambda: calls_queue.schedule_async_request(AsyncRequest(_noop, (), [])))
+    def run() -> None:
+        from multiprocessing import resource_tracker
 
+        try:
+            lower_this_thread()
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            caller = calls_queue._get_async_caller()
+            caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
+            calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save (StagedEngine._worker)
+            thread.error = f"the checkpoint writer process could not be started: {type(exc).__name__}: {exc}"
 
-def _results_queue_module() -> Any:
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
-
-    return filesystem_async
-
-
-def start_results_queue() -> threading.Thread:
-    """Start, in the background, the multiprocessing Manager through which NVRx's DCP writer
-    returns its results (NVRx starts it at the first save, and waits seconds for the new
-    interpreter). Join the returned thread before the first save.
-
-    The Manager is started with SIGTERM blocked (:func:`without_sigterm`): it lives on for a
-    graceful stop's final checkpoint and is ended by the rank at exit.
-    """
-    thread = threading.Thread(target=_ensure_results_queue, name="nvrx-results-queue", daemon=True)
+    thread = threading.Thread(target=run, name="checkpoint-writer-start", daemon=True)
+    thread.error = None
     thread.start()
     return thread
 
 
-def _ensure_results_queue() -> None:
-    """Start NVRx's results Manager, SIGTERM blocked, unless it runs (planning would start one)."""
-    fsa = _results_queue_module()
-    start = getattr(fsa, "_get_write_results_queue", None)
-    if start is not None and getattr(fsa, "_results_queue", None) is None:
-        without_sigterm(start)
+# ---- torch-async -------------------------------------------------------------------------------
 
-
-# ---- one async DCP save ------------------------------------------------------------------------
-
-@dataclass
-class DcpSave:
-    """What the trainer keeps of one scheduled async DCP save until it is collected."""
-
-    token: str
-    channel: str
-    plan: tuple  # (storage writer, global metadata or None, dist wrapper), from NVRx's planning
-    has_data: bool
-
-
-def schedule_dcp_save(calls_queue: Any, staged: Any, path: Path, thread_count: int, token: str, channel: str,
-                      fault: Optional[str]) -> DcpSave:
-    """Plan an async DCP save of ``staged`` (already staged in host buffers) into ``path`` and hand
-    its write to the queue's worker; its results come back tagged with ``token``.
-
-    A rank with nothing to write schedules nothing; it still takes part in finalize.
-    """
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    _ensure_results_queue()  # a Manager that died is replaced here, not by planning (SIGTERM unblocked)
-    writer = FileSystemWriterAsync(str(path), thread_count=thread_count)
-    if hasattr(writer, "open_file"):  # 0.7+: the writer threads open files with this
-        writer.open_file = partial(integrity.hashing_open, channel)
-    with cpu_shim():
-        plan = save_state_dict_async_plan(staged, writer, None, 0, planner=DefaultSavePlanner(),
-                                          enable_cache=plan_cache_enabled())
-        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        if save_fn is not None:
-            save_args = list(save_args)
-            save_args[2] = TaggedResults(save_args[2], token)  # the results queue, in both versions
-            request = AsyncRequest(partial(worker_write, channel, fault, save_fn), save_args, [],
-                                   async_fn_kwargs={},
-                                   preload_fn=partial(worker_preload, channel, preload_fn) if preload_fn else None)
-            calls_queue.schedule_async_request(request)
-    return DcpSave(token, channel, plan, save_fn is not None)
-
-
-class _OneItem:
-    """A results queue holding exactly one item, for the writer's own ``retrieve_write_results``."""
-
-    def __init__(self, item: Any):
-        self.item = item
-
-    def get_nowait(self) -> Any:
-        return self.item
-
-
-def collect_save(save: DcpSave) -> tuple[Optional[list], Optional[str]]:
-    """This rank's write results of ``save`` (after its write finished), or the error; never raises.
-
-    Takes the save's own item from NVRx's results queue and drops stale ones. The writer's own
-    ``retrieve_write_results`` then checks the item (an exception, a missing bucket).
-    """
-    storage_writer = save.plan[0]
-    if not save.has_data:
-        storage_writer.results_queue = None
-        return _retrieve(storage_writer)
-    try:
-        item = _take_tagged(save.token)
-    except Exception as exc:  # noqa: BLE001 - a dead Manager, an empty queue
-        return None, f"{type(exc).__name__}: {exc}"
-    storage_writer.results_queue = _OneItem(item)
-    return _retrieve(storage_writer)
-
-
-def _retrieve(storage_writer: Any) -> tuple[Optional[list], Optional[str]]:
-    try:
-        results = storage_writer.retrieve_write_results()  # 0.4 raises on a failure
-    except Exception as exc:  # noqa: BLE001
-        return None, f"{type(exc).__name__}: {exc}"
-    if isinstance(results, tuple) and results and isinstance(results[0], BaseException):
-        return None, f"{type(results[0]).__name__}: {results[0]}"  # 0.7 returns it wrapped
-    return list(results), None
-
-
-def _take_tagged(token: str) -> Any:
-    """The item tagged ``token`` in NVRx's results queue; older items are stale and dropped."""
-    fsa = _results_queue_module()
-    try:
-        queue = fsa._get_write_results_queue()
-        while True:
-            try:
-                item = queue.get_nowait()
-            except Empty:
-                raise RuntimeError("the checkpoint writer reported completion but left no write results") from None
-            if isinstance(item, tuple) and len(item) == 3 and item[0] == _TAG and item[1] == token:
-                return item[2]
-    except (EOFError, BrokenPipeError, ConnectionError) as exc:
-        fsa._results_queue = None  # its Manager died: the next save starts a new one
-        raise RuntimeError(f"the writer's results queue is gone ({type(exc).__name__})") from exc
-
-
-def drop_stale_results() -> int:
-    """Empty NVRx's results queue (every item in it is stale once no write is in flight)."""
-    fsa = _results_queue_module()
-    if getattr(fsa, "_results_queue", None) is None:
-        return 0
-    dropped = 0
-    try:
-        while True:
-            fsa._results_queue.get_nowait()
-            dropped += 1
-    except Empty:
-        return dropped
-    except (EOFError, BrokenPipeError, ConnectionError):
-        fsa._results_queue = None
-        return dropped
-
-
-def write_dcp_metadata(save: DcpSave, all_results: list[list], recorder: integrity.Recorder) -> dict[str, dict]:
-    """Coordinator: write ``.metadata`` from every rank's write results (hashed while written);
-    returns its checksum. Raises on failure (the caller agrees on it with the other ranks)."""
-    storage_writer, global_metadata, _ = save.plan
-    storage_writer.fs = integrity.HashingFileSystem(recorder)
-    with cpu_shim():
-        storage_writer.finish(global_metadata, all_results)
-    return recorder.take(renames={".metadata.tmp": ".metadata"})
-
-
-def torch_async_save(ckpt: Any, staged: Any, path: Path, channel: str, fault: Optional[str]) -> None:
-    """Schedule one rank's ``torch.save`` of ``staged`` into the file ``path`` on the worker of the
-    ``TorchAsyncCheckpoint`` (its ``async_save`` would stage again, and its file is not hashed)."""
+def torch_async_save(ckpt: Any, registry: handoff.Registry, staged: Any, path: Path, channel: str,
+                     fault: Optional[str]) -> None:
+    """Schedule one rank's ``torch.save`` of ``staged`` (over the registry's buffers) into the file
+    ``path`` on the worker of the ``TorchAsyncCheckpoint`` (its ``async_save`` would stage again,
+    and its file is not hashed)."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
-    calls_queue_of(ckpt).schedule_async_request(
-        AsyncRequest(partial(worker_torch_save, channel, fault), (staged, str(path)), []))
+    calls_queue = calls_queue_of(ckpt)
+    buffers = registry.payload_for(_worker_pid(calls_queue))
+    calls_queue.schedule_async_request(AsyncRequest(
+        partial(worker_torch_save_staged, channel, fault, buffers, registry.key), (registry.pack(staged), str(path)),
+        []))
+    registry.sent_to = _worker_pid(calls_queue)
+
+
+def _worker_pid(calls_queue: Any) -> Optional[int]:
+    proc = worker_process(calls_queue)
+    return proc.pid if proc is not None else None
 
 
 # ---- polling and closing -----------------------------------------------------------------------
@@ -327,11 +198,6 @@ def poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) 
     return True, None
 
 
-def plan_cache_enabled() -> bool:
-    # NVRx verifies a cached plan with a tensor allocated on "cuda".
-    return cuda_present()
-
-
 def worker_process(calls_queue: Any) -> Optional[Any]:
     """The ``multiprocessing.Process`` of the queue's persistent worker, if started."""
     caller = getattr(calls_queue, "persistent_caller", None)
@@ -352,6 +218,12 @@ def _forget_worker(calls_queue: Any) -> None:
     caller = getattr(calls_queue, "persistent_caller", None)
     if caller is not None:
         caller.process = None
+        # What was put for a worker that never read it must not hold the exit: a queue's feeder
+        # thread blocked on a full pipe is otherwise joined at interpreter exit, forever.
+        for name in ("queue", "preload_q", "comp_q"):
+            q = getattr(caller, name, None)
+            if q is not None and hasattr(q, "cancel_join_thread"):
+                q.cancel_join_thread()
     calls_queue.async_calls.clear()
     calls_queue.persistent_caller = None
 

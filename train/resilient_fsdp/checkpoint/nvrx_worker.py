@@ -18,7 +18,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from .. import atomic
-from . import integrity
+from . import handoff, integrity
+
+# Worker threads: the writer serialises and checksums; it needs no intra-op thread pool competing
+# with training for the cores.
+WORKER_TORCH_THREADS = 1
 
 
 def cuda_present() -> bool:
@@ -46,20 +50,6 @@ def cpu_shim() -> Iterator[None]:
         torch.cuda.synchronize = original
 
 
-_TAG = "resilient-fsdp/save"
-
-
-class TaggedResults:
-    """Stands in for NVRx's results queue in one save's write arguments: what the writer puts is
-    tagged with the save's token, so that the trainer can tell it from a stale item."""
-
-    def __init__(self, proxy: Any, token: str):
-        self.proxy, self.token = proxy, token
-
-    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
-        self.proxy.put((_TAG, self.token, item), *args, **kwargs)
-
-
 @contextlib.contextmanager
 def _hashing_open_in_module(channel: str) -> Iterator[None]:
     """NVRx 0.4.1 opens each file with the name ``open`` of its module: make it the hashing one."""
@@ -70,17 +60,6 @@ def _hashing_open_in_module(channel: str) -> Iterator[None]:
         yield
     finally:
         del filesystem_async.open
-
-
-def worker_preload(channel: str, preload_fn: Callable[[], Any]) -> Any:
-    """Runs NVRx's staging function in the worker, under :func:`cpu_shim`. An exception would
-    kill the worker while the trainer waits for the staging hand-shake: it is recorded instead."""
-    try:
-        with cpu_shim():
-            return preload_fn()
-    except BaseException:  # noqa: BLE001 - reported to the trainer at its next collect
-        integrity.record_error(channel, "staging in the checkpoint writer failed")
-        return None
 
 
 def worker_write(channel: str, fault: Optional[str], save_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -99,6 +78,38 @@ def worker_write(channel: str, fault: Optional[str], save_fn: Callable[..., Any]
         _writer_fault(fault, "after")
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it on every rank
         integrity.record_error(channel, "the checkpoint writer failed")
+
+
+def _worker_setup() -> None:
+    if torch.get_num_threads() != WORKER_TORCH_THREADS:
+        torch.set_num_threads(WORKER_TORCH_THREADS)
+
+
+def worker_write_staged(channel: str, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
+                        save_fn: Callable[..., Any], rank: int, packed_buckets: Any, results: Any) -> None:
+    """A DCP write of staged buffers: keep ``buffers`` if sent (the first save of a generation, or
+    a new worker), rebuild the write buckets from their references, then :func:`worker_write`."""
+    try:
+        _worker_setup()
+        handoff.register(buffers)
+        buckets = handoff.unpack(packed_buckets, key)
+    except BaseException:  # noqa: BLE001
+        integrity.record_error(channel, "the checkpoint writer could not take the staged state")
+        return
+    worker_write(channel, fault, save_fn, rank, buckets, results)
+
+
+def worker_torch_save_staged(channel: str, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
+                             packed_state: Any, path: str) -> None:
+    """``torch-async``: :func:`worker_torch_save` of the staged state, from its references."""
+    try:
+        _worker_setup()
+        handoff.register(buffers)
+        state = handoff.unpack(packed_state, key)
+    except BaseException:  # noqa: BLE001
+        integrity.record_error(channel, "the checkpoint writer could not take the staged state")
+        return
+    worker_torch_save(channel, fault, state, path)
 
 
 def worker_torch_save(channel: str, fault: Optional[str], state: Any, path: str) -> None:

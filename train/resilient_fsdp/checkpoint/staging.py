@@ -1,9 +1,20 @@
-"""Staging: a snapshot of the state in reused host buffers, taken while the loop waits."""
+"""Staging: a snapshot of the state in reused host buffers, copied while training goes on.
+
+A save takes the state's structure and every non-tensor value at once (they change with the next
+micro-batch: the sampler position, the random streams), then copies the tensors into host buffers
+in the background. Parameters and optimizer state do not change before ``optimizer.step()``, so
+the copy overlaps the next forward and backward; the trainer waits for it just before the step
+(:meth:`StagingJob.wait`) and only that wait counts as stall. On CPU the copy runs in a helper
+thread; on a GPU it is queued on a side CUDA stream (device-to-host into pinned memory) and the
+optimizer's stream waits for it on the device, not the host.
+"""
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import threading
+import time
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -13,55 +24,173 @@ from . import nvrx
 
 
 def structure(sd: Any, key: str = "") -> tuple:
-    """What the buffers depend on: every tensor's place, kind, (local) shape and dtype, and the
-    shape of the containers around them."""
+    """What the buffers and a save plan depend on: every value's place, every tensor's kind, (local)
+    shape and dtype, the shape of the containers around them; non-tensor leaves by place only
+    (their pickled size does not enter a plan)."""
+    out: list = []
+    _structure(sd, key, out)
+    return tuple(out)
+
+
+def _structure(sd: Any, key: str, out: list) -> None:
     if isinstance(sd, DTensor):
-        local = sd.to_local()
-        return ((key, "dtensor", tuple(local.shape), local.dtype, tuple(sd.shape)),)
-    if isinstance(sd, torch.Tensor):
-        return ((key, "tensor", tuple(sd.shape), sd.dtype),)
-    if isinstance(sd, dict):
-        return ((key, "dict", len(sd)),) + tuple(x for k, v in sd.items() for x in structure(v, f"{key}/{k}"))
-    if isinstance(sd, (list, tuple)):
-        return ((key, type(sd).__name__, len(sd)),) + tuple(x for i, v in enumerate(sd)
-                                                            for x in structure(v, f"{key}/{i}"))
-    return ()
+        local = sd._local_tensor
+        out.append((key, "dtensor", tuple(local.shape), local.dtype, tuple(sd.shape)))
+    elif isinstance(sd, torch.Tensor):
+        out.append((key, "tensor", tuple(sd.shape), sd.dtype))
+    elif isinstance(sd, dict):
+        out.append((key, "dict", len(sd)))
+        for k, v in sd.items():
+            _structure(v, f"{key}/{k}", out)
+    elif isinstance(sd, (list, tuple)):
+        out.append((key, type(sd).__name__, len(sd)))
+        for i, v in enumerate(sd):
+            _structure(v, f"{key}/{i}", out)
+    else:
+        out.append((key, "object"))
+
+
+def local_tensors(sd: Any) -> list[torch.Tensor]:
+    """Every tensor of ``sd`` (a DTensor's local shard), in a fixed order."""
+    out: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, DTensor):
+            out.append(x._local_tensor)
+        elif isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(sd)
+    return out
 
 
 class StateStager:
-    """Copies state into host buffers that are allocated once and reused, so the file holds
-    exactly the state of the step it is named for while the loop goes on changing the live
-    tensors (NVRx 0.4 would otherwise write live CPU tensors).
+    """Host buffers allocated once and reused, so the file holds exactly the state of the step it is
+    named for while the loop goes on changing the live tensors.
 
     The buffers are torch's own (``_create_cpu_state_dict``): in shared memory (NVRx's worker
-    receives them without a copy), pinned on GPUs (registered with CUDA, unregistered when
-    released), DTensors kept as DTensor wrappers around the host buffer, so nothing is copied
-    back to the device. One ``_copy_state_dict(non_blocking=True)`` per save fills them, then a
-    single synchronize. Reuse is what keeps the stall small: a fresh buffer costs a page fault per
-    page, about as long as a whole synchronous save on a CPU-only machine. A change of structure
-    (a key, a shape, a dtype) allocates new buffers.
+    receives them once and keeps them, :mod:`.handoff`), pinned on GPUs (registered with CUDA,
+    unregistered when released), DTensors kept as DTensor wrappers around the host buffer, so
+    nothing is copied back to the device. Reuse is what keeps the save cheap: a fresh buffer costs
+    a page fault per page, about as long as a whole synchronous save on a CPU-only machine. A
+    change of structure (a key, a shape, a dtype) allocates new buffers under a new ``generation``.
     """
 
     def __init__(self) -> None:
         self.pin = nvrx.cuda_present()
         self.buffers: Any = None
         self.key: tuple = ()
+        self.generation = 0
+        self.job: Optional[StagingJob] = None
 
-    def stage(self, sd: Any) -> Any:
-        """A copy of ``sd`` whose tensors are this stager's buffers (DTensors stay DTensors)."""
-        key = structure(sd)
+    def prepare(self, sd: Any, key: Optional[tuple] = None) -> Any:
+        """``sd``'s structure over this stager's buffers (DTensors stay DTensors) with copies of every
+        non-tensor value; the buffers are filled by :meth:`start_copy`. ``key``: ``structure(sd)``."""
+        self.wait()  # a copy still running belongs to the previous save's buffers
+        key = structure(sd) if key is None else key
         if self.buffers is None or key != self.key:
             self.close()
             self.buffers = _create_cpu_state_dict(sd, pin_memory=self.pin, share_memory=True)
+            for t in local_tensors(self.buffers):
+                if not t.is_shared():  # torch makes 0-dim buffers outside shared memory
+                    t.share_memory_()
             self.key = key
-        _copy_state_dict(sd, self.buffers, non_blocking=self.pin, type_check=False)
-        if self.pin:
-            torch.cuda.synchronize()  # one wait for every non-blocking device-to-host copy
+            self.generation += 1
         return _snapshot(sd, self.buffers)
+
+    def start_copy(self, sd: Any, then: Optional[Callable[[], None]] = None) -> "StagingJob":
+        """Copy ``sd``'s tensors into the buffers in the background; ``then`` runs after the copy,
+        off the training thread (the hand-off to the writer)."""
+        self.job = StagingJob(sd, self.buffers, self.pin, then)
+        return self.job
+
+    def stage(self, sd: Any) -> Any:
+        """Prepare and copy, waiting for the copy (tests, and callers with nothing to overlap)."""
+        staged = self.prepare(sd)
+        self.start_copy(sd).wait()
+        self.job.join()
+        return staged
+
+    def wait(self) -> None:
+        """Until a copy in flight has finished (and its follow-up too)."""
+        if self.job is not None:
+            self.job.join()
 
     def close(self) -> None:
         """Release the buffers (and their pinned registrations, which torch ties to them)."""
+        self.wait()
         self.buffers, self.key = None, ()
+
+
+class StagingJob:
+    """One background copy into the staging buffers, then an optional follow-up, on a helper thread.
+
+    :meth:`wait` returns once the state may change (the copy has finished, or on a GPU is ordered
+    before the current stream's next work); :meth:`join` once the follow-up is done as well.
+    ``error`` holds what failed (as text); nothing is raised across threads.
+    """
+
+    def __init__(self, sd: Any, buffers: Any, cuda: bool, then: Optional[Callable[[], None]]):
+        self.cuda = cuda
+        self.error: Optional[str] = None
+        self.copied = threading.Event()  # the copy is done (CPU) or queued on the side stream (GPU)
+        self.copy_s = 0.0
+        self._done_event = None
+        self._ready_event = None
+        self._device = None
+        if cuda:  # the side stream must start after what the training stream queued so far
+            self._device = torch.cuda.current_device()  # a new thread starts on device 0
+            self._ready_event = torch.cuda.Event()
+            self._ready_event.record()
+        self.thread = threading.Thread(target=self._run, args=(sd, buffers, then), name="checkpoint-staging",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, sd: Any, buffers: Any, then: Optional[Callable[[], None]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self._device)
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    stream.wait_event(self._ready_event)
+                    _copy_state_dict(sd, buffers, non_blocking=True, type_check=False)
+                    self._done_event = torch.cuda.Event()
+                    self._done_event.record(stream)
+                self.copied.set()
+                self._done_event.synchronize()  # the host buffers are complete from here on
+            else:
+                _copy_state_dict(sd, buffers, non_blocking=False, type_check=False)
+        except BaseException as exc:  # noqa: BLE001 - reported with the save, never lost in a thread
+            self.error = f"staging the state into host buffers failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.copy_s = time.perf_counter() - t0
+            self.copied.set()
+        if then is not None and self.error is None:
+            try:
+                then()
+            except BaseException as exc:  # noqa: BLE001
+                self.error = f"handing the checkpoint to its writer failed: {type(exc).__name__}: {exc}"
+
+    def wait(self) -> float:
+        """Block until the live state may change; returns the seconds waited."""
+        t0 = time.perf_counter()
+        self.copied.wait()
+        if self.cuda and self._done_event is not None:
+            torch.cuda.current_stream().wait_event(self._done_event)  # ordered on the device
+        return time.perf_counter() - t0
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
 
 
 def _snapshot(live: Any, buf: Any) -> Any:

@@ -20,6 +20,9 @@ from . import exit_codes, nvrx
 warnings.filterwarnings("ignore", message="logging not initialized, logs are disabled")
 
 
+LAST_CALL_WAIT_S = 0.1
+
+
 class InProcessRestartsExhausted(BaseException):
     """Passes through in-process restart to the in-job restart below it."""
 
@@ -64,7 +67,7 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
     wrapper = nvrx.new_wrapper(
         inprocess.Wrapper,
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.in_process_store_port_offset},
-        abort=nvrx.make_abort(),
+        abort=nvrx.make_abort(),  # shuts the gloo group's connections down first
         health_check=None,
         soft_timeout=seconds(seconds=soft),
         hard_timeout=seconds(seconds=cfg.in_process_hard_timeout_s),
@@ -75,7 +78,9 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
         monitor_process_interval=interval,
         heartbeat_interval=interval,
         progress_watchdog_interval=interval,
-        last_call_wait=seconds(seconds=min(1.0, soft / 10)),
+        # How long the monitor waits for other ranks' interruption records before aborting: they
+        # name the faults in the log only; every rank is restarted either way.
+        last_call_wait=seconds(seconds=min(LAST_CALL_WAIT_S, soft / 10)),
         termination_grace_time=seconds(seconds=min(5.0, soft)),
     )
 

@@ -125,7 +125,7 @@ def stop_helper_processes() -> None:
     """End multiprocessing helpers still running when the rank exits (the manager NVRx's writer
     reports through, helpers left by in-process restarts): the interpreter would wait for them
     at exit. The checkpoint writer itself was closed before; these hold no data. They were
-    started with SIGTERM blocked (see :func:`resilient_fsdp.checkpoint.nvrx.without_sigterm`), hence SIGKILL."""
+    started with SIGTERM blocked (see :func:`resilient_fsdp.checkpoint.nvrx.start_worker`), hence SIGKILL."""
     import multiprocessing
 
     for child in multiprocessing.active_children():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -31,12 +32,18 @@ class ProcessResources:
         self.monitor = ProgressMonitor(cfg.resilience)
         self.stop = GracefulStop()
         self.stop.install()
+        if cfg.checkpoint.mode != "sync":
+            # The writer process starts now, in the background and at low priority, so that it is
+            # ready when the first save after a (re)start comes (it imports torch for seconds).
+            self.checkpoint_engine(int(os.environ.get("RANK", "0")))
 
     def checkpoint_engine(self, rank: int) -> Engine:
         if self.engine is not None and self.engine.hung:
             # A writer that outlived checkpoint.write_timeout_s may never take another write.
             self.engine.close(abort=True)
             self.engine = None
+        if self.engine is not None:
+            self.engine.rank = rank
         if self.engine is None:
             # The launcher signals a node's ranks by process group, which includes the writer
             # processes NVRx spawns: the engines start them with SIGTERM blocked, so they outlive

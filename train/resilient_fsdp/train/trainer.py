@@ -208,6 +208,7 @@ class Trainer:
             local_loss += self.forward_backward(inputs, targets)
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.checkpointer.before_optimizer_step()  # a checkpoint's copy of the state must be done
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()

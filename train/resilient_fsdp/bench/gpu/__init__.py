@@ -3,7 +3,8 @@
 - ``check``: the runner (each section in its own process, under a time budget) and the report;
 - ``sections``: the registry of sections and the child process that runs one;
 - ``section``: what every section gets (plan, folder, deadline, trainer runs);
-- ``measure``: environment and ceilings, throughput and MFU, async vs sync checkpoint;
+- ``measure``: environment and ceilings, throughput and MFU;
+- ``checkpoint``: every checkpoint engine on the ``1b`` state (and ``8b`` if it fits);
 - ``restarts``: in-process restart, in-job restart, exact resume;
 - ``wheels``: the wheels carried to a machine without network, and their install there.
 

@@ -1,5 +1,5 @@
-"""GPU check sections 0 to 2: the environment and measured ceilings, throughput and MFU, and the
-checkpoint stall of async vs sync. torch and the trainer are imported inside the sections."""
+"""GPU check sections 0 and 1: the environment and measured ceilings, throughput and MFU (the
+checkpoint section is :mod:`.checkpoint`). torch and the trainer are imported inside the sections."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from .section import Section
 PEAKS = (("H200", 989.4e12, "NVIDIA H200 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with sparsity / 2)"),
          ("H100 80GB HBM3", 989.4e12, "NVIDIA H100 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with "
                                       "sparsity / 2)"))
-COPY_FLOOR_BPS = 50e9  # device-to-host over PCIe Gen5: the copy-bound floor for staging the state
-ASYNC_STALL_TARGET = 0.02  # async stall at most 2% of the synchronous save
 
 
 
@@ -232,112 +230,3 @@ def section_throughput(s: Section) -> None:
     finally:
         trainer.close(failed=False)
         shutdown()
-
-
-# ---- section 2: checkpoint ---------------------------------------------------------------------
-
-def section_checkpoint(s: Section) -> None:
-    import torch
-
-    from ...checkpoint import nvrx
-    from ..checkpoint import _timed_steps, measure_engine
-    from ...config import load_config
-    from ...train.distributed import shutdown
-    from ...train.trainer import Trainer
-
-    p, r = s.plan, s.results
-    cfg = load_config(None, s.overrides(s.dir, big=True) + ["checkpoint.save_final=false", "checkpoint.resume=false",
-                                                             "train.steps=100000", "train.deterministic=false"])
-    trainer = Trainer(cfg)
-    root = s.dir / "checkpoints"
-    try:
-        _timed_steps(trainer, 2)  # creates the AdamW moments: the state is complete from here on
-        nbytes = state_bytes(trainer.checkpointer.state.state_dict(with_rng=False))
-        r.update({"preset": p.big_preset, "params": trainer.num_params, "state_bytes": nbytes,
-                  "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors, one rank",
-                  "nvrx": nvrx.NVRX_VERSION})
-        idle = _timed_steps(trainer, 5)
-        r["step_time_idle_s"] = round(statistics.median(idle), 4)
-        s.save()
-        step = 0
-        during: list[float] = []
-        for mode in ("sync", "async"):
-            # async: one unmeasured save first, which starts NVRx's writer and allocates the staging
-            # buffers; sync has neither, and each 13 GB write costs budget.
-            figures, steps_during, step = measure_engine(trainer, mode, root, saves=1,
-                                                         warmup_saves=1 if mode == "async" else 0, step=step)
-            r[mode] = {k: v for k, v in figures.items() if k != "stall_s_all"}
-            if mode == "async":
-                during = steps_during
-            # The synchronous checkpoint is not needed once measured; the disk is not large.
-            shutil.rmtree(root / mode, ignore_errors=True)
-            s.save()
-        sync_stall, async_stall = r["sync"]["stall_s"], r["async"]["stall_s"]
-        r["async_stall_over_sync"] = round(async_stall / sync_stall, 4)
-        r["target_async_stall_over_sync"] = ASYNC_STALL_TARGET
-        r["target_met"] = async_stall / sync_stall <= ASYNC_STALL_TARGET
-        r["step_time_during_write_s"] = round(statistics.median(during), 4) if during else None
-        r["steps_during_write"] = len(during)
-        if during:
-            r["step_time_during_write_over_idle"] = round(statistics.median(during) / statistics.median(idle), 3)
-        _staging_and_hash_assertions(s, trainer, nbytes, async_stall)
-        if torch.cuda.is_available() and not s.cpu:
-            r["copy_floor_s"] = round(nbytes / COPY_FLOOR_BPS, 4)
-            r["copy_floor_basis"] = f"state bytes / {COPY_FLOOR_BPS / 1e9:.0f} GB/s device-to-host"
-            r["async_stall_over_copy_floor"] = round(async_stall / r["copy_floor_s"], 2)
-        else:
-            r.setdefault("skipped", {})["copy_floor"] = ("no device-to-host copy on CPU: staging is a host-memory "
-                                                         "copy, so the GPU copy-bound floor does not apply")
-    finally:
-        trainer.close(failed=False)
-        shutdown()
-
-
-DEVICE_GROWTH_LIMIT = 0.05  # of the state: a shard copied back to the device would be about 1.0
-STALL_OVER_COPY_LIMIT = 1.5  # the async stall against the measured device-to-host copy of the state
-STALL_FIXED_S = 0.25  # planning and the hand-off to the writer, which do not grow with the state
-HASH_LIMIT = 3  # params_sha256's peak device memory, in largest parameters
-
-
-def _staging_and_hash_assertions(s: Section, trainer: Any, nbytes: int, async_stall: float) -> None:
-    """Issue 16's GPU-only checks, as assertions the report shows:
-
-    - staging keeps DTensors over host buffers: device memory does not grow by a shard during an
-      async save (``device_memory_flat_during_save``);
-    - the async stall is close to the time of a pinned device-to-host copy of the state
-      (``stall_close_to_d2h_copy``);
-    - ``params_sha256`` gathers one parameter at a time: its peak device memory is a few of the
-      largest parameter, not the model (``params_hash_bounded``).
-
-    On CPU the hash runs (the rehearsal exercises its code) and the memory figures are skipped.
-    """
-    import torch
-
-    from ...train.metrics import params_sha256
-
-    r = s.results
-    cuda = torch.cuda.is_available() and not s.cpu
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    r["params_sha256"] = params_sha256(trainer.model)
-    if not cuda:
-        r.setdefault("skipped", {})["device_memory"] = (
-            "GPU only: on CPU nothing is copied to or from a device, so device memory during a save, the "
-            "device-to-host copy time and the hash's device memory cannot be measured")
-        return
-    hash_growth = torch.cuda.max_memory_allocated() - base
-    largest = max(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-                  for p in trainer.model.parameters())
-    growth = (r.get("async") or {}).get("device_peak_growth_bytes")
-    copy_s = nbytes / (_d2h_gb_per_s(torch, min(nbytes, 2 * 2**30)) * 1e9)
-    r.update({"async_device_growth_bytes": growth,
-              "async_device_growth_over_state": round(growth / nbytes, 4) if growth is not None else None,
-              "device_memory_flat_during_save": growth is not None and growth < DEVICE_GROWTH_LIMIT * nbytes,
-              "d2h_copy_s": round(copy_s, 4), "async_stall_over_d2h_copy": round(async_stall / copy_s, 2),
-              "stall_close_to_d2h_copy": async_stall <= STALL_OVER_COPY_LIMIT * copy_s + STALL_FIXED_S,
-              "params_hash_peak_growth_bytes": hash_growth, "largest_param_bytes": largest,
-              "params_hash_bounded": hash_growth <= HASH_LIMIT * largest})
-    torch.cuda.empty_cache()
-

@@ -34,10 +34,14 @@ class Plan:
     interval_steps: int = 10
     fault_step: int = 22
     stop_step: int = 20
+    # The checkpoint section: the presets measured (the later ones only if they fit the machine)
+    # and the measured saves per engine, after one unmeasured save for the asynchronous ones.
+    checkpoint_presets: tuple = ("1b", "8b")
+    checkpoint_saves: int = 2
 
 
 GPU_PLAN = Plan("1b", 2048, 4, 10, 300, 60.0, "125m", 512, 8, lr=3e-4)
-TINY_PLAN = Plan("tiny", 64, 4, 3, 60, 20.0, "tiny", 64, 4, lr=None)
+TINY_PLAN = Plan("tiny", 64, 4, 3, 60, 20.0, "tiny", 64, 4, lr=None, checkpoint_presets=("tiny", "8b"))
 
 
 def tail(path: Path, lines: int) -> list[str]:

@@ -15,7 +15,8 @@ import shutil
 import traceback
 from typing import Callable
 
-from .measure import section_checkpoint, section_environment, section_throughput
+from .checkpoint import section_checkpoint
+from .measure import section_environment, section_throughput
 from .restarts import section_exact_resume, section_in_job, section_in_process
 from .section import Section
 

@@ -1,0 +1,205 @@
+"""The savers ``bench checkpoint`` compares, behind one interface (:class:`Saver`), and the loop
+that measures each of them on the same trainer (:func:`measure`).
+
+- ``sync``, ``async``, ``torch-async``: the project's :class:`~..checkpoint.checkpointer.Checkpointer`
+  with that engine (commit protocol, checksums, ``COMPLETE``);
+- ``dcp_process`` / ``dcp_thread``: torch DCP's own ``async_save`` in process / thread mode with its
+  ``DefaultStager`` (shared memory, pinned on GPUs, staging in a background thread, non-blocking
+  copies on GPUs) and cached save plans (``DefaultSavePlanner(enable_plan_caching=True)``), as
+  torchtitan configures it. Committed means DCP wrote its ``.metadata``.
+
+Every saver's staging is awaited where the trainer awaits it, just before ``optimizer.step()``
+(the trainer calls ``checkpointer.before_optimizer_step()``; the saver stands in for it while it
+is measured). Commits are noticed when the loop polls, after each step, for every saver alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+DCP_PEERS = ("dcp_process", "dcp_thread")
+# The first save of an engine may wait for its writer process to start (a niced interpreter
+# importing torch while training keeps every core busy: tens of seconds on two cores).
+COMMIT_TIMEOUT_S = 900
+ENGINES = ("sync", "async", "torch-async") + DCP_PEERS
+
+
+class Saver:
+    """One way of checkpointing, as the measuring loop drives it."""
+
+    def start(self, step: int) -> None:
+        raise NotImplementedError
+
+    def before_optimizer_step(self) -> float:
+        return 0.0
+
+    def poll(self) -> Optional[dict]:
+        """The save's figures once committed (``write_s``, ``bytes``, ``wait_s``), else None."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class OurSaver(Saver):
+    def __init__(self, trainer: Any, mode: str, root: Path):
+        from ..checkpoint.checkpointer import Checkpointer
+
+        cfg = dataclasses.replace(trainer.cfg.checkpoint, mode=mode, keep_last=1, interval_steps=0)
+        self.ckpt = Checkpointer(cfg, root / mode, trainer.info, trainer.checkpointer.state,
+                                 trainer.checkpointer.identity, lambda _msg: None)
+        self.ckpt.preflight()
+        self.record: Optional[dict] = None
+
+    def start(self, step: int) -> None:
+        self.record = self.ckpt.save(step)  # sync: committed here
+
+    def before_optimizer_step(self) -> float:
+        return self.ckpt.before_optimizer_step()
+
+    def poll(self) -> Optional[dict]:
+        record, self.record = self.record or self.ckpt.poll(), None
+        if record is None:
+            return None
+        return {"write_s": record["write_s"], "bytes": record["bytes"], "wait_s": record["staging_wait_s"],
+                "call_s": record["save_call_s"]}
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class DcpSaver(Saver):
+    """``torch.distributed.checkpoint.async_save`` as its documentation and torchtitan use it."""
+
+    def __init__(self, trainer: Any, mode: str, root: Path):
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        cuda = trainer.info.device.type == "cuda"
+        self.state, self.root = trainer.checkpointer.state, root / mode
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.kind = AsyncCheckpointerType.PROCESS if mode == "dcp_process" else AsyncCheckpointerType.THREAD
+        # Pinned memory and non-blocking copies need an accelerator (DCP refuses them without one).
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+                                                   use_async_staging=True, use_non_blocking_copy=cuda))
+        self.planner = DefaultSavePlanner(enable_plan_caching=True)
+        # DCP's async save needs a CPU backend; a GPU job's default group is NCCL only.
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend="gloo") if cuda else None
+        self.response: Any = None
+        self.t0 = 0.0
+        self.path: Optional[Path] = None
+        self.wait_s = 0.0
+        self.staged = False
+
+    def start(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        self.t0 = time.perf_counter()
+        self.path = self.root / f"step_{step:08d}"
+        self.response = dcp.async_save(self.state.state_dict(),
+                                       storage_writer=FileSystemWriter(str(self.path)), planner=self.planner,
+                                       process_group=self.group, async_checkpointer_type=self.kind,
+                                       async_stager=self.stager)
+        self.wait_s, self.staged = 0.0, False
+
+    def before_optimizer_step(self) -> float:
+        if self.response is None or self.staged:
+            return 0.0
+        t0 = time.perf_counter()
+        self.response.staging_completion.result()
+        self.staged = True
+        self.wait_s = time.perf_counter() - t0
+        return self.wait_s
+
+    def poll(self) -> Optional[dict]:
+        self.before_optimizer_step()
+        if not self.response.upload_completion.done():
+            return None
+        self.response.upload_completion.result()  # raises what failed
+        write_s = time.perf_counter() - self.t0
+        nbytes = sum(p.stat().st_size for p in self.path.iterdir())
+        self.response = None
+        return {"write_s": write_s, "bytes": nbytes, "wait_s": self.wait_s}
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+def make_saver(trainer: Any, mode: str, root: Path) -> Saver:
+    return DcpSaver(trainer, mode, root) if mode in DCP_PEERS else OurSaver(trainer, mode, root)
+
+
+def pin(training_cpu: int, writer_cpu: int) -> None:
+    """Every thread of this (training) process on ``training_cpu``, every process it started (the
+    writers and their helpers) on ``writer_cpu``."""
+    import psutil
+
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {training_cpu})
+        except OSError:
+            pass
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.cpu_affinity([writer_cpu])
+        except psutil.Error:
+            pass
+
+
+def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, step: int,
+            pinned: Optional[tuple[int, int]] = None) -> tuple[dict, int]:
+    """Save ``warmup_saves + saves`` times with ``mode``, training between saves until each is
+    committed; figures of the measured saves (median and min) and the next step number."""
+    saver = make_saver(trainer, mode, root)
+    original = trainer.checkpointer
+    trainer.checkpointer = saver  # train_step awaits this saver's staging before optimizer.step()
+    cols: dict[str, list] = {"save_call_s": [], "wait_before_step_s": [], "stall_s": [], "write_s": []}
+    during: list[float] = []
+    nbytes = 0
+    try:
+        for i in range(warmup_saves + saves):
+            step += 1
+            t0 = time.perf_counter()
+            saver.start(step)
+            call = time.perf_counter() - t0
+            if pinned:
+                pin(*pinned)
+            steps: list[float] = []
+            figures = saver.poll()
+            while figures is None:
+                t1 = time.perf_counter()
+                trainer.train_step()
+                figures = saver.poll()
+                steps.append(time.perf_counter() - t1)
+                if time.perf_counter() - t0 > COMMIT_TIMEOUT_S:
+                    raise RuntimeError(f"{mode}: the save of step {step} was not committed within {COMMIT_TIMEOUT_S} s")
+            if i < warmup_saves:
+                continue
+            call = figures.get("call_s", call)
+            cols["save_call_s"].append(call)
+            cols["wait_before_step_s"].append(figures["wait_s"])
+            cols["stall_s"].append(call + figures["wait_s"])
+            cols["write_s"].append(figures["write_s"])
+            during += steps
+            nbytes = figures["bytes"]
+    finally:
+        trainer.checkpointer = original
+        saver.close()
+    out: dict = {"saves": saves, "bytes": nbytes, "steps_during_write": len(during) / max(1, saves)}
+    for name, values in cols.items():
+        out[name] = statistics.median(values)
+        out[f"{name}_min"] = min(values)
+        out[f"{name}_all"] = values
+    out["step_time_s"] = statistics.median(during) if during else None
+    out["step_time_s_min"] = min(during) if during else None
+    out["step_time_s_all"] = during
+    return out, step

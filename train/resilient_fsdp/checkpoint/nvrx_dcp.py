@@ -1,0 +1,184 @@
+"""The ``async`` engine's DCP save through NVRx (an NVRx module, with :mod:`.nvrx`):
+
+- **planning** with NVRx's ``save_state_dict_async_plan`` and an explicit plan cache
+  (:class:`PlanCache`, a ``CheckpointMetadataCache``: NVRx's ``enable_cache=True`` does nothing
+  without one). NVRx never invalidates a validated cache (an added key would be left out of the
+  checkpoint, a changed shape kept in its metadata): a new cache is made whenever the state's
+  structure, the world size or the attempt changes, and the ranks agree on using it;
+- **the write buckets** built here from the staged buffers (:class:`_StagedWriter`, NVRx's
+  ``FileSystemWriterAsync`` with its own ``prepare_write_data``): references into the buffers the
+  worker already holds, no copy. NVRx 0.7's own ``prepare_write_data`` clones every CPU tensor on
+  the training thread and its hand-off copies them into shared memory again; 0.4.1 sends every
+  buffer's file descriptor with every save. Neither happens here;
+- **the write** by NVRx's own multi-process (0.4.1) or multi-threaded (0.7) writer in its
+  persistent worker, its results put into the save's channel (:class:`.handoff.ResultsFile`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from . import handoff, integrity
+from .nvrx import _worker_pid
+from .nvrx_worker import cpu_shim, worker_write_staged
+
+
+class PlanCache:
+    """NVRx's ``CheckpointMetadataCache`` for one state structure, world size and attempt.
+
+    A save plans with the cache only when every rank's cache is :meth:`valid_for` its state (the
+    checkpointer agrees on it in one collective); otherwise every rank starts a fresh cache. NVRx
+    validates a cache at its second save (the plans match) and from the third on skips planning
+    and every collective of it.
+    """
+
+    def __init__(self) -> None:
+        self.cache: Any = None
+        self.key: Optional[tuple] = None
+
+    def valid_for(self, key: tuple) -> bool:
+        return self.cache is not None and self.key == key
+
+    def validated(self) -> bool:
+        """The cache will skip planning (and its collectives) at the next save."""
+        return self.cache is not None and bool(self.cache.get_cache_metadata()[2])
+
+    def use(self, key: tuple, keep: bool) -> Any:
+        """The cache for a save of ``key``: this one if ``keep`` (every rank agreed), else a new one."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
+
+        if not keep or self.cache is None:
+            self.cache, self.key = CheckpointMetadataCache(), key
+        return self.cache
+
+    def forget(self) -> None:
+        self.cache, self.key = None, None
+
+
+@dataclass
+class DcpSave:
+    """What the trainer keeps of one async DCP save until it is collected."""
+
+    token: str
+    channel: str
+    plan: tuple  # (storage writer, global metadata or None, dist wrapper), from NVRx's planning
+    has_data: bool
+
+
+@functools.lru_cache(maxsize=1)
+def _staged_writer_class() -> type:
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fsa
+
+    class _StagedWriter(fsa.FileSystemWriterAsync):
+        """NVRx's async DCP writer whose write buckets refer to registered staging buffers."""
+
+        registry: handoff.Registry
+
+        def prepare_write_data(self, plan: Any, planner: Any) -> None:
+            file_count = 0
+            buckets = []
+            for bucket in fsa._split_by_size_and_type(self.thread_count, plan.items):
+                data = [(item, planner.resolve_data(item)) for item in bucket]
+                bytes_data = [(i, d) for i, d in data if i.type == WriteItemType.BYTE_IO]
+                tensor_data = [(i, d.detach()) for i, d in data if i.type != WriteItemType.BYTE_IO]
+                if bytes_data or tensor_data:
+                    name = f"{plan.storage_data.prefix}{file_count}{DEFAULT_SUFFIX}"
+                    file_count += 1
+                    buckets.append((os.path.join(self.checkpoint_dir, name), name, (bytes_data, tensor_data)))
+            self.write_buckets = buckets  # 0.4.1 checks its results against their number
+            self.has_data_to_write = bool(buckets)  # 0.7
+            self.consistent_data_identifier = None  # 0.7: no tensor cache of its own
+            self.cached_tensor_data = self.uncached_tensor_data = self.byte_io_data = None
+            self.storage_plan = plan.storage_data
+            self.results_queue = None  # set per save: the save's channel
+
+    return _StagedWriter
+
+
+def plan_dcp_save(staged: Any, path: Path, thread_count: int, channel: str, registry: handoff.Registry,
+                  cache: Any) -> tuple:
+    """Plan a DCP save of ``staged`` into ``path`` with the plan ``cache``; collective unless the
+    cache is validated. Returns NVRx's (storage writer, global metadata, dist wrapper)."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = _staged_writer_class()(str(path), thread_count=thread_count)
+    writer.registry = registry
+    if hasattr(writer, "open_file"):  # 0.7+: the writer threads open files with this
+        writer.open_file = partial(integrity.hashing_open, channel)
+    return save_state_dict_async_plan(staged, writer, None, 0, planner=DefaultSavePlanner(), enable_cache=True,
+                                      metadata_cache=cache)
+
+
+def schedule_dcp_save(calls_queue: Any, plan: tuple, registry: handoff.Registry, token: str, channel: str,
+                      fault: Optional[str]) -> DcpSave:
+    """Hand a planned save's write to the queue's worker: references into the buffers (and the
+    buffers themselves if this worker lacks them). Never waits for the worker. A rank with nothing
+    to write schedules nothing; it still takes part in finalize."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+
+    writer = plan[0]
+    if not writer.write_buckets:
+        return DcpSave(token, channel, plan, False)
+    writer.results_queue = handoff.ResultsFile(channel)
+    save_fn, _staging_fn, save_args = writer.get_save_function_and_args()
+    rank, _, results = save_args
+    buffers = registry.payload_for(_worker_pid(calls_queue))
+    request = AsyncRequest(partial(worker_write_staged, channel, fault, buffers, registry.key, save_fn),
+                           (rank, registry.pack(writer.write_buckets), results), [], async_fn_kwargs={})
+    calls_queue.schedule_async_request(request)
+    registry.sent_to = _worker_pid(calls_queue)
+    return DcpSave(token, channel, plan, True)
+
+
+class _OneItem:
+    """A results queue holding exactly one item, for the writer's own ``retrieve_write_results``."""
+
+    def __init__(self, item: Any):
+        self.item = item
+
+    def get_nowait(self) -> Any:
+        return self.item
+
+
+def collect_save(save: DcpSave) -> tuple[Optional[list], Optional[str]]:
+    """This rank's write results of ``save`` (after its write finished), or the error; never raises.
+    The writer's own ``retrieve_write_results`` checks the item (an exception, a missing bucket)."""
+    storage_writer = save.plan[0]
+    if not save.has_data:
+        storage_writer.results_queue = None
+        return _retrieve(storage_writer)
+    try:
+        item = handoff.read_results(save.channel)
+    except Exception as exc:  # noqa: BLE001 - nothing written, an unreadable file
+        return None, f"{type(exc).__name__}: {exc}"
+    storage_writer.results_queue = _OneItem(item)
+    return _retrieve(storage_writer)
+
+
+def _retrieve(storage_writer: Any) -> tuple[Optional[list], Optional[str]]:
+    try:
+        results = storage_writer.retrieve_write_results()  # 0.4 raises on a failure
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{type(exc).__name__}: {exc}"
+    if isinstance(results, tuple) and results and isinstance(results[0], BaseException):
+        return None, f"{type(results[0]).__name__}: {results[0]}"  # 0.7 returns it wrapped
+    return list(results), None
+
+
+def write_dcp_metadata(save: DcpSave, all_results: list[list], recorder: integrity.Recorder) -> dict[str, dict]:
+    """Coordinator: write ``.metadata`` from every rank's write results (hashed while written);
+    returns its checksum. Raises on failure (the caller agrees on it with the other ranks)."""
+    storage_writer, global_metadata, _ = save.plan
+    storage_writer.fs = integrity.HashingFileSystem(recorder)
+    with cpu_shim():
+        storage_writer.finish(global_metadata, all_results)
+    return recorder.take(renames={".metadata.tmp": ".metadata"})
