@@ -356,6 +356,10 @@ class PodNetwork:
         for pod in self.pods.values():
             names = [pod.hostname] + [a for a, h in self.aliases.items() if h == pod.hostname]
             lines.append(f"{pod.ip}\t{' '.join(names)}")
+        # A dual-stack server (c10d's TCPStore) sees its IPv4 peers as ::ffff:<ip>; cluster DNS
+        # answers their reverse lookups, here the hosts file does (no DNS server is reachable).
+        for pod in self.pods.values():
+            lines.append(f"::ffff:{pod.ip}\t{pod.hostname}")
         # Rewritten in place, not replaced: running pods bind-mounted this inode.
         with open(self.hosts_file, "w") as f:
             f.write("\n".join(lines) + "\n")
