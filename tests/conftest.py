@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import FAKE_AWS, S3Sandbox
+from tests.support import FAKE_AWS, S3Sandbox, netns_leftovers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_local_pods_left_behind():
+    """After the whole session, no local pod (network namespace, veth, bridge) outlives its run."""
+    yield
+    leaked = netns_leftovers()
+    assert not leaked, f"local pods left behind by the test session: {leaked}"
 
 
 @pytest.fixture

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                 f"{DEFAULT_RELEASE}")
     p.add_argument("--value", dest="chart_values", action="append", default=[], metavar="KEY=VALUE",
                    help="set a chart value as helm --set does, e.g. --value job.backoffLimit=0 (repeatable)")
+    p.add_argument("--manifests", metavar="FILE",
+                   help="run these rendered manifests (resilient-fsdp render or helm template output) instead of "
+                        "rendering the chart: no chart, trainer or fault flags then")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
     p.add_argument("--config", help="trainer configuration file (trainer.* values)")
@@ -148,11 +151,27 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     load_config(config_path, list(args.overrides))
     run_dir = Path(args.run_dir).resolve()
     isolation, notice = choose_isolation(args.isolation)
-    values = chart_values(args, run_dir, isolation, mount_path=str(run_dir) if isolation == "loopback" else None)
-    rendered = render(values, release=args.release)
-    workload = pods_of(rendered.documents())
+    if getattr(args, "manifests", None):
+        shaping = [flag for flag, given in (("-f", args.values_files), ("--value", args.chart_values),
+                                            ("--set", args.overrides), ("--config", args.config),
+                                            ("--inject", args.inject), ("--nodes", args.nodes is not None),
+                                            ("--nproc-per-node", args.nproc_per_node is not None),
+                                            ("--max-restarts", args.max_restarts is not None),
+                                            ("--rdzv-port", args.rdzv_port is not None)) if given]
+        if shaping:
+            raise ConfigError(f"--manifests runs what was rendered; {', '.join(shaping)} would need a new render: "
+                              "render with them, or leave --manifests out")
+        documents = [d for d in yaml.safe_load_all(Path(args.manifests).read_text()) if d]
+        values: dict = {}
+        text = Path(args.manifests).read_text()
+    else:
+        values = chart_values(args, run_dir, isolation, mount_path=str(run_dir) if isolation == "loopback" else None)
+        rendered = render(values, release=args.release)
+        documents, text = rendered.documents(), rendered.text()
+    workload = pods_of(documents)
     # The trainer configuration the pods will load, checked as the trainer checks it.
-    cfg_text = rendered.find("ConfigMap")["data"].get("config.yaml", "")
+    maps = [d for d in documents if d.get("kind") == "ConfigMap"]
+    cfg_text = (maps[0].get("data") or {}).get("config.yaml", "") if maps else ""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(cfg_text)
     try:
@@ -160,14 +179,14 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     finally:
         os.unlink(f.name)
     nproc = int(workload.pods[0].env.get("PET_NPROC_PER_NODE", "1"))
-    specs = parse_faults(list(cfg.resilience.inject) + list(values.get("chaos", {}).get("inject") or []),
-                         world_size=len(workload.pods) * nproc)
+    chaos = [a.split("=", 1)[1] for a in workload.pods[0].argv if a.startswith("--inject=")]
+    specs = parse_faults(list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc)
     if isolation == "loopback" and any(s.kind == "partition" for s in specs):
         raise ConfigError("partition faults need --isolation netns (root): on loopback no pod has a network link "
                           "of its own to cut")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "cluster").mkdir(exist_ok=True)
-    (run_dir / "cluster" / "manifests.yaml").write_text(rendered.text())
+    (run_dir / "cluster" / "manifests.yaml").write_text(text)
     job = LocalJob(workload=workload, run_dir=run_dir, max_recreations=args.max_recreations, verbose=args.verbose)
     job.extra_env = {JOB_START_ENV: repr(time.time())}
     if notice:

@@ -73,7 +73,7 @@ class Runtime:
 
     # -- volumes ---------------------------------------------------------------------------------
 
-    def write_config_maps(self) -> None:
+    def write_config_maps(self, transform=lambda text: text) -> None:
         """Each ConfigMap volume's files, once: ``<run_dir>/cluster/configmaps/<volume>/``."""
         for pod in self.workload.pods:
             for volume in pod.volumes.values():
@@ -90,7 +90,7 @@ class Runtime:
                                             f"{item['key']!r}")
                     path = target / item["path"]
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(data[item["key"]])
+                    path.write_text(transform(data[item["key"]]))
 
     def volume_source(self, pod: Pod, mount: Mount) -> tuple[str, str]:
         """(``"bind"``, host path) or (``"tmpfs"``, options) for one of ``pod``'s mounts."""
@@ -256,7 +256,12 @@ class LoopbackRuntime(Runtime):
             names += [(name, self.addresses[pod.hostname]) for name in [pod.hostname, *pod.aliases]]
         names.sort(key=lambda n: -len(n[0]))  # the longest first: a full name before its prefix
         self.names = [(re.compile(rf"(?<![A-Za-z0-9.-]){re.escape(n)}(?![A-Za-z0-9-])"), a) for n, a in names]
-        self.write_config_maps()
+        # The files the pods read name the shared volume and ConfigMaps by their mount paths too.
+        pod = workload.pods[0]
+        shared = [(m.path.rstrip("/"), self.volume_source(pod, m)[1]) for m in pod.mounts
+                  if pod.volumes[m.volume].kind != "emptyDir"]
+        shared = [(p, h) for p, h in sorted(shared, key=lambda x: -len(x[0])) if p != h]
+        self.write_config_maps(lambda text: self._rewrite_text(text, shared))
 
     def describe(self) -> str:
         return ("pods as processes on loopback (" + ", ".join(f"{h}={a}" for h, a in self.addresses.items())
@@ -264,6 +269,14 @@ class LoopbackRuntime(Runtime):
 
     def pod_path(self, host_path: Path) -> str:
         return str(host_path)  # the shared volume is rendered at the run directory itself
+
+    def _rewrite_text(self, text: str, paths: list[tuple[str, str]]) -> str:
+        """A file's host names and mount paths (``/fsx/x`` or ``/fsx`` alone, after a space or quote)."""
+        for pattern, address in self.names:
+            text = pattern.sub(address, text)
+        for pod_path, host_path in paths:
+            text = re.sub(rf"(?<=[\s'\"=]){re.escape(pod_path)}(?=[/\s'\"]|$)", host_path, text, flags=re.M)
+        return text
 
     def _rewrite(self, text: str, paths: list[tuple[str, str]]) -> str:
         for pattern, address in self.names:
@@ -276,6 +289,12 @@ class LoopbackRuntime(Runtime):
 
     def start(self, pod: Pod, extra_env: dict[str, str]) -> subprocess.Popen:
         self.fresh_empty_dirs(pod)
+        argv, env = self.command(pod, extra_env)
+        return subprocess.Popen(argv, env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+
+    def command(self, pod: Pod, extra_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """``pod``'s command line and environment with the loopback deviations applied."""
         paths = []
         tmp = None
         for mount in pod.mounts:
@@ -293,8 +312,7 @@ class LoopbackRuntime(Runtime):
         env["PET_LOCAL_ADDR"] = self.addresses[pod.hostname]
         if tmp:
             env["TMPDIR"] = tmp
-        return subprocess.Popen(argv, env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+        return argv, env
 
     def processes(self, pod: Pod) -> list[psutil.Process]:
         mark = f"{self.run_id}/{pod.hostname}"

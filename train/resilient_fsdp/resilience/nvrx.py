@@ -5,9 +5,10 @@
   :func:`make_abort` hands it to ``inprocess.Wrapper``.
 - **NVRx 0.7's health checks**: 0.7 adds GPU, NVLink and NIC checks to in-process restart when
   ``LOCAL_RANK`` is set; on a CPU-only host they fail: :func:`without_health_checks`.
-- **The c10d rendezvous store**: ``--rdzv-conf=is_host=false`` (the store served from outside the
-  nodes, as ``resilient-fsdp local`` serves it so that any node may die) is an NVRx 0.4 feature;
-  0.7 keeps only its own rendezvous, whose store an agent must host since it closes every round.
+- **The c10d rendezvous store** is hosted by pod 0's agent, on the cluster and locally: NVRx 0.7
+  keeps only its own (barrier) rendezvous, whose rounds only the agent hosting the store closes.
+  When that pod is lost the other agents exit 1; the node agent (:mod:`.agent`) makes that exit
+  retryable.
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
@@ -19,8 +20,6 @@ from __future__ import annotations
 # What the restart layers import of NVRx (in-process restart; ft_launcher, which the node agent
 # runs), for reports of what a machine can import.
 NVRX_MODULES = ("nvidia_resiliency_ext.inprocess", "nvidia_resiliency_ext.fault_tolerance.launcher")
-RDZV_STORE_OUTSIDE = "--rdzv-conf=is_host=false"
-RDZV_STORE_IN_NODE = "--rdzv-conf=is_host=true"
 QUIET_WARNINGS = "ignore:The pynvml package is deprecated:FutureWarning"
 
 
