@@ -55,7 +55,8 @@ def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
             return model
     """)
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=2, nproc=2, pythonpath=[plugin_dir],
+    # No in-job restarts: the same failure would come back on every attempt.
+    proc = run_local(run_dir, nodes=2, nproc=2, pythonpath=[plugin_dir], extra=["--max-restarts=0"],
                      overrides=["train.steps=50", "model.factory=raising_model:build"])
     assert proc.returncode != 0
     assert "job FAILED" in proc.stdout

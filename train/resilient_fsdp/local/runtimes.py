@@ -272,20 +272,19 @@ class LoopbackRuntime(Runtime):
 
     def _rewrite_text(self, text: str, paths: list[tuple[str, str]]) -> str:
         """A file's host names and mount paths (``/fsx/x`` or ``/fsx`` alone, after a space or quote)."""
-        for pattern, address in self.names:
-            text = pattern.sub(address, text)
-        for pod_path, host_path in paths:
-            text = re.sub(rf"(?<=[\s'\"=]){re.escape(pod_path)}(?=[/\s'\"]|$)", host_path, text, flags=re.M)
-        return text
+        return self._rewrite(text, paths, before=r"(?:^|(?<=[\s'\"=]))")
 
-    def _rewrite(self, text: str, paths: list[tuple[str, str]]) -> str:
+    def _rewrite(self, text: str, paths: list[tuple[str, str]], before: str = r"(?:^|(?<==))") -> str:
+        """Host names to addresses, then mount paths to host paths: an argument or value that is a
+        mount path or starts with one (``--config=/etc/x/config.yaml``), in one pass, so a host path
+        is never rewritten again."""
         for pattern, address in self.names:
             text = pattern.sub(address, text)
-        for pod_path, host_path in paths:
-            if text == pod_path or text.startswith(pod_path + "/"):
-                return host_path + text[len(pod_path):]
-            text = text.replace("=" + pod_path + "/", "=" + host_path + "/")
-        return text
+        if not paths:
+            return text
+        hosts = dict(paths)
+        alternatives = "|".join(re.escape(p) for p in sorted(hosts, key=len, reverse=True))
+        return re.sub(rf"{before}({alternatives})(?=/|$|[\s'\"])", lambda m: hosts[m.group(1)], text, flags=re.M)
 
     def start(self, pod: Pod, extra_env: dict[str, str]) -> subprocess.Popen:
         self.fresh_empty_dirs(pod)
