@@ -285,7 +285,6 @@ LAUNCHER = """
 import json, sys, time
 from resilient_fsdp.local.exit_cleanup import install_signal_cleanup
 from resilient_fsdp.local.pods import PodNetwork
-from tests.support import netns_required
 net = PodNetwork()
 if sys.argv[1] == "handlers":
     install_signal_cleanup()

@@ -126,7 +126,8 @@ def test_flags_become_chart_values(tmp_path):
     assert values["nodes"] == 3 and values["cpuRanksPerNode"] == 1 and values["job"]["backoffLimit"] == 0
     assert values["storage"]["type"] == "existingClaim" and values["trainer"]["run_dir"] == "/fsx"
     assert values["trainer"]["train"] == {"steps": 7} and values["trainer"]["seed"] == 3
-    assert values["trainer"]["resilience"] == {"in_process": True, "max_restarts": 1}
+    resilience = values["trainer"]["resilience"]  # dev-cpu's, then --set, then --max-restarts
+    assert resilience["in_process"] is True and resilience["max_restarts"] == 1 and resilience["init_timeout_s"] == 300
     assert values["chaos"] == {"enabled": True, "inject": ["sigkill@5:rank=0"]}
     assert values["instanceType"] == "cpu"  # values/dev-cpu.yaml, the default
     loop = local_job.chart_values(args, tmp_path, "loopback", mount_path=str(tmp_path))
