@@ -27,12 +27,19 @@ ensure_venv() {  # usage: ensure_venv EXTRAS   (e.g. "" or "test")
   fi
 }
 
-ensure_nvrx_lane() {  # the image's NVRx version, pure-Python modules only, for the test suite
-  local pin version dir
+# What NVRx 0.7's restart paths import beyond this venv: in-process restart and ft_launcher import
+# httpx (shared_utils/health_check.py), grpcio and protobuf (the launcher's log and attribution
+# services); httpx brings httpcore, h11 and anyio. Installed into the lane at the image's pins
+# (constraints-image.txt); certifi, idna and typing_extensions come from this venv.
+NVRX_LANE_DEPS="httpx httpcore h11 anyio grpcio protobuf"
+
+ensure_nvrx_lane() {  # the image's NVRx version, its pure-Python modules and their imports, for the test suite
+  local pin version dir want
   pin="$(grep -E '^nvidia-resiliency-ext==' constraints-image.txt)"
   version="${pin#*==}"
   dir=".venv/nvrx-lane/$version"
-  if [ ! -f "$dir/.ready" ]; then
+  want="$( (echo "$NVRX_LANE_DEPS"; cat constraints-image.txt) | sha256sum | cut -d' ' -f1)"
+  if [ "$(cat "$dir/.ready" 2>/dev/null)" != "$want" ]; then
     echo "preparing the NVRx $version test lane in $dir"
     rm -rf "$dir" && mkdir -p "$dir/wheel" "$dir/site"
     # Its wheels are for Python 3.12 / glibc 2.39; the modules the tests use are pure Python.
@@ -45,7 +52,10 @@ wheel = next((root / "wheel").glob("*.whl"))
 with zipfile.ZipFile(wheel) as z:
     z.extractall(root / "site", [n for n in z.namelist() if n.startswith("nvidia_resiliency_ext")])
 PY
-    touch "$dir/.ready"
+    # shellcheck disable=SC2086  # a list of package names
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+      --target "$dir/site" -c constraints-image.txt $NVRX_LANE_DEPS
+    echo "$want" > "$dir/.ready"
   fi
   export RESILIENT_FSDP_NVRX_LANE="$PWD/$dir/site"
 }

@@ -11,7 +11,7 @@ import yaml
 
 from resilient_fsdp.resilience.agent import exit_code
 from resilient_fsdp.config import ConfigError, FaultSpec, load_config, parse_fault, parse_faults
-from resilient_fsdp.resilience.faults import FaultLedger
+from resilient_fsdp.resilience.faults import NODE_INDEX_ENV, REQUESTS_ENV, FaultInjector, FaultLedger
 from resilient_fsdp.local.launcher import retryable
 from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
 from resilient_fsdp.resilience.accounting import record_recoveries, summarize
@@ -20,16 +20,80 @@ from resilient_fsdp.resilience.accounting import record_recoveries, summarize
 def test_fault_specs_parse_and_bad_ones_name_the_fix():
     assert parse_fault("sigkill@20:rank=3") == FaultSpec("sigkill", 20, 3)
     assert parse_fault("node-loss@5") == FaultSpec("node-loss", 5, 0)
+    assert parse_fault("sigkill@20:rank=0") == FaultSpec("sigkill", 20, 0)
+    assert parse_fault("node-loss@12:node=0") == FaultSpec("node-loss", 12, node=0)
+    partition = parse_fault("partition@28:node=1:for=20")
+    assert partition == FaultSpec("partition", 28, node=1, for_s=20.0)
+    assert str(partition) == "partition@28:node=1:for=20" and partition.key == "partition@28-node1"
+    assert str(parse_fault("hang-in-collective@36:rank=2")) == "hang-in-collective@36:rank=2"
     with pytest.raises(ConfigError, match="unknown fault kind 'segfault'; choose one of exception, hang"):
         parse_fault("segfault@3")
-    with pytest.raises(ConfigError, match=r"expected KIND@STEP\[:rank=R\], e.g. sigkill@20:rank=1"):
+    with pytest.raises(ConfigError, match=r"expected KIND@STEP\[:rank=R \| :node=N\]\[:for=SECONDS\], e.g. "
+                                          "sigkill@20:rank=1"):
         parse_fault("sigkill:3")
     with pytest.raises(ConfigError, match="STEP must be 1 or more"):
         parse_fault("hang@0")
+    with pytest.raises(ConfigError, match="give rank=R or node=N, not both"):
+        parse_fault("node-loss@3:rank=1:node=0")
+    with pytest.raises(ConfigError, match="for=SECONDS applies to partition only"):
+        parse_fault("node-loss@3:node=0:for=5")
+    with pytest.raises(ConfigError, match="for= must be a number of seconds above 0"):
+        parse_fault("partition@3:for=-1")
+    with pytest.raises(ConfigError, match="unknown option 'nodes=1'"):
+        parse_fault("partition@3:nodes=1")
     with pytest.raises(ConfigError, match="rank 4 does not exist in a job of 4 ranks"):
         parse_faults(["exception@3:rank=4"], world_size=4)
+    with pytest.raises(ConfigError, match="node 2 does not exist in a job of 2 node"):
+        parse_faults(["node-loss@3:node=2"], world_size=4, nodes=2)
     with pytest.raises(ConfigError, match="resilience.inject"):
         load_config(None, ["resilience.inject=[hang@x]"])
+
+
+def test_node_targets_fire_on_the_nodes_local_rank_zero(tmp_path, monkeypatch):
+    specs = parse_faults(["sigterm@3:node=1", "sigkill@4:rank=0", "exception@5:node=0"])
+    monkeypatch.setenv(NODE_INDEX_ENV, "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert [s.kind for s in FaultInjector(specs, rank=2, ledger=FaultLedger(tmp_path)).mine] == ["sigterm"]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert FaultInjector(specs, rank=3, ledger=FaultLedger(tmp_path)).mine == []
+    monkeypatch.setenv(NODE_INDEX_ENV, "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert [s.kind for s in FaultInjector(specs, rank=0, ledger=FaultLedger(tmp_path)).mine] == ["sigkill",
+                                                                                                   "exception"]
+
+
+def test_a_partition_is_refused_where_nothing_can_execute_it(tmp_path, monkeypatch):
+    monkeypatch.delenv(REQUESTS_ENV, raising=False)
+    with pytest.raises(ConfigError, match=r"'partition@9:node=0:for=5': a partition takes a pod's network link "
+                                          r"down.*RESILIENT_FSDP_FAULT_REQUESTS"):
+        FaultInjector(parse_faults(["partition@9:node=0:for=5"]), rank=0, ledger=FaultLedger(tmp_path))
+    monkeypatch.setenv(REQUESTS_ENV, str(tmp_path / "requests"))
+    FaultInjector(parse_faults(["partition@9:node=0:for=5"]), rank=0, ledger=FaultLedger(tmp_path))
+
+
+def test_a_partition_request_is_written_atomically_and_training_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv(REQUESTS_ENV, str(tmp_path / "requests"))
+    monkeypatch.setenv(NODE_INDEX_ENV, "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    ledger = FaultLedger(tmp_path)
+    injector = FaultInjector(parse_faults(["partition@9:node=1:for=5"]), rank=2, ledger=ledger)
+    injector.at_step_start(9, 8)  # returns: the cluster cuts the link, the rank does not stop
+    request = json.loads((tmp_path / "requests" / "partition-step9-node1.json").read_text())
+    assert request.pop("time") > 0
+    assert request == {"kind": "partition", "node": 1, "step": 9, "for_s": 5.0, "rank": 2}
+    assert [p.name for p in (tmp_path / "requests").iterdir()] == ["partition-step9-node1.json"]
+    (fired,) = ledger.fired()
+    assert fired["fault"] == "partition@9:node=1:for=5" and fired["request"].endswith("partition-step9-node1.json")
+    injector.at_step_start(9, 8)  # once per job
+    assert len(ledger.fired()) == 1
+    # Still training after its 5 s: it healed (or nothing cut the link), so the next restart
+    # is not its recovery, and the summary lists it as unrecovered.
+    injector.partitions = [(spec, t - 10) for spec, t in injector.partitions]
+    injector.at_step_start(12, 11)
+    assert ledger.went_on()["partition@9-node1"]["step"] == 11
+    assert record_recoveries(ledger, "in_job", resumed_step=8, now=fired["t_fault"] + 30) == []
+    (unrecovered,) = summarize(tmp_path / "metrics.jsonl", ledger)["unrecovered"]
+    assert unrecovered["fault"] == "partition@9:node=1:for=5" and "training went on (step 11" in unrecovered["why"]
 
 
 def test_in_process_timeouts_must_be_ordered():

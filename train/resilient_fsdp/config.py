@@ -254,8 +254,10 @@ class ResilienceConfig:
     """Exit code of a rank that stopped gracefully on SIGTERM: 128-255, which the PyTorchJob
     ``ExitCode`` restart policy retries."""
     inject: list[str] = dataclasses.field(default_factory=list)
-    """Faults to inject, ``KIND@STEP[:rank=R]`` (also ``--inject``); KIND is exception, sigkill,
-    hang, sigterm, sigkill-during-save or node-loss. Each fires once per job. For tests and drills."""
+    """Faults to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]`` (also ``--inject``); KIND is
+    exception, hang, hang-in-collective, sigkill, sigkill-during-save, sigterm, node-loss or
+    partition (``for=`` only). ``node=N``: the node's local rank 0. Each fires once per job. For
+    tests and drills; docs/faults-and-restarts.md."""
 
 
 @dataclass(config=_STRICT)
@@ -416,47 +418,91 @@ def _check_across_keys(config: Config) -> None:
 # Here rather than in the modules that use them (resilience.faults, checkpoint.s3), so that
 # those import the configuration and it imports nothing of this package.
 
-FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "sigterm", "node-loss")
-_FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::rank=(?P<rank>\d+))?$")
+FAULT_KINDS = ("exception", "hang", "hang-in-collective", "sigkill", "sigkill-during-save", "sigterm", "node-loss",
+               "partition")
+# Kinds whose effect is on a whole node (pod): their natural target is ``node=N``.
+NODE_FAULT_KINDS = ("node-loss", "partition")
+_FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<options>(?::[^:]*)*)$")
+_FAULT_GRAMMAR = "KIND@STEP[:rank=R | :node=N][:for=SECONDS]"
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
-    """One fault to inject, ``KIND@STEP[:rank=R]`` (see :mod:`resilient_fsdp.resilience.faults`)."""
+    """One fault to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]`` (see
+    :mod:`resilient_fsdp.resilience.faults`). ``node=N`` targets the lowest rank of node (pod) N,
+    its local rank 0; without ``node`` the target is ``rank`` (0 by default). ``for_s``: how long a
+    ``partition`` lasts (None: for good)."""
 
     kind: str
     step: int
     rank: int = 0
+    node: Optional[int] = None
+    for_s: Optional[float] = None
 
     @property
     def key(self) -> str:
         """File-name-safe identity of this fault."""
-        return f"{self.kind}@{self.step}-rank{self.rank}"
+        target = f"node{self.node}" if self.node is not None else f"rank{self.rank}"
+        return f"{self.kind}@{self.step}-{target}"
+
+    @property
+    def target(self) -> str:
+        return f"node={self.node}" if self.node is not None else f"rank={self.rank}"
 
     def __str__(self) -> str:
-        return f"{self.kind}@{self.step}:rank={self.rank}"
+        duration = f":for={self.for_s:g}" if self.for_s is not None else ""
+        return f"{self.kind}@{self.step}:{self.target}{duration}"
 
 
 def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
     m = _FAULT_SPEC.match(text.strip())
     if not m:
-        raise ConfigError(f"{key} {text!r}: expected KIND@STEP[:rank=R], e.g. sigkill@20:rank=1")
+        raise ConfigError(f"{key} {text!r}: expected {_FAULT_GRAMMAR}, e.g. sigkill@20:rank=1 or "
+                          "node-loss@12:node=0")
     if m["kind"] not in FAULT_KINDS:
         raise ConfigError(f"{key} {text!r}: unknown fault kind '{m['kind']}'; choose one of "
                           f"{', '.join(FAULT_KINDS)}")
     step = int(m["step"])
     if step < 1:
         raise ConfigError(f"{key} {text!r}: STEP must be 1 or more")
-    return FaultSpec(m["kind"], step, int(m["rank"] or 0))
+    options: dict[str, str] = {}
+    for part in m["options"].split(":")[1:]:
+        name, _, value = part.partition("=")
+        if name not in ("rank", "node", "for") or not value:
+            raise ConfigError(f"{key} {text!r}: unknown option {part!r}; expected {_FAULT_GRAMMAR}")
+        if name in options:
+            raise ConfigError(f"{key} {text!r}: '{name}' is given twice")
+        options[name] = value
+    if "rank" in options and "node" in options:
+        raise ConfigError(f"{key} {text!r}: give rank=R or node=N, not both (node=N fires on the node's local "
+                          "rank 0)")
+    for name in ("rank", "node"):
+        if name in options and not options[name].isdigit():
+            raise ConfigError(f"{key} {text!r}: {name} must be a whole number 0 or more")
+    for_s = None
+    if "for" in options:
+        if m["kind"] != "partition":
+            raise ConfigError(f"{key} {text!r}: for=SECONDS applies to partition only")
+        try:
+            for_s = float(options["for"])
+        except ValueError:
+            for_s = -1.0
+        if not for_s > 0:
+            raise ConfigError(f"{key} {text!r}: for= must be a number of seconds above 0")
+    node = int(options["node"]) if "node" in options else None
+    return FaultSpec(m["kind"], step, int(options.get("rank", 0)), node, for_s)
 
 
-def parse_faults(texts: list[str], world_size: Optional[int] = None) -> list[FaultSpec]:
+def parse_faults(texts: list[str], world_size: Optional[int] = None, nodes: Optional[int] = None
+                 ) -> list[FaultSpec]:
     specs = [parse_fault(t, "resilience.inject") for t in texts]
-    if world_size is not None:
-        for spec in specs:
-            if spec.rank >= world_size:
-                raise ConfigError(f"resilience.inject {str(spec)!r}: rank {spec.rank} does not exist in a job of "
-                                  f"{world_size} ranks")
+    for spec in specs:
+        if world_size is not None and spec.node is None and spec.rank >= world_size:
+            raise ConfigError(f"resilience.inject {str(spec)!r}: rank {spec.rank} does not exist in a job of "
+                              f"{world_size} ranks")
+        if nodes is not None and spec.node is not None and spec.node >= nodes:
+            raise ConfigError(f"resilience.inject {str(spec)!r}: node {spec.node} does not exist in a job of "
+                              f"{nodes} node(s)")
     return specs
 
 

@@ -40,8 +40,10 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, root: Path, info: DistInfo, state: CheckpointState,
                  identity: dict, say: Callable[[str], None],
                  engine_factory: Optional[Callable[[], Engine]] = None,
-                 uploader: Optional[Uploader] = None):
+                 uploader: Optional[Uploader] = None, faults: Optional[Any] = None):
         self.cfg, self.root, self.info, self.state = cfg, root, info, state
+        # Fault injection (resilience.faults.FaultInjector): told when a write starts and ends.
+        self.faults = faults
         self.uploader = uploader
         self.identity = identity  # what a resumed run must match: model shape, preset
         self.say = say
@@ -200,6 +202,9 @@ class Checkpointer:
         if error:
             raise CheckpointError(error)
         partial_dir = self.root / store.partial_name(step, token)
+        if self.faults is not None:
+            self.faults.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
+                                     self.expected_written_bytes)
         self.engine.start(self.state, partial_dir, step)
         stall = time.perf_counter() - t0
         self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": stall}
@@ -217,6 +222,8 @@ class Checkpointer:
         t_wait = time.perf_counter()
         while True:
             done, error = self.engine.local_status()
+            if done and self.faults is not None:
+                self.faults.save_written(self.pending["step"])
             # Agree: 0 = still writing somewhere, 1 = all done, 2 = all done and someone failed.
             code = 0.0 if not done else (2.0 if error else 1.0)
             t = torch.tensor([code, -code], dtype=torch.float64, device=self.info.device)
@@ -260,6 +267,15 @@ class Checkpointer:
         self.apply_retention()
         return {"step": pending["step"], "mode": self.engine.mode, "stall_s": pending["stall_s"],
                 "write_s": write_s, "bytes": nbytes, "path": str(final)}
+
+    def expected_written_bytes(self) -> Optional[int]:
+        """What the writers of a save put on disk, taken from the newest committed checkpoint of
+        this world size and mode (a save of the same state writes the same files); None if none."""
+        for ckpt in reversed(store.scan(self.root)[0]):
+            m = ckpt.manifest
+            if m.get("world_size") == self.info.world_size and m.get("mode") == self.engine.mode:
+                return store.written_bytes(ckpt.path)
+        return None
 
     def apply_retention(self) -> None:
         """Rank 0: local retention; a checkpoint still waiting for its S3 upload is kept."""

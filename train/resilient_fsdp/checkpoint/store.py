@@ -119,3 +119,12 @@ def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = l
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# Written after the writers finish: DCP's metadata (finalize) and the manifest (commit).
+_NOT_WRITTEN_BY_WRITERS = (".metadata", MARKER)
+
+
+def written_bytes(path: Path) -> int:
+    """Bytes the checkpoint writers put in ``path``, metadata and manifest not counted."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name not in _NOT_WRITTEN_BY_WRITERS)

@@ -26,7 +26,6 @@ from .. import atomic
 from .runtimes import Runtime
 from .workload import Workload, WorkloadError
 
-FAULT_REQUESTS_ENV = "RESILIENT_FSDP_FAULT_REQUESTS"
 KINDS = ("node-loss", "partition")
 
 

@@ -33,7 +33,8 @@ from ..config import ConfigError, load_config, parse_faults, parse_override
 from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, load_values, render
 from ..resilience.accounting import JOB_START_ENV
 from ..resilience.nvrx import QUIET_WARNINGS
-from .fault_requests import FAULT_REQUESTS_ENV, requests_dir
+from ..resilience.faults import REQUESTS_ENV
+from .fault_requests import requests_dir
 from .launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, free_port
 from .workload import WorkloadError, pods_of
 
@@ -180,7 +181,8 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
         os.unlink(f.name)
     nproc = int(workload.pods[0].env.get("PET_NPROC_PER_NODE", "1"))
     chaos = [a.split("=", 1)[1] for a in workload.pods[0].argv if a.startswith("--inject=")]
-    specs = parse_faults(list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc)
+    specs = parse_faults(list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc,
+                         nodes=len(workload.pods))
     if isolation == "loopback" and any(s.kind == "partition" for s in specs):
         raise ConfigError("partition faults need --isolation netns (root): on loopback no pod has a network link "
                           "of its own to cut")
@@ -197,7 +199,7 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
 def local_env(job: LocalJob, pod_requests: str) -> dict[str, str]:
     """What the local cluster adds to every pod's environment, beside the operator's variables."""
     env = dict(job.extra_env)
-    env[FAULT_REQUESTS_ENV] = pod_requests
+    env[REQUESTS_ENV] = pod_requests
     env["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), QUIET_WARNINGS) if w)
     return env
 

@@ -31,6 +31,10 @@ from .faults import NODE_START_ENV, FaultLedger
 LAYERS = ("in_process", "in_job", "job")
 JOB_START_ENV = "RESILIENT_FSDP_JOB_START"
 _LIFECYCLE = ("start", "finish")
+# What a fault's ledger record says about how it landed, carried into its recovery record:
+# the rank that fired it, a sigkill-during-save's bytes on disk, a node fault's request file.
+_FAULT_DETAILS = ("rank", "node_index", "during_write", "bytes_on_disk", "expected_bytes", "checkpoint_step", "note",
+                  "request")
 
 
 def read_records(metrics_path: Path) -> list[dict]:
@@ -81,7 +85,7 @@ def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.de
 def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: float) -> list[dict]:
     """Rank 0, after the first step completed in an attempt caused by a restart: close every
     fired fault that has no recovery yet. Returns the new recovery records."""
-    done = ledger.recoveries()
+    done = {**ledger.recoveries(), **ledger.went_on()}
     new = []
     for fault in ledger.fired():
         if fault["key"] in done or fault["t_fault"] > now:
@@ -89,7 +93,8 @@ def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: f
         record = {"fault": fault["fault"], "kind": fault["kind"], "layer": layer,
                   "recovery_s": now - fault["t_fault"], "fault_step": fault["completed_step"],
                   "resumed_from_step": resumed_step,
-                  "lost_steps": max(0, fault["completed_step"] - resumed_step)}
+                  "lost_steps": max(0, fault["completed_step"] - resumed_step),
+                  **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}
         ledger.record_recovery(fault["key"], record)
         new.append(record)
     return new
@@ -111,7 +116,7 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
     for r in records:
         if r.get("event") == "start" and r.get("layer") in restarts:
             restarts[r["layer"]] += 1
-    recoveries = ledger.recoveries()
+    recoveries, went_on = ledger.recoveries(), ledger.went_on()
     faults = ledger.fired()
     productive = sum(r["step_time_s"] for r in records if r.get("event") == "step")
     start = job_start_time(records)
@@ -120,7 +125,19 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         "faults_injected": [f["fault"] for f in faults],
         "restarts": restarts,
         "recoveries": [recoveries[f["key"]] for f in faults if f["key"] in recoveries],
+        # Fired, and no restart followed: training went on (a partition that healed before any
+        # collective timed out, or one nothing executed).
+        "unrecovered": [_unrecovered(f, went_on.get(f["key"])) for f in faults if f["key"] not in recoveries],
         "productive_s": productive,
         "job_wall_s": wall,
         "goodput": productive / wall if wall > 0 else 0.0,
     }
+
+
+def _unrecovered(fault: dict, went_on: Optional[dict]) -> dict:
+    if went_on:
+        why = f"no restart: training went on (step {went_on['step']} completed {went_on['after_s']:.1f} s after it)"
+    else:
+        why = "no restart followed it"
+    return {"fault": fault["fault"], "kind": fault["kind"], "fault_step": fault["completed_step"], "why": why,
+            **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}

@@ -1,17 +1,36 @@
-"""Fault injection: ``KIND@STEP[:rank=R]``, fired once per job, for tests, demos and cluster drills.
+"""Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``, fired once per job, for tests,
+demos and cluster drills.
 
 Kinds, and the layer expected to recover from each:
 
 ==========================  ===================================================  =================
-kind                        what happens on rank R at step STEP                  recovered by
+kind                        what happens on the target at step STEP              recovered by
 ==========================  ===================================================  =================
 ``exception``               the step raises                                      in-process, else in-job
 ``hang``                    the rank stops making progress (sleeps forever)      in-process, else in-job
+``hang-in-collective``      the rank stops just before the step's loss           in-process, else in-job
+                            all-reduce; its peers block inside it
 ``sigkill``                 the rank's process is killed                         in-job
-``sigkill-during-save``     killed while its checkpoint write is in flight       in-job (previous checkpoint)
+``sigkill-during-save``     the rank and its checkpoint writer are killed while  in-job (previous checkpoint)
+                            the writer is writing (bytes on disk > 0, < final)
 ``sigterm``                 its node (agent) gets SIGTERM, as on eviction        graceful stop + job level
 ``node-loss``               its whole node dies: agent, workers, helpers         job level (node recreated)
+``partition``               its node's network goes down (for good, or ``for``   job level, or none when
+                            seconds); needs an executor (below)                  it heals in time
 ==========================  ===================================================  =================
+
+The target is ``rank=R`` (default rank 0) or ``node=N``: the lowest rank of node (pod) N, its local
+rank 0. A node's index is ``RESILIENT_FSDP_NODE`` (set by ``resilient-fsdp local``), else the
+operator's ``PET_NODE_RANK``, else torchelastic's ``GROUP_RANK``.
+
+**Executors.** ``node-loss`` and ``partition`` act on a pod, which a rank cannot do to itself on
+every platform. When ``RESILIENT_FSDP_FAULT_REQUESTS`` names a directory (the one-machine cluster
+of ``resilient-fsdp local`` sets it in every pod), the firing rank writes a request there,
+``<kind>-step<STEP>-node<N>.json`` = ``{"kind", "node", "step", "for_s", "rank", "time"}``, and the
+cluster executes it (kills the pod, takes its link down). After a ``node-loss`` request the rank
+waits to be killed, at most :data:`NODE_LOSS_WAIT_S`, then kills its pod itself. Without that
+variable (a real cluster, the chart's chaos drill) ``node-loss`` kills the pod's process tree from
+inside and ``partition`` is refused before training starts.
 
 "Once per job" is kept by a ledger on shared storage (``<run_dir>/faults/``): a rank claims a fault
 by creating its record exclusively before firing it, so the restart the fault causes passes the
@@ -25,6 +44,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,11 +53,18 @@ from typing import Callable, Optional
 import psutil
 
 from .. import atomic
-from ..config import FaultSpec
+from ..config import NODE_FAULT_KINDS, ConfigError, FaultSpec
 
 # Set by the node agent wrapper (resilient_fsdp.resilience.agent): the process that stands for the node (pod).
 NODE_PID_ENV = "RESILIENT_FSDP_NODE_PID"
 NODE_START_ENV = "RESILIENT_FSDP_NODE_START"
+# The index of this rank's node (pod), set by resilient-fsdp local for each simulated node.
+NODE_INDEX_ENV = "RESILIENT_FSDP_NODE"
+# Where node-level faults are requested from the cluster that can execute them (see the docstring).
+REQUESTS_ENV = "RESILIENT_FSDP_FAULT_REQUESTS"
+NODE_LOSS_WAIT_S = 60.0
+# How often a sigkill-during-save looks at the bytes its checkpoint has on disk.
+SAVE_POLL_S = 0.0005
 
 
 class InjectedFault(RuntimeError):
@@ -56,11 +83,14 @@ class FaultLedger:
         # Durable before the fault fires: it may kill this process next.
         return atomic.create_exclusive(self.dir / f"{spec.key}.json", json.dumps(record, sort_keys=True))
 
+    def claimed(self, spec: FaultSpec) -> bool:
+        return (self.dir / f"{spec.key}.json").exists()
+
     def fired(self) -> list[dict]:
         """Every fired fault, oldest first."""
         records = []
         for path in self.dir.glob("*.json") if self.dir.is_dir() else []:
-            if path.name.endswith(".recovery.json"):
+            if path.name.endswith((".recovery.json", ".went-on.json")):
                 continue
             try:
                 records.append(json.loads(path.read_text()))
@@ -79,6 +109,29 @@ class FaultLedger:
 
     def record_recovery(self, key: str, record: dict) -> None:
         atomic.write_json(self.dir / f"{key}.recovery.json", record, indent=None, newline=False)
+
+    def record_went_on(self, key: str, record: dict) -> None:
+        """Training went on past a fault that stops nothing by itself (a partition that healed
+        in time): no restart is its recovery."""
+        atomic.write_json(self.dir / f"{key}.went-on.json", record, indent=None, newline=False)
+
+    def went_on(self) -> dict[str, dict]:
+        found = {}
+        for path in self.dir.glob("*.went-on.json") if self.dir.is_dir() else []:
+            try:
+                found[path.name[: -len(".went-on.json")]] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return found
+
+
+def node_index() -> int:
+    """This rank's node (pod) index: ``RESILIENT_FSDP_NODE``, ``PET_NODE_RANK``, ``GROUP_RANK``, else 0."""
+    for name in (NODE_INDEX_ENV, "PET_NODE_RANK", "GROUP_RANK"):
+        raw = os.environ.get(name, "")
+        if raw.isdigit():
+            return int(raw)
+    return 0
 
 
 def node_root_pid() -> int:
@@ -111,42 +164,200 @@ def kill_node() -> None:
     os.kill(me, signal.SIGKILL)
 
 
+def own_helpers() -> list[psutil.Process]:
+    """This rank's helper processes in its own process group (the checkpoint writer, the results
+    Manager); not NVRx's in-process monitor, which runs in a session of its own."""
+    pgid = os.getpgid(0)
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                found.append(proc)
+        except (OSError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+def kill_rank_and_helpers(helpers: Optional[list[psutil.Process]] = None) -> None:
+    """SIGKILL this rank together with its helpers (the writer dies mid-write with it)."""
+    for proc in own_helpers() if helpers is None else helpers:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def requests_dir() -> Optional[Path]:
+    raw = os.environ.get(REQUESTS_ENV)
+    return Path(raw) if raw else None
+
+
+def check_executable(specs: list[FaultSpec]) -> None:
+    """Refuse, before training, a fault nothing here can execute: a ``partition`` needs a cluster
+    that reads requests (``RESILIENT_FSDP_FAULT_REQUESTS``)."""
+    for spec in specs:
+        if spec.kind == "partition" and requests_dir() is None:
+            raise ConfigError(_partition_refusal(spec))
+
+
+def _partition_refusal(spec: FaultSpec) -> str:
+    return (f"resilience.inject {str(spec)!r}: a partition takes a pod's network link down, which a rank cannot do "
+            f"to its own pod; it runs where a cluster executes fault requests ({REQUESTS_ENV} is set in every pod "
+            "by `resilient-fsdp local`'s network-namespace cluster). Here it is not set: use node-loss, or cut the "
+            "network with the cluster's own tools")
+
+
+class SaveWatch(threading.Thread):
+    """``sigkill-during-save``: kills the rank and its writer once the checkpoint being written has
+    some but not all of its bytes on disk.
+
+    A thread, because the write happens elsewhere (the async writer process) or in the main thread
+    itself (``sync``). Once the bytes are in range it stops (SIGSTOP) this rank's helpers, so what
+    it records is what stays on disk, and kills them and the rank. If the write finishes first,
+    :meth:`finish` fires the fault before the checkpoint commits and the record says so.
+    """
+
+    def __init__(self, injector: "FaultInjector", spec: FaultSpec, step: int, partial_dir: Path,
+                 measure: Callable[[], int], expected: Optional[int]):
+        super().__init__(daemon=True, name="fault-sigkill-during-save")
+        self.injector, self.spec, self.step, self.partial_dir = injector, spec, step, partial_dir
+        self.measure, self.expected = measure, expected
+        self.written = threading.Event()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """The attempt ended without this save finishing (in-process restart): never fire."""
+        self.cancelled = True
+        self.written.set()
+
+    def in_range(self, nbytes: int) -> bool:
+        return nbytes > 0 and (self.expected is None or nbytes < self.expected)
+
+    def run(self) -> None:
+        while not self.written.is_set():
+            if self.in_range(self._bytes()):
+                helpers = own_helpers()
+                for proc in helpers:
+                    _signal(proc, signal.SIGSTOP)
+                nbytes = self._bytes()
+                if self.in_range(nbytes) and not self.written.is_set() and not self.cancelled:
+                    self.injector.fire(self.spec, self.step, {
+                        "during_write": True, "bytes_on_disk": nbytes, "expected_bytes": self.expected,
+                        "checkpoint_step": self.step, "checkpoint_dir": str(self.partial_dir),
+                        "helpers_stopped": [p.pid for p in helpers]}, helpers=helpers)
+                for proc in helpers:
+                    _signal(proc, signal.SIGCONT)
+            time.sleep(SAVE_POLL_S)
+
+    def finish(self) -> None:
+        """The main thread saw this rank's write finish: fire now, before the checkpoint commits."""
+        self.written.set()
+        self.join()
+        nbytes = self._bytes()
+        note = (f"the write had finished ({nbytes:,} bytes on disk) before the fault could land while it was "
+                "writing; killed before the commit instead")
+        self.injector.fire(self.spec, self.step, {
+            "during_write": False, "bytes_on_disk": nbytes, "expected_bytes": self.expected,
+            "checkpoint_step": self.step, "checkpoint_dir": str(self.partial_dir), "note": note})
+
+    def _bytes(self) -> int:
+        try:
+            return self.measure()
+        except OSError:
+            return 0
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
 class FaultInjector:
     """Fires this rank's faults at their steps, each at most once per job."""
 
-    PRE_STEP = ("exception", "hang", "sigkill", "sigterm", "node-loss")
+    PRE_STEP = ("exception", "hang", "sigkill", "sigterm", "node-loss", "partition")
 
     def __init__(self, specs: list[FaultSpec], rank: int, ledger: FaultLedger,
                  on_fire: Optional[Callable[[FaultSpec], None]] = None):
-        self.mine = [s for s in specs if s.rank == rank]
+        check_executable(specs)
+        self.node, local_rank = node_index(), int(os.environ.get("LOCAL_RANK", "0"))
+        self.mine = [s for s in specs
+                     if (s.node is None and s.rank == rank) or (s.node == self.node and local_rank == 0)]
         self.rank, self.ledger, self.on_fire = rank, ledger, on_fire
+        self.watch: Optional[SaveWatch] = None
+        self.partitions: list[tuple[FaultSpec, float]] = []  # fired here, (spec, t_fault)
 
     def at_step_start(self, step: int, completed_step: int) -> None:
         """Called inside the step section before step ``step`` (``completed_step`` = step - 1) runs."""
+        self._note_healed_partitions(completed_step)
         for spec in self.mine:
             if spec.kind in self.PRE_STEP and spec.step == step:
-                self._fire(spec, completed_step)
+                self.fire(spec, completed_step)
 
-    def after_checkpoint(self, step: int, write_in_flight: bool) -> None:
-        """Called after the checkpoint calls of step ``step``."""
+    def before_collective(self, step: int) -> None:
+        """Called inside step ``step`` just before the trainer's own all-reduce (the loss)."""
         for spec in self.mine:
-            if spec.kind == "sigkill-during-save" and step >= spec.step and write_in_flight:
-                self._fire(spec, step)
+            if spec.kind == "hang-in-collective" and spec.step == step:
+                self.fire(spec, step - 1)
 
-    def _fire(self, spec: FaultSpec, completed_step: int) -> None:
+    def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
+                     expected: Callable[[], Optional[int]]) -> None:
+        """Called as the checkpoint of ``step`` starts writing into ``partial_dir``; ``measure()``:
+        the bytes its writers have put there; ``expected()``: the same for a finished write (the
+        newest committed checkpoint of this world size and mode), None if unknown."""
+        for spec in self.mine:
+            if spec.kind == "sigkill-during-save" and step >= spec.step and self.watch is None \
+                    and not self.ledger.claimed(spec):
+                self.watch = SaveWatch(self, spec, step, partial_dir, measure, expected())
+                self.watch.start()
+
+    def save_written(self, step: int) -> None:
+        """Called when this rank's write of ``step`` finished, before the checkpoint commits."""
+        if self.watch is not None and self.watch.step == step:
+            watch, self.watch = self.watch, None
+            watch.finish()
+
+    def close(self) -> None:
+        """End of an attempt: a save still watched will not be finished by this attempt."""
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
+
+    def fire(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None,
+             helpers: Optional[list[psutil.Process]] = None) -> None:
         record = {**asdict(spec), "fault": str(spec), "key": spec.key, "completed_step": completed_step,
-                  "t_fault": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+                  "t_fault": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
+                  "node_index": self.node, **(details or {})}
+        request = None
+        if spec.kind in NODE_FAULT_KINDS and requests_dir() is not None:
+            request = requests_dir() / f"{spec.kind}-step{spec.step}-node{self.node}.json"
+            record["request"] = str(request)
+        elif spec.kind == "partition":
+            raise ConfigError(_partition_refusal(spec))
         if not self.ledger.claim(spec, record):
             return
-        print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} (after step {completed_step})",
-              file=sys.stderr, flush=True)
+        print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} (after step {completed_step})"
+              + (f": {details['note']}" if details and "note" in details else ""), file=sys.stderr, flush=True)
         if self.on_fire is not None:
             self.on_fire(spec)
         sys.stdout.flush()
+        if request is not None:
+            request.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_json(request, {"kind": spec.kind, "node": self.node, "step": spec.step, "for_s": spec.for_s,
+                                        "rank": self.rank, "time": record["t_fault"]})
+            if spec.kind == "partition":
+                self.partitions.append((spec, record["t_fault"]))
+                return  # the cluster cuts the link; training goes on until it notices
+            self._await_node_loss(spec, request)
         if spec.kind == "exception":
             raise InjectedFault(f"injected fault {spec}: an exception at step {spec.step} on rank {self.rank}")
-        if spec.kind in ("sigkill", "sigkill-during-save"):
+        if spec.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if spec.kind == "sigkill-during-save":
+            kill_rank_and_helpers(helpers)
         if spec.kind == "node-loss":
             kill_node()
         if spec.kind == "sigterm":
@@ -154,6 +365,25 @@ class FaultInjector:
             # which forwards it to every rank of the node. This rank goes on to the graceful stop.
             os.kill(node_root_pid(), signal.SIGTERM)
             return
-        if spec.kind == "hang":
+        if spec.kind in ("hang", "hang-in-collective"):
             while True:  # Python-level, so an in-process restart can interrupt it
                 time.sleep(0.05)
+
+    def _note_healed_partitions(self, completed_step: int) -> None:
+        """A step completed after a partition's ``for`` seconds were over: it healed without a
+        restart (or nothing executed it), so the next restart is not its recovery."""
+        now = time.time()
+        for spec, t_fault in list(self.partitions):
+            if spec.for_s is not None and now - t_fault > spec.for_s:
+                self.ledger.record_went_on(spec.key, {"fault": str(spec), "step": completed_step,
+                                                      "after_s": now - t_fault})
+                self.partitions.remove((spec, t_fault))
+
+    def _await_node_loss(self, spec: FaultSpec, request: Path) -> None:
+        """After a node-loss request: the cluster kills this pod. If it has not within
+        :data:`NODE_LOSS_WAIT_S`, say so and kill the pod's processes from inside."""
+        deadline = time.monotonic() + NODE_LOSS_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"[resilient-fsdp] rank {self.rank}: {spec}: nothing executed the request {request} within "
+              f"{NODE_LOSS_WAIT_S:.0f} s; killing this node's processes from inside", file=sys.stderr, flush=True)

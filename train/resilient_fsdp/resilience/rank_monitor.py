@@ -53,6 +53,13 @@ class ProgressMonitor:
     def reset(self) -> None:
         """Close whatever a failed attempt left open (in-process restart re-enters ``init``)."""
         if self.client is not None:
+            # Closed one by one first: NVRx 0.7's end_all_sections() sends nothing and updates
+            # nothing (rank_monitor_client.py: it passes section None, which
+            # _should_monitor_section drops as not configured), so the sections of the failed
+            # attempt stay open and the next start_section("step") raises "Tried to open step
+            # that is already open" in every in-process restart.
+            for section in sorted(self.open):
+                self.client.end_section(section)
             self.client.end_all_sections()
         self.open.clear()
 

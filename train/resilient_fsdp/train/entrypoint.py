@@ -29,7 +29,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
     p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
                    help="inject a fault once per job (repeatable; adds to resilience.inject)")
     p.add_argument("--describe-config", action="store_true", help="print every config key and exit")
     return p.parse_args(argv)

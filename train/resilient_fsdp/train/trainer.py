@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import atomic
 from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.nvrx import NVRX_VERSION
 from ..checkpoint.state import CheckpointState
 from ..config import Config, dump_yaml, parse_faults
 from ..resilience import accounting
@@ -111,6 +112,7 @@ class Trainer:
         self.ledger = FaultLedger(self.run_dir)
         self.injector = FaultInjector(parse_faults(cfg.resilience.inject, self.info.world_size), self.info.rank,
                                       self.ledger)
+        self.versions = {"nvrx_version": NVRX_VERSION, "torch_version": torch.__version__}
         self.layer = accounting.detect_layer(self.run_dir / "metrics.jsonl", self.attempt, self.info.rank,
                                              self.info.device)
         if cfg.train.deterministic:
@@ -143,7 +145,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, checkpoint_state, identity,
                                          self.metrics.info,
                                          engine_factory=lambda: resources.checkpoint_engine(self.info.rank),
-                                         uploader=resources.s3_uploader(self.info.rank))
+                                         uploader=resources.s3_uploader(self.info.rank), faults=self.injector)
         self.checkpointer.preflight()
         self.tokens_per_step = (self.info.world_size * cfg.train.grad_accum_steps * cfg.data.micro_batch_size
                                 * cfg.data.seq_len)
@@ -169,7 +171,8 @@ class Trainer:
         how = "" if self.layer == "start" else f" | restarted ({self.layer.replace('_', '-')})"
         self.metrics.info(
             f"world size {info.world_size} ({info.device.type}, {info.backend}) | model {model_name}: "
-            f"{self.num_params:,} parameters | {self.tokens_per_step:,} tokens/step | "
+            f"{self.num_params:,} parameters | {self.tokens_per_step:,} tokens/step | NVRx "
+            f"{self.versions['nvrx_version']}, torch {self.versions['torch_version']} | "
             f"config {self.run_dir / 'config.yaml'}{how}")
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -199,6 +202,7 @@ class Trainer:
         stop = torch.tensor(1.0 if self.resources.stop.requested else 0.0, device=self.info.device)
         # gloo has no AVG reduction: sum and divide.
         reduced = torch.stack([local_loss, stop])
+        self.injector.before_collective(self.counters.step + 1)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
         return reduced[0].item() / (accum * self.info.world_size), reduced[1].item() > 0
 
@@ -233,7 +237,6 @@ class Trainer:
                 self.log_checkpoint(ckpt.save(self.counters.step))
             monitor.end("checkpoint")
             self.report_s3()
-            self.injector.after_checkpoint(self.counters.step, ckpt.pending is not None)
             self.metrics.step({"event": "step", "step": self.counters.step, "loss": loss, "step_time_s": step_time,
                                "ckpt_s": time.perf_counter() - t_ckpt, "tokens": self.tokens_per_step, "lr": lr,
                                "t": time.time()})
@@ -297,6 +300,7 @@ class Trainer:
 
     def close(self, failed: bool) -> None:
         """Stop the checkpoint worker (an engine owned by the process is drained instead)."""
+        self.injector.close()
         self.checkpointer.close(abort=failed)
         self.metrics.close()
         if self.owns_resources:
@@ -322,6 +326,7 @@ class Trainer:
             "checkpoints": self.checkpointer.records,
             "checkpoint_stall_s": sum(r["stall_s"] for r in self.checkpointer.records),
             "hang_timeouts": self.monitor.timeouts(),
+            **self.versions,
         }
         if self.is_rank0:
             self.report_s3()
