@@ -31,7 +31,7 @@ LANE_VERSION = (REPO / "constraints-image.txt").read_text().split("nvidia-resili
 
 
 def check_field_faults(summary: dict, run_dir) -> None:
-    output = summary["_output"]
+    output = summary["_stdout"]
     assert "pods as network namespaces" in output
     # Node 0's loss reached every pod: its own recreation, and the store-lost exit of the other.
     assert "resilient-fsdp-master-0 was lost (its processes were killed): recreating it" in output

@@ -54,7 +54,7 @@ def run_with_faults(run_dir: Path, specs: list[str], reference: tuple[dict, list
     assert summary["nvrx_version"] == nvrx_version and summary["torch_version"] == torch.__version__
     assert f"NVRx {nvrx_version}, torch {torch.__version__}" in proc.stdout  # the start line
     assert_no_leftovers(run_dir)
-    summary["_output"] = out
+    summary["_output"], summary["_stdout"] = out, proc.stdout
     return summary
 
 
