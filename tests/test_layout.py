@@ -28,7 +28,8 @@ NOT_IN_PODS = ("resilient_fsdp.local", "resilient_fsdp.deploy", "resilient_fsdp.
                "resilient_fsdp.cli")
 # The only modules that import nvidia_resiliency_ext or adapt to it, each named for what it wraps.
 NVRX_MODULES = {"resilient_fsdp.checkpoint.nvrx", "resilient_fsdp.resilience.nvrx",
-                "resilient_fsdp.resilience.inprocess", "resilient_fsdp.resilience.rank_monitor"}
+                "resilient_fsdp.resilience.inprocess", "resilient_fsdp.resilience.rank_monitor",
+                "resilient_fsdp.checkpoint.nvrx_worker"}
 # Names that only code adapting to NVRx's internals has reason to use: its CPU-only worker mode,
 # its local (CUDA-free) polling, its 0.7 health checks, its private queue and worker handles.
 NVRX_INTERNALS = {"cpu_shm_mode", "no_dist", "restart_health_check", "_async_calls_queue", "persistent_caller",

@@ -46,6 +46,9 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     assert c["sync"]["stall_s"] > 0 and c["async"]["stall_s"] > 0 and c["async"]["write_s"] > 0
     assert c["async_stall_over_sync"] > 0 and isinstance(c["target_met"], bool)
     assert "copy-bound floor does not apply" in c["skipped"]["copy_floor"]
+    # Issue 16's device-memory assertions run on a GPU only; the hash's code path runs here too.
+    assert "GPU only" in c["skipped"]["device_memory"] and len(c["params_sha256"]) == 64
+    assert "device_memory_flat_during_save" not in c
 
     e = sections["exact_resume"]["results"]
     assert e["resumed_from_step"] == 20 and e["steps_compared"] == 40

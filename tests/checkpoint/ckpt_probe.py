@@ -9,8 +9,10 @@ fresh trainer and compares it with the snapshot bit for bit. Prints one JSON lin
 
 import copy
 import json
+import random
 import sys
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -33,15 +35,19 @@ def snapshot(trainer):
         "lr_scheduler": copy.deepcopy(sd["lr_scheduler"]),
         "trainer": dict(sd["trainer"]),
         "data": dict(sd["data"]),
-        "rng": rng_state()["cpu"].clone(),
+        "rng": {k: v.clone() if torch.is_tensor(v) else v for k, v in rng_state().items()},
     }
 
 
 def equal(a, b):
     if torch.is_tensor(a):
         return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     return a == b
 
 
@@ -57,6 +63,8 @@ def main(run_dir, mode):
     for _ in range(2):  # mutate parameters, optimizer state, schedule, sampler and RNG
         trainer.train_step()
         torch.rand(5)
+        random.random()
+        np.random.rand(3)
     changed = not equal(before, snapshot(trainer))
     record = trainer.checkpointer.wait()
     trainer.close(failed=False)

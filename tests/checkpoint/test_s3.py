@@ -197,6 +197,7 @@ def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):
     listing = json.loads(capsys.readouterr().out)
     rows = {r["step"]: r for r in listing["checkpoints"]}
     assert sorted(rows) == [3, 6, 9]
+    assert listing["local_aside"] == {"superseded": [], "abandoned": [], "deleting": []}
     assert "s3" not in rows[3] and rows[6]["s3"]["complete"] and not rows[9]["s3"]["complete"]
     assert "local" not in rows[9]
     assert cli_main(["checkpoints", "list", "--dir", str(local), *base]) == 0
@@ -209,3 +210,46 @@ def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):
     assert "no complete step 5" in capsys.readouterr().err
     assert cli_main(["checkpoints", "list", "--dir", str(local)]) == 2
     assert "checkpoint.s3.uri is not set" in capsys.readouterr().err
+
+
+def make_checksummed_checkpoint(root, step, sizes=(6 * MIB, 300_000)):
+    """A committed checkpoint whose manifest holds checksums recorded while writing, as a job's does."""
+    from resilient_fsdp.checkpoint import integrity
+
+    partial = root / store.partial_name(step, "0000c0de")
+    partial.mkdir(parents=True)
+    recorder = integrity.Recorder()
+    for i, size in enumerate(sizes):
+        with integrity.HashingStream(open(partial / f"__{i}_0.distcp", "wb"), f"__{i}_0.distcp", recorder) as f:
+            f.write(os.urandom(size))
+    sums = {n: {**e, "writer": 0} for n, e in recorder.take().items()}
+    return store.commit(partial, {"step": step, "world_size": 1, "created_unix": time.time(), "checksums": sums})
+
+
+def test_uploads_ask_s3_for_checksums_and_a_download_is_resumed_and_verified(s3, tmp_path):
+    cfg = s3_config(s3, "sum")
+    loc, client = s3_client.parse_s3_uri(cfg.uri), s3_client.make_client(cfg)
+    ckpt = make_checksummed_checkpoint(tmp_path / "local", 5)
+    sent = []
+    client.meta.events.register("before-parameter-build.s3",
+                                lambda model, params, **_: sent.append((model.name, params.get("ChecksumAlgorithm"))))
+    s3_transfer.upload_checkpoint(client, cfg, loc, ckpt)
+    assert {alg for op, alg in sent if op in ("CreateMultipartUpload", "PutObject") and alg} == {"CRC32"}
+    remote, manifest = s3_remote.newest_complete(client, loc)
+    # A download cut off after one file: the next one keeps it and fetches only the other.
+    ident = s3_remote.checkpoint_id(manifest)
+    partial, _ = s3_transfer.prepare_download(tmp_path / "dest", 5, ident, "uri")
+    s3_transfer.download_files(client, cfg, loc, manifest, ["__1_0.distcp"], partial, verify=True)
+    assert s3_transfer.prepare_download(tmp_path / "dest", 5, ident, "uri") == (partial, 1)
+    calls = Calls(client)
+    info = s3_transfer.download_checkpoint(client, cfg, loc, remote, manifest, tmp_path / "dest")
+    fetched = {key.rsplit("/", 1)[1] for op, key in calls.ops("GetObject", "HeadObject")}
+    assert fetched == {"__0_0.distcp"}
+    assert (info.path / "__1_0.distcp").read_bytes() == (ckpt / "__1_0.distcp").read_bytes()
+    # An object changed in S3 after it was uploaded (same size): the download names it and fails.
+    body = bytearray((ckpt / "__1_0.distcp").read_bytes())
+    body[1000] ^= 0x01
+    client.put_object(Bucket=s3.bucket, Key="sum/step_00000005/__1_0.distcp", Body=bytes(body),
+                      Metadata={s3_remote.ID_METADATA: ident})
+    with pytest.raises(RuntimeError, match=r"step_00000005/__1_0.distcp: crc32c .*same size"):
+        s3_transfer.download_checkpoint(client, cfg, loc, remote, manifest, tmp_path / "other")

@@ -1,5 +1,6 @@
-"""The S3 tier in real training runs (gloo on CPU) against moto's standalone server: upload after
-commit from one rank, restore on a fresh "cluster", a cut-off upload, and an outage mid-training."""
+"""The S3 tier in real training runs (gloo on CPU) against moto's standalone server: every rank's
+upload after commit, a restore split across a fresh "cluster", a cut-off upload, and an outage
+mid-training."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class Background:
         return out, err
 
 
-def test_rank0_uploads_each_committed_checkpoint_once_and_a_fresh_cluster_restores_it(tmp_path, s3):
+def test_every_rank_uploads_its_files_once_and_a_fresh_cluster_restores_it_split_across_ranks(tmp_path, s3):
     # With versioning on, a file uploaded twice would leave two versions behind.
     s3.client.put_bucket_versioning(Bucket=s3.bucket, VersioningConfiguration={"Status": "Enabled"})
     common = CKPT + s3.overrides("job") + ["checkpoint.s3.keep_last=2"]
@@ -62,9 +63,12 @@ def test_rank0_uploads_each_committed_checkpoint_once_and_a_fresh_cluster_restor
     assert complete_steps(s3, "job") == [8, 12]
     local = tmp_path / "a" / "checkpoints" / "step_00000012"
     versions = s3.client.list_object_versions(Bucket=s3.bucket, Prefix="job/")
-    keys = [v["Key"] for v in versions["Versions"]]
+    keys = [v["Key"] for v in versions["Versions"] if "/.uploads/" not in v["Key"]]
     per_checkpoint = len(list(local.iterdir()))  # data files and the marker
     assert len(keys) == len(set(keys)) == 3 * per_checkpoint  # steps 4, 8, 12: each object written once
+    # Each of the 4 ranks uploaded its own files and left a receipt (removed once the marker was up).
+    receipts = {v["Key"] for v in versions["Versions"] if "/.uploads/" in v["Key"]}
+    assert len(receipts) == 3 * 4 and not [k for k in s3.keys("job/") if "/.uploads/" in k]
     for f in local.iterdir():
         if f.name != "COMPLETE":
             body = s3.client.get_object(Bucket=s3.bucket, Key=f"job/step_00000012/{f.name}")["Body"].read()
@@ -74,8 +78,8 @@ def test_rank0_uploads_each_committed_checkpoint_once_and_a_fresh_cluster_restor
     assert [u["step"] for u in uploads] == [4, 8, 12] and all(u["t"] >= commits[u["step"]] for u in uploads)
     assert_no_leftovers(tmp_path / "a")
 
-    # A new, smaller cluster (2 nodes x 1 rank): an empty checkpoint.dir, the same S3 prefix. Rank 0
-    # downloads, the other node waits; the DCP checkpoint is resharded from 4 ranks to 2.
+    # A new, smaller cluster (2 nodes x 1 rank): an empty checkpoint.dir, the same S3 prefix. Each
+    # rank downloads its share and rank 0 commits; the DCP checkpoint is resharded from 4 ranks to 2.
     second = run_local(tmp_path / "b", nodes=2, nproc=1, overrides=common)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert second.stdout.count("restoring step 12 from s3://") == 1 and "resumed from step 12" in second.stdout

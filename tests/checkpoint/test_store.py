@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+import pytest
+
 from resilient_fsdp.checkpoint import store
+from tests.support import _env
 
 
 def _partial(root, step, token="abcd1234"):
@@ -49,3 +56,99 @@ def test_retention_keeps_the_newest_k(tmp_path):
     assert [c.step for c in store.retention_victims(committed, 2)] == [2, 4]
     assert store.retention_victims(committed, 0) == []  # 0 keeps everything
     assert store.retention_victims(committed, 10) == []
+
+
+def test_a_recommit_cut_between_its_two_renames_loses_nothing(tmp_path):
+    store.commit(_partial(tmp_path, 4, "aaaa0000"), {"step": 4, "run": "old"})
+    # The re-commit wrote its marker and moved the old step_4 aside, then the process died.
+    partial = _partial(tmp_path, 4, "bbbb1111")
+    (partial / store.MARKER).write_text('{"step": 4, "run": "new"}')
+    (tmp_path / "step_00000004").rename(tmp_path / "step_00000004.superseded-1-aaaa0000")
+    assert store.scan(tmp_path)[0] == []  # no step_4 visible...
+    assert store.recover(tmp_path) == [tmp_path / "step_00000004"]  # ...until the next start completes it
+    assert [c.manifest["run"] for c in store.scan(tmp_path)[0]] == ["new"]
+    assert store.recover(tmp_path) == []
+
+
+def test_superseded_copies_never_collide_are_listed_and_follow_retention(tmp_path):
+    for token in ("aaaa0000", "bbbb1111", "cccc2222"):  # three commits of step 4 within one second
+        store.commit(_partial(tmp_path, 4, token), {"step": 4, "run": token})
+    aside = store.aside(tmp_path)["superseded"]
+    assert [step for step, _ in aside] == [4, 4] and len({p.name for _, p in aside}) == 2
+    for step in (8, 12):
+        store.commit(_partial(tmp_path, step), {"step": step})
+    store.apply_retention(tmp_path, keep_last=3)  # steps 4, 8, 12 kept: so are step 4's older copies
+    assert len(store.aside(tmp_path)["superseded"]) == 2
+    store.commit(_partial(tmp_path, 16), {"step": 16})
+    deleted = store.apply_retention(tmp_path, keep_last=3)
+    assert sorted(p.name for p in deleted)[0] == "step_00000004" and len(deleted) == 3
+    assert store.aside(tmp_path) == {"superseded": [], "abandoned": [], "deleting": []}
+    assert [c.step for c in store.scan(tmp_path)[0]] == [8, 12, 16]
+
+
+def test_retention_killed_mid_delete_never_leaves_a_checkpoint_that_scans_as_good(tmp_path):
+    """A real crash: retention runs in another process, killed while it deletes the victim."""
+    for step in (1, 2):
+        path = _partial(tmp_path, step)
+        for i in range(4000):
+            (path / f"__{i}_0.distcp").write_bytes(b"x")
+        store.commit(path, {"step": step})
+    code = ("import sys; from pathlib import Path; from resilient_fsdp.checkpoint import store; "
+            "store.apply_retention(Path(sys.argv[1]), keep_last=1)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=_env())
+    victim_files = lambda: sum(len(list(p.iterdir())) for p in tmp_path.iterdir() if p.name.startswith("step_00000001"))
+    deadline = time.monotonic() + 60
+    while victim_files() > 3990 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.kill()
+    proc.wait()
+    assert 0 < victim_files() < 4001, "the kill came too late to cut the deletion; the test proves nothing"
+    assert [c.step for c in store.scan(tmp_path)[0]] == [2]  # step 1 is no checkpoint any more
+    assert store.scan(tmp_path)[1] == []
+    store.apply_retention(tmp_path, keep_last=1)  # the next pass removes the leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+
+
+def test_retention_that_cannot_delete_is_reported_and_raises_nothing(tmp_path):
+    for step in (1, 2):
+        store.commit(_partial(tmp_path, step), {"step": step})
+    stuck = tmp_path / "step_00000001" / "data.distcp"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs CAP_LINUX_IMMUTABLE and ext4/xfs); it makes a "
+                    "real deletion fail even for root")
+    said = []
+    try:
+        store.apply_retention(tmp_path, keep_last=1, say=said.append)
+        assert len(said) == 1 and "could not delete everything" in said[0] and "training goes on" in said[0]
+        assert [c.step for c in store.scan(tmp_path)[0]] == [2] and store.scan(tmp_path)[1] == []
+    finally:
+        for p in tmp_path.glob("step_00000001*/data.distcp"):
+            subprocess.run(["chattr", "-i", str(p)])
+    store.apply_retention(tmp_path, keep_last=1, say=said.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+
+
+def test_a_lease_names_its_job_refuses_another_and_is_taken_over_after_a_crash(tmp_path):
+    from resilient_fsdp.checkpoint.lease import Lease
+    from resilient_fsdp.config import ConfigError
+
+    said = []
+    first = Lease(tmp_path, "job-a", said.append)
+    first.acquire()
+    with pytest.raises(ConfigError, match="in use by job 'job-a'.*its process is running on this host"):
+        Lease(tmp_path, "job-b", said.append).acquire()
+    again = Lease(tmp_path, "job-a", said.append)  # a restart of the same job takes it over
+    again.acquire()
+    assert "from an earlier run of this job" in said[-1]
+    assert first.check() and "taken over" in first.check()
+    again.release()
+    first.release()  # it no longer holds it: nothing to remove
+    assert not (tmp_path / "LEASE").exists()
+    # A job that crashed holding the lease: its process is gone, so another job may take it.
+    code = ("import os, sys; from pathlib import Path; from resilient_fsdp.checkpoint.lease import Lease; "
+            "Lease(Path(sys.argv[1]), 'job-crashed', print).acquire(); os._exit(9)")
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_env()).returncode == 9
+    taker = Lease(tmp_path, "job-c", said.append)
+    taker.acquire()
+    assert "from job 'job-crashed'" in said[-1] and "its process is gone" in said[-1]
+    taker.release()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from resilient_fsdp.config import ConfigError, DataConfig
-from resilient_fsdp.train.data import BatchLoader, ResumableSampler, SyntheticTokens, TokenFile, build_dataset
+from resilient_fsdp.train.data import BatchLoader, Permutation, ResumableSampler, SyntheticTokens, TokenFile, build_dataset
 
 
 def test_synthetic_is_deterministic_and_in_range():
@@ -73,3 +73,34 @@ def test_loader_rejects_out_of_vocab_tokens(tmp_path):
     loader = BatchLoader(build_dataset(cfg, 256, 0), cfg, vocab_size=256, seed=0, rank=0, world_size=1)
     with pytest.raises(ConfigError, match="token id 300 outside"):
         loader.next_batch(torch.device("cpu"))
+
+
+def test_the_sampler_shuffles_any_dataset_in_constant_memory():
+    """A full randperm per epoch would need 8 bytes a sample on every rank (here 8 TiB)."""
+    huge = ResumableSampler(2**40, seed=1, shuffle=True)
+    first = huge.next_indices(0, 4, 8)
+    assert len(set(first)) == 8 and all(0 <= i < 2**40 for i in first)
+    for n in (1, 2, 3, 97, 1000):  # a permutation of range(n), different per epoch and seed
+        perm = Permutation(n, 7)
+        assert sorted(perm(i) for i in range(n)) == list(range(n))
+    assert [Permutation(50, 1)(i) for i in range(50)] != [Permutation(50, 2)(i) for i in range(50)]
+
+
+@pytest.mark.parametrize("before, after", [(1, 4), (4, 3), (2, 5)])
+def test_the_global_sample_order_is_the_same_at_every_world_size(before, after):
+    mb = 3
+
+    def stream(world, start, steps):
+        samplers = [ResumableSampler(101, seed=5, shuffle=True) for _ in range(world)]
+        for s in samplers:
+            s.load_state_dict({"consumed": start})
+        out = []
+        for _ in range(steps):
+            for rank, s in enumerate(samplers):
+                out += s.next_indices(rank, world, mb)
+        return out, samplers[0].state_dict()
+
+    reference, _ = stream(1, 0, 60 * before * after)
+    head, state = stream(before, 0, 20 * after)
+    tail, _ = stream(after, state["consumed"], 20 * before)
+    assert head + tail == reference[:len(head) + len(tail)]

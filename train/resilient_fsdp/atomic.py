@@ -31,6 +31,12 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_stream(stream: Any) -> None:
+    """Flush an open file (a checkpoint file a writer is still writing) to stable storage."""
+    stream.flush()
+    os.fsync(stream.fileno())
+
+
 def write_bytes(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically and durably."""
     path = Path(path)

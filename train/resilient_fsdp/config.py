@@ -127,7 +127,8 @@ class S3Config:
     """Bucket in the host name (``virtual``) or in the path (``path``, which most S3-compatible
     stores need); ``auto`` lets botocore choose."""
     upload: bool = True
-    """Upload every committed checkpoint in the background (rank 0 only, never blocking a step)."""
+    """Upload every committed checkpoint in the background, never blocking a step: each rank uploads
+    the files it wrote, then rank 0 the ``COMPLETE`` marker."""
     restore: bool = True
     """At start, when ``checkpoint.dir`` holds no complete checkpoint, download the newest complete
     one under ``uri`` and resume from it. S3 unreachable then fails the start (the restart layers
@@ -164,9 +165,13 @@ class S3Config:
     retry_backoff_max_s: float = Field(default=300.0, gt=0)
     """Longest wait between attempts at a failed checkpoint upload."""
     drain_timeout_s: float = Field(default=600.0, ge=0)
-    """At the end of training (and on a graceful stop), how long rank 0 waits for pending uploads,
-    so the final checkpoint reaches S3; what is left is reported in ``summary.json`` and uploaded
-    by the next run with the same ``checkpoint.dir``."""
+    """At the end of training (and on a graceful stop), how long each rank waits for its pending
+    uploads (and rank 0 for the markers), so the final checkpoint reaches S3; what is left is
+    reported in ``summary.json`` and uploaded by the next run with the same ``checkpoint.dir``."""
+    restore_timeout_s: float = Field(default=3600.0, gt=0)
+    """Longest restore from S3 at start (every rank downloads its share, then rank 0 commits). The
+    ranks wait for each other through the rendezvous store with this deadline, not in a collective,
+    so ``dist.timeout_s`` does not bound it; ``resilience.init_timeout_s`` must cover it too."""
 
 
 @dataclass(config=_STRICT)
@@ -189,9 +194,24 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the newest complete checkpoint in ``dir`` when one exists."""
     resume_from: Optional[str] = None
-    """Resume from this checkpoint directory (a ``step_N``) instead of the newest one."""
+    """Resume from this checkpoint directory (a ``step_N``) instead of the newest one, at the job's
+    first start only (restarts of the job resume from its newest checkpoint). Checkpoints in
+    ``dir`` newer than it are renamed ``*.abandoned-*`` then: never deleted, never picked again."""
     writer_threads: int = Field(default=2, gt=0)
     """Files each rank writes in parallel (``async`` mode)."""
+    verify: Literal["load", "restore", "never"] = "load"
+    """Check files against the checksums in ``COMPLETE`` (CRC32C, recorded while writing):
+    ``load``: before every resume (each rank reads a share of the files) and after an S3 restore;
+    ``restore``: after an S3 restore only; ``never``. A checkpoint that fails is skipped for the
+    previous one, the file named."""
+    write_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for a background write when the loop must wait for it (a save due while the
+    previous one is written, the final save); past it the checkpoint fails on every rank. Keep it
+    below ``resilience.checkpoint_timeout_s``, so a stuck write is reported as such."""
+    job_id: Optional[str] = None
+    """Who writes ``dir``: two jobs may not write one directory (a lease names the holder).
+    Unset: the launcher's rendezvous id (``TORCHELASTIC_RUN_ID``, the same for every restart of a
+    job), else the process (a trainer without a launcher)."""
     s3: S3Config = dataclasses.field(default_factory=S3Config)
     """The S3 tier: durable copies of committed checkpoints, restore on a fresh cluster."""
 

@@ -6,7 +6,11 @@ all), four timed phases against the same S3 endpoint:
 - single stream: each file with one ``PutObject`` / one streamed ``GetObject``, one after another;
 - managed: the S3 tier's own code path (:func:`checkpoint.s3.transfer.upload_checkpoint`
   and :func:`~checkpoint.s3.transfer.download_checkpoint`): boto3's managed transfer, multipart above
-  ``--threshold-mib``, ``--max-concurrency`` parallel requests, every file at once, marker last.
+  ``--threshold-mib``, ``--max-concurrency`` parallel requests, every file at once, marker last;
+- ``--ranks`` ranks (default 4), as a job uploads: that many processes, each uploading its share
+  of the files (:func:`~checkpoint.s3.transfer.upload_share`, the files balanced by size) and its
+  receipt, then rank 0 the marker; timed from the moment every process is ready (imports and
+  clients are not counted) until the marker is there. Compared with rank 0 alone (managed).
 
 Without ``--endpoint-url`` it starts moto's standalone S3 server on loopback (the ``test`` extra
 installs it) with throwaway credentials; with it, credentials come from boto3's default chain and
@@ -185,11 +189,62 @@ def _same_files(a: Path, b: Path) -> bool:
     return names == s3_remote.local_files(b) and all(sha256_file(a / n) == sha256_file(b / n) for n in names)
 
 
+def _rank_upload(cfg: S3Config, loc: s3_client.S3Location, ckpt: str, manifest: dict, names: list[str], rank: int,
+                 go: Any, out: Any) -> None:
+    """One rank of the parallel upload (a spawned process): ready, wait for the start, upload."""
+    client = s3_client.make_client(cfg)
+    client.list_buckets()  # connection and credentials before the clock starts
+    out.put(("ready", rank))
+    go.wait()
+    try:
+        s3_transfer.upload_share(client, cfg, loc, Path(ckpt), manifest, names, rank, replace=True)
+        out.put(("done", rank))
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        out.put(("error", f"rank {rank}: {s3_client.describe_error(exc)}"))
+
+
+def ranks_upload(cfg: S3Config, loc: s3_client.S3Location, ckpt: Path, ranks: int) -> tuple[float, int]:
+    """Upload ``ckpt`` from ``ranks`` processes, each its share, then the marker; (seconds, bytes)."""
+    import multiprocessing
+
+    from ..checkpoint import integrity
+
+    manifest = store.read_manifest(ckpt)
+    sizes = s3_remote.local_files(ckpt)
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_rank_upload, args=(cfg, loc, str(ckpt), manifest,
+                                                    integrity.share({n: {"bytes": b} for n, b in sizes.items()},
+                                                                    ranks, r), r, go, out))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in range(ranks):
+            kind, what = out.get(timeout=120)
+            if kind != "ready":
+                raise RuntimeError(what)
+        t0 = time.perf_counter()
+        go.set()
+        for _ in range(ranks):
+            kind, what = out.get(timeout=3600)
+            if kind == "error":
+                raise RuntimeError(what)
+        client = s3_client.make_client(cfg)
+        s3_transfer.put_marker(client, loc, ckpt, manifest)  # every receipt is there: rank 0's last step
+        return time.perf_counter() - t0, sum(sizes.values())
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.endpoint_url is not None and args.uri is None:
         raise ConfigError("--endpoint-url needs --uri s3://bucket/prefix (a bucket that exists there)")
-    if args.size_gib <= 0 or args.files < 1:
-        raise ConfigError(f"--size-gib={args.size_gib} and --files={args.files} must be positive")
+    if args.size_gib <= 0 or args.files < 1 or args.ranks < 1:
+        raise ConfigError(f"--size-gib={args.size_gib}, --files={args.files} and --ranks={args.ranks} must be positive")
     # A new directory of its own inside --work-dir: removing it afterwards touches nothing else.
     work = Path(args.work_dir).resolve() / time.strftime("bench-s3-%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
@@ -251,6 +306,12 @@ def run(args: argparse.Namespace) -> dict:
         record("download_managed", seconds, cpu, nbytes)
         managed_ok = _same_files(ckpt, info.path)
         delete_prefix(client, loc)
+
+        ranks_loc = s3_client.S3Location(loc.bucket, loc.key("ranks"))
+        seconds, cpu, (ranks_s, moved) = _timed(clock, ranks_upload, cfg, ranks_loc, ckpt, args.ranks)
+        record(f"upload_{args.ranks}_ranks", ranks_s, cpu, moved)
+        ranks_ok = s3_remote.newest_complete(client, ranks_loc) is not None
+        delete_prefix(client, ranks_loc)
         peak = rss.stop()
     finally:
         if server:
@@ -259,16 +320,21 @@ def run(args: argparse.Namespace) -> dict:
             shutil.rmtree(work, ignore_errors=True)
     if not (single_ok and managed_ok):
         raise RuntimeError("downloaded files differ from the source files")
+    if not ranks_ok:
+        raise RuntimeError(f"the upload from {args.ranks} ranks left no complete checkpoint")
     import boto3
     import botocore
 
     up = phases["upload_managed"]["MB_per_s"] / phases["upload_single_stream"]["MB_per_s"]
     down = phases["download_managed"]["MB_per_s"] / phases["download_single_stream"]["MB_per_s"]
+    ranks = phases[f"upload_{args.ranks}_ranks"]["MB_per_s"] / phases["upload_managed"]["MB_per_s"]
     return {
         "endpoint": "local moto server" if server else endpoint, "uri": uri, "bytes": nbytes, "files": args.files,
         "transfer": {"max_concurrency": args.max_concurrency, "multipart_threshold_mib": args.threshold_mib,
                      "multipart_chunksize_mib": args.chunk_mib},
-        "phases": phases, "ratios": {"upload_managed_over_single": up, "download_managed_over_single": down},
+        "ranks": args.ranks,
+        "phases": phases, "ratios": {"upload_managed_over_single": up, "download_managed_over_single": down,
+                                     f"upload_{args.ranks}_ranks_over_rank0_alone": ranks},
         "verified_bytes_equal": True, "server_peak_rss_bytes": peak or None,
         "versions": {"boto3": boto3.__version__, "botocore": botocore.__version__,
                      "moto": _version("moto") if server else None, "python": platform.python_version()},
@@ -294,6 +360,11 @@ def table(r: dict) -> str:
     for d in ("upload", "download"):
         single, managed = p[f"{d}_single_stream"]["MB_per_s"], p[f"{d}_managed"]["MB_per_s"]
         rows.append(f"{d:<10} {single:>10.1f} MB/s {managed:>10.1f} MB/s {managed / single:>16.2f}x")
+    if "ranks" in r:
+        n = r["ranks"]
+        alone, many = p["upload_managed"]["MB_per_s"], p[f"upload_{n}_ranks"]["MB_per_s"]
+        rows.append(f"upload from {n} ranks in parallel: {many:.1f} MB/s vs rank 0 alone {alone:.1f} MB/s "
+                    f"({many / alone:.2f}x)")
     if r["server_peak_rss_bytes"]:
         rows.append(f"local server peak memory: {r['server_peak_rss_bytes'] / 1024 ** 3:.2f} GiB")
     return "\n".join(rows)
@@ -310,6 +381,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="multipart threshold (checkpoint.s3.multipart_threshold_mb)")
     p.add_argument("--chunk-mib", type=int, default=S3Config().multipart_chunksize_mb,
                    help="part size (checkpoint.s3.multipart_chunksize_mb)")
+    p.add_argument("--ranks", type=int, default=4, help="ranks uploading in parallel, each its share (default 4)")
     p.add_argument("--endpoint-url", help="an S3-compatible endpoint instead of the local moto server")
     p.add_argument("--uri", help="s3://bucket/prefix to use there; the benchmark writes under a new sub-prefix "
                                  "and deletes only that")

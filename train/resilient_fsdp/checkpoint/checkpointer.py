@@ -2,14 +2,16 @@
 
 Every public method is collective. :meth:`Checkpointer.save` starts a write with the configured
 engine (:mod:`.engines`); :meth:`~Checkpointer.poll` agrees across ranks that every rank's write
-finished, finalizes it and commits it through :mod:`.store`: nothing is visible until every
-rank's data and the metadata are written. :meth:`~Checkpointer.resume` loads the checkpoint
-:mod:`.resume` picks. DCP checkpoints (``async``, ``sync``) can be resumed at another world size
-(DCP reshards model and optimizer; RNG streams are then re-seeded).
+finished, gathers every rank's outcome to rank 0, which writes the metadata and commits through
+:mod:`.store` (nothing is visible until every rank's data and the metadata are written), and
+broadcasts the result: every rank returns the same record or raises the same
+:class:`CheckpointError`. :meth:`~Checkpointer.resume` is :mod:`.resume`'s: rank 0 decides, every
+rank verifies its share of the files and loads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 import uuid
 from pathlib import Path
@@ -17,12 +19,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import CheckpointConfig, ConfigError
 from ..train.distributed import DistInfo
 from . import nvrx, resume, store
-from .engines import Engine, build_engine
+from .engines import Engine, LocalOutcome, build_engine
+from .lease import Lease, job_id
 from .s3 import client as s3_client
 from .s3.uploader import Uploader
 from .state import CheckpointState
@@ -32,20 +34,24 @@ from .store import CheckpointError
 class Checkpointer:
     """Saves on schedule, finalizes in the background, commits atomically, resumes exactly.
 
-    Every public method is collective: all ranks call it at the same step. With an S3 tier, rank
-    0 hands each committed checkpoint to ``uploader`` (the other ranks have none) and, at resume,
-    restores from S3 when ``root`` holds no complete checkpoint.
+    Every public method is collective: all ranks call it at the same step. With an S3 tier, every
+    rank hands its files of each committed checkpoint to its ``uploader``; rank 0's also uploads
+    the marker. ``batch``: this run's ``grad_accum_steps`` and ``micro_batch_size``, recorded so
+    that a resume at another world size keeps the global batch (:attr:`grad_accum_steps`).
     """
 
     def __init__(self, cfg: CheckpointConfig, root: Path, info: DistInfo, state: CheckpointState,
                  identity: dict, say: Callable[[str], None],
                  engine_factory: Optional[Callable[[], Engine]] = None,
-                 uploader: Optional[Uploader] = None, faults: Optional[Any] = None):
+                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None,
+                 faults: Optional[Any] = None):
         self.cfg, self.root, self.info, self.state = cfg, root, info, state
         # Fault injection (resilience.faults.FaultInjector): told when a write starts and ends.
         self.faults = faults
         self.uploader = uploader
         self.identity = identity  # what a resumed run must match: model shape, preset
+        self.batch = batch or {}
+        self.grad_accum_steps: Optional[int] = self.batch.get("grad_accum_steps")
         self.say = say
         # An engine from a factory belongs to the caller (it outlives in-process restarts).
         self.owns_engine = engine_factory is None
@@ -57,6 +63,11 @@ class Checkpointer:
         self.last_saved_step: Optional[int] = None
         self.resumed_from: Optional[dict] = None
         self.restored_from_s3: Optional[dict] = None  # {"step", "uri"} when this start downloaded one
+        self.job = job_id(cfg)
+        self.lease: Optional[Lease] = None
+        # Rank 0 applies retention off the training thread; its messages are said by this one.
+        self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") if info.rank == 0 else None
+        self._retention_said: list[str] = []
 
     @property
     def engine(self) -> Engine:
@@ -83,8 +94,19 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _gather(self, obj: Any) -> Optional[list]:
+        out = [None] * self.info.world_size if self.info.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def _all_gather(self, obj: Any) -> list:
+        out: list = [None] * self.info.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def preflight(self) -> None:
-        """Fail at start, on every rank, if the checkpoint directory cannot be written."""
+        """Fail at start, on every rank, if the checkpoint directory cannot be written or another
+        job holds it; complete commits a crash cut short."""
         error = None
         if self.info.rank == 0:
             try:
@@ -95,11 +117,25 @@ class Checkpointer:
             except OSError as exc:
                 error = f"checkpoint.dir={str(self.root)!r} is not writable ({exc.strerror or exc}); " \
                         "point checkpoint.dir at a writable shared directory"
+            if error is None:
+                error = self._take_lease()
+            if error is None:
+                for path in store.recover(self.root):
+                    self.say(f"completed the commit of {path} that a crash had cut short")
             if error is None and self.cfg.s3.uri:
                 error = self._check_s3()
         error = self._broadcast(error)
         if error:
             raise ConfigError(error)
+
+    def _take_lease(self) -> Optional[str]:
+        self.lease = Lease(self.root, self.job, self.say)
+        try:
+            self.lease.acquire()
+        except ConfigError as exc:
+            self.lease = None
+            return str(exc)
+        return None
 
     def _check_s3(self) -> Optional[str]:
         """A bucket that is missing or forbidden stops the job now; an unreachable one does not
@@ -111,63 +147,12 @@ class Checkpointer:
                      "and uploads are retried")
             return None
 
-    # -- resume (the choice and the loading are in resume.py) --
+    # -- resume (the decision, verification, S3 restore and loading are in resume.py) --
     def resume(self) -> Optional[int]:
-        """Load the newest complete checkpoint (or ``resume_from``); returns its step or None.
-
-        A checkpoint that fails to load is reported and the next older one is tried.
-        """
-        self._maybe_restore_from_s3()
-        candidate = resume.find_resume_point(self.cfg, self.root, self.info.rank, self.say)
-        tried: list[str] = []
-        while candidate is not None:
-            resume.check_compatible(candidate, self.identity, self.info.world_size)
-            error = self._try_load(candidate)
-            if error is None:
-                self.resumed_from = {"step": candidate.step, "path": str(candidate.path)}
-                self.last_saved_step = candidate.step
-                self.say(f"resumed from step {candidate.step} ({candidate.path}, {candidate.manifest['mode']}, "
-                         f"saved at world size {candidate.manifest['world_size']})")
-                self._adopt_local()
-                return candidate.step
-            tried.append(f"{candidate.path}: {error}")
-            self.say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
-            if self.cfg.resume_from:
-                break
-            candidate = resume.older_than(self.root, candidate.step)
-        if tried:
-            raise CheckpointError("no loadable checkpoint; tried:\n  " + "\n  ".join(tried))
-        self._adopt_local()
-        return None
-
-    def _maybe_restore_from_s3(self) -> None:
-        """Collective. Rank 0 alone downloads (``checkpoint.dir`` is shared by every node); the
-        others wait in the broadcast, whose start-up timeout is ``dist.init_timeout_s``."""
-        if not resume.restores_from_s3(self.cfg):
-            return
-        outcome = resume.restore_from_s3(self.cfg, self.root, self.say) if self.info.rank == 0 else None
-        outcome = self._broadcast(outcome)
-        if outcome and "error" in outcome:
-            raise CheckpointError(outcome["error"])
-        self.restored_from_s3 = outcome
-
-    def _adopt_local(self) -> None:
-        """Rank 0: queue local checkpoints an earlier run may not have uploaded (not when this run
-        ignores them: ``checkpoint.resume=false``)."""
-        if self.uploader is not None and self.cfg.resume:
-            self.uploader.adopt(store.scan(self.root)[0])
-
-    def _try_load(self, ckpt: store.CheckpointInfo) -> Optional[str]:
-        """Collective: load ``ckpt`` on every rank; the error, if any rank failed."""
-        same_world = ckpt.manifest["world_size"] == self.info.world_size
-        error = resume.load(self.state, ckpt, self.info.rank, same_world)
-        failed = self._all_reduce_max(1.0 if error else 0.0)
-        if failed and error is None:
-            error = "another rank could not load it"
-        if not same_world and not failed and self.info.rank == 0:
-            self.say(f"resharded from world size {ckpt.manifest['world_size']} to {self.info.world_size}; "
-                     "RNG streams re-seeded")
-        return error
+        """Load the newest complete checkpoint (or ``resume_from`` at the job's first start);
+        returns its step or None. One that fails verification or loading is reported and the
+        next older one is tried."""
+        return resume.run(self)
 
     # -- saving --
     def due(self, step: int) -> bool:
@@ -205,7 +190,9 @@ class Checkpointer:
         if self.faults is not None:
             self.faults.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
                                      self.expected_written_bytes)
-        self.engine.start(self.state, partial_dir, step)
+        self.engine.start(self.state, partial_dir, step, token)
+        for note in self.engine.take_notes():
+            self.say(note)
         stall = time.perf_counter() - t0
         self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": stall}
         self.last_save_time = time.monotonic()
@@ -213,60 +200,85 @@ class Checkpointer:
         return self.poll(block=True) if self.engine.mode == "sync" else previous
 
     def poll(self, block: bool = False) -> Optional[dict]:
-        """Finalize and commit the pending checkpoint once every rank's write finished.
+        """Collect and commit the pending checkpoint once every rank's write finished; with
+        ``block``, wait for that up to ``checkpoint.write_timeout_s``.
 
         Returns the checkpoint's record when it was committed by this call.
         """
+        self._say_retention()
         if self.pending is None:
             return None
         t_wait = time.perf_counter()
         while True:
-            done, error = self.engine.local_status()
+            done, _ = self.engine.local_status()
             if done and self.faults is not None:
                 self.faults.save_written(self.pending["step"])
-            # Agree: 0 = still writing somewhere, 1 = all done, 2 = all done and someone failed.
-            code = 0.0 if not done else (2.0 if error else 1.0)
-            t = torch.tensor([code, -code], dtype=torch.float64, device=self.info.device)
+            late = block and time.perf_counter() - t_wait > self.cfg.write_timeout_s
+            # Agree, in one collective: is any rank still writing, has any rank run out of time.
+            t = torch.tensor([0.0 if done else 1.0, 1.0 if late else 0.0], dtype=torch.float64,
+                             device=self.info.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            all_done = -t[1].item() >= 1.0  # the minimum over ranks
-            any_failed = t[0].item() >= 2.0
-            if all_done or not block:
+            all_done, any_late = t[0].item() == 0.0, t[1].item() > 0
+            if all_done or any_late or not block:
                 break
             time.sleep(0.01)
         if block:
             self.pending["stall_s"] += time.perf_counter() - t_wait
-        if not all_done:
+        if not (all_done or any_late):
             return None
         pending, self.pending = self.pending, None
-        if any_failed:
-            where = f"rank {self.info.rank}: {error}" if error else "another rank's writer failed"
-            raise CheckpointError(f"checkpoint of step {pending['step']} failed ({where}); it stays incomplete at "
-                                  f"{pending['dir']} and will not be loaded; the previous checkpoint is intact")
-        try:
-            self.engine.finalize()
-        except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"checkpoint of step {pending['step']} failed while finalizing: {exc}; it stays "
-                                  f"incomplete at {pending['dir']}") from exc
-        record = None
-        if self.info.rank == 0:
-            record = self._commit(pending)
-        record = self._broadcast(record)
-        self.records.append(record)
-        return record
+        if not all_done:
+            self.engine.abandon()
+            raise CheckpointError(f"checkpoint of step {pending['step']} failed: its write did not finish within "
+                                  f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
+                                  f"incomplete at {pending['dir']} and will not be loaded")
+        outcomes = self._gather(self.engine.collect())
+        record, error = self._commit(pending, outcomes) if self.info.rank == 0 else (None, None)
+        record, error = self._broadcast((record, error))
+        if error:
+            raise CheckpointError(error)
+        self._after_commit(record)
+        return {k: v for k, v in record.items() if k != "manifest"}
 
-    def _commit(self, pending: dict) -> dict:
-        nbytes = store.dir_bytes(pending["dir"])
-        write_s = time.perf_counter() - pending["t0"]
-        manifest = {**self.identity, "step": pending["step"], "mode": self.engine.mode,
-                    "world_size": self.info.world_size, "bytes": nbytes, "write_s": write_s,
-                    "created_unix": time.time(), "nvrx_version": nvrx.NVRX_VERSION,
-                    "torch_version": torch.__version__}
-        final = store.commit(pending["dir"], manifest)
+    def _commit(self, pending: dict, outcomes: list[LocalOutcome]) -> tuple[Optional[dict], Optional[str]]:
+        """Rank 0: check every rank's outcome, write the metadata, commit; (record, None) or
+        (None, the error every rank raises)."""
+        step, where = pending["step"], pending["dir"]
+        failed = [o for o in outcomes if o.error]
+        if failed:
+            first = failed[0]
+            others = f"; {len(failed) - 1} other rank(s) failed too" if len(failed) > 1 else ""
+            return None, (f"checkpoint of step {step} failed (rank {first.rank}: {first.error.strip()}{others}); it "
+                          f"stays incomplete at {where} and will not be loaded; the previous checkpoint is intact")
+        try:
+            checksums = {}
+            for o in outcomes:
+                checksums.update({n: {**e, "writer": o.rank} for n, e in o.checksums.items()})
+            checksums.update({n: {**e, "writer": 0} for n, e in self.engine.finish(outcomes).items()})
+            lost = self.lease.check() if self.lease is not None else None
+            if lost:
+                raise CheckpointError(lost)
+            nbytes = sum(e["bytes"] for e in checksums.values())
+            write_s = time.perf_counter() - pending["t0"]
+            manifest = {**self.identity, "step": step, "mode": self.engine.mode,
+                        "world_size": self.info.world_size, **self.batch, "bytes": nbytes, "write_s": write_s,
+                        "created_unix": time.time(), "nvrx_version": nvrx.NVRX_VERSION,
+                        "torch_version": torch.__version__, "job": self.job, "checksums": checksums}
+            final = store.commit(where, manifest)
+        except (Exception, BaseException) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return None, (f"checkpoint of step {step} failed while finalizing: {type(exc).__name__}: {exc}; it "
+                          f"stays incomplete at {where}")
+        return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"], "write_s": write_s,
+                "bytes": nbytes, "path": str(final), "manifest": manifest}, None
+
+    def _after_commit(self, record: dict) -> None:
+        """Every rank: uploads of its files; rank 0: retention, off the training thread."""
+        self.records.append({k: v for k, v in record.items() if k != "manifest"})
         if self.uploader is not None:
-            self.uploader.submit(pending["step"], final)
+            self.uploader.submit(record["step"], Path(record["path"]), manifest=record["manifest"])
         self.apply_retention()
-        return {"step": pending["step"], "mode": self.engine.mode, "stall_s": pending["stall_s"],
-                "write_s": write_s, "bytes": nbytes, "path": str(final)}
 
     def expected_written_bytes(self) -> Optional[int]:
         """What the writers of a save put on disk, taken from the newest committed checkpoint of
@@ -278,17 +290,31 @@ class Checkpointer:
         return None
 
     def apply_retention(self) -> None:
-        """Rank 0: local retention; a checkpoint still waiting for its S3 upload is kept."""
-        store.apply_retention(self.root, self.cfg.keep_last,
-                              held=self.uploader.holds if self.uploader is not None else lambda _p: False)
+        """Rank 0: local retention in the background; a checkpoint still waiting for its S3
+        upload is kept. Best-effort: what fails is said at the next step."""
+        if self._retention is None:
+            return
+        held = self.uploader.holds if self.uploader is not None else (lambda _p: False)
+        self._retention.submit(store.apply_retention, self.root, self.cfg.keep_last, held,
+                               self._retention_said.append)
+
+    def _say_retention(self) -> None:
+        while self._retention_said:
+            self.say(self._retention_said.pop(0))
 
     def wait(self) -> Optional[dict]:
         return self.poll(block=True)
 
     def close(self, abort: bool = False) -> None:
+        if self._retention is not None:
+            self._retention.shutdown(wait=True)
+            self._say_retention()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self._engine is None:
             return
         if self.owns_engine:
             self._engine.close(abort=abort)
         elif abort:
-            self._engine.drain()
+            self._engine.drain(timeout_s=self.cfg.write_timeout_s)

@@ -100,8 +100,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows.setdefault(r.step, {"step": r.step})["s3"] = {
             "uri": loc.uri(store.committed_name(r.step)) + "/", "complete": r.complete, "files": len(r.files),
             "bytes": sum(r.files.values()), "last_modified": r.last_modified}
+    aside = {kind: [{"step": step, "path": str(p)} for step, p in found] for kind, found in store.aside(root).items()}
     listing = {"dir": str(root), "uri": cfg.checkpoint.s3.uri, "checkpoints": [rows[s] for s in sorted(rows)],
-               "local_unusable": [str(p) for p in unusable]}
+               "local_unusable": [str(p) for p in unusable], "local_aside": aside}
     if args.json:
         print(json.dumps(listing, indent=2))
         return 0
@@ -115,6 +116,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{row['step']:>10}  {'yes' if 'local' in row else '-':<10} {state:<12} {size / 1e6:>8.1f} MB  {when}")
     for path in unusable:
         print(f"not a complete checkpoint (left in place): {path}")
+    what = {"superseded": "an older commit of step {step}, kept until retention passes its step",
+            "abandoned": "step {step} of a timeline abandoned by checkpoint.resume_from (never deleted by the job)",
+            "deleting": "being deleted by retention"}
+    for kind, entries in aside.items():
+        for e in entries:
+            print(f"{kind}: {e['path']}: {what[kind].format(step=e['step'])}")
     if any(r.get("s3", {}).get("complete") is False for r in listing["checkpoints"]):
         print("INCOMPLETE: no COMPLETE marker (an upload in progress or cut off): never restored, never deleted by "
               "retention; the job re-uploads its own, or delete the prefix yourself")

@@ -9,7 +9,7 @@ Two kinds live here and nowhere else:
 
    - run staging / write calls under :func:`cpu_shim`, which makes ``torch.cuda.synchronize`` a
      no-op. The shim is installed only when ``torch.cuda.is_available()`` is False, and it is
-     installed *inside NVRx's spawned worker* too, by :func:`worker_preload` / :func:`worker_write`,
+     installed *inside NVRx's spawned worker* too, by the wrappers in :mod:`.nvrx_worker`,
      which wrap the functions NVRx sends there (a spawned worker starts from a fresh interpreter,
      so a patch made in the trainer would not reach it);
    - never ask NVRx for its CUDA-tensor collectives: the caller polls with ``no_dist=True`` and
@@ -24,6 +24,20 @@ It also guarantees snapshot semantics: NVRx 0.4.1 hands CPU tensors to its worke
 copying them, so a later optimizer step could change what is written. The checkpointer stages
 (copies) state into reused buffers before scheduling; see :mod:`.staging`.
 
+3. **Correctness around NVRx's process-wide state.** NVRx's DCP writer returns every save's write
+   results through one queue per process, and its finalize takes the oldest item, whatever save it
+   belongs to. A write left in flight by a failed attempt (in-process restart) would make every
+   later commit of the process use the previous write's offsets. Each save here puts its results
+   into that queue *tagged* (:class:`TaggedResults`) and takes only its own (:func:`collect_save`);
+   stale items are dropped. Errors of the worker (its write, its staging function, a worker that
+   died) are recorded per save (:mod:`.integrity`'s channel) and never lost to an early reader. A
+   worker that died is noticed before the next save (a new one is started) and at close (nothing
+   waits for it); no call here waits without a deadline.
+
+4. **Checksums while writing.** The files of a save are written through
+   :class:`.integrity.HashingStream`: NVRx 0.7 takes the ``open`` to use (``open_file``); 0.4.1
+   calls the name ``open`` of its module, which the worker sets for the duration of a write.
+
 The engines (:mod:`.engines`) reach NVRx only through this module: planning and scheduling an
 async DCP save, polling a queue without NVRx's CUDA-tensor collectives, finalizing, closing.
 The restart layers' adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
@@ -31,83 +45,24 @@ The restart layers' adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import inspect
-import os
 import signal
-import tempfile
 import threading
-import traceback
+import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from queue import Empty
+from typing import Any, Callable, Optional
 
-import torch
+from . import integrity
+from .nvrx_worker import (_TAG, TaggedResults, _noop, cpu_shim, cuda_present, worker_preload, worker_torch_save,
+                          worker_write)
 
 NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
 # What checkpointing imports of NVRx, for reports of what a machine can import.
 NVRX_MODULES = ("nvidia_resiliency_ext.checkpointing.async_ckpt.core",)
-
-
-def cuda_present() -> bool:
-    return torch.cuda.is_available()
-
-
-def _noop(*_args: Any, **_kwargs: Any) -> None:
-    return None
-
-
-@contextlib.contextmanager
-def cpu_shim() -> Iterator[None]:
-    """Within the block, ``torch.cuda.synchronize`` is a no-op when no GPU exists (else untouched).
-
-    Synchronising is meaningless without a device: every CPU copy has completed when it returns.
-    """
-    if cuda_present():
-        yield
-        return
-    original = torch.cuda.synchronize
-    torch.cuda.synchronize = _noop
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = original
-
-
-# ---- functions that run inside NVRx's spawned checkpoint worker ------------------------------
-# Module-level so they pickle by reference; the worker imports this module, which has no side
-# effects at import time.
-
-def worker_preload(preload_fn: Callable[[], Any]) -> Any:
-    """Runs NVRx's staging function in the worker, under :func:`cpu_shim`."""
-    with cpu_shim():
-        return preload_fn()
-
-
-def worker_write(error_path: str, fault_exit: bool, save_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Runs NVRx's write function in the worker; a failure is recorded in ``error_path``.
-
-    NVRx's persistent worker dies on an exception and never reports completion, which would leave
-    the trainer waiting forever. Recording the error and returning normally lets the trainer see
-    the call complete, read the error, and fail with a clear message at its next poll.
-    """
-    try:
-        with cpu_shim():
-            save_fn(*args, **kwargs)
-        if fault_exit:
-            # Fault injection (tests, drills): the writer dies after writing the data but before
-            # the save is finalized, as a worker killed mid-save would.
-            os._exit(137)
-    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
-        Path(error_path).write_text(traceback.format_exc())
-
-
-def new_error_path() -> str:
-    fd, path = tempfile.mkstemp(prefix="resilient-fsdp-ckpt-error-", suffix=".txt")
-    os.close(fd)
-    os.unlink(path)
-    return path
 
 
 # ---- construction, by feature ------------------------------------------------------------------
@@ -145,6 +100,10 @@ def calls_queue_of(ckpt: Any) -> Any:
     return ckpt._async_calls_queue
 
 
+def set_calls_queue(ckpt: Any, calls_queue: Any) -> None:
+    ckpt._async_calls_queue = calls_queue
+
+
 def warm_up(calls_queue: Any) -> None:
     """Start the persistent worker now, with a no-op request, instead of at the first save.
 
@@ -156,6 +115,12 @@ def warm_up(calls_queue: Any) -> None:
     calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
 
 
+def _results_queue_module() -> Any:
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    return filesystem_async
+
+
 def start_results_queue() -> threading.Thread:
     """Start, in the background, the multiprocessing Manager through which NVRx's DCP writer
     returns its results (NVRx starts it at the first save, and waits seconds for the new
@@ -165,9 +130,8 @@ def start_results_queue() -> threading.Thread:
     exec, so the Manager ignores the SIGTERM a launcher sends to the rank's process group and
     lives on for a graceful stop's final checkpoint (it is ended by the rank at exit).
     """
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
-
-    start = getattr(filesystem_async, "_get_write_results_queue", None)
+    fsa = _results_queue_module()
+    start = getattr(fsa, "_get_write_results_queue", None)
 
     def run() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -179,11 +143,22 @@ def start_results_queue() -> threading.Thread:
     return thread
 
 
-def schedule_dcp_save(calls_queue: Any, staged: Any, path: Path, thread_count: int, fault_exit: bool
-                      ) -> tuple[tuple, str]:
+# ---- one async DCP save ------------------------------------------------------------------------
+
+@dataclass
+class DcpSave:
+    """What the trainer keeps of one scheduled async DCP save until it is collected."""
+
+    token: str
+    channel: str
+    plan: tuple  # (storage writer, global metadata or None, dist wrapper), from NVRx's planning
+    has_data: bool
+
+
+def schedule_dcp_save(calls_queue: Any, staged: Any, path: Path, thread_count: int, token: str, channel: str,
+                      fault: Optional[str]) -> DcpSave:
     """Plan an async DCP save of ``staged`` (already staged in host buffers) into ``path`` and hand
-    its write to the queue's worker. Returns the plan (for :func:`finalize_save`) and the file
-    the worker records an error in (:func:`take_worker_error`).
+    its write to the queue's worker; its results come back tagged with ``token``.
 
     A rank with nothing to write schedules nothing; it still takes part in finalize.
     """
@@ -193,24 +168,114 @@ def schedule_dcp_save(calls_queue: Any, staged: Any, path: Path, thread_count: i
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     writer = FileSystemWriterAsync(str(path), thread_count=thread_count)
+    if hasattr(writer, "open_file"):  # 0.7+: the writer threads open files with this
+        writer.open_file = partial(integrity.hashing_open, channel)
     with cpu_shim():
         plan = save_state_dict_async_plan(staged, writer, None, 0, planner=DefaultSavePlanner(),
                                           enable_cache=plan_cache_enabled())
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        error_path = new_error_path()
         if save_fn is not None:
-            request = AsyncRequest(partial(worker_write, error_path, fault_exit, save_fn), save_args, [],
+            save_args = list(save_args)
+            save_args[2] = TaggedResults(save_args[2], token)  # the results queue, in both versions
+            request = AsyncRequest(partial(worker_write, channel, fault, save_fn), save_args, [],
                                    async_fn_kwargs={},
-                                   preload_fn=partial(worker_preload, preload_fn) if preload_fn else None)
+                                   preload_fn=partial(worker_preload, channel, preload_fn) if preload_fn else None)
             calls_queue.schedule_async_request(request)
-    return plan, error_path
+    return DcpSave(token, channel, plan, save_fn is not None)
 
 
-def torch_async_save(ckpt: Any, staged: Any, path: Path) -> None:
-    """``TorchAsyncCheckpoint.async_save`` of ``staged`` into the file ``path``."""
+class _OneItem:
+    """A results queue holding exactly one item, for the writer's own ``retrieve_write_results``."""
+
+    def __init__(self, item: Any):
+        self.item = item
+
+    def get_nowait(self) -> Any:
+        return self.item
+
+
+def collect_save(save: DcpSave) -> tuple[Optional[list], Optional[str]]:
+    """This rank's write results of ``save`` (after its write finished), or the error; never raises.
+
+    Takes the save's own item from NVRx's results queue and drops stale ones. The writer's own
+    ``retrieve_write_results`` then checks the item (an exception, a missing bucket).
+    """
+    storage_writer = save.plan[0]
+    if not save.has_data:
+        storage_writer.results_queue = None
+        return _retrieve(storage_writer)
+    try:
+        item = _take_tagged(save.token)
+    except Exception as exc:  # noqa: BLE001 - a dead Manager, an empty queue
+        return None, f"{type(exc).__name__}: {exc}"
+    storage_writer.results_queue = _OneItem(item)
+    return _retrieve(storage_writer)
+
+
+def _retrieve(storage_writer: Any) -> tuple[Optional[list], Optional[str]]:
+    try:
+        results = storage_writer.retrieve_write_results()  # 0.4 raises on a failure
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{type(exc).__name__}: {exc}"
+    if isinstance(results, tuple) and results and isinstance(results[0], BaseException):
+        return None, f"{type(results[0]).__name__}: {results[0]}"  # 0.7 returns it wrapped
+    return list(results), None
+
+
+def _take_tagged(token: str) -> Any:
+    """The item tagged ``token`` in NVRx's results queue; older items are stale and dropped."""
+    fsa = _results_queue_module()
+    try:
+        queue = fsa._get_write_results_queue()
+        while True:
+            try:
+                item = queue.get_nowait()
+            except Empty:
+                raise RuntimeError("the checkpoint writer reported completion but left no write results") from None
+            if isinstance(item, tuple) and len(item) == 3 and item[0] == _TAG and item[1] == token:
+                return item[2]
+    except (EOFError, BrokenPipeError, ConnectionError) as exc:
+        fsa._results_queue = None  # its Manager died: the next save starts a new one
+        raise RuntimeError(f"the writer's results queue is gone ({type(exc).__name__})") from exc
+
+
+def drop_stale_results() -> int:
+    """Empty NVRx's results queue (every item in it is stale once no write is in flight)."""
+    fsa = _results_queue_module()
+    if getattr(fsa, "_results_queue", None) is None:
+        return 0
+    dropped = 0
+    try:
+        while True:
+            fsa._results_queue.get_nowait()
+            dropped += 1
+    except Empty:
+        return dropped
+    except (EOFError, BrokenPipeError, ConnectionError):
+        fsa._results_queue = None
+        return dropped
+
+
+def write_dcp_metadata(save: DcpSave, all_results: list[list], recorder: integrity.Recorder) -> dict[str, dict]:
+    """Coordinator: write ``.metadata`` from every rank's write results (hashed while written);
+    returns its checksum. Raises on failure (the caller agrees on it with the other ranks)."""
+    storage_writer, global_metadata, _ = save.plan
+    storage_writer.fs = integrity.HashingFileSystem(recorder)
     with cpu_shim():
-        ckpt.async_save(staged, str(path))
+        storage_writer.finish(global_metadata, all_results)
+    return recorder.take(renames={".metadata.tmp": ".metadata"})
 
+
+def torch_async_save(ckpt: Any, staged: Any, path: Path, channel: str, fault: Optional[str]) -> None:
+    """Schedule one rank's ``torch.save`` of ``staged`` into the file ``path`` on the worker of the
+    ``TorchAsyncCheckpoint`` (its ``async_save`` would stage again, and its file is not hashed)."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+
+    calls_queue_of(ckpt).schedule_async_request(
+        AsyncRequest(partial(worker_torch_save, channel, fault), (staged, str(path)), []))
+
+
+# ---- polling and closing -----------------------------------------------------------------------
 
 def poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) -> tuple[bool, Optional[str]]:
     """(this rank's writes finished, an error if its worker died); never blocks.
@@ -230,45 +295,6 @@ def poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) 
     return True, None
 
 
-def take_worker_error(error_path: str) -> Optional[str]:
-    """The error :func:`worker_write` recorded (its last line, then the traceback), once; None if none."""
-    if not os.path.exists(error_path):
-        return None
-    text = Path(error_path).read_text()
-    os.unlink(error_path)
-    return text.strip().splitlines()[-1] + "\n" + text
-
-
-def finalize_save(plan: tuple) -> None:
-    """Finish an async DCP save: gather every rank's write results and write ``.metadata``.
-
-    With a GPU this is NVRx's ``save_state_dict_async_finalize``. Without one, the same steps
-    minus the CUDA tensor that 0.7 broadcasts for failure status: the coordinator raises on a
-    failure, and the caller's own all-reduce tells the other ranks.
-    """
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_finalize
-
-    if cuda_present():
-        save_state_dict_async_finalize(*plan)
-        return
-    with cpu_shim():
-        _finalize_on_cpu(plan)
-
-
-def _finalize_on_cpu(plan: tuple) -> None:
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.utils import _get_failure_dict
-
-    storage_writer, global_metadata, dist_wrapper = plan
-    write_results = storage_writer.retrieve_write_results()
-    all_results = dist_wrapper.gather_object(write_results)
-    if dist_wrapper.is_coordinator:
-        failures = _get_failure_dict(all_results)
-        if failures:
-            raise CheckpointException("write", failures)
-        storage_writer.finish(global_metadata, all_results)
-
-
 def plan_cache_enabled() -> bool:
     # NVRx verifies a cached plan with a tensor allocated on "cuda".
     return cuda_present()
@@ -280,28 +306,46 @@ def worker_process(calls_queue: Any) -> Optional[Any]:
     return getattr(caller, "process", None) if caller is not None else None
 
 
-def close_queue(calls_queue: Any, abort: bool = False) -> None:
+def worker_died(calls_queue: Any) -> Optional[int]:
+    """The exit code of the queue's worker if it was started and is no longer running, else None."""
+    proc = worker_process(calls_queue)
+    if proc is not None and not proc.is_alive():
+        return proc.exitcode
+    return None
+
+
+def _forget_worker(calls_queue: Any) -> None:
+    """Drop every reference NVRx keeps to the worker, so that neither a later call nor garbage
+    collection (whose ``close()`` would wait for it) ever waits for it again."""
+    caller = getattr(calls_queue, "persistent_caller", None)
+    if caller is not None:
+        caller.process = None
+    calls_queue.async_calls.clear()
+    calls_queue.persistent_caller = None
+
+
+def close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0) -> None:
     """Stop the persistent worker; ``abort`` kills it without waiting for a write in flight.
 
-    0.4.x has no abort, and its worker object joins a dead worker forever when garbage
-    collected; forgetting the process after killing it avoids that.
+    Never waits without a deadline: a worker that already died is only forgotten (NVRx's
+    ``close()`` would wait forever for it to take its stop message); a live one gets ``timeout_s``
+    to finish its writes and stop, then is killed.
     """
-    if _accepts(calls_queue.close, "abort"):
-        if not abort:
-            calls_queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-        calls_queue.close(abort=abort)
+    proc = worker_process(calls_queue)
+    if proc is None or not proc.is_alive():
+        if proc is not None:
+            proc.join(timeout=1)
+        _forget_worker(calls_queue)
         return
-    caller = getattr(calls_queue, "persistent_caller", None)
-    if abort:
-        proc = worker_process(calls_queue)
-        if proc is not None and proc.is_alive():
-            proc.kill()
-            proc.join(timeout=10)
-        if caller is not None:
-            caller.process = None
-        calls_queue.async_calls.clear()
-        calls_queue.persistent_caller = None
-        return
-    # Drain locally first: close() would otherwise poll with NVRx's CUDA-tensor collective.
-    calls_queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-    calls_queue.close()
+    deadline = time.monotonic() + timeout_s
+    if not abort:
+        while calls_queue.get_num_unfinalized_calls() and proc.is_alive() and time.monotonic() < deadline:
+            poll_queue(calls_queue)
+            time.sleep(0.05)
+        if proc.is_alive():
+            calls_queue.persistent_caller.queue.put("DONE")
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
+    _forget_worker(calls_queue)

@@ -1,7 +1,8 @@
 """What a checkpoint holds, for one rank: :class:`CheckpointState` gathers and restores it.
 
 Model and optimizer as FSDP2 DTensor state (``get_state_dict``), the LR schedule, the trainer's
-counters, the sampler position, the learned hang-detection timeouts and the rank's RNG state.
+counters, the sampler position, the learned hang-detection timeouts and the rank's RNG states
+(torch, Python's ``random``, NumPy).
 Restoring all of it is what makes a resumed run continue bit for bit. ``to_local`` /
 ``from_local`` turn DTensors into this rank's shards and back (the one-file-per-rank engine).
 """
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -63,7 +66,9 @@ class CheckpointState:
 
 
 def rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
+    """This rank's random streams: torch (CPU, and CUDA when present), Python's ``random`` and
+    NumPy's global generator (datasets and user code draw from those)."""
+    state = {"cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -71,8 +76,17 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
+    if "python" in state:  # checkpoints written before Python and NumPy states were saved lack them
+        random.setstate(_as_tuples(state["python"]))
+    if "numpy" in state:
+        np.random.set_state(tuple(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    """``random.setstate`` wants tuples all the way down (a load may hand back lists)."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def to_local(sd: Any) -> Any:

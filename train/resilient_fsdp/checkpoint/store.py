@@ -1,22 +1,38 @@
-"""Checkpoint directory layout, atomic commits, discovery and retention.
+"""Checkpoint directory layout, atomic commits, recovery, discovery and retention.
 
 Layout under ``checkpoint.dir``::
 
-    step_00000040/                  a committed checkpoint: data files + COMPLETE
-    step_00000050.incomplete-<id>/  being written, or abandoned by a crash: never loaded
+    step_00000040/                               a committed checkpoint: data files + COMPLETE
+    step_00000050.incomplete-<id>/               being written, or abandoned by a crash: never loaded
+    step_00000040.superseded-<time>-<id>/        an older commit of step 40, moved aside by a newer one
+    step_00000060.abandoned-<time>/              newer than ``resume_from`` at a job's first start
+    step_00000030.deleting-<id>/                 being deleted by retention
+    LEASE                                        the job that writes here (:mod:`.lease`)
 
-A checkpoint becomes visible in two steps, both on rank 0 after every rank's data and the
-metadata are on disk: ``COMPLETE`` (a JSON manifest) is written and fsynced inside the
-directory, then the directory is renamed to its final name (atomic on POSIX file systems,
-Lustre included). A reader therefore sees either no ``step_N`` or a complete one. Nothing here
-deletes an incomplete or unreadable checkpoint: it is reported and left for the operator.
+**Commit** (rank 0, after every rank's data and the metadata are on disk): ``COMPLETE`` (a JSON
+manifest with every file's size and checksum) is written and fsynced inside the partial
+directory, then the directory is renamed to ``step_N`` (atomic on POSIX file systems, Lustre
+included). A reader sees either no ``step_N`` or a complete one. If ``step_N`` exists (a rewound
+timeline commits a step again), it is first renamed to ``step_N.superseded-<time>-<id>``; a crash
+between the two renames leaves a partial directory holding a valid ``COMPLETE`` and no
+``step_N``, which :func:`recover` completes at the next start.
+
+**Retention** marks before it deletes: a victim is renamed to ``.deleting-<id>`` (atomic) and only
+then removed, so a crash mid-delete never leaves a ``step_N`` that scans as good. It is
+best-effort: a failure is reported and training goes on; leftovers are removed next time.
+
+Nothing here deletes an incomplete, unreadable or abandoned checkpoint: it is reported and left
+for the operator.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,7 +41,11 @@ from .. import atomic
 
 MARKER = "COMPLETE"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
-_PARTIAL = re.compile(r"^step_(\d{8})\.incomplete-[0-9a-f]+$")
+_PARTIAL = re.compile(r"^step_(\d{8})\.incomplete-([0-9a-f]+)$")
+# Older commits of a step; "superseded-<time>" alone is the form before ids were added.
+_SUPERSEDED = re.compile(r"^step_(\d{8})\.superseded-\d+(?:-[0-9a-f]+)?$")
+_ABANDONED = re.compile(r"^step_(\d{8})\.abandoned-\d+(?:-[0-9a-f]+)?$")
+_DELETING = re.compile(r"^step_\d{8}.*\.deleting-[0-9a-f]+$")
 
 
 class CheckpointError(RuntimeError):
@@ -47,16 +67,22 @@ def partial_name(step: int, token: str) -> str:
     return f"step_{step:08d}.incomplete-{token}"
 
 
+def _token() -> str:
+    return uuid.uuid4().hex[:8]
+
+
 def commit(partial: Path, manifest: dict) -> Path:
     """Mark ``partial`` complete and rename it to its final name; returns the final path.
 
-    If a committed checkpoint of the same step already exists (a run resumed from an older one
-    with ``checkpoint.resume_from``), it is moved aside to ``<name>.superseded-<time>``, not deleted.
+    A committed checkpoint of the same step that is already there (a rewound timeline, a
+    checkpoint skipped as unreadable) is moved aside to ``<name>.superseded-<time>-<id>``.
     """
     atomic.write_json(partial / MARKER, manifest, newline=False)
     final = partial.parent / committed_name(manifest["step"])
     if final.exists():
-        atomic.rename(final, final.with_name(f"{final.name}.superseded-{int(time.time())}"))
+        m = _PARTIAL.match(partial.name)
+        ident = m.group(2) if m else _token()
+        atomic.rename(final, final.with_name(f"{final.name}.superseded-{int(time.time())}-{ident}"))
     atomic.rename(partial, final)
     return final
 
@@ -69,11 +95,30 @@ def read_manifest(path: Path) -> Optional[dict]:
         return None
 
 
+def recover(root: Path) -> list[Path]:
+    """Complete commits that a crash cut between their two renames: a partial directory whose
+    ``COMPLETE`` names its step, where no ``step_N`` exists, becomes ``step_N``. Returns them."""
+    done = []
+    if not root.is_dir():
+        return done
+    for entry in sorted(root.iterdir()):
+        m = _PARTIAL.match(entry.name)
+        if not m or not entry.is_dir():
+            continue
+        manifest = read_manifest(entry)
+        final = root / committed_name(int(m.group(1)))
+        if manifest is not None and manifest.get("step") == int(m.group(1)) and not final.exists():
+            atomic.rename(entry, final)
+            done.append(final)
+    return done
+
+
 def scan(root: Path) -> tuple[list[CheckpointInfo], list[Path]]:
     """Committed checkpoints (oldest first) and the paths that are not usable checkpoints.
 
     A ``step_N`` directory without a readable ``COMPLETE`` manifest, or whose manifest names
-    another step, counts as unusable, as does every ``.incomplete-*`` directory.
+    another step, counts as unusable, as does every ``.incomplete-*`` directory. Superseded,
+    abandoned and ``.deleting`` directories are neither (see :func:`aside`).
     """
     good, bad = [], []
     if not root.is_dir():
@@ -94,6 +139,35 @@ def scan(root: Path) -> tuple[list[CheckpointInfo], list[Path]]:
     return good, bad
 
 
+def aside(root: Path) -> dict[str, list[tuple[int, Path]]]:
+    """Directories set aside, by kind (``superseded``, ``abandoned``, ``deleting``): (step, path)."""
+    found: dict[str, list[tuple[int, Path]]] = {"superseded": [], "abandoned": [], "deleting": []}
+    if not root.is_dir():
+        return found
+    for entry in sorted(root.iterdir()):
+        step = int(entry.name[5:13]) if entry.name[5:13].isdigit() else -1
+        if _DELETING.match(entry.name):
+            found["deleting"].append((step, entry))
+        elif _SUPERSEDED.match(entry.name):
+            found["superseded"].append((step, entry))
+        elif _ABANDONED.match(entry.name):
+            found["abandoned"].append((step, entry))
+    return found
+
+
+def set_aside_newer(root: Path, step: int) -> list[Path]:
+    """Rename every committed checkpoint newer than ``step`` to ``<name>.abandoned-<time>-<id>``
+    (a job's first start with ``resume_from``): never deleted, never picked again."""
+    moved = []
+    stamp = f"{int(time.time())}-{_token()}"
+    for info in scan(root)[0]:
+        if info.step > step:
+            target = info.path.with_name(f"{info.path.name}.abandoned-{stamp}")
+            atomic.rename(info.path, target)
+            moved.append(target)
+    return moved
+
+
 def retention_victims(committed: list[CheckpointInfo], keep_last: int) -> list[CheckpointInfo]:
     """Committed checkpoints older than the newest ``keep_last`` (0 keeps all)."""
     if keep_last <= 0 or len(committed) <= keep_last:
@@ -101,20 +175,49 @@ def retention_victims(committed: list[CheckpointInfo], keep_last: int) -> list[C
     return committed[:-keep_last]
 
 
-def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = lambda _p: False) -> list[Path]:
-    """Delete committed checkpoints older than the newest ``keep_last``, except ``held`` ones (an
-    upload to the S3 tier still reads them); returns what was deleted. Only committed checkpoints:
-    never the newest, never an incomplete one (those are the operator's to inspect)."""
+def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = lambda _p: False,
+                    say: Callable[[str], None] = lambda _m: None) -> list[Path]:
+    """Delete committed checkpoints older than the newest ``keep_last``, and superseded copies of
+    steps older than the oldest one kept, except ``held`` ones (an upload still reads them);
+    returns what was deleted. Never the newest, never an incomplete or abandoned one.
+
+    Best-effort: a failure is reported through ``say`` and the rest goes on. Each victim is
+    renamed to ``.deleting-<id>`` before anything inside it is removed.
+    """
     committed, _ = scan(root)
-    deleted = []
-    for victim in retention_victims(committed, keep_last):
-        if held(victim.path):
+    victims = [v.path for v in retention_victims(committed, keep_last)]
+    if keep_last > 0 and committed:
+        oldest_kept = committed[-min(keep_last, len(committed))].step
+        victims += [p for step, p in aside(root)["superseded"] if step < oldest_kept]
+    deleted, removed = [], set()
+    for path in victims:
+        if held(path):
             continue
-        for f in sorted(victim.path.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        victim.path.rmdir()
-        deleted.append(victim.path)
+        try:
+            marked = path.with_name(f"{path.name}.deleting-{_token()}")
+            atomic.rename(path, marked)
+        except OSError as exc:
+            say(f"warning: retention could not remove {path} ({exc.strerror or exc}); training goes on")
+            continue
+        deleted.append(path)
+        removed.add(marked)
+        _remove(marked, say)
+    for _step, leftover in aside(root)["deleting"]:
+        if leftover not in removed:
+            _remove(leftover, say)
     return deleted
+
+
+def _remove(path: Path, say: Callable[[str], None]) -> None:
+    errors: list[str] = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _fn, p, exc: errors.append(f"{p}: {exc}"))
+    else:
+        shutil.rmtree(path, onerror=lambda _fn, p, info: errors.append(f"{p}: {info[1]}"))
+    if errors:
+        say(f"warning: retention could not delete everything in {path} ({errors[0]}"
+            + (f", and {len(errors) - 1} more" if len(errors) > 1 else "") + "); it is not a checkpoint any more "
+            "and is tried again after the next commit; training goes on")
 
 
 def dir_bytes(path: Path) -> int:

@@ -82,11 +82,54 @@ def build_dataset(cfg: DataConfig, vocab_size: int, seed: int) -> TokenDataset:
     return SyntheticTokens(vocab_size, cfg.seq_len, seed)
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijective scramble of a 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class Permutation:
+    """A pseudo-random permutation of ``range(n)`` in O(1) memory: a balanced Feistel network
+    over the smallest even-bit power of two that covers ``n`` (at most 4n), keyed by ``key``,
+    with cycle walking back into range (fewer than 4 rounds of the network per index on average).
+    ``perm(i)`` is computed on demand, so the cost does not grow with the dataset."""
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, key: int):
+        if n < 1:
+            raise ValueError(f"a permutation of {n} elements")
+        bits = max(2, (n - 1).bit_length())
+        bits += bits % 2
+        self.n, self.half, self.mask = n, bits // 2, (1 << (bits // 2)) - 1
+        self.keys = [_mix64((key & _M64) * self.ROUNDS + r) for r in range(self.ROUNDS)]
+
+    def __call__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        x = i
+        while True:
+            left, right = x >> self.half, x & self.mask
+            for k in self.keys:
+                left, right = right, left ^ (_mix64(right ^ k) & self.mask)
+            x = (left << self.half) | right
+            if x < self.n:
+                return x
+
+
 class ResumableSampler:
     """Hands each rank its slice of every global batch; shuffles finite datasets per epoch.
 
-    Global sample position ``p`` maps to dataset index ``perm(epoch)[p % len]`` with
+    Global sample position ``p`` maps to dataset index ``perm(epoch)(p % len)`` with
     ``epoch = p // len``; rank ``r`` takes positions ``consumed + r*mb .. consumed + (r+1)*mb``.
+    The permutation (:class:`Permutation`) is a function of the seed and the epoch alone: the
+    global sample order is the same at every world size, and no rank holds an array the size of
+    the dataset.
     """
 
     def __init__(self, dataset_len: int, seed: int, shuffle: bool):
@@ -99,9 +142,8 @@ class ResumableSampler:
         if not self.shuffle:
             return offset
         if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed + 7919 * epoch)
-            self._perm, self._perm_epoch = torch.randperm(self.dataset_len, generator=g), epoch
-        return int(self._perm[offset])
+            self._perm, self._perm_epoch = Permutation(self.dataset_len, self.seed * 1_000_003 + 7919 * epoch), epoch
+        return self._perm(offset)
 
     def next_indices(self, rank: int, world_size: int, micro_batch: int) -> list[int]:
         base = self.consumed + rank * micro_batch

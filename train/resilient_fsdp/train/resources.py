@@ -20,7 +20,7 @@ from .metrics import MetricsLog
 
 class ProcessResources:
     """What outlives an in-process restart: the checkpoint engine (its writer process and staging
-    buffers), rank 0's S3 uploader (its backlog), the link to ``ft_launcher``'s rank monitor, and
+    buffers), the rank's S3 uploader (its backlog), the link to ``ft_launcher``'s rank monitor, and
     the SIGTERM flag. Re-creating the first would cost a process spawn per restart, the second
     would drop uploads; the others belong to the process, not to an attempt."""
 
@@ -34,6 +34,10 @@ class ProcessResources:
         self.stop.install()
 
     def checkpoint_engine(self, rank: int) -> Engine:
+        if self.engine is not None and self.engine.hung:
+            # A writer that outlived checkpoint.write_timeout_s may never take another write.
+            self.engine.close(abort=True)
+            self.engine = None
         if self.engine is None:
             # The launcher signals a node's ranks by process group, which includes the writer
             # processes NVRx spawns. They must outlive a SIGTERM long enough for the graceful
@@ -46,14 +50,17 @@ class ProcessResources:
                 signal.signal(signal.SIGTERM, previous)
         return self.engine
 
-    def s3_uploader(self, rank: int) -> Optional[Uploader]:
-        """Rank 0's uploader (one rank, so no file is uploaded twice); None on other ranks or
-        without ``checkpoint.s3.uri``."""
+    def s3_uploader(self, rank: int, world_size: int = 1) -> Optional[Uploader]:
+        """This rank's uploader (each rank uploads the files it wrote; rank 0 also the markers);
+        None without ``checkpoint.s3.uri``. A new world size gets a new one."""
         s3 = self.cfg.checkpoint.s3
-        if rank != 0 or not s3.uri or not s3.upload:
+        if not s3.uri or not s3.upload:
             return None
+        if self.uploader is not None and (self.uploader.rank, self.uploader.world_size) != (rank, world_size):
+            self.uploader.close()
+            self.uploader = None
         if self.uploader is None:
-            self.uploader = Uploader(s3)
+            self.uploader = Uploader(s3, rank, world_size)
         return self.uploader
 
     def close(self, failed: bool) -> None:
@@ -67,15 +74,17 @@ class ProcessResources:
         self.stop.uninstall()
 
     def finish_uploads(self, failed: bool) -> None:
-        """Rank 0, after the process group is gone (no peer waits in a collective meanwhile): give
-        pending uploads ``checkpoint.s3.drain_timeout_s`` unless the attempt failed (then the
-        restarted one uploads them), report, and put the outcome into ``summary.json``.
+        """Every rank, after the process group is gone (no peer waits in a collective meanwhile):
+        give pending uploads ``checkpoint.s3.drain_timeout_s`` unless the attempt failed (then the
+        restarted one uploads them); rank 0, which also waits for the markers, reports, applies
+        local retention and puts the outcome into ``summary.json``.
 
         A SIGTERM during the wait ends it (the pod is going away; the next run uploads the rest).
         """
         uploader, self.uploader = self.uploader, None
         s3, ckpt = self.cfg.checkpoint.s3, self.cfg.checkpoint
-        log = MetricsLog(Path(self.cfg.run_dir), True, self.cfg.train.log_every)
+        rank0 = uploader.rank == 0
+        log = MetricsLog(Path(self.cfg.run_dir), rank0, self.cfg.train.log_every)
         try:
             pending = uploader.pending()
             if pending and not failed:
@@ -92,8 +101,11 @@ class ProcessResources:
                         break
             uploader.close()
             report_s3_events(log, uploader)
+            if not rank0:
+                return
             # Checkpoints kept only for their upload can go now (an abandoned one stays held).
-            checkpoint_store.apply_retention(self.cfg.checkpoint_dir, ckpt.keep_last, held=uploader.holds)
+            checkpoint_store.apply_retention(self.cfg.checkpoint_dir, ckpt.keep_last, held=uploader.holds,
+                                             say=log.info)
             status = uploader.summary()
             if status["pending"]:
                 log.info(f"warning: step(s) {', '.join(map(str, status['pending']))} not uploaded to {s3.uri} "

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -108,6 +110,10 @@ class Trainer:
         # 1. Device and process group; backend follows the device.
         self.info = distributed.init_distributed(cfg.dist, in_process.store if in_process else None)
         self.is_rank0 = self.info.rank == 0
+        # Python's and NumPy's generators (datasets and user code draw from them): seeded per rank,
+        # so runs repeat; checkpoints save and restore them with torch's.
+        random.seed(cfg.seed * 1_000_003 + self.info.rank)
+        np.random.seed((cfg.seed * 1_000_003 + self.info.rank) % 2**32)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ledger = FaultLedger(self.run_dir)
         self.injector = FaultInjector(parse_faults(cfg.resilience.inject, self.info.world_size), self.info.rank,
@@ -142,15 +148,21 @@ class Trainer:
                                        self.info.rank, resilience=self.monitor)
         identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
                     "shape_digest": checkpoint_state.shape_digest()}
+        self.grad_accum = cfg.train.grad_accum_steps  # a resume at another world size may change it
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.info, checkpoint_state, identity,
                                          self.metrics.info,
                                          engine_factory=lambda: resources.checkpoint_engine(self.info.rank),
-                                         uploader=resources.s3_uploader(self.info.rank), faults=self.injector)
+                                         uploader=resources.s3_uploader(self.info.rank, self.info.world_size),
+                                         batch={"grad_accum_steps": self.grad_accum,
+                                                "micro_batch_size": cfg.data.micro_batch_size},
+                                         faults=self.injector)
         self.checkpointer.preflight()
-        self.tokens_per_step = (self.info.world_size * cfg.train.grad_accum_steps * cfg.data.micro_batch_size
-                                * cfg.data.seq_len)
         self.step_times: list[float] = []
         self.last_loss = float("nan")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.info.world_size * self.grad_accum * self.cfg.data.micro_batch_size * self.cfg.data.seq_len
 
     def log_start(self) -> None:
         cfg, info = self.cfg, self.info
@@ -178,7 +190,7 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-        (loss / self.cfg.train.grad_accum_steps).backward()
+        (loss / self.grad_accum).backward()
         return loss.detach()
 
     def train_step(self) -> tuple[float, bool]:
@@ -187,7 +199,7 @@ class Trainer:
         Returns the global mean loss and whether any rank was asked to stop (SIGTERM): the flag
         rides on the loss all-reduce, so agreeing on it costs no extra collective.
         """
-        accum = self.cfg.train.grad_accum_steps
+        accum = self.grad_accum
         local_loss = torch.zeros((), device=self.info.device)
         for micro in range(accum):
             # Reduce-scatter gradients only after the last micro-batch.
@@ -208,6 +220,7 @@ class Trainer:
 
     def train(self) -> dict:
         self.checkpointer.resume()
+        self.grad_accum = self.checkpointer.grad_accum_steps or self.grad_accum
         self.log_start()
         self.monitor.end("init")
         self.model.train()

@@ -246,6 +246,10 @@ def _measured(name: str, r: dict) -> tuple[str, str, str]:
                 + (f" ({ratio:.1%} of sync)" if ratio is not None else "")
                 + f"; async write {_fmt(asy.get('write_s'), '.2f')} s{floor}; step time during write "
                 + (f"{during:.2f}x idle" if during else "n/a") + f"; state {_size(r.get('state_bytes'))}")
+        checks = [(k, r[k]) for k in ("device_memory_flat_during_save", "stall_close_to_d2h_copy",
+                                       "params_hash_bounded") if k in r]
+        if checks:
+            text += "; " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checks)
         verdict = "" if "target_met" not in r else ("met" if r["target_met"] else "missed")
         return text, "async stall ≤ 2% of sync", verdict
     if name in ("in_process", "in_job"):

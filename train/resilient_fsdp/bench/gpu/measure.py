@@ -280,6 +280,7 @@ def section_checkpoint(s: Section) -> None:
         r["steps_during_write"] = len(during)
         if during:
             r["step_time_during_write_over_idle"] = round(statistics.median(during) / statistics.median(idle), 3)
+        _staging_and_hash_assertions(s, trainer, nbytes, async_stall)
         if torch.cuda.is_available() and not s.cpu:
             r["copy_floor_s"] = round(nbytes / COPY_FLOOR_BPS, 4)
             r["copy_floor_basis"] = f"state bytes / {COPY_FLOOR_BPS / 1e9:.0f} GB/s device-to-host"
@@ -290,3 +291,53 @@ def section_checkpoint(s: Section) -> None:
     finally:
         trainer.close(failed=False)
         shutdown()
+
+
+DEVICE_GROWTH_LIMIT = 0.05  # of the state: a shard copied back to the device would be about 1.0
+STALL_OVER_COPY_LIMIT = 1.5  # the async stall against the measured device-to-host copy of the state
+STALL_FIXED_S = 0.25  # planning and the hand-off to the writer, which do not grow with the state
+HASH_LIMIT = 3  # params_sha256's peak device memory, in largest parameters
+
+
+def _staging_and_hash_assertions(s: Section, trainer: Any, nbytes: int, async_stall: float) -> None:
+    """Issue 16's GPU-only checks, as assertions the report shows:
+
+    - staging keeps DTensors over host buffers: device memory does not grow by a shard during an
+      async save (``device_memory_flat_during_save``);
+    - the async stall is close to the time of a pinned device-to-host copy of the state
+      (``stall_close_to_d2h_copy``);
+    - ``params_sha256`` gathers one parameter at a time: its peak device memory is a few of the
+      largest parameter, not the model (``params_hash_bounded``).
+
+    On CPU the hash runs (the rehearsal exercises its code) and the memory figures are skipped.
+    """
+    import torch
+
+    from ...train.metrics import params_sha256
+
+    r = s.results
+    cuda = torch.cuda.is_available() and not s.cpu
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    r["params_sha256"] = params_sha256(trainer.model)
+    if not cuda:
+        r.setdefault("skipped", {})["device_memory"] = (
+            "GPU only: on CPU nothing is copied to or from a device, so device memory during a save, the "
+            "device-to-host copy time and the hash's device memory cannot be measured")
+        return
+    hash_growth = torch.cuda.max_memory_allocated() - base
+    largest = max(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+                  for p in trainer.model.parameters())
+    growth = (r.get("async") or {}).get("device_peak_growth_bytes")
+    copy_s = nbytes / (_d2h_gb_per_s(torch, min(nbytes, 2 * 2**30)) * 1e9)
+    r.update({"async_device_growth_bytes": growth,
+              "async_device_growth_over_state": round(growth / nbytes, 4) if growth is not None else None,
+              "device_memory_flat_during_save": growth is not None and growth < DEVICE_GROWTH_LIMIT * nbytes,
+              "d2h_copy_s": round(copy_s, 4), "async_stall_over_d2h_copy": round(async_stall / copy_s, 2),
+              "stall_close_to_d2h_copy": async_stall <= STALL_OVER_COPY_LIMIT * copy_s + STALL_FIXED_S,
+              "params_hash_peak_growth_bytes": hash_growth, "largest_param_bytes": largest,
+              "params_hash_bounded": hash_growth <= HASH_LIMIT * largest})
+    torch.cuda.empty_cache()
+

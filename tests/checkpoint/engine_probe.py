@@ -1,0 +1,150 @@
+"""The checkpoint engine across attempts and dead writers, in one process (a world of one), run by
+test_checkpoint.py against each NVRx lane.
+
+usage: python engine_probe.py RUN_DIR SCENARIO MODE
+
+- ``stale``: what an in-process restart does to the engine: attempt 1 starts a save and fails
+  while the write is in flight (the trainer closes with ``failed=True``: the engine is drained
+  and the save forgotten); attempt 2, on the same engine, resumes and saves at every step while
+  the non-tensor state changes size from save to save (the sampler's position crosses a pickle
+  boundary; Python's ``random`` is drawn from a varying number of times). Every committed checkpoint is then loaded into a fresh trainer and
+  compared, bit for bit, with the state captured when it was saved.
+- ``dead-worker``: the writer process is killed between saves; the next save starts a new one
+  and commits, and after another kill, closing returns at once.
+- ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
+  the failed attempt closes without waiting for it again, and the next attempt (an in-process
+  restart) gets a new engine that commits.
+
+Prints one JSON line.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+
+import psutil
+
+from ckpt_probe import equal, snapshot
+from resilient_fsdp.checkpoint import nvrx, store
+from resilient_fsdp.checkpoint.resume import load
+from resilient_fsdp.config import load_config
+from resilient_fsdp.train import distributed
+from resilient_fsdp.train.resources import ProcessResources
+from resilient_fsdp.train.trainer import Trainer
+
+
+def step(trainer):
+    trainer.train_step()
+    trainer.counters.step += 1
+    return trainer.counters.step
+
+
+def stale(run_dir, mode):
+    # 64 samples a step: the sampler's position, a pickled int, crosses 255 -> 256 between the saves
+    # of steps 3 and 4 and takes a byte more from then on.
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false", "checkpoint.keep_last=0", "data.micro_batch_size=64"])
+    resources = ProcessResources(cfg)
+    first = Trainer(cfg, resources)
+    step(first)
+    first.checkpointer.save(1)
+    first.checkpointer.wait()
+    step(first)
+    first.checkpointer.save(2)  # in flight when the attempt fails
+    first.close(failed=True)
+    distributed.shutdown(clean=False)
+
+    second = Trainer(cfg, resources)
+    resumed = second.checkpointer.resume()
+    saved = {}
+    for i in range(6):
+        for _ in range(1 + 37 * i):
+            random.random()  # the pickled Python RNG state changes size with what was drawn
+        n = step(second)
+        saved[n] = snapshot(second)
+        second.checkpointer.save(n)
+        second.checkpointer.wait()
+    second.close(failed=False)
+    distributed.shutdown()
+
+    fresh = Trainer(cfg, resources)
+    results = {}
+    for info in store.scan(fresh.cfg.checkpoint_dir)[0]:
+        if info.step not in saved:
+            continue
+        error = load(fresh.checkpointer.state, info, 0, True)
+        after = snapshot(fresh) if error is None else None
+        results[info.step] = error or all(equal(saved[info.step][k], after[k]) for k in saved[info.step])
+    fresh.close(failed=False)
+    resources.close(False)
+    return {"resumed_step": resumed, "loaded_bitwise": results}
+
+
+def dead_worker(run_dir, mode):
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false"])
+    trainer = Trainer(cfg)
+    out = {}
+    step(trainer)
+    trainer.checkpointer.save(1)
+    out["first"] = trainer.checkpointer.wait() is not None
+    engine = trainer.checkpointer.engine
+
+    def kill_worker():
+        proc = nvrx.worker_process(engine.queue if mode == "async" else nvrx.calls_queue_of(engine.ckpt))
+        psutil.Process(proc.pid).kill()
+        proc.join(10)
+
+    kill_worker()
+    step(trainer)
+    trainer.checkpointer.save(2)  # the dead writer is noticed and replaced
+    out["after_dead_worker"] = trainer.checkpointer.wait() is not None
+    kill_worker()
+    t0 = time.monotonic()
+    trainer.close(failed=False)
+    out["close_s"] = time.monotonic() - t0
+    distributed.shutdown()
+    return out
+
+
+def hung_writer(run_dir, mode):
+    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "hang@2"
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false", "checkpoint.write_timeout_s=2"])
+    resources = ProcessResources(cfg)
+    first = Trainer(cfg, resources)
+    out = {}
+    step(first)
+    first.checkpointer.save(1)
+    out["first"] = first.checkpointer.wait() is not None
+    step(first)
+    first.checkpointer.save(2)
+    try:
+        first.checkpointer.wait()
+        out["late_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the probe reports what was raised
+        out["late_error"] = str(exc)
+    hung = first.checkpointer.engine
+    t0 = time.monotonic()
+    first.close(failed=True)
+    out["close_s"] = time.monotonic() - t0
+    distributed.shutdown(clean=False)
+
+    second = Trainer(cfg, resources)
+    out["resumed_step"] = second.checkpointer.resume()
+    out["replaced"] = second.checkpointer.engine is not hung and not second.checkpointer.engine.hung
+    step(second)
+    second.checkpointer.save(3)
+    out["after_restart"] = second.checkpointer.wait() is not None
+    second.close(failed=False)
+    distributed.shutdown()
+    resources.close(False)
+    return out
+
+
+if __name__ == "__main__":
+    run_dir, scenario, mode = sys.argv[1:4]
+    report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer}[scenario](run_dir, mode)
+    print(json.dumps({"nvrx_version": nvrx.NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

@@ -1,0 +1,229 @@
+"""Checksums of checkpoint files: computed while a writer writes them, recorded in ``COMPLETE``,
+verified before a checkpoint is loaded and after an S3 download.
+
+- :class:`HashingStream` wraps the stream a writer writes a file through and computes its CRC32C
+  (the ``crc32c`` package: hardware instructions where the CPU has them) from the bytes that pass,
+  so nothing is read back to checksum it;
+- the writers run in three places: NVRx's spawned worker (and the processes or threads it starts
+  per file), torch's DCP writer threads in the rank (``sync``, and the coordinator's ``.metadata``),
+  and a download. A stream in another process records its result in a small *channel* directory on
+  the rank's local disk (:func:`hashing_open`, :func:`read_channel`); one in the rank records it in
+  memory (:class:`Recorder`, :class:`HashingFileSystem`);
+- :func:`verify` reads files back and compares, each rank its share (:func:`share`).
+
+A file that is written with a seek away from its end (no writer here does) gets no checksum and
+is reported as unverifiable rather than given a wrong one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import crc32c
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+ALGORITHM = "crc32c"
+CHUNK = 8 * 1024 * 1024
+ERROR_FILE = "error.txt"
+_SUFFIX = ".crc32c.json"
+
+
+def hex32(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:08x}"
+
+
+class HashingStream(io.RawIOBase):
+    """Writes through to ``raw`` and keeps the CRC32C and length of what was written.
+
+    ``on_close(name, entry)`` receives ``{"crc32c": hex, "bytes": n}`` (``crc32c`` None when the
+    writer sought backwards) once the file is closed.
+    """
+
+    def __init__(self, raw: Any, name: str, on_close: Callable[[str, dict], None]):
+        super().__init__()
+        self._raw, self._name, self._on_close = raw, name, on_close
+        self.crc, self.nbytes, self.valid = 0, 0, True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        n = self._raw.write(view)
+        n = len(view) if n is None else n
+        self.crc = crc32c.crc32c(view[:n], self.crc)
+        self.nbytes += n
+        return n
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        pos = self._raw.seek(offset, whence)
+        if pos != self.nbytes:
+            self.valid = False  # the checksum of the bytes passed no longer describes the file
+        return pos
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+        self._on_close(self._name, {"crc32c": hex32(self.crc) if self.valid else None, "bytes": self.nbytes})
+
+
+# ---- results recorded in another process: a channel directory on the rank's local disk ----------
+
+def new_channel(token: str, rank: int) -> str:
+    """A fresh channel directory for one save of one rank (local temporary storage)."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=f"resilient-fsdp-save-{token}-r{rank}-")
+
+
+def _record_in_channel(channel: str, name: str, entry: dict) -> None:
+    (Path(channel) / f"{name}{_SUFFIX}").write_text(json.dumps(entry))
+
+
+def hashing_open(channel: str, path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+    """``open`` for writers in another process: a file opened for writing is hashed, and its
+    checksum lands in ``channel`` when it is closed. Module-level, so it pickles by reference."""
+    raw = open(path, mode, *args, **kwargs)  # noqa: SIM115 - closed by the stream
+    if "w" not in mode and "a" not in mode:
+        return raw
+    name = os.path.basename(os.fspath(path))
+    return HashingStream(raw, name, lambda n, e: _record_in_channel(channel, n, e))
+
+
+def record_error(channel: str, where: str) -> None:
+    """Record the exception being handled (its traceback) as this save's error; the first one wins."""
+    path = Path(channel) / ERROR_FILE
+    if not path.exists():
+        path.write_text(f"{where}: {traceback.format_exc()}")
+
+
+def read_channel(channel: str) -> tuple[dict[str, dict], Optional[str]]:
+    """(checksums by file name, the recorded error or None). Never raises."""
+    sums: dict[str, dict] = {}
+    error = None
+    try:
+        for entry in Path(channel).iterdir():
+            if entry.name.endswith(_SUFFIX):
+                sums[entry.name[: -len(_SUFFIX)]] = json.loads(entry.read_text())
+            elif entry.name == ERROR_FILE:
+                error = entry.read_text()
+    except (OSError, ValueError) as exc:
+        error = error or f"cannot read the writer's results in {channel}: {exc}"
+    return sums, error
+
+
+def error_summary(text: str) -> str:
+    """The last line of a recorded traceback first (what failed), then the traceback."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return (lines[-1] + "\n" + text) if lines else text
+
+
+# ---- results recorded in this process --------------------------------------------------------
+
+class Recorder:
+    """Checksums of files written by threads of this process, by file name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sums: dict[str, dict] = {}
+
+    def __call__(self, name: str, entry: dict) -> None:
+        with self._lock:
+            self.sums[name] = entry
+
+    def take(self, renames: Optional[dict[str, str]] = None) -> dict[str, dict]:
+        with self._lock:
+            sums, self.sums = self.sums, {}
+        for old, new in (renames or {}).items():
+            if old in sums:
+                sums[new] = sums.pop(old)
+        return sums
+
+
+class HashingFileSystem(FileSystem):
+    """torch DCP's file system with every stream opened for writing hashed into ``recorder``."""
+
+    def __init__(self, recorder: Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = HashingStream(open(path, mode), Path(path).name, self.recorder)  # noqa: SIM115
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+
+# ---- verification ------------------------------------------------------------------------------
+
+def file_crc32c(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            crc = crc32c.crc32c(block, crc)
+    return hex32(crc)
+
+
+def share(files: dict[str, dict], world_size: int, rank: int) -> list[str]:
+    """This rank's part of ``files`` (name -> entry with ``bytes``): largest first, each to the
+    rank with the fewest bytes so far, so every rank reads about as much. The same on every rank."""
+    loads = [0] * world_size
+    mine = []
+    for name in sorted(files, key=lambda n: (-int(files[n].get("bytes", 0)), n)):
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[target] += int(files[name].get("bytes", 0))
+        if target == rank:
+            mine.append(name)
+    return mine
+
+
+def verify(root: Path, files: dict[str, dict], names: list[str]) -> list[str]:
+    """Check ``names`` under ``root`` against their recorded size and checksum; one line per
+    problem (empty when all match)."""
+    problems = []
+    for name in names:
+        entry, path = files[name], root / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            problems.append(f"{name}: cannot be read ({exc.strerror or exc})")
+            continue
+        if size != entry.get("bytes"):
+            problems.append(f"{name}: {size} bytes, the manifest says {entry.get('bytes')}")
+            continue
+        if entry.get(ALGORITHM) is None:
+            continue  # recorded as unverifiable when written
+        got = file_crc32c(path)
+        if got != entry[ALGORITHM]:
+            problems.append(f"{name}: {ALGORITHM} {got}, the manifest says {entry[ALGORITHM]} (same size: the "
+                            "contents changed after they were written)")
+    return problems

@@ -1,0 +1,146 @@
+"""The lease on ``checkpoint.dir``: one job writes a checkpoint directory at a time.
+
+Rank 0 takes ``<checkpoint.dir>/LEASE`` at start (before it recovers, resumes or commits
+anything), renews it from a background thread every :data:`RENEW_S` seconds, checks it before
+every commit and releases it at exit. The file names the job, the host and the process.
+
+**The job** is ``checkpoint.job_id`` when set, else the launcher's ``TORCHELASTIC_RUN_ID``: the
+rendezvous id that ``ft_launcher`` and ``torchrun`` give every rank of every restart of a job
+(``--rdzv-id``: the Helm release's name in the chart; ``local-<id>`` for one ``resilient-fsdp
+local`` invocation, kept across its node restarts). A trainer started without a launcher is a
+job of its own (host and process id). Every restart of the same job, at any layer, takes the
+lease over from its earlier run, whatever state that run left it in.
+
+**Another job's lease** refuses the start, naming that job, while it is live: its process runs (on
+this host), or it was renewed within :data:`TTL_S` seconds (another host). A lease whose holder
+is gone is stale and taken over, with a message. Two jobs starting at the same moment both write
+and read back; the one that does not find itself in the file refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+
+from .. import atomic
+from ..config import CheckpointConfig, ConfigError
+
+LEASE = "LEASE"
+TTL_S = 120.0  # a lease not renewed for this long, held on another host, is stale
+RENEW_S = 30.0
+
+
+def job_id(cfg: CheckpointConfig) -> str:
+    """This job's identity (see the module docstring)."""
+    if cfg.job_id:
+        return cfg.job_id
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    return f"standalone-{socket.gethostname()}-{os.getpid()}"
+
+
+def _process_start(pid: int) -> Optional[float]:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+class Lease:
+    """Rank 0's hold on one checkpoint directory."""
+
+    def __init__(self, root: Path, job: str, say: Callable[[str], None]):
+        self.root, self.job, self.say = root, job, say
+        self.path = root / LEASE
+        self.holder = uuid.uuid4().hex
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _record(self) -> dict:
+        return {"job": self.job, "holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
+                "pid_start": _process_start(os.getpid()), "renewed_unix": time.time(), "ttl_s": TTL_S}
+
+    def read(self) -> Optional[dict]:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def acquire(self) -> None:
+        """Take the lease, or raise a ConfigError naming the job that holds it."""
+        current = self.read()
+        if current is not None and current.get("holder") != self.holder:
+            reason = self._live(current)
+            if reason and current.get("job") != self.job:
+                raise ConfigError(self._refusal(current, reason))
+            who = "an earlier run of this job" if current.get("job") == self.job else f"job {current.get('job')!r}"
+            self.say(f"taking over the lease on {self.root} from {who} (host {current.get('host')}, pid "
+                     f"{current.get('pid')}{'' if current.get('job') == self.job else ': ' + self._stale(current)})")
+        atomic.write_json(self.path, self._record(), indent=None, newline=False)
+        time.sleep(0.05)  # a second job writing at the same moment: the file tells who won
+        mine = self.read()
+        if mine is None or mine.get("holder") != self.holder:
+            raise ConfigError(self._refusal(mine or {}, "it took the lease at the same moment"))
+        self._thread = threading.Thread(target=self._renew, name="checkpoint-lease", daemon=True)
+        self._thread.start()
+
+    def _live(self, lease: dict) -> Optional[str]:
+        """Why ``lease``'s holder counts as alive, or None when it is stale."""
+        if lease.get("host") == socket.gethostname() and lease.get("pid"):
+            start = _process_start(int(lease["pid"]))
+            same = start is not None and (lease.get("pid_start") is None or abs(start - lease["pid_start"]) < 1)
+            return "its process is running on this host" if same else None
+        age = time.time() - float(lease.get("renewed_unix", 0))
+        return f"it was renewed {age:.0f} s ago" if age < float(lease.get("ttl_s", TTL_S)) else None
+
+    def _stale(self, lease: dict) -> str:
+        if lease.get("host") == socket.gethostname():
+            return "its process is gone"
+        return f"not renewed for {time.time() - float(lease.get('renewed_unix', 0)):.0f} s"
+
+    def _refusal(self, lease: dict, reason: str) -> str:
+        return (f"checkpoint.dir={str(self.root)!r} is in use by job {lease.get('job')!r} (host {lease.get('host')}, "
+                f"pid {lease.get('pid')}; {reason}): two jobs must not write one checkpoint directory. Give this job "
+                f"its own checkpoint.dir, or stop the other one first. This job is {self.job!r} (checkpoint.job_id, "
+                f"else the launcher's rendezvous id). A lease whose job is gone is taken over once its process has "
+                f"exited (same host) or {TTL_S:.0f} s after its last renewal; delete {self.path} only if you are sure")
+
+    def check(self) -> Optional[str]:
+        """None while this job holds the lease; otherwise why it no longer does (commits stop)."""
+        if self.lost:
+            return self.lost
+        current = self.read()
+        if current is None or current.get("holder") != self.holder:
+            self.lost = (f"the lease on {self.root} was taken over by job {(current or {}).get('job')!r} (host "
+                         f"{(current or {}).get('host')}); this job no longer commits checkpoints there")
+        return self.lost
+
+    def _renew(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            if self.check():
+                return
+            try:
+                atomic.write_json(self.path, self._record(), indent=None, newline=False)
+            except OSError:
+                pass  # renewed again in RENEW_S; a lease is stale only after TTL_S
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.check() is None:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
