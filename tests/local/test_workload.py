@@ -73,10 +73,38 @@ def test_elastic_jobs_get_the_elastic_variables_and_succeed_with_one_worker():
     assert workload.finished({"job-resilient-fsdp-worker-1"})
 
 
-@pytest.mark.parametrize("kind", ["JobSet", "TrainJob"])
-def test_other_kinds_are_refused_until_their_restart_rules_are_simulated(kind):
-    with pytest.raises(WorkloadError, match=f"workload.kind={kind}: the local cluster runs PyTorchJob only"):
-        pods_of(rendered(f"workload.kind={kind}").documents())
+def test_a_trainjob_is_refused_until_its_runtime_is_simulated():
+    with pytest.raises(WorkloadError, match="workload.kind=TrainJob: the local cluster runs PyTorchJob and JobSet only"):
+        pods_of(rendered("workload.kind=TrainJob").documents())
+
+
+def test_a_jobset_runs_its_pods_with_the_job_and_jobset_restart_rules():
+    """Pods as the Indexed Job names them; the Job's podFailurePolicy and backoffLimit, then the
+    JobSet's failurePolicy rules and maxRestarts (each restart recreates every pod)."""
+    workload = pods_of(rendered("workload.kind=JobSet", "nodes=2", "job.backoffLimit=1",
+                                "workload.jobSet.maxRestarts=1").documents())
+    first, second = workload.pods
+    assert (workload.kind, first.hostname, second.hostname) == ("JobSet", "job-resilient-fsdp-node-0-0",
+                                                                 "job-resilient-fsdp-node-0-1")
+    assert "job-resilient-fsdp-node-0-1.job-resilient-fsdp" in second.aliases
+    assert second.env["JOB_COMPLETION_INDEX"] == "1" and "MASTER_ADDR" not in second.env  # JobSet injects none
+    assert workload.rendezvous == "job-resilient-fsdp-node-0-0.job-resilient-fsdp"
+    assert "--rdzv-endpoint=job-resilient-fsdp-node-0-0.job-resilient-fsdp:29400" in first.argv
+    assert workload.finished({first.hostname}) is False and workload.finished({first.hostname, second.hostname})
+    policy = workload.restart
+    # A pod lost with its node (DisruptionTarget) is ignored: recreated, not counted.
+    assert policy.on_failure(first, 137, True, 1)[0] == "recreate" and policy.counted == {}
+    # Exit 1-127: FailJob -> the Job fails (PodFailurePolicy) -> FailJobSet.
+    action, why = policy.on_failure(first, 1, False, 1)
+    assert action == "fail" and "PodFailurePolicy" in why and "FailJobSet" in why
+    # 128-255 counts: within backoffLimit the pod is recreated, past it the JobSet restarts.
+    assert policy.on_failure(second, RENDEZVOUS_LOST_EXIT_CODE, False, 1)[0] == "recreate"
+    action, why = policy.on_failure(first, 137, False, 2)
+    assert action == "restart" and "BackoffLimitExceeded" in why and "restart 1 of maxRestarts: 1" in why
+    assert policy.counted == {}  # the new Jobs start with a fresh budget
+    policy.on_failure(first, 137, False, 3)
+    action, why = policy.on_failure(first, 137, False, 4)
+    assert action == "fail" and "ReachedMaxRestarts" in why
 
 
 def test_the_restart_policy_is_the_operators_not_the_docs():

@@ -34,6 +34,7 @@ from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, lo
 from ..resilience.accounting import JOB_START_ENV
 from ..resilience.nvrx import QUIET_WARNINGS
 from ..resilience.faults import REQUESTS_ENV
+from . import jobset  # noqa: F401  (plugs the JobSet reader into workload.KINDS)
 from .fault_requests import requests_dir
 from .launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, free_port
 from .workload import WorkloadError, pods_of

@@ -215,25 +215,27 @@ class LocalLauncher:
                     self.succeeded.add(pod.hostname)
                     continue
                 self.failures += 1
-                why = "was lost (its processes were killed)" if pod.hostname in self.lost else f"exited with code {code}"
+                lost = pod.hostname in self.lost
+                why = "was lost (its processes were killed)" if lost else f"exited with code {code}"
                 self.lost.discard(pod.hostname)
-                if restart.fails_job(self.failures):
-                    self.say(f"{pod.hostname} {why}: the job fails, as backoffLimit: {restart.backoff_limit} makes it "
-                             "fail at the first pod failure")
-                elif not restart.retryable(code):
-                    self.say(f"{pod.hostname} {why}: not retried under restartPolicy: {restart.policy} (1-127 fail "
-                             "the job)")
-                elif self.recreations >= self.job.max_recreations:
+                action, reason = restart.on_failure(pod, code, lost, self.failures)
+                if action != "fail" and self.recreations >= self.job.max_recreations:
                     self.say(f"{pod.hostname} {why}: the local safety cap of {self.job.max_recreations} pod "
-                             "recreations is spent (--max-pod-recreations; not an operator feature: the operator "
-                             "would recreate it)")
-                else:
+                             "recreations is spent (--max-pod-recreations; not an operator feature: the "
+                             f"{workload.kind} controller would go on: {reason})")
+                elif action == "recreate":
                     self.recreations += 1
-                    self.say(f"{pod.hostname} {why}: recreating it with the same name, as the {workload.kind} "
-                             f"controller does under restartPolicy: {restart.policy} (recreation {self.recreations})")
+                    self.say(f"{pod.hostname} {why}: {reason} (recreation {self.recreations})")
                     self.runtime.kill(pod)  # whatever the old pod left, gone with it
                     self.start_pod(pod)
                     continue
+                elif action == "restart":
+                    self.recreations += 1
+                    self.say(f"{pod.hostname} {why}: {reason}")
+                    self.restart_all()
+                    break
+                else:
+                    self.say(f"{pod.hostname} {why}: {reason}")
                 outcome = (pod.hostname, code)
                 break
             if outcome is not None:
@@ -255,6 +257,22 @@ class LocalLauncher:
         hostname, code = outcome
         self.report_failure(hostname, code)
         return code if 0 < code < 256 else 1
+
+    def restart_all(self) -> None:
+        """A whole-job restart: every pod deleted, and only when all are gone created again (a
+        JobSet's ``BlockingRecreate``)."""
+        for pod in self.job.workload.pods:
+            self.runtime.kill(pod)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=self.job.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.succeeded.clear()
+        self.lost.clear()
+        for pod in self.job.workload.pods:
+            self.start_pod(pod)
 
     def _wait_for_others(self) -> None:
         deadline = time.monotonic() + self.job.fail_grace_s

@@ -9,9 +9,9 @@ and volumes, plus the rendered ConfigMaps and the restart policy. Nothing here s
 One reader per workload kind, in :data:`KINDS`. PyTorchJob is implemented after training-operator
 v1.9.4 (``pkg/controller.v1/pytorch/envvar.go``, ``master.go``, ``elastic.go``): pods
 ``<job>-master-0`` and ``<job>-worker-<i>``, a headless Service of the same name per pod, and the
-variables it appends to every container's ``env``. JobSet and TrainJob render already; their
-readers (pod names ``<jobset>-node-0-<i>``, the Job's ``podFailurePolicy``, the JobSet's
-``failurePolicy``) plug in here, with their restart rules in :class:`RestartPolicy`.
+variables it appends to every container's ``env``. JobSet's reader and restart rules are in
+:mod:`resilient_fsdp.local.jobset` (it plugs itself in here when imported); TrainJob renders
+already and is refused until its runtime's JobSet is simulated.
 """
 
 from __future__ import annotations
@@ -107,6 +107,16 @@ class RestartPolicy:
         (kubeflow/trainer#2045).
         """
         return self.backoff_limit == 0 and failures > 0
+
+    def on_failure(self, pod: "Pod", code: int, lost: bool, failures: int) -> tuple[str, str]:
+        """What the controller does about ``pod`` ending with ``code`` (``lost``: killed with its
+        node; ``failures``: pod failures so far, this one included): ``(action, why)``, the action
+        ``recreate`` (this pod, same name), ``restart`` (every pod) or ``fail`` (the job)."""
+        if self.fails_job(failures):
+            return "fail", f"the job fails, as backoffLimit: {self.backoff_limit} makes it fail at the first pod failure"
+        if not self.retryable(code):
+            return "fail", f"not retried under restartPolicy: {self.policy} (1-127 fail the job)"
+        return "recreate", f"recreating it with the same name, as the controller does under restartPolicy: {self.policy}"
 
 
 @dataclass
@@ -291,16 +301,16 @@ def _pytorchjob(doc: dict) -> Workload:
 
 def _not_yet(kind: str) -> Callable[[dict], Workload]:
     def reader(doc: dict) -> Workload:
-        raise WorkloadError(f"workload.kind={kind}: the local cluster runs PyTorchJob only so far (its restart rules, "
-                            f"the Job's podFailurePolicy and the JobSet's failurePolicy, are not simulated yet); "
-                            "render with workload.kind=PyTorchJob")
+        raise WorkloadError(f"workload.kind={kind}: the local cluster runs PyTorchJob and JobSet only so far (a "
+                            "TrainJob's pods come from its runtime's JobSet, not simulated yet); render with "
+                            "workload.kind=JobSet or PyTorchJob")
     return reader
 
 
 # Workload kinds by the manifest's kind: each reader returns the pods its controller creates.
 KINDS: dict[str, Callable[[dict], Workload]] = {
     "PyTorchJob": _pytorchjob,
-    "JobSet": _not_yet("JobSet"),
+    "JobSet": _not_yet("JobSet"),  # replaced by resilient_fsdp.local.jobset's reader when it is imported
     "TrainJob": _not_yet("TrainJob"),
 }
 
