@@ -88,6 +88,7 @@ def test_a_jobset_runs_its_pods_with_the_job_and_jobset_restart_rules():
                                                                  "job-resilient-fsdp-node-0-1")
     assert "job-resilient-fsdp-node-0-1.job-resilient-fsdp" in second.aliases
     assert second.env["JOB_COMPLETION_INDEX"] == "1" and "MASTER_ADDR" not in second.env  # JobSet injects none
+    assert second.ranks == 2  # from the rendered --nproc-per-node: nothing injects PET_NPROC_PER_NODE
     assert workload.rendezvous == "job-resilient-fsdp-node-0-0.job-resilient-fsdp"
     assert "--rdzv-endpoint=job-resilient-fsdp-node-0-0.job-resilient-fsdp:29400" in first.argv
     assert workload.finished({first.hostname}) is False and workload.finished({first.hostname, second.hostname})

@@ -180,7 +180,7 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
         cfg = load_config(f.name, [])
     finally:
         os.unlink(f.name)
-    nproc = int(workload.pods[0].env.get("PET_NPROC_PER_NODE", "1"))
+    nproc = workload.pods[0].ranks
     chaos = [a.split("=", 1)[1] for a in workload.pods[0].argv if a.startswith("--inject=")]
     specs = parse_faults(list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc,
                          nodes=len(workload.pods))

@@ -177,7 +177,7 @@ class LocalLauncher:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         requests_dir(job.run_dir).mkdir(parents=True, exist_ok=True)
         become_subreaper()
-        ranks = workload.pods[0].env.get("PET_NPROC_PER_NODE", "?")
+        ranks = workload.pods[0].ranks
         self.say(f"{len(workload.pods)} pod(s) x {ranks} rank(s): {workload.kind} {workload.name}, "
                  f"{self.runtime.describe()}; rendezvous {workload.rendezvous} (pod 0's agent hosts the store); "
                  f"logs in {job.run_dir / 'logs'}")

@@ -75,6 +75,15 @@ class Pod:
         """``command`` + ``args`` with ``$(VAR)`` expanded from ``env``, as the kubelet runs them."""
         return [expand(a, self.env) for a in self.command + self.args]
 
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks in this pod: what the operator injects (``PET_NPROC_PER_NODE``), else the
+        rendered command's own ``--nproc-per-node`` (a JobSet injects nothing), else 1."""
+        if "PET_NPROC_PER_NODE" in self.env:
+            return int(self.env["PET_NPROC_PER_NODE"])
+        flags = [a.split("=", 1)[1] for a in self.argv if a.startswith("--nproc-per-node=")]
+        return int(flags[0]) if flags and flags[0].isdigit() else 1
+
 
 @dataclass
 class RestartPolicy:
