@@ -9,7 +9,35 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import FAKE_AWS, S3Sandbox
+from tests.support import FAKE_AWS, S3Sandbox, netns_leftovers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_local_pods_left_behind():
+    """After the whole session, no local pod (network namespace, veth, bridge) outlives its run."""
+    yield
+    leaked = netns_leftovers()
+    assert not leaked, f"local pods left behind by the test session: {leaked}"
+
+
+# ---- the fault tests' fault-free references: one job per topology, shared by every test that
+# compares a faulty run with it (bitwise). Numerics do not depend on the NVRx version or on how
+# pods are isolated, so these 0.4.1 runs are the reference of every lane.
+
+@pytest.fixture(scope="session")
+def reference_2x2(tmp_path_factory):
+    """2 pods x 2 ranks: final parameters and the loss curve."""
+    from tests.resilience.fault_jobs import fault_free_run
+
+    return fault_free_run(tmp_path_factory.mktemp("fault-free-2x2"), nodes=2, nproc=2)
+
+
+@pytest.fixture(scope="session")
+def reference_1x2(tmp_path_factory):
+    """1 pod x 2 ranks."""
+    from tests.resilience.fault_jobs import fault_free_run
+
+    return fault_free_run(tmp_path_factory.mktemp("fault-free-1x2"), nodes=1, nproc=2)
 
 
 @pytest.fixture
@@ -29,6 +57,19 @@ def nvrx_lane() -> Path:
     if os.environ.get("CI"):
         pytest.fail(message)  # in CI a missing lane is a failure, never a silent skip
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def nvrx07_lane(nvrx_lane) -> Path:
+    """The lane with what 0.7's restart paths import (httpx, grpcio, protobuf), for the fault tests."""
+    missing = [m for m in ("httpx", "grpc", "google/protobuf") if not (nvrx_lane / m).is_dir()]
+    if missing:
+        message = (f"the NVRx lane {nvrx_lane} lacks {', '.join(missing)}: it was prepared by an older "
+                   "scripts/lib/venv.sh; ./scripts/test prepares it again")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return nvrx_lane
 
 
 # ---- the S3 tier's tests: moto's standalone server, a real S3 API over HTTP on loopback ----------

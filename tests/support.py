@@ -40,10 +40,11 @@ def _env(pythonpath: list[Path] | None = None, mark: Path | None = None, extra: 
 
 def run_local(run_dir: Path, nodes: int = 1, nproc: int = 2, overrides: list[str] | None = None,
               pythonpath: list[Path] | None = None, timeout: float = 240, extra: list[str] | None = None,
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """``resilient-fsdp local`` as a user runs it; returns the finished process (output captured)."""
+              env: dict | None = None, isolation: str | None = None) -> subprocess.CompletedProcess:
+    """``resilient-fsdp local`` as a user runs it (the dev-cpu values, each pod a network namespace
+    when root); returns the finished process (output captured)."""
     cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={nodes}", f"--nproc-per-node={nproc}",
-           f"--run-dir={run_dir}", *(extra or [])]
+           f"--run-dir={run_dir}", *([f"--isolation={isolation}"] if isolation else []), *(extra or [])]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
     return run_guarded(cmd, run_dir, pythonpath, timeout, env)
@@ -114,7 +115,8 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
 
 
 def assert_no_leftovers(run_dir: Path, wait_s: float = 5.0) -> None:
-    """No process started for ``run_dir`` (agents, ranks, spawned helpers) outlives the job."""
+    """No process started for ``run_dir`` (agents, ranks, spawned helpers) outlives the job, and no
+    local pod (network namespace, veth pair, bridge) outlives its launcher."""
     deadline = time.monotonic() + wait_s
     left = processes_of(run_dir)
     while left and time.monotonic() < deadline:
@@ -128,6 +130,33 @@ def assert_no_leftovers(run_dir: Path, wait_s: float = 5.0) -> None:
         except psutil.NoSuchProcess:
             pass
     assert not described, "processes left running:\n" + "\n".join(described)
+    leaked = netns_leftovers()
+    assert not leaked, f"local pods left behind (network namespaces, veths, bridges): {leaked}"
+
+
+def netns_leftovers() -> list[str]:
+    """What finished local runs left of their pods; runs still going (other tests, other users)
+    are not counted. Only root can make pods, so nothing is left otherwise."""
+    if os.geteuid() != 0:
+        return []
+    from resilient_fsdp.local import netns
+
+    return netns.leaked()
+
+
+def netns_required() -> None:
+    """Skip a test that needs local pods (root, ``ip netns``) where they cannot be made, naming the
+    reason and how to run it; under ``CI`` fail instead, so missing setup never passes as a skip."""
+    from resilient_fsdp.local.netns import available
+
+    ok, reason = available()
+    if ok:
+        return
+    message = (f"local pods (network namespaces) are not available here: {reason}; run the suite as root "
+               "(sudo ./scripts/test, or a container with CAP_NET_ADMIN and CAP_SYS_ADMIN) to include it")
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def write_module(directory: Path, name: str, source: str) -> Path:

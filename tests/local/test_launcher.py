@@ -1,4 +1,8 @@
-"""``resilient-fsdp local``: simulated nodes under ft_launcher, failures, and cleanup."""
+"""``resilient-fsdp local``: the chart's pods on this machine, failures, and cleanup.
+
+Each test starts a real job (gloo on CPU); as root every pod is a network namespace, otherwise
+processes on loopback (tests that need namespaces say so). ``test_workload.py`` checks what the
+pods run without starting them."""
 
 from __future__ import annotations
 
@@ -7,20 +11,12 @@ import subprocess
 import sys
 import time
 
-from tests.support import REPO, _env, assert_no_leftovers, processes_of, read_losses, read_summary, run_local, write_module
-from resilient_fsdp.local.launcher import LocalJob, agent_command, find_root_cause
+import pytest
 
-
-def test_agent_command_is_what_a_pod_runs(tmp_path):
-    job = LocalJob(nodes=3, nproc_per_node=4, run_dir=tmp_path, trainer_args=["--set", "seed=1"], run_id="r1")
-    cmd = agent_command(job, node=2, port=29555)
-    assert cmd[1:3] == ["-m", "resilient_fsdp.resilience.agent"]  # the node wrapper, around ft_launcher
-    for flag in ("--nnodes=3", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29555",
-                 "--rdzv-id=r1", "--max-restarts=3", "--rdzv-conf=is_host=false", "--workers-stop-timeout=15",
-                 "--term-timeout=600"):
-        assert flag in cmd
-    trainer = len(cmd) - cmd[::-1].index("-m") - 1  # the last -m: the module ft_launcher starts
-    assert cmd[trainer:] == ["-m", "resilient_fsdp.train", "--set", "seed=1"]
+from tests.support import (REPO, _env, assert_no_leftovers, netns_required, processes_of, read_losses, read_summary,
+                           run_local, write_module)
+from resilient_fsdp.local import netns
+from resilient_fsdp.local.launcher import find_root_cause
 
 
 def test_two_nodes_by_two_ranks_completes_with_a_valid_summary(tmp_path):
@@ -33,8 +29,12 @@ def test_two_nodes_by_two_ranks_completes_with_a_valid_summary(tmp_path):
     # Output is forwarded with a node/local-rank prefix; rank 0 reports progress.
     assert "[node0/local0] [resilient-fsdp] step      4 | loss" in proc.stdout or \
         "[node1/local0] [resilient-fsdp] step      4 | loss" in proc.stdout
-    assert "job finished: every node exited 0" in proc.stdout
-    assert (run_dir / "logs" / "node0.log").stat().st_size > 0 and (run_dir / "logs" / "node1.log").exists()
+    assert "job finished: every pod exited 0" in proc.stdout
+    assert "2 pod(s) x 2 rank(s): PyTorchJob resilient-fsdp" in proc.stdout
+    # Pod 0's agent hosts the rendezvous store, as the Master pod does on the cluster.
+    assert "hosts the TCP store" in (run_dir / "logs" / "node0.log").read_text()
+    assert "hosts the TCP store" not in (run_dir / "logs" / "node1.log").read_text()
+    assert "kind: PyTorchJob" in (run_dir / "cluster" / "manifests.yaml").read_text()
     assert_no_leftovers(run_dir)
 
 
@@ -55,11 +55,11 @@ def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
             return model
     """)
     run_dir = tmp_path / "run"
-    # An exception is an infrastructure-type failure (retried by every layer): no job-level restart
-    # here, so the job fails once the in-job restarts are spent.
-    proc = run_local(run_dir, nodes=2, nproc=2, pythonpath=[plugin_dir],
-                     overrides=["train.steps=50", "model.factory=raising_model:build"], extra=["--max-node-restarts=0"])
-    assert proc.returncode == 203
+    # An exception is an infrastructure-type failure (retried by every layer); with no in-job
+    # restarts and backoffLimit 0 (the job level spent at the first pod failure) the job fails.
+    proc = run_local(run_dir, nodes=2, nproc=2, pythonpath=[plugin_dir], extra=["--max-restarts=0",
+                     "--value=job.backoffLimit=0"], overrides=["train.steps=50", "model.factory=raising_model:build"])
+    assert proc.returncode == 203, proc.stdout[-4000:]
     assert "job FAILED" in proc.stdout
     assert "RuntimeError: injected failure on rank 3 at step 3" in proc.stdout.split("job FAILED", 1)[1]
     assert not (run_dir / "summary.json").exists()
@@ -72,6 +72,55 @@ def test_bad_config_fails_before_any_process_starts(tmp_path):
     assert proc.returncode == 2
     assert "unknown key 'train.stepz' (did you mean 'train.steps'?)" in proc.stderr
     assert not (run_dir / "logs").exists()
+
+
+@pytest.mark.timeout(240)
+def test_pods_run_as_network_namespaces_with_their_hostnames(tmp_path):
+    """Each pod has the hostname the operator gives it, the Service names resolve in every pod,
+    and NVRx sees one node address per pod."""
+    netns_required()
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=2, nproc=1, overrides=["train.steps=4"], isolation="netns")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pods as network namespaces" in proc.stdout
+    node1 = (run_dir / "logs" / "node1.log").read_text()
+    assert "resilient-fsdp-worker-0" in node1 and "resilient-fsdp-master-0" not in node1.split("\n", 1)[0]
+    assert_no_leftovers(run_dir)
+
+
+@pytest.mark.timeout(240)
+def test_loopback_runs_the_same_pods_as_processes(tmp_path):
+    """Without root: the rendered pods as processes on 127.0.0.x, the deviations named at start."""
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=2, nproc=1, overrides=["train.steps=4"], isolation="loopback")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pods as processes on loopback (resilient-fsdp-master-0=127.0.0.1, resilient-fsdp-worker-0=127.0.0.2" \
+        in proc.stdout
+    assert read_summary(run_dir)["world_size"] == 2
+    assert_no_leftovers(run_dir)
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_launcher_leaves_nothing_after_the_next_start(tmp_path):
+    """SIGKILL gives the launcher no chance to clean up: its pods live on, and the next local run
+    (any PodNetwork) removes them, processes included."""
+    netns_required()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", "--nodes=2", "--nproc-per-node=1",
+           f"--run-dir={run_dir}", "--isolation=netns", "--set", "train.steps=100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(mark=run_dir),
+                            cwd=REPO)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    assert (run_dir / "metrics.jsonl").exists(), "training never started"
+    proc.kill()
+    proc.wait(timeout=30)
+    assert netns.leaked(), "the killed launcher's pods should still be there"
+    assert processes_of(run_dir), "and their processes with them"
+    removed = netns.cleanup_stale()  # what the next `resilient-fsdp local` does first
+    assert removed and not netns.leaked()
+    assert_no_leftovers(run_dir, wait_s=10)
 
 
 def test_interrupting_the_launcher_stops_every_process(tmp_path):
@@ -88,7 +137,7 @@ def test_interrupting_the_launcher_stops_every_process(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
-    assert "interrupted (SIGTERM): stopping every node" in out
+    assert "interrupted (SIGTERM): stopping every pod" in out
     assert_no_leftovers(run_dir)
 
 

@@ -1,6 +1,6 @@
 """Local pods as network namespaces: real namespaces, bridges and processes, nothing mocked.
 
-Needs root (skipped otherwise). Every test must leave nothing with the prefix behind, checked
+Needs root: skipped otherwise, saying how to run them, and failed instead under CI. Every test must leave nothing with the prefix behind, checked
 after each one; every wait is bounded by a subprocess timeout.
 """
 
@@ -25,8 +25,14 @@ import resilient_fsdp
 from resilient_fsdp.local import netns, run_state
 from resilient_fsdp.local.netns import NetnsError, available, cleanup_stale
 from resilient_fsdp.local.pods import PodNetwork
+from tests.support import netns_required
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="local pods need root (network namespaces)")
+
+
+@pytest.fixture(autouse=True)
+def needs_netns():
+    """Skipped where pods cannot be made (not root), with how to run them; a failure under CI."""
+    netns_required()
 
 PY = sys.executable
 TRAIN_DIR = Path(resilient_fsdp.__file__).resolve().parents[1]

@@ -1,21 +1,18 @@
-"""What the fault tests share: the job they run, its fault-free reference, the checks every faulty
-run must pass, and a stand-in for the cluster that executes node-level fault requests."""
+"""What the fault tests share: the job they run (``resilient-fsdp local`` on values/dev-cpu.yaml:
+as root each pod a network namespace, whose node-level faults the local cluster executes), its
+fault-free reference, and the checks every faulty run must pass."""
 
 from __future__ import annotations
 
-import json
-import threading
-import time
 from pathlib import Path
 
-import psutil
 import torch
 
 from resilient_fsdp.checkpoint.nvrx import NVRX_VERSION
-from resilient_fsdp.resilience.faults import NODE_INDEX_ENV
-from tests.support import assert_no_leftovers, processes_of, read_losses, read_summary, run_local
+from tests.support import assert_no_leftovers, read_losses, read_summary, run_local
 
-STEPS = 24
+# 40 steps: room for four faults 8 steps apart (the field faults' job), one reference for all.
+STEPS = 40
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=4", "train.log_every=4",
           # Short enough for tests: a stuck rank is killed 2 s after SIGTERM, a hung step is
           # detected after 8 s, rank monitors check twice a second.
@@ -57,7 +54,7 @@ def run_with_faults(run_dir: Path, specs: list[str], reference: tuple[dict, list
     assert summary["nvrx_version"] == nvrx_version and summary["torch_version"] == torch.__version__
     assert f"NVRx {nvrx_version}, torch {torch.__version__}" in proc.stdout  # the start line
     assert_no_leftovers(run_dir)
-    summary["_output"] = out
+    summary["_output"], summary["_stdout"] = out, proc.stdout
     return summary
 
 
@@ -86,46 +83,3 @@ def check_landed_mid_write(record: dict) -> None:
     """A sigkill-during-save killed its rank while the checkpoint had some, not all, of its bytes."""
     assert record["during_write"] is True, record
     assert 0 < record["bytes_on_disk"] < record["expected_bytes"], record
-
-
-class StandInExecutor(threading.Thread):
-    """A stand-in for the cluster that executes node-level fault requests, for the loopback
-    launcher, which has no network namespaces. The real executor is the network-namespace
-    cluster of ``resilient-fsdp local``; this one does only what works without namespaces:
-
-    - ``node-loss``: SIGKILL every process of that node at once (its agent, ranks and helpers,
-      found by the node index the launcher gives each node), as losing the pod would;
-    - ``partition``: nothing; the request file is all the test checks (taking a pod's link down
-      needs the pod's own network namespace).
-    """
-
-    def __init__(self, requests: Path, run_dir: Path):
-        super().__init__(daemon=True, name="stand-in-fault-executor")
-        self.requests, self.run_dir = requests, run_dir
-        self.seen: dict[str, dict] = {}
-        self.killed: dict[str, list[int]] = {}
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            for path in sorted(self.requests.glob("*.json")) if self.requests.is_dir() else []:
-                if path.name not in self.seen:
-                    self.seen[path.name] = request = json.loads(path.read_text())  # written atomically
-                    if request["kind"] == "node-loss":
-                        self.killed[path.name] = self.kill_node(request["node"])
-            time.sleep(0.05)
-
-    def kill_node(self, node: int) -> list[int]:
-        victims = []
-        for proc in processes_of(self.run_dir):
-            try:
-                if proc.environ().get(NODE_INDEX_ENV) == str(node):
-                    proc.kill()
-                    victims.append(proc.pid)
-            except psutil.Error:
-                continue
-        return victims
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join(timeout=5)

@@ -45,7 +45,7 @@ def test_faults_escalate_through_every_layer_and_the_job_ends_bitwise(tmp_path, 
                      + ["--max-node-restarts=1"], pythonpath=pythonpath, timeout=600)
     out = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
-    assert "node0 exited with code 203: recreating it" in proc.stdout
+    assert "exited with code 203: recreating it" in proc.stdout, out
     summary = read_summary(run_dir)
     assert summary["nvrx_version"].startswith("0.7" if lane == "image" else "0.4"), summary["nvrx_version"]
     assert summary["restarts"] == {"in_process": 1, "in_job": 1, "job": 1}, out
@@ -57,15 +57,16 @@ def test_faults_escalate_through_every_layer_and_the_job_ends_bitwise(tmp_path, 
 
 
 def test_with_every_layer_spent_the_job_fails_naming_the_layer_and_the_last_fault(tmp_path):
-    """The same faults without a job-level restart left: the node's exit 203 ends the job."""
+    """The same faults with the job level spent at the first pod failure (a PyTorchJob with
+    ``backoffLimit: 0``): the node's exit 203 ends the job."""
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=1, nproc=2, overrides=COMMON, extra=[f"--inject={s}" for s in ESCALATING]
-                     + ["--max-node-restarts=0"], timeout=600)
+                     + ["--value=job.backoffLimit=0"], timeout=600)
     assert proc.returncode == 203, proc.stdout[-6000:]
     report = proc.stdout.split("job FAILED", 1)[1]
-    assert ("the job-level restart is spent (0 of 0 node restarts, --max-node-restarts): the node exited 203 after "
-            "its in-process restarts (resilience.in_process_max_iterations=2) and its in-job restarts "
-            "(resilience.max_restarts=1) were spent") in report
+    assert ("the job level gave up (the job fails, as backoffLimit: 0 makes it fail at the first pod failure): the "
+            "pod exited 203 after its node's in-process restarts") in report, report
+    assert "in-job restarts (trainer.resilience.max_restarts) were spent" in report, report
     assert "last fault: sigkill@10:rank=1 (injected after step 9)" in report
     assert not (run_dir / "summary.json").exists()
     assert_no_leftovers(run_dir)

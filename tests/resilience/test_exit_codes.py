@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from resilient_fsdp.config import ConfigError
-from resilient_fsdp.local.launcher import retryable
+from resilient_fsdp.local.workload import RestartPolicy
 from resilient_fsdp.resilience import exit_codes
 from resilient_fsdp.resilience.exit_codes import CONFIG, INFRASTRUCTURE, RENDEZVOUS_LOST, node_exit_code
 from tests.resilience.node import attempts, run_node, start_node
@@ -23,6 +23,9 @@ RUN = ["train.steps=6", "checkpoint.interval_steps=2", "train.log_every=2", "res
 IN_PROCESS = ["resilience.in_process=true", "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=20",
               "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
               "resilience.in_process_barrier_timeout_s=120", "resilience.step_timeout_s=60"]
+
+# What the PyTorchJob controller retries under the chart's ``restartPolicy: ExitCode``.
+retryable = RestartPolicy("ExitCode", backoff_limit=4).retryable
 
 
 def test_the_docs_show_the_codes_table():
@@ -117,7 +120,7 @@ def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugi
                      extra=["--max-node-restarts=2"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == CONFIG, out[-4000:]
-    assert "node0 exited with code 2" in proc.stdout and "recreating" not in proc.stdout
+    assert "exited with code 2: not retried" in proc.stdout and "recreating" not in proc.stdout, proc.stdout[-3000:]
     reason = "loss is nan at step 3" if in_process else "data.path="
     assert reason in proc.stdout.split("job FAILED", 1)[1]
     assert attempts(run_dir / "logs" / "node0") == ["attempt_0"], out[-3000:]

@@ -1,6 +1,6 @@
 """The ``resilient-fsdp`` command.
 
-- ``resilient-fsdp local``: run the trainer as N simulated nodes x P ranks under ``ft_launcher``.
+- ``resilient-fsdp local``: run the chart's job on this machine, one pod per simulated node.
 - ``resilient-fsdp train``: run one trainer process directly (what each rank runs).
 - ``resilient-fsdp config``: print the resolved configuration, or every key with ``--describe``.
 - ``resilient-fsdp bench checkpoint``: checkpoint stall of every engine, torch DCP's included.
@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from pathlib import Path
 from typing import Optional
 
-from .config import ConfigError, describe, dump_yaml, load_config, parse_faults
+from .config import ConfigError, describe, dump_yaml, load_config
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
@@ -35,29 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resilient-fsdp", description="Fault-tolerant FSDP2 training with NVRx.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    local = sub.add_parser("local", help="run the job on this machine: N simulated nodes of ft_launcher agents",
-                           description="Run the trainer as --nodes simulated nodes, each an ft_launcher agent "
-                                       "with --nproc-per-node ranks, joined by a c10d rendezvous on loopback.")
-    local.add_argument("--nodes", type=int, default=2, help="simulated nodes (ft_launcher agents); default 2")
-    local.add_argument("--nproc-per-node", type=int, default=2, help="trainer ranks per node; default 2")
-    local.add_argument("--run-dir", required=True, help="directory for logs, metrics, summary and checkpoints")
-    local.add_argument("--max-restarts", type=int,
-                       help="in-job restarts ft_launcher may make per node (resilience.max_restarts; default 3)")
-    local.add_argument("--max-node-restarts", type=int, default=3,
-                       help="job-level restarts: times a failed node is recreated, as a PyTorchJob's "
-                            "backoffLimit allows; default 3")
-    local.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
-                       help="inject a fault once per job: exception, hang, hang-in-collective, sigkill, "
-                            "sigkill-during-save, sigterm, node-loss or partition (repeatable; "
-                            "docs/faults-and-restarts.md)")
-    local.add_argument("-v", "--verbose", action="store_true",
-                       help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
-    local.add_argument("--rdzv-port", type=int, help="rendezvous port on 127.0.0.1; default: a free one")
-    _add_config_args(local)
+    local = sub.add_parser("local", help="run the chart's job on this machine: one pod per simulated node",
+                           description="Render the Helm chart (values/dev-cpu.yaml unless -f) and run its pods on "
+                                       "this machine: each a network namespace (root) or processes on loopback, "
+                                       "running the rendered command, with the operator's variables and restart "
+                                       "policy (docs/local-runs.md).")
+    from .local.job import add_arguments as add_local_arguments
+
+    add_local_arguments(local)
 
     train = sub.add_parser("train", help="run one trainer process (a world of one without a launcher)")
     train.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
+    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
                        help="inject a fault once per job (repeatable)")
     _add_config_args(train)
 
@@ -97,32 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from .local.launcher import LocalJob, LocalLauncher
-    from .resilience.faults import check_executable
+    from .local.job import main as run_local
 
-    for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
-        if value < 1:
-            raise ConfigError(f"{flag}={value}: must be at least 1")
-    for flag, value in (("--max-restarts", args.max_restarts), ("--max-node-restarts", args.max_node_restarts)):
-        if value is not None and value < 0:
-            raise ConfigError(f"{flag}={value}: must be 0 or more")
-    run_dir = Path(args.run_dir).resolve()
-    overrides = list(args.overrides)
-    if args.max_restarts is not None:
-        overrides.append(f"resilience.max_restarts={args.max_restarts}")
-    # Validate here, once, before starting any process: a typo should not cost a rendezvous.
-    config_path = str(Path(args.config).resolve()) if args.config else None
-    cfg = load_config(config_path, overrides + [f"run_dir={run_dir}"])
-    faults = parse_faults(list(cfg.resilience.inject) + args.inject, world_size=args.nodes * args.nproc_per_node,
-                          nodes=args.nodes)
-    check_executable(faults)  # the simulated nodes inherit this environment
-    trainer_args = (["--config", config_path] if config_path else []) + \
-        [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(run_dir)] + \
-        [a for spec in args.inject for a in ("--inject", spec)]
-    job = LocalJob(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=run_dir,
-                   trainer_args=trainer_args, resilience=cfg.resilience, max_node_restarts=args.max_node_restarts,
-                   rdzv_port=args.rdzv_port, verbose=args.verbose)
-    return LocalLauncher(job).run()
+    return run_local(args)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -1,27 +1,28 @@
-"""``resilient-fsdp local``: a multi-node job on one machine, launched the way pods launch it.
+"""``resilient-fsdp local``: the rendered chart's job on one machine, pods and controller included.
 
-Each simulated node is what every pod runs: the node wrapper (:mod:`resilient_fsdp.resilience.agent`) around
-one ``ft_launcher`` agent, which joins a c10d rendezvous on an explicit loopback endpoint, exactly
-as pods join through the rendezvous Service, and starts ``--nproc-per-node`` trainer ranks. This
-module forwards their output with a node and local-rank prefix, keeps a full log per node, stops
-every process it started when the job ends or is interrupted, and reports the failing rank's error.
+The job is what ``helm install`` would create (:mod:`resilient_fsdp.local.workload` reads it from
+the rendered manifests); this module plays the parts of the cluster around it:
 
-It also plays the two parts of the cluster that a laptop lacks:
+- the **kubelet**: each pod's container runs its rendered ``command`` + ``args`` with its ``env``
+  and volumes (:mod:`resilient_fsdp.local.runtimes`: a network namespace per pod, or plain
+  processes on loopback); its output goes to the console with a ``[node<N>/local<L>]`` prefix
+  and in full to ``logs/node<N>.log``;
+- the **workload controller**: it injects the variables the operator injects, and applies the
+  rendered restart policy when a pod ends (PyTorchJob ``ExitCode``: 128-255 recreates the pod
+  with the same name, 1-127 fails the job; ``backoffLimit`` as training-operator v1.9.4 applies
+  it). A local safety cap (``max_recreations``, not an operator feature) ends a job that would
+  otherwise recreate pods forever;
+- the **infrastructure faults** a rank asks for (``node-loss``, ``partition``): a rank writes a
+  request to ``<run_dir>/faults/requests/``; :class:`FaultExecutor` kills the pod's every process
+  or cuts its link, and marks the request ``.done``.
 
-- the **rendezvous host**: the launcher itself serves the rendezvous store, so losing any node
-  (even the first) does not take the rendezvous with it;
-- the **job-level restart**: a node that exits with a retryable code (128-255, or killed by a
-  signal) is started again and rejoins, as the PyTorchJob controller recreates a pod under
-  ``restartPolicy: ExitCode``, up to ``max_node_restarts`` times (its ``backoffLimit``).
-
-No orphans: the launcher marks itself a child subreaper (Linux), so workers whose agent died are
-re-parented here rather than to init, and the final sweep kills every remaining descendant.
+The rendezvous store is served by pod 0's agent, as on the cluster. No orphans: the launcher is a
+child subreaper, and the close kills every process of every pod.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -29,87 +30,44 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
-from ..config import ConfigError, ResilienceConfig
 from ..resilience import exit_codes
-from ..resilience.accounting import JOB_START_ENV
-from ..resilience.faults import NODE_INDEX_ENV, FaultLedger
-from ..resilience.ft_config import ft_launcher_flags
-from ..resilience.ft_config import write_ft_config as write_ft_yaml
-from ..resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_IN_NODE, RDZV_STORE_OUTSIDE, agent_hosts_rendezvous_store
+from ..resilience.faults import FaultLedger
 from ..resilience.processes import become_subreaper, kill_descendants
+from .fault_requests import FaultExecutor, requests_dir
+from .runtimes import Runtime
+from .workload import Pod, Workload
 
-TRAINER_MODULE = "resilient_fsdp.train"
-AGENT_MODULE = "resilient_fsdp.resilience.agent"
 _WORKER_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]+)(?P<local>\d+)\]:")
+DEFAULT_MAX_RECREATIONS = 10
 
 
 @dataclass
 class LocalJob:
-    """What ``resilient-fsdp local`` runs."""
+    """What ``resilient-fsdp local`` runs: the rendered workload, where, and the local limits."""
 
-    nodes: int
-    nproc_per_node: int
+    workload: Workload
     run_dir: Path
-    trainer_args: list[str] = field(default_factory=list)
-    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
-    """In-job restart and hang-detection settings (``max_restarts`` and the ft_launcher timeouts)."""
-    max_node_restarts: int = 3
-    """Job-level restarts: how many times a failed node is recreated (PyTorchJob ``backoffLimit``)."""
-    rdzv_port: Optional[int] = None
-    run_id: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
+    max_recreations: int = DEFAULT_MAX_RECREATIONS
+    """Local safety cap on pod recreations, all pods together. Not an operator feature: under
+    ``restartPolicy: ExitCode`` a PyTorchJob's ``backoffLimit`` of 1 or more never stops them."""
     verbose: bool = False
     """Also print the agents' own log lines (always kept in ``<run_dir>/logs/node<N>.log``)."""
     fail_grace_s: float = 20.0
-    """After one node fails, how long the others get to notice and exit on their own."""
+    """After the job failed or succeeded, how long the remaining pods get to end on their own."""
     stop_timeout_s: float = 10.0
-    """Between SIGTERM and SIGKILL when stopping agents."""
-
-
-def free_port() -> int:
-    """A currently free TCP port on loopback, for the rendezvous endpoint."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_ft_config(job: LocalJob) -> Path:
-    """The ``fault_tolerance:`` section ``ft_launcher`` reads (``--ft-cfg-path``), from the
-    ``resilience`` config: a file rather than flags because NVRx renamed its flags between
-    releases while the YAML keys stayed (and unknown keys are ignored)."""
-    return write_ft_yaml(job.run_dir / "ft_config.yaml", job.resilience)
-
-
-def agent_command(job: LocalJob, node: int, port: int, store_in_node: bool = False) -> list[str]:
-    """The command line of simulated node ``node``: the node wrapper around ``ft_launcher`` with
-    the same flags a pod uses, plus ``--rdzv-conf=is_host=false`` (the rendezvous store is served
-    by this launcher). That flag, and several agents on one host, are NVRx 0.4 features: 0.7
-    keeps only its own rendezvous, one agent per host address, so under 0.7 a single node hosts
-    the store itself (``store_in_node``) and multi-node runs need one address per pod."""
-    return [
-        sys.executable, "-m", AGENT_MODULE,
-        f"--ft-cfg-path={job.run_dir / 'ft_config.yaml'}",
-        f"--nnodes={job.nodes}",
-        f"--nproc-per-node={job.nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id={job.run_id}",
-        RDZV_STORE_IN_NODE if store_in_node else RDZV_STORE_OUTSIDE,
-        *ft_launcher_flags(job.resilience),
-        "--monitor-interval=0.5",
-        f"--log-dir={job.run_dir / 'logs' / f'node{node}'}",
-        "--tee=3",  # copy each rank's stdout/stderr to the agent's, prefixed "[default<local_rank>]:"
-        "-m", TRAINER_MODULE,
-        *job.trainer_args,
-    ]
+    """Between SIGTERM and SIGKILL when stopping a pod (its termination grace, shortened)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Added to every pod's environment by the local cluster (documented in docs/local-runs.md)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines printed after the start line (deviations, fallbacks)."""
 
 
 class _Forwarder(threading.Thread):
-    """Copies one agent's output to the console with a prefix, and in full to its log file."""
+    """Copies one pod's output to the console with a prefix, and in full to its log file."""
 
     def __init__(self, node: int, stream: TextIO, log_path: Path, out: TextIO, lock: threading.Lock,
                  agent_lines: bool):
@@ -167,59 +125,66 @@ def _is_peer_symptom(message: str) -> bool:
     return any(s in message for s in _PEER_SYMPTOMS)
 
 
-class LocalLauncher:
-    """Runs a :class:`LocalJob` to completion; :meth:`run` returns the job's exit code."""
+def free_port() -> int:
+    """A currently free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, job: LocalJob, out: TextIO = sys.stdout):
-        self.job, self.out = job, out
-        self.agents: list[subprocess.Popen] = []
+
+def exit_status(returncode: int) -> int:
+    """A container's exit code as the kubelet reports it: 128 + the signal when killed by one."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class LocalLauncher:
+    """Runs a :class:`LocalJob` on a :class:`Runtime` to completion; :meth:`run` returns the job's
+    exit code (0, the failing pod's code, or 130 when interrupted)."""
+
+    def __init__(self, job: LocalJob, runtime: Runtime, out: TextIO = sys.stdout):
+        self.job, self.runtime, self.out = job, runtime, out
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.succeeded: set[str] = set()
         self.lock = threading.Lock()
         self.forwarders: list[_Forwarder] = []
-        self.job_start = time.time()
-        self.node_restarts = 0
-        self.rdzv_store = None
-        # NVRx 0.7's barrier rendezvous: only the agent hosting the store closes rounds.
-        self.store_in_node = agent_hosts_rendezvous_store()
+        self.failures = 0
+        self.recreations = 0
+        self.gave_up = "the controller ended the job"  # why the job level stopped retrying
+        self.lost: set[str] = set()  # pods whose processes the fault executor killed
+        self.started = time.monotonic()
+        self.executor = FaultExecutor(job.run_dir, runtime, job.workload, self.say, self.lost)
 
     def say(self, message: str) -> None:
         with self.lock:
             self.out.write(f"[local] {message}\n")
             self.out.flush()
 
-    def _env(self, node: int) -> dict:
-        env = dict(os.environ)
-        env[NODE_INDEX_ENV] = str(node)  # which pod this is, for faults aimed at node=N
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), QUIET_WARNINGS) if w)
-        env[JOB_START_ENV] = repr(self.job_start)
-        return env
-
-    def start_agent(self, node: int, port: int) -> subprocess.Popen:
+    def start_pod(self, pod: Pod) -> None:
         log_dir = self.job.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        # A new session per agent: one killpg stops the agent and the workers it spawned.
-        proc = subprocess.Popen(agent_command(self.job, node, port, self.store_in_node), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                env=self._env(node), start_new_session=True)
-        fwd = _Forwarder(node, proc.stdout, log_dir / f"node{node}.log", self.out, self.lock, self.job.verbose)
+        extra = dict(self.job.extra_env)
+        # Each rank's output prefixed "[default<local rank>]:" in the pod's log, and torch elastic's
+        # error files where find_root_cause looks: torchrun flags by their PET_ variables, as
+        # pods take them, so the rendered command stays as it is.
+        extra.update(PET_TEE="3", PET_LOG_DIR=self.runtime.pod_path(log_dir / f"node{pod.index}"))
+        proc = self.runtime.start(pod, extra)
+        self.procs[pod.hostname] = proc
+        fwd = _Forwarder(pod.index, proc.stdout, log_dir / f"node{pod.index}.log", self.out, self.lock,
+                         self.job.verbose)
         fwd.start()
         self.forwarders.append(fwd)
-        return proc
 
     def run(self) -> int:
-        job = self.job
+        job, workload = self.job, self.job.workload
         job.run_dir.mkdir(parents=True, exist_ok=True)
+        requests_dir(job.run_dir).mkdir(parents=True, exist_ok=True)
         become_subreaper()
-        port = job.rdzv_port or free_port()
-        if self.store_in_node and job.nodes > 1:
-            raise ConfigError(f"--nodes={job.nodes}: the NVRx installed here runs its barrier rendezvous, which closes "
-                              "when two agents share one node address, as every simulated node does on loopback; "
-                              "run one node here, or several in network namespaces (one address per pod)")
-        if not self.store_in_node:
-            self.rdzv_store = serve_rendezvous_store(port)
-        host = "node0's agent" if self.store_in_node else "this launcher"
-        self.say(f"{job.nodes} node(s) x {job.nproc_per_node} rank(s), rendezvous c10d at 127.0.0.1:{port} "
-                 f"(id {job.run_id}, store hosted by {host}); logs in {job.run_dir / 'logs'}")
+        ranks = workload.pods[0].ranks
+        self.say(f"{len(workload.pods)} pod(s) x {ranks} rank(s): {workload.kind} {workload.name}, "
+                 f"{self.runtime.describe()}; rendezvous {workload.rendezvous} (pod 0's agent hosts the store); "
+                 f"logs in {job.run_dir / 'logs'}")
+        for note in job.notes:
+            self.say(note)
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
         def interrupted(signum, _frame):
@@ -227,68 +192,114 @@ class LocalLauncher:
 
         signal.signal(signal.SIGTERM, interrupted)
         try:
-            write_ft_config(job)
-            self.agents = [self.start_agent(node, port) for node in range(job.nodes)]
-            return self._wait(port)
+            for pod in workload.pods:
+                self.start_pod(pod)
+            return self._watch()
         except KeyboardInterrupt as exc:
-            self.say(f"interrupted ({exc or 'SIGINT'}): stopping every node")
+            self.say(f"interrupted ({exc or 'SIGINT'}): stopping every pod")
             return 130
         finally:
             self.stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _wait(self, port: int) -> int:
-        first_failure: Optional[tuple[int, int]] = None
-        deadline = None
+    def _watch(self) -> int:
+        workload, restart = self.job.workload, self.job.workload.restart
+        outcome: Optional[tuple[str, int]] = None  # (pod, code) of the failure that ended the job
         while True:
-            codes = [a.poll() for a in self.agents]
-            if first_failure is None:
-                for node, code in enumerate(codes):
-                    if code in (None, 0):
-                        continue
-                    if retryable(code) and self.node_restarts < self.job.max_node_restarts:
-                        self.node_restarts += 1
-                        self.say(f"node{node} exited with code {code}: recreating it, as the PyTorchJob controller "
-                                 f"recreates a failed pod (job-level restart {self.node_restarts} of "
-                                 f"{self.job.max_node_restarts})")
-                        self.agents[node] = self.start_agent(node, port)
-                        codes[node] = None
-                        continue
-                    first_failure = (node, code)
-                    deadline = time.monotonic() + self.job.fail_grace_s
-                    self.say(f"node{node} exited with code {code}; waiting up to {self.job.fail_grace_s:.0f} s "
-                             "for the other nodes to stop")
+            self.executor.poll()
+            for pod in workload.pods:
+                proc = self.procs.get(pod.hostname)
+                if proc is None or pod.hostname in self.succeeded or proc.poll() is None:
+                    continue
+                code = exit_status(proc.returncode)
+                if code == 0:
+                    self.succeeded.add(pod.hostname)
+                    continue
+                self.failures += 1
+                lost = pod.hostname in self.lost
+                why = "was lost (its processes were killed)" if lost else f"exited with code {code}"
+                self.lost.discard(pod.hostname)
+                action, reason = restart.on_failure(pod, code, lost, self.failures)
+                if action != "fail" and self.recreations >= self.job.max_recreations:
+                    self.gave_up = (f"{self.recreations} of {self.job.max_recreations} pod recreations used, the local "
+                                    "safety cap --max-pod-recreations")
+                    self.say(f"{pod.hostname} {why}: the local safety cap of {self.job.max_recreations} pod "
+                             "recreations is spent (--max-pod-recreations; not an operator feature: the "
+                             f"{workload.kind} controller would go on: {reason})")
+                elif action == "recreate":
+                    self.recreations += 1
+                    self.say(f"{pod.hostname} {why}: {reason} (recreation {self.recreations})")
+                    self.runtime.kill(pod)  # whatever the old pod left, gone with it
+                    self.start_pod(pod)
+                    continue
+                elif action == "restart":
+                    self.recreations += 1
+                    self.say(f"{pod.hostname} {why}: {reason}")
+                    self.restart_all()
                     break
-            if all(c is not None for c in codes):
+                else:
+                    self.gave_up = reason
+                    self.say(f"{pod.hostname} {why}: {reason}")
+                outcome = (pod.hostname, code)
                 break
-            if deadline is not None and time.monotonic() > deadline:
-                self.say("other nodes did not stop in time; terminating them")
+            if outcome is not None:
+                break
+            if workload.finished(self.succeeded):
+                break
+            deadline = restart.active_deadline_s
+            if deadline is not None and time.monotonic() - self.started > deadline:
+                self.say(f"the job ran past activeDeadlineSeconds: {deadline}: it fails")
+                outcome = ("", 1)
                 break
             time.sleep(0.2)
-        if first_failure is None:
-            self.say("job finished: every node exited 0")
+        if outcome is None:
+            self._wait_for_others()
+            self.say("job finished: every pod exited 0" if len(self.succeeded) == len(workload.pods)
+                     else f"job finished: {', '.join(sorted(self.succeeded))} succeeded")
             return 0
-        node, code = first_failure
-        self.report_failure(node, code)
+        self._wait_for_others()
+        hostname, code = outcome
+        self.report_failure(hostname, code)
         return code if 0 < code < 256 else 1
 
-    def report_failure(self, node: int, code: int) -> None:
+    def restart_all(self) -> None:
+        """A whole-job restart: every pod deleted, and only when all are gone created again (a
+        JobSet's ``BlockingRecreate``)."""
+        for pod in self.job.workload.pods:
+            self.runtime.kill(pod)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=self.job.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.succeeded.clear()
+        self.lost.clear()
+        for pod in self.job.workload.pods:
+            self.start_pod(pod)
+
+    def _wait_for_others(self) -> None:
+        deadline = time.monotonic() + self.job.fail_grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.2)
+        for hostname, proc in self.procs.items():
+            if proc.poll() == 0:
+                self.succeeded.add(hostname)
+
+    def report_failure(self, hostname: str, code: int) -> None:
         job = self.job
-        r = job.resilience
-        spent = self.spent_layers(code)
+        limits = (f"in-job restarts: trainer.resilience.max_restarts (ft_launcher --max-restarts); pod "
+                  f"recreations used: {self.recreations} (local cap --max-pod-recreations={job.max_recreations})")
         cause = find_root_cause(job.run_dir / "logs")
+        what = f"{hostname} exit code {code}" if hostname else "deadline"
         if cause:
-            self.say(f"job FAILED (node{node} exit code {code}); first error, {cause['where']}: {cause['message']}")
+            self.say(f"job FAILED ({what}); first error, {cause['where']}: {cause['message']}")
             self.say(f"  full traceback: {cause['path']}")
         else:
-            self.say(f"job FAILED: node{node} exited with code {code}; see {job.run_dir / 'logs'}")
-        self.say(f"  {spent}")
+            self.say(f"job FAILED: {what}; see {job.run_dir / 'logs'}")
+        self.say(f"  {self.spent_layers(code)}")
         faults = FaultLedger(job.run_dir).fired()
-        limits = (f"in-process restarts per process: {r.in_process_max_iterations if r.in_process else 'off'} "
-                  f"(resilience.in_process_max_iterations); in-job restarts per node: {r.max_restarts} "
-                  f"(resilience.max_restarts); job-level node restarts used: {self.node_restarts} of "
-                  f"{job.max_node_restarts} (--max-node-restarts)")
         if faults:
             last = faults[-1]
             self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']}); restarts did "
@@ -297,58 +308,37 @@ class LocalLauncher:
             self.say(f"  restart limits: {limits}")
 
     def spent_layers(self, code: int) -> str:
-        """Which layer gave up last: the job level when the node's exit was retryable."""
-        if not retryable(code):
-            return f"not retried by any layer: node exit code {exit_codes.describe_code(code)}"
-        r, job = self.job.resilience, self.job
-        spent = f"the job-level restart is spent ({self.node_restarts} of {job.max_node_restarts} node restarts, " \
-                "--max-node-restarts)"
+        """Which layer gave up last (:mod:`resilient_fsdp.resilience.exit_codes`)."""
+        if 0 < code < 256 and not self.job.workload.restart.retryable(code):
+            return f"not retried by any layer: pod exit code {exit_codes.describe_code(code)}"
+        said = f"the job level gave up ({self.gave_up})"
         if code != exit_codes.INFRASTRUCTURE:
-            return f"{spent}: the node exited {exit_codes.describe_code(code)}"
-        below = f"in-job restarts (resilience.max_restarts={r.max_restarts})"
-        if r.in_process:
-            below = (f"in-process restarts (resilience.in_process_max_iterations={r.in_process_max_iterations}) "
-                     f"and its {below}")
-        return f"{spent}: the node exited {code} after its {below} were spent"
+            return f"{said}: the pod exited {exit_codes.describe_code(code)}"
+        return (f"{said}: the pod exited {code} after its node's in-process restarts (when on: "
+                "trainer.resilience.in_process_max_iterations) and in-job restarts (trainer.resilience.max_restarts) "
+                "were spent")
 
     def stop_all(self) -> None:
-        """SIGTERM every agent's session, SIGKILL what remains, then reap stray descendants."""
-        for agent in self.agents:
-            if agent.poll() is None:
-                _signal_group(agent.pid, signal.SIGTERM)
+        """What deleting the pods does: SIGTERM each container's main process, SIGKILL every
+        process of the pod after the grace period, then reap stray descendants."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + self.job.stop_timeout_s
-        for agent in self.agents:
+        for proc in self.procs.values():
             try:
-                agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for agent in self.agents:
-            _signal_group(agent.pid, signal.SIGKILL)
-            if agent.poll() is None:
-                agent.wait()
+        for pod in self.job.workload.pods:
+            self.runtime.kill(pod)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         kill_descendants()
         for fwd in self.forwarders:
             fwd.join(timeout=5)
-
-
-def retryable(code: int) -> bool:
-    """An exit the PyTorchJob ``ExitCode`` policy retries: 128-255, or killed by a signal."""
-    return code < 0 or 128 <= code <= 255
-
-
-def serve_rendezvous_store(port: int):
-    """The rendezvous store, served by this process (as an external rendezvous host would be)."""
-    from torch.distributed import TCPStore
-
-    try:
-        return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        raise RuntimeError(f"cannot serve the rendezvous on 127.0.0.1:{port} ({exc}); pick another --rdzv-port "
-                           "or leave it out to use a free one") from exc
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -297,6 +297,16 @@ def cleanup_stale(locked: bool = False) -> list[str]:
     return removed
 
 
+def leaked() -> list[str]:
+    """Namespaces, veth pairs and bridges carrying the prefix whose run has no live owner: what
+    finished runs left behind (``cleanup_stale`` removes them). Runs still going are not listed."""
+    if not NETNS_DIR.exists() and os.geteuid() != 0:
+        return []
+    live = {run_id for run_id, state in read_states().items() if owner_alive(state)}
+    names = [(n, _NETNS.match(n)) for n in list_netns()] + [(n, _LINK.match(n)) for n in list_links()]
+    return sorted(n for n, m in names if m and m.group(1) not in live)
+
+
 def available() -> tuple[bool, str]:
     """Whether local pods can be made here, and if not, why (one line for the loopback fallback).
 

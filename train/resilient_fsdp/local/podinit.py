@@ -8,7 +8,8 @@ the next, so the pid ``Popen`` returns is the command's own::
     unshare --uts --mount --propagation private
                                    own hostname; own mounts, none of which reach the host
     python -I -S podinit.py SPEC -- COMMAND...
-                                   this file: hostname, /etc/hosts, bind mounts, cwd; then exec
+                                   this file: hostname, /etc/hosts, bind and tmpfs mounts, cwd;
+                                   then exec
     COMMAND...
 
 It runs by path with ``-I -S`` and imports only the standard library, so the pod's environment
@@ -132,6 +133,9 @@ def setup(spec):
     # Open every source before mounting anything: a later mount could hide a source path.
     sources = []
     for m in spec["mounts"]:
+        if m.get("tmpfs") is not None:  # a memory-backed volume: no source, mounted fresh
+            sources.append((None, True, m["tmpfs"], m["target"], m["ro"]))
+            continue
         try:
             fd = os.open(m["source"], os.O_PATH | os.O_CLOEXEC)
         except OSError as exc:
@@ -182,6 +186,9 @@ def setup(spec):
         elif os.path.isdir(target) != is_dir:
             kind = "directory" if is_dir else "file"
             raise SetupError(f"cannot mount the {kind} {source} on {target}: not a {kind} in the pod")
+        if fd is None:
+            mount("tmpfs", target, "tmpfs", MS_RDONLY if ro else 0, source)  # source: the tmpfs options
+            continue
         mount(f"/proc/self/fd/{fd}", target, flags=MS_BIND | (MS_REC if is_dir else 0))
         if ro:
             keep = os.statvfs(target).f_flag & KEEP_FLAGS

@@ -65,6 +65,7 @@ class Pod:
         cwd: str | os.PathLike[str] | None = None,
         mounts: Mapping[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
         ro_mounts: Mapping[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
+        tmpfs: Mapping[str | os.PathLike[str], str] | None = None,
         stdin=None,
         stdout=None,
         stderr=None,
@@ -80,6 +81,8 @@ class Pod:
             mounts: host path (file or directory) -> absolute pod path, read-write.
             ro_mounts: the same, read-only (ConfigMaps). A pod path whose parents do not exist is
                 made on a tmpfs private to the process; nothing is created on the host.
+            tmpfs: absolute pod path -> tmpfs mount options (``"size=1073741824,mode=1777"``): a
+                memory-backed directory of its own (an ``emptyDir`` with ``medium: Memory``).
             stdin, stdout, stderr, start_new_session, popen_kwargs: as for ``subprocess.Popen``.
 
         Setup failures inside the pod (a mount) exit with status 125 and a line on stderr.
@@ -93,6 +96,8 @@ class Pod:
         for table, ro in ((mounts or {}, False), (ro_mounts or {}, True)):
             for host_path, pod_path in table.items():
                 specs.append({"source": _source(host_path), "target": _target(pod_path), "ro": ro})
+        for pod_path, options in (tmpfs or {}).items():
+            specs.append({"tmpfs": str(options), "target": _target(pod_path), "ro": False})
         targets = [s["target"] for s in specs]
         if len(set(targets)) != len(targets):
             raise ValueError(f"two mounts share a pod path (or one replaces /etc/hosts): {sorted(targets)}")
@@ -351,6 +356,10 @@ class PodNetwork:
         for pod in self.pods.values():
             names = [pod.hostname] + [a for a, h in self.aliases.items() if h == pod.hostname]
             lines.append(f"{pod.ip}\t{' '.join(names)}")
+        # A dual-stack server (c10d's TCPStore) sees its IPv4 peers as ::ffff:<ip>; cluster DNS
+        # answers their reverse lookups, here the hosts file does (no DNS server is reachable).
+        for pod in self.pods.values():
+            lines.append(f"::ffff:{pod.ip}\t{pod.hostname}")
         # Rewritten in place, not replaced: running pods bind-mounted this inode.
         with open(self.hosts_file, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -10,25 +10,33 @@ and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
 - a rank reported a configuration-type failure (it writes the reason into the node's fatal file
   and sends SIGUSR1): ``ft_launcher`` is stopped before it restarts the rank, and the node exits 2;
 - ``ft_launcher`` killed by a signal: 128 + the signal (what a shell reports);
+- ``ft_launcher`` lost the rendezvous store (its host, pod 0's agent, died with its pod):
+  :data:`.exit_codes.RENDEZVOUS_LOST`, retried, so this pod is recreated and rejoins the store
+  pod 0's replacement hosts (see :func:`rendezvous_store_lost`);
 - ``ft_launcher`` failed otherwise (in-job restarts spent after infrastructure-type failures,
-  lost peers or store): :data:`.exit_codes.INFRASTRUCTURE`, which the job level retries;
+  lost peers): :data:`.exit_codes.INFRASTRUCTURE`, which the job level retries;
 - 0 when training finished.
 
 It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
-the node, and since when) and, as a child subreaper, reaps whatever the node leaves behind.
+the node, and since when), pins NVRx 0.7's node order to the operator's node rank
+(``GROUP_RANK`` from ``PET_NODE_RANK``) and, as a child subreaper, reaps whatever the node leaves
+behind. ``ft_launcher``'s stderr passes through it, so the ending can be read.
 """
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import psutil
 
@@ -45,9 +53,50 @@ def ft_launcher_executable() -> list[str]:
     return [sys.executable, "-m", "resilient_fsdp.resilience.nvrx"]
 
 
-def exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False) -> int:
+RENDEZVOUS_LOST_EXIT_CODE = exit_codes.RENDEZVOUS_LOST
+
+# How ft_launcher reports a store it can no longer reach, on its own (not a rank's) error lines:
+# NVRx 0.7 "Agent run ended with exception, e=DistNetworkError(...)" (its launcher.py main maps
+# every agent exception to exit 1); 0.4.1 and torch elastic raise RendezvousConnectionError or
+# DistNetworkError out of the rendezvous handler, or time out on the store (DistStoreError).
+_STORE_LOST = re.compile(r"\b(DistNetworkError|RendezvousConnectionError|DistStoreError)\b")
+_RANK_LINE = re.compile(r"^\[[A-Za-z_]+\d+\]:")  # a rank's output, tee'd: "[default0]:..."
+
+
+def rendezvous_store_lost(returncode: int, agent_lines: Iterable[str]) -> bool:
+    """Whether ``ft_launcher`` failed (exit 1) because the rendezvous store went away.
+
+    The store lives in pod 0's agent. When that pod is lost, NVRx 0.7's agents on every other
+    pod fail within seconds with ``DistNetworkError`` and exit 1, which ``restartPolicy:
+    ExitCode`` would take for a permanent failure and end the job. The pod is healthy: recreated,
+    it joins the store of pod 0's replacement. ``agent_lines`` are ft_launcher's last stderr
+    lines; a rank's own errors (prefixed ``[default<N>]:``) do not count.
+    """
+    if returncode != 1:
+        return False
+    return any(_STORE_LOST.search(line) for line in agent_lines if not _RANK_LINE.match(line))
+
+
+def exit_code(returncode: int, stop_signal: Optional[int], agent_lines: Iterable[str] = (),
+              config_failure: bool = False) -> int:
     """The node's exit code (see :func:`.exit_codes.node_exit_code`)."""
-    return exit_codes.node_exit_code(returncode, stop_signal, config_failure)
+    return exit_codes.node_exit_code(returncode, stop_signal, config_failure,
+                                     store_lost=rendezvous_store_lost(returncode, agent_lines))
+
+
+class _StderrTail(threading.Thread):
+    """Passes ft_launcher's stderr through to ours, keeping its last lines."""
+
+    def __init__(self, stream, keep: int = 200):
+        super().__init__(daemon=True, name="ft-launcher-stderr")
+        self.stream, self.lines = stream, collections.deque(maxlen=keep)
+
+    def run(self) -> None:
+        out = sys.stderr.buffer
+        for raw in iter(self.stream.readline, b""):
+            out.write(raw)
+            out.flush()
+            self.lines.append(raw.decode(errors="replace"))
 
 
 SWEEP_INTERVAL_S = 1.0
@@ -193,6 +242,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         _remove(stale)
     env[NODE_STOP_ENV] = stop_file
     env[exit_codes.NODE_FATAL_ENV] = fatal_file
+    if "PET_NODE_RANK" in env:
+        # NVRx 0.7 orders nodes by infrastructure rank, from SLURM or GROUP_RANK, else by address
+        # (utils.get_infrastructure_rank): the operator's node rank keeps pod N node N.
+        env.setdefault("GROUP_RANK", env["PET_NODE_RANK"])
     received: list[int] = []
     fatal: list[bool] = []
     launcher: dict[str, subprocess.Popen] = {}
@@ -221,7 +274,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"configuration error: {bad}; exiting {exit_codes.CONFIG}")
         _termination_message(bad)
         return exit_codes.CONFIG
-    child = subprocess.Popen([*ft_launcher_executable(), *args], env=env)
+    child = subprocess.Popen([*ft_launcher_executable(), *args], env=env, stderr=subprocess.PIPE)
+    tail = _StderrTail(child.stderr)
+    tail.start()
     launcher["child"] = child
     if received:
         _send(child, received[-1])  # arrived while the launcher was being started
@@ -235,16 +290,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         except subprocess.TimeoutExpired:
             sweeper.sweep()
     kill_descendants(timeout=5.0)
+    tail.join(timeout=5.0)
     reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
     for path in (stop_file, fatal_file):
         _remove(path)
-    code = exit_code(returncode, received[0] if received else None, reason is not None)
+    code = exit_code(returncode, received[0] if received else None, list(tail.lines), reason is not None)
     if reason is not None:
         _say(f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
              f"(exited {returncode}); exiting {code}: {reason}")
         _termination_message(reason)
     elif received:
         _say(f"stopped by {signal.Signals(received[0]).name}; ft_launcher exited {returncode}; exiting {code}")
+    elif code == RENDEZVOUS_LOST_EXIT_CODE:
+        _say(f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
+             f"exiting {exit_codes.describe_code(code)}")
     elif code != 0:
         _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
         _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")

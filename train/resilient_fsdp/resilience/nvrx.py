@@ -12,11 +12,11 @@
   constructing them logs NVML errors in every rank), so :func:`new_wrapper` builds the wrapper
   without them there (and says so), and keeps them on GPU nodes; :func:`adapt_health_checks`
   drops any that a wrapper built otherwise carries.
-- **The c10d rendezvous store**: ``--rdzv-conf=is_host=false`` (the store served from outside the
-  nodes, as ``resilient-fsdp local`` serves it so that any node may die) is an NVRx 0.4 feature;
-  0.7 keeps only its own barrier rendezvous (``ft_rendezvous_barrier.py``), in which only the
-  agent hosting the store closes a round, so an agent must host it
-  (:func:`agent_hosts_rendezvous_store`); and it refuses two agents with one node address.
+- **The c10d rendezvous store** is hosted by pod 0's agent (``--rdzv-conf=is_host=true`` there), on
+  the cluster and locally: NVRx 0.7 keeps only its own barrier rendezvous
+  (``ft_rendezvous_barrier.py``), whose rounds only the agent hosting the store closes, and it
+  refuses two agents with one node address. When that pod is lost the other agents exit 1; the
+  node agent (:mod:`.agent`) makes that exit retryable.
 - **A node whose ranks failed for good leaves the rendezvous open.** ``ft_launcher`` closes the
   rendezvous permanently when its in-job restarts are spent (NVRx 0.4: ``clean_rdzv_shutdown(close=
   True)``; 0.7: ``shutdown_due_to_failure``), so the pod the job level recreates, and every other
@@ -35,27 +35,13 @@ import contextlib
 import os
 import socket
 import sys
-from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 # What the restart layers import of NVRx (in-process restart; ft_launcher, which the node agent
 # runs), for reports of what a machine can import.
 NVRX_MODULES = ("nvidia_resiliency_ext.inprocess", "nvidia_resiliency_ext.fault_tolerance.launcher")
-RDZV_STORE_OUTSIDE = "--rdzv-conf=is_host=false"
 RDZV_STORE_IN_NODE = "--rdzv-conf=is_host=true"
 QUIET_WARNINGS = "ignore:The pynvml package is deprecated:FutureWarning"
-
-
-def agent_hosts_rendezvous_store() -> bool:
-    """True where the installed NVRx (0.7+) runs its barrier rendezvous: the store must be hosted
-    by an agent (``--rdzv-conf=is_host=true``), since only the host closes rendezvous rounds
-    (0.7 ``ft_rendezvous_barrier.py``, ``_close_round``); an outside store leaves every round open
-    until ``join_timeout``. Found by the module's presence, without importing NVRx."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("nvidia_resiliency_ext")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    return any((Path(loc) / "fault_tolerance" / "ft_rendezvous_barrier.py").exists() for loc in locations)
 
 
 # (fd, local address, remote address) of every TCP connection the process groups made.

@@ -335,6 +335,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak for MFU on a GPU this check does not know")
     p.add_argument("--work-dir", default="runs/gpu-check-work", help="scratch folder (checkpoints: ~30 GB on a GPU)")
     p.add_argument("--wheels-record", help=argparse.SUPPRESS)  # written by scripts/gpu-check's wheel install
+    p.add_argument("--in-job-manifests", help=argparse.SUPPRESS)  # rendered ahead by scripts/gpu-wheels
     p.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)  # a child process runs one section
     args = p.parse_args(argv)
     if args.cpu and not args.tiny and not args.section:

@@ -3,12 +3,14 @@ resume they are compared with. Each runs the trainer in processes of its own."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import time
+import sys
+from pathlib import Path
 from typing import Optional
 
 from ..recovery import fresh_dir
-from .section import Section, run_logged, step_losses, tail, train_run
+from .section import GPU_PLAN, Section, run_logged, step_losses, tail, train_run
 
 
 # ---- section 5: exact resume (runs first of the three job sections: it is their reference) -----
@@ -107,38 +109,75 @@ def section_in_process(s: Section) -> None:
         r["exercised"].append("NCCL communicator abort (ProcessGroupNCCL.abort) and re-creation on the GPU")
 
 
-def section_in_job(s: Section) -> None:
+IN_JOB_MANIFESTS = "gpu-check-in-job.yaml"
+"""The in-job section's job rendered ahead (``scripts/gpu-wheels``) for a GPU machine without the
+chart extra: it travels beside the wheels."""
+
+
+def in_job_flags(s_plan, cpu: bool, run_overrides: list[str]) -> list[str]:
+    """``resilient-fsdp local`` flags of the in-job section: one pod of one rank, a SIGKILL of rank 0."""
     from ..recovery import COMMON
-    from ...config import load_config
-    from ...local.launcher import LocalJob, agent_command, free_port, write_ft_config
+
+    overrides = [o for o in run_overrides + COMMON + ["resilience.in_process=false"] if not o.startswith("run_dir=")]
+    # values/dev-cpu.yaml's pod, on a one-GPU-per-rank instance type when on a GPU (the chart refuses
+    # dist.device=cuda on instanceType=cpu); the trainer settings stay the other sections'.
+    gpu = [] if cpu else ["--value=instanceType=g5.12xlarge"]
+    return (["--nodes=1", "--nproc-per-node=1", f"--inject=sigkill@{s_plan.fault_step}:rank=0", *gpu]
+            + [a for o in overrides for a in ("--set", o)])
+
+
+def section_in_job(s: Section) -> None:
     from ...checkpoint.nvrx import NVRX_VERSION
-    from ...resilience.accounting import JOB_START_ENV
-    from ...resilience.nvrx import QUIET_WARNINGS, RDZV_STORE_IN_NODE, RDZV_STORE_OUTSIDE
 
     p, r = s.plan, s.results
     fresh_dir(s.dir)
     fault = f"sigkill@{p.fault_step}:rank=0"
     r.update({"fault": fault, "nodes": 1, "nproc_per_node": 1, "preset": p.small_preset, "nvrx": NVRX_VERSION})
-    overrides = s.run_overrides(s.dir) + COMMON + ["resilience.in_process=false"]
-    job = LocalJob(nodes=1, nproc_per_node=1, run_dir=s.dir, resilience=load_config(None, overrides).resilience,
-                   trainer_args=[a for o in overrides for a in ("--set", o)] + ["--inject", fault])
-    write_ft_config(job)
-    # The node hosts its own rendezvous store, as the pod at the rendezvous endpoint does. The local
-    # launcher serves the store itself (is_host=false), which NVRx 0.7's rendezvous does not
-    # support: there the store host must be an agent, since it closes every round.
-    cmd = [(RDZV_STORE_IN_NODE if a == RDZV_STORE_OUTSIDE else a)
-           for a in agent_command(job, 0, free_port())]
+    # The pod the chart renders, run by the local cluster (processes on loopback: no root needed),
+    # so ft_launcher, the node agent and their flags are exactly a pod's. Without the chart extra
+    # (a GPU machine), the same job rendered ahead by scripts/gpu-wheels.
+    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", "--isolation=loopback", f"--run-dir={s.dir}",
+           "--max-pod-recreations=0"]
+    carried = Path(s.args.in_job_manifests) if getattr(s.args, "in_job_manifests", None) else None
+    if importlib.util.find_spec("helm_python") is None and carried is not None and carried.is_file():
+        cmd += [f"--manifests={carried}"]
+        r["rendered"] = f"ahead, by scripts/gpu-wheels ({carried.name})"
+    else:
+        cmd += in_job_flags(p, s.cpu, s.run_overrides(s.dir))
+        r["rendered"] = "here, from charts/resilient-fsdp with values/dev-cpu.yaml"
     log = s.work / f"{s.name}-runs.log"
-    code = run_logged(cmd, log, s.remaining() - 5, {JOB_START_ENV: repr(time.time()), "PYTHONWARNINGS": QUIET_WARNINGS})
+    code = run_logged(cmd, log, s.remaining() - 5)
     if code != 0:
-        raise RuntimeError(f"the ft_launcher node exited with code {code}: " + " | ".join(tail(log, 3)))
+        raise RuntimeError(f"the local job exited with code {code}: " + " | ".join(tail(log, 3)))
     _recovery_results(s, json.loads((s.dir / "summary.json").read_text()))
     if r["layer_seen"] != "in_job":
         raise RuntimeError(f"the fault was recovered by the {r['layer_seen']} layer, not in-job")
-    r["exercised"] = [f"ft_launcher (NVRx {NVRX_VERSION}) under the node wrapper (resilient_fsdp.resilience.agent), "
-                      "as a pod runs "
-                      "it, hosting its own rendezvous store, with " + ("CPU (gloo)" if s.cpu else "CUDA (NCCL)")
-                      + " workers", "the rank's death detected, the node's workers respawned after a new "
-                      "rendezvous, training resumed from the newest committed async checkpoint"]
-    r["not_exercised"] = ["several nodes (one machine, one GPU), and the local launcher's external rendezvous "
-                          "store (NVRx 0.4 only)", "hang detection by section timeouts (a crash only)"]
+    r["exercised"] = [f"the chart's pod command: the node agent (resilient_fsdp.resilience.agent) around ft_launcher "
+                      f"(NVRx {NVRX_VERSION}), hosting the rendezvous store as pod 0 does, with "
+                      + ("CPU (gloo)" if s.cpu else "CUDA (NCCL)") + " workers", "the rank's death detected, the "
+                      "node's workers respawned after a new rendezvous, training resumed from the newest committed "
+                      "async checkpoint"]
+    r["not_exercised"] = ["several pods (one machine, one GPU): the local cluster's tests run them on CPU",
+                          "hang detection by section timeouts (a crash only)"]
+
+
+def render_in_job(dest: Path) -> Path:
+    """Render the GPU in-job section's job for a machine without the chart extra (scripts/gpu-wheels)."""
+    import argparse as _argparse
+
+    from ...local import job as local_job
+    from ...deploy.chart import render
+
+    gpu = Section("in_job", _argparse.Namespace(cpu=False, tiny=False, work_dir="/fsx", budget_s=0.0))
+    flags = in_job_flags(GPU_PLAN, False, gpu.run_overrides(Path("/fsx")))
+    parser = _argparse.ArgumentParser()
+    local_job.add_arguments(parser)
+    args = parser.parse_args(flags + ["--run-dir", "/fsx"])
+    values = local_job.chart_values(args, Path("/fsx"), "loopback", mount_path="/fsx")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(render(values, release=args.release).text())
+    return dest
+
+
+if __name__ == "__main__":  # scripts/gpu-wheels: python -m resilient_fsdp.bench.gpu.restarts DEST
+    print(f"rendered the in-job section's job into {render_in_job(Path(sys.argv[1]))}")

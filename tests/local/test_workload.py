@@ -1,0 +1,230 @@
+"""What the local cluster reads from the rendered chart, and how it would run it (no processes).
+
+The pods' commands are the chart's, byte for byte: there is no hand-written copy of the pod
+command left in the package (the local cluster, the GPU check), and no local-only flag in it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.chart_support import VALUES_DIR
+from tests.support import REPO
+from resilient_fsdp.deploy.chart import load_values, render
+from resilient_fsdp.local import job as local_job
+from resilient_fsdp.resilience import exit_codes
+from resilient_fsdp.local.fault_requests import FaultExecutor, requests_dir
+from resilient_fsdp.local.runtimes import LoopbackRuntime, hidden_image_paths, quantity_bytes
+from resilient_fsdp.local.workload import RestartPolicy, WorkloadError, expand, pods_of
+from resilient_fsdp.resilience.agent import RENDEZVOUS_LOST_EXIT_CODE, exit_code, rendezvous_store_lost
+
+LOCAL = ["storage.type=existingClaim", "storage.existingClaim=local-run-dir", "trainer.run_dir=/fsx"]
+
+
+def rendered(*sets: str, release: str = "job"):
+    return render(load_values([VALUES_DIR / "dev-cpu.yaml"], [*LOCAL, *sets]), release=release)
+
+
+def test_each_pod_runs_the_rendered_container_with_the_operators_variables():
+    out = rendered("nodes=3", "cpuRanksPerNode=4")
+    spec = out.find("PyTorchJob")["spec"]["pytorchReplicaSpecs"]
+    workload = pods_of(out.documents())
+    assert [p.hostname for p in workload.pods] == ["job-resilient-fsdp-master-0", "job-resilient-fsdp-worker-0",
+                                                    "job-resilient-fsdp-worker-1"]
+    for pod, role in zip(workload.pods, ["Master", "Worker", "Worker"]):
+        (container,) = spec[role]["template"]["spec"]["containers"]
+        assert pod.argv == container["command"] + container["args"]  # exactly what the pod runs
+        assert not any("is_host" in a for a in pod.argv)
+        rendered_env = {e["name"]: e["value"] for e in container["env"]}
+        assert {k: pod.env[k] for k in rendered_env} == {**rendered_env, "PYTHONUNBUFFERED": "1"}
+        # training-operator v1.9.4 envvar.go / master.go
+        assert pod.env["MASTER_ADDR"] == pod.env["PET_MASTER_ADDR"] == "job-resilient-fsdp-master-0"
+        assert pod.env["MASTER_PORT"] == pod.env["PET_MASTER_PORT"] == "29400"  # the pytorchjob-port
+        assert pod.env["WORLD_SIZE"] == "12" and pod.env["PET_NNODES"] == "3" and pod.env["PET_NPROC_PER_NODE"] == "4"
+        assert pod.env["RANK"] == pod.env["PET_NODE_RANK"] == str(pod.index)
+        assert f"{pod.hostname}.default.svc.cluster.local" in pod.aliases
+        assert {m.path for m in pod.mounts} == {"/etc/resilient-fsdp", "/fsx", "/dev/shm", "/tmp"}
+        assert pod.volumes["dshm"].memory and not pod.volumes["tmp"].memory
+    assert workload.rendezvous == "job-resilient-fsdp-master-0:29400"
+    assert set(workload.config_maps["job-resilient-fsdp"]) == {"config.yaml", "ft_config.yaml"}
+    assert workload.restart == RestartPolicy("ExitCode", 3, None)
+    assert workload.finished({"job-resilient-fsdp-master-0"}) and not workload.finished({"job-resilient-fsdp-worker-0"})
+
+
+def test_no_hand_written_pod_command_is_left():
+    """The agent's command line is assembled in the chart only."""
+    package = REPO / "train" / "resilient_fsdp"
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        assert "is_host=false" not in text and "agent_command" not in text, path
+        assert not re.search(r'"--rdzv-endpoint=', text), path
+
+
+def test_elastic_jobs_get_the_elastic_variables_and_succeed_with_one_worker():
+    out = rendered("nodes=2", "elastic.enabled=true", "elastic.minNodes=1", "elastic.maxNodes=3")
+    workload = pods_of(out.documents())
+    assert [p.hostname for p in workload.pods] == ["job-resilient-fsdp-worker-0", "job-resilient-fsdp-worker-1"]
+    env = workload.pods[1].env
+    assert env["PET_RDZV_ENDPOINT"] == "job-resilient-fsdp-worker-0:29400" and env["PET_NNODES"] == "1:3"
+    assert env["PET_MAX_RESTARTS"] == "3" and "MASTER_ADDR" not in env and "RANK" not in env
+    assert workload.finished({"job-resilient-fsdp-worker-1"})
+
+
+def test_a_trainjob_is_refused_until_its_runtime_is_simulated():
+    with pytest.raises(WorkloadError, match="workload.kind=TrainJob: the local cluster runs PyTorchJob and JobSet only"):
+        pods_of(rendered("workload.kind=TrainJob").documents())
+
+
+def test_a_jobset_runs_its_pods_with_the_job_and_jobset_restart_rules():
+    """Pods as the Indexed Job names them; the Job's podFailurePolicy and backoffLimit, then the
+    JobSet's failurePolicy rules and maxRestarts (each restart recreates every pod)."""
+    workload = pods_of(rendered("workload.kind=JobSet", "nodes=2", "job.backoffLimit=1",
+                                "workload.jobSet.maxRestarts=1").documents())
+    first, second = workload.pods
+    assert (workload.kind, first.hostname, second.hostname) == ("JobSet", "job-resilient-fsdp-node-0-0",
+                                                                 "job-resilient-fsdp-node-0-1")
+    assert "job-resilient-fsdp-node-0-1.job-resilient-fsdp" in second.aliases
+    assert second.env["JOB_COMPLETION_INDEX"] == "1" and "MASTER_ADDR" not in second.env  # JobSet injects none
+    assert second.ranks == 2  # from the rendered --nproc-per-node: nothing injects PET_NPROC_PER_NODE
+    assert workload.rendezvous == "job-resilient-fsdp-node-0-0.job-resilient-fsdp"
+    assert "--rdzv-endpoint=job-resilient-fsdp-node-0-0.job-resilient-fsdp:29400" in first.argv
+    assert workload.finished({first.hostname}) is False and workload.finished({first.hostname, second.hostname})
+    policy = workload.restart
+    # A pod lost with its node (DisruptionTarget) is ignored: recreated, not counted.
+    assert policy.on_failure(first, 137, True, 1)[0] == "recreate" and policy.counted == {}
+    # Exit 1-127: FailJob -> the Job fails (PodFailurePolicy) -> FailJobSet.
+    action, why = policy.on_failure(first, 1, False, 1)
+    assert action == "fail" and "PodFailurePolicy" in why and "FailJobSet" in why
+    # 128-255 counts: within backoffLimit the pod is recreated, past it the JobSet restarts.
+    assert policy.on_failure(second, RENDEZVOUS_LOST_EXIT_CODE, False, 1)[0] == "recreate"
+    action, why = policy.on_failure(first, 137, False, 2)
+    assert action == "restart" and "BackoffLimitExceeded" in why and "restart 1 of maxRestarts: 1" in why
+    assert policy.counted == {}  # the new Jobs start with a fresh budget
+    policy.on_failure(first, 137, False, 3)
+    action, why = policy.on_failure(first, 137, False, 4)
+    assert action == "fail" and "ReachedMaxRestarts" in why
+
+
+def test_the_restart_policy_is_the_operators_not_the_docs():
+    exit_code_policy = RestartPolicy("ExitCode", 3)
+    assert exit_code_policy.retryable(137) and exit_code_policy.retryable(RENDEZVOUS_LOST_EXIT_CODE)
+    assert not exit_code_policy.retryable(1) and not exit_code_policy.retryable(127)
+    assert not exit_code_policy.fails_job(1000)  # v1.9.4: backoffLimit >= 1 never counts
+    assert RestartPolicy("ExitCode", 0).fails_job(1)  # 0: the first failure of any code
+    assert RestartPolicy("OnFailure", None).retryable(1) and not RestartPolicy("Never", None).retryable(137)
+
+
+def test_variables_expand_as_the_kubelet_expands_them():
+    env = {"A": "x", "B": "y"}
+    assert expand("$(A)-$(B)/$(C)/$$(A)", env) == "x-y/$(C)/$(A)"
+    assert quantity_bytes("1Gi") == 2**30 and quantity_bytes("512M") == 512 * 10**6
+
+
+def test_loopback_rewrites_names_and_paths_and_says_so(tmp_path):
+    out = rendered("nodes=2", f"storage.mountPath={tmp_path}", f"trainer.run_dir={tmp_path}")
+    workload = pods_of(out.documents())
+    runtime = LoopbackRuntime(workload, tmp_path, "t1", {"PATH": "/usr/bin"})
+    try:
+        argv, env = runtime.command(workload.pods[1], {"X": "1"})
+    finally:
+        runtime.close()
+    assert "--rdzv-endpoint=127.0.0.1:29400" in argv
+    assert f"--ft-cfg-path={tmp_path}/cluster/configmaps/config/ft_config.yaml" in argv
+    assert argv[-1] == f"--config={tmp_path}/cluster/configmaps/config/config.yaml"
+    assert "--rdzv-conf=join_timeout=300,is_host=false" in argv
+    assert env["PET_LOCAL_ADDR"] == "127.0.0.2" and env["MASTER_ADDR"] == "127.0.0.1" and env["X"] == "1"
+    assert env["TMPDIR"] == env["HOME"] and env["TMPDIR"].startswith(str(runtime.scratch))
+    assert (tmp_path / "cluster/configmaps/config/config.yaml").read_text().startswith("checkpoint:")
+
+
+def test_code_under_a_pod_volume_is_bound_back_into_the_pod():
+    assert hidden_image_paths(["/tmp/clone/.venv/bin", "/tmp/clone/train", "/usr/lib/python3", "/tmpx/a"],
+                              ["/tmp", "/fsx", "/dev/shm"]) == [("/tmp/clone", "/tmp")]
+
+
+def test_flags_become_chart_values(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  steps: 7\n")
+    args = argparse.Namespace(values_files=[], chart_values=["job.backoffLimit=0"], config=str(config),
+                              overrides=["seed=3", "resilience.in_process=true"], nodes=3, nproc_per_node=1,
+                              max_restarts=1, inject=["sigkill@5:rank=0"], rdzv_port=None)
+    values = local_job.chart_values(args, tmp_path, "netns")
+    assert values["nodes"] == 3 and values["cpuRanksPerNode"] == 1 and values["job"]["backoffLimit"] == 0
+    assert values["storage"]["type"] == "existingClaim" and values["trainer"]["run_dir"] == "/fsx"
+    assert values["trainer"]["train"] == {"steps": 7} and values["trainer"]["seed"] == 3
+    resilience = values["trainer"]["resilience"]  # dev-cpu's, then --set, then --max-restarts
+    assert resilience["in_process"] is True and resilience["max_restarts"] == 1 and resilience["init_timeout_s"] == 300
+    assert values["chaos"] == {"enabled": True, "inject": ["sigkill@5:rank=0"]}
+    assert values["instanceType"] == "cpu"  # values/dev-cpu.yaml, the default
+    loop = local_job.chart_values(args, tmp_path, "loopback", mount_path=str(tmp_path))
+    assert loop["storage"]["mountPath"] == str(tmp_path) and 1024 <= loop["rendezvous"]["port"] <= 65535
+
+
+class _Runtime:
+    """Records what the executor asks of the pods."""
+
+    def __init__(self):
+        self.calls = []
+
+    def kill(self, pod):
+        self.calls.append(("kill", pod.hostname))
+        return [1, 2, 3]
+
+    def partition(self, pod, seconds):
+        self.calls.append(("partition", pod.hostname, seconds))
+
+
+def test_fault_requests_are_carried_out_once_and_marked(tmp_path):
+    workload = pods_of(rendered("nodes=2").documents())
+    runtime, lost, said = _Runtime(), set(), []
+    executor = FaultExecutor(tmp_path, runtime, workload, said.append, lost)
+    folder = requests_dir(tmp_path)
+    folder.mkdir(parents=True)
+    requests = {"node-loss-step12-node0": {"kind": "node-loss", "node": 0, "step": 12, "for_s": None},
+                "partition-step28-node1": {"kind": "partition", "node": 1, "step": 28, "for_s": 20},
+                "partition-step30-node7": {"kind": "partition", "node": 7, "step": 30, "for_s": None}}
+    for name, body in requests.items():
+        (folder / f"{name}.json").write_text(json.dumps({**body, "rank": 0, "time": 1.0}))
+    done = executor.poll()
+    assert len(done) == 3 and executor.poll() == []
+    assert runtime.calls == [("kill", "job-resilient-fsdp-master-0"), ("partition", "job-resilient-fsdp-worker-0", 20)]
+    assert lost == {"job-resilient-fsdp-master-0"}
+    assert sorted(p.name for p in folder.iterdir()) == ["node-loss-step12-node0.done", "partition-step28-node1.done",
+                                                         "partition-step30-node7.failed"]
+    assert any("node 7 does not exist: the job has 2 pod(s)" in line for line in said)
+
+
+NVRX_07_LOST = ["2026-12-01 00:04:26,886 [ERROR] [job-worker-0] launcher.py:3750 Agent run ended with exception, "
+                "e=DistNetworkError('Failed to recv, got 0 bytes.'). Agent's exit code = 1\n"]
+NVRX_041_LOST = ["[ERROR] [ft_launcher8012@job-worker-0] Agent run ended with exception, e=RendezvousConnectionError("
+                 "'The connection to the C10d store has failed. See inner exception for details.'). Agent's exit "
+                 "code = 1\n"]
+
+
+def test_an_agent_that_lost_the_rendezvous_store_exits_retryably():
+    assert rendezvous_store_lost(1, NVRX_07_LOST) and rendezvous_store_lost(1, NVRX_041_LOST)
+    assert exit_code(1, None, NVRX_07_LOST) == RENDEZVOUS_LOST_EXIT_CODE == 200
+    # A rank's own network error (its peer died) is the in-job layer's: once its restarts are spent,
+    # the restarts-spent code (retried by the job level), not the lost-store one.
+    assert not rendezvous_store_lost(1, ["[default0]:RuntimeError: DistNetworkError: Connection reset\n"])
+    assert exit_code(1, None, ["[default0]:torch.distributed.DistNetworkError: x\n"]) == exit_codes.INFRASTRUCTURE
+    assert exit_code(0, None, NVRX_07_LOST) == 0 and exit_code(-9, None, NVRX_07_LOST) == 137
+
+
+def test_the_rendered_manifests_are_kept_with_the_run(tmp_path, capsys):
+    """``local`` writes what it rendered beside the run, and refuses a partition it cannot make."""
+    args = argparse.Namespace(values_files=[], chart_values=[], config=None, overrides=["train.steps=3"], nodes=2,
+                              nproc_per_node=1, max_restarts=None, inject=["partition@2:node=1"], rdzv_port=None,
+                              run_dir=str(tmp_path / "run"), isolation="loopback", release="t",
+                              max_recreations=3, verbose=False)
+    with pytest.raises(Exception, match="partition faults need --isolation netns"):
+        local_job.prepare(args)
+    args.inject = []
+    job, isolation, _ = local_job.prepare(args)
+    assert isolation == "loopback" and len(job.workload.pods) == 2
+    text = (Path(args.run_dir) / "cluster" / "manifests.yaml").read_text()
+    assert "kind: PyTorchJob" in text and "name: t-resilient-fsdp" in text

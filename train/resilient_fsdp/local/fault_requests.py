@@ -1,0 +1,83 @@
+"""The infrastructure faults a rank asks the local cluster for: ``node-loss`` and ``partition``.
+
+A rank cannot take its own pod's network down, nor kill its pod the way a lost machine dies
+(everything at once, the agent hosting the rendezvous store included). When such a fault fires,
+the rank writes a request, atomically, to ``<run_dir>/faults/requests/<kind>-step<S>-node<N>.json``
+(``{"kind", "node", "step", "for_s", "rank", "time"}``; the trainer finds the folder through
+``RESILIENT_FSDP_FAULT_REQUESTS``, which the local cluster sets in every pod). The launcher polls the
+folder, and :class:`FaultExecutor` carries each request out:
+
+- ``node-loss``: every process of pod N is killed at once (``Runtime.kill``); the workload
+  controller then sees the pod fail and recreates it with the same name;
+- ``partition``: pod N's link goes down, for ``for_s`` seconds or for good (netns only).
+
+A request carried out is renamed ``<name>.done``; one that could not be is renamed ``<name>.failed``
+with the reason printed. Whether a fault fires at all, once per job, is the trainer's ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from .. import atomic
+from .runtimes import Runtime
+from .workload import Workload, WorkloadError
+
+KINDS = ("node-loss", "partition")
+
+
+def requests_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "faults" / "requests"
+
+
+class FaultExecutor:
+    """Carries out the requests in ``<run_dir>/faults/requests`` on ``runtime``'s pods."""
+
+    def __init__(self, run_dir: Path, runtime: Runtime, workload: Workload, say: Callable[[str], None],
+                 lost: set[str]):
+        self.dir = requests_dir(run_dir)
+        self.runtime, self.workload, self.say, self.lost = runtime, workload, say, lost
+        self.executed: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        """Carry out every pending request; return what was done (also kept in ``executed``)."""
+        done = []
+        for path in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
+            try:
+                request = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # written atomically, so this is a request being replaced: next poll
+            try:
+                record = self.execute(request)
+                suffix = ".done"
+            except (WorkloadError, KeyError, ValueError, TypeError, OSError) as exc:
+                record = {**request, "error": str(exc)}
+                suffix = ".failed"
+                self.say(f"fault request {path.name} could not be carried out: {exc}")
+            atomic.rename(path, path.with_suffix(suffix))
+            done.append(record)
+        self.executed += done
+        return done
+
+    def execute(self, request: dict) -> dict:
+        kind, node = request["kind"], int(request["node"])
+        if kind not in KINDS:
+            raise ValueError(f"unknown infrastructure fault {kind!r} (the local cluster carries out {', '.join(KINDS)})")
+        if not 0 <= node < len(self.workload.pods):
+            raise ValueError(f"node {node} does not exist: the job has {len(self.workload.pods)} pod(s)")
+        pod = self.workload.pods[node]
+        t0 = time.time()
+        if kind == "node-loss":
+            self.lost.add(pod.hostname)
+            pids = self.runtime.kill(pod)
+            self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) lost, "
+                     f"{len(pids)} process(es) killed at once")
+        else:
+            seconds = request.get("for_s")
+            self.runtime.partition(pod, seconds)
+            self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) cut off from the "
+                     f"other pods " + (f"for {seconds:g} s" if seconds else "for good"))
+        return {**request, "executed_at": t0, "pod": pod.hostname}

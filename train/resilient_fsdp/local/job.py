@@ -1,0 +1,228 @@
+"""From ``resilient-fsdp local``'s flags to a running job: chart values, render, pods, launch.
+
+The flags are chart values (``-f VALUES``, default ``values/dev-cpu.yaml``, then):
+
+=============================  ===============================================================
+flag                           chart value
+=============================  ===============================================================
+``--nodes N``                  ``nodes``
+``--nproc-per-node P``         ``cpuRanksPerNode`` (``gpusPerNode`` on a GPU instance type)
+``--config FILE``, ``--set``   ``trainer.*`` (the trainer's own keys, checked as the trainer
+                               checks them)
+``--max-restarts N``           ``trainer.resilience.max_restarts``
+``--inject SPEC``              ``chaos.enabled=true``, ``chaos.inject`` (the chaos drill)
+``--run-dir DIR``              the shared volume: ``storage.type=existingClaim``, bound to DIR
+                               at ``storage.mountPath``; ``trainer.run_dir`` is the mount path
+``--rdzv-port P``              ``rendezvous.port``
+``--value KEY=V``              any other chart value, as ``helm --set``
+=============================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from ..config import ConfigError, load_config, parse_faults, parse_override
+from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, load_values, render
+from ..resilience.accounting import JOB_START_ENV
+from ..resilience.nvrx import QUIET_WARNINGS
+from ..resilience.faults import REQUESTS_ENV
+from . import jobset  # noqa: F401  (plugs the JobSet reader into workload.KINDS)
+from .fault_requests import requests_dir
+from .launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, free_port
+from .workload import WorkloadError, pods_of
+
+DEFAULT_VALUES = REPO_ROOT / "values" / "dev-cpu.yaml"
+LOCAL_CLAIM = "local-run-dir"
+"""The claim name the local run renders; the local cluster binds it to ``--run-dir``."""
+ISOLATIONS = ("netns", "loopback")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-f", "--values", dest="values_files", action="append", default=[], metavar="FILE",
+                   help=f"chart values file (repeatable; later files win); default "
+                        f"{DEFAULT_VALUES.relative_to(REPO_ROOT)}")
+    p.add_argument("--nodes", type=int, help="pods (simulated nodes): the chart's nodes; default: the values'")
+    p.add_argument("--nproc-per-node", type=int, help="trainer ranks per pod; default: the values'")
+    p.add_argument("--run-dir", required=True,
+                   help="the shared volume every pod mounts: logs, metrics, summary and checkpoints")
+    p.add_argument("--max-restarts", type=int,
+                   help="in-job restarts ft_launcher may make (trainer.resilience.max_restarts)")
+    p.add_argument("--max-pod-recreations", "--max-node-restarts", dest="max_recreations", type=int,
+                   default=DEFAULT_MAX_RECREATIONS,
+                   help="LOCAL SAFETY CAP, not an operator feature: pod recreations after which the local "
+                        "job fails (a PyTorchJob with restartPolicy ExitCode and backoffLimit >= 1 recreates "
+                        f"failed pods forever; job.backoffLimit=0 fails at the first failure); default "
+                        f"{DEFAULT_MAX_RECREATIONS}")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
+                   help="inject a fault once per job: the chaos drill (repeatable)")
+    p.add_argument("--isolation", choices=ISOLATIONS,
+                   help="netns: a network namespace per pod (default when root and available); loopback: "
+                        "processes on 127.0.0.x (the fallback)")
+    p.add_argument("--rdzv-port", type=int, help="rendezvous.port; default: the chart's (loopback: a free port)")
+    p.add_argument("--release", default=DEFAULT_RELEASE, help=f"release name (names the pods); default "
+                                                                f"{DEFAULT_RELEASE}")
+    p.add_argument("--value", dest="chart_values", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a chart value as helm --set does, e.g. --value job.backoffLimit=0 (repeatable)")
+    p.add_argument("--manifests", metavar="FILE",
+                   help="run these rendered manifests (resilient-fsdp render or helm template output) instead of "
+                        "rendering the chart: no chart, trainer or fault flags then")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
+    p.add_argument("--config", help="trainer configuration file (trainer.* values)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one trainer key, e.g. --set train.steps=50 (trainer.KEY; repeatable; applied last)")
+
+
+def choose_isolation(requested: Optional[str]) -> tuple[str, Optional[str]]:
+    """(mode, a notice or None): netns when root and network namespaces work, else loopback."""
+    from .netns import available
+
+    if requested == "loopback":
+        return "loopback", None
+    ok, reason = available()
+    if requested == "netns":
+        if not ok:
+            raise ConfigError(f"--isolation netns: {reason}")
+        return "netns", None
+    if ok:
+        return "netns", None
+    return "loopback", f"pods run as processes on loopback, not network namespaces: {reason}"
+
+
+def trainer_values(config_file: Optional[str], overrides: list[str]) -> dict:
+    """``--config FILE`` then ``--set`` as ``trainer`` values (each checked by the trainer first)."""
+    tree: dict = {}
+    if config_file:
+        tree = yaml.safe_load(Path(config_file).read_text()) or {}
+    for text in overrides:
+        key, value = parse_override(text)
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree
+
+
+def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_path: Optional[str] = None) -> dict:
+    """The values the local job renders with (see the module's table)."""
+    files = args.values_files or [DEFAULT_VALUES]
+    values = load_values(files, args.chart_values)
+    mount = mount_path or values.get("storage", {}).get("mountPath") or "/fsx"
+    forced: dict = {
+        "storage": {"type": "existingClaim", "existingClaim": LOCAL_CLAIM, "mountPath": mount,
+                    "fsx": {"subnetId": ""}, "fsxStatic": {"volumeHandle": ""}},
+        "trainer": deep_merge(trainer_values(args.config, args.overrides), {"run_dir": mount}),
+    }
+    if args.nodes is not None:
+        forced["nodes"] = args.nodes
+    if args.nproc_per_node is not None:
+        merged = deep_merge(yaml.safe_load((chart_dir() / "values.yaml").read_text()), values)
+        instance = (merged.get("instanceTypes") or {}).get(merged.get("instanceType")) or {}
+        forced["gpusPerNode" if instance.get("gpus") else "cpuRanksPerNode"] = args.nproc_per_node
+    if args.max_restarts is not None:
+        forced["trainer"] = deep_merge(forced["trainer"], {"resilience": {"max_restarts": args.max_restarts}})
+    chaos = list(values.get("chaos", {}).get("inject") or []) + list(args.inject)
+    if chaos:
+        forced["chaos"] = {"enabled": True, "inject": chaos}
+    if args.rdzv_port is not None:
+        forced["rendezvous"] = {"port": args.rdzv_port}
+    elif isolation == "loopback":
+        forced["rendezvous"] = {"port": free_port()}
+    return deep_merge(values, forced)
+
+
+def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
+    """Check the flags, render the chart, read its pods: (job, isolation, notice)."""
+    for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}={value}: must be at least 1")
+    for flag, value in (("--max-restarts", args.max_restarts), ("--max-pod-recreations", args.max_recreations)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{flag}={value}: must be 0 or more")
+    # The trainer's own checks first, with its messages: a typo should not cost a render.
+    config_path = str(Path(args.config).resolve()) if args.config else None
+    load_config(config_path, list(args.overrides))
+    run_dir = Path(args.run_dir).resolve()
+    isolation, notice = choose_isolation(args.isolation)
+    if getattr(args, "manifests", None):
+        shaping = [flag for flag, given in (("-f", args.values_files), ("--value", args.chart_values),
+                                            ("--set", args.overrides), ("--config", args.config),
+                                            ("--inject", args.inject), ("--nodes", args.nodes is not None),
+                                            ("--nproc-per-node", args.nproc_per_node is not None),
+                                            ("--max-restarts", args.max_restarts is not None),
+                                            ("--rdzv-port", args.rdzv_port is not None)) if given]
+        if shaping:
+            raise ConfigError(f"--manifests runs what was rendered; {', '.join(shaping)} would need a new render: "
+                              "render with them, or leave --manifests out")
+        documents = [d for d in yaml.safe_load_all(Path(args.manifests).read_text()) if d]
+        values: dict = {}
+        text = Path(args.manifests).read_text()
+    else:
+        values = chart_values(args, run_dir, isolation, mount_path=str(run_dir) if isolation == "loopback" else None)
+        rendered = render(values, release=args.release)
+        documents, text = rendered.documents(), rendered.text()
+    workload = pods_of(documents)
+    # The trainer configuration the pods will load, checked as the trainer checks it.
+    maps = [d for d in documents if d.get("kind") == "ConfigMap"]
+    cfg_text = (maps[0].get("data") or {}).get("config.yaml", "") if maps else ""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(cfg_text)
+    try:
+        cfg = load_config(f.name, [])
+    finally:
+        os.unlink(f.name)
+    nproc = workload.pods[0].ranks
+    chaos = [a.split("=", 1)[1] for a in workload.pods[0].argv if a.startswith("--inject=")]
+    specs = parse_faults(list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc,
+                         nodes=len(workload.pods))
+    if isolation == "loopback" and any(s.kind == "partition" for s in specs):
+        raise ConfigError("partition faults need --isolation netns (root): on loopback no pod has a network link "
+                          "of its own to cut")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "cluster").mkdir(exist_ok=True)
+    (run_dir / "cluster" / "manifests.yaml").write_text(text)
+    job = LocalJob(workload=workload, run_dir=run_dir, max_recreations=args.max_recreations, verbose=args.verbose)
+    job.extra_env = {JOB_START_ENV: repr(time.time())}
+    if notice:
+        job.notes.append(notice)
+    return job, isolation, notice
+
+
+def local_env(job: LocalJob, pod_requests: str) -> dict[str, str]:
+    """What the local cluster adds to every pod's environment, beside the operator's variables."""
+    env = dict(job.extra_env)
+    env[REQUESTS_ENV] = pod_requests
+    env["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), QUIET_WARNINGS) if w)
+    return env
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        job, isolation, _ = prepare(args)
+    except WorkloadError as exc:
+        raise ConfigError(str(exc)) from None
+    from .runtimes import LoopbackRuntime, NetnsRuntime
+    from .run_state import new_run_id
+
+    host_env = dict(os.environ)
+    if isolation == "netns":
+        mount = next(m.path for m in job.workload.pods[0].mounts
+                     if job.workload.pods[0].volumes[m.volume].kind == "persistentVolumeClaim")
+        runtime = NetnsRuntime(job.workload, job.run_dir, None, host_env, shared_mount=mount)
+    else:
+        runtime = LoopbackRuntime(job.workload, job.run_dir, new_run_id(), host_env)
+    try:
+        job.extra_env = local_env(job, runtime.pod_path(requests_dir(job.run_dir)))
+        return LocalLauncher(job, runtime).run()
+    finally:
+        runtime.close()
+

@@ -1,0 +1,143 @@
+"""The JobSet reader of the local cluster: its pods, and the restart rules of its Jobs and itself.
+
+After JobSet v0.12.0 (``jobset.x-k8s.io/v1alpha2``) and the batch/v1 Job controller:
+
+- each replicated Job ``<jobset>-<rjob>-<j>`` (``replicas`` of them) runs ``completions`` pods in
+  Indexed mode; pod ``p``'s hostname is ``<jobset>-<rjob>-<j>-<p>``, under the headless Service
+  ``<subdomain>`` (default: the JobSet's name), so ``<hostname>.<subdomain>`` resolves; the Job
+  controller adds ``JOB_COMPLETION_INDEX``; JobSet itself injects no variables;
+- a failed pod goes through its Job's ``podFailurePolicy`` rules in order (``Ignore`` on the
+  ``DisruptionTarget`` condition a pod lost with its node gets; ``FailJob`` on exit codes ``In``
+  / ``NotIn`` a list; ``Count``); a counted failure past ``backoffLimit`` fails the Job
+  (``BackoffLimitExceeded``), ``FailJob`` fails it with ``PodFailurePolicy``; otherwise the Job
+  creates the pod again, with the same hostname;
+- a failed Job goes through the JobSet's ``failurePolicy.rules`` in order (the first whose
+  ``onJobFailureReasons`` is empty or names the reason): ``FailJobSet`` fails the JobSet,
+  ``RestartJobSet`` recreates every pod of every Job (counting towards ``maxRestarts``; past it the
+  JobSet fails with ``ReachedMaxRestarts``), ``RestartJobSetAndIgnoreMaxRestarts`` without
+  counting; no rule matching means ``RestartJobSet``; no ``failurePolicy`` fails the JobSet at the
+  first failed Job (``FailedJobs``);
+- the JobSet succeeds when every Job has (``successPolicy`` All, the default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .workload import (KINDS, Pod, RestartPolicy, Workload, WorkloadError, _container_env, _mounts, _volumes,
+                       service_names)
+
+JOBSET_CONTAINER = "node"
+
+
+@dataclass
+class JobSetPolicy(RestartPolicy):
+    """The Job's pod failure policy and backoff, then the JobSet's failure policy (stateful: it
+    counts each Job's failures and the JobSet's restarts)."""
+
+    pod_rules: list = field(default_factory=list)
+    """The Job's ``podFailurePolicy.rules``, as rendered."""
+    jobset_rules: Optional[list] = None
+    """The JobSet's ``failurePolicy.rules``; None when it has no ``failurePolicy``."""
+    max_restarts: int = 0
+    job_of: dict = field(default_factory=dict)
+    """Pod hostname -> its Job's name."""
+    counted: dict = field(default_factory=dict)
+    """Job name -> failures counted against ``backoffLimit`` since the last whole restart."""
+    restarts: int = 0
+    """Whole-JobSet restarts that counted towards ``maxRestarts``."""
+
+    def _pod_rule(self, container: str, code: int, lost: bool) -> Optional[str]:
+        for rule in self.pod_rules:
+            on_codes = rule.get("onExitCodes")
+            if on_codes is not None:
+                if on_codes.get("containerName") not in (None, container) or lost:
+                    continue
+                listed = code in [int(v) for v in on_codes.get("values") or []]
+                if listed == (on_codes.get("operator", "In") == "In"):
+                    return rule["action"]
+            elif lost and any(c.get("type") == "DisruptionTarget" and str(c.get("status", "True")) == "True"
+                              for c in rule.get("onPodConditions") or []):
+                return rule["action"]
+        return None
+
+    def on_failure(self, pod: Pod, code: int, lost: bool, failures: int) -> tuple[str, str]:
+        job = self.job_of[pod.hostname]
+        action = self._pod_rule(pod.container, code, lost)
+        if action == "Ignore":
+            return "recreate", (f"ignored by Job {job}'s podFailurePolicy (not counted"
+                                + (": DisruptionTarget, lost with its node" if lost else "") + "); the Job creates it again")
+        if action == "FailJob":
+            return self._job_failed(job, "PodFailurePolicy", f"exit code {code} matches a FailJob rule of its podFailurePolicy")
+        self.counted[job] = self.counted.get(job, 0) + 1
+        limit = self.backoff_limit if self.backoff_limit is not None else 6  # the Job API's default
+        if self.counted[job] > limit:
+            return self._job_failed(job, "BackoffLimitExceeded", f"{self.counted[job]} counted pod failures, past "
+                                                                 f"backoffLimit: {limit}")
+        return "recreate", (f"counted by Job {job} ({self.counted[job]} of backoffLimit: {limit}); the Job creates it "
+                            "again with the same name")
+
+    def _job_failed(self, job: str, reason: str, detail: str) -> tuple[str, str]:
+        what = f"Job {job} failed ({reason}: {detail})"
+        if self.jobset_rules is None:
+            return "fail", f"{what}; the JobSet has no failurePolicy: it fails (FailedJobs)"
+        rule = next((r for r in self.jobset_rules
+                     if not r.get("onJobFailureReasons") or reason in r["onJobFailureReasons"]), None)
+        name, action = (rule.get("name", "?"), rule["action"]) if rule else ("(none matched)", "RestartJobSet")
+        if action == "FailJobSet":
+            return "fail", f"{what}; JobSet failurePolicy rule {name}: FailJobSet: the JobSet fails (FailJobSetFailurePolicyAction)"
+        if action == "RestartJobSet" and self.restarts >= self.max_restarts:
+            return "fail", (f"{what}; JobSet failurePolicy rule {name}: RestartJobSet, but {self.restarts} of maxRestarts: "
+                            f"{self.max_restarts} are spent: the JobSet fails (ReachedMaxRestarts)")
+        if action not in ("RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"):
+            raise WorkloadError(f"JobSet failurePolicy rule {name}: action {action} is not simulated locally "
+                                "(FailJobSet, RestartJobSet, RestartJobSetAndIgnoreMaxRestarts are)")
+        if action == "RestartJobSet":
+            self.restarts += 1
+        self.counted.clear()  # the Jobs are created again, with a fresh backoff budget
+        return "restart", (f"{what}; JobSet failurePolicy rule {name}: {action}: every pod of every Job is deleted and "
+                           f"created again (restart {self.restarts} of maxRestarts: {self.max_restarts})")
+
+
+def read_jobset(doc: dict) -> Workload:
+    name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
+    spec = doc["spec"]
+    subdomain = (spec.get("network") or {}).get("subdomain") or name
+    replicated = spec.get("replicatedJobs") or []
+    if len(replicated) != 1:
+        raise WorkloadError(f"JobSet {name}: {len(replicated)} replicatedJobs; the local cluster runs one")
+    rjob = replicated[0]
+    job_spec = rjob["template"]["spec"]
+    template = job_spec["template"]
+    containers = template.get("spec", {}).get("containers") or []
+    if not containers:
+        raise WorkloadError(f"JobSet {name}: replicatedJob {rjob['name']} has no containers")
+    c = next((c for c in containers if c.get("name") == JOBSET_CONTAINER), containers[0])
+    policy = spec.get("failurePolicy")
+    restart = JobSetPolicy(template.get("spec", {}).get("restartPolicy", "Never"), job_spec.get("backoffLimit"),
+                           job_spec.get("activeDeadlineSeconds"),
+                           pod_rules=list((job_spec.get("podFailurePolicy") or {}).get("rules") or []),
+                           jobset_rules=None if policy is None else list(policy.get("rules") or []),
+                           max_restarts=int((policy or {}).get("maxRestarts", 0)))
+    pods = []
+    completions = int(job_spec.get("completions", job_spec.get("parallelism", 1)))
+    for j in range(int(rjob.get("replicas", 1))):
+        job = f"{name}-{rjob['name']}-{j}"
+        for p in range(completions):
+            hostname = f"{job}-{p}"
+            env = _container_env(c, f"JobSet {name} {rjob['name']}")
+            env.pop("JOB_COMPLETION_INDEX", None)
+            env["JOB_COMPLETION_INDEX"] = str(p)
+            restart.job_of[hostname] = job
+            pods.append(Pod(hostname=hostname, index=len(pods), role=rjob["name"], container=c["name"],
+                            command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
+                            mounts=_mounts(c), volumes=_volumes(template.get("spec", {})),
+                            aliases=[f"{hostname}.{subdomain}"] + service_names(f"{hostname}.{subdomain}", namespace)))
+    if not pods:
+        raise WorkloadError(f"JobSet {name}: no pods")
+    # Pod 0's stable name under the JobSet's Service: the host its agent's rendezvous endpoint names.
+    return Workload("JobSet", name, namespace, pods, {}, restart, f"{pods[0].hostname}.{subdomain}", "all")
+
+
+KINDS["JobSet"] = read_jobset  # importing this module (resilient_fsdp.local.job does) plugs the reader in
