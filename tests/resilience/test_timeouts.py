@@ -4,7 +4,7 @@ raised to what the restarted job configures. Real jobs under ft_launcher (gloo o
 
 from __future__ import annotations
 
-from resilient_fsdp.checkpoint.engines import FAULT_WRITER_ENV
+from resilient_fsdp.checkpoint.engine_base import FAULT_WRITER_ENV
 from tests.support import assert_no_leftovers, read_events, read_summary, run_local
 
 # Timeouts are learned after 4 steps from millisecond gaps: before configured values were floors,
