@@ -74,14 +74,18 @@ class Runtime:
     # -- volumes ---------------------------------------------------------------------------------
 
     def write_config_maps(self, transform=lambda text: text) -> None:
-        """Each ConfigMap volume's files, once: ``<run_dir>/cluster/configmaps/<volume>/``."""
+        """Each ConfigMap volume's files, once per run (every pod mounts the same copy):
+        ``<run_dir>/cluster/configmaps/<volume>/``. A copy left by an earlier run in the same run
+        directory is replaced: this run's rendered values win (a resumed run drops a stop step)."""
+        written: set[str] = set()
         for pod in self.workload.pods:
             for volume in pod.volumes.values():
-                if volume.kind != "configMap":
+                if volume.kind != "configMap" or volume.name in written:
                     continue
+                written.add(volume.name)
                 target = self.cluster_dir / "configmaps" / volume.name
                 if target.exists():
-                    continue
+                    shutil.rmtree(target)
                 data = self.workload.config_maps[volume.source["name"]]
                 items = volume.source.get("items") or [{"key": k, "path": k} for k in data]
                 for item in items:
