@@ -127,7 +127,9 @@ def test_variables_expand_as_the_kubelet_expands_them():
 def test_loopback_rewrites_names_and_paths_and_says_so(tmp_path):
     out = rendered("nodes=2", f"storage.mountPath={tmp_path}", f"trainer.run_dir={tmp_path}")
     workload = pods_of(out.documents())
-    runtime = LoopbackRuntime(workload, tmp_path, "t1", {"PATH": "/usr/bin"})
+    # This machine's own variables are the image: a checkout under /tmp (a pod mount path) stays put.
+    runtime = LoopbackRuntime(workload, tmp_path, "t1", {"PATH": "/tmp/clone/.venv/bin:/usr/bin",
+                                                         "PYTHONPATH": "/tmp/clone/train"})
     try:
         argv, env = runtime.command(workload.pods[1], {"X": "1"})
     finally:
@@ -138,6 +140,7 @@ def test_loopback_rewrites_names_and_paths_and_says_so(tmp_path):
     assert "--rdzv-conf=join_timeout=300,is_host=false" in argv
     assert env["PET_LOCAL_ADDR"] == "127.0.0.2" and env["MASTER_ADDR"] == "127.0.0.1" and env["X"] == "1"
     assert env["TMPDIR"] == env["HOME"] and env["TMPDIR"].startswith(str(runtime.scratch))
+    assert env["PYTHONPATH"] == "/tmp/clone/train" and env["PATH"].endswith(":/tmp/clone/.venv/bin:/usr/bin")
     assert (tmp_path / "cluster/configmaps/config/config.yaml").read_text().startswith("checkpoint:")
 
 

@@ -311,7 +311,11 @@ class LoopbackRuntime(Runtime):
         paths.sort(key=lambda p: -len(p[0]))
         argv = [self._rewrite(a, paths) for a in pod.argv]
         argv = _with_is_host(argv, pod.index == 0)
-        env = {k: self._rewrite(v, paths) for k, v in self.environment(pod, extra_env).items()}
+        # Only what the pod's spec and the cluster set is rewritten: this machine's own variables
+        # (PATH, PYTHONPATH: the image) are host paths already, and a checkout under /tmp, a
+        # mount path, must stay where it is.
+        rendered = set(pod.env) | set(extra_env)
+        env = {k: self._rewrite(v, paths) if k in rendered else v for k, v in self.environment(pod, extra_env).items()}
         env["PET_LOCAL_ADDR"] = self.addresses[pod.hostname]
         if tmp:
             env["TMPDIR"] = tmp
