@@ -17,7 +17,7 @@ COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=2", "train.log_ever
           "resilience.in_process=true", "resilience.in_process_max_iterations=2", "resilience.max_restarts=1",
           # No fault here is a hang: long soft and hard timeouts keep a rank starved of CPU on a
           # loaded machine from spending the in-process budget before the faults do.
-          "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=60", "resilience.in_process_hard_timeout_s=120",
+          "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=60", "resilience.in_process_hard_timeout_s=100",
           "resilience.in_process_heartbeat_timeout_s=60", "resilience.in_process_barrier_timeout_s=180",
           "resilience.step_timeout_s=180"]
 # exception@4: in-process restart 1; exception@7: the process's in-process budget is spent, so the
