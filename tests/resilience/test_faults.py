@@ -80,7 +80,7 @@ def test_new_kinds_in_one_job_with_node_faults_executed_by_the_cluster(tmp_path,
         assert set(request) == {"kind", "node", "step", "for_s", "rank", "time"}
         assert request["node"] == node and request["rank"] % 2 == 0  # the node's local rank 0
         assert request["for_s"] == (0.5 if node == 0 else None)
-    assert "fault node-loss at step 6: node1 (resilient-fsdp-worker-0) lost" in summary["_output"]
+    assert "fault node-loss at step 6: node1 (resilient-fsdp-worker-0) lost" in summary["_stdout"]
     check_recoveries(summary, ["job", "in_job", "in_job"])
     node_loss, during_save, hang = summary["recoveries"]
     assert node_loss["request"].endswith("node-loss-step6-node1.json")

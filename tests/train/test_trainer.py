@@ -47,7 +47,11 @@ def test_run_dir_holds_resolved_config_metrics_and_summary(twin_runs):
     assert all(r["tokens"] == 2 * 4 * 64 and r["step_time_s"] > 0 for r in records)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["train"]["steps"] == STEPS and config["seed"] == 11
-    assert config["run_dir"] == str(run_dir)
+    # The pod's own view of the run directory: /fsx inside its mount namespace (netns pods), the
+    # path on this machine where pods share its filesystem (loopback).
+    from resilient_fsdp.local.netns import available
+
+    assert config["run_dir"] == ("/fsx" if available()[0] else str(run_dir))
 
 
 def test_different_seed_gives_different_parameters(twin_runs, tmp_path):

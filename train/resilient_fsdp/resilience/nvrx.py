@@ -23,6 +23,9 @@
   node at its next round, would fail with ``RendezvousClosedError``: the job could never recover.
   ``python -m resilient_fsdp.resilience.nvrx ARGS`` is ``ft_launcher`` with that closing left out
   (:func:`keep_rendezvous_open`); the node agent runs it. A stop by a signal never closed it.
+  On 0.4 the same hook keeps pod 0's ``ft_launcher``, the store host, from waiting out
+  ``exit_barrier_timeout`` (300 s) for the other nodes to leave a rendezvous they stay in when
+  its ranks failed or were stopped; 0.7 leaves without that wait.
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
@@ -228,6 +231,12 @@ def keep_rendezvous_open(launcher_module) -> str:
         original = agent.clean_rdzv_shutdown
 
         def clean_rdzv_shutdown(self, close):
+            if self.any_rank_failed():
+                # The store host waits up to exit_barrier_timeout (300 s) for every other node to
+                # leave the rendezvous, but after a failure or a stop they stay in it for the next
+                # round: pod 0 would linger 5 minutes before its replacement could start. Its
+                # peers lose the store instead and are retried (agent.RENDEZVOUS_LOST).
+                self._is_store_host = False
             return original(self, close=False)
 
         agent.clean_rdzv_shutdown = clean_rdzv_shutdown
