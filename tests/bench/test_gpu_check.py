@@ -60,12 +60,13 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     assert "device_memory_flat_during_save" not in c
 
     e = sections["exact_resume"]["results"]
-    assert e["resumed_from_step"] == 20 and e["steps_compared"] == 40
+    plan = section.TINY_PLAN
+    assert e["resumed_from_step"] == plan.stop_step and e["steps_compared"] == plan.run_steps
     assert e["bitwise_equal"] and e["losses_equal"] and e["max_abs_loss_diff"] == 0
 
     for name, layer in (("in_process", "in_process"), ("in_job", "in_job")):
         r = sections[name]["results"]
-        assert r["layer_seen"] == layer and r["recovery_s"] > 0 and r["final_step"] == 40
+        assert r["layer_seen"] == layer and r["recovery_s"] > 0 and r["final_step"] == plan.run_steps
         assert r["equal_to_fault_free"] is True, r  # bitwise equal to exact_resume's straight run
         assert r["not_exercised"]
     assert "needs CUDA" in sections["in_process"]["results"]["skipped"]["nccl_abort"]

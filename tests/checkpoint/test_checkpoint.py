@@ -27,7 +27,7 @@ def test_round_trip_is_bitwise_and_holds_the_state_of_its_step(tmp_path, mode):
     assert report["equal"] == {k: True for k in ("model", "optim", "lr_scheduler", "trainer", "data", "rng")}
 
 
-@pytest.mark.parametrize("mode", ["async", "torch-async"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("torch-async", marks=pytest.mark.extended)])
 def test_image_nvrx_version_round_trip(tmp_path, nvrx_lane, mode):
     """The same checks against the NVRx version the image ships (constraints-image.txt)."""
     expected = (REPO / "constraints-image.txt").read_text().split("nvidia-resiliency-ext==")[1].split()[0]
@@ -36,7 +36,7 @@ def test_image_nvrx_version_round_trip(tmp_path, nvrx_lane, mode):
     assert report["equal"] == {k: True for k in ("model", "optim", "lr_scheduler", "trainer", "data", "rng")}
 
 
-@pytest.mark.parametrize("lane", ["pinned", "image"])
+@pytest.mark.parametrize("lane", [pytest.param("pinned", marks=pytest.mark.extended), "image"])
 def test_a_cached_plan_writes_checkpoints_that_load_bitwise_and_a_changed_structure_invalidates_it(tmp_path, request,
                                                                                                    lane):
     """Issue 19: the plan cache (an explicit CheckpointMetadataCache) is validated at the second save
@@ -62,7 +62,8 @@ def uninterrupted(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("mode", MODES)
+# The asynchronous NVRx engine (the default) in CI; the other engines in the extended tier.
+@pytest.mark.parametrize("mode", [m if m == "async" else pytest.param(m, marks=pytest.mark.extended) for m in MODES])
 def test_stopped_and_resumed_run_equals_an_uninterrupted_one(tmp_path, uninterrupted, mode):
     common = ["train.steps=16", f"checkpoint.mode={mode}"]
     first = run_local(tmp_path, nodes=1, nproc=2, overrides=common + ["train.stop_at_step=8"])

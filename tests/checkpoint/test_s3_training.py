@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.support import REPO, _env, assert_no_leftovers, processes_of, read_events, read_summary, run_local, run_trainer
+from tests.support import (REPO, _env, assert_no_leftovers, netns_required, processes_of, read_events, read_summary,
+                           run_local, run_trainer)
 from resilient_fsdp.checkpoint.s3 import client as s3_client
 from resilient_fsdp.checkpoint.s3 import remote as s3_remote
 
@@ -51,11 +52,14 @@ class Background:
         return out, err
 
 
+@pytest.mark.timeout(300)
 def test_every_rank_uploads_its_files_once_and_a_fresh_cluster_restores_it_split_across_ranks(tmp_path, s3):
     # With versioning on, a file uploaded twice would leave two versions behind.
     s3.client.put_bucket_versioning(Bucket=s3.bucket, VersioningConfiguration={"Status": "Enabled"})
     common = CKPT + s3.overrides("job") + ["checkpoint.s3.keep_last=2"]
-    first = run_local(tmp_path / "a", nodes=2, nproc=2, overrides=common)
+    # The S3 server listens on this machine's loopback, which a pod in its own network namespace
+    # cannot reach (its 127.0.0.1 is its own): these pods share this machine's network.
+    first = run_local(tmp_path / "a", nodes=2, nproc=2, overrides=common, isolation="loopback")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     status = read_summary(tmp_path / "a")["s3"]
     assert status["uploaded"] == [4, 8, 12] and status["deleted"] == [4], status
@@ -80,7 +84,7 @@ def test_every_rank_uploads_its_files_once_and_a_fresh_cluster_restores_it_split
 
     # A new, smaller cluster (2 nodes x 1 rank): an empty checkpoint.dir, the same S3 prefix. Each
     # rank downloads its share and rank 0 commits; the DCP checkpoint is resharded from 4 ranks to 2.
-    second = run_local(tmp_path / "b", nodes=2, nproc=1, overrides=common)
+    second = run_local(tmp_path / "b", nodes=2, nproc=1, overrides=common, isolation="loopback")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert second.stdout.count("restoring step 12 from s3://") == 1 and "resumed from step 12" in second.stdout
     assert "resharded from world size 4 to 2" in second.stdout
@@ -167,3 +171,15 @@ def test_a_missing_bucket_stops_the_job_before_training_with_the_key_named(tmp_p
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"checkpoint.s3.uri='s3://{s3.bucket}-missing/x': bucket '{s3.bucket}-missing' does not exist" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists() or not read_events(tmp_path, "step")
+
+
+def test_a_loopback_endpoint_is_refused_for_pods_in_network_namespaces(tmp_path, s3):
+    """Before any process starts, naming the key and the fix: a pod's loopback is its own."""
+    netns_required()
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=1, nproc=1, overrides=CKPT + s3.overrides("x"), isolation="netns", timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"checkpoint.s3.endpoint_url={s3.endpoint} is this machine's loopback" in proc.stderr
+    assert "--isolation loopback" in proc.stderr
+    assert not (run_dir / "logs").exists()
+    assert_no_leftovers(run_dir)

@@ -103,7 +103,8 @@ NAN_MODEL = """
 """
 
 
-@pytest.mark.parametrize("in_process,lane", [(False, "pinned"), (True, "pinned"), (True, "image")],
+@pytest.mark.parametrize("in_process,lane", [(False, "pinned"), pytest.param(True, "pinned", marks=pytest.mark.extended),
+                                             (True, "image")],
                          ids=["in-job", "in-process", "in-process-nvrx07"])
 def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugin_dir, in_process, lane):
     """A missing data file (in-job only) or a NaN loss (in-process restart on, on both NVRx lanes):

@@ -15,14 +15,14 @@ from tests.support import assert_no_leftovers, netns_required, run_local
 # Faults that need their own job: their recovery is asserted in detail below.
 CASES = [
     # fault, the layer expected to recover it
-    ("sigkill-during-save@10:rank=0", "in_job"),
+    pytest.param("sigkill-during-save@10:rank=0", "in_job", marks=pytest.mark.extended),
     ("sigterm@10:node=0", "job"),
     # node-loss@10:node=0: tests/local/test_jobset.py, as a PyTorchJob and as a JobSet.
 ]
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("spec,layer", CASES, ids=[s.split("@")[0] for s, _ in CASES])
+@pytest.mark.parametrize("spec,layer", CASES, ids=["sigkill-during-save", "sigterm"])
 def test_fault_is_recovered_bitwise(tmp_path, reference_2x2, spec, layer):
     run_dir = tmp_path / "run"
     summary = run_with_faults(run_dir, [spec], reference_2x2, timeout=300)
@@ -47,7 +47,8 @@ def test_fault_is_recovered_bitwise(tmp_path, reference_2x2, spec, layer):
 # must be recovered by the layer named, and the job must still end bitwise equal.
 MULTI = [
     # faults, extra overrides, the layer expected for each fault
-    (["exception@6:rank=0", "hang@12:rank=0", "sigkill@18:rank=0"], [], ["in_job", "in_job", "in_job"]),
+    pytest.param(["exception@6:rank=0", "hang@12:rank=0", "sigkill@18:rank=0"], [], ["in_job", "in_job", "in_job"],
+                 marks=pytest.mark.extended),
     # In-process restart on: a process-killing fault in between goes to the in-job restart, which
     # respawns every rank (new processes, whose nodes' restart counts differ), and the next fault
     # is again recovered in-process; rank 1's peers block inside the loss all-reduce.
@@ -63,6 +64,7 @@ def test_faults_in_one_job_are_each_recovered_by_their_layer(tmp_path, reference
     check_recoveries(summary, layers)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(460)
 def test_new_kinds_in_one_job_with_node_faults_executed_by_the_cluster(tmp_path, reference_2x2):
     """node-loss, partition, sigkill-during-save and hang-in-collective in one job; the ranks ask the
@@ -101,6 +103,7 @@ def test_a_partition_is_refused_before_any_process_starts_where_nothing_executes
     assert_no_leftovers(run_dir)
 
 
+@pytest.mark.extended
 def test_too_many_faults_fail_with_the_last_fault_named(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON,

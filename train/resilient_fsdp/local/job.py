@@ -21,9 +21,11 @@ flag                           chart value
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Optional
 
@@ -187,6 +189,11 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     if isolation == "loopback" and any(s.kind == "partition" for s in specs):
         raise ConfigError("partition faults need --isolation netns (root): on loopback no pod has a network link "
                           "of its own to cut")
+    endpoint = cfg.checkpoint.s3.endpoint_url if cfg.checkpoint.s3.uri else None
+    if isolation == "netns" and endpoint and _is_loopback(endpoint):
+        raise ConfigError(f"checkpoint.s3.endpoint_url={endpoint} is this machine's loopback, which a pod in its own "
+                          "network namespace cannot reach (its loopback is its own): run with --isolation loopback, "
+                          "or give an address the pods can reach")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "cluster").mkdir(exist_ok=True)
     (run_dir / "cluster" / "manifests.yaml").write_text(text)
@@ -195,6 +202,16 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     if notice:
         job.notes.append(notice)
     return job, isolation, notice
+
+
+def _is_loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def local_env(job: LocalJob, pod_requests: str) -> dict[str, str]:

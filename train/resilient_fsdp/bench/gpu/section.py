@@ -41,7 +41,9 @@ class Plan:
 
 
 GPU_PLAN = Plan("1b", 2048, 4, 10, 300, 60.0, "125m", 512, 8, lr=3e-4)
-TINY_PLAN = Plan("tiny", 64, 4, 3, 60, 20.0, "tiny", 64, 4, lr=None, checkpoint_presets=("tiny", "8b"))
+# The rehearsal only has to run every code path, in CI time: few steps, one measured save.
+TINY_PLAN = Plan("tiny", 64, 4, 3, 20, 6.0, "tiny", 64, 4, lr=None, run_steps=12, interval_steps=4, fault_step=7,
+                 stop_step=8, checkpoint_presets=("tiny", "8b"), checkpoint_saves=1)
 
 
 def tail(path: Path, lines: int) -> list[str]:
