@@ -18,6 +18,8 @@ from resilient_fsdp.bench.gpu import measure, section
 from resilient_fsdp.bench.gpu.wheels import PINS, decide, install, read_pins
 
 
+# Extended tier (3.5 minutes): run it before a GPU run (docs/gpu-check.md); CI tests the parts.
+@pytest.mark.extended
 @pytest.mark.timeout(900)  # every section of the check, each with its own budget, runs for real
 def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"

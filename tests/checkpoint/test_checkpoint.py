@@ -139,6 +139,8 @@ def test_unwritable_checkpoint_dir_is_a_config_error(tmp_path):
     assert f"checkpoint.dir='{blocker}/ckpts' is not writable" in proc.stderr
 
 
+# CI reshards the default engine's checkpoints (test_correctness.py, another world size).
+@pytest.mark.extended
 def test_dcp_checkpoints_reshard_and_torch_async_ones_refuse(tmp_path):
     for mode in ("async", "torch-async"):
         run_dir = tmp_path / mode

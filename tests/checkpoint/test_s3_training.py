@@ -52,6 +52,7 @@ class Background:
         return out, err
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_every_rank_uploads_its_files_once_and_a_fresh_cluster_restores_it_split_across_ranks(tmp_path, s3):
     # With versioning on, a file uploaded twice would leave two versions behind.

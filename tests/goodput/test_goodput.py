@@ -198,6 +198,7 @@ def test_simulate_command_writes_table_json_and_plot(tmp_path):
 # ---- the run report -------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_report_of_a_real_run_with_faults(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=2, nproc=2,

@@ -42,6 +42,7 @@ def test_node_loss_of_the_store_host_is_recovered_bitwise_by_each_kinds_controll
                 "(restart 1 of maxRestarts: 1)") in out
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(240)
 def test_a_jobset_whose_restart_budget_is_spent_fails_naming_the_reason(tmp_path):
     netns_required()

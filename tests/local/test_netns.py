@@ -351,7 +351,12 @@ def test_signal_handlers_clean_up(tmp_path, sig, status):
     proc, run = start_launcher(tmp_path, "handlers")
     assert present(run) == run["netns"] + run["links"]
     proc.send_signal(sig)
-    assert proc.wait(timeout=15) == status
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the launcher did not exit within 60 s of {signal.Signals(sig).name}")
+    assert code == status
     assert present(run) == []
     assert all(gone(pid) for pid in run["pids"])
     assert not run_state.state_path(run["run_id"]).exists()

@@ -52,8 +52,8 @@ MULTI = [
     # In-process restart on: a process-killing fault in between goes to the in-job restart, which
     # respawns every rank (new processes, whose nodes' restart counts differ), and the next fault
     # is again recovered in-process; rank 1's peers block inside the loss all-reduce.
-    (["exception@6:rank=0", "sigkill@12:rank=2", "hang@18:rank=0", "hang-in-collective@22:rank=1"], IN_PROCESS,
-     ["in_process", "in_job", "in_process", "in_process"]),
+    pytest.param(["exception@6:rank=0", "sigkill@12:rank=2", "hang@18:rank=0", "hang-in-collective@22:rank=1"],
+                 IN_PROCESS, ["in_process", "in_job", "in_process", "in_process"], marks=pytest.mark.extended),
 ]
 
 

@@ -37,6 +37,7 @@ def test_in_process_restart_under_nvrx07(tmp_path, nvrx07_lane, reference_1x2):
     check_recoveries(summary, ["in_process", "in_process", "in_process", "in_job", "job"])
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(240)
 def test_two_loopback_pods_under_nvrx07(tmp_path, nvrx07_lane):
     """Without namespaces too: 0.7 refuses two agents with one node address, and a loopback

@@ -160,6 +160,31 @@ def test_summary_counts_restarts_by_layer_and_goodput_from_the_files(tmp_path):
     assert s["productive_s"] == 8.0 and s["job_wall_s"] == 40.0 and s["goodput"] == pytest.approx(0.2)
 
 
+def test_a_recovery_says_where_its_time_went():
+    from resilient_fsdp.resilience.accounting import phases
+
+    marks = {"attempt": 105.0, "built": 106.5, "resumed": 107.0}
+    # In-job or job: the new process started at 103 and spent 2 s importing before the attempt.
+    assert phases(100.0, marks, now=107.25, process_start=103.0) == {
+        "restart_s": 3.0, "process_start_s": 2.0, "build_s": 1.5, "load_s": 0.5, "first_step_s": 0.25}
+    # In-process: the process is older than the fault, so all of it before the attempt is restart.
+    p = phases(100.0, marks, now=107.25, process_start=50.0)
+    assert p["restart_s"] == 5.0 and p["process_start_s"] == 0.0
+    assert sum(p.values()) == pytest.approx(7.25)  # the phases add up to recovery_s
+
+
+def test_the_trainers_marks_put_the_phases_in_the_recovery_record(tmp_path):
+    ledger = FaultLedger(tmp_path)
+    spec = FaultSpec("exception", 5, 0)
+    ledger.claim(spec, {"fault": str(spec), "key": spec.key, "kind": "exception", "t_fault": 100.0,
+                        "completed_step": 4})
+    (record,) = record_recoveries(ledger, "in_process", resumed_step=4, now=107.25,
+                                  marks={"attempt": 105.0, "built": 106.5, "resumed": 107.0})
+    assert record["recovery_s"] == 7.25
+    assert sum(record["phases_s"].values()) == pytest.approx(record["recovery_s"])
+    assert record["phases_s"]["build_s"] == 1.5 and record["phases_s"]["first_step_s"] == 0.25
+
+
 def test_launcher_settings_are_understood_by_the_image_nvrx(nvrx_lane):
     """The image's NVRx (0.7) cannot be imported here without its service dependencies, so its
     sources are read: every key this project writes is a field of its FaultToleranceConfig, and

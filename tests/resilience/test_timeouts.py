@@ -4,6 +4,8 @@ raised to what the restarted job configures. Real jobs under ft_launcher (gloo o
 
 from __future__ import annotations
 
+import pytest
+
 from resilient_fsdp.checkpoint.engine_base import FAULT_WRITER_ENV
 from tests.support import assert_no_leftovers, read_events, read_summary, run_local
 
@@ -51,6 +53,7 @@ def test_a_slow_final_save_finishes_and_restored_timeouts_keep_the_configured_fl
     assert_no_leftovers(run_dir)
 
 
+@pytest.mark.extended
 def test_a_slow_final_save_finishes_under_in_process_restart(tmp_path):
     """The final wait is longer than in-process restart's soft timeout (20 s): its watchdog is
     pinged while the rank waits, so nothing restarts."""

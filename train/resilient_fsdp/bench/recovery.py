@@ -88,6 +88,7 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     (recovery,) = summary["recoveries"]
     return {"recovery_s": recovery["recovery_s"], "lost_steps": recovery["lost_steps"],
             "layer_seen": recovery["layer"], "params_sha256": summary["params_sha256"],
+            "phases_s": recovery.get("phases_s"),
             **save_stalls(run_dir / "metrics.jsonl", args.fault_step)}
 
 
@@ -139,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
                           "recovery_s_max": max(times),
                           "lost_steps_median": statistics.median(s["lost_steps"] for s in samples),
                           "save_after_restart_over_normal_max": max(ratios) if ratios else None,
-                          "samples": samples}
+                          "phases_s_median": median_phases(samples), "samples": samples}
     results["layers"] = layers
     results["loadavg_end"] = os.getloadavg()
     relaunch = results.get("full_relaunch", {}).get("recovery_s_median")
@@ -150,6 +151,12 @@ def main(args: argparse.Namespace) -> int:
     return 0 if all(s["bitwise_equal_to_fault_free"] for layer in layers for s in results[layer]["samples"]) else 1
 
 
+def median_phases(samples: list[dict]) -> dict:
+    """Per phase of the recovery (accounting.phases), the median over the runs that report it."""
+    reported = [s["phases_s"] for s in samples if s.get("phases_s")]
+    return {k: statistics.median(p[k] for p in reported) for k in reported[0]} if reported else {}
+
+
 def format_table(results: dict) -> str:
     rows = [f"{'layer':<14} {'recovery_s median (min..max)':>30} {'lost_steps':>11} {'save after restart/normal':>26}"]
     for layer in results["layers"]:
@@ -157,6 +164,9 @@ def format_table(results: dict) -> str:
         ratio = r["save_after_restart_over_normal_max"]
         rows.append(f"{layer:<14} {r['recovery_s_median']:>12.2f} ({r['recovery_s_min']:.2f}..{r['recovery_s_max']:.2f})"
                     f"{'':>5} {r['lost_steps_median']:>11} {'n/a' if ratio is None else f'{ratio:.2f} (max)':>26}")
+    rows.append("where the time went (median s): " + "; ".join(
+        f"{layer}: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in results[layer]["phases_s_median"].items())
+        for layer in results["layers"]))
     rows += [f"{name.replace('_', ' ')}: {value:.3f}" for name, value in results["ratios"].items()]
     return "\n".join(rows)
 

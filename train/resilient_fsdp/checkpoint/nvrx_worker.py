@@ -85,31 +85,36 @@ def _worker_setup() -> None:
         torch.set_num_threads(WORKER_TORCH_THREADS)
 
 
-def worker_write_staged(channel: str, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
-                        save_fn: Callable[..., Any], rank: int, packed_buckets: Any, results: Any) -> None:
-    """A DCP write of staged buffers: keep ``buffers`` if sent (the first save of a generation, or
-    a new worker), rebuild the write buckets from their references, then :func:`worker_write`."""
+_NOT_TAKEN = object()
+
+
+def _take_staged(channel: str, buffers: Optional[handoff.Buffers], key: str, packed: Any) -> Any:
+    """Keep ``buffers`` if sent (the first save of a generation, or a new worker) and rebuild what
+    ``packed`` references; on failure record the error for the trainer and return ``_NOT_TAKEN``."""
     try:
         _worker_setup()
         handoff.register(buffers)
-        buckets = handoff.unpack(packed_buckets, key)
+        return handoff.unpack(packed, key)
     except BaseException:  # noqa: BLE001
         integrity.record_error(channel, "the checkpoint writer could not take the staged state")
-        return
-    worker_write(channel, fault, save_fn, rank, buckets, results)
+        return _NOT_TAKEN
+
+
+def worker_write_staged(channel: str, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
+                        save_fn: Callable[..., Any], rank: int, packed_buckets: Any, results: Any) -> None:
+    """A DCP write of staged buffers: the write buckets rebuilt from their references, then
+    :func:`worker_write`."""
+    buckets = _take_staged(channel, buffers, key, packed_buckets)
+    if buckets is not _NOT_TAKEN:
+        worker_write(channel, fault, save_fn, rank, buckets, results)
 
 
 def worker_torch_save_staged(channel: str, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
                              packed_state: Any, path: str) -> None:
     """``torch-async``: :func:`worker_torch_save` of the staged state, from its references."""
-    try:
-        _worker_setup()
-        handoff.register(buffers)
-        state = handoff.unpack(packed_state, key)
-    except BaseException:  # noqa: BLE001
-        integrity.record_error(channel, "the checkpoint writer could not take the staged state")
-        return
-    worker_torch_save(channel, fault, state, path)
+    state = _take_staged(channel, buffers, key, packed_state)
+    if state is not _NOT_TAKEN:
+        worker_torch_save(channel, fault, state, path)
 
 
 def worker_torch_save(channel: str, fault: Optional[str], state: Any, path: str) -> None:

@@ -61,6 +61,13 @@ def node_start_time() -> float:
         return 0.0
 
 
+def _process_start() -> Optional[float]:
+    try:
+        return psutil.Process().create_time()
+    except psutil.Error:
+        return None
+
+
 def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.device) -> str:
     """Collective: the layer that caused this attempt (see the module docstring)."""
     t = torch.tensor([node_start_time()], dtype=torch.float64, device=device)
@@ -82,9 +89,31 @@ def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.de
     return box[0]
 
 
-def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: float) -> list[dict]:
+def phases(t_fault: float, marks: dict, now: float, process_start: Optional[float] = None) -> dict:
+    """Where a recovery's time went, in seconds, from rank 0's marks of the attempt that recovered:
+
+    - ``restart_s``: the fault until this attempt began: detection, the abort and NVRx's restart
+      (in-process), or until the process started (in-job, job: detection, stopping the workers,
+      rendezvous, pod recreation);
+    - ``process_start_s``: a new process's interpreter and imports until the attempt began (0 in-process);
+    - ``build_s``: the process group, model, optimizer and checkpoint engine;
+    - ``load_s``: finding and loading the checkpoint;
+    - ``first_step_s``: the first step after it.
+    """
+    attempt = marks["attempt"]
+    started = process_start if process_start is not None and t_fault < process_start <= attempt else attempt
+    out = {"restart_s": started - t_fault, "process_start_s": attempt - started,
+           "build_s": marks.get("built", attempt) - attempt,
+           "load_s": marks.get("resumed", attempt) - marks.get("built", attempt),
+           "first_step_s": now - marks.get("resumed", attempt)}
+    return {k: round(max(0.0, v), 3) for k, v in out.items()}
+
+
+def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: float,
+                      marks: Optional[dict] = None) -> list[dict]:
     """Rank 0, after the first step completed in an attempt caused by a restart: close every
-    fired fault that has no recovery yet. Returns the new recovery records."""
+    fired fault that has no recovery yet, with where its time went when ``marks`` are given.
+    Returns the new recovery records."""
     done = {**ledger.recoveries(), **ledger.went_on()}
     new = []
     for fault in ledger.fired():
@@ -95,6 +124,8 @@ def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: f
                   "resumed_from_step": resumed_step,
                   "lost_steps": max(0, fault["completed_step"] - resumed_step),
                   **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}
+        if marks:
+            record["phases_s"] = phases(fault["t_fault"], marks, now, _process_start())
         ledger.record_recovery(fault["key"], record)
         new.append(record)
     return new

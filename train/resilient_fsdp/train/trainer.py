@@ -103,6 +103,8 @@ class Trainer:
         self.monitor.reset()
         self.monitor.start("init")
         self.t_start = time.perf_counter()
+        # Wall-clock marks of this attempt, for where a recovery's time went (accounting.phases).
+        self.marks = {"attempt": time.time()}
         self.run_dir = Path(cfg.run_dir)
         if cfg.train.deterministic:
             # Must be set before the first cuBLAS call for deterministic GEMMs on GPUs.
@@ -220,7 +222,9 @@ class Trainer:
         return reduced[0].item() / (accum * self.info.world_size), reduced[1].item() > 0
 
     def train(self) -> dict:
+        self.marks["built"] = time.time()
         self.checkpointer.resume()
+        self.marks["resumed"] = time.time()
         self.grad_accum = self.checkpointer.grad_accum_steps or self.grad_accum
         self.log_start()
         self.monitor.end("init")
@@ -296,7 +300,7 @@ class Trainer:
         raise StopRequested(self.counters.step, code)
 
     def log_recoveries(self, resumed_step: int) -> None:
-        for recovery in accounting.record_recoveries(self.ledger, self.layer, resumed_step, time.time()):
+        for recovery in accounting.record_recoveries(self.ledger, self.layer, resumed_step, time.time(), self.marks):
             self.metrics.event({"event": "recovery", "t": time.time(), **recovery})
             self.metrics.info(f"recovered from {recovery['fault']} by {recovery['layer'].replace('_', '-')} restart "
                               f"in {recovery['recovery_s']:.2f} s; {recovery['lost_steps']} step(s) trained again")
