@@ -163,14 +163,18 @@ def test_summary_counts_restarts_by_layer_and_goodput_from_the_files(tmp_path):
 def test_a_recovery_says_where_its_time_went():
     from resilient_fsdp.resilience.accounting import phases
 
-    marks = {"attempt": 105.0, "built": 106.5, "resumed": 107.0}
+    marks = {"attempt": 105.0, "group": 105.5, "model": 106.25, "built": 106.5, "resumed": 107.0}
     # In-job or job: the new process started at 103 and spent 2 s importing before the attempt.
     assert phases(100.0, marks, now=107.25, process_start=103.0) == {
-        "restart_s": 3.0, "process_start_s": 2.0, "build_s": 1.5, "load_s": 0.5, "first_step_s": 0.25}
+        "restart_s": 3.0, "process_start_s": 2.0, "group_s": 0.5, "model_s": 0.75, "engine_s": 0.25, "load_s": 0.5,
+        "first_step_s": 0.25}
     # In-process: the process is older than the fault, so all of it before the attempt is restart.
     p = phases(100.0, marks, now=107.25, process_start=50.0)
     assert p["restart_s"] == 5.0 and p["process_start_s"] == 0.0
     assert sum(p.values()) == pytest.approx(7.25)  # the phases add up to recovery_s
+    # An attempt that failed before its model was built: the later phases are 0, the sum holds.
+    early = phases(100.0, {"attempt": 105.0, "group": 106.0}, now=107.0)
+    assert early["model_s"] == early["engine_s"] == early["load_s"] == 0.0 and early["first_step_s"] == 1.0
 
 
 def test_the_trainers_marks_put_the_phases_in_the_recovery_record(tmp_path):
@@ -179,10 +183,11 @@ def test_the_trainers_marks_put_the_phases_in_the_recovery_record(tmp_path):
     ledger.claim(spec, {"fault": str(spec), "key": spec.key, "kind": "exception", "t_fault": 100.0,
                         "completed_step": 4})
     (record,) = record_recoveries(ledger, "in_process", resumed_step=4, now=107.25,
-                                  marks={"attempt": 105.0, "built": 106.5, "resumed": 107.0})
+                                  marks={"attempt": 105.0, "group": 105.5, "model": 106.25, "built": 106.5,
+                                         "resumed": 107.0})
     assert record["recovery_s"] == 7.25
     assert sum(record["phases_s"].values()) == pytest.approx(record["recovery_s"])
-    assert record["phases_s"]["build_s"] == 1.5 and record["phases_s"]["first_step_s"] == 0.25
+    assert record["phases_s"]["group_s"] == 0.5 and record["phases_s"]["first_step_s"] == 0.25
 
 
 def test_launcher_settings_are_understood_by_the_image_nvrx(nvrx_lane):

@@ -154,7 +154,8 @@ def main(args: argparse.Namespace) -> int:
 def median_phases(samples: list[dict]) -> dict:
     """Per phase of the recovery (accounting.phases), the median over the runs that report it."""
     reported = [s["phases_s"] for s in samples if s.get("phases_s")]
-    return {k: statistics.median(p[k] for p in reported) for k in reported[0]} if reported else {}
+    keys = [k for k in (reported[0] if reported else {}) if all(k in p for p in reported)]
+    return {k: statistics.median(p[k] for p in reported) for k in keys}
 
 
 def format_table(results: dict) -> str:

@@ -96,16 +96,23 @@ def phases(t_fault: float, marks: dict, now: float, process_start: Optional[floa
       (in-process), or until the process started (in-job, job: detection, stopping the workers,
       rendezvous, pod recreation);
     - ``process_start_s``: a new process's interpreter and imports until the attempt began (0 in-process);
-    - ``build_s``: the process group, model, optimizer and checkpoint engine;
+    - ``group_s``: the process group (every rank has to arrive);
+    - ``model_s``: which layer restarted (a collective), the data, the model built and sharded, the
+      optimizer;
+    - ``engine_s``: the checkpointer and its engine;
     - ``load_s``: finding and loading the checkpoint;
     - ``first_step_s``: the first step after it.
+
+    A mark the attempt did not reach counts as reached at the previous one.
     """
     attempt = marks["attempt"]
     started = process_start if process_start is not None and t_fault < process_start <= attempt else attempt
-    out = {"restart_s": started - t_fault, "process_start_s": attempt - started,
-           "build_s": marks.get("built", attempt) - attempt,
-           "load_s": marks.get("resumed", attempt) - marks.get("built", attempt),
-           "first_step_s": now - marks.get("resumed", attempt)}
+    out = {"restart_s": started - t_fault, "process_start_s": attempt - started}
+    previous = attempt
+    for name, mark in (("group_s", "group"), ("model_s", "model"), ("engine_s", "built"), ("load_s", "resumed")):
+        reached = marks.get(mark, previous)
+        out[name], previous = reached - previous, reached
+    out["first_step_s"] = now - previous
     return {k: round(max(0.0, v), 3) for k, v in out.items()}
 
 

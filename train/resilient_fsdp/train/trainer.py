@@ -111,6 +111,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # 1. Device and process group; backend follows the device.
         self.info = distributed.init_distributed(cfg.dist, in_process.store if in_process else None)
+        self.marks["group"] = time.time()
         self.is_rank0 = self.info.rank == 0
         # Python's and NumPy's generators (datasets and user code draw from them): seeded per rank,
         # so runs repeat; checkpoints save and restore them with torch's.
@@ -143,6 +144,7 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=self.info.device.type == "cuda")
+        self.marks["model"] = time.time()
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.counters = TrainCounters()
         # 5. Checkpointer: everything a resumed run needs, and what it must match.
