@@ -89,16 +89,17 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     return {"recovery_s": recovery["recovery_s"], "lost_steps": recovery["lost_steps"],
             "layer_seen": recovery["layer"], "params_sha256": summary["params_sha256"],
             "phases_s": recovery.get("phases_s"),
-            **save_stalls(run_dir / "metrics.jsonl", args.fault_step)}
+            **save_stalls(run_dir / "metrics.jsonl", args.fault_step, args.steps)}
 
 
-def save_stalls(metrics: Path, fault_step: int) -> dict:
+def save_stalls(metrics: Path, fault_step: int, final_step: int) -> dict:
     """Stall of the saves before the fault (the job's first, which allocates, left out) and after
-    the restart, from the run's checkpoint records."""
+    the restart, from the run's checkpoint records. The final save is left out of both: it waits
+    for its write to commit, with or without a restart."""
     events = [json.loads(line) for line in metrics.read_text().splitlines() if '"checkpoint"' in line]
-    events = [e for e in events if e.get("event") == "checkpoint"]
+    events = [e for e in events if e.get("event") == "checkpoint" and e["step"] != final_step]
     before = sorted((e for e in events if e["step"] < fault_step), key=lambda e: e["step"])[1:]
-    after = [e["stall_s"] for e in events if e["step"] > fault_step]
+    after = [e["stall_s"] for e in sorted(events, key=lambda e: e["step"]) if e["step"] > fault_step]
     normal = statistics.median(e["stall_s"] for e in before) if before else None
     return {"normal_save_stall_s": normal, "save_after_restart_stall_s": after,
             "save_after_restart_over_normal": max(after) / normal if normal and after else None}
