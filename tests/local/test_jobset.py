@@ -30,7 +30,9 @@ def test_node_loss_of_the_store_host_is_recovered_bitwise_by_each_kinds_controll
     (recovery,) = summary["recoveries"]
     assert recovery["layer"] == "job" and summary["restarts"]["job"] >= 1, out
     assert recovery["recovery_s"] > 0
-    assert recovery["resumed_from_step"] == 8 and recovery["lost_steps"] == 1
+    # Step 8's checkpoint, or step 4's when the node was lost before step 8's asynchronous write
+    # had committed (on a loaded machine it can take more than a step).
+    assert recovery["resumed_from_step"] in (8, 4) and recovery["lost_steps"] == 9 - recovery["resumed_from_step"]
     assert f"pod(s) x 2 rank(s): {kind} resilient-fsdp" in out
     if kind == "PyTorchJob":
         assert "resilient-fsdp-master-0 was lost (its processes were killed): recreating it" in out

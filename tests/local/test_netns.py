@@ -302,11 +302,13 @@ except KeyboardInterrupt:
 """
 
 
-def start_launcher(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, dict]:
+def start_launcher(tmp_path: Path, mode: str, sigint=signal.SIG_DFL) -> tuple[subprocess.Popen, dict]:
+    """The launcher script with SIGINT as given (a suite run in a shell's background inherits it ignored)."""
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": str(TRAIN_DIR)}
-    proc = subprocess.Popen([PY, str(script), mode], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([PY, str(script), mode], stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     return proc, json.loads(read_line(proc))
 
 
@@ -360,6 +362,16 @@ def test_signal_handlers_clean_up(tmp_path, sig, status):
     assert present(run) == []
     assert all(gone(pid) for pid in run["pids"])
     assert not run_state.state_path(run["run_id"]).exists()
+
+
+def test_an_ignored_sigint_stays_ignored_and_sigterm_still_cleans_up(tmp_path):
+    proc, run = start_launcher(tmp_path, "handlers", sigint=signal.SIG_IGN)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1)
+    assert proc.poll() is None and present(run) == run["netns"] + run["links"]  # still running, pods kept
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    assert present(run) == [] and all(gone(pid) for pid in run["pids"])
 
 
 def test_available_and_clear_errors(net, tmp_path):

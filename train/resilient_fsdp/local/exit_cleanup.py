@@ -64,7 +64,9 @@ def install_signal_cleanup(
     previous handlers.
     """
     chosen = None if networks is None else list(networks)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
+    # A signal this process was started with ignored (a background job of a shell ignores SIGINT)
+    # stays ignored: closing the pods on it would leave the process running without them.
+    previous = {sig: signal.getsignal(sig) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
 
     def restore() -> None:
         for sig, handler in previous.items():
@@ -90,6 +92,6 @@ def install_signal_cleanup(
         elif before in (signal.SIG_DFL, None):
             os.kill(os.getpid(), signum)
 
-    for sig in signals:
+    for sig in previous:
         signal.signal(sig, handler)
     return restore
