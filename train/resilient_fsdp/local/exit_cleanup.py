@@ -54,7 +54,8 @@ def install_signal_cleanup(
     networks: Iterable[Network] | None = None,
     signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM),
 ) -> Callable[[], None]:
-    """Make SIGINT and SIGTERM close local runs first, then have their usual effect.
+    """Make SIGINT and SIGTERM close local runs first, then have their usual effect; one this
+    process was started with ignored is left ignored.
 
     The handler ignores further signals while it closes ``networks`` (default: every network
     this process has open), restores the previous handlers and hands the signal on: a Python
