@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.resilience.fault_jobs import COMMON, run_with_faults
+from tests.resilience.fault_jobs import COMMON, check_recoveries, run_with_faults
 from tests.support import assert_no_leftovers, netns_required, run_local
 
 JOBSET = ["--value=workload.kind=JobSet", "--value=job.backoffLimit=0"]
 
 
 @pytest.mark.timeout(360)
-# A PyTorchJob's store-host loss is also node-loss@12:node=0 of the field faults (CI, both lanes).
+# A PyTorchJob's store-host loss is also node-loss@12:node=0 of the field faults (in CI under 0.7).
 @pytest.mark.parametrize("kind", [pytest.param("PyTorchJob", marks=pytest.mark.extended), "JobSet"])
 def test_node_loss_of_the_store_host_is_recovered_bitwise_by_each_kinds_controller(tmp_path, reference_2x2, kind):
     netns_required()
@@ -27,12 +27,9 @@ def test_node_loss_of_the_store_host_is_recovered_bitwise_by_each_kinds_controll
     summary = run_with_faults(run_dir, ["node-loss@10:node=0"], reference_2x2, timeout=300,
                               extra=JOBSET if kind == "JobSet" else [])
     out = summary["_stdout"]
-    (recovery,) = summary["recoveries"]
-    assert recovery["layer"] == "job" and summary["restarts"]["job"] >= 1, out
-    assert recovery["recovery_s"] > 0
-    # Step 8's checkpoint, or step 4's when the node was lost before step 8's asynchronous write
-    # had committed (on a loaded machine it can take more than a step).
-    assert recovery["resumed_from_step"] in (8, 4) and recovery["lost_steps"] == 9 - recovery["resumed_from_step"]
+    # One recovery, by the job level, from step 8's checkpoint (or step 4's when step 8's
+    # asynchronous write had not committed yet), the steps after it trained again.
+    check_recoveries(summary, ["job"])
     assert f"pod(s) x 2 rank(s): {kind} resilient-fsdp" in out
     if kind == "PyTorchJob":
         assert "resilient-fsdp-master-0 was lost (its processes were killed): recreating it" in out
