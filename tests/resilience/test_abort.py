@@ -1,5 +1,6 @@
-"""A failed attempt aborts its process groups before destroying them, and the node's sweeper kills
-a dead rank's helpers even when its pid was reused; real processes."""
+"""A failed attempt aborts its process groups before destroying them, and before it closes its
+checkpointer; the node's sweeper kills a dead rank's helpers even when its pid was reused; real
+processes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from resilient_fsdp.checkpoint.engine_base import FAULT_WRITER_ENV
 from tests.resilience.node import free_port
-from tests.support import REPO, _env
+from tests.support import REPO, _env, assert_no_leftovers, run_local
 
 HERE = Path(__file__).parent
 
@@ -40,6 +42,25 @@ def test_peers_blocked_on_a_failed_rank_fail_at_once_not_at_the_collective_timeo
     for rank in (1, 2):
         assert reports[rank]["error"] is not None, reports
         assert reports[rank]["failed_after_s"] < 15, reports
+
+
+def test_a_rank_that_fails_with_a_write_in_flight_releases_its_peers_before_closing_its_checkpointer(tmp_path):
+    """Rank 1 raises at step 5 while its writer spends 60 s more on step 4's checkpoint; rank 0
+    waits for it in a collective with dist.timeout_s=20. Rank 1 aborts its process group first,
+    so rank 0 fails on the closed connection; had rank 1 closed its checkpointer first (waiting
+    for that write), rank 0 would have failed at its collective timeout. In-job restart off."""
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=1, nproc=2, timeout=240, extra=["--max-restarts=0", "--max-node-restarts=0",
+                                                                  "--inject=exception@5:rank=1"],
+                     overrides=["train.steps=8", "checkpoint.interval_steps=4", "dist.timeout_s=20",
+                                "checkpoint.write_timeout_s=120", "resilience.learn_timeouts=false"],
+                     env={FAULT_WRITER_ENV: "slow=60@4:rank=1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    (rank0,) = (run_dir / "logs" / "node0").glob("*/attempt_0/0/stderr.log")
+    error = rank0.read_text()
+    assert "Connection closed by peer" in error and "timed out" not in error.lower(), error[-4000:]
+    assert_no_leftovers(run_dir)
 
 
 def _probe(*args: str) -> dict:

@@ -328,7 +328,11 @@ class Checkpointer:
     def wait(self) -> Optional[dict]:
         return self.poll(block=True)
 
-    def close(self, abort: bool = False) -> None:
+    def close(self, abort: bool = False, drain: bool = True) -> None:
+        """``abort``: the attempt failed. An engine shared with the process (``engine_factory``) is
+        then drained for the next in-process attempt if ``drain``; without one the process exits
+        and closes the engine, and waiting for its write would only delay that exit, which is how
+        ``ft_launcher`` learns of the failure."""
         if self._retention is not None:
             self._retention.shutdown(wait=True)
             self._say_retention()
@@ -339,7 +343,7 @@ class Checkpointer:
             return
         if self.owns_engine:
             self._engine.close(abort=abort)
-        elif abort:
+        elif abort and drain:
             # A write still running gets checkpoint.write_timeout_s (at most 2 minutes) to finish;
             # a hung one (abandoned at its deadline) is not waited for at all.
             self._engine.drain(timeout_s=min(120.0, self.cfg.write_timeout_s))

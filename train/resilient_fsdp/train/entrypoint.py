@@ -60,9 +60,14 @@ def attempt(cfg: Config, resources: ProcessResources, in_process: Optional[InPro
         failed = False  # a clean, checkpointed stop: tear down in order
         raise
     finally:
+        if failed:
+            # First: peers blocked on this rank in a collective fail at once, rather than after
+            # this rank has closed its checkpointer (a write in flight takes seconds).
+            distributed.shutdown(clean=False)
         if trainer is not None:
             trainer.close(failed)
-        distributed.shutdown(clean=not failed)
+        if not failed:
+            distributed.shutdown(clean=True)
 
 
 def run(args: argparse.Namespace) -> dict:

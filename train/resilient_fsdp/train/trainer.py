@@ -98,6 +98,7 @@ class Trainer:
         resources = resources or ProcessResources(cfg)
         self.cfg, self.resources = cfg, resources
         self.attempt = in_process.number if in_process else 0
+        self.retried_in_process = in_process is not None  # a failed attempt is followed by another here
         self.ping = in_process.ping if in_process else (lambda: None)
         self.monitor = resources.monitor
         self.monitor.reset()
@@ -333,10 +334,11 @@ class Trainer:
         return {**status, "restored_from": self.checkpointer.restored_from_s3}
 
     def close(self, failed: bool) -> None:
-        """Stop the checkpoint worker (an engine owned by the process is drained instead)."""
+        """Stop the checkpoint worker (an engine owned by the process is drained instead, when an
+        in-process restart will reuse it)."""
         self.injector.close()
         with self.draining():
-            self.checkpointer.close(abort=failed)
+            self.checkpointer.close(abort=failed, drain=self.retried_in_process)
             self.metrics.close()
             if self.owns_resources:
                 self.resources.close(failed)
