@@ -85,3 +85,34 @@ def test_staged_dtensors_wrap_the_host_buffers_themselves():
     third = stager.stage(live)
     assert third["w"].to_local().shape == (10, 4)
     stager.close()
+
+
+def test_buffers_allocated_in_the_background_are_the_ones_the_first_save_fills():
+    """A process's first save must not allocate (``Checkpointer.prepare`` starts the allocation
+    after the first step): the save reuses the buffers allocated on the helper thread while the
+    state changed, and stages the values of the save's own moment."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+
+    from resilient_fsdp.checkpoint.staging import StateStager
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    live = {"w": distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)]), "b": torch.randn(32),
+            "step": torch.tensor(1.0)}
+    stager = StateStager()
+    stager.allocate_in_background(live)
+    live["w"].to_local().mul_(2.0)  # training goes on while the buffers are allocated
+    live["b"].add_(1.0)
+    stager.allocating.join()
+    assert stager.generation == 1 and stager.buffers is not None, "nothing was allocated in the background"
+    allocated = stager.buffers["w"].to_local().untyped_storage().data_ptr()
+    staged = stager.stage(live)
+    assert stager.generation == 1, "the save allocated its own buffers instead of using the background ones"
+    assert staged["w"].to_local().untyped_storage().data_ptr() == allocated
+    assert torch.equal(staged["w"].to_local(), live["w"].to_local()) and torch.equal(staged["b"], live["b"])
+    stager.allocate_in_background(live)  # buffers exist: nothing to do
+    assert stager.allocating is None and stager.generation == 1
+    stager.close()

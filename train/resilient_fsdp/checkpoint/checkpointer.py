@@ -77,12 +77,15 @@ class Checkpointer:
         return self._engine
 
     def prepare(self) -> None:
-        """Create the engine (and start its writer process) now rather than at the first save.
+        """Get the engine ready now rather than at the first save: its writer process (started
+        with the rank's process, :class:`~resilient_fsdp.train.resources.ProcessResources`) and,
+        in the background, its staging buffers for this state (reused across in-process attempts).
 
-        The trainer calls it after its first step: a writer process importing torch competes
-        for the CPU with start-up and restore, which is the time a restart is measured by.
+        The trainer calls it after its first step, when the optimizer's state exists, so the
+        buffers match what the first save will stage; allocating them is most of the cost of a
+        process's first save (a page fault per page, pinning on GPUs).
         """
-        _ = self.engine
+        self.engine.warm(self.state.state_dict())
 
     # -- collectives on the job's backend (tensors on the training device) --
     def _all_reduce_max(self, value: float) -> float:

@@ -60,6 +60,9 @@ class Engine:
     def attach(self, world_size: int) -> None:
         """A new attempt (a new checkpointer, process group, model) starts using this engine."""
 
+    def warm(self, sd: dict) -> None:
+        """Get ready, in the background, for saves of ``sd``'s structure (staging buffers)."""
+
     def vote(self, sd: dict) -> int:
         """What this rank can do with its plan cache for ``sd``: ``PLAN_CACHED`` (skip planning),
         ``PLAN_KEEP`` (plan, keep the cache), ``PLAN_FRESH``. The checkpointer passes the minimum

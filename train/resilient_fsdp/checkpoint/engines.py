@@ -113,6 +113,9 @@ class StagedEngine(Engine):
             self.registry = handoff.Registry(name, local_tensors(self.stager.buffers))
         return staged
 
+    def warm(self, sd: Any) -> None:
+        self.stager.allocate_in_background(sd)
+
     def staged(self) -> float:
         return self.job.wait() if self.job is not None else 0.0
 
