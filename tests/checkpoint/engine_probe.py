@@ -11,6 +11,8 @@ usage: python engine_probe.py RUN_DIR SCENARIO MODE
   compared, bit for bit, with the state captured when it was saved.
 - ``dead-worker``: the writer process is killed between saves; the next save starts a new one
   and commits, and after another kill, closing returns at once.
+- ``warm``: the staging buffers allocated after the first step are the ones the first save fills,
+  and a job that never saves allocates none.
 - ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
   the failed attempt closes without waiting for it again, and the next attempt (an in-process
   restart) gets a new engine that commits.
@@ -148,7 +150,31 @@ def hung_writer(run_dir, mode):
     return out
 
 
+def warm(run_dir, mode):
+    """``Checkpointer.prepare`` after the first step: the staging buffers are allocated in the
+    background for a job that will save, and the first save fills them (no second allocation);
+    a job that never saves allocates none."""
+    out = {}
+    for name, saves in (("never", ["checkpoint.interval_steps=0", "checkpoint.save_final=false"]),
+                        ("saves", ["checkpoint.interval_steps=2", "checkpoint.save_final=false"])):
+        cfg = load_config(None, [f"run_dir={run_dir}/{name}", f"checkpoint.mode={mode}", *saves])
+        trainer = Trainer(cfg)
+        step(trainer)
+        trainer.checkpointer.prepare()
+        stager = trainer.resources.engine.stager
+        out[f"{name}_allocating"] = stager.allocating is not None or stager.buffers is not None
+        if name == "saves":
+            step(trainer)
+            trainer.checkpointer.save(2)
+            out["committed"] = trainer.checkpointer.wait() is not None
+            out["allocations"] = stager.generation
+        trainer.close(failed=False)
+        distributed.shutdown()
+    return out
+
+
 if __name__ == "__main__":
     run_dir, scenario, mode = sys.argv[1:4]
-    report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer}[scenario](run_dir, mode)
+    report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
+              "warm": warm}[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": nvrx.NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

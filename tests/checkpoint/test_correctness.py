@@ -132,6 +132,15 @@ def test_a_write_that_never_finishes_fails_at_the_deadline_not_a_hang(tmp_path):
     assert_no_leftovers(tmp_path)
 
 
+# ---- 2: staging --------------------------------------------------------------------------------
+
+def test_a_process_allocates_its_staging_buffers_after_its_first_step_and_only_if_it_will_save(tmp_path):
+    report = probe("engine_probe.py", tmp_path, "warm", "async")
+    assert report["saves_allocating"] and not report["never_allocating"], report
+    assert report["committed"] and report["allocations"] == 1, report
+    assert_no_leftovers(tmp_path)
+
+
 # ---- 5: integrity -------------------------------------------------------------------------------
 
 def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_resume_ends_bitwise_equal(tmp_path):

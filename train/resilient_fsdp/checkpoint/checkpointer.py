@@ -85,7 +85,8 @@ class Checkpointer:
         buffers match what the first save will stage; allocating them is most of the cost of a
         process's first save (a page fault per page, pinning on GPUs).
         """
-        self.engine.warm(self.state.state_dict())
+        if self.cfg.interval_steps > 0 or self.cfg.interval_s > 0 or self.cfg.save_final:
+            self.engine.warm(self.state.state_dict())  # buffers only for a job that will save
 
     # -- collectives on the job's backend (tensors on the training device) --
     def _all_reduce_max(self, value: float) -> float:

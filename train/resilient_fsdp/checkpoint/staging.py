@@ -100,9 +100,14 @@ class StateStager:
         if self.buffers is not None:
             return
         key = structure(sd)
+        # A new thread starts on device 0: pinning from there would open a CUDA context on GPU 0
+        # for every rank of the node.
+        device = torch.cuda.current_device() if self.pin else None
 
         def run() -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 self._allocate(sd, key)
             except BaseException:  # noqa: BLE001 - the next prepare allocates them, and says what failed
                 self.buffers, self.key = None, ()
