@@ -95,7 +95,8 @@ class StateStager:
         so that the first save of a process does not: it cost 0.48 of the 0.58 s that a first save of
         the ``tiny`` state took in the save call, and more the larger the state (a page fault per
         page; pinning on GPUs). The next :meth:`prepare` waits for it and reuses the buffers if the
-        structure is still the same. Only shapes are read: the values may change meanwhile."""
+        structure is still the same. The live values may change meanwhile: each save's copy overwrites
+        whatever the buffers hold."""
         self.wait()
         if self.buffers is not None:
             return
@@ -109,7 +110,7 @@ class StateStager:
                 if device is not None:
                     torch.cuda.set_device(device)
                 self._allocate(sd, key)
-            except BaseException:  # noqa: BLE001 - the next prepare allocates them, and says what failed
+            except BaseException:  # noqa: BLE001 - the next prepare allocates them again, raising what fails there
                 self.buffers, self.key = None, ()
 
         self.allocating = threading.Thread(target=run, name="checkpoint-staging-allocate", daemon=True)
