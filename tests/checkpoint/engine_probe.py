@@ -13,6 +13,10 @@ usage: python engine_probe.py RUN_DIR SCENARIO MODE
   and commits, and after another kill, closing returns at once.
 - ``warm``: the staging buffers allocated after the first step are the ones the first save fills,
   and a job that never saves allocates none.
+- ``orphan``: a trainer (``orphan-child``, a process of its own) is killed with SIGKILL while its
+  writer is in the middle of a (slowed) write; the writer, which blocks SIGTERM, exits by itself
+  within seconds, and the write it was doing is never committed. This process is the orphans'
+  subreaper, so it can reap the writer and see when it exits.
 - ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
   the failed attempt closes without waiting for it again, and the next attempt (an in-process
   restart) gets a new engine that commits.
@@ -150,6 +154,72 @@ def hung_writer(run_dir, mode):
     return out
 
 
+def orphan_child(run_dir, mode):
+    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "slow=600@2"
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false"])
+    trainer = Trainer(cfg)
+    step(trainer)
+    trainer.checkpointer.save(1)
+    committed = trainer.checkpointer.wait() is not None
+    step(trainer)
+    trainer.checkpointer.save(2)  # its writer sleeps 600 s after writing the data
+    engine = trainer.checkpointer.engine
+    proc = nvrx.worker_process(engine.queue if mode == "async" else nvrx.calls_queue_of(engine.ckpt))
+    print(json.dumps({"committed": committed, "writer_pid": proc.pid}), flush=True)
+    time.sleep(600)  # killed by the parent scenario
+
+
+def reap_orphans(timeout_s):
+    """Reap what the killed trainer left to this subreaper (its resource tracker ends once every
+    pipe to it is closed); the pids still running at the deadline are killed and returned."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return []
+        if pid == 0:
+            time.sleep(0.1)
+    left = psutil.Process().children()
+    for p in left:
+        p.kill()
+    return [p.pid for p in left]
+
+
+def orphan(run_dir, mode):
+    import ctypes
+    import signal
+    import subprocess
+
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    child = subprocess.Popen([sys.executable, __file__, run_dir, "orphan-child", mode], stdout=subprocess.PIPE,
+                             text=True)
+    first = json.loads(child.stdout.readline())
+    writer = first["writer_pid"]
+    time.sleep(2)  # the write of step 2 is under way (its data is written, then it sleeps)
+    out = {"committed": first["committed"], "writer_alive_before": psutil.pid_exists(writer)}
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    t0 = time.monotonic()
+    out["writer_exit_s"], out["writer_code"] = None, None
+    while time.monotonic() - t0 < 30:
+        pid, status = os.waitpid(writer, os.WNOHANG)
+        if pid == writer:
+            out["writer_exit_s"] = time.monotonic() - t0
+            out["writer_code"] = os.waitstatus_to_exitcode(status)
+            break
+        time.sleep(0.1)
+    else:
+        psutil.Process(writer).kill()  # the test fails; nothing is left behind
+        os.waitpid(writer, 0)
+    out["others_left"] = reap_orphans(30)
+    complete = store.scan(load_config(None, [f"run_dir={run_dir}"]).checkpoint_dir)[0]
+    out["complete_steps"] = [info.step for info in complete]
+    return out
+
+
 def warm(run_dir, mode):
     """``Checkpointer.prepare`` after the first step: the staging buffers are allocated in the
     background for a job that will save, and the first save fills them (no second allocation);
@@ -176,5 +246,5 @@ def warm(run_dir, mode):
 if __name__ == "__main__":
     run_dir, scenario, mode = sys.argv[1:4]
     report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
-              "warm": warm}[scenario](run_dir, mode)
+              "warm": warm, "orphan": orphan, "orphan-child": orphan_child}[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": nvrx.NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

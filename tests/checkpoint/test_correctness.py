@@ -51,6 +51,16 @@ def test_a_writer_that_died_between_saves_is_replaced_and_close_does_not_wait(tm
     assert_no_leftovers(tmp_path)
 
 
+# The writer is NVRx's worker on either engine; one lane in CI, the other extended.
+@pytest.mark.parametrize("lane,mode", [("image", "async"), pytest.param("pinned", "torch-async", marks=pytest.mark.extended)])
+def test_a_writer_whose_trainer_is_killed_mid_write_exits_by_itself_and_commits_nothing(tmp_path, request, lane, mode):
+    report = probe("engine_probe.py", tmp_path, "orphan", mode, pythonpath=lane_path(request, lane))
+    assert report["committed"] and report["writer_alive_before"], report
+    assert report["writer_exit_s"] is not None and report["writer_exit_s"] < 10, report  # it used to stay for good
+    assert report["complete_steps"] == [1], report  # the write cut short is never committed
+    assert report["others_left"] == [], report
+
+
 @pytest.mark.parametrize("lane", IMAGE_FIRST)
 def test_a_hung_writer_fails_at_the_deadline_once_and_the_restarted_attempt_gets_a_new_one(tmp_path, request, lane):
     report = probe("engine_probe.py", tmp_path, "hung-writer", "async", pythonpath=lane_path(request, lane))

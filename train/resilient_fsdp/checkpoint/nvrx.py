@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import handoff
-from .nvrx_worker import _noop, cpu_shim, cuda_present, worker_torch_save_staged
+from .nvrx_worker import cpu_shim, cuda_present, exit_when_orphaned, worker_torch_save_staged
 
 NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
 # What checkpointing imports of NVRx, for reports of what a machine can import.
@@ -131,8 +131,9 @@ def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
     The worker is started from a helper thread whose CPU and I/O priority are lowered first (the
     worker, and the threads and processes it starts per write, inherit both) and whose SIGTERM is
     blocked (inherited across exec: NVRx 0.7's SIGTERM handler never runs; the resource tracker
-    is started before, since its start unblocks SIGTERM in the calling thread). It gets a no-op
-    request, whose completion the next poll drains. Join the thread before using the queue; its
+    is started before, since its start unblocks SIGTERM in the calling thread). Its first request
+    makes it exit when this process is gone (:func:`.nvrx_worker.exit_when_orphaned`); the next
+    poll drains that request's completion. Join the thread before using the queue; its
     ``error`` then says what failed, if anything.
     """
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
@@ -146,7 +147,7 @@ def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             caller = calls_queue._get_async_caller()
             caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
-            calls_queue.schedule_async_request(AsyncRequest(_noop, (), []))
+            calls_queue.schedule_async_request(AsyncRequest(exit_when_orphaned, (os.getpid(),), []))
         except BaseException as exc:  # noqa: BLE001 - raised by the next save (StagedEngine._worker)
             thread.error = f"the checkpoint writer process could not be started: {type(exc).__name__}: {exc}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -31,6 +32,30 @@ def cuda_present() -> bool:
 
 def _noop(*_args: Any, **_kwargs: Any) -> None:
     return None
+
+
+# How often the writer checks that the trainer that started it is still alive.
+PARENT_CHECK_S = 1.0
+# Nobody waits for this code (the trainer is gone); it tells a subreaper's log why the writer ended.
+ORPHANED_EXIT_CODE = 75
+
+
+def exit_when_orphaned(trainer_pid: int) -> None:
+    """The writer's first call: from now on it exits as soon as ``trainer_pid``, its parent, is gone.
+
+    The writer blocks SIGTERM so that it can finish a graceful stop's final checkpoint, and waits
+    on its request queue forever; a trainer killed outright (SIGKILL, OOM) would leave it behind
+    outside a pod, holding its staging memory. Nothing it still writes could be committed, since
+    only the trainers commit: it exits at once, leaving an incomplete checkpoint that is never
+    loaded. Polling the parent id (not ``PR_SET_PDEATHSIG``): the signal follows the thread that
+    started the writer, a helper thread that ends long before the trainer does.
+    """
+    def watch() -> None:
+        while os.getppid() == trainer_pid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(ORPHANED_EXIT_CODE)
+
+    threading.Thread(target=watch, name="checkpoint-writer-orphan-watch", daemon=True).start()
 
 
 @contextlib.contextmanager
