@@ -83,6 +83,10 @@ def test_checkpoint_figures_are_reported(uninterrupted):
     assert [e["step"] for e in events] == [4, 8, 12, 16]
     for e in events:
         assert e["mode"] == "async" and e["bytes"] > 100_000 and 0 < e["stall_s"] <= e["write_s"]
+        # The save call's parts (previous write, state, agreement, start) add up to the call.
+        parts = e["save_call_parts_s"]
+        assert set(parts) == {"previous_s", "state_s", "agree_s", "start_s"} and min(parts.values()) >= 0
+        assert sum(parts.values()) == pytest.approx(e["save_call_s"], abs=1e-3)
     summary = read_summary(uninterrupted)
     assert [c["step"] for c in summary["checkpoints"]] == [4, 8, 12, 16]
     assert summary["checkpoint_stall_s"] == pytest.approx(sum(e["stall_s"] for e in events))

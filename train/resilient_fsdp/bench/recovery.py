@@ -99,10 +99,17 @@ def save_stalls(metrics: Path, fault_step: int, final_step: int) -> dict:
     events = [json.loads(line) for line in metrics.read_text().splitlines() if '"checkpoint"' in line]
     events = [e for e in events if e.get("event") == "checkpoint" and e["step"] != final_step]
     before = sorted((e for e in events if e["step"] < fault_step), key=lambda e: e["step"])[1:]
-    after = [e["stall_s"] for e in sorted(events, key=lambda e: e["step"]) if e["step"] > fault_step]
+    after_events = [e for e in sorted(events, key=lambda e: e["step"]) if e["step"] > fault_step]
+    after = [e["stall_s"] for e in after_events]
     normal = statistics.median(e["stall_s"] for e in before) if before else None
     return {"normal_save_stall_s": normal, "save_after_restart_stall_s": after,
-            "save_after_restart_over_normal": max(after) / normal if normal and after else None}
+            "save_after_restart_over_normal": max(after) / normal if normal and after else None,
+            # Where those stalls went: the save call's parts, and the wait before optimizer.step().
+            "normal_save_parts_s": [_parts(e) for e in before], "save_after_restart_parts_s": [_parts(e) for e in after_events]}
+
+
+def _parts(event: dict) -> dict:
+    return {**(event.get("save_call_parts_s") or {}), "staging_wait_s": event.get("staging_wait_s")}
 
 
 def main(args: argparse.Namespace) -> int:

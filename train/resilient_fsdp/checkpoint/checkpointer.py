@@ -183,6 +183,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         # One write in flight at a time: the staging buffers are reused.
         previous = self.wait() if self.pending is not None else None
+        t_state = time.perf_counter()
         sd = self.state.state_dict()
         vote = self.engine.vote(sd)
         token, error = None, None
@@ -194,7 +195,9 @@ class Checkpointer:
                 error = f"cannot create a checkpoint directory under checkpoint.dir={str(self.root)!r}: " \
                         f"{exc.strerror or exc}"
         # One collective: rank 0's directory, and whether every rank can use its plan cache.
+        t_agree = time.perf_counter()
         votes = self._all_gather((token, error, vote))
+        t_start = time.perf_counter()
         token, error = votes[0][0], votes[0][1]
         if error:
             raise CheckpointError(error)
@@ -205,9 +208,15 @@ class Checkpointer:
         self.engine.start(sd, partial_dir, step, token, min(v[2] for v in votes))
         for note in self.engine.take_notes():
             self.say(note)
-        call = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        call = t_end - t0
+        # Where the call's time went: waiting for the previous write, taking the state (and its
+        # structure), agreeing with every rank (which waits for the slowest to arrive), starting
+        # the write (planning, which is collective unless a cached plan is used).
+        parts = {"previous_s": t_state - t0, "state_s": t_agree - t_state, "agree_s": t_start - t_agree,
+                 "start_s": t_end - t_start}
         self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": call, "save_call_s": call,
-                        "staging_wait_s": 0.0, "staged": False}
+                        "save_call_parts_s": parts, "staging_wait_s": 0.0, "staged": False}
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
         return self.poll(block=True) if self.engine.mode == "sync" else previous
@@ -297,7 +306,8 @@ class Checkpointer:
             return None, (f"checkpoint of step {step} failed while finalizing: {type(exc).__name__}: {exc}; it "
                           f"stays incomplete at {where}")
         return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"],
-                "save_call_s": pending["save_call_s"], "staging_wait_s": pending["staging_wait_s"], "write_s": write_s,
+                "save_call_s": pending["save_call_s"], "save_call_parts_s": pending["save_call_parts_s"],
+                "staging_wait_s": pending["staging_wait_s"], "write_s": write_s,
                 "bytes": nbytes, "path": str(final), "manifest": manifest}, None
 
     def _after_commit(self, record: dict) -> None:
