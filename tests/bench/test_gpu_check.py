@@ -53,6 +53,11 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
         f = c[engine]
         assert f["stall_s"] == pytest.approx(f["save_call_s"] + f["wait_before_step_s"], rel=1e-6, abs=1e-9)
         assert f["write_s"] > 0 and f["bytes"] > 0 and c["ratios"][f"{engine}_stall_over_sync"] > 0
+        # Who used the cores while the write ran: this process's threads and every core's states.
+        cpu = f["cpu_s_during_write"]
+        assert cpu["process"] >= cpu["main_thread"] > 0 and f["core_s_during_write"], f
+    for engine in ("async", "torch_async"):  # the staging thread's copy is accounted apart
+        assert c[engine]["cpu_s_during_write"]["staging_copy"] > 0
     big = c["other_presets"]["8b"]
     assert big["estimate"]["params"] > 7e9 and "GPU only" in big["skipped"]
     assert c["async_stall_over_sync"] > 0 and isinstance(c["target_met"], bool)
@@ -186,3 +191,4 @@ def test_every_configuration_the_gpu_plan_uses_is_valid(tmp_path):
     assert runs.model.preset == "125m" and runs.resilience.in_process
     assert runs.dist.timeout_s > runs.resilience.in_process_hard_timeout_s == 90
     assert load_config(None, s.run_overrides(tmp_path) + [f"train.stop_at_step={s.plan.stop_step}"])
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -115,4 +116,29 @@ def test_buffers_allocated_in_the_background_are_the_ones_the_first_save_fills()
     assert torch.equal(staged["w"].to_local(), live["w"].to_local()) and torch.equal(staged["b"], live["b"])
     stager.allocate_in_background(live)  # buffers exist: nothing to do
     assert stager.allocating is None and stager.generation == 1
+    stager.close()
+
+
+def test_a_staging_job_reports_its_threads_cpu_time_for_the_copy_and_the_hand_off_apart():
+    """``bench checkpoint`` splits what training pays for on its core by these two figures."""
+    from resilient_fsdp.checkpoint.staging import StateStager
+
+    live = {"w": torch.randn(2048, 1024), "names": ["w"], "lr": 0.1}
+    stager = StateStager()
+    staged = stager.prepare(live)
+    spent = []
+
+    def hand_off():  # stands in for planning and the request to the writer: CPU-bound for a while
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.05:
+            pass
+        spent.append(time.thread_time() - t0)
+
+    job = stager.start_copy(live, hand_off)
+    job.wait()
+    job.join()
+    assert job.error is None and torch.equal(staged["w"], live["w"])
+    assert staged["names"] == ["w"] and staged["names"] is not live["names"] and staged["lr"] == 0.1
+    assert 0 < job.copy_cpu_s < 5
+    assert job.handoff_cpu_s >= spent[0] >= 0.05  # the hand-off's own CPU, not the copy's
     stager.close()

@@ -26,7 +26,7 @@ from ..checkpoint import nvrx
 from ..config import load_config
 from ..train.distributed import shutdown
 from ..train.trainer import Trainer
-from .checkpoint_engines import ENGINES, measure, pin
+from .checkpoint_engines import ENGINES, measure, page_faults, pin
 from .results import write_results
 
 # Targets (issue 19): async stall <= 2% of sync and not above the best DCP configuration; the
@@ -89,14 +89,20 @@ def run(args: argparse.Namespace) -> dict:
             pinned = (0, 1)
             pin(*pinned)
         _timed_steps(trainer, 2)  # creates the AdamW state, warms allocator and kernels
+        process_cpu0, main_cpu0, faults0 = time.process_time(), time.thread_time(), page_faults()
         idle = _timed_steps(trainer, args.idle_steps)
+        idle_cpu = {"process": time.process_time() - process_cpu0, "main_thread": time.thread_time() - main_cpu0,
+                    "page_faults": page_faults() - faults0}
         results: dict = {"modes": list(args.modes), "loadavg_start": os.getloadavg(), "params": trainer.num_params,
                          "preset": args.preset, "torch": torch.__version__, "nvrx": nvrx.NVRX_VERSION,
                          "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                          "device": trainer.info.device.type, "saves": args.saves, "warmup_saves": args.warmup_saves,
                          "pinned": {"training_cpu": 0, "writer_cpu": 1} if pinned else None,
+                         # The allocator's settings change how many pages each step faults in.
+                         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
                          "idle_step_time_s": statistics.median(idle), "idle_step_time_s_min": min(idle),
-                         "idle_step_time_s_all": idle}
+                         "idle_step_time_s_all": idle,
+                         "idle_cpu_s_per_step": {k: v / len(idle) for k, v in idle_cpu.items()}}
         step = 0
         for mode in args.modes:
             results[key(mode)], step = measure(trainer, mode, run_dir / "checkpoints", args.saves, args.warmup_saves,
@@ -169,6 +175,20 @@ def table(r: dict) -> str:
         rows.append(f"{key(mode):<12} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} "
                     f"{'' if share is None else f'{share:.2%}':>10} {f['write_s']:>8.2f}s {during:>19}")
     rows.append(f"idle step time {r['idle_step_time_s']:.3f} s (min {r['idle_step_time_s_min']:.3f} s)")
+    idle_cpu = r.get("idle_cpu_s_per_step") or {}
+    if idle_cpu:
+        rows.append(f"training process CPU per idle step: {idle_cpu['process']:.3f} s, main thread "
+                    f"{idle_cpu['main_thread']:.3f} s, {idle_cpu['page_faults']:.0f} pages faulted in")
+    for mode in r["modes"]:
+        cpu = r[key(mode)].get("cpu_s_during_write") or {}
+        if cpu:
+            rows.append(f"{key(mode)}: training process CPU from save to commit (median) "
+                        + ", ".join(f"{name} {value:.3f} s" for name, value in cpu.items())
+                        + f"; {r[key(mode)]['page_faults_during_write']:.0f} pages faulted in, "
+                        f"{r[key(mode)]['steps_during_write']:.1f} steps")
+        for core, fields in (r[key(mode)].get("core_s_during_write") or {}).items():
+            rows.append(f"{key(mode)}: {core} from save to commit (median) "
+                        + ", ".join(f"{name} {value:.2f} s" for name, value in fields.items() if value))
     for name, v in r["targets"].items():
         rows.append(f"target {name}: {'met' if v['met'] else 'MISSED'} ({v})")
     if "verify" in r:

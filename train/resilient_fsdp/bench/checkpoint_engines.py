@@ -55,9 +55,11 @@ class OurSaver(Saver):
                                  trainer.checkpointer.identity, lambda _msg: None)
         self.ckpt.preflight()
         self.record: Optional[dict] = None
+        self.job: Any = None
 
     def start(self, step: int) -> None:
         self.record = self.ckpt.save(step)  # sync: committed here
+        self.job = getattr(self.ckpt._engine, "job", None)  # the staging thread's CPU time
 
     def before_optimizer_step(self) -> float:
         return self.ckpt.before_optimizer_step()
@@ -66,8 +68,10 @@ class OurSaver(Saver):
         record, self.record = self.record or self.ckpt.poll(), None
         if record is None:
             return None
+        job, self.job = self.job, None
+        cpu = {"staging_copy": job.copy_cpu_s, "staging_handoff": job.handoff_cpu_s} if job is not None else {}
         return {"write_s": record["write_s"], "bytes": record["bytes"], "wait_s": record["staging_wait_s"],
-                "call_s": record["save_call_s"]}
+                "call_s": record["save_call_s"], "thread_cpu_s": cpu}
 
     def close(self) -> None:
         self.ckpt.close()
@@ -134,6 +138,31 @@ class DcpSaver(Saver):
         self.stager.close()
 
 
+_CORE_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def core_times(since: Optional[dict] = None) -> dict:
+    """Seconds each CPU spent in each state (``/proc/stat``), or since ``since``: who else used the
+    cores (the writer at its nice level, the kernel writing back pages, the hypervisor's steal)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *values = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                out[name] = {k: int(v) / tick for k, v in zip(_CORE_FIELDS, values)}
+    if since is not None:
+        out = {c: {k: v - since[c][k] for k, v in fields.items()} for c, fields in out.items() if c in since}
+    return out
+
+
+def page_faults() -> int:
+    """Pages this process has faulted in so far (each a zeroed page on the training core's clock)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def make_saver(trainer: Any, mode: str, root: Path) -> Saver:
     return DcpSaver(trainer, mode, root) if mode in DCP_PEERS else OurSaver(trainer, mode, root)
 
@@ -164,11 +193,16 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
     trainer.checkpointer = saver  # train_step awaits this saver's staging before optimizer.step()
     cols: dict[str, list] = {"save_call_s": [], "wait_before_step_s": [], "stall_s": [], "write_s": []}
     during: list[float] = []
+    cpu: dict[str, list] = {}
+    cores: dict[str, dict[str, list]] = {}
+    faults: list[int] = []
     nbytes = 0
     try:
         for i in range(warmup_saves + saves):
             step += 1
             t0 = time.perf_counter()
+            process_cpu0, main_cpu0, cores0 = time.process_time(), time.thread_time(), core_times()
+            faults0 = page_faults()
             saver.start(step)
             call = time.perf_counter() - t0
             if pinned:
@@ -184,6 +218,17 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
                     raise RuntimeError(f"{mode}: the save of step {step} was not committed within {COMMIT_TIMEOUT_S} s")
             if i < warmup_saves:
                 continue
+            # Where this process's CPU went from the save to its commit: what competes with the
+            # step on its core (with --pin, all of it does).
+            window = {"process": time.process_time() - process_cpu0, "main_thread": time.thread_time() - main_cpu0,
+                      **figures.get("thread_cpu_s", {})}
+            window["other_threads"] = window["process"] - sum(v for k, v in window.items() if k != "process")
+            for name, value in window.items():
+                cpu.setdefault(name, []).append(value)
+            faults.append(page_faults() - faults0)
+            for core, fields in core_times(cores0).items():
+                for field, value in fields.items():
+                    cores.setdefault(core, {}).setdefault(field, []).append(value)
             call = figures.get("call_s", call)
             cols["save_call_s"].append(call)
             cols["wait_before_step_s"].append(figures["wait_s"])
@@ -199,6 +244,10 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
         out[name] = statistics.median(values)
         out[f"{name}_min"] = min(values)
         out[f"{name}_all"] = values
+    out["cpu_s_during_write"] = {name: statistics.median(values) for name, values in cpu.items()}
+    out["page_faults_during_write"] = statistics.median(faults) if faults else None
+    out["core_s_during_write"] = {core: {f: statistics.median(v) for f, v in fields.items()}
+                                  for core, fields in cores.items()}
     out["step_time_s"] = statistics.median(during) if during else None
     out["step_time_s_min"] = min(during) if during else None
     out["step_time_s_all"] = during
