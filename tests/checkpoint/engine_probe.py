@@ -17,6 +17,8 @@ usage: python engine_probe.py RUN_DIR SCENARIO MODE
   writer is in the middle of a (slowed) write; the writer, which blocks SIGTERM, exits by itself
   within seconds, and the write it was doing is never committed. This process is the orphans'
   subreaper, so it can reap the writer and see when it exits.
+- ``back-to-back``: a save made while the previous write is still running (slowed by 3 s) waits
+  for it; that wait is the new save's stall (its ``previous_s``), counted once.
 - ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
   the failed attempt closes without waiting for it again, and the next attempt (an in-process
   restart) gets a new engine that commits.
@@ -220,6 +222,28 @@ def orphan(run_dir, mode):
     return out
 
 
+def back_to_back(run_dir, mode):
+    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "slow=3@2"
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false"])
+    trainer = Trainer(cfg)
+    step(trainer)
+    trainer.checkpointer.save(1)
+    trainer.checkpointer.wait()  # the writer is up
+    step(trainer)
+    trainer.checkpointer.save(2)  # its write takes 3 s more
+    t0 = time.monotonic()
+    step(trainer)
+    trainer.checkpointer.save(3)  # waits for the write of step 2
+    waited = time.monotonic() - t0
+    trainer.checkpointer.wait()
+    records = {r["step"]: r for r in trainer.checkpointer.records}
+    trainer.close(failed=False)
+    distributed.shutdown()
+    return {"waited_s": waited, "stall_s": {s: r["stall_s"] for s, r in records.items()},
+            "previous_s": {s: r["save_call_parts_s"]["previous_s"] for s, r in records.items()}}
+
+
 def warm(run_dir, mode):
     """``Checkpointer.prepare`` after the first step: the staging buffers are allocated in the
     background for a job that will save, and the first save fills them (no second allocation);
@@ -246,5 +270,6 @@ def warm(run_dir, mode):
 if __name__ == "__main__":
     run_dir, scenario, mode = sys.argv[1:4]
     report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
-              "warm": warm, "orphan": orphan, "orphan-child": orphan_child}[scenario](run_dir, mode)
+              "warm": warm, "orphan": orphan, "orphan-child": orphan_child,
+              "back-to-back": back_to_back}[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": nvrx.NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

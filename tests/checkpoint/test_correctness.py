@@ -51,6 +51,15 @@ def test_a_writer_that_died_between_saves_is_replaced_and_close_does_not_wait(tm
     assert_no_leftovers(tmp_path)
 
 
+def test_waiting_for_the_previous_write_is_the_new_saves_stall_counted_once(tmp_path):
+    report = probe("engine_probe.py", tmp_path, "back-to-back", "async")
+    stall, previous = report["stall_s"], report["previous_s"]
+    assert report["waited_s"] > 1.5, report  # the save of step 3 did wait for step 2's slow write
+    assert previous["3"] > 1.0 and stall["3"] >= previous["3"], report
+    assert stall["2"] < 1.0, report  # it used to carry step 3's wait as well (counted twice)
+    assert previous["1"] < 0.05 and previous["2"] < 0.05, report  # nothing was in flight
+
+
 # The writer is NVRx's worker on either engine; one lane in CI, the other extended.
 @pytest.mark.parametrize("lane,mode", [("image", "async"), pytest.param("pinned", "torch-async", marks=pytest.mark.extended)])
 def test_a_writer_whose_trainer_is_killed_mid_write_exits_by_itself_and_commits_nothing(tmp_path, request, lane, mode):

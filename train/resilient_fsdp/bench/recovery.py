@@ -94,14 +94,19 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
 
 def save_stalls(metrics: Path, fault_step: int, final_step: int) -> dict:
     """Stall of the saves before the fault (the job's first, which allocates, left out) and after
-    the restart, from the run's checkpoint records. The final save is left out of both: it waits
-    for its write to commit, with or without a restart."""
+    the restart, from the run's checkpoint records. A save's stall includes any wait for its write
+    before the next save could start (the trainer charges that wait to it); the final save counts
+    without its wait for its own commit, which every run has."""
     events = [json.loads(line) for line in metrics.read_text().splitlines() if '"checkpoint"' in line]
-    events = [e for e in events if e.get("event") == "checkpoint" and e["step"] != final_step]
-    before = sorted((e for e in events if e["step"] < fault_step), key=lambda e: e["step"])[1:]
-    after_events = [e for e in sorted(events, key=lambda e: e["step"]) if e["step"] > fault_step]
-    after = [e["stall_s"] for e in after_events]
-    normal = statistics.median(e["stall_s"] for e in before) if before else None
+    events = sorted((e for e in events if e.get("event") == "checkpoint"), key=lambda e: e["step"])
+    before = [e for e in events if e["step"] < fault_step][1:]
+    after_events = [e for e in events if e["step"] > fault_step]
+
+    def stall(e: dict) -> float:
+        return e["save_call_s"] + e["staging_wait_s"] if e["step"] == final_step else e["stall_s"]
+
+    after = [stall(e) for e in after_events]
+    normal = statistics.median(stall(e) for e in before) if before else None
     return {"normal_save_stall_s": normal, "save_after_restart_stall_s": after,
             "save_after_restart_over_normal": max(after) / normal if normal and after else None,
             # Where those stalls went: the save call's parts, and the wait before optimizer.step().

@@ -181,8 +181,9 @@ class Checkpointer:
         was still in flight and had to be waited for.
         """
         t0 = time.perf_counter()
-        # One write in flight at a time: the staging buffers are reused.
-        previous = self.wait() if self.pending is not None else None
+        # One write in flight at a time: the staging buffers are reused. Waiting for the previous
+        # write is this save's stall (its ``previous_s``), not the previous save's as well.
+        previous = self.poll(block=True, charge=False) if self.pending is not None else None
         t_state = time.perf_counter()
         sd = self.state.state_dict()
         vote = self.engine.vote(sd)
@@ -233,9 +234,10 @@ class Checkpointer:
         self.pending["stall_s"] += waited
         return waited
 
-    def poll(self, block: bool = False) -> Optional[dict]:
+    def poll(self, block: bool = False, charge: bool = True) -> Optional[dict]:
         """Collect and commit the pending checkpoint once every rank's write finished; with
-        ``block``, wait for that up to ``checkpoint.write_timeout_s``.
+        ``block``, wait for that up to ``checkpoint.write_timeout_s``, and with ``charge`` count
+        that wait as the pending checkpoint's stall.
 
         Returns the checkpoint's record when it was committed by this call.
         """
@@ -257,7 +259,7 @@ class Checkpointer:
             if all_done or any_late or not block:
                 break
             time.sleep(0.01)
-        if block:
+        if block and charge:
             self.pending["stall_s"] += time.perf_counter() - t_wait
         if not (all_done or any_late):
             return None
