@@ -156,14 +156,20 @@ def hung_writer(run_dir, mode):
     return out
 
 
-def orphan_child(run_dir, mode):
-    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "slow=600@2"
+def slow_second_write(run_dir, mode, seconds):
+    """A trainer (a world of one) whose save of step 1 is committed, so its writer is up, and
+    whose write of step 2 will finish ``seconds`` late; and whether step 1 was committed."""
+    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = f"slow={seconds}@2"
     cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
                              "checkpoint.save_final=false"])
     trainer = Trainer(cfg)
     step(trainer)
     trainer.checkpointer.save(1)
-    committed = trainer.checkpointer.wait() is not None
+    return trainer, trainer.checkpointer.wait() is not None
+
+
+def orphan_child(run_dir, mode):
+    trainer, committed = slow_second_write(run_dir, mode, 600)
     step(trainer)
     trainer.checkpointer.save(2)  # its writer sleeps 600 s after writing the data
     engine = trainer.checkpointer.engine
@@ -223,13 +229,7 @@ def orphan(run_dir, mode):
 
 
 def back_to_back(run_dir, mode):
-    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "slow=3@2"
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false"])
-    trainer = Trainer(cfg)
-    step(trainer)
-    trainer.checkpointer.save(1)
-    trainer.checkpointer.wait()  # the writer is up
+    trainer, _ = slow_second_write(run_dir, mode, 3)
     step(trainer)
     trainer.checkpointer.save(2)  # its write takes 3 s more
     t0 = time.monotonic()
