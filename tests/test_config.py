@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from resilient_fsdp.config import Config, ConfigError, describe, dump_yaml, load_config
+from resilient_fsdp.config import Config, ConfigError, describe, dump_yaml, load_config, user_tree
 
 
 def test_defaults_when_nothing_given():
@@ -81,3 +81,83 @@ def test_describe_lists_every_key_with_its_docstring():
                 "checkpoint.interval_steps"):
         assert f"\n{key} = " in "\n" + text
     assert "Optimizer steps to train for." in text
+
+
+# ---- --set values are read as a config file's: by the key's type -------------------------------
+
+
+def _keys_of_kind() -> dict[str, list[str]]:
+    """Every leaf key by the kind of value it takes: float, int, str (optional ones included)."""
+    import dataclasses
+    import typing
+
+    kinds: dict[str, list[str]] = {"float": [], "int": [], "str": [], "float pair": []}
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            annotation = cls.__pydantic_fields__[f.name].annotation
+            key = prefix + f.name
+            if dataclasses.is_dataclass(annotation):
+                walk(annotation, key + ".")
+                continue
+            args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+            if typing.get_origin(annotation) is tuple:
+                kinds["float pair"].append(key)
+            elif args[0] is float:
+                kinds["float"].append(key)
+            elif args[0] is int and key != "seed":
+                kinds["int"].append(key)
+            elif args[0] is str:
+                kinds["str"].append(key)
+
+    walk(Config, "")
+    return kinds
+
+
+@pytest.mark.parametrize("text, number", [("3e-4", 3e-4), ("1e-5", 1e-5), ("2.5E+3", 2500.0), ("-1e-3", -1e-3),
+                                          ("1e30", 1e30), ("1.0e30", 1e30), ("0.0003", 3e-4), (".5", 0.5)])
+def test_every_float_key_takes_a_number_however_it_is_written(text, number):
+    """YAML 1.1 reads ``3e-4`` as a string; a number key takes it as the number."""
+    keys = _keys_of_kind()["float"]
+    assert "optim.lr" in keys and "resilience.step_timeout_s" in keys and "checkpoint.s3.max_bandwidth_mb_s" in keys
+    for key in keys:
+        value = user_tree(None, [f"{key}={text}"])
+        for part in key.split("."):
+            value = value[part]
+        assert isinstance(value, float) and value == number, key
+
+
+def test_every_int_key_takes_a_whole_number_in_exponent_notation():
+    keys = _keys_of_kind()["int"]
+    assert "train.steps" in keys and "train.stop_at_step" in keys and "model.vocab_size" in keys
+    for key in keys:
+        tree = user_tree(None, [f"{key}=2e3"])
+        for part in key.split("."):
+            tree = tree[part]
+        assert tree == 2000 and type(tree) is int, key
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(None, ["train.steps=2.5e0"])  # not a whole number: refused, naming the key
+
+
+def test_a_float_pair_takes_numbers_in_exponent_notation():
+    assert _keys_of_kind()["float pair"] == ["optim.betas"]
+    assert load_config(None, ["optim.betas=[9e-1, 0.95]"]).optim.betas == (0.9, 0.95)
+
+
+def test_every_string_key_keeps_the_text_as_written():
+    keys = _keys_of_kind()["str"]
+    assert "run_dir" in keys and "model.factory" in keys and "checkpoint.s3.uri" in keys
+    for key in keys:
+        tree = user_tree(None, [f"{key}=1e3"])
+        for part in key.split("."):
+            tree = tree[part]
+        assert tree == "1e3", key
+
+
+def test_a_config_file_with_exponent_notation_gives_numbers(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n  eps: 1e-8\ntrain:\n  steps: 1e2\n")
+    assert user_tree(path) == {"optim": {"lr": 3e-4, "eps": 1e-8}, "train": {"steps": 100}}
+    cfg = load_config(path, ["optim.weight_decay=1e-2"])
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.train.steps, cfg.optim.weight_decay) == (3e-4, 1e-8, 100, 0.01)
+    assert "lr: 0.0003" in dump_yaml(cfg)

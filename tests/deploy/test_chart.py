@@ -72,6 +72,29 @@ def test_should_state_its_restart_arithmetic_when_profile_header_is_read(profile
         assert f"checkpoint.interval_s {values['trainer']['checkpoint']['interval_s']}" in header
 
 
+# ---- numbers through helm's --set ------------------------------------------------------------
+
+
+def test_should_say_how_to_pass_a_number_when_helm_set_made_it_text():
+    """helm's --set reads only integers and booleans; 3e-4 arrives as a string, which the schema
+    refuses for a number key: the error names the key and the two ways that give a number."""
+    with pytest.raises(chart.ChartError) as info:
+        chart.render(chart.load_values([VALUES_DIR / "dev-cpu.yaml"], ["trainer.optim.lr=3e-4"]))
+    message = str(info.value)
+    assert "trainer.optim.lr: got string, want number" in message
+    assert "--set-json trainer.optim.lr=<number>" in message and "values file (-f)" in message
+    assert "resilient-fsdp local: --set optim.lr=<number>" in message
+
+
+def test_should_take_a_number_in_exponent_notation_when_given_with_set_json():
+    values = chart.load_values([VALUES_DIR / "dev-cpu.yaml"], ["trainer.train.steps=7"],
+                               ["trainer.optim.lr=3e-4", 'trainer.optim.betas=[0.8, 0.9]'])
+    cfg = config_map(chart.render(values), "config.yaml")
+    assert cfg["optim"]["lr"] == 3e-4 and cfg["optim"]["betas"] == [0.8, 0.9] and cfg["train"]["steps"] == 7
+    with pytest.raises(chart.ChartError, match="--set-json 'trainer.optim.lr=3e-'.*expected key=<JSON>"):
+        chart.load_values([], [], ["trainer.optim.lr=3e-"])
+
+
 # ---- resources per instance type ---------------------------------------------------------------
 
 

@@ -18,8 +18,9 @@ from resilient_fsdp.deploy.chart import load_values, render
 from resilient_fsdp.local import job as local_job
 from resilient_fsdp.resilience import exit_codes
 from resilient_fsdp.local.fault_requests import FaultExecutor, requests_dir
-from resilient_fsdp.local.runtimes import LoopbackRuntime, hidden_image_paths, quantity_bytes
-from resilient_fsdp.local.workload import RestartPolicy, WorkloadError, expand, pods_of
+from resilient_fsdp.local.paths import IN_TEXT, replace_paths
+from resilient_fsdp.local.runtimes import LoopbackRuntime, hidden_image_paths
+from resilient_fsdp.local.workload import RestartPolicy, WorkloadError, expand, pods_of, quantity_bytes
 from resilient_fsdp.resilience.agent import RENDEZVOUS_LOST_EXIT_CODE, exit_code, rendezvous_store_lost
 
 LOCAL = ["storage.type=existingClaim", "storage.existingClaim=local-run-dir", "trainer.run_dir=/fsx"]
@@ -152,8 +153,8 @@ def test_code_under_a_pod_volume_is_bound_back_into_the_pod():
 def test_flags_become_chart_values(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("train:\n  steps: 7\n")
-    args = argparse.Namespace(values_files=[], chart_values=["job.backoffLimit=0"], config=str(config),
-                              overrides=["seed=3", "resilience.in_process=true"], nodes=3, nproc_per_node=1,
+    args = argparse.Namespace(values_files=[], chart_values=["job.backoffLimit=0"], chart_values_json=[],
+                              config=str(config), overrides=["seed=3", "resilience.in_process=true"], nodes=3, nproc_per_node=1,
                               max_restarts=1, inject=["sigkill@5:rank=0"], rdzv_port=None)
     values = local_job.chart_values(args, tmp_path, "netns")
     assert values["nodes"] == 3 and values["cpuRanksPerNode"] == 1 and values["job"]["backoffLimit"] == 0
@@ -220,8 +221,8 @@ def test_an_agent_that_lost_the_rendezvous_store_exits_retryably():
 
 def test_the_rendered_manifests_are_kept_with_the_run(tmp_path, capsys):
     """``local`` writes what it rendered beside the run, and refuses a partition it cannot make."""
-    args = argparse.Namespace(values_files=[], chart_values=[], config=None, overrides=["train.steps=3"], nodes=2,
-                              nproc_per_node=1, max_restarts=None, inject=["partition@2:node=1"], rdzv_port=None,
+    args = argparse.Namespace(values_files=[], chart_values=[], chart_values_json=[], config=None,
+                              overrides=["train.steps=3"], nodes=2, nproc_per_node=1, max_restarts=None, inject=["partition@2:node=1"], rdzv_port=None,
                               run_dir=str(tmp_path / "run"), isolation="loopback", release="t",
                               max_recreations=3, verbose=False)
     with pytest.raises(Exception, match="partition faults need --isolation netns"):
@@ -231,3 +232,12 @@ def test_the_rendered_manifests_are_kept_with_the_run(tmp_path, capsys):
     assert isolation == "loopback" and len(job.workload.pods) == 2
     text = (Path(args.run_dir) / "cluster" / "manifests.yaml").read_text()
     assert "kind: PyTorchJob" in text and "name: t-resilient-fsdp" in text
+
+
+def test_a_mount_path_is_rewritten_where_it_stands_as_a_path_and_only_there():
+    """What the console shows of a pod's line: ``/fsx`` is the run directory wherever it starts a
+    path; a longer name that merely begins with it is left alone, and a rewritten path never again."""
+    line = "summary /fsx/summary.json, config=/fsx/config.yaml (/fsx) [/fsx/a] '/fsx' /fsxy/z x/fsx /fsx:"
+    out = replace_paths(line, [("/fsx", "/home/u/run"), ("/home", "/elsewhere")], IN_TEXT)
+    assert out == ("summary /home/u/run/summary.json, config=/home/u/run/config.yaml (/home/u/run) "
+                   "[/home/u/run/a] '/home/u/run' /fsxy/z x/fsx /home/u/run:")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -382,20 +384,86 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# A number as people write one: YAML 1.1 (PyYAML) reads `3e-4` and `1e30` as strings, since its
+# floats need a dot and a signed exponent.
+_NUMBER = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?$")
+
+
+def _field_annotation(parts: list[str]) -> Any:
+    """The declared type of the key at ``parts`` (a section's class for a section), or None."""
+    cls: Optional[type] = Config
+    for part in parts[:-1]:
+        cls = _subsection(cls, part)
+        if cls is None:
+            return None
+    info = getattr(cls, "__pydantic_fields__", {}).get(parts[-1])
+    return info.annotation if info is not None else None
+
+
+def _alternatives(annotation: Any) -> list[Any]:
+    """The types a value of ``annotation`` may have (``Optional[float]``: ``[float]``)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _typed(annotation: Any, value: Any, raw: Optional[str] = None) -> Any:
+    """``value`` as a key of type ``annotation`` takes it: a number written ``3e-4`` for a number
+    key, the text as written for a string key (``raw``: the ``--set`` text, when there is one).
+    Anything else is left for validation to accept or to refuse with the key's name."""
+    if value is None:
+        return value
+    kinds = _alternatives(annotation)
+    if isinstance(value, str) and _NUMBER.match(value.strip()):
+        if float in kinds:
+            return float(value)
+        if int in kinds and float(value).is_integer():
+            return int(float(value))  # 1e5 steps
+    textual = [k for k in kinds if k is str or typing.get_origin(k) is Literal]
+    if raw is not None and textual and len(textual) == len(kinds) and not isinstance(value, str):
+        return raw  # a string key: --set model.factory=123 is the text 123
+    if isinstance(value, (list, tuple)) and kinds and typing.get_origin(kinds[0]) in (tuple, list):
+        args = [a for a in typing.get_args(kinds[0]) if a is not Ellipsis]
+        if args:
+            return [_typed(args[min(i, len(args) - 1)], v) for i, v in enumerate(value)]
+    return value
+
+
+def _typed_tree(tree: dict, parts: tuple[str, ...] = ()) -> dict:
+    """Every value of a user tree as its key's type takes it (see :func:`_typed`)."""
+    out = {}
+    for key, value in tree.items():
+        path = [*parts, str(key)]
+        annotation = _field_annotation(path)
+        if isinstance(value, dict) and isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            out[key] = _typed_tree(value, tuple(path))
+        else:
+            out[key] = _typed(annotation, value) if annotation is not None else value
+    return out
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``key=value``; the value is parsed as YAML (``3`` is an int, ``true`` a bool)."""
+    """Split ``key=value``; the value is read as a config file's would be: YAML (``3`` is an int,
+    ``true`` a bool), a number for a number key however it is written (``3e-4``), the text itself
+    for a string key."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key=value, for example --set train.steps=50")
     key, raw = text.split("=", 1)
+    key = key.strip()
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    annotation = _field_annotation(key.split("."))
+    if annotation is not None and not (isinstance(annotation, type) and dataclasses.is_dataclass(annotation)):
+        value = _typed(annotation, value, raw)
+    elif isinstance(value, dict) and annotation is not None:
+        value = _typed_tree(value, tuple(key.split(".")))
+    return key, value
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Build the configuration: defaults < YAML file at ``path`` < ``overrides`` (``key=value``)."""
+def user_tree(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> dict:
+    """The keys a user set, typed: the YAML file at ``path``, then ``overrides`` (``key=value``)."""
     tree: dict = {}
     if path is not None:
         try:
@@ -406,10 +474,16 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
-        tree = loaded or {}
+        tree = _typed_tree(loaded or {})
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
+    return tree
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build the configuration: defaults < YAML file at ``path`` < ``overrides`` (``key=value``)."""
+    tree = user_tree(path, overrides)
     try:
         config = _ADAPTER.validate_python(tree)
     except ValidationError as exc:

@@ -68,8 +68,9 @@ def deep_merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def load_values(files: list[str | Path] = (), sets: list[str] = ()) -> dict:
-    """User values as ``helm -f FILE... --set k=v...`` builds them: files in order, then ``--set``."""
+def load_values(files: list[str | Path] = (), sets: list[str] = (), set_json: list[str] = ()) -> dict:
+    """User values as ``helm -f FILE... --set-json k=json... --set k=v...`` builds them: files in
+    order, then ``--set-json``, then ``--set``."""
     helm_python = _helm()
     values: dict = {}
     for f in files:
@@ -84,6 +85,12 @@ def load_values(files: list[str | Path] = (), sets: list[str] = ()) -> dict:
         if not isinstance(loaded, dict):
             raise ChartError(f"-f {f}: a values file must be a mapping of keys at the top level")
         values = deep_merge(values, loaded)
+    for expression in set_json:
+        try:
+            values = deep_merge(values, helm_python.parse_set_json(expression))
+        except helm_python.HelmError as exc:
+            raise ChartError(f"--set-json {expression!r}: {_detail(exc)} (expected key=<JSON>, e.g. "
+                             "--set-json trainer.optim.lr=3e-4)") from None
     for expression in sets:
         if "=" not in expression:
             raise ChartError(f"--set {expression!r}: expected key=value, e.g. --set nodes=4")
@@ -189,11 +196,23 @@ def explain_schema_error(detail: str) -> str:
                 lines.append(f"unknown key '{full}': remove it (values.schema.json lists the valid keys of "
                              f"{key or 'the top level'})")
         else:
-            lines.append(f"{key or '(top level)'}: {m['what']}")
+            lines.append(f"{key or '(top level)'}: {m['what']}{_text_for_a_number_hint(key, m['what'])}")
     if not lines:  # a report shape this parser does not know: show it whole
         lines = [detail]
     unique = list(dict.fromkeys(lines))
     return "values rejected by the chart's values.schema.json:\n  " + "\n  ".join(unique)
+
+
+def _text_for_a_number_hint(key: str, what: str) -> str:
+    """How to pass a number where helm's ``--set`` made it text (it reads only integers and
+    booleans, so ``3e-4`` and ``0.0003`` arrive as strings)."""
+    if not re.search(r"got string, want (number|integer)", what):
+        return ""
+    trainer_key = key.removeprefix("trainer.") if key.startswith("trainer.") else None
+    local = f"--set {trainer_key}=<number> or " if trainer_key else ""
+    return (f"; helm's --set passes anything but an integer or a boolean as text: give the number with "
+            f"--set-json {key}=<number> or in a values file (-f); resilient-fsdp local: {local}"
+            f"--value-json {key}=<number>")
 
 
 def explain_render_error(detail: str) -> str:
@@ -216,6 +235,9 @@ def add_values_args(p: argparse.ArgumentParser) -> None:
                    help="values file, e.g. values/p5-4node.yaml (repeatable; later files win)")
     p.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
                    help="set one value as helm --set does, e.g. --set nodes=4 (repeatable; applied last)")
+    p.add_argument("--set-json", dest="set_json", action="append", default=[], metavar="KEY=JSON",
+                   help="set one value as helm --set-json does, e.g. --set-json trainer.optim.lr=3e-4 (repeatable; "
+                        "before --set)")
     p.add_argument("--release", default=DEFAULT_RELEASE, help=f"release name; default {DEFAULT_RELEASE}")
     p.add_argument("--namespace", "-n", default=DEFAULT_NAMESPACE,
                    help=f"namespace of the release; default {DEFAULT_NAMESPACE}")
@@ -223,7 +245,7 @@ def add_values_args(p: argparse.ArgumentParser) -> None:
 
 
 def render_from_args(args: argparse.Namespace) -> Rendered:
-    return render(load_values(args.values_files, args.set_values), release=args.release,
+    return render(load_values(args.values_files, args.set_values, args.set_json), release=args.release,
                   namespace=args.namespace, chart=args.chart)
 
 

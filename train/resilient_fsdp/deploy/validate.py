@@ -265,7 +265,7 @@ def _cmd_validate(args) -> int:
     rendered = render_from_args(args)
     crds = load_crd_schemas(crd_dir(args.crds))
     docs = rendered.documents()
-    findings = lint(load_values(args.values_files, args.set_values), chart=args.chart)
+    findings = lint(load_values(args.values_files, args.set_values, args.set_json), chart=args.chart)
     problems = validate_documents(docs, crds)
     for line in findings:
         print(f"lint: {line}")

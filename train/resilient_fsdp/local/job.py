@@ -15,6 +15,7 @@ flag                           chart value
                                at ``storage.mountPath``; ``trainer.run_dir`` is the mount path
 ``--rdzv-port P``              ``rendezvous.port``
 ``--value KEY=V``              any other chart value, as ``helm --set``
+``--value-json KEY=JSON``      any other chart value, as ``helm --set-json``
 =============================  ===============================================================
 """
 
@@ -31,7 +32,7 @@ from typing import Optional
 
 import yaml
 
-from ..config import ConfigError, load_config, parse_faults, parse_override
+from ..config import ConfigError, load_config, parse_faults, user_tree
 from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, load_values, render
 from ..resilience.accounting import JOB_START_ENV
 from ..resilience.nvrx import QUIET_WARNINGS
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                 f"{DEFAULT_RELEASE}")
     p.add_argument("--value", dest="chart_values", action="append", default=[], metavar="KEY=VALUE",
                    help="set a chart value as helm --set does, e.g. --value job.backoffLimit=0 (repeatable)")
+    p.add_argument("--value-json", dest="chart_values_json", action="append", default=[], metavar="KEY=JSON",
+                   help="set a chart value as helm --set-json does, e.g. --value-json shm.sizeLimit='\"2Gi\"' "
+                        "(repeatable; before --value)")
     p.add_argument("--manifests", metavar="FILE",
                    help="run these rendered manifests (resilient-fsdp render or helm template output) instead of "
                         "rendering the chart: no chart, trainer or fault flags then")
@@ -100,24 +104,15 @@ def choose_isolation(requested: Optional[str]) -> tuple[str, Optional[str]]:
 
 
 def trainer_values(config_file: Optional[str], overrides: list[str]) -> dict:
-    """``--config FILE`` then ``--set`` as ``trainer`` values (each checked by the trainer first)."""
-    tree: dict = {}
-    if config_file:
-        tree = yaml.safe_load(Path(config_file).read_text()) or {}
-    for text in overrides:
-        key, value = parse_override(text)
-        node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return tree
+    """``--config FILE`` then ``--set`` as ``trainer`` values, typed as the trainer reads them
+    (``--set optim.lr=3e-4`` is a number), so the chart's schema sees what the trainer would."""
+    return user_tree(config_file, overrides)
 
 
 def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_path: Optional[str] = None) -> dict:
     """The values the local job renders with (see the module's table)."""
     files = args.values_files or [DEFAULT_VALUES]
-    values = load_values(files, args.chart_values)
+    values = load_values(files, args.chart_values, args.chart_values_json)
     mount = mount_path or values.get("storage", {}).get("mountPath") or "/fsx"
     forced: dict = {
         "storage": {"type": "existingClaim", "existingClaim": LOCAL_CLAIM, "mountPath": mount,
@@ -157,6 +152,7 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     isolation, notice = choose_isolation(args.isolation)
     if getattr(args, "manifests", None):
         shaping = [flag for flag, given in (("-f", args.values_files), ("--value", args.chart_values),
+                                            ("--value-json", args.chart_values_json),
                                             ("--set", args.overrides), ("--config", args.config),
                                             ("--inject", args.inject), ("--nodes", args.nodes is not None),
                                             ("--nproc-per-node", args.nproc_per_node is not None),
