@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 from ..resilience import exit_codes
 from ..resilience.faults import FaultLedger
@@ -67,13 +67,14 @@ class LocalJob:
 
 
 class _Forwarder(threading.Thread):
-    """Copies one pod's output to the console with a prefix, and in full to its log file."""
+    """Copies one pod's output in full to its log file, and to the console with a prefix and with
+    the paths of the pod's volumes as this machine sees them (``to_host``)."""
 
     def __init__(self, node: int, stream: TextIO, log_path: Path, out: TextIO, lock: threading.Lock,
-                 agent_lines: bool):
+                 agent_lines: bool, to_host: Callable[[str], str]):
         super().__init__(daemon=True, name=f"forward-node{node}")
         self.node, self.stream, self.log_path, self.out, self.lock = node, stream, log_path, out, lock
-        self.agent_lines = agent_lines
+        self.agent_lines, self.to_host = agent_lines, to_host
 
     def run(self) -> None:
         with open(self.log_path, "a") as log:
@@ -88,6 +89,7 @@ class _Forwarder(threading.Thread):
                     prefix = f"[node{self.node}]"
                 else:
                     continue
+                line = self.to_host(line)
                 with self.lock:
                     self.out.write(f"{prefix} {line}" if line.endswith("\n") else f"{prefix} {line}\n")
                     self.out.flush()
@@ -170,7 +172,7 @@ class LocalLauncher:
         proc = self.runtime.start(pod, extra)
         self.procs[pod.hostname] = proc
         fwd = _Forwarder(pod.index, proc.stdout, log_dir / f"node{pod.index}.log", self.out, self.lock,
-                         self.job.verbose)
+                         self.job.verbose, lambda line: self.runtime.to_host(pod, line))
         fwd.start()
         self.forwarders.append(fwd)
 

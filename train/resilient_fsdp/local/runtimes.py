@@ -40,24 +40,12 @@ from typing import Optional
 
 import psutil
 
-from .workload import Mount, Pod, Workload, WorkloadError
+from .paths import IN_TEXT, replace_paths
+from .workload import Mount, Pod, Workload, WorkloadError, quantity_bytes
 
 POD_MARK_ENV = "RESILIENT_FSDP_LOCAL_POD"
 """Set in every local pod's environment (``<run id>/<hostname>``): how loopback mode finds a
 pod's processes, re-parented ones included."""
-
-_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]i?)?$")
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
-def quantity_bytes(text: str) -> int:
-    """A Kubernetes quantity (``1Gi``, ``512M``, ``1000``) in bytes."""
-    m = _QUANTITY.match(str(text).strip())
-    if not m:
-        raise WorkloadError(f"sizeLimit {text!r} is not a Kubernetes quantity such as 1Gi")
-    return int(float(m[1]) * _UNITS[m[2] or ""])
-
 
 class Runtime:
     """What both isolation modes share: the volumes' host side and the pod's environment."""
@@ -116,6 +104,16 @@ class Runtime:
         if mount.sub_path:
             host = host / mount.sub_path
         return "bind", str(host)
+
+    def mounted_paths(self, pod: Pod) -> list[tuple[str, str]]:
+        """(mount path, host path) of the shared claim and the ConfigMaps, where they differ."""
+        found = [(m.path.rstrip("/"), self.volume_source(pod, m)[1]) for m in pod.mounts
+                 if pod.volumes[m.volume].kind != "emptyDir"]
+        return [(path, host) for path, host in sorted(found, key=lambda x: -len(x[0])) if path != host]
+
+    def to_host(self, pod: Pod, text: str) -> str:
+        """A line ``pod`` printed, its volumes' paths as this machine sees them (for the console)."""
+        return replace_paths(text, self.mounted_paths(pod), IN_TEXT)
 
     def fresh_empty_dirs(self, pod: Pod) -> None:
         """A recreated pod gets new emptyDir volumes, as on a cluster."""
@@ -261,10 +259,7 @@ class LoopbackRuntime(Runtime):
         names.sort(key=lambda n: -len(n[0]))  # the longest first: a full name before its prefix
         self.names = [(re.compile(rf"(?<![A-Za-z0-9.-]){re.escape(n)}(?![A-Za-z0-9-])"), a) for n, a in names]
         # The files the pods read name the shared volume and ConfigMaps by their mount paths too.
-        pod = workload.pods[0]
-        shared = [(m.path.rstrip("/"), self.volume_source(pod, m)[1]) for m in pod.mounts
-                  if pod.volumes[m.volume].kind != "emptyDir"]
-        shared = [(p, h) for p, h in sorted(shared, key=lambda x: -len(x[0])) if p != h]
+        shared = self.mounted_paths(workload.pods[0])
         self.write_config_maps(lambda text: self._rewrite_text(text, shared))
 
     def describe(self) -> str:
@@ -275,8 +270,8 @@ class LoopbackRuntime(Runtime):
         return str(host_path)  # the shared volume is rendered at the run directory itself
 
     def _rewrite_text(self, text: str, paths: list[tuple[str, str]]) -> str:
-        """A file's host names and mount paths (``/fsx/x`` or ``/fsx`` alone, after a space or quote)."""
-        return self._rewrite(text, paths, before=r"(?:^|(?<=[\s'\"=]))")
+        """A file's host names and mount paths (``/fsx/x`` or ``/fsx`` alone)."""
+        return self._rewrite(text, paths, IN_TEXT)
 
     def _rewrite(self, text: str, paths: list[tuple[str, str]], before: str = r"(?:^|(?<==))") -> str:
         """Host names to addresses, then mount paths to host paths: an argument or value that is a
@@ -284,11 +279,7 @@ class LoopbackRuntime(Runtime):
         is never rewritten again."""
         for pattern, address in self.names:
             text = pattern.sub(address, text)
-        if not paths:
-            return text
-        hosts = dict(paths)
-        alternatives = "|".join(re.escape(p) for p in sorted(hosts, key=len, reverse=True))
-        return re.sub(rf"{before}({alternatives})(?=/|$|[\s'\"])", lambda m: hosts[m.group(1)], text, flags=re.M)
+        return replace_paths(text, paths, before)
 
     def start(self, pod: Pod, extra_env: dict[str, str]) -> subprocess.Popen:
         self.fresh_empty_dirs(pod)

@@ -25,6 +25,19 @@ class WorkloadError(ValueError):
     """A rendered workload the local cluster cannot run; the message names the field."""
 
 
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]i?)?$")
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes quantity (``1Gi``, ``512M``, ``1000``) in bytes."""
+    m = _QUANTITY.match(str(text).strip())
+    if not m:
+        raise WorkloadError(f"sizeLimit {text!r} is not a Kubernetes quantity such as 1Gi")
+    return int(float(m[1]) * _UNITS[m[2] or ""])
+
+
 @dataclass
 class Mount:
     """A ``volumeMounts`` entry."""
