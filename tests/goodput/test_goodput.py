@@ -16,6 +16,7 @@ import yaml
 from tests.support import REPO, read_summary, run_local
 from resilient_fsdp.goodput import advise as adv
 from resilient_fsdp.goodput import model as gm
+from resilient_fsdp.goodput import profiles
 from resilient_fsdp.goodput import simulate as sim
 
 VALUES_DIR = REPO / "values"
@@ -90,6 +91,67 @@ def test_advisor_rejects_bad_input_naming_the_flag(capsys):
         _advice("--instance", "p5.48xlarge", "--nodes", "0", "--ckpt-stall-s", "1", "--ckpt-write-s", "60")
 
 
+def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage():
+    """p5-16node by hand: 70,553,706,496 params x 12 B = 846.64 GB over 128 GPUs = 6.614 GB a shard;
+    stall 6.614 / 53 + 0.5 = 0.6248 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB =
+    7.031 GB/s) = 120.41 s."""
+    a = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--preset", "70b", "--storage-size", "14400Gi",
+                "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
+    assert a.inputs.ckpt_stall_s == pytest.approx(0.6248, abs=1e-4)
+    assert a.inputs.ckpt_write_s == pytest.approx(120.41, abs=0.01)
+    assert dict(a.inputs.cost_sources) == {"ckpt_stall_s": "estimated", "ckpt_write_s": "estimated",
+                                           "restart_s": "default"}
+    # --params is the same model by its count; SCRATCH_2 has one throughput, 200 MB/s/TiB.
+    same = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--params", "70553706496", "--storage-size",
+                   "14400Gi", "--storage-throughput", "500")
+    assert same.inputs.ckpt_write_s == a.inputs.ckpt_write_s
+    scratch = _advice("--instance", "g5.12xlarge", "--nodes", "1", "--preset", "1b", "--storage-size", "1200Gi",
+                      "--deployment-type", "SCRATCH_2")
+    assert scratch.inputs.ckpt_write_s == pytest.approx(1_100_048_384 * 12 / (1200 / 1024 * 200e6))
+    assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5)
+
+
+def test_advisor_lets_each_measured_cost_replace_its_estimate(tmp_path):
+    ckpt = tmp_path / "ckpt.json"
+    ckpt.write_text(json.dumps({"async": {"stall_s": 0.4, "write_s": 3.3}}))
+    stall_only = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--preset", "70b", "--ckpt-stall-s", "0.9")
+    assert stall_only.inputs.ckpt_stall_s == 0.9 and stall_only.inputs.ckpt_write_s > 100  # W still estimated
+    sources = dict(stall_only.inputs.cost_sources)
+    assert sources["ckpt_stall_s"] == "given, --ckpt-stall-s" and sources["ckpt_write_s"] == "estimated"
+    measured = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--preset", "70b", "--from-bench", str(ckpt))
+    assert (measured.inputs.ckpt_stall_s, measured.inputs.ckpt_write_s) == (0.4, 3.3)
+    assert measured.inputs.estimate is None
+    assert dict(measured.inputs.cost_sources)["ckpt_write_s"] == f"measured, --from-bench {ckpt}"
+
+
+def test_advise_with_only_what_a_user_knows_prints_a_full_recommendation():
+    """The README's call: instance, nodes, model; storage: the chart's default volume, too slow
+    for a 70b state, which the table says along with the size that would do."""
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
+                           "--nodes", "16", "--preset", "70b"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    for key in ("checkpoint.interval_s", "max_restarts", "step_timeout_s", "init_timeout_s", "expected goodput"):
+        assert any(line.startswith(key) for line in proc.stdout.splitlines()), key
+    assert "(estimated)" in proc.stdout and "847 GB" in proc.stdout
+    assert "(1.17 TiB x 250 MB/s/TiB, PERSISTENT_2)" in proc.stdout  # the chart's default volume
+    assert "W is longer than Daly's interval" in proc.stdout and "storage.size 4800Gi" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], ["--preset, or --params", "--ckpt-stall-s and --ckpt-write-s", "--from-bench"]),
+    (["--preset", "70b", "--params", "7e10"], ["--preset and --params both"]),
+    (["--preset", "huge"], ["--preset 'huge'", "70b"]),
+    (["--preset", "8b", "--deployment-type", "SCRATCH_2", "--storage-throughput", "500"], ["SCRATCH_2", "200"]),
+    (["--preset", "8b", "--storage-throughput", "300"], ["PERSISTENT_2 offers 125, 250, 500, 1000"]),
+    (["--preset", "8b", "--storage-size", "2TB"], ["--storage-size '2TB'", "1200Gi"]),
+])
+def test_advisor_estimate_refuses_bad_input_naming_the_flag(argv, words):
+    with pytest.raises(adv.AdviseError) as info:
+        _advice("--instance", "p5.48xlarge", "--nodes", "4", *argv)
+    for w in words:
+        assert w in str(info.value)
+
+
 def test_advisor_reads_measured_costs_from_benchmark_results(tmp_path):
     ckpt = tmp_path / "ckpt.json"
     ckpt.write_text(json.dumps({"async": {"stall_s": 0.4, "write_s": 3.3}}))
@@ -102,12 +164,23 @@ def test_advisor_reads_measured_costs_from_benchmark_results(tmp_path):
 @pytest.mark.parametrize("profile", ADVISED_PROFILES)
 def test_profile_restart_settings_are_the_advisors(profile):
     text = VALUES_DIR.joinpath(f"{profile}.yaml").read_text()
-    lines = [ln for ln in text.splitlines() if ln.startswith("# advise:")]
-    assert len(lines) == 1, f"{profile}: needs exactly one '# advise: ...' line with the advisor's inputs"
-    advice = _advice(*lines[0][len("# advise:"):].split())
+    line = profiles.advise_line(text)
+    advice = profiles.advice_for(line)
     values = yaml.safe_load(text)
     expected = advice.values()
+    # The advisor's inputs are the profile's own facts: its instance, nodes, model and storage.
     assert values["instanceType"] == advice.inputs.instance and values["nodes"] == advice.inputs.nodes
+    args = adv.parse_advise_line(line)
+    assert args.preset == values["trainer"]["model"]["preset"], f"{profile}: --preset is not trainer.model.preset"
+    storage = values["storage"]
+    assert (args.storage_size, args.deployment_type) == (storage["size"], storage["fsx"]["deploymentType"])
+    assert args.storage_throughput == storage["fsx"].get("perUnitStorageThroughput"), \
+        f"{profile}: --storage-throughput is not storage.fsx.perUnitStorageThroughput"
+    # Its header is the advisor's arithmetic for those inputs, as generated.
+    lines = text.splitlines()
+    start, end = profiles.block_span(lines)
+    assert lines[start:end + 1] == profiles.header_block(line), \
+        f"{profile}: the restart-settings block is stale: python -m resilient_fsdp.goodput.profiles"
     assert values["trainer"]["checkpoint"]["interval_s"] == expected["trainer"]["checkpoint"]["interval_s"]
     for key, value in expected["trainer"]["resilience"].items():
         assert values["trainer"]["resilience"][key] == value, f"{profile}: trainer.resilience.{key}"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from resilient_fsdp.train.model import build_model, count_params
+from resilient_fsdp.train.presets import PRESETS, parameter_count
 
 
 @pytest.mark.parametrize("preset, nominal", [("125m", 125e6), ("1b", 1.1e9), ("8b", 8.0e9), ("70b", 70.6e9)])
@@ -13,6 +14,14 @@ def test_presets_have_their_nominal_size(preset, nominal):
     with torch.device("meta"):
         model = build_model(preset)
     assert abs(count_params(model) - nominal) / nominal < 0.1
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_presets_counted_parameters_are_the_built_models(preset):
+    """``advise`` sizes checkpoints from the count without building the model."""
+    with torch.device("meta"):
+        model = build_model(preset)
+    assert parameter_count(PRESETS[preset]) == count_params(model)
 
 
 def test_meta_build_allocates_nothing():

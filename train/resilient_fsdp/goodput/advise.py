@@ -2,8 +2,12 @@
 
 Inputs: the instance type and node count (GPUs per node come from the chart's instance table), a
 node MTBF (default: the Llama 3 failure rate per GPU-hour), the planned job length, and three
-measured costs: the checkpoint stall, the background write time, and the restart time (given, or
-read from ``bench checkpoint`` / ``bench recovery`` JSON with ``--from-bench``).
+costs: the checkpoint stall, the background write time, and the restart time. The checkpoint
+costs are estimated from the model's size (``--preset`` or ``--params``) and the shared volume
+(``--storage-size``, ``--deployment-type``, ``--storage-throughput``; default: the chart's) as
+:mod:`~resilient_fsdp.goodput.costs` says; measured ones replace the estimate, each on its own
+(``--ckpt-stall-s``, ``--ckpt-write-s``, ``--restart-s``, or ``bench checkpoint`` /
+``bench recovery`` JSON with ``--from-bench``).
 
 Outputs, with the rule behind each (see ``model`` for the formulas):
 
@@ -31,6 +35,7 @@ from typing import Optional
 
 import yaml
 
+from . import costs as gc
 from . import model as gm
 
 CHART_VALUES = Path(__file__).resolve().parents[3] / "charts" / "resilient-fsdp" / "values.yaml"
@@ -69,6 +74,17 @@ class AdviseError(ValueError):
     """Bad advisor input; the message names the flag and the fix."""
 
 
+def chart_storage_defaults(values_path: Path = CHART_VALUES) -> dict:
+    """The chart's default shared volume: ``size``, ``deploymentType``, ``perUnitStorageThroughput``."""
+    try:
+        storage = yaml.safe_load(values_path.read_text())["storage"]
+        return {"size": storage["size"], "deploymentType": storage["fsx"]["deploymentType"],
+                "perUnitStorageThroughput": float(storage["fsx"]["perUnitStorageThroughput"])}
+    except (OSError, KeyError, TypeError) as exc:
+        raise AdviseError(f"cannot read the storage defaults from {values_path} ({exc}); pass --storage-size, "
+                          "--deployment-type and --storage-throughput") from exc
+
+
 def instance_gpus(instance: str, values_path: Path = CHART_VALUES) -> int:
     """GPUs per node of ``instance``, from the chart's ``instanceTypes`` table (one source)."""
     try:
@@ -95,6 +111,10 @@ class Inputs:
     step_s: float
     startup_s: float
     mtbf_source: str
+    cost_sources: tuple[tuple[str, str], ...] = ()
+    """(cost, where it came from: estimated, given, measured) for the stall, write and restart."""
+    estimate: Optional[gc.Estimate] = None
+    """The checkpoint-cost estimate, when one was made."""
 
 
 @dataclass(frozen=True)
@@ -202,8 +222,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-mtbf-hours", type=float,
                    help="one node's mean time between failures; default: Llama 3's rate per GPU-hour x GPUs")
     p.add_argument("--job-hours", type=float, default=24.0 * 14, help="planned length of the job (default 336)")
-    p.add_argument("--ckpt-stall-s", type=float, help="training stall per checkpoint (seconds)")
-    p.add_argument("--ckpt-write-s", type=float, help="background write time per checkpoint (seconds)")
+    p.add_argument("--preset", help="the model: a built-in preset (tiny, 125m, 1b, 8b, 70b), to estimate the "
+                                    "checkpoint costs from its state")
+    p.add_argument("--params", type=float, help="the model's parameter count (e.g. 70.6e9), instead of --preset")
+    p.add_argument("--storage-size", help="the shared volume's capacity as storage.size writes it (e.g. 14400Gi); "
+                                          "default: the chart's")
+    p.add_argument("--deployment-type", choices=("SCRATCH_2", "PERSISTENT_2"),
+                   help="the FSx deployment type (storage.fsx.deploymentType); default: the chart's")
+    p.add_argument("--storage-throughput", type=float, metavar="MB_S_PER_TIB",
+                   help="FSx throughput per TiB (storage.fsx.perUnitStorageThroughput: 125, 250, 500, 1000 for "
+                        "PERSISTENT_2); default: the chart's (SCRATCH_2: 200)")
+    p.add_argument("--ckpt-stall-s", type=float, help="measured training stall per checkpoint (seconds); replaces "
+                                                      "the estimate")
+    p.add_argument("--ckpt-write-s", type=float, help="measured background write time per checkpoint (seconds); "
+                                                      "replaces the estimate")
     p.add_argument("--restart-s", type=float, help=f"time from a failure to training again (default {DEFAULT_RESTART_S:g})")
     p.add_argument("--step-s", type=float, default=10.0, help="time of one training step (default 10)")
     p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
@@ -218,16 +250,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
     costs: dict = {}
+    sources: dict[str, str] = {}
     for path in args.from_bench:
-        costs.update(costs_from_bench(Path(path)))
+        found = costs_from_bench(Path(path))
+        costs.update(found)
+        sources.update({key: f"measured, --from-bench {path}" for key in found})
     for key in ("ckpt_stall_s", "ckpt_write_s", "restart_s"):
         if getattr(args, key) is not None:
             costs[key] = getattr(args, key)
-    missing = [k for k in ("ckpt_stall_s", "ckpt_write_s") if k not in costs]
-    if missing:
-        raise AdviseError("the checkpoint costs are needed: pass " + " and ".join(f"--{k.replace('_', '-')}" for k in missing)
-                          + ", or --from-bench with `bench checkpoint` results")
+            sources[key] = f"given, --{key.replace('_', '-')}"
     gpus = args.gpus_per_node if args.gpus_per_node is not None else instance_gpus(args.instance)
+    missing = [k for k in ("ckpt_stall_s", "ckpt_write_s") if k not in costs]
+    estimate = None
+    if missing:
+        try:
+            params = gc.params_of(args.preset, args.params)
+            if params is None:
+                raise AdviseError("the checkpoint costs are needed: pass the model's size (--preset, or --params) to "
+                                  "estimate them from the state and the storage, or measured ones: " +
+                                  " and ".join(f"--{k.replace('_', '-')}" for k in missing) +
+                                  ", or --from-bench with `bench checkpoint` results")
+            defaults = chart_storage_defaults()
+            deployment = args.deployment_type or defaults["deploymentType"]
+            throughput = args.storage_throughput
+            if throughput is None and args.deployment_type is None:
+                throughput = defaults["perUnitStorageThroughput"]
+            volume = gc.storage(args.storage_size or defaults["size"], deployment, throughput)
+            estimate = gc.estimate(params, args.nodes * gpus, args.instance, volume)
+        except gc.CostError as exc:
+            raise AdviseError(str(exc)) from None
+        for key, value in (("ckpt_stall_s", estimate.stall_s), ("ckpt_write_s", estimate.write_s)):
+            if key in missing:
+                costs[key], sources[key] = value, "estimated"
+    if "restart_s" not in costs:
+        sources["restart_s"] = "default"
     if args.node_mtbf_hours is not None:
         mtbf, source = args.node_mtbf_hours, "given (--node-mtbf-hours)"
     else:
@@ -236,18 +292,25 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     return Inputs(instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
                   job_hours=args.job_hours, ckpt_stall_s=costs["ckpt_stall_s"], ckpt_write_s=costs["ckpt_write_s"],
                   restart_s=costs.get("restart_s", DEFAULT_RESTART_S), step_s=args.step_s,
-                  startup_s=args.startup_s, mtbf_source=source)
+                  startup_s=args.startup_s, mtbf_source=source,
+                  cost_sources=tuple((k, sources[k]) for k in ("ckpt_stall_s", "ckpt_write_s", "restart_s")),
+                  estimate=estimate)
 
 
 def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
     i = a.inputs
     g = a.goodput
+    source = dict(i.cost_sources) or {"ckpt_stall_s": "given", "ckpt_write_s": "given", "restart_s": "given"}
     rows = [
         ("cluster", f"{i.nodes} x {i.instance} ({i.nodes * i.gpus_per_node} GPUs)"),
         ("node MTBF", f"{i.node_mtbf_hours:,.0f} h ({i.mtbf_source})"),
         ("job MTBF M", f"{a.job_mtbf_s / gm.HOUR:,.1f} h = node MTBF / {i.nodes} nodes"),
         ("expected failures", f"{a.expected_failures:.2f} over {i.job_hours:g} h"),
-        ("checkpoint costs", f"stall delta {i.ckpt_stall_s:g} s, write W {i.ckpt_write_s:g} s; restart R {i.restart_s:g} s"),
+        ("checkpoint costs", f"stall delta {i.ckpt_stall_s:.3g} s ({source['ckpt_stall_s']}), write W "
+                             f"{i.ckpt_write_s:.4g} s ({source['ckpt_write_s']}); restart R {i.restart_s:g} s "
+                             f"({source['restart_s']})"),
+        *(("  estimate", line) for line in (i.estimate.explain() if i.estimate else [])),
+        *((("  storage", slow),) if (slow := _slow_storage_note(a)) else ()),
         ("Young sqrt(2 delta M)", f"{a.young_s:,.0f} s"),
         ("Daly", f"{a.daly_s:,.0f} s"),
         ("checkpoint.interval_s", f"{a.interval_s} (Daly, rounded down, at most {MAX_INTERVAL_S}; never below W)"),
@@ -267,12 +330,24 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _slow_storage_note(a: Advice) -> str:
+    """What the estimated storage needs when its write time, not Daly, sets the interval."""
+    e = a.inputs.estimate
+    if e is None or a.inputs.ckpt_write_s <= a.daly_s or dict(a.inputs.cost_sources).get("ckpt_write_s") != "estimated":
+        return ""
+    need = gc.capacity_for(e.state_gb, a.daly_s, e.storage.mb_s_per_tib)
+    return (f"W is longer than Daly's interval, so the interval waits for the write: storage.size {need}Gi at "
+            f"{e.storage.mb_s_per_tib:g} MB/s/TiB writes it within {a.daly_s:,.0f} s (--storage-size, "
+            "--storage-throughput)")
+
+
 def render_values(a: Advice, kind: str = "PyTorchJob") -> str:
     i = a.inputs
     header = (f"# resilient-fsdp advise --instance {i.instance} --nodes {i.nodes} --job-hours {i.job_hours:g} "
-              f"--ckpt-stall-s {i.ckpt_stall_s:g} --ckpt-write-s {i.ckpt_write_s:g} --restart-s {i.restart_s:g} "
+              f"--ckpt-stall-s {i.ckpt_stall_s:.3g} --ckpt-write-s {i.ckpt_write_s:.4g} --restart-s {i.restart_s:g} "
               f"--step-s {i.step_s:g} --startup-s {i.startup_s:g}\n"
-              f"# job.backoffLimit with workload.kind={kind}: {BACKOFF_LIMIT_MEANING[kind]}\n")
+              + "".join(f"#   estimated {line}\n" for line in (i.estimate.explain() if i.estimate else []))
+              + f"# job.backoffLimit with workload.kind={kind}: {BACKOFF_LIMIT_MEANING[kind]}\n")
     return header + yaml.safe_dump(a.values(), sort_keys=False)
 
 

@@ -3,7 +3,8 @@
 - ``entrypoint``: one rank's process: arguments, in-process restart around the attempts, exit codes;
 - ``trainer``: the composition root and the loop (``Trainer``, its ``TrainCounters``);
 - ``resources``: what outlives an in-process restart (checkpoint engine, S3 uploader, monitor);
-- ``model``: the built-in decoder-only transformer and its size presets;
+- ``model``: the built-in decoder-only transformer;
+- ``presets``: its size presets' shapes and parameter counts (importable without torch);
 - ``parallelize``: FSDP2 sharding and activation checkpointing;
 - ``data``: token datasets and the resumable distributed sampler;
 - ``factories``: ``pkg.module:function`` imports for custom models and datasets;

@@ -7,35 +7,12 @@ Built on the meta device and materialised after sharding, so no rank ever holds 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-
-# Shapes follow well-known open models of each size so throughput and memory are realistic:
-# 125m ~ GPT-2 small width, 1b ~ TinyLlama-1.1B, 8b ~ Llama-3-8B, 70b ~ Llama-3-70B.
-PRESETS: dict[str, ModelArgs] = {
-    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=256),
-    "125m": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
-    "1b": ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000),
-    "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
-                     rope_theta=500000.0),
-}
+from .presets import ModelArgs, preset_args
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,13 +117,6 @@ class Transformer(nn.Module):
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.output.weight, std=self.args.dim ** -0.5)
-
-
-def preset_args(preset: str, vocab_size: int | None = None) -> ModelArgs:
-    args = PRESETS[preset]
-    if vocab_size is not None:
-        args = ModelArgs(**{**args.__dict__, "vocab_size": vocab_size})
-    return args
 
 
 def build_model(preset: str, vocab_size: int | None = None) -> Transformer:

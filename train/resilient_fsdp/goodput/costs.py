@@ -1,0 +1,158 @@
+"""What one checkpoint costs on a cluster, estimated from what a user knows: the model's size,
+the GPUs, and the shared volume's capacity and throughput.
+
+The rule every values profile's header uses, and ``resilient-fsdp advise`` applies when no
+measured costs are given:
+
+* the state is ``BYTES_PER_PARAM`` bytes per parameter (fp32 weights and AdamW's two moments);
+* the stall ``delta`` is one GPU's shard copied to host memory at the GPU's device-to-host rate,
+  plus ``STALL_FIXED_S`` for what every save does besides copying (plan, agree, hand off);
+* the background write ``W`` is the whole state at the file system's throughput, which FSx for
+  Lustre gives per TiB of capacity: ``capacity (TiB) x per-unit throughput (MB/s/TiB)``.
+
+Measured figures (``bench checkpoint``, ``scripts/gpu-check``) replace these estimates.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ..train.presets import PRESETS, parameter_count
+
+BYTES_PER_PARAM = 12
+"""fp32 master weights + two AdamW moments (8B parameters: ~96 GB; 70B: ~847 GB)."""
+STALL_FIXED_S = 0.5
+"""Per save besides the copy: the save plan, the ranks' agreement, the writer's hand-off."""
+# Device-to-host copy rate per GPU (GB/s), measured: ~25 on PCIe Gen4 (A100, A10G, L4), ~53 on
+# PCIe Gen5 (H100, H200; B200 hosts link at Gen5 too). Keyed by instance family.
+D2H_GB_S = {"p4d": 25.0, "p4de": 25.0, "g5": 25.0, "g6": 25.0, "p5": 53.0, "p5e": 53.0, "p5en": 53.0,
+            "p6-b200": 53.0}
+HOST_COPY_GB_S = 25.0
+"""A CPU "GPU" (instance type ``cpu``): a memory copy into touched buffers on this kind of machine."""
+# FSx for Lustre throughput per TiB of capacity (MB/s/TiB): SCRATCH_2 has one baseline; a
+# PERSISTENT_2 file system is given one of 125, 250, 500 or 1000 when it is created.
+SCRATCH_2_MB_S_PER_TIB = 200.0
+PERSISTENT_2_MB_S_PER_TIB = (125.0, 250.0, 500.0, 1000.0)
+_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Gi|Ti)\s*$")
+
+
+class CostError(ValueError):
+    """An input the estimate cannot use; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The shared volume the checkpoints are written to (an FSx for Lustre file system)."""
+
+    capacity_gib: float
+    mb_s_per_tib: float
+    deployment_type: str
+
+    @property
+    def capacity_tib(self) -> float:
+        return self.capacity_gib / 1024
+
+    @property
+    def gb_s(self) -> float:
+        """Aggregate write throughput in GB/s."""
+        return self.capacity_tib * self.mb_s_per_tib / 1000
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A checkpoint's estimated stall and write time, with the figures behind them."""
+
+    params: int
+    gpus: int
+    d2h_gb_s: float
+    storage: Storage
+    stall_s: float
+    write_s: float
+
+    @property
+    def state_gb(self) -> float:
+        return self.params * BYTES_PER_PARAM / 1e9
+
+    @property
+    def shard_gb(self) -> float:
+        return self.state_gb / self.gpus
+
+    def explain(self) -> list[str]:
+        """The arithmetic, one line per cost, as the profiles' headers write it."""
+        s = self.storage
+        return [f"state {self.params / 1e9:.1f}e9 params x {BYTES_PER_PARAM} B = {self.state_gb:,.0f} GB",
+                f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s = "
+                f"{self.stall_s:.3g} s",
+                f"write W = {self.state_gb:,.0f} GB / ({s.capacity_tib:.2f} TiB x {s.mb_s_per_tib:g} MB/s/TiB, "
+                f"{s.deployment_type}) = {self.write_s:.0f} s"]
+
+
+def capacity_for(state_gb: float, seconds: float, mb_s_per_tib: float) -> int:
+    """The smallest FSx capacity (GiB: 1,200, then steps of 2,400, as SCRATCH_2 and PERSISTENT_2
+    take it) that writes ``state_gb`` within ``seconds`` at ``mb_s_per_tib``."""
+    tib = state_gb / max(seconds, 1e-9) * 1000 / mb_s_per_tib
+    gib = tib * 1024
+    return 1200 if gib <= 1200 else 2400 * -(-int(gib) // 2400)
+
+
+def params_of(preset: Optional[str], params: Optional[float]) -> Optional[int]:
+    """Parameters of a built-in ``preset``, or ``params`` as given; None when neither is."""
+    if preset is not None and params is not None:
+        raise CostError("--preset and --params both give the model's size: pass one")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise CostError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}, or give --params")
+        return parameter_count(PRESETS[preset])
+    if params is not None:
+        if params < 1:
+            raise CostError(f"--params {params:g}: the parameter count must be at least 1 (e.g. 70.6e9)")
+        return int(params)
+    return None
+
+
+def d2h_gb_s(instance: str) -> float:
+    """One GPU's device-to-host copy rate for ``instance`` (GB/s)."""
+    if instance == "cpu":
+        return HOST_COPY_GB_S
+    family = instance.split(".", 1)[0]
+    if family not in D2H_GB_S:
+        raise CostError(f"no device-to-host rate is known for {instance!r} (known: {', '.join(sorted(D2H_GB_S))}): "
+                        "pass --ckpt-stall-s, or --from-bench with measured costs")
+    return D2H_GB_S[family]
+
+
+def capacity_gib(text: str) -> float:
+    """``1200Gi`` or ``14.06Ti`` in GiB."""
+    m = _CAPACITY.match(str(text))
+    if not m:
+        raise CostError(f"--storage-size {text!r}: give the capacity as Kubernetes writes it, e.g. 1200Gi or 14400Gi")
+    return float(m[1]) * (1024 if m[2] == "Ti" else 1)
+
+
+def storage(size: str, deployment_type: str, mb_s_per_tib: Optional[float]) -> Storage:
+    """The shared volume from the chart's terms (``storage.size``, ``storage.fsx.deploymentType``,
+    ``storage.fsx.perUnitStorageThroughput``); SCRATCH_2 has its one baseline throughput."""
+    if deployment_type == "SCRATCH_2":
+        if mb_s_per_tib not in (None, SCRATCH_2_MB_S_PER_TIB):
+            raise CostError(f"--storage-throughput {mb_s_per_tib:g}: a SCRATCH_2 file system gives "
+                            f"{SCRATCH_2_MB_S_PER_TIB:g} MB/s/TiB; leave it out, or use --deployment-type PERSISTENT_2")
+        rate = SCRATCH_2_MB_S_PER_TIB
+    elif deployment_type == "PERSISTENT_2":
+        rate = mb_s_per_tib if mb_s_per_tib is not None else PERSISTENT_2_MB_S_PER_TIB[1]
+        if rate not in PERSISTENT_2_MB_S_PER_TIB:
+            raise CostError(f"--storage-throughput {rate:g}: PERSISTENT_2 offers "
+                            f"{', '.join(f'{r:g}' for r in PERSISTENT_2_MB_S_PER_TIB)} MB/s/TiB")
+    else:
+        raise CostError(f"--deployment-type {deployment_type!r}: choose SCRATCH_2 or PERSISTENT_2")
+    return Storage(capacity_gib(size), rate, deployment_type)
+
+
+def estimate(params: int, gpus: int, instance: str, volume: Storage) -> Estimate:
+    """The stall and write time of one checkpoint of ``params`` parameters sharded over ``gpus``."""
+    rate = d2h_gb_s(instance)
+    state_gb = params * BYTES_PER_PARAM / 1e9
+    stall = state_gb / max(gpus, 1) / rate + STALL_FIXED_S
+    return Estimate(params=params, gpus=max(gpus, 1), d2h_gb_s=rate, storage=volume, stall_s=stall,
+                    write_s=state_gb / volume.gb_s)

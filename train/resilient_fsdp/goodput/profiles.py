@@ -1,0 +1,125 @@
+"""The values profiles' restart settings, from the advisor.
+
+Each GPU profile in ``values/`` carries one ``# advise: FLAGS`` line: the advisor's inputs, all of
+them facts of the profile (instance type, nodes, model, storage) or of the planned run (hours,
+step and restart times). The comment block above it is the advisor's arithmetic for those
+inputs, generated here, and the profile's values are the advisor's values; the tests hold both
+to the advisor. ``python -m resilient_fsdp.goodput.profiles`` rewrites the blocks after the
+advisor's rules change (the values themselves are edited by hand, where the tests point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from . import advise as adv
+from . import model as gm
+
+VALUES_DIR = Path(__file__).resolve().parents[3] / "values"
+BLOCK_START = "# Restart settings:"
+ADVISE_PREFIX = "# advise:"
+
+
+def advise_line(text: str) -> str:
+    """The profile's one ``# advise:`` line; raises ValueError when there is not exactly one."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(ADVISE_PREFIX)]
+    if len(lines) != 1:
+        raise ValueError(f"needs exactly one '{ADVISE_PREFIX} ...' line with the advisor's inputs, found {len(lines)}")
+    return lines[0]
+
+
+def advice_for(line: str) -> adv.Advice:
+    """The advisor's answer for an ``# advise:`` line."""
+    args = adv.parse_advise_line(line)
+    if args is None:
+        raise ValueError(f"not an advise line: {line!r}")
+    return adv.advise(adv.inputs_from_args(args))
+
+
+def header_block(line: str) -> list[str]:
+    """The comment block that explains the settings of ``line``'s inputs, ending with ``line``."""
+    a = advice_for(line)
+    i, g = a.inputs, a.goodput
+    gpus = i.nodes * i.gpus_per_node
+    if i.mtbf_source.startswith("given"):
+        rate = [f"#   failure rate: node MTBF {i.node_mtbf_hours:,.0f} h (given);",
+                f"#     job MTBF M = {i.node_mtbf_hours:,.0f} h / {i.nodes} nodes = {a.job_mtbf_s / gm.HOUR:,.0f} h."]
+    else:
+        per_gpu_hour = _scientific(1 / gm.llama3_gpu_mtbf_hours())
+        rate = [f"#   failure rate: Llama 3's {gm.LLAMA3_INTERRUPTIONS} interruptions on {gm.LLAMA3_GPUS:,} GPUs in "
+                f"{gm.LLAMA3_DAYS} days = {per_gpu_hour} per GPU-hour;",
+                f"#     job MTBF M = 1 / ({per_gpu_hour} x {gpus:,} GPUs) = {a.job_mtbf_s / gm.HOUR:,.0f} h."]
+    if i.estimate is not None:
+        first, *rest = i.estimate.explain()
+        checkpoint = [f"#   checkpoint: {first};", *(f"#     {r};" for r in rest)]
+        checkpoint[-1] = checkpoint[-1][:-1] + "."
+    else:
+        sources = dict(i.cost_sources)
+        checkpoint = [f"#   checkpoint: stall delta {i.ckpt_stall_s:.3g} s ({sources['ckpt_stall_s']}), write W "
+                      f"{i.ckpt_write_s:.4g} s ({sources['ckpt_write_s']})."]
+    return [
+        f"{BLOCK_START} the advisor's for the inputs on the `{ADVISE_PREFIX}` line below",
+        "# (`resilient-fsdp advise FLAGS --values` prints them; python -m resilient_fsdp.goodput.profiles",
+        "# rewrites this block, and the tests fail when it or the values drift from the advisor):",
+        *rate,
+        f"#   planned run {i.job_hours:g} h -> expected failures F = {i.job_hours:g} / "
+        f"{a.job_mtbf_s / gm.HOUR:,.0f} = {a.expected_failures:.2f}.",
+        *checkpoint,
+        f"#   -> Daly interval {a.daly_s:,.0f} s -> checkpoint.interval_s {a.interval_s} (rounded down, "
+        f"<= {adv.MAX_INTERVAL_S:,} s, >= W);",
+        f"#     max_restarts = backoffLimit = max({adv.RESTART_LIMIT_FLOOR}, {adv.RESTART_QUANTILE:.0%} Poisson "
+        f"quantile of F) = {a.max_restarts};",
+        f"#     step/out-of-section {a.step_timeout_s} s, checkpoint {a.checkpoint_timeout_s} s, init "
+        f"{a.init_timeout_s} s ({adv.SAFETY:g} x what each covers, floors);",
+        f"#     expected goodput {g['productive']:.4f} (restart R {i.restart_s:g} s, step {i.step_s:g} s, "
+        f"start-up {i.startup_s:g} s).",
+        line,
+    ]
+
+
+def _scientific(x: float) -> str:
+    """``2.19e-5``: three significant digits, the exponent without padding."""
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def block_span(lines: list[str]) -> tuple[int, int]:
+    """(first, last) line index of the generated block in a profile's lines."""
+    end = next(n for n, ln in enumerate(lines) if ln.startswith(ADVISE_PREFIX))
+    start = next((n for n in range(end, -1, -1) if lines[n].startswith(BLOCK_START)), None)
+    if start is None:
+        raise ValueError(f"no '{BLOCK_START}' line above the advise line")
+    return start, end
+
+
+def rewrite(path: Path) -> bool:
+    """Regenerate ``path``'s block; True when the file changed."""
+    text = path.read_text()
+    lines = text.splitlines()
+    start, end = block_span(lines)
+    new = lines[:start] + header_block(lines[end]) + lines[end + 1:]
+    updated = "\n".join(new) + ("\n" if text.endswith("\n") else "")
+    if updated != text:
+        path.write_text(updated)
+    return updated != text
+
+
+def advised_profiles(values_dir: Path = VALUES_DIR) -> list[Path]:
+    """The profiles set by the advisor: every values file with an advise line."""
+    return sorted(p for p in values_dir.glob("*.yaml") if ADVISE_PREFIX in p.read_text())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.goodput.profiles",
+                                     description="Rewrite each values profile's restart-settings block.")
+    parser.parse_args(argv)
+    for path in advised_profiles():
+        print(f"{'rewrote' if rewrite(path) else 'unchanged'} {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
