@@ -7,6 +7,7 @@ import argparse
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -187,6 +188,15 @@ def test_profile_restart_settings_are_the_advisors(profile):
     assert values["job"]["backoffLimit"] == expected["job"]["backoffLimit"]
 
 
+def test_the_docs_table_of_profiles_is_the_profiles():
+    lines = profiles.DOCS_PAGE.read_text().splitlines()
+    start, end = lines.index(profiles.TABLE_START), lines.index(profiles.TABLE_END)
+    assert lines[start:end + 1] == profiles.profile_table(), \
+        "docs/eks-helm.md's profile table is stale: python -m resilient_fsdp.goodput.profiles"
+    p5 = next(line for line in lines[start:end] if line.startswith("| `p5-16node`"))
+    assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 1,260 s | 4 / 4 |" in p5  # read off the profile
+
+
 def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):
     from resilient_fsdp.deploy.chart import load_values, render
 
@@ -299,3 +309,26 @@ def test_report_names_what_is_missing(tmp_path):
     rep = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "report", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 2 and "summary.json not found" in rep.stderr
+
+
+def test_the_local_measurements_docs_goodput_quotes_are_the_benchmarks_results(tmp_path):
+    """goodput.md quotes this machine's figures next to its at-scale assumptions: each must be
+    the one the benchmark files hold, and the simulation it describes must give its range."""
+    text = (REPO / "docs" / "goodput.md").read_text()
+    recovery = json.loads((REPO / "docs" / "bench-recovery.json").read_text())
+    checkpoint = json.loads((REPO / "docs" / "bench-checkpoint.json").read_text())
+    for row, layer in (("recovery: in-process", "in_process"), ("recovery: in-job", "in_job"),
+                       ("recovery: job level", "full_relaunch")):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {row} |"))
+        quoted = float(re.search(r"Measured locally[^:]*: ([\d.]+) s", line)[1])
+        assert quoted == round(recovery[layer]["recovery_s_median"], 2), row
+    stall = next(ln for ln in text.splitlines() if ln.startswith("| checkpoint stall delta |"))
+    assert f"{checkpoint['async']['stall_s']:.2f} s for a 1.6 GB state" in stall
+    low, high = map(float, re.search(r"\((0\.\d+)-(0\.\d+) at 2,048\s+nodes\)", text).groups())
+    out = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "2048", "--runs", "200",
+                           "--seed", "0", "--recovery-from-bench", str(REPO / "docs" / "bench-recovery.json"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    goodputs = [round(r["goodput"], 4) for r in json.loads(out.read_text())["rows"]]
+    assert (min(goodputs), max(goodputs)) == (low, high)

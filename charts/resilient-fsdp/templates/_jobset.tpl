@@ -87,8 +87,8 @@ replicatedJobs:
               onPodConditions:
                 - type: DisruptionTarget
                   status: "True"
-            # Exits 1-127 of the trainer container: configuration errors (2), exhausted in-job
-            # restarts (1). Listed one by one: the API takes values, not ranges (at most 255).
+            # Exits 1-127 of the trainer container: configuration errors (2) and anything else a
+            # retry cannot fix. Listed one by one: the API takes values, not ranges (at most 255).
             - action: FailJob
               onExitCodes:
                 containerName: {{ include "resilient-fsdp.containerName" $ }}

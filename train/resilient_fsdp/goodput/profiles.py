@@ -1,11 +1,12 @@
-"""The values profiles' restart settings, from the advisor.
+"""The values profiles' restart settings, from the advisor, and the docs' table of profiles.
 
 Each GPU profile in ``values/`` carries one ``# advise: FLAGS`` line: the advisor's inputs, all of
 them facts of the profile (instance type, nodes, model, storage) or of the planned run (hours,
 step and restart times). The comment block above it is the advisor's arithmetic for those
 inputs, generated here, and the profile's values are the advisor's values; the tests hold both
 to the advisor. ``python -m resilient_fsdp.goodput.profiles`` rewrites the blocks after the
-advisor's rules change (the values themselves are edited by hand, where the tests point).
+advisor's rules change (the values themselves are edited by hand, where the tests point), and the
+table of profiles in docs/eks-helm.md from the profiles themselves.
 """
 
 from __future__ import annotations
@@ -107,6 +108,65 @@ def rewrite(path: Path) -> bool:
     return updated != text
 
 
+def profile_row(path: Path) -> str:
+    """One profile as the docs' table shows it, read from the profile over the chart's defaults."""
+    import yaml
+
+    from ..deploy.chart import chart_dir, deep_merge
+
+    values = deep_merge(yaml.safe_load((chart_dir() / "values.yaml").read_text()), yaml.safe_load(path.read_text()))
+    instance = values["instanceType"]
+    kind = values["instanceTypes"][instance]
+    trainer = values.get("trainer", {})
+    pods = f"{values['elastic']['minNodes']}-{values['elastic']['maxNodes']} (elastic)" \
+        if values["elastic"]["enabled"] else str(values["nodes"])
+    if kind["gpus"]:
+        efa = values["efa"]["enabled"]
+        efa_on = efa is True or (efa == "auto" and kind["efa"] > 0 and values["nodes"] > 1)
+        per_pod = f"{values.get('gpusPerNode') or kind['gpus']} GPUs" + (f", {kind['efa']} EFA" if efa_on else "")
+    else:
+        per_pod = f"{values['cpuRanksPerNode']} CPU ranks"
+    checkpoint = trainer.get("checkpoint", {})
+    every = f"{checkpoint['interval_s']:,} s" if checkpoint.get("interval_s") else \
+        f"{checkpoint.get('interval_steps', 0)} steps"
+    storage = values["storage"]
+    if storage["type"] == "fsx":
+        fsx = storage["fsx"]
+        rate = "200" if fsx["deploymentType"] == "SCRATCH_2" else f"{fsx['perUnitStorageThroughput']}"
+        where = f"FSx {fsx['deploymentType']} {storage['size']} ({rate} MB/s/TiB)"
+    else:
+        where = storage["type"]
+    budget = f"{trainer['resilience']['max_restarts']} / {values['job']['backoffLimit']}"
+    return (f"| `{path.stem}` | {pods} x {instance} ({per_pod} each) | {trainer['model']['preset']} | {every} | "
+            f"{budget} | {where} |")
+
+
+TABLE_START = "<!-- profiles: python -m resilient_fsdp.goodput.profiles writes this table -->"
+TABLE_END = "<!-- end of profiles -->"
+TABLE_HEAD = ["| profile | pods x instance | model | checkpoint every | `max_restarts` / `backoffLimit` | storage |",
+              "|---|---|---|---|---|---|"]
+
+
+def profile_table(values_dir: Path = VALUES_DIR) -> list[str]:
+    """The table of every profile in ``values_dir``, between its markers."""
+    rows = [profile_row(p) for p in sorted(values_dir.glob("*.yaml"))]
+    return [TABLE_START, *TABLE_HEAD, *rows, TABLE_END]
+
+
+def rewrite_table(page: Path) -> bool:
+    """Regenerate the profile table in ``page``; True when it changed."""
+    text = page.read_text()
+    lines = text.splitlines()
+    start, end = lines.index(TABLE_START), lines.index(TABLE_END)
+    updated = "\n".join(lines[:start] + profile_table() + lines[end + 1:]) + "\n"
+    if updated != text:
+        page.write_text(updated)
+    return updated != text
+
+
+DOCS_PAGE = VALUES_DIR.parent / "docs" / "eks-helm.md"
+
+
 def advised_profiles(values_dir: Path = VALUES_DIR) -> list[Path]:
     """The profiles set by the advisor: every values file with an advise line."""
     return sorted(p for p in values_dir.glob("*.yaml") if ADVISE_PREFIX in p.read_text())
@@ -118,6 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.parse_args(argv)
     for path in advised_profiles():
         print(f"{'rewrote' if rewrite(path) else 'unchanged'} {path}")
+    print(f"{'rewrote' if rewrite_table(DOCS_PAGE) else 'unchanged'} the profile table in {DOCS_PAGE}")
     return 0
 
 
