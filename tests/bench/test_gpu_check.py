@@ -188,7 +188,7 @@ def test_every_configuration_the_gpu_plan_uses_is_valid(tmp_path):
     big = load_config(None, s.overrides(tmp_path, big=True) + ["train.deterministic=false"])
     assert (big.model.preset, big.data.seq_len, big.dist.device, big.optim.lr) == ("1b", 2048, "cuda", 3e-4)
     runs = load_config(None, s.in_process_overrides(tmp_path))
-    assert runs.model.preset == "125m" and runs.resilience.in_process
-    assert runs.dist.timeout_s > runs.resilience.in_process_hard_timeout_s == 90
+    assert runs.model.preset == "125m" and runs.resilience.in_process.enabled
+    assert runs.dist.timeout_s > runs.resilience.in_process.hard_timeout_s == 90
     assert load_config(None, s.run_overrides(tmp_path) + [f"train.stop_at_step={s.plan.stop_step}"])
 

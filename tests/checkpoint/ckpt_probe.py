@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from resilient_fsdp.checkpoint import nvrx
+from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.state import rng_state
 from resilient_fsdp.config import load_config
 from resilient_fsdp.train.trainer import Trainer
@@ -73,7 +73,7 @@ def main(run_dir, mode):
     resumed_step = fresh.checkpointer.resume()
     after = snapshot(fresh)
     report = {
-        "nvrx_version": nvrx.NVRX_VERSION,
+        "nvrx_version": NVRX_VERSION,
         "mode": mode,
         "committed": record is not None,
         "resumed_step": resumed_step,

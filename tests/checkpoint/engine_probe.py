@@ -35,7 +35,8 @@ import time
 import psutil
 
 from ckpt_probe import equal, snapshot
-from resilient_fsdp.checkpoint import nvrx, store
+from resilient_fsdp.checkpoint import store
+from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.resume import load
 from resilient_fsdp.config import load_config
 from resilient_fsdp.train import distributed
@@ -101,7 +102,7 @@ def dead_worker(run_dir, mode):
     engine = trainer.checkpointer.engine
 
     def kill_worker():
-        proc = nvrx.worker_process(engine.queue if mode == "async" else nvrx.calls_queue_of(engine.ckpt))
+        proc = engine.writer.process
         psutil.Process(proc.pid).kill()
         proc.join(10)
 
@@ -118,11 +119,11 @@ def dead_worker(run_dir, mode):
 
 
 def hung_writer(run_dir, mode):
-    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = "hang@2"
     # The healthy writes get a deadline a loaded machine meets (the writer runs niced, so other
     # processes on the machine slow it down); the hung one gets 2 s.
     cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false", "checkpoint.write_timeout_s=120"])
+                             "checkpoint.save_final=false", "checkpoint.write_timeout_s=120",
+                             "resilience.inject=[writer-hang@2]"])
     resources = ProcessResources(cfg)
     first = Trainer(cfg, resources)
     out = {}
@@ -159,9 +160,8 @@ def hung_writer(run_dir, mode):
 def slow_second_write(run_dir, mode, seconds):
     """A trainer (a world of one) whose save of step 1 is committed, so its writer is up, and
     whose write of step 2 will finish ``seconds`` late; and whether step 1 was committed."""
-    os.environ["RESILIENT_FSDP_FAULT_WRITER"] = f"slow={seconds}@2"
     cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false"])
+                             "checkpoint.save_final=false", f"resilience.inject=[writer-slow@2:for={seconds}]"])
     trainer = Trainer(cfg)
     step(trainer)
     trainer.checkpointer.save(1)
@@ -173,7 +173,7 @@ def orphan_child(run_dir, mode):
     step(trainer)
     trainer.checkpointer.save(2)  # its writer sleeps 600 s after writing the data
     engine = trainer.checkpointer.engine
-    proc = nvrx.worker_process(engine.queue if mode == "async" else nvrx.calls_queue_of(engine.ckpt))
+    proc = engine.writer.process
     print(json.dumps({"committed": committed, "writer_pid": proc.pid}), flush=True)
     time.sleep(600)  # killed by the parent scenario
 
@@ -272,4 +272,4 @@ if __name__ == "__main__":
     report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
               "warm": warm, "orphan": orphan, "orphan-child": orphan_child,
               "back-to-back": back_to_back}[scenario](run_dir, mode)
-    print(json.dumps({"nvrx_version": nvrx.NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))
+    print(json.dumps({"nvrx_version": NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

@@ -21,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from resilient_fsdp.checkpoint import handoff, nvrx
+from resilient_fsdp.checkpoint.writer import handoff
+from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.engines import AsyncEngine
 
 SENT = []
@@ -95,7 +96,7 @@ def main(root):
     finally:
         engine.close()
         dist.destroy_process_group()
-    print(json.dumps({"nvrx_version": nvrx.NVRX_VERSION, "saves": report}))
+    print(json.dumps({"nvrx_version": NVRX_VERSION, "saves": report}))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_checkpoint_figures_are_reported(uninterrupted):
 
 def test_writer_killed_mid_save_leaves_an_incomplete_checkpoint_that_resume_skips(tmp_path):
     common = ["train.steps=12", "checkpoint.interval_steps=4"]
-    crashed = run_trainer(tmp_path, common, env={"RESILIENT_FSDP_FAULT_WRITER_EXIT_AT_STEP": "8"})
+    crashed = run_trainer(tmp_path, [*common, "resilience.inject=[writer-exit@8]"])
     assert crashed.returncode != 0
     assert "checkpoint of step 8 failed" in crashed.stderr and "exited with code 137" in crashed.stderr
     ckpts = tmp_path / "checkpoints"

@@ -93,10 +93,10 @@ def _in_process_importable(pythonpath) -> str:
 # attempt 2 resumes from step 4), between the saves of steps 8 and 12. Saves from then on have a
 # non-tensor item of another size, which is what a stale write result turns into a corrupted
 # checkpoint.
-IN_PROCESS = ["resilience.in_process=true", "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=20",
-              "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
-              "resilience.in_process_barrier_timeout_s=120", "resilience.step_timeout_s=60",
-              "resilience.learn_timeouts=true", "resilience.learn_after_steps=12"]
+IN_PROCESS = ["resilience.in_process.enabled=true", "dist.timeout_s=8", "resilience.in_process.soft_timeout_s=20",
+              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
+              "resilience.in_process.barrier_timeout_s=120", "resilience.hang_detection.step_timeout_s=60",
+              "resilience.hang_detection.learn_timeouts=true", "resilience.hang_detection.learn_after_steps=12"]
 RUN = ["train.steps=24", "checkpoint.interval_steps=4", "checkpoint.keep_last=0", "train.log_every=4"]
 
 
@@ -129,8 +129,7 @@ def test_in_process_restart_with_a_write_in_flight_commits_only_checkpoints_that
 
 def test_a_writer_error_on_one_rank_fails_every_rank_with_the_same_error(tmp_path):
     proc = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=12", "checkpoint.interval_steps=4"],
-                     extra=["--max-restarts=0", "--max-node-restarts=0"],
-                     env={"RESILIENT_FSDP_FAULT_WRITER": "raise@8:rank=1"}, timeout=180)
+                     extra=["--max-restarts=0", "--max-node-restarts=0", "--inject=writer-raise@8:rank=1"], timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     expected = "checkpoint of step 8 failed (rank 1: OSError: injected writer failure"
@@ -144,8 +143,8 @@ def test_a_writer_error_on_one_rank_fails_every_rank_with_the_same_error(tmp_pat
 def test_a_write_that_never_finishes_fails_at_the_deadline_not_a_hang(tmp_path):
     # The first save hangs: a healthy write before it would have to beat the 3 s deadline too,
     # which the niced writer does not on a loaded machine.
-    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.write_timeout_s=3"],
-                       env={"RESILIENT_FSDP_FAULT_WRITER": "hang@4"}, timeout=120)
+    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.write_timeout_s=3",
+                                  "resilience.inject=[writer-hang@4]"], timeout=120)
     assert proc.returncode != 0
     assert "did not finish within checkpoint.write_timeout_s=3" in proc.stderr, proc.stderr[-3000:]
     assert_no_leftovers(tmp_path)

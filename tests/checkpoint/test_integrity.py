@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import random
 import time
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from resilient_fsdp.checkpoint import integrity
+from resilient_fsdp.checkpoint.writer.report import SaveReport
 
 
 def test_a_hashing_stream_checksums_exactly_what_reaches_the_file(tmp_path):
@@ -25,12 +27,19 @@ def test_a_hashing_stream_checksums_exactly_what_reaches_the_file(tmp_path):
         torch.save({"t": torch.arange(1000)}, stream)  # torch.save into a stream, as DCP does
     entry = recorder.take()["f.bin"]
     assert entry == {"crc32c": integrity.file_crc32c(path), "bytes": path.stat().st_size}
-    # And through the channel a writer in another process uses.
-    channel = integrity.new_channel("t0", 0)
-    with integrity.hashing_open(channel, tmp_path / "g.bin", "wb") as f:
+    # And through the save's report, which a writer in another process records into.
+    report = SaveReport.new("t0", 0)
+    with pickle.loads(pickle.dumps(report)).open_hashed(tmp_path / "g.bin", "wb") as f:  # as the writer has it
         f.write(payload)
-    sums, error = integrity.read_channel(channel)
+    sums, error = report.read()
     assert error is None and sums["g.bin"]["crc32c"] == integrity.file_crc32c(tmp_path / "g.bin")
+    try:
+        raise OSError("the disk is full")
+    except OSError:
+        report.record_error("the checkpoint writer failed")
+    assert report.read()[1].startswith("OSError: the disk is full\nthe checkpoint writer failed: Traceback")
+    report.discard()
+    assert not os.path.exists(report.path)
 
 
 def test_verification_is_split_across_ranks_and_names_a_same_size_corruption(tmp_path):

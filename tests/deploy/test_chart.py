@@ -65,7 +65,7 @@ def test_should_state_its_restart_arithmetic_when_profile_header_is_read(profile
     backoff = re.search(r"backoffLimit = [^\n]*?= (\d+)", header)
     restarts = re.search(r"max_restarts = [^\n]*?= (\d+)", header)
     assert backoff and int(backoff[1]) == values["job"]["backoffLimit"]
-    assert restarts and int(restarts[1]) == values["trainer"]["resilience"]["max_restarts"]
+    assert restarts and int(restarts[1]) == values["trainer"]["resilience"]["launcher"]["max_restarts"]
     if profile != "dev-cpu":
         # The advisor's derivation (tests/goodput/test_goodput.py checks the numbers against it).
         assert "MTBF" in header and "Daly" in header and "# advise:" in header
@@ -173,8 +173,8 @@ def test_should_dump_nccl_flight_recorder_to_node_local_path_when_enabled():
 
 
 def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fixed_size():
-    rendered = render("nodes=4", "rendezvous.port=29500", "trainer.resilience.max_restarts=7",
-                      "trainer.resilience.workers_stop_timeout_s=20", "trainer.resilience.graceful_stop_timeout_s=300",
+    rendered = render("nodes=4", "rendezvous.port=29500", "trainer.resilience.launcher.max_restarts=7",
+                      "trainer.resilience.launcher.workers_stop_timeout_s=20", "trainer.resilience.stop.timeout_s=300",
                       release="run1")
     c = container(rendered)
     assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
@@ -199,7 +199,7 @@ def test_should_render_master_only_when_job_has_one_pod():
 
 def test_should_rendezvous_on_worker_zero_with_min_max_nodes_when_elastic():
     rendered = render("nodes=6", "elastic.enabled=true", "elastic.minNodes=4", "elastic.maxNodes=8",
-                      "trainer.resilience.max_restarts=5")
+                      "trainer.resilience.launcher.max_restarts=5")
     spec = job(rendered)["spec"]
     assert list(spec["pytorchReplicaSpecs"]) == ["Worker"]
     assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 6
@@ -218,23 +218,26 @@ def test_should_share_one_pod_template_when_job_has_master_and_workers():
 
 
 def test_should_keep_a_nulled_timeout_null_in_both_files_when_user_disables_it(tmp_path):
-    rendered = render("trainer.resilience.step_timeout_s=null")
+    rendered = render("trainer.resilience.hang_detection.step_timeout_s=null")
     path = tmp_path / "config.yaml"
     path.write_text(rendered.find("ConfigMap")["data"]["config.yaml"])
     cfg = load_config(path)
-    assert cfg.resilience.step_timeout_s is None
+    assert cfg.resilience.hang_detection.step_timeout_s is None
     assert config_map(rendered, "ft_config.yaml")["fault_tolerance"]["rank_section_timeouts"]["step"] is None
 
 
-def test_should_mirror_the_trainers_resilience_defaults_when_values_yaml_lists_them():
-    values = yaml.safe_load((REPO / "charts/resilient-fsdp/values.yaml").read_text())
-    defaults = to_dict(Config())["resilience"]
-    for key, value in values["trainer"]["resilience"].items():
-        assert value == defaults[key], f"values.yaml trainer.resilience.{key}={value}, trainer default {defaults[key]}"
+def test_should_carry_the_trainers_resilience_defaults_as_generated_when_values_yaml_is_read():
+    text = (REPO / "charts/resilient-fsdp/values.yaml").read_text()
+    lines = text.splitlines()
+    start, end = lines.index(chart.RESILIENCE_START), lines.index(chart.RESILIENCE_END)
+    assert lines[start:end + 1] == chart.resilience_defaults(), \
+        "values.yaml's trainer.resilience is stale: python -m resilient_fsdp.deploy.chart --update-schema"
+    defaults = {k: v for k, v in to_dict(Config())["resilience"].items() if k != "inject"}
+    assert yaml.safe_load(text)["trainer"]["resilience"] == defaults
 
 
 def test_should_derive_grace_period_from_graceful_stop_when_not_set():
-    assert pod_spec(render("trainer.resilience.graceful_stop_timeout_s=300"))["terminationGracePeriodSeconds"] == 360
+    assert pod_spec(render("trainer.resilience.stop.timeout_s=300"))["terminationGracePeriodSeconds"] == 360
     assert pod_spec(render("pod.terminationGracePeriodSeconds=900"))["terminationGracePeriodSeconds"] == 900
 
 

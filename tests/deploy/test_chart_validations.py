@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.deploy.chart_support import crds, render, render_error  # noqa: F401
-from resilient_fsdp.deploy import validate
+from resilient_fsdp.deploy import chart, validate
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
 
@@ -89,11 +89,11 @@ RULES = {
     "grace period shorter than graceful stop": (
         ["pod.terminationGracePeriodSeconds=300"], None,
         ["pod.terminationGracePeriodSeconds=300",
-         "trainer.resilience.graceful_stop_timeout_s=600",
+         "trainer.resilience.stop.timeout_s=600",
          "raise pod.terminationGracePeriodSeconds"]),
     "restart setting removed": (
-        ["trainer.resilience.max_restarts=null"], None,
-        ["trainer.resilience.max_restarts", "give it a value"]),
+        ["trainer.resilience.launcher.max_restarts=null"], None,
+        ["trainer.resilience.launcher.max_restarts", "give it a value"]),
     "faults outside the drill": (
         ["trainer.resilience.inject={sigkill@5}"], None,
         ["trainer.resilience.inject", "chaos.inject", "chaos.enabled=true"]),
@@ -169,6 +169,7 @@ def test_should_list_the_schema_fault_kinds_when_trainer_kinds_change():
     schema = json.loads((REPO / "charts/resilient-fsdp/values.schema.json").read_text())
     pattern = schema["properties"]["chaos"]["properties"]["inject"]["items"]["pattern"]
     assert sorted(pattern[pattern.index("(") + 1:pattern.index(")")].split("|")) == sorted(FAULT_KINDS)
+    assert pattern == chart.fault_spec_pattern(), "stale: python -m resilient_fsdp.deploy.chart --update-schema"
 
 
 # ---- the validator itself must catch what the cluster would reject --------------------------------

@@ -21,7 +21,7 @@ def test_should_match_the_generated_readme_when_values_yaml_changes():
 def test_should_list_every_documented_key_with_its_parsed_default_when_rendered():
     text = (CHART / "README.md").read_text()
     for key in ("workload.kind", "workload.jobSet.maxRestarts", "scheduling.topology.required", "job.backoffLimit",
-                "releaseCheck.devices", "trainer.resilience.max_restarts"):
+                "releaseCheck.devices", "trainer.resilience.launcher.max_restarts"):
         assert f"| `{key}` |" in text, key
     assert "| `workload.kind` | string | `\"PyTorchJob\"` |" in text
     assert "## Workload kind" in text and "## Release check" in text

@@ -183,8 +183,9 @@ def test_profile_restart_settings_are_the_advisors(profile):
     assert lines[start:end + 1] == profiles.header_block(line), \
         f"{profile}: the restart-settings block is stale: python -m resilient_fsdp.goodput.profiles"
     assert values["trainer"]["checkpoint"]["interval_s"] == expected["trainer"]["checkpoint"]["interval_s"]
-    for key, value in expected["trainer"]["resilience"].items():
-        assert values["trainer"]["resilience"][key] == value, f"{profile}: trainer.resilience.{key}"
+    for group, keys in expected["trainer"]["resilience"].items():
+        for key, value in keys.items():
+            assert values["trainer"]["resilience"][group][key] == value, f"{profile}: trainer.resilience.{group}.{key}"
     assert values["job"]["backoffLimit"] == expected["job"]["backoffLimit"]
 
 
@@ -285,8 +286,8 @@ def test_simulate_command_writes_table_json_and_plot(tmp_path):
 def test_report_of_a_real_run_with_faults(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=2, nproc=2,
-                     overrides=["train.steps=16", "checkpoint.interval_steps=4", "resilience.workers_stop_timeout_s=2",
-                                "resilience.workload_check_interval_s=0.5", "resilience.learn_timeouts=false"],
+                     overrides=["train.steps=16", "checkpoint.interval_steps=4", "resilience.launcher.workers_stop_timeout_s=2",
+                                "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.learn_timeouts=false"],
                      extra=["--inject=sigkill@9:rank=3"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     png, parts_json = tmp_path / "report.png", tmp_path / "parts.json"

@@ -154,14 +154,15 @@ def test_flags_become_chart_values(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("train:\n  steps: 7\n")
     args = argparse.Namespace(values_files=[], chart_values=["job.backoffLimit=0"], chart_values_json=[],
-                              config=str(config), overrides=["seed=3", "resilience.in_process=true"], nodes=3, nproc_per_node=1,
+                              config=str(config), overrides=["seed=3", "resilience.in_process.enabled=true"], nodes=3, nproc_per_node=1,
                               max_restarts=1, inject=["sigkill@5:rank=0"], rdzv_port=None)
     values = local_job.chart_values(args, tmp_path, "netns")
     assert values["nodes"] == 3 and values["cpuRanksPerNode"] == 1 and values["job"]["backoffLimit"] == 0
     assert values["storage"]["type"] == "existingClaim" and values["trainer"]["run_dir"] == "/fsx"
     assert values["trainer"]["train"] == {"steps": 7} and values["trainer"]["seed"] == 3
     resilience = values["trainer"]["resilience"]  # dev-cpu's, then --set, then --max-restarts
-    assert resilience["in_process"] is True and resilience["max_restarts"] == 1 and resilience["init_timeout_s"] == 300
+    assert resilience["in_process"]["enabled"] is True and resilience["launcher"]["max_restarts"] == 1
+    assert resilience["hang_detection"]["init_timeout_s"] == 300
     assert values["chaos"] == {"enabled": True, "inject": ["sigkill@5:rank=0"]}
     assert values["instanceType"] == "cpu"  # values/dev-cpu.yaml, the default
     loop = local_job.chart_values(args, tmp_path, "loopback", mount_path=str(tmp_path))

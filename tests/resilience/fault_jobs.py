@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from resilient_fsdp.checkpoint.nvrx import NVRX_VERSION
+from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from tests.support import assert_no_leftovers, read_losses, read_summary, run_local
 
 # 40 steps: room for four faults 8 steps apart (the field faults' job), one reference for all.
@@ -16,15 +16,15 @@ STEPS = 40
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=4", "train.log_every=4",
           # Short enough for tests: a stuck rank is killed 2 s after SIGTERM, a hung step is
           # detected after 8 s, rank monitors check twice a second.
-          "resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5",
-          "resilience.step_timeout_s=8", "resilience.learn_timeouts=false"]
+          "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5",
+          "resilience.hang_detection.step_timeout_s=8", "resilience.hang_detection.learn_timeouts=false"]
 # Gloo cannot be aborted: ranks waiting on a failed peer wait out dist.timeout_s, so in-process
 # restart tests keep it short (it applies after the first step; start-up has its own). The soft
 # timeout must outlast any legitimate wait inside C++ (NVRx sees no progress then), such as ranks
 # of an overloaded two-core machine reaching the first collective seconds apart.
-IN_PROCESS = ["resilience.in_process=true", "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=20",
-              "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
-              "resilience.in_process_barrier_timeout_s=120", "resilience.step_timeout_s=60"]
+IN_PROCESS = ["resilience.in_process.enabled=true", "dist.timeout_s=8", "resilience.in_process.soft_timeout_s=20",
+              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
+              "resilience.in_process.barrier_timeout_s=120", "resilience.hang_detection.step_timeout_s=60"]
 
 
 def fault_free_run(run_dir: Path, nodes: int, nproc: int) -> tuple[dict, list[float]]:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from resilient_fsdp.checkpoint.engine_base import FAULT_WRITER_ENV
 from tests.resilience.node import free_port
 from tests.support import REPO, _env, assert_no_leftovers, run_local
 
@@ -51,10 +50,10 @@ def test_a_rank_that_fails_with_a_write_in_flight_releases_its_peers_before_clos
     for that write), rank 0 would have failed at its collective timeout. In-job restart off."""
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=1, nproc=2, timeout=240, extra=["--max-restarts=0", "--max-node-restarts=0",
-                                                                  "--inject=exception@5:rank=1"],
+                                                                  "--inject=exception@5:rank=1",
+                                                                  "--inject=writer-slow@4:rank=1:for=60"],
                      overrides=["train.steps=8", "checkpoint.interval_steps=4", "dist.timeout_s=20",
-                                "checkpoint.write_timeout_s=120", "resilience.learn_timeouts=false"],
-                     env={FAULT_WRITER_ENV: "slow=60@4:rank=1"})
+                                "checkpoint.write_timeout_s=120", "resilience.hang_detection.learn_timeouts=false"])
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     (rank0,) = (run_dir / "logs" / "node0").glob("*/attempt_0/0/stderr.log")

@@ -18,11 +18,11 @@ from tests.resilience.node import attempts, run_node, start_node
 from tests.support import REPO, assert_no_leftovers, run_local, write_module
 
 # A few steps, a checkpoint every 2, quick restarts.
-RUN = ["train.steps=6", "checkpoint.interval_steps=2", "train.log_every=2", "resilience.workers_stop_timeout_s=2",
-       "resilience.workload_check_interval_s=0.5", "resilience.learn_timeouts=false"]
-IN_PROCESS = ["resilience.in_process=true", "dist.timeout_s=8", "resilience.in_process_soft_timeout_s=20",
-              "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
-              "resilience.in_process_barrier_timeout_s=120", "resilience.step_timeout_s=60"]
+RUN = ["train.steps=6", "checkpoint.interval_steps=2", "train.log_every=2", "resilience.launcher.workers_stop_timeout_s=2",
+       "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.learn_timeouts=false"]
+IN_PROCESS = ["resilience.in_process.enabled=true", "dist.timeout_s=8", "resilience.in_process.soft_timeout_s=20",
+              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
+              "resilience.in_process.barrier_timeout_s=120", "resilience.hang_detection.step_timeout_s=60"]
 
 # What the PyTorchJob controller retries under the chart's ``restartPolicy: ExitCode``.
 retryable = RestartPolicy("ExitCode", backoff_limit=4).retryable
@@ -117,7 +117,7 @@ def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugi
     lanes = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
     t0 = time.monotonic()
     proc = run_local(run_dir, nodes=1, nproc=2, pythonpath=[plugin_dir, *lanes], timeout=240,
-                     overrides=RUN + (IN_PROCESS if in_process else []) + cause + ["resilience.max_restarts=3"],
+                     overrides=RUN + (IN_PROCESS if in_process else []) + cause + ["resilience.launcher.max_restarts=3"],
                      extra=["--max-node-restarts=2"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == CONFIG, out[-4000:]
@@ -135,7 +135,7 @@ def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugi
 
 def test_bad_trainer_flags_stop_the_node_without_a_restart(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_node(run_dir, RUN + ["resilience.max_restarts=3"], trainer_args=["--no-such-flag"], timeout=180)
+    proc = run_node(run_dir, RUN + ["resilience.launcher.max_restarts=3"], trainer_args=["--no-such-flag"], timeout=180)
     assert proc.returncode == CONFIG, proc.stderr[-3000:]
     assert "unrecognized arguments: --no-such-flag" in proc.stderr
     assert "invalid trainer arguments" in proc.stderr
@@ -145,7 +145,7 @@ def test_bad_trainer_flags_stop_the_node_without_a_restart(tmp_path):
 
 def test_spent_in_job_restarts_exit_with_the_infrastructure_code(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_node(run_dir, RUN + ["resilience.max_restarts=1"], inject=["exception@2:rank=1", "exception@4:rank=0"])
+    proc = run_node(run_dir, RUN + ["resilience.launcher.max_restarts=1"], inject=["exception@2:rank=1", "exception@4:rank=0"])
     assert proc.returncode == INFRASTRUCTURE, proc.stderr[-3000:]
     assert f"exiting {INFRASTRUCTURE}: restarts-exhausted, retried by the job level" in proc.stderr
     assert attempts(run_dir / "logs") == ["attempt_0", "attempt_1"]

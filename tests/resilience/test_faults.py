@@ -111,7 +111,7 @@ def test_too_many_faults_fail_with_the_last_fault_named(tmp_path):
     assert proc.returncode != 0
     report = proc.stdout.split("job FAILED", 1)[1]
     assert "last fault: sigkill@10:rank=3 (injected after step 9)" in report
-    assert "resilience.max_restarts" in report and "--max-pod-recreations" in report
+    assert "resilience.launcher.max_restarts" in report and "--max-pod-recreations" in report
     assert not (run_dir / "summary.json").exists()
     # The newest checkpoint is intact: committed, with its manifest.
     committed = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_") and "." not in p.name)

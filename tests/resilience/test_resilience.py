@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from resilient_fsdp.config import ConfigError, FaultSpec, load_config, parse_fault, parse_faults
-from resilient_fsdp.resilience.faults import NODE_INDEX_ENV, REQUESTS_ENV, FaultInjector, FaultLedger
+from resilient_fsdp.resilience.faults import NODE_INDEX_ENV, REQUESTS_ENV, FaultInjector
+from resilient_fsdp.resilience.ledger import FaultLedger
 from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
 from resilient_fsdp.resilience.accounting import record_recoveries, summarize
 
@@ -33,7 +34,7 @@ def test_fault_specs_parse_and_bad_ones_name_the_fix():
         parse_fault("hang@0")
     with pytest.raises(ConfigError, match="give rank=R or node=N, not both"):
         parse_fault("node-loss@3:rank=1:node=0")
-    with pytest.raises(ConfigError, match="for=SECONDS applies to partition only"):
+    with pytest.raises(ConfigError, match="for=SECONDS applies to partition, writer-slow only"):
         parse_fault("node-loss@3:node=0:for=5")
     with pytest.raises(ConfigError, match="for= must be a number of seconds above 0"):
         parse_fault("partition@3:for=-1")
@@ -95,14 +96,14 @@ def test_a_partition_request_is_written_atomically_and_training_goes_on(tmp_path
 
 
 def test_in_process_timeouts_must_be_ordered():
-    with pytest.raises(ConfigError, match="resilience.in_process_soft_timeout_s=90.0 must be less than "
-                                          "resilience.in_process_hard_timeout_s=90.0"):
-        load_config(None, ["resilience.in_process=true", "resilience.in_process_soft_timeout_s=90"])
-    with pytest.raises(ConfigError, match="resilience.step_timeout_s=30.0 must exceed "
-                                          "resilience.in_process_hard_timeout_s=90.0"):
-        load_config(None, ["resilience.in_process=true", "resilience.step_timeout_s=30"])
-    with pytest.raises(ConfigError, match="stop_exit_code"):
-        load_config(None, ["resilience.stop_exit_code=1"])  # would fail the job instead of restarting it
+    with pytest.raises(ConfigError, match="resilience.in_process.soft_timeout_s=90.0 must be less than "
+                                          "resilience.in_process.hard_timeout_s=90.0"):
+        load_config(None, ["resilience.in_process.enabled=true", "resilience.in_process.soft_timeout_s=90"])
+    with pytest.raises(ConfigError, match="resilience.hang_detection.step_timeout_s=30.0 must exceed "
+                                          "resilience.in_process.hard_timeout_s=90.0"):
+        load_config(None, ["resilience.in_process.enabled=true", "resilience.hang_detection.step_timeout_s=30"])
+    with pytest.raises(ConfigError, match="stop.exit_code"):
+        load_config(None, ["resilience.stop.exit_code=1"])  # would fail the job instead of restarting it
 
 
 def test_a_fault_is_claimed_once_per_job(tmp_path):
@@ -114,8 +115,8 @@ def test_a_fault_is_claimed_once_per_job(tmp_path):
 
 
 def test_ft_config_carries_the_resilience_settings_for_every_nvrx_version():
-    cfg = load_config(None, ["resilience.step_timeout_s=30", "resilience.termination_signal=SIGTERM",
-                             "resilience.max_restarts=5", "resilience.workers_stop_timeout_s=4"]).resilience
+    cfg = load_config(None, ["resilience.hang_detection.step_timeout_s=30", "resilience.hang_detection.termination_signal=SIGTERM",
+                             "resilience.launcher.max_restarts=5", "resilience.launcher.workers_stop_timeout_s=4"]).resilience
     ft = ft_config(cfg)["fault_tolerance"]
     assert ft["rank_section_timeouts"] == {"init": 900.0, "step": 30.0, "checkpoint": 900.0, "drain": 900.0}
     assert ft["rank_out_of_section_timeout"] == 600.0 and ft["rank_termination_signal"] == "SIGTERM"
@@ -352,3 +353,16 @@ def test_nvrx07_wrapper_is_built_without_gpu_checks_only_without_a_gpu(nvrx_lane
         assert "NVMLError" not in proc.stderr and "Failed to shut down NVML" not in proc.stderr, proc.stderr[-3000:]
         assert ("no GPU: in-process restart runs without NVRx's ChainedGPUHealthCheck, ChainedNVLHealthCheck, "
                 "ChainedNicHealthCheck") in proc.stderr
+
+
+def test_a_writer_fault_is_claimed_once_and_handed_to_the_checkpoint_writer(tmp_path):
+    ledger = FaultLedger(tmp_path)
+    injector = FaultInjector(parse_faults(["writer-slow@4:rank=1:for=2.5", "writer-hang@8:rank=1", "writer-exit@8"]),
+                             rank=1, ledger=ledger)
+    assert injector.writer_fault(3) is None
+    assert injector.writer_fault(4) == "slow=2.5"
+    assert injector.writer_fault(4) is None  # once per job: the save after a restart writes normally
+    assert injector.writer_fault(8) == "hang"  # writer-exit@8 is rank 0's
+    assert [f["fault"] for f in ledger.fired()] == ["writer-slow@4:rank=1:for=2.5", "writer-hang@8:rank=1"]
+    with pytest.raises(ConfigError, match="writer-slow needs :for=SECONDS"):
+        parse_fault("writer-slow@4")

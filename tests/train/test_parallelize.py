@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from resilient_fsdp.checkpoint.state import canonical_name
 from resilient_fsdp.config import ConfigError
 from resilient_fsdp.train import parallelize
 from resilient_fsdp.train.model import build_model
@@ -34,7 +35,7 @@ def grads(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
     x = torch.randn(8, 16)
     model.zero_grad()
     model(x).square().mean().backward()
-    return {parallelize.canonical_name(n): p.grad.clone() for n, p in model.named_parameters()}
+    return {canonical_name(n): p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_a_dropout_model_gets_the_same_gradients_with_activation_checkpointing():

@@ -183,12 +183,14 @@ kueue.x-k8s.io/podset-group-name: {{ include "resilient-fsdp.fullname" . | quote
 {{- end }}
 
 {{/*
-A `resilience` key of the trainer config. A user's null removes a key from the chart's defaults
-(Helm's merge), and null means "no limit" for the timeouts: a missing key renders as null.
+A `resilience` key of the trainer config, as `group.key` (`launcher.max_restarts`). A user's null
+removes a key from the chart's defaults (Helm's merge), and null means "no limit" for the
+timeouts: a missing key renders as null.
 */}}
 {{- define "resilient-fsdp.resilience" -}}
-{{- $r := dig "resilience" dict (.ctx.Values.trainer | default dict) }}
-{{- if hasKey $r .key }}{{ get $r .key | toJson }}{{ else }}null{{ end }}
+{{- $parts := splitList "." .key }}
+{{- $group := dig "resilience" (index $parts 0) dict (.ctx.Values.trainer | default dict) }}
+{{- if hasKey $group (index $parts 1) }}{{ get $group (index $parts 1) | toJson }}{{ else }}null{{ end }}
 {{- end }}
 
 {{/* The `fault_tolerance:` section ft_launcher reads: the same keys as resilience.ft_config. */}}
@@ -198,14 +200,14 @@ fault_tolerance:
   initial_rank_heartbeat_timeout: null
   rank_heartbeat_timeout: null
   rank_section_timeouts:
-    init: {{ include "resilient-fsdp.resilience" (set $r "key" "init_timeout_s") }}
-    step: {{ include "resilient-fsdp.resilience" (set $r "key" "step_timeout_s") }}
-    checkpoint: {{ include "resilient-fsdp.resilience" (set $r "key" "checkpoint_timeout_s") }}
-    drain: {{ include "resilient-fsdp.resilience" (set $r "key" "checkpoint_timeout_s") }}
-  rank_out_of_section_timeout: {{ include "resilient-fsdp.resilience" (set $r "key" "out_of_section_timeout_s") }}
-  safety_factor: {{ include "resilient-fsdp.resilience" (set $r "key" "safety_factor") }}
-  rank_termination_signal: {{ include "resilient-fsdp.resilience" (set $r "key" "termination_signal") }}
-  workload_check_interval: {{ include "resilient-fsdp.resilience" (set $r "key" "workload_check_interval_s") }}
+    init: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.init_timeout_s") }}
+    step: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.step_timeout_s") }}
+    checkpoint: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.checkpoint_timeout_s") }}
+    drain: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.checkpoint_timeout_s") }}
+  rank_out_of_section_timeout: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.out_of_section_timeout_s") }}
+  safety_factor: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.safety_factor") }}
+  rank_termination_signal: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.termination_signal") }}
+  workload_check_interval: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.workload_check_interval_s") }}
   # NVRx watches InfiniBand link counters through NVML; EFA and CPU-only nodes have none.
   enable_nic_monitor: false
 {{- end }}
@@ -217,9 +219,11 @@ fault_tolerance:
 {{- /* A timeout the user set to null was removed by Helm's merge: keep it null (no limit), as
 ft_config.yaml does, rather than let the trainer's default come back. */}}
 {{- $r := get $cfg "resilience" | default dict }}
+{{- $hang := get $r "hang_detection" | default dict }}
 {{- range $key := list "init_timeout_s" "step_timeout_s" "checkpoint_timeout_s" "out_of_section_timeout_s" }}
-{{- if not (hasKey $r $key) }}{{ $_ := set $r $key nil }}{{ end }}
+{{- if not (hasKey $hang $key) }}{{ $_ := set $hang $key nil }}{{ end }}
 {{- end }}
+{{- $_ := set $r "hang_detection" $hang }}
 {{- $_ := set $cfg "resilience" $r }}
 {{- toYaml $cfg }}
 {{- end }}
@@ -227,7 +231,7 @@ ft_config.yaml does, rather than let the trainer's default come back. */}}
 {{/* Seconds a pod gets between SIGTERM and SIGKILL. */}}
 {{- define "resilient-fsdp.terminationGrace" -}}
 {{- if kindIs "invalid" .Values.pod.terminationGracePeriodSeconds }}
-{{- add (int (ceil (include "resilient-fsdp.resilience" (dict "ctx" . "key" "graceful_stop_timeout_s") | float64))) 60 }}
+{{- add (int (ceil (include "resilient-fsdp.resilience" (dict "ctx" . "key" "stop.timeout_s") | float64))) 60 }}
 {{- else }}
 {{- int .Values.pod.terminationGracePeriodSeconds }}
 {{- end }}

@@ -84,9 +84,9 @@ spec:
         - --rdzv-id={{ include "resilient-fsdp.fullname" $ }}
         - --rdzv-conf=join_timeout={{ int $v.rendezvous.joinTimeoutSeconds }}
         # In-job restart, as resilience.ft_launcher_flags spells it.
-        - --max-restarts={{ include "resilient-fsdp.resilience" (set $r "key" "max_restarts") }}
-        - --workers-stop-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "workers_stop_timeout_s")) }}
-        - --term-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "graceful_stop_timeout_s")) }}
+        - --max-restarts={{ include "resilient-fsdp.resilience" (set $r "key" "launcher.max_restarts") }}
+        - --workers-stop-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "launcher.workers_stop_timeout_s")) }}
+        - --term-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "stop.timeout_s")) }}
         - -m
         - resilient_fsdp.train
         - --config=/etc/resilient-fsdp/config.yaml

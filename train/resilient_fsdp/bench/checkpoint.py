@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import nvrx
+from ..checkpoint.writer.process import NVRX_VERSION
 from ..config import load_config
 from ..train.distributed import shutdown
 from ..train.trainer import Trainer
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         idle_cpu = {"process": time.process_time() - process_cpu0, "main_thread": time.thread_time() - main_cpu0,
                     "page_faults": page_faults() - faults0}
         results: dict = {"modes": list(args.modes), "loadavg_start": os.getloadavg(), "params": trainer.num_params,
-                         "preset": args.preset, "torch": torch.__version__, "nvrx": nvrx.NVRX_VERSION,
+                         "preset": args.preset, "torch": torch.__version__, "nvrx": NVRX_VERSION,
                          "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                          "device": trainer.info.device.type, "saves": args.saves, "warmup_saves": args.warmup_saves,
                          "pinned": {"training_cpu": 0, "writer_cpu": 1} if pinned else None,

@@ -51,8 +51,8 @@ class OurSaver(Saver):
         from ..checkpoint.checkpointer import Checkpointer
 
         cfg = dataclasses.replace(trainer.cfg.checkpoint, mode=mode, keep_last=1, interval_steps=0)
-        self.ckpt = Checkpointer(cfg, root / mode, trainer.info, trainer.checkpointer.state,
-                                 trainer.checkpointer.identity, lambda _msg: None)
+        self.ckpt = Checkpointer(cfg, root / mode, trainer.checkpointer.group, trainer.checkpointer.state,
+                                 trainer.checkpointer.identity)
         self.ckpt.preflight()
         self.record: Optional[dict] = None
         self.job: Any = None

@@ -3,7 +3,7 @@
 A local job (``--nodes`` x ``--nproc-per-node`` ranks, the ``tiny`` preset) gets one injected
 ``exception`` on the last rank at ``--fault-step``, ``--repeats`` times per layer:
 
-- ``in_process``: ``resilience.in_process=true``: every rank re-enters training in its process;
+- ``in_process``: ``resilience.in_process.enabled=true``: every rank re-enters training in its process;
 - ``in_job``: in-process restart off: ``ft_launcher`` respawns the workers of every node;
 - ``full_relaunch``: no restart allowed (``--max-restarts 0 --max-node-restarts 0``): the job
   fails and is launched again from its last checkpoint, which is what a plain torchrun job gets.
@@ -32,10 +32,10 @@ from .results import write_results
 # Shared by every variant. In-process restart shuts the gloo group's connections down, so ranks
 # blocked on the failed one do not wait out dist.timeout_s; the in-job and relaunch layers still
 # may (after the first step; start-up keeps a long timeout).
-COMMON = ["resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5",
-          "resilience.learn_timeouts=false", "resilience.in_process_soft_timeout_s=20",
-          "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
-          "resilience.in_process_barrier_timeout_s=120"]
+COMMON = ["resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5",
+          "resilience.hang_detection.learn_timeouts=false", "resilience.in_process.soft_timeout_s=20",
+          "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
+          "resilience.in_process.barrier_timeout_s=120"]
 LAYERS = ("in_process", "in_job", "full_relaunch")
 
 
@@ -73,7 +73,7 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     spec = f"exception@{args.fault_step}:rank={args.nodes * args.nproc_per_node - 1}"
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
                  f"dist.timeout_s={args.timeout_s}", *COMMON,
-                 f"resilience.in_process={'true' if layer == 'in_process' else 'false'}"]
+                 f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}"]
     flags = [f"--inject={spec}"]
     if layer == "full_relaunch":
         flags += ["--max-restarts=0", "--max-node-restarts=0"]

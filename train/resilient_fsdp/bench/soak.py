@@ -25,11 +25,11 @@ from .recovery import fresh_dir, run_job
 DEFAULT_KINDS = "exception,sigkill,hang,exception,sigkill-during-save,hang,exception,node-loss,exception,sigterm"
 # ``--in-process`` adds in-process restart (for exceptions and hangs) to the in-job and job-level
 # restarts that are always on.
-COMMON = ["resilience.max_restarts=100", "resilience.workers_stop_timeout_s=2", "resilience.workload_check_interval_s=0.5",
-          "resilience.step_timeout_s=10", "resilience.learn_timeouts=false", "train.log_every=500"]
-IN_PROCESS = ["resilience.in_process=true", "resilience.step_timeout_s=60", "resilience.in_process_soft_timeout_s=20",
-              "resilience.in_process_hard_timeout_s=40", "resilience.in_process_heartbeat_timeout_s=20",
-              "resilience.in_process_barrier_timeout_s=120"]
+COMMON = ["resilience.launcher.max_restarts=100", "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5",
+          "resilience.hang_detection.step_timeout_s=10", "resilience.hang_detection.learn_timeouts=false", "train.log_every=500"]
+IN_PROCESS = ["resilience.in_process.enabled=true", "resilience.hang_detection.step_timeout_s=60", "resilience.in_process.soft_timeout_s=20",
+              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
+              "resilience.in_process.barrier_timeout_s=120"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

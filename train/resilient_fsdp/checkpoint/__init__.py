@@ -1,13 +1,19 @@
 """Checkpoints: what they hold, how they are written, committed, kept, resumed and copied to S3.
 
+- ``checkpointer``: what the loop calls (after each step, at the end): save on schedule, poll,
+  agree, finalize, commit, log; resume;
+- ``group``: the ranks a checkpoint is written by and the collectives the checkpointer uses;
 - ``state``: what a checkpoint holds for one rank (model, optimizer, schedule, counters, sampler,
-  RNG, learned timeouts);
+  RNG, learned timeouts) and the canonical parameter names;
 - ``staging``: the snapshot in reused host buffers that the loop waits for;
-- ``engines``: ``async`` (NVRx DCP writer), ``torch-async`` (NVRx, one file per rank), ``sync``;
-- ``checkpointer``: save on schedule, poll, agree, finalize, commit; resume;
-- ``resume``: which checkpoint a start resumes from, and the S3 restore before it;
+- ``engines``: what an engine is, and ``async`` (NVRx DCP writer), ``torch-async`` (NVRx, one
+  file per rank), ``sync``;
+- ``writer/``: the rank's checkpoint writer process and every adaptation to NVRx's async
+  checkpointing;
+- ``integrity``: checksums computed while files are written, and their verification;
+- ``resume``: which checkpoint a start resumes from, and loading it;
 - ``store``: the directory layout, the atomic commit, discovery and retention;
-- ``nvrx``: every adaptation to NVRx's async checkpointing (CPU-only torch, 0.4 / 0.7);
-- ``s3``: the S3 tier (durable copies, restore on a new cluster);
+- ``lease``: one job at a time writes a checkpoint directory;
+- ``s3/``: the S3 tier (durable copies, restore on a new cluster);
 - ``commands``: ``resilient-fsdp checkpoints list|pull|push``.
 """

@@ -1,6 +1,12 @@
 """The checkpointer the trainer uses: saves on schedule, commits atomically, resumes exactly.
 
-Every public method is collective. :meth:`Checkpointer.save` starts a write with the configured
+The loop makes two calls: :meth:`Checkpointer.after_step` after every step (collect and commit a
+finished write, start a save when one is due, log both, report S3 uploads) and
+:meth:`Checkpointer.finish` at the end of training and on a graceful stop (the final save, and
+waiting for it). Both run inside the attempt's hang-detection sections (``checkpoint``, ``drain``)
+through the resilience hooks the checkpointer receives (:class:`~resilient_fsdp.resilience.attempt.Attempt`).
+
+Every public method is collective. :meth:`~Checkpointer.save` starts a write with the configured
 engine (:mod:`.engines`); :meth:`~Checkpointer.poll` agrees across ranks that every rank's write
 finished, gathers every rank's outcome to rank 0, which writes the metadata and commits through
 :mod:`.store` (nothing is visible until every rank's data and the metadata are written), and
@@ -15,20 +21,38 @@ import concurrent.futures
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 
 from ..config import CheckpointConfig, ConfigError
-from ..train.distributed import DistInfo
-from . import nvrx, resume, store
-from .engines import Engine, LocalOutcome, build_engine
+from ..resilience.attempt import NoHooks
+from . import resume as resume_, store
+from .engines import NVRX_VERSION, Engine, LocalOutcome, build_engine
+from .group import RankGroup
 from .lease import Lease, job_id
 from .s3 import client as s3_client
 from .s3.uploader import Uploader
 from .state import CheckpointState
 from .store import CheckpointError
+
+
+class RunLog(Protocol):
+    """Where the checkpointer reports: progress lines and ``metrics.jsonl`` records (rank 0's)."""
+
+    def info(self, message: str) -> None: ...
+
+    def event(self, record: dict) -> None: ...
+
+
+class SilentLog:
+    """A :class:`RunLog` that reports nothing (benchmarks, probes)."""
+
+    def info(self, message: str) -> None:
+        pass
+
+    def event(self, record: dict) -> None:
+        pass
 
 
 class Checkpointer:
@@ -40,22 +64,21 @@ class Checkpointer:
     that a resume at another world size keeps the global batch (:attr:`grad_accum_steps`).
     """
 
-    def __init__(self, cfg: CheckpointConfig, root: Path, info: DistInfo, state: CheckpointState,
-                 identity: dict, say: Callable[[str], None],
+    def __init__(self, cfg: CheckpointConfig, root: Path, group: RankGroup, state: CheckpointState,
+                 identity: dict, log: Optional[RunLog] = None, hooks: Optional[NoHooks] = None,
                  engine_factory: Optional[Callable[[], Engine]] = None,
-                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None,
-                 faults: Optional[Any] = None):
-        self.cfg, self.root, self.info, self.state = cfg, root, info, state
-        # Fault injection (resilience.faults.FaultInjector): told when a write starts and ends.
-        self.faults = faults
+                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None):
+        self.cfg, self.root, self.group, self.state = cfg, root, group, state
+        self.log = log or SilentLog()
+        # The attempt's resilience hooks: hang-detection sections, the drain budget, fault injection.
+        self.hooks = hooks or NoHooks()
         self.uploader = uploader
         self.identity = identity  # what a resumed run must match: model shape, preset
         self.batch = batch or {}
         self.grad_accum_steps: Optional[int] = self.batch.get("grad_accum_steps")
-        self.say = say
         # An engine from a factory belongs to the caller (it outlives in-process restarts).
         self.owns_engine = engine_factory is None
-        self._engine_factory = engine_factory or (lambda: build_engine(cfg.mode, info.rank, cfg.writer_threads))
+        self._engine_factory = engine_factory or (lambda: build_engine(cfg.mode, group.rank, cfg.writer_threads))
         self._engine: Optional[Engine] = None
         self.pending: Optional[dict] = None
         self.records: list[dict] = []
@@ -66,15 +89,66 @@ class Checkpointer:
         self.job = job_id(cfg)
         self.lease: Optional[Lease] = None
         # Rank 0 applies retention off the training thread; its messages are said by this one.
-        self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") if info.rank == 0 else None
+        self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") \
+            if group.is_coordinator else None
         self._retention_said: list[str] = []
+
+    def say(self, message: str) -> None:
+        self.log.info(message)
 
     @property
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = self._engine_factory()
-            self._engine.attach(self.info.world_size)  # a new attempt: plans are made afresh
+            self._engine.attach(self.group.world_size)  # a new attempt: plans are made afresh
         return self._engine
+
+    # -- what the loop calls -----------------------------------------------------------------------
+
+    def after_step(self, step: int) -> float:
+        """After step ``step``: commit a write that finished, start a save if one is due, log what
+        was committed and what S3 did; the seconds it took. Collective."""
+        t0 = time.perf_counter()
+        self.hooks.start_section("checkpoint")
+        committed = self.poll()
+        self._log(committed)
+        learn = committed is not None  # only calls that saved or committed teach its timeout
+        if self.due(step):
+            if self.pending is not None:
+                # The save would wait for the previous write: that wait has the drain budget.
+                self.hooks.end_section("checkpoint", learn=learn)
+                with self.hooks.draining():
+                    self._log(self.wait())
+                self.hooks.start_section("checkpoint")
+            self._log(self.save(step))
+            learn = True
+        self.hooks.end_section("checkpoint", learn=learn)
+        self._report_uploads()
+        return time.perf_counter() - t0
+
+    def finish(self, step: int, save: bool) -> None:
+        """The end of training (``save``: ``checkpoint.save_final``) or a graceful stop (``save``):
+        a checkpoint of ``step`` unless it has one, and every write waited for. Collective."""
+        with self.hooks.draining():
+            if save and self.last_saved_step != step:
+                self._log(self.save(step))
+            self._log(self.wait())
+        self._report_uploads()
+
+    def _log(self, record: Optional[dict]) -> None:
+        if record is None:
+            return
+        self.log.event({"event": "checkpoint", "t": time.time(), **record})
+        self.log.info(f"checkpoint step {record['step']} committed ({record['mode']}): stall "
+                      f"{record['stall_s'] * 1000:.1f} ms, write {record['write_s']:.2f} s, "
+                      f"{record['bytes'] / 1e6:.1f} MB -> {record['path']}")
+
+    def _report_uploads(self) -> None:
+        """What the S3 uploader did since the last call (logged where the log is rank 0's)."""
+        if self.uploader is not None:
+            for event, message in self.uploader.take_events():
+                self.log.event(event)
+                self.log.info(message)
 
     def prepare(self) -> None:
         """Get the engine ready now rather than at the first save: its writer process (started
@@ -88,32 +162,11 @@ class Checkpointer:
         if self.cfg.interval_steps > 0 or self.cfg.interval_s > 0 or self.cfg.save_final:
             self.engine.warm(self.state.state_dict())  # buffers only for a job that will save
 
-    # -- collectives on the job's backend (tensors on the training device) --
-    def _all_reduce_max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-    def _broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _gather(self, obj: Any) -> Optional[list]:
-        out = [None] * self.info.world_size if self.info.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out
-
-    def _all_gather(self, obj: Any) -> list:
-        out: list = [None] * self.info.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
     def preflight(self) -> None:
         """Fail at start, on every rank, if the checkpoint directory cannot be written or another
         job holds it; complete commits a crash cut short."""
         error = None
-        if self.info.rank == 0:
+        if self.group.is_coordinator:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 probe = self.root / f".write-test-{uuid.uuid4().hex[:8]}"
@@ -129,7 +182,7 @@ class Checkpointer:
                     self.say(f"completed the commit of {path} that a crash had cut short")
             if error is None and self.cfg.s3.uri:
                 error = self._check_s3()
-        error = self._broadcast(error)
+        error = self.group.broadcast(error)
         if error:
             raise ConfigError(error)
 
@@ -158,7 +211,19 @@ class Checkpointer:
         returns its step or None. One that fails verification or loading is reported and the
         next older one is tried."""
         self.before_optimizer_step()  # loading changes the live state: no copy may be reading it
-        return resume.run(self)
+        done = resume_.resume(self.group, self.cfg, self.root, self.job, self.state, self.identity, self.batch,
+                              self.say)
+        self.restored_from_s3 = done.restored_from_s3.as_dict() if done.restored_from_s3 else None
+        if done.step is not None:
+            self.resumed_from = {"step": done.step, "path": done.path}
+            self.last_saved_step = done.step
+        if done.grad_accum_steps is not None:
+            self.grad_accum_steps = done.grad_accum_steps
+            self.batch = {**self.batch, "grad_accum_steps": done.grad_accum_steps}
+        # Local checkpoints an earlier run may not have uploaded (not when this run ignores them).
+        if self.uploader is not None and self.cfg.resume:
+            self.uploader.adopt(self.group.broadcast(store.scan(self.root)[0] if self.group.is_coordinator else None))
+        return done.step
 
     # -- saving --
     def due(self, step: int) -> bool:
@@ -168,7 +233,7 @@ class Checkpointer:
         if self.cfg.interval_s > 0:
             # Ranks' clocks disagree slightly: agree, so every rank saves at the same step.
             elapsed = time.monotonic() - self.last_save_time
-            by_time = self._all_reduce_max(1.0 if elapsed >= self.cfg.interval_s else 0.0) > 0
+            by_time = self.group.max(1.0 if elapsed >= self.cfg.interval_s else 0.0) > 0
             return by_steps or by_time
         return by_steps
 
@@ -188,7 +253,7 @@ class Checkpointer:
         sd = self.state.state_dict()
         vote = self.engine.vote(sd)
         token, error = None, None
-        if self.info.rank == 0:
+        if self.group.is_coordinator:
             token = uuid.uuid4().hex[:8]
             try:
                 (self.root / store.partial_name(step, token)).mkdir(parents=True)
@@ -197,16 +262,15 @@ class Checkpointer:
                         f"{exc.strerror or exc}"
         # One collective: rank 0's directory, and whether every rank can use its plan cache.
         t_agree = time.perf_counter()
-        votes = self._all_gather((token, error, vote))
+        votes = self.group.all_gather((token, error, vote))
         t_start = time.perf_counter()
         token, error = votes[0][0], votes[0][1]
         if error:
             raise CheckpointError(error)
         partial_dir = self.root / store.partial_name(step, token)
-        if self.faults is not None:
-            self.faults.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
-                                     self.expected_written_bytes)
-        self.engine.start(sd, partial_dir, step, token, min(v[2] for v in votes))
+        self.hooks.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
+                                self.expected_written_bytes)
+        self.engine.start(sd, partial_dir, step, token, min(v[2] for v in votes), self.hooks.writer_fault(step))
         for note in self.engine.take_notes():
             self.say(note)
         t_end = time.perf_counter()
@@ -248,14 +312,12 @@ class Checkpointer:
         t_wait = time.perf_counter()
         while True:
             done, _ = self.engine.local_status()
-            if done and self.faults is not None:
-                self.faults.save_written(self.pending["step"])
+            if done:
+                self.hooks.save_written(self.pending["step"])
             late = block and time.perf_counter() - t_wait > self.cfg.write_timeout_s
             # Agree, in one collective: is any rank still writing, has any rank run out of time.
-            t = torch.tensor([0.0 if done else 1.0, 1.0 if late else 0.0], dtype=torch.float64,
-                             device=self.info.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            all_done, any_late = t[0].item() == 0.0, t[1].item() > 0
+            writing, out_of_time = self.group.max_of(0.0 if done else 1.0, 1.0 if late else 0.0)
+            all_done, any_late = writing == 0.0, out_of_time > 0
             if all_done or any_late or not block:
                 break
             time.sleep(0.01)
@@ -269,9 +331,9 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint of step {pending['step']} failed: its write did not finish within "
                                   f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
                                   f"incomplete at {pending['dir']} and will not be loaded")
-        outcomes = self._gather(self.engine.collect())
-        record, error = self._commit(pending, outcomes) if self.info.rank == 0 else (None, None)
-        record, error = self._broadcast((record, error))
+        outcomes = self.group.gather(self.engine.collect())
+        record, error = self._commit(pending, outcomes) if self.group.is_coordinator else (None, None)
+        record, error = self.group.broadcast((record, error))
         if error:
             raise CheckpointError(error)
         self._after_commit(record)
@@ -298,8 +360,8 @@ class Checkpointer:
             nbytes = sum(e["bytes"] for e in checksums.values())
             write_s = time.perf_counter() - pending["t0"]
             manifest = {**self.identity, "step": step, "mode": self.engine.mode,
-                        "world_size": self.info.world_size, **self.batch, "bytes": nbytes, "write_s": write_s,
-                        "created_unix": time.time(), "nvrx_version": nvrx.NVRX_VERSION,
+                        "world_size": self.group.world_size, **self.batch, "bytes": nbytes, "write_s": write_s,
+                        "created_unix": time.time(), "nvrx_version": NVRX_VERSION,
                         "torch_version": torch.__version__, "job": self.job, "checksums": checksums}
             final = store.commit(where, manifest)
         except (Exception, BaseException) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -324,7 +386,7 @@ class Checkpointer:
         this world size and mode (a save of the same state writes the same files); None if none."""
         for ckpt in reversed(store.scan(self.root)[0]):
             m = ckpt.manifest
-            if m.get("world_size") == self.info.world_size and m.get("mode") == self.engine.mode:
+            if m.get("world_size") == self.group.world_size and m.get("mode") == self.engine.mode:
                 return store.written_bytes(ckpt.path)
         return None
 

@@ -1,42 +1,139 @@
-"""The three ways of writing a checkpoint (``checkpoint.mode``); each starts a write, reports
-when this rank's part is done, hands over this rank's outcome, and (on the coordinator) finishes.
+"""The three ways of writing a checkpoint (``checkpoint.mode``): :class:`Engine`, what every one
+is, and ``sync``, ``async`` and ``torch-async``. Each starts a write, reports when this rank's part
+is done, hands over this rank's outcome (:class:`LocalOutcome`), and on the coordinator finishes.
 
-- ``async`` (default): NVRx ``FileSystemWriterAsync`` + ``AsyncCallsQueue`` (persistent worker).
-  The save takes the state's structure and non-tensor values, plans (with a plan cache; from the
-  third save of a structure on, in the background) and returns; the tensors are copied into reused
-  host buffers while the next forward and backward run, and the trainer waits for that copy just
-  before ``optimizer.step()`` (:meth:`Engine.staged`). The copy's helper thread then hands the
-  write to the worker (:mod:`.handoff`: buffers once, references per save); the worker writes a
-  standard DCP checkpoint; the loop collects it at a later step.
-- ``torch-async``: the same staging; NVRx's persistent worker writes each rank's shard with
-  ``torch.save`` (one file per rank), fsynced before it reports completion. Resumes only at the
-  same world size.
+- ``async`` (default): NVRx ``FileSystemWriterAsync`` in the rank's writer process
+  (:class:`.writer.process.WriterProcess`). The save takes the state's structure and non-tensor
+  values, plans (with a plan cache; from the third save of a structure on, in the background) and
+  returns; the tensors are copied into reused host buffers while the next forward and backward
+  run, and the trainer waits for that copy just before ``optimizer.step()`` (:meth:`Engine.staged`).
+  The copy's helper thread then hands the write to the writer (:mod:`.writer.handoff`: buffers
+  once, references per save); the writer writes a standard DCP checkpoint; the loop collects it
+  at a later step.
+- ``torch-async``: the same staging; the writer of NVRx's ``TorchAsyncCheckpoint`` writes each
+  rank's shard with ``torch.save`` (one file per rank), fsynced before it reports completion.
+  Resumes only at the same world size.
 - ``sync``: plain ``torch.distributed.checkpoint.save``; the baseline.
 
-Every file is checksummed while it is written (:mod:`.integrity`). Nothing here raises for a
-failed write: :meth:`Engine.collect` returns it in a :class:`LocalOutcome`, which the checkpointer
-gathers so that every rank reports the same failure. Everything NVRx-specific is in :mod:`.nvrx`
-and :mod:`.nvrx_dcp`.
+Every file is checksummed while it is written (:mod:`.integrity`), and each save's writer reports
+back through its own :class:`.writer.report.SaveReport`. Nothing here raises for a failed write:
+:meth:`Engine.collect` returns it in a :class:`LocalOutcome`, which the checkpointer gathers so that
+every rank reports the same failure. Everything NVRx-specific is in :mod:`.writer`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import handoff, integrity, nvrx, nvrx_dcp
-from .engine_base import (PLAN_CACHED, PLAN_FRESH, PLAN_KEEP, Engine, LocalOutcome, _discard, check_layout,
-                          writer_fault)
+from . import integrity
 from .staging import StagingJob, StateStager, local_tensors, structure
 from .state import to_local
+from .writer import dcp_plan, handoff
+from .writer.process import NVRX_VERSION, WriterProcess
+from .writer.report import SaveReport
+from .writer.worker import worker_torch_save_staged
 
-__all__ = ["Engine", "LocalOutcome", "build_engine", "writer_fault", "PLAN_CACHED", "PLAN_FRESH", "PLAN_KEEP"]
+__all__ = ["Engine", "LocalOutcome", "NVRX_VERSION", "build_engine", "PLAN_CACHED", "PLAN_FRESH", "PLAN_KEEP"]
+
+
+@dataclass
+class LocalOutcome:
+    """What one rank hands over when its write finished: its error, or its DCP write results and
+    the checksum of every file it wrote (by name)."""
+
+    rank: int
+    error: Optional[str] = None
+    results: Optional[list] = None
+    checksums: dict[str, dict] = field(default_factory=dict)
+
+
+# Plan-cache votes, agreed as the minimum over the ranks (:meth:`Engine.vote`).
+PLAN_FRESH, PLAN_KEEP, PLAN_CACHED = 0, 1, 2
+
+
+class Engine:
+    """One way of writing a checkpoint. ``start`` blocks the loop; the rest happens later."""
+
+    mode = ""
+    reshardable = True
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.notes: list[str] = []  # said by the checkpointer at the next step
+        # Set when a write outlived checkpoint.write_timeout_s: its writer may never take another
+        # write, so it is not waited for again and the engine is replaced, not reused.
+        self.hung = False
+
+    def attach(self, world_size: int) -> None:
+        """A new attempt (a new checkpointer, process group, model) starts using this engine."""
+
+    def warm(self, sd: dict) -> None:
+        """Get ready, in the background, for saves of ``sd``'s structure (staging buffers)."""
+
+    def vote(self, sd: dict) -> int:
+        """What this rank can do with its plan cache for ``sd``: ``PLAN_CACHED`` (skip planning),
+        ``PLAN_KEEP`` (plan, keep the cache), ``PLAN_FRESH``. The checkpointer passes the minimum
+        over the ranks to :meth:`start`."""
+        return PLAN_CACHED
+
+    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
+              fault: Optional[str] = None) -> None:
+        """Start writing ``sd`` into ``partial_dir`` (``fault``: what the writer is to do wrong,
+        an injected ``writer-*`` fault). Returns once the loop may go on."""
+        raise NotImplementedError
+
+    def staged(self) -> float:
+        """Wait until the live state may change again (the staging copy is done); the seconds
+        waited. The trainer calls it before ``optimizer.step()``; not collective."""
+        return 0.0
+
+    def local_status(self) -> tuple[bool, Optional[str]]:
+        """(this rank's write finished, why not if its writer died); never blocks."""
+        return True, None
+
+    def collect(self) -> LocalOutcome:
+        """After every rank's write finished: this rank's outcome. Never raises."""
+        return LocalOutcome(self.rank)
+
+    def finish(self, outcomes: list[LocalOutcome]) -> dict[str, dict]:
+        """Coordinator, every rank's outcome in hand and none failed: write what only it writes
+        (DCP's ``.metadata``) and return the checksums of those files. May raise."""
+        return {}
+
+    def drain(self, timeout_s: float = 120.0) -> None:
+        """Rank-local: let a write left by a failed attempt finish, so an in-process restart can
+        reuse this engine. That write stays an incomplete checkpoint; it is never committed."""
+        deadline = time.monotonic() + timeout_s
+        while not self.hung and time.monotonic() < deadline:
+            done, _ = self.local_status()
+            if done:
+                break
+            time.sleep(0.05)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop what is left of a save that will never be collected."""
+
+    def abandon(self) -> None:
+        """The write in flight ran out of time: drop it and mark the engine as hung."""
+        self.hung = True
+        self.forget()
+
+    def close(self, abort: bool = False) -> None:
+        pass
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
 
 class SyncEngine(Engine):
@@ -47,7 +144,8 @@ class SyncEngine(Engine):
         self.recorder = integrity.Recorder()
         self.error: Optional[str] = None
 
-    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH) -> None:
+    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
+              fault: Optional[str] = None) -> None:
         writer = FileSystemWriter(str(partial_dir))
         writer.fs = integrity.HashingFileSystem(self.recorder)
         try:
@@ -63,48 +161,20 @@ class SyncEngine(Engine):
 
 
 class StagedEngine(Engine):
-    """What ``async`` and ``torch-async`` share: the persistent NVRx worker, started at construction
-    in the background, and staging into reused buffers that the worker receives once."""
+    """What ``async`` and ``torch-async`` share: the rank's writer process, started at construction
+    in the background, and staging into reused buffers that the writer receives once. A save in
+    flight is its :class:`.writer.report.SaveReport` until it is collected."""
+
+    torch_save = False
 
     def __init__(self, rank: int):
         super().__init__(rank)
         self.stager = StateStager()
         self.registry: Optional[handoff.Registry] = None
         self.job: Optional[StagingJob] = None
+        self.report: Optional[SaveReport] = None
         self.dead: Optional[str] = None
-        self.starting = nvrx.start_worker(self.calls_queue(), rank)
-
-    def calls_queue(self) -> Any:
-        raise NotImplementedError
-
-    def replace_calls_queue(self) -> None:
-        raise NotImplementedError
-
-    def _worker(self) -> Any:
-        """The calls queue, once its worker was started; a worker that died is replaced (said).
-        Raises what kept a worker from starting (the caller records it as the save's error)."""
-        self.starting.join()
-        if self.starting.error:
-            error = self.starting.error
-            nvrx.close_queue(self.calls_queue(), abort=True)
-            self.replace_calls_queue()
-            self.starting = nvrx.start_worker(self.calls_queue(), self.rank)  # tried again at the next save
-            raise RuntimeError(error)
-        code = nvrx.worker_died(self.calls_queue())
-        if code is not None:
-            self.notes.append(f"rank {self.rank}: the checkpoint writer process had exited (code {code}) since "
-                              "the last save; a new one is started")
-            nvrx.close_queue(self.calls_queue(), abort=True)
-            self.replace_calls_queue()
-            self.starting = nvrx.start_worker(self.calls_queue(), self.rank)
-            self.starting.join()
-        return self.calls_queue()
-
-    def _worker_or_error(self) -> tuple[Any, Optional[str]]:
-        try:
-            return self._worker(), None
-        except RuntimeError as exc:  # failed by every rank together, at the commit
-            return self.calls_queue(), str(exc)
+        self.writer = WriterProcess(rank, torch_save=self.torch_save)
 
     def _stage(self, sd: Any, key: Optional[tuple] = None) -> Any:
         staged = self.stager.prepare(sd, key)
@@ -112,6 +182,15 @@ class StagedEngine(Engine):
         if self.registry is None or self.registry.key != name:
             self.registry = handoff.Registry(name, local_tensors(self.stager.buffers))
         return staged
+
+    def _begin(self, token: str) -> tuple[Optional[str], SaveReport]:
+        """A new save: (why the writer cannot take it, or None; its report)."""
+        unavailable = self.writer.usable()
+        self.notes += self.writer.notes
+        self.writer.notes = []
+        self.dead = None
+        self.report = SaveReport.new(token, self.rank)
+        return unavailable, self.report
 
     def warm(self, sd: Any) -> None:
         self.stager.allocate_in_background(sd)
@@ -122,32 +201,35 @@ class StagedEngine(Engine):
     def local_status(self) -> tuple[bool, Optional[str]]:
         if self.job is not None and not self.job.done():
             return False, None  # still copying or handing over: nothing to poll yet
-        done, error = nvrx.poll_queue(self.calls_queue(), finalize=self.finalize_fn())
+        done, error = self.writer.poll()
         self.dead = self.dead or error
         return done, error
 
-    def finalize_fn(self) -> Optional[Callable[..., Any]]:
-        return None
-
-    def _job_error(self) -> Optional[str]:
+    def _take(self) -> tuple[dict[str, dict], Optional[str], Optional[SaveReport]]:
+        """The finished save's checksums, its first error (staging, or what the writer reported)
+        and its report, which the caller discards once read."""
         job, self.job = self.job, None
+        job_error = None
         if job is not None:
             job.join()
-            if job.error and self.registry is not None:
-                self.registry.sent_to = None  # the worker may lack the buffers: send them again
-            return job.error
-        return None
+            job_error = job.error
+        report, self.report = self.report, None
+        sums, report_error = report.read() if report is not None else ({}, None)
+        return sums, job_error or report_error, report
+
+    def _failed(self) -> None:
+        """After a failed save the writer may lack the buffers: send them again."""
+        if self.registry is not None:
+            self.registry.sent_to = None
 
     def drain(self, timeout_s: float = 120.0) -> None:
-        """As :meth:`Engine.drain`; a write still running at the deadline is killed with its worker,
-        and a new worker is started, so the next attempt does not queue behind it."""
+        """As :meth:`Engine.drain`; a write still running at the deadline is killed with its writer,
+        and a new writer is started, so the next attempt does not queue behind it."""
         deadline = time.monotonic() + timeout_s
         while not self.hung and not self.local_status()[0]:
             if time.monotonic() > deadline:
                 self.stager.wait()
-                nvrx.close_queue(self.calls_queue(), abort=True)
-                self.replace_calls_queue()
-                self.starting = nvrx.start_worker(self.calls_queue(), self.rank)  # gets the buffers again
+                self.writer.restart()  # the new writer gets the buffers again
                 break
             time.sleep(0.05)
         self.forget()
@@ -155,37 +237,31 @@ class StagedEngine(Engine):
     def forget(self) -> None:
         self.stager.wait()  # a copy or hand-off still running finishes first
         self.job = None
+        report, self.report = self.report, None
+        if report is not None:
+            report.discard()
 
     def close(self, abort: bool = False) -> None:
-        self.starting.join()
         self.stager.wait()
-        nvrx.close_queue(self.calls_queue(), abort=abort)
+        self.writer.close(abort=abort)
         self.forget()
         self.stager.close()
 
 
 class AsyncEngine(StagedEngine):
     """NVRx async DCP: ``FileSystemWriterAsync`` planned here (or by the staging thread, with a
-    validated plan cache), written by the persistent worker."""
+    validated plan cache), written by the writer process."""
 
     mode = "async"
 
     def __init__(self, rank: int, thread_count: int):
         self.thread_count = thread_count
-        self.queue = nvrx.make_calls_queue()
         super().__init__(rank)
-        self.plans = nvrx_dcp.PlanCache()
+        self.plans = dcp_plan.PlanCache()
         self.world_size = 1
         self.voted_key: Optional[tuple] = None
-        self.save: Optional[nvrx_dcp.DcpSave] = None
-        self.collected: Optional[nvrx_dcp.DcpSave] = None
-        self.channel: Optional[str] = None
-
-    def calls_queue(self) -> Any:
-        return self.queue
-
-    def replace_calls_queue(self) -> None:
-        self.queue = nvrx.make_calls_queue()
+        self.save: Optional[dcp_plan.DcpSave] = None
+        self.collected: Optional[dcp_plan.DcpSave] = None
 
     def attach(self, world_size: int) -> None:
         self.world_size = world_size
@@ -197,119 +273,102 @@ class AsyncEngine(StagedEngine):
             return PLAN_FRESH
         return PLAN_CACHED if self.plans.validated() else PLAN_KEEP
 
-    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH) -> None:
-        queue, unavailable = self._worker_or_error()
+    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
+              fault: Optional[str] = None) -> None:
+        unavailable, report = self._begin(token)
         key = self.voted_key if self.voted_key is not None else (structure(sd), self.world_size)
         self.voted_key = None
         staged = self._stage(sd, key[0])
-        registry, channel = self.registry, integrity.new_channel(token, self.rank)
-        fault = writer_fault(step, self.rank)
         cache = self.plans.use(key, keep=plan >= PLAN_KEEP)
-        self.dead, self.save = None, None
+        self.save = None
+        plan_now = partial(dcp_plan.plan_dcp_save, staged, partial_dir, self.thread_count, report, self.registry,
+                           cache)
+        # Planning gathers every rank's plan unless the cache is validated: then it is done in the
+        # background with the rest; otherwise here, while every rank is in this call.
+        planned = None if plan == PLAN_CACHED else plan_now()
 
-        def schedule(planned: tuple) -> None:
+        def schedule() -> None:  # on the staging thread, once the copy is done
             if unavailable:
                 raise RuntimeError(unavailable)
-            self.save = nvrx_dcp.schedule_dcp_save(queue, planned, registry, token, channel, fault)
+            self.save = dcp_plan.schedule_dcp_save(self.writer, planned or plan_now(), self.registry, token, report,
+                                                   fault)
 
-        if plan == PLAN_CACHED:  # no collective left in planning: all of it off the loop
-            then = lambda: schedule(nvrx_dcp.plan_dcp_save(staged, partial_dir, self.thread_count, channel,  # noqa: E731
-                                                           registry, cache))
-        else:  # planning gathers every rank's plan: here, while every rank is in this call
-            planned = nvrx_dcp.plan_dcp_save(staged, partial_dir, self.thread_count, channel, registry, cache)
-            then = lambda: schedule(planned)  # noqa: E731
-        self.channel = channel
-        self.job = self.stager.start_copy(sd, then)
+        self.job = self.stager.start_copy(sd, schedule)
 
     def collect(self) -> LocalOutcome:
-        job_error = self._job_error()
         save, self.save = self.save, None
-        channel, self.channel = self.channel, None
-        sums, error = integrity.read_channel(channel) if channel else ({}, None)
-        if error:
-            error = integrity.error_summary(error)
+        sums, error, report = self._take()
         results, retrieve_error = (None, None)
-        if save is not None and not self.dead:
-            results, retrieve_error = nvrx_dcp.collect_save(save)
-        _discard(channel)
+        if save is not None and not self.dead and error is None:
+            results, retrieve_error = dcp_plan.collect_save(save)
+        if report is not None:
+            report.discard()
         if save is None:
-            return LocalOutcome(self.rank, job_error or error or "no checkpoint write was in progress on this rank")
-        error = job_error or error or self.dead or retrieve_error
+            return LocalOutcome(self.rank, error or "no checkpoint write was in progress on this rank")
+        error = error or self.dead or retrieve_error
         if error is None:
-            error = check_layout(results, sums)
-        if error and self.registry is not None:
-            self.registry.sent_to = None
+            error = dcp_plan.check_layout(results, sums)
+        if error:
+            self._failed()
         self.collected = None if error else save
         return LocalOutcome(self.rank, error, None if error else results, sums)
 
     def finish(self, outcomes: list[LocalOutcome]) -> dict[str, dict]:
         save, self.collected = self.collected, None
-        return nvrx_dcp.write_dcp_metadata(save, [o.results or [] for o in outcomes], integrity.Recorder())
+        return dcp_plan.write_dcp_metadata(save, [o.results or [] for o in outcomes], integrity.Recorder())
 
     def forget(self) -> None:
         super().forget()
         self.save, self.collected = None, None
-        channel, self.channel = self.channel, None
-        _discard(channel)
 
 
 class TorchAsyncEngine(StagedEngine):
-    """One ``torch.save`` file per rank, written by the persistent worker of NVRx's
-    ``TorchAsyncCheckpoint``."""
+    """One ``torch.save`` file per rank, written by the writer of NVRx's ``TorchAsyncCheckpoint``."""
 
     mode = "torch-async"
     reshardable = False
+    torch_save = True
 
     def __init__(self, rank: int):
-        self.ckpt = nvrx.make_torch_async_checkpoint()
         super().__init__(rank)
-        self.pending: Optional[tuple[str, str]] = None  # (channel, file name)
+        self.name: Optional[str] = None  # the file this rank's save writes
 
-    def calls_queue(self) -> Any:
-        return nvrx.calls_queue_of(self.ckpt)
-
-    def replace_calls_queue(self) -> None:
-        nvrx.set_calls_queue(self.ckpt, nvrx.make_calls_queue())
-
-    def finalize_fn(self) -> Optional[Callable[..., Any]]:
-        return self.ckpt.finalize_async_save
-
-    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH) -> None:
-        _, unavailable = self._worker_or_error()
+    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
+              fault: Optional[str] = None) -> None:
+        unavailable, report = self._begin(token)
         local = to_local(sd)
         staged = self._stage(local)
-        registry, channel = self.registry, integrity.new_channel(token, self.rank)
-        name = f"rank{self.rank:05d}.pt"
-        fault = writer_fault(step, self.rank)
-        self.dead = None
-        self.pending = (channel, name)
-        def schedule() -> None:
+        registry = self.registry
+        self.name = f"rank{self.rank:05d}.pt"
+        path = partial_dir / self.name
+
+        def schedule() -> None:  # on the staging thread, once the copy is done
             if unavailable:
                 raise RuntimeError(unavailable)
-            nvrx.torch_async_save(self.ckpt, registry, staged, partial_dir / name, channel, fault)
+            buffers = registry.payload_for(self.writer.pid)
+            self.writer.schedule(partial(worker_torch_save_staged, report, fault, buffers, registry.key),
+                                 (registry.pack(staged), str(path)))
+            registry.sent_to = self.writer.pid
 
         self.job = self.stager.start_copy(local, schedule)
 
     def collect(self) -> LocalOutcome:
-        job_error = self._job_error()
-        pending, self.pending = self.pending, None
-        if pending is None:
+        name, self.name = self.name, None
+        if name is None:
             return LocalOutcome(self.rank, "no checkpoint write was in progress on this rank")
-        channel, name = pending
-        sums, error = integrity.read_channel(channel)
-        _discard(channel)
-        error = job_error or (integrity.error_summary(error) if error else self.dead)
+        sums, error, report = self._take()
+        if report is not None:
+            report.discard()
+        error = error or self.dead
         if error is None and name not in sums:
             error = f"no checksum was recorded for {name}"
-        if error and self.registry is not None:
-            self.registry.sent_to = None
+        if error:
+            self._failed()
         return LocalOutcome(self.rank, error, None, sums)
 
     def forget(self) -> None:
         super().forget()
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            _discard(pending[0])
+        self.name = None
 
 
 def build_engine(mode: str, rank: int, thread_count: int) -> Engine:

@@ -6,9 +6,9 @@ verified before a checkpoint is loaded and after an S3 download.
   so nothing is read back to checksum it;
 - the writers run in three places: NVRx's spawned worker (and the processes or threads it starts
   per file), torch's DCP writer threads in the rank (``sync``, and the coordinator's ``.metadata``),
-  and a download. A stream in another process records its result in a small *channel* directory on
-  the rank's local disk (:func:`hashing_open`, :func:`read_channel`); one in the rank records it in
-  memory (:class:`Recorder`, :class:`HashingFileSystem`);
+  and a download. A stream in another process records its result in the save's report
+  (:class:`.writer.report.SaveReport`); one in the rank records it in memory
+  (:class:`Recorder`, :class:`HashingFileSystem`);
 - :func:`verify` reads files back and compares, each rank its share (:func:`share`).
 
 A file that is written with a seek away from its end (no writer here does) gets no checksum and
@@ -18,10 +18,7 @@ is reported as unverifiable rather than given a wrong one.
 from __future__ import annotations
 
 import io
-import json
-import os
 import threading
-import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -31,8 +28,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 ALGORITHM = "crc32c"
 CHUNK = 8 * 1024 * 1024
-ERROR_FILE = "error.txt"
-_SUFFIX = ".crc32c.json"
 
 
 def hex32(value: int) -> str:
@@ -88,57 +83,6 @@ class HashingStream(io.RawIOBase):
         finally:
             super().close()
         self._on_close(self._name, {"crc32c": hex32(self.crc) if self.valid else None, "bytes": self.nbytes})
-
-
-# ---- results recorded in another process: a channel directory on the rank's local disk ----------
-
-def new_channel(token: str, rank: int) -> str:
-    """A fresh channel directory for one save of one rank (local temporary storage)."""
-    import tempfile
-
-    return tempfile.mkdtemp(prefix=f"resilient-fsdp-save-{token}-r{rank}-")
-
-
-def _record_in_channel(channel: str, name: str, entry: dict) -> None:
-    (Path(channel) / f"{name}{_SUFFIX}").write_text(json.dumps(entry))
-
-
-def hashing_open(channel: str, path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-    """``open`` for writers in another process: a file opened for writing is hashed, and its
-    checksum lands in ``channel`` when it is closed. Module-level, so it pickles by reference."""
-    raw = open(path, mode, *args, **kwargs)  # noqa: SIM115 - closed by the stream
-    if "w" not in mode and "a" not in mode:
-        return raw
-    name = os.path.basename(os.fspath(path))
-    return HashingStream(raw, name, lambda n, e: _record_in_channel(channel, n, e))
-
-
-def record_error(channel: str, where: str) -> None:
-    """Record the exception being handled (its traceback) as this save's error; the first one wins."""
-    path = Path(channel) / ERROR_FILE
-    if not path.exists():
-        path.write_text(f"{where}: {traceback.format_exc()}")
-
-
-def read_channel(channel: str) -> tuple[dict[str, dict], Optional[str]]:
-    """(checksums by file name, the recorded error or None). Never raises."""
-    sums: dict[str, dict] = {}
-    error = None
-    try:
-        for entry in Path(channel).iterdir():
-            if entry.name.endswith(_SUFFIX):
-                sums[entry.name[: -len(_SUFFIX)]] = json.loads(entry.read_text())
-            elif entry.name == ERROR_FILE:
-                error = entry.read_text()
-    except (OSError, ValueError) as exc:
-        error = error or f"cannot read the writer's results in {channel}: {exc}"
-    return sums, error
-
-
-def error_summary(text: str) -> str:
-    """The last line of a recorded traceback first (what failed), then the traceback."""
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return (lines[-1] + "\n" + text) if lines else text
 
 
 # ---- results recorded in this process --------------------------------------------------------

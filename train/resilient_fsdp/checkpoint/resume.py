@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .. import atomic
 from ..config import CheckpointConfig, ConfigError
 from . import integrity, store
+from .group import RankGroup
 from .s3 import restore as s3_restore
 from .state import CheckpointState, from_local
 from .store import CheckpointError
@@ -40,33 +42,49 @@ from .store import CheckpointError
 RESUME_RECORD = "RESUME_FROM"
 
 
-def run(ck: Any) -> Optional[int]:
-    """Collective: decide (rank 0), restore from S3 if needed, verify and load; the step or None."""
-    rank0 = ck.info.rank == 0
-    plan = ck._broadcast(decide(ck.cfg, ck.root, ck.job, ck.say) if rank0 else None)
+@dataclass(frozen=True)
+class Resumed:
+    """What a start resumed from (the same on every rank)."""
+
+    step: Optional[int]
+    """The step loaded; None: nothing was (a fresh start)."""
+    path: Optional[str] = None
+    grad_accum_steps: Optional[int] = None
+    """The ``train.grad_accum_steps`` that keeps the checkpoint's global batch at this world size,
+    when it differs from the configured one."""
+    restored_from_s3: Optional[s3_restore.Restored] = None
+    """The checkpoint this start downloaded from S3 first, if it did."""
+
+
+def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
+           batch: dict, say: Callable[[str], None]) -> Resumed:
+    """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded."""
+    decide_here = (lambda: decide(cfg, root, job, say)) if group.is_coordinator else (lambda: None)
+    plan = group.broadcast(decide_here())
     if plan.get("error"):
         raise CheckpointError(plan["error"])
+    restored = None
     if plan.get("s3"):
-        ck.restored_from_s3 = s3_restore.restore_collectively(ck, plan["s3"])
-        plan = ck._broadcast(decide(ck.cfg, ck.root, ck.job, ck.say) if rank0 else None)
+        restored = s3_restore.restore_collectively(group, cfg, plan["s3"], say)
+        plan = group.broadcast(decide_here())
     candidate = _info(plan.get("candidate"))
     tried: list[str] = []
     while candidate is not None:
-        check_compatible(candidate, ck.identity, ck.info.world_size)
-        accum = elastic_grad_accum(candidate.manifest, ck.info.world_size, ck.batch)
-        error = _verify(ck, candidate) or _load(ck, candidate)
+        check_compatible(candidate, identity, group.world_size)
+        accum = elastic_grad_accum(candidate.manifest, group.world_size, batch)
+        error = _verify(group, cfg, candidate) or _load(group, state, candidate)
         if error is None:
-            _adopt(ck, candidate, accum)
-            return candidate.step
+            _say_resumed(say, candidate, group.world_size, accum, batch)
+            changed = accum if accum is not None and accum != batch.get("grad_accum_steps") else None
+            return Resumed(candidate.step, str(candidate.path), changed, restored)
         tried.append(f"{candidate.path}: {error}")
-        ck.say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
+        say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
         if plan.get("pinned"):
             break
-        candidate = _info(ck._broadcast(_as_dict(older_than(ck.root, candidate.step)) if rank0 else None))
+        candidate = _info(group.broadcast(_as_dict(older_than(root, candidate.step)) if group.is_coordinator else None))
     if tried:
         raise CheckpointError("no loadable checkpoint; tried:\n  " + "\n  ".join(tried))
-    _adopt_local(ck)
-    return None
+    return Resumed(None, restored_from_s3=restored)
 
 
 def _as_dict(info: Optional[store.CheckpointInfo]) -> Optional[dict]:
@@ -167,54 +185,43 @@ def elastic_grad_accum(manifest: dict, world_size: int, batch: dict) -> Optional
     return global_batch // (world_size * mb)
 
 
-def _verify(ck: Any, ckpt: store.CheckpointInfo) -> Optional[str]:
+def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo) -> Optional[str]:
     """Collective: every rank checks its share of the files; the first problem, named, or None."""
     files = ckpt.manifest.get("checksums")
-    if ck.cfg.verify != "load" or not files:
+    if cfg.verify != "load" or not files:
         return None
     try:
-        problems = integrity.verify(ckpt.path, files, integrity.share(files, ck.info.world_size, ck.info.rank))
+        problems = integrity.verify(ckpt.path, files, integrity.share(files, group.world_size, group.rank))
     except Exception as exc:  # noqa: BLE001
         problems = [f"verification failed: {type(exc).__name__}: {exc}"]
-    found = [p for part in ck._all_gather(problems) for p in part]
+    found = [p for part in group.all_gather(problems) for p in part]
     if not found:
         return None
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     return f"integrity check failed: {found[0]}{more}"
 
 
-def _load(ck: Any, ckpt: store.CheckpointInfo) -> Optional[str]:
+def _load(group: RankGroup, state: CheckpointState, ckpt: store.CheckpointInfo) -> Optional[str]:
     """Collective: load ``ckpt`` on every rank; the error, if any rank failed."""
-    same_world = ckpt.manifest["world_size"] == ck.info.world_size
-    error = load(ck.state, ckpt, ck.info.rank, same_world)
-    failed = ck._all_reduce_max(1.0 if error else 0.0)
+    same_world = ckpt.manifest["world_size"] == group.world_size
+    error = load(state, ckpt, group.rank, same_world)
+    failed = group.max(1.0 if error else 0.0)
     if failed and error is None:
         error = "another rank could not load it"
     return error
 
 
-def _adopt(ck: Any, ckpt: store.CheckpointInfo, accum: Optional[int]) -> None:
+def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int, accum: Optional[int],
+                 batch: dict) -> None:
     m = ckpt.manifest
-    ck.resumed_from = {"step": ckpt.step, "path": str(ckpt.path)}
-    ck.last_saved_step = ckpt.step
-    ck.say(f"resumed from step {ckpt.step} ({ckpt.path}, {m['mode']}, saved at world size {m['world_size']})")
-    if m["world_size"] != ck.info.world_size:
-        ck.say(f"resharded from world size {m['world_size']} to {ck.info.world_size}; RNG streams start fresh "
-               "(each rank's saved random state belongs to the old layout)")
-    if accum is not None and accum != ck.batch.get("grad_accum_steps"):
-        ck.say(f"train.grad_accum_steps={accum} instead of {ck.batch.get('grad_accum_steps')}: keeps the "
-               f"checkpoint's global batch of {m['world_size'] * m['grad_accum_steps'] * m['micro_batch_size']} "
-               f"samples per step at world size {ck.info.world_size}")
-        ck.grad_accum_steps = accum
-        ck.batch = {**ck.batch, "grad_accum_steps": accum}
-    _adopt_local(ck)
-
-
-def _adopt_local(ck: Any) -> None:
-    """Queue local checkpoints an earlier run may not have uploaded (not when this run ignores
-    them: ``checkpoint.resume=false``)."""
-    if ck.uploader is not None and ck.cfg.resume:
-        ck.uploader.adopt(ck._broadcast(store.scan(ck.root)[0] if ck.info.rank == 0 else None))
+    say(f"resumed from step {ckpt.step} ({ckpt.path}, {m['mode']}, saved at world size {m['world_size']})")
+    if m["world_size"] != world_size:
+        say(f"resharded from world size {m['world_size']} to {world_size}; RNG streams start fresh "
+            "(each rank's saved random state belongs to the old layout)")
+    if accum is not None and accum != batch.get("grad_accum_steps"):
+        say(f"train.grad_accum_steps={accum} instead of {batch.get('grad_accum_steps')}: keeps the "
+            f"checkpoint's global batch of {m['world_size'] * m['grad_accum_steps'] * m['micro_batch_size']} "
+            f"samples per step at world size {world_size}")
 
 
 def load(state: CheckpointState, ckpt: store.CheckpointInfo, rank: int, with_rng: bool) -> Optional[str]:

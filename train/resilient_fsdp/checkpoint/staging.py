@@ -20,7 +20,6 @@ import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
-from . import nvrx
 
 
 def structure(sd: Any, key: str = "") -> tuple:
@@ -83,7 +82,7 @@ class StateStager:
     """
 
     def __init__(self) -> None:
-        self.pin = nvrx.cuda_present()
+        self.pin = torch.cuda.is_available()
         self.buffers: Any = None
         self.key: tuple = ()
         self.generation = 0

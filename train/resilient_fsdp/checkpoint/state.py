@@ -20,7 +20,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..train.parallelize import canonical_name
+
+
+# What torch's activation-checkpointing wrapper puts into the names of the parameters it wraps.
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the activation-checkpointing wrapper's prefix, so hashes and
+    checkpoints identify the same parameter with and without activation checkpointing."""
+    return name.replace(_AC_PREFIX, "")
 
 
 class CheckpointState:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ..config import ConfigError
+from ..config import MOVED_KEYS, ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CHART_ENV = "RESILIENT_FSDP_CHART"
@@ -193,6 +193,10 @@ def explain_schema_error(detail: str) -> str:
         if extra:
             for name in re.findall(r"'([^']+)'", extra["names"]):
                 full = f"{key}.{name}" if key else name
+                moved = MOVED_KEYS.get(full.removeprefix("trainer.")) if full.startswith("trainer.") else None
+                if moved:
+                    lines.append(f"unknown key '{full}': the key is trainer.{moved}")
+                    continue
                 lines.append(f"unknown key '{full}': remove it (values.schema.json lists the valid keys of "
                              f"{key or 'the top level'})")
         else:
@@ -314,17 +318,66 @@ def update_schema_file(chart: Optional[str | Path] = None) -> Path:
     path = chart_dir(chart) / "values.schema.json"
     schema = json.loads(path.read_text())
     schema["properties"]["trainer"] = trainer_schema()
+    schema["properties"]["chaos"]["properties"]["inject"]["items"]["pattern"] = fault_spec_pattern()
     path.write_text(json.dumps(schema, indent=2) + "\n")
+    return path
+
+
+def fault_spec_pattern() -> str:
+    """``chaos.inject``'s schema pattern: a fault spec of one of the trainer's kinds."""
+    from ..config import FAULT_KINDS
+
+    return (f"^({'|'.join(FAULT_KINDS)})@[1-9][0-9]*(:(rank|node)=[0-9]+)?(:for=[0-9]+(\\.[0-9]+)?)?$")
+
+
+# The chart's `trainer.resilience` defaults: the trainer's own, written between these lines of
+# values.yaml (the templates read them: ft_launcher's settings, the pod's grace period).
+RESILIENCE_START = "    # (generated from resilient_fsdp.config: python -m resilient_fsdp.deploy.chart --update-schema)"
+RESILIENCE_END = "    # (end of generated)"
+
+
+def resilience_defaults() -> list[str]:
+    """``trainer.resilience``'s groups with the trainer's defaults, each key under its docstring
+    as a ``# --`` comment; ``inject`` is left out (the chart's drills are ``chaos.inject``)."""
+    import dataclasses
+    import textwrap
+
+    from ..config import Config, ResilienceConfig, to_dict
+
+    defaults = to_dict(Config())["resilience"]
+    lines = [RESILIENCE_START]
+    for group in dataclasses.fields(ResilienceConfig):
+        if group.name == "inject":
+            continue
+        lines.append(f"    {group.name}:")
+        cls = ResilienceConfig.__pydantic_fields__[group.name].annotation
+        for f in dataclasses.fields(cls):
+            doc = " ".join((cls.__pydantic_fields__[f.name].description or "").split()).replace("``", "`")
+            wrapped = textwrap.wrap(f"-- {doc}", width=100 - len("      # "), break_on_hyphens=False)
+            lines += [f"      # {w}" for w in wrapped]
+            value = yaml.safe_dump({f.name: defaults[group.name][f.name]}, default_flow_style=True).strip()[1:-1]
+            lines.append(f"      {value}")
+    return lines + [RESILIENCE_END]
+
+
+def update_resilience_defaults(chart: Optional[str | Path] = None) -> Path:
+    """Rewrite the generated ``trainer.resilience`` block of the chart's ``values.yaml``."""
+    path = chart_dir(chart) / "values.yaml"
+    lines = path.read_text().splitlines()
+    start, end = lines.index(RESILIENCE_START), lines.index(RESILIENCE_END)
+    path.write_text("\n".join(lines[:start] + resilience_defaults() + lines[end + 1:]) + "\n")
     return path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.deploy.chart")
     parser.add_argument("--update-schema", action="store_true",
-                        help="rewrite the trainer part of values.schema.json from resilient_fsdp.config")
+                        help="rewrite the trainer part of values.schema.json, and the trainer.resilience defaults "
+                             "of values.yaml, from resilient_fsdp.config")
     args = parser.parse_args(argv)
     if args.update_schema:
         print(f"updated {update_schema_file()}")
+        print(f"updated {update_resilience_defaults()}")
         return 0
     parser.print_help()
     return 2

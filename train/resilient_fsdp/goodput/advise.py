@@ -16,7 +16,7 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
 * expected failures over the job, expected goodput and its breakdown;
 * section timeouts: each at least ``SAFETY`` times what it covers and never below a floor that
   absorbs slow starts (``ft_launcher`` kills a rank that overstays a section);
-* ``resilience.max_restarts`` and ``job.backoffLimit``: the 99th percentile of the Poisson number
+* ``resilience.launcher.max_restarts`` and ``job.backoffLimit``: the 99th percentile of the Poisson number
   of failures over the job, at least 3, so a job with the expected failure rate exhausts neither
   more than once in a hundred runs. What ``job.backoffLimit`` then does depends on the chart's
   ``workload.kind`` (``--kind``; :data:`BACKOFF_LIMIT_MEANING`): a JobSet's Job counts it, a
@@ -42,7 +42,7 @@ CHART_VALUES = Path(__file__).resolve().parents[3] / "charts" / "resilient-fsdp"
 SAFETY = 5.0  # margin over the measured duration a section timeout covers (NVRx's default factor)
 # The first steps after a (re)start run warm-up work (allocator growth, NCCL communicators made
 # on first use) that can take minutes at scale; learned timeouts replace these after
-# ``resilience.learn_after_steps`` steps.
+# ``resilience.hang_detection.learn_after_steps`` steps.
 STEP_TIMEOUT_FLOOR_S = 300.0
 CHECKPOINT_TIMEOUT_FLOOR_S = 600.0
 INIT_TIMEOUT_FLOOR_S = 900.0
@@ -139,11 +139,13 @@ class Advice:
             "trainer": {
                 "checkpoint": {"interval_s": self.interval_s},
                 "resilience": {
-                    "max_restarts": self.max_restarts,
-                    "init_timeout_s": self.init_timeout_s,
-                    "step_timeout_s": self.step_timeout_s,
-                    "checkpoint_timeout_s": self.checkpoint_timeout_s,
-                    "out_of_section_timeout_s": self.out_of_section_timeout_s,
+                    "launcher": {"max_restarts": self.max_restarts},
+                    "hang_detection": {
+                        "init_timeout_s": self.init_timeout_s,
+                        "step_timeout_s": self.step_timeout_s,
+                        "checkpoint_timeout_s": self.checkpoint_timeout_s,
+                        "out_of_section_timeout_s": self.out_of_section_timeout_s,
+                    },
                 },
             },
             "job": {"backoffLimit": self.backoff_limit},

@@ -136,7 +136,7 @@ def profile_row(path: Path) -> str:
         where = f"FSx {fsx['deploymentType']} {storage['size']} ({rate} MB/s/TiB)"
     else:
         where = storage["type"]
-    budget = f"{trainer['resilience']['max_restarts']} / {values['job']['backoffLimit']}"
+    budget = f"{trainer['resilience']['launcher']['max_restarts']} / {values['job']['backoffLimit']}"
     return (f"| `{path.stem}` | {pods} x {instance} ({per_pod} each) | {trainer['model']['preset']} | {every} | "
             f"{budget} | {where} |")
 

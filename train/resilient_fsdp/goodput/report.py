@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..resilience.faults import FaultLedger
+from ..resilience.ledger import FaultLedger
 from ..resilience.accounting import read_records
 
 LAYER_COLOURS = {"in_process": "tab:green", "in_job": "tab:orange", "job": "tab:red"}

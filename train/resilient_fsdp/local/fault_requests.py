@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Callable
 
 from .. import atomic
+from ..config import NODE_FAULT_KINDS
 from .runtimes import Runtime
 from .workload import Workload, WorkloadError
 
-KINDS = ("node-loss", "partition")
+KINDS = NODE_FAULT_KINDS  # the kinds the table marks as carried out by the cluster
 
 
 def requests_dir(run_dir: Path) -> Path:

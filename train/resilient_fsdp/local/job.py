@@ -9,7 +9,7 @@ flag                           chart value
 ``--nproc-per-node P``         ``cpuRanksPerNode`` (``gpusPerNode`` on a GPU instance type)
 ``--config FILE``, ``--set``   ``trainer.*`` (the trainer's own keys, checked as the trainer
                                checks them)
-``--max-restarts N``           ``trainer.resilience.max_restarts``
+``--max-restarts N``           ``trainer.resilience.launcher.max_restarts``
 ``--inject SPEC``              ``chaos.enabled=true``, ``chaos.inject`` (the chaos drill)
 ``--run-dir DIR``              the shared volume: ``storage.type=existingClaim``, bound to DIR
                                at ``storage.mountPath``; ``trainer.run_dir`` is the mount path
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True,
                    help="the shared volume every pod mounts: logs, metrics, summary and checkpoints")
     p.add_argument("--max-restarts", type=int,
-                   help="in-job restarts ft_launcher may make (trainer.resilience.max_restarts)")
+                   help="in-job restarts ft_launcher may make (trainer.resilience.launcher.max_restarts)")
     p.add_argument("--max-pod-recreations", "--max-node-restarts", dest="max_recreations", type=int,
                    default=DEFAULT_MAX_RECREATIONS,
                    help="LOCAL SAFETY CAP, not an operator feature: pod recreations after which the local "
@@ -126,7 +126,7 @@ def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_
         instance = (merged.get("instanceTypes") or {}).get(merged.get("instanceType")) or {}
         forced["gpusPerNode" if instance.get("gpus") else "cpuRanksPerNode"] = args.nproc_per_node
     if args.max_restarts is not None:
-        forced["trainer"] = deep_merge(forced["trainer"], {"resilience": {"max_restarts": args.max_restarts}})
+        forced["trainer"] = deep_merge(forced["trainer"], {"resilience": {"launcher": {"max_restarts": args.max_restarts}}})
     chaos = list(values.get("chaos", {}).get("inject") or []) + list(args.inject)
     if chaos:
         forced["chaos"] = {"enabled": True, "inject": chaos}

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional, TextIO
 
 from ..resilience import exit_codes
-from ..resilience.faults import FaultLedger
+from ..resilience.ledger import FaultLedger
 from ..resilience.processes import become_subreaper, kill_descendants
 from .fault_requests import FaultExecutor, requests_dir
 from .runtimes import Runtime
@@ -291,7 +291,7 @@ class LocalLauncher:
 
     def report_failure(self, hostname: str, code: int) -> None:
         job = self.job
-        limits = (f"in-job restarts: trainer.resilience.max_restarts (ft_launcher --max-restarts); pod "
+        limits = (f"in-job restarts: trainer.resilience.launcher.max_restarts (ft_launcher --max-restarts); pod "
                   f"recreations used: {self.recreations} (local cap --max-pod-recreations={job.max_recreations})")
         cause = find_root_cause(job.run_dir / "logs")
         what = f"{hostname} exit code {code}" if hostname else "deadline"
@@ -317,7 +317,7 @@ class LocalLauncher:
         if code != exit_codes.INFRASTRUCTURE:
             return f"{said}: the pod exited {exit_codes.describe_code(code)}"
         return (f"{said}: the pod exited {code} after its node's in-process restarts (when on: "
-                "trainer.resilience.in_process_max_iterations) and in-job restarts (trainer.resilience.max_restarts) "
+                "trainer.resilience.in_process.max_iterations) and in-job restarts (trainer.resilience.launcher.max_restarts) "
                 "were spent")
 
     def stop_all(self) -> None:

@@ -1,12 +1,15 @@
 """The restart layers, and what they need in a pod.
 
+- ``attempt``: one attempt at the training function and every resilience hook it runs;
 - ``rank_monitor``: in-job hang detection: sections reported to ``ft_launcher``'s rank monitor;
 - ``inprocess``: in-process restart (NVRx ``inprocess.Wrapper``) around the training function;
 - ``graceful_stop``: SIGTERM becomes "finish the step, commit a checkpoint, exit retryably";
 - ``ft_config``: the ``fault_tolerance:`` settings and the ``ft_launcher`` flags;
 - ``nvrx``: every adaptation to NVRx's restart layers (CPU, versions);
-- ``faults``: fault injection and its once-per-job ledger;
+- ``faults``: fault injection (the kinds are :data:`resilient_fsdp.config.FAULT_KINDS`);
+- ``ledger``: fired faults and their recoveries, once per job, on shared storage;
 - ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;
+- ``exit_codes``: what a node's exit code means, and which layer retries it;
 - ``agent``: a node's main process (a pod's PID 1) around ``ft_launcher``;
 - ``processes``: process-tree helpers the agent shares with the local launcher.
 """

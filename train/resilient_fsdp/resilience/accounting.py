@@ -26,7 +26,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from .faults import NODE_START_ENV, FaultLedger
+from ..config import FAULT_KINDS
+from .faults import NODE_START_ENV
+from .ledger import FaultLedger
 
 LAYERS = ("in_process", "in_job", "job")
 JOB_START_ENV = "RESILIENT_FSDP_JOB_START"
@@ -124,7 +126,7 @@ def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: f
     done = {**ledger.recoveries(), **ledger.went_on()}
     new = []
     for fault in ledger.fired():
-        if fault["key"] in done or fault["t_fault"] > now:
+        if fault["key"] in done or fault["t_fault"] > now or not _stops(fault):
             continue
         record = {"fault": fault["fault"], "kind": fault["kind"], "layer": layer,
                   "recovery_s": now - fault["t_fault"], "fault_step": fault["completed_step"],
@@ -165,11 +167,18 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         "recoveries": [recoveries[f["key"]] for f in faults if f["key"] in recoveries],
         # Fired, and no restart followed: training went on (a partition that healed before any
         # collective timed out, or one nothing executed).
-        "unrecovered": [_unrecovered(f, went_on.get(f["key"])) for f in faults if f["key"] not in recoveries],
+        "unrecovered": [_unrecovered(f, went_on.get(f["key"])) for f in faults
+                        if f["key"] not in recoveries and _stops(f)],
         "productive_s": productive,
         "job_wall_s": wall,
         "goodput": productive / wall if wall > 0 else 0.0,
     }
+
+
+def _stops(fault: dict) -> bool:
+    """Whether the fault stops training, so that a recovery is expected (the kinds table)."""
+    kind = FAULT_KINDS.get(fault["kind"])
+    return kind is None or kind.stops
 
 
 def _unrecovered(fault: dict, went_on: Optional[dict]) -> dict:

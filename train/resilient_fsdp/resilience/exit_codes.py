@@ -83,7 +83,7 @@ TABLE: tuple[Row, ...] = (
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
         "peers, CUDA/NCCL errors, in-process restarts spent, any other "
-        "exception; its in-job restarts (`resilience.max_restarts`) are spent",
+        "exception; its in-job restarts (`resilience.launcher.max_restarts`) are spent",
         "in-process (exceptions, hangs), then in-job, then job level",
         "the pod is recreated (128 + `EX_TEMPFAIL`)"),
 )

@@ -1,23 +1,10 @@
 """Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``, fired once per job, for tests,
 demos and cluster drills.
 
-Kinds, and the layer expected to recover from each:
-
-==========================  ===================================================  =================
-kind                        what happens on the target at step STEP              recovered by
-==========================  ===================================================  =================
-``exception``               the step raises                                      in-process, else in-job
-``hang``                    the rank stops making progress (sleeps forever)      in-process, else in-job
-``hang-in-collective``      the rank stops just before the step's loss           in-process, else in-job
-                            all-reduce; its peers block inside it
-``sigkill``                 the rank's process is killed                         in-job
-``sigkill-during-save``     the rank and its checkpoint writer are killed while  in-job (previous checkpoint)
-                            the writer is writing (bytes on disk > 0, < final)
-``sigterm``                 its node (agent) gets SIGTERM, as on eviction        graceful stop + job level
-``node-loss``               its whole node dies: agent, workers, helpers         job level (node recreated)
-``partition``               its node's network goes down (for good, or ``for``   job level, or none when
-                            seconds); needs an executor (below)                  it heals in time
-==========================  ===================================================  =================
+The kinds, where each fires and which layer is expected to recover, are one table,
+:data:`resilient_fsdp.config.FAULT_KINDS` (``resilient-fsdp config --describe`` lists it): the
+injector fires a kind where its ``when`` says (as a step starts, before the step's collective,
+while a checkpoint is written, or inside the checkpoint writer), and does what the kind names.
 
 The target is ``rank=R`` (default rank 0) or ``node=N``: the lowest rank of node (pod) N, its local
 rank 0. A node's index is ``RESILIENT_FSDP_NODE`` (set by ``resilient-fsdp local``), else the
@@ -32,14 +19,11 @@ waits to be killed, at most :data:`NODE_LOSS_WAIT_S`, then kills its pod itself.
 variable (a real cluster, the chart's chaos drill) ``node-loss`` kills the pod's process tree from
 inside and ``partition`` is refused before training starts.
 
-"Once per job" is kept by a ledger on shared storage (``<run_dir>/faults/``): a rank claims a fault
-by creating its record exclusively before firing it, so the restart the fault causes passes the
-same step again without firing it twice. The ledger also receives each fault's recovery record.
+"Once per job" is kept by the ledger on shared storage (:mod:`.ledger`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -54,6 +38,7 @@ import psutil
 
 from .. import atomic
 from ..config import NODE_FAULT_KINDS, ConfigError, FaultSpec
+from .ledger import FaultLedger
 
 # Set by the node agent wrapper (resilient_fsdp.resilience.agent): the process that stands for the node (pod).
 NODE_PID_ENV = "RESILIENT_FSDP_NODE_PID"
@@ -69,60 +54,6 @@ SAVE_POLL_S = 0.0005
 
 class InjectedFault(RuntimeError):
     """Raised by an ``exception`` fault."""
-
-
-class FaultLedger:
-    """Fired faults and their recoveries, one JSON file each, on storage every rank shares."""
-
-    def __init__(self, run_dir: Path):
-        self.dir = Path(run_dir) / "faults"
-
-    def claim(self, spec: FaultSpec, record: dict) -> bool:
-        """Record ``spec`` as fired; False if it already was (by any rank, in any earlier attempt)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # Durable before the fault fires: it may kill this process next.
-        return atomic.create_exclusive(self.dir / f"{spec.key}.json", json.dumps(record, sort_keys=True))
-
-    def claimed(self, spec: FaultSpec) -> bool:
-        return (self.dir / f"{spec.key}.json").exists()
-
-    def fired(self) -> list[dict]:
-        """Every fired fault, oldest first."""
-        records = []
-        for path in self.dir.glob("*.json") if self.dir.is_dir() else []:
-            if path.name.endswith((".recovery.json", ".went-on.json")):
-                continue
-            try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue  # a record torn by the fault itself: nothing to account for
-        return sorted(records, key=lambda r: r["t_fault"])
-
-    def recoveries(self) -> dict[str, dict]:
-        found = {}
-        for path in self.dir.glob("*.recovery.json") if self.dir.is_dir() else []:
-            try:
-                found[path.name[: -len(".recovery.json")]] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-        return found
-
-    def record_recovery(self, key: str, record: dict) -> None:
-        atomic.write_json(self.dir / f"{key}.recovery.json", record, indent=None, newline=False)
-
-    def record_went_on(self, key: str, record: dict) -> None:
-        """Training went on past a fault that stops nothing by itself (a partition that healed
-        in time): no restart is its recovery."""
-        atomic.write_json(self.dir / f"{key}.went-on.json", record, indent=None, newline=False)
-
-    def went_on(self) -> dict[str, dict]:
-        found = {}
-        for path in self.dir.glob("*.went-on.json") if self.dir.is_dir() else []:
-            try:
-                found[path.name[: -len(".went-on.json")]] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-        return found
 
 
 def node_index() -> int:
@@ -278,8 +209,6 @@ def _signal(proc: psutil.Process, sig: int) -> None:
 class FaultInjector:
     """Fires this rank's faults at their steps, each at most once per job."""
 
-    PRE_STEP = ("exception", "hang", "sigkill", "sigterm", "node-loss", "partition")
-
     def __init__(self, specs: list[FaultSpec], rank: int, ledger: FaultLedger,
                  on_fire: Optional[Callable[[FaultSpec], None]] = None):
         check_executable(specs)
@@ -294,13 +223,13 @@ class FaultInjector:
         """Called inside the step section before step ``step`` (``completed_step`` = step - 1) runs."""
         self._note_healed_partitions(completed_step)
         for spec in self.mine:
-            if spec.kind in self.PRE_STEP and spec.step == step:
+            if spec.kind_info.when == "step" and spec.step == step:
                 self.fire(spec, completed_step)
 
     def before_collective(self, step: int) -> None:
         """Called inside step ``step`` just before the trainer's own all-reduce (the loss)."""
         for spec in self.mine:
-            if spec.kind == "hang-in-collective" and spec.step == step:
+            if spec.kind_info.when == "collective" and spec.step == step:
                 self.fire(spec, step - 1)
 
     def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
@@ -309,10 +238,25 @@ class FaultInjector:
         the bytes its writers have put there; ``expected()``: the same for a finished write (the
         newest committed checkpoint of this world size and mode), None if unknown."""
         for spec in self.mine:
-            if spec.kind == "sigkill-during-save" and step >= spec.step and self.watch is None \
+            if spec.kind_info.when == "save" and step >= spec.step and self.watch is None \
                     and not self.ledger.claimed(spec):
                 self.watch = SaveWatch(self, spec, step, partial_dir, measure, expected())
                 self.watch.start()
+
+    def writer_fault(self, step: int) -> Optional[str]:
+        """What this rank's checkpoint writer is to do wrong while writing step ``step``'s
+        checkpoint (claimed in the ledger now, so it fires once per job): ``exit``, ``raise``,
+        ``hang`` or ``slow=SECONDS``, carried out inside the writer; None for a plain write."""
+        for spec in self.mine:
+            if spec.kind_info.when == "write" and spec.step == step:
+                action = spec.kind.removeprefix("writer-")
+                if action == "slow":
+                    action = f"slow={spec.for_s:g}"
+                if self.ledger.claim(spec, self._record(spec, step - 1, {"writer": action})):
+                    print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} into the checkpoint writer",
+                          file=sys.stderr, flush=True)
+                    return action
+        return None
 
     def save_written(self, step: int) -> None:
         """Called when this rank's write of ``step`` finished, before the checkpoint commits."""
@@ -328,9 +272,7 @@ class FaultInjector:
 
     def fire(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None,
              helpers: Optional[list[psutil.Process]] = None) -> None:
-        record = {**asdict(spec), "fault": str(spec), "key": spec.key, "completed_step": completed_step,
-                  "t_fault": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
-                  "node_index": self.node, **(details or {})}
+        record = self._record(spec, completed_step, details)
         request = None
         if spec.kind in NODE_FAULT_KINDS and requests_dir() is not None:
             request = requests_dir() / f"{spec.kind}-step{spec.step}-node{self.node}.json"
@@ -368,6 +310,11 @@ class FaultInjector:
         if spec.kind in ("hang", "hang-in-collective"):
             while True:  # Python-level, so an in-process restart can interrupt it
                 time.sleep(0.05)
+
+    def _record(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None) -> dict:
+        return {**asdict(spec), "fault": str(spec), "key": spec.key, "completed_step": completed_step,
+                "t_fault": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
+                "node_index": self.node, **(details or {})}
 
     def _note_healed_partitions(self, completed_step: int) -> None:
         """A step completed after a partition's ``for`` seconds were over: it healed without a

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..config import ResilienceConfig
+from ..config import InProcessConfig
 from . import exit_codes, nvrx
 
 # NVRx in-process restart warns at every start that its own logging was not configured.
@@ -71,7 +71,7 @@ def own_connection(base_store: dist.Store, timeout_s: float) -> dist.Store:
     return _OWN_CONNECTION[where]
 
 
-def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any]) -> Any:
+def run_in_process(cfg: InProcessConfig, body: Callable[[InProcessAttempt], Any]) -> Any:
     """Run ``body(attempt)`` under ``inprocess.Wrapper``; on a fault anywhere, every rank calls it
     again (``attempt.number`` + 1) in the same process.
 
@@ -82,20 +82,20 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
     from nvidia_resiliency_ext.inprocess import CallWrapper
 
     seconds = datetime.timedelta
-    soft = cfg.in_process_soft_timeout_s
+    soft = cfg.soft_timeout_s
     # Monitoring intervals must be shorter than the timeouts they serve; short timeouts (tests)
     # get proportionally short intervals.
-    interval = seconds(seconds=min(1.0, soft / 5, cfg.in_process_heartbeat_timeout_s / 5))
+    interval = seconds(seconds=min(1.0, soft / 5, cfg.heartbeat_timeout_s / 5))
     wrapper = nvrx.new_wrapper(
         inprocess.Wrapper,
-        store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.in_process_store_port_offset},
+        store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.store_port_offset},
         abort=nvrx.make_abort(),  # shuts the gloo group's connections down first
         health_check=None,
         soft_timeout=seconds(seconds=soft),
-        hard_timeout=seconds(seconds=cfg.in_process_hard_timeout_s),
-        heartbeat_timeout=seconds(seconds=cfg.in_process_heartbeat_timeout_s),
-        barrier_timeout=seconds(seconds=cfg.in_process_barrier_timeout_s),
-        completion_timeout=seconds(seconds=cfg.in_process_barrier_timeout_s),
+        hard_timeout=seconds(seconds=cfg.hard_timeout_s),
+        heartbeat_timeout=seconds(seconds=cfg.heartbeat_timeout_s),
+        barrier_timeout=seconds(seconds=cfg.barrier_timeout_s),
+        completion_timeout=seconds(seconds=cfg.barrier_timeout_s),
         monitor_thread_interval=interval,
         monitor_process_interval=interval,
         heartbeat_interval=interval,
@@ -108,15 +108,15 @@ def run_in_process(cfg: ResilienceConfig, body: Callable[[InProcessAttempt], Any
 
     def attempt(call_wrapper: CallWrapper = None):
         iteration = call_wrapper.iteration
-        if iteration >= cfg.in_process_max_iterations:
+        if iteration >= cfg.max_iterations:
             raise InProcessRestartsExhausted(
-                f"{iteration} in-process restarts reached resilience.in_process_max_iterations="
-                f"{cfg.in_process_max_iterations}; leaving recovery to the in-job restart")
+                f"{iteration} in-process restarts reached resilience.in_process.max_iterations="
+                f"{cfg.max_iterations}; leaving recovery to the in-job restart")
         # The wrapper's own store is hosted by rank 0 of this generation of processes, so it is
         # new after every in-job restart, and every rank of a generation agrees on the iteration.
         # Keys derived from TORCHELASTIC_RESTART_COUNT would not do: a node restarted because a
         # peer failed keeps its count, so nodes would rendezvous under different keys and hang.
-        connection = own_connection(call_wrapper.base_store, cfg.in_process_barrier_timeout_s)
+        connection = own_connection(call_wrapper.base_store, cfg.barrier_timeout_s)
         store = dist.PrefixStore(f"/resilient_fsdp/in_process_{iteration}", connection)
         try:
             return body(InProcessAttempt(iteration, call_wrapper.ping, store))

@@ -29,7 +29,7 @@
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
-The checkpointing side has its own module, :mod:`resilient_fsdp.checkpoint.nvrx`.
+The checkpointing side has its own folder, :mod:`resilient_fsdp.checkpoint.writer`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ overstays a section (a hang) is killed and ``ft_launcher`` respawns the node's w
 - ``checkpoint``: the checkpoint calls after each step (collecting a finished write, starting one);
 - ``drain``: waiting for checkpoint writes and the end of the job: the final save and its wait,
   a graceful stop's checkpoint, a save that waits for the previous write, ``finish`` and the close.
-  Its budget is ``resilience.checkpoint_timeout_s`` and it is never learned; meanwhile the
+  Its budget is ``resilience.hang_detection.checkpoint_timeout_s`` and it is never learned; meanwhile the
   in-process restart's watchdog is pinged (:meth:`ProgressMonitor.draining`).
 
 Timeouts of ``step``, ``checkpoint`` and out-of-section time are learned from observed durations
@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from ..config import ResilienceConfig
+from ..config import HangDetectionConfig
 
 SECTIONS = ("init", "step", "checkpoint", "drain")
 LEARNED = ("step", "checkpoint")
@@ -55,7 +55,7 @@ def with_floors(section: dict, out_of_section: Optional[float], calculated: set,
 class ProgressMonitor:
     """Sections reported to ``ft_launcher``'s rank monitor; a no-op when not under ``ft_launcher``."""
 
-    def __init__(self, cfg: ResilienceConfig):
+    def __init__(self, cfg: HangDetectionConfig):
         self.cfg = cfg
         self.client = None
         self.open: set[str] = set()
@@ -112,7 +112,7 @@ class ProgressMonitor:
 
     @contextlib.contextmanager
     def draining(self, ping: Optional[Callable[[], None]] = None) -> Iterator[None]:
-        """Run the block in the ``drain`` section (budget ``resilience.checkpoint_timeout_s``) and
+        """Run the block in the ``drain`` section (budget ``resilience.hang_detection.checkpoint_timeout_s``) and
         ping the in-process watchdog (``ping``) every second meanwhile, up to that budget.
 
         Sections open on entry are closed first (not learned from): their own, possibly learned,

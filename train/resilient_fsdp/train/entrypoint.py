@@ -4,7 +4,7 @@ Launched by ``ft_launcher`` (or ``torchrun``) once per rank; without a launcher 
 one. One process: the arguments, the configuration, one attempt at training (or several under
 in-process restart), and the exit code the restart layers read (0 done, 2 a configuration-type
 failure, which it also reports to the node agent so that no layer retries it,
-``resilience.stop_exit_code`` after a graceful stop; :mod:`resilient_fsdp.resilience.exit_codes`).
+``resilience.stop.exit_code`` after a graceful stop; :mod:`resilient_fsdp.resilience.exit_codes`).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> dict:
     resources = ProcessResources(cfg)
     failed = True
     try:
-        if cfg.resilience.in_process:
-            summary = run_in_process(cfg.resilience, lambda in_process: attempt(cfg, resources, in_process))
+        if cfg.resilience.in_process.enabled:
+            summary = run_in_process(cfg.resilience.in_process, lambda in_process: attempt(cfg, resources, in_process))
         else:
             summary = attempt(cfg, resources)
         failed = False
@@ -130,7 +130,7 @@ def stop_helper_processes() -> None:
     """End multiprocessing helpers still running when the rank exits (the manager NVRx's writer
     reports through, helpers left by in-process restarts): the interpreter would wait for them
     at exit. The checkpoint writer itself was closed before; these hold no data. They were
-    started with SIGTERM blocked (see :func:`resilient_fsdp.checkpoint.nvrx.start_worker`), hence SIGKILL."""
+    started with SIGTERM blocked (see :class:`resilient_fsdp.checkpoint.writer.process.WriterProcess`), hence SIGKILL."""
     import multiprocessing
 
     for child in multiprocessing.active_children():

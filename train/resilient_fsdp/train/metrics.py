@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .parallelize import canonical_name
+from ..checkpoint.state import canonical_name
 
 
 @torch.no_grad()

@@ -13,11 +13,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..config import ConfigError
 
-
-# checkpoint_wrapper stores the wrapped block under this attribute name.
-_AC_PREFIX = "_checkpoint_wrapped_module."
-
-
 BLOCKS_KEY = "model.blocks"
 
 
@@ -66,12 +61,6 @@ def mixed_precision_for(device: torch.device) -> MixedPrecisionPolicy:
     if device.type == "cuda":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name without the activation-checkpointing wrapper's prefix, so hashes and
-    checkpoints identify the same parameter with and without activation checkpointing."""
-    return name.replace(_AC_PREFIX, "")
 
 
 def apply_ac(model: nn.Module, attr: Optional[str] = None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -28,8 +27,11 @@ class ProcessResources:
         self.cfg = cfg
         self.engine: Optional[Engine] = None
         self.uploader: Optional[Uploader] = None
-        self.summary_path: Optional[Path] = None  # written by this process (rank 0)
-        self.monitor = ProgressMonitor(cfg.resilience)
+        # Rank 0's summary of a finished run, written once, when the process closes (after its
+        # uploads, whose outcome it includes).
+        self.summary_path: Optional[Path] = None
+        self.summary: Optional[dict] = None
+        self.monitor = ProgressMonitor(cfg.resilience.hang_detection)
         self.stop = GracefulStop()
         self.stop.install()
         if cfg.checkpoint.mode != "sync":
@@ -64,21 +66,31 @@ class ProcessResources:
             self.uploader = Uploader(s3, rank, world_size)
         return self.uploader
 
+    def keep_summary(self, path: Path, summary: dict) -> Path:
+        """Rank 0: ``summary`` is written to ``path`` when this process closes; returns ``path``."""
+        self.summary_path, self.summary = path, summary
+        return path
+
     def close(self, failed: bool) -> None:
-        if self.engine is not None:
-            self.engine.close(abort=failed)
-            self.engine = None
-        # Before the uploads drain: a rank monitor would take a long drain for a hang.
-        self.monitor.close()
-        if self.uploader is not None:
-            self.finish_uploads(failed)
-        self.stop.uninstall()
+        try:
+            if self.engine is not None:
+                self.engine.close(abort=failed)
+                self.engine = None
+            # Before the uploads drain: a rank monitor would take a long drain for a hang.
+            self.monitor.close()
+            if self.uploader is not None:
+                self.finish_uploads(failed)
+        finally:
+            if self.summary is not None:
+                atomic.write_json(self.summary_path, self.summary)
+                self.summary = None
+            self.stop.uninstall()
 
     def finish_uploads(self, failed: bool) -> None:
         """Every rank, after the process group is gone (no peer waits in a collective meanwhile):
         give pending uploads ``checkpoint.s3.drain_timeout_s`` unless the attempt failed (then the
         restarted one uploads them); rank 0, which also waits for the markers, reports, applies
-        local retention and puts the outcome into ``summary.json``.
+        local retention and puts the outcome into the summary.
 
         A SIGTERM during the wait ends it (the pod is going away; the next run uploads the rest).
         """
@@ -111,10 +123,8 @@ class ProcessResources:
             if status["pending"]:
                 log.info(f"warning: step(s) {', '.join(map(str, status['pending']))} not uploaded to {s3.uri} "
                          f"(last error: {status['last_error']}); the next run with this checkpoint.dir uploads them")
-            if self.summary_path is not None and self.summary_path.exists():
-                summary = json.loads(self.summary_path.read_text())
-                summary["s3"] = {**(summary.get("s3") or {}), **status}
-                atomic.write_json(self.summary_path, summary)
+            if self.summary is not None:
+                self.summary["s3"] = {**(self.summary.get("s3") or {}), **status}
         finally:
             log.close()
 

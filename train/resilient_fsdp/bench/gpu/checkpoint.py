@@ -78,7 +78,7 @@ def section_checkpoint(s: Section) -> None:
 def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
     import torch
 
-    from ...checkpoint import nvrx
+    from ...checkpoint.writer.process import NVRX_VERSION
     from ...config import load_config
     from ...train.distributed import shutdown
     from ...train.trainer import Trainer
@@ -98,7 +98,7 @@ def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
         nbytes = state_bytes(trainer.checkpointer.state.state_dict(with_rng=False))
         out.update({"preset": preset, "params": trainer.num_params, "state_bytes": nbytes,
                     "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors, one rank",
-                    "nvrx": nvrx.NVRX_VERSION, "saves_per_engine": p.checkpoint_saves})
+                    "nvrx": NVRX_VERSION, "saves_per_engine": p.checkpoint_saves})
         idle = _timed_steps(trainer, 5)
         out["step_time_idle_s"] = round(statistics.median(idle), 4)
         step, per_save = 0, None

@@ -64,12 +64,12 @@ def section_environment(s: Section) -> None:
     # What each section imports; a missing wheel shows up here, by name, before anything runs.
     imports = {}
     try:  # the NVRx modules the checkpointing and restart layers use, as they list them
-        from ...checkpoint import nvrx as checkpoint_nvrx
+        from ...checkpoint.writer import process as checkpoint_writer
         from ...resilience import nvrx as restart_nvrx
 
-        nvrx_modules = checkpoint_nvrx.NVRX_MODULES + restart_nvrx.NVRX_MODULES
+        nvrx_modules = checkpoint_writer.NVRX_MODULES + restart_nvrx.NVRX_MODULES
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
-        imports["resilient_fsdp.checkpoint.nvrx"] = f"{type(exc).__name__}: {exc}"
+        imports["resilient_fsdp.checkpoint.writer.process"] = f"{type(exc).__name__}: {exc}"
         nvrx_modules = ()
     for module in ("resilient_fsdp.config", "resilient_fsdp.train.entrypoint", *nvrx_modules):
         try:

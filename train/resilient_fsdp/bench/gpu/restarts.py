@@ -118,7 +118,7 @@ def in_job_flags(s_plan, cpu: bool, run_overrides: list[str]) -> list[str]:
     """``resilient-fsdp local`` flags of the in-job section: one pod of one rank, a SIGKILL of rank 0."""
     from ..recovery import COMMON
 
-    overrides = [o for o in run_overrides + COMMON + ["resilience.in_process=false"] if not o.startswith("run_dir=")]
+    overrides = [o for o in run_overrides + COMMON + ["resilience.in_process.enabled=false"] if not o.startswith("run_dir=")]
     # values/dev-cpu.yaml's pod, on a one-GPU-per-rank instance type when on a GPU (the chart refuses
     # dist.device=cuda on instanceType=cpu); the trainer settings stay the other sections'.
     gpu = [] if cpu else ["--value=instanceType=g5.12xlarge"]
@@ -127,7 +127,7 @@ def in_job_flags(s_plan, cpu: bool, run_overrides: list[str]) -> list[str]:
 
 
 def section_in_job(s: Section) -> None:
-    from ...checkpoint.nvrx import NVRX_VERSION
+    from ...checkpoint.writer.process import NVRX_VERSION
 
     p, r = s.plan, s.results
     fresh_dir(s.dir)

@@ -95,11 +95,11 @@ class Section:
     def in_process_overrides(self, run_dir: Path) -> list[str]:
         from ..recovery import COMMON
 
-        out = self.run_overrides(run_dir) + COMMON + ["resilience.in_process=true"]
+        out = self.run_overrides(run_dir) + COMMON + ["resilience.in_process.enabled=true"]
         if not self.cpu:
             # CUDA start-up (context, NCCL, first kernels) must not look like a hang to the wrapper.
-            out += ["resilience.in_process_soft_timeout_s=60", "resilience.in_process_hard_timeout_s=90",
-                    "resilience.in_process_heartbeat_timeout_s=30"]
+            out += ["resilience.in_process.soft_timeout_s=60", "resilience.in_process.hard_timeout_s=90",
+                    "resilience.in_process.heartbeat_timeout_s=30"]
         return out
 
 

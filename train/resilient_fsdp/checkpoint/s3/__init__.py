@@ -20,5 +20,6 @@ never pay for it.
 
 Modules: ``client`` (the URI, the boto3 client and transfer settings, errors, the start-up
 check), ``remote`` (what is under the prefix, and retention there), ``transfer`` (moving one
-checkpoint up or down), ``uploader`` (rank 0's background uploads).
+checkpoint up or down), ``uploader`` (each rank's background uploads), ``restore`` (the restore at
+start, split across every rank).
 """

@@ -17,18 +17,31 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from ...config import CheckpointConfig
 from .. import integrity, store
+from ..group import RankGroup
 from ..store import CheckpointError
 from .client import describe_error, make_client, parse_s3_uri
 from .remote import checkpoint_id, newest_complete
 from .transfer import commit_download, download_files, prepare_download
 
 _POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The checkpoint a start downloaded from S3."""
+
+    step: int
+    uri: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 def restores_from_s3(cfg: CheckpointConfig) -> bool:
@@ -62,11 +75,12 @@ def plan_restore(cfg: CheckpointConfig, root: Path, say: Callable[[str], None]) 
                    "token": uuid.uuid4().hex}}
 
 
-def restore_collectively(ck: Any, plan: dict) -> dict:
-    """Every rank: download this rank's share of ``plan``; rank 0 commits. Returns ``{"step",
-    "uri"}``; raises CheckpointError, the same on every rank, when any rank failed."""
-    cfg, rank, world = ck.cfg.s3, ck.info.rank, ck.info.world_size
-    kv = dist.distributed_c10d._get_default_store()
+def restore_collectively(group: RankGroup, checkpoint: CheckpointConfig, plan: dict,
+                         say: Callable[[str], None]) -> Restored:
+    """Every rank: download this rank's share of ``plan``; rank 0 commits. Raises CheckpointError,
+    the same on every rank, when any rank failed."""
+    cfg, rank, world = checkpoint.s3, group.rank, group.world_size
+    kv = group.store()
     key = f"resilient_fsdp/s3-restore/{plan['token']}"
     manifest, partial = plan["manifest"], Path(plan["partial"])
     mine = integrity.share({n: {"bytes": b} for n, b in manifest["files"].items()}, world, rank)
@@ -74,7 +88,7 @@ def restore_collectively(ck: Any, plan: dict) -> dict:
     error = ""
     try:
         download_files(make_client(cfg), cfg, parse_s3_uri(cfg.uri), manifest, mine, partial,
-                       verify=ck.cfg.verify != "never")
+                       verify=checkpoint.verify != "never")
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the restore everywhere
         error = f"rank {rank}: {describe_error(exc)}"
     kv.set(f"{key}/rank{rank}", error)
@@ -98,9 +112,9 @@ def restore_collectively(ck: Any, plan: dict) -> dict:
                               "checkpoint.s3.restore=false to start without S3")
     seconds = time.perf_counter() - t0
     total = sum(manifest["files"].values())
-    ck.say(f"restored step {plan['step']} from S3 in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s "
+    say(f"restored step {plan['step']} from S3 in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s "
            f"over {world} rank(s)) -> {outcome['path']}")
-    return {"step": plan["step"], "uri": plan["uri"]}
+    return Restored(plan["step"], plan["uri"])
 
 
 def _finish(kv: dist.Store, key: str, world: int, deadline: float, plan: dict, partial: Path) -> dict:

@@ -1,5 +1,6 @@
-"""Every adaptation this project makes to NVRx's async checkpointing, in one place (with
-:mod:`.nvrx_dcp`, the DCP save path, and :mod:`.nvrx_worker`, what runs in NVRx's worker).
+"""The rank's checkpoint writer process: :class:`WriterProcess`, NVRx's persistent worker behind
+its ``AsyncCallsQueue``, and every adaptation this project makes to NVRx's async checkpointing
+(with :mod:`.dcp_plan`, the DCP save path, and :mod:`.worker`, what runs inside the writer).
 
 1. **CPU-only torch builds.** NVRx assumes CUDA in its async path: ``torch.cuda.synchronize()``
    (0.4.x, in ``TorchAsyncCheckpoint.async_save`` and its staging), CUDA tensors for its
@@ -8,7 +9,7 @@
 
    - run write calls under :func:`cpu_shim`, which makes ``torch.cuda.synchronize`` a no-op. The
      shim is installed only when ``torch.cuda.is_available()`` is False, and it is installed
-     *inside NVRx's spawned worker* too, by the wrappers in :mod:`.nvrx_worker`, which wrap the
+     *inside NVRx's spawned worker* too, by the wrappers in :mod:`.worker`, which wrap the
      functions NVRx sends there (a spawned worker starts from a fresh interpreter, so a patch
      made in the trainer would not reach it);
    - never ask NVRx for its CUDA-tensor collectives: the caller polls with ``no_dist=True`` and
@@ -30,14 +31,14 @@
 
 4. **Correctness around the worker.** Errors of the worker (its write, a worker that died) are
    recorded per save (:mod:`.integrity`'s channel) and read once, by that save. A worker that
-   died is noticed before the next save (a new one is started) and at close (nothing waits for
-   it); no call here waits without a deadline.
+   died is noticed before the next save (:meth:`WriterProcess.usable` starts a new one) and at close
+   (nothing waits for it); no call here waits without a deadline.
 
 5. **Checksums while writing.** The files of a save are written through
    :class:`.integrity.HashingStream`: NVRx 0.7 takes the ``open`` to use (``open_file``); 0.4.1
    calls the name ``open`` of its module, which the worker sets for the duration of a write.
 
-The engines (:mod:`.engines`) reach NVRx only through these modules. The restart layers'
+The engines (:mod:`..engines`) reach NVRx only through this folder. The restart layers'
 adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
 """
 
@@ -49,12 +50,9 @@ import os
 import signal
 import threading
 import time
-from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import handoff
-from .nvrx_worker import cpu_shim, cuda_present, exit_when_orphaned, worker_torch_save_staged
+from .worker import cuda_present, exit_when_orphaned
 
 NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
 # What checkpointing imports of NVRx, for reports of what a machine can import.
@@ -64,7 +62,6 @@ NVRX_MODULES = ("nvidia_resiliency_ext.checkpointing.async_ckpt.core",)
 WRITER_NICE = 10
 WRITER_IO_LEVEL = 7
 
-__all__ = ["cpu_shim", "cuda_present"]
 
 
 # ---- construction, by feature ------------------------------------------------------------------
@@ -89,22 +86,14 @@ def make_calls_queue() -> Any:
 
 
 def make_torch_async_checkpoint() -> Any:
-    """NVRx's ``TorchAsyncCheckpoint`` with a queue made by :func:`make_calls_queue`."""
+    """NVRx's ``TorchAsyncCheckpoint``, its private queue replaced by one of :func:`make_calls_queue`
+    (its own would start a worker set up for CUDA)."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint
 
     ckpt = TorchAsyncCheckpoint()
     ckpt._async_calls_queue.close()  # never started a worker; replace it
     ckpt._async_calls_queue = make_calls_queue()
     return ckpt
-
-
-def calls_queue_of(ckpt: Any) -> Any:
-    """The ``AsyncCallsQueue`` inside a ``TorchAsyncCheckpoint`` (NVRx keeps it private)."""
-    return ckpt._async_calls_queue
-
-
-def set_calls_queue(ckpt: Any, calls_queue: Any) -> None:
-    ckpt._async_calls_queue = calls_queue
 
 
 def lower_this_thread() -> None:
@@ -124,7 +113,7 @@ def lower_this_thread() -> None:
         pass
 
 
-def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
+def _start_worker(calls_queue: Any, rank: int) -> threading.Thread:
     """Start the queue's persistent worker now, in the background, instead of at the first save.
 
     A spawned interpreter that imports torch takes seconds; at the first save it would be stall.
@@ -132,7 +121,7 @@ def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
     worker, and the threads and processes it starts per write, inherit both) and whose SIGTERM is
     blocked (inherited across exec: NVRx 0.7's SIGTERM handler never runs; the resource tracker
     is started before, since its start unblocks SIGTERM in the calling thread). Its first request
-    makes it exit when this process is gone (:func:`.nvrx_worker.exit_when_orphaned`); the next
+    makes it exit when this process is gone (:func:`.worker.exit_when_orphaned`); the next
     poll drains that request's completion. Join the thread before using the queue; its
     ``error`` then says what failed, if anything.
     """
@@ -148,7 +137,7 @@ def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
             caller = calls_queue._get_async_caller()
             caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
             calls_queue.schedule_async_request(AsyncRequest(exit_when_orphaned, (os.getpid(),), []))
-        except BaseException as exc:  # noqa: BLE001 - raised by the next save (StagedEngine._worker)
+        except BaseException as exc:  # noqa: BLE001 - the next save reports it (WriterProcess.usable)
             thread.error = f"the checkpoint writer process could not be started: {type(exc).__name__}: {exc}"
 
     thread = threading.Thread(target=run, name="checkpoint-writer-start", daemon=True)
@@ -157,31 +146,9 @@ def start_worker(calls_queue: Any, rank: int) -> threading.Thread:
     return thread
 
 
-# ---- torch-async -------------------------------------------------------------------------------
-
-def torch_async_save(ckpt: Any, registry: handoff.Registry, staged: Any, path: Path, channel: str,
-                     fault: Optional[str]) -> None:
-    """Schedule one rank's ``torch.save`` of ``staged`` (over the registry's buffers) into the file
-    ``path`` on the worker of the ``TorchAsyncCheckpoint`` (its ``async_save`` would stage again,
-    and its file is not hashed)."""
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-
-    calls_queue = calls_queue_of(ckpt)
-    buffers = registry.payload_for(_worker_pid(calls_queue))
-    calls_queue.schedule_async_request(AsyncRequest(
-        partial(worker_torch_save_staged, channel, fault, buffers, registry.key), (registry.pack(staged), str(path)),
-        []))
-    registry.sent_to = _worker_pid(calls_queue)
-
-
-def _worker_pid(calls_queue: Any) -> Optional[int]:
-    proc = worker_process(calls_queue)
-    return proc.pid if proc is not None else None
-
-
 # ---- polling and closing -----------------------------------------------------------------------
 
-def poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) -> tuple[bool, Optional[str]]:
+def _poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) -> tuple[bool, Optional[str]]:
     """(this rank's writes finished, an error if its worker died); never blocks.
 
     Finalizes finished calls locally (``no_dist``: NVRx's own agreement is a CUDA-tensor
@@ -192,25 +159,17 @@ def poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) 
     if calls_queue.get_num_unfinalized_calls():
         finalize(blocking=False, no_dist=True)
     if calls_queue.get_num_unfinalized_calls():
-        proc = worker_process(calls_queue)
+        proc = _worker_process(calls_queue)
         if proc is not None and not proc.is_alive():
             return True, f"the checkpoint writer process exited with code {proc.exitcode} before finishing"
         return False, None
     return True, None
 
 
-def worker_process(calls_queue: Any) -> Optional[Any]:
+def _worker_process(calls_queue: Any) -> Optional[Any]:
     """The ``multiprocessing.Process`` of the queue's persistent worker, if started."""
     caller = getattr(calls_queue, "persistent_caller", None)
     return getattr(caller, "process", None) if caller is not None else None
-
-
-def worker_died(calls_queue: Any) -> Optional[int]:
-    """The exit code of the queue's worker if it was started and is no longer running, else None."""
-    proc = worker_process(calls_queue)
-    if proc is not None and not proc.is_alive():
-        return proc.exitcode
-    return None
 
 
 def _forget_worker(calls_queue: Any) -> None:
@@ -229,14 +188,14 @@ def _forget_worker(calls_queue: Any) -> None:
     calls_queue.persistent_caller = None
 
 
-def close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0) -> None:
+def _close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0) -> None:
     """Stop the persistent worker; ``abort`` kills it without waiting for a write in flight.
 
     Never waits without a deadline: a worker that already died is only forgotten (NVRx's
     ``close()`` would wait forever for it to take its stop message); a live one gets ``timeout_s``
     to finish its writes and stop, then is killed.
     """
-    proc = worker_process(calls_queue)
+    proc = _worker_process(calls_queue)
     if proc is None or not proc.is_alive():
         if proc is not None:
             proc.join(timeout=1)
@@ -245,7 +204,7 @@ def close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0) 
     deadline = time.monotonic() + timeout_s
     if not abort:
         while calls_queue.get_num_unfinalized_calls() and proc.is_alive() and time.monotonic() < deadline:
-            poll_queue(calls_queue)
+            _poll_queue(calls_queue)
             time.sleep(0.05)
         if proc.is_alive():
             calls_queue.persistent_caller.queue.put("DONE")
@@ -254,3 +213,69 @@ def close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0) 
         proc.kill()
         proc.join(timeout=10)
     _forget_worker(calls_queue)
+
+
+# ---- the writer process, as the engines use it -------------------------------------------------
+
+class WriterProcess:
+    """One rank's checkpoint writer: NVRx's persistent worker, started in the background as soon
+    as this object is made (``torch_save``: the worker of a ``TorchAsyncCheckpoint``, whose
+    finalize the polls use). Replaced, never waited for, when it dies or hangs."""
+
+    def __init__(self, rank: int, torch_save: bool = False):
+        self.rank = rank
+        self.torch_checkpoint = make_torch_async_checkpoint() if torch_save else None
+        self.queue = self.torch_checkpoint._async_calls_queue if torch_save else make_calls_queue()
+        self.starting = _start_worker(self.queue, rank)
+        self.notes: list[str] = []  # said by the checkpointer at the next save
+
+    @property
+    def process(self) -> Optional[Any]:
+        """The worker's ``multiprocessing.Process``, once started."""
+        return _worker_process(self.queue)
+
+    @property
+    def pid(self) -> Optional[int]:
+        proc = self.process
+        return proc.pid if proc is not None else None
+
+    def restart(self) -> None:
+        """Kill this worker (whatever it is writing) and start a new one in the background."""
+        self.starting.join()
+        _close_queue(self.queue, abort=True)
+        self.queue = make_calls_queue()
+        if self.torch_checkpoint is not None:
+            self.torch_checkpoint._async_calls_queue = self.queue
+        self.starting = _start_worker(self.queue, self.rank)
+
+    def usable(self) -> Optional[str]:
+        """Wait for the worker's start; None when it can take a write, else why not. A worker that
+        could not start is replaced for the next save; one that died since is replaced now."""
+        self.starting.join()
+        if self.starting.error:
+            error = self.starting.error
+            self.restart()
+            return error
+        proc = _worker_process(self.queue)
+        if proc is not None and not proc.is_alive():
+            self.notes.append(f"rank {self.rank}: the checkpoint writer process had exited (code {proc.exitcode}) "
+                              "since the last save; a new one is started")
+            self.restart()
+            self.starting.join()
+        return None
+
+    def schedule(self, fn: Callable[..., None], args: tuple) -> None:
+        """Hand ``fn(*args)`` to the worker; never waits for it to be taken."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+
+        self.queue.schedule_async_request(AsyncRequest(fn, args, [], async_fn_kwargs={}))
+
+    def poll(self) -> tuple[bool, Optional[str]]:
+        """(every scheduled write finished, an error if the worker died); never blocks."""
+        finalize = self.torch_checkpoint.finalize_async_save if self.torch_checkpoint is not None else None
+        return _poll_queue(self.queue, finalize)
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the worker: let it finish its writes (``abort``: kill it at once)."""
+        self.starting.join()
+        _close_queue(self.queue, abort=abort)

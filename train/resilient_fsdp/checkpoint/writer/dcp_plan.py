@@ -1,4 +1,4 @@
-"""The ``async`` engine's DCP save through NVRx (an NVRx module, with :mod:`.nvrx`):
+"""The ``async`` engine's DCP save through NVRx (an NVRx module, with :mod:`.process`):
 
 - **planning** with NVRx's ``save_state_dict_async_plan`` and an explicit plan cache
   (:class:`PlanCache`, a ``CheckpointMetadataCache``: NVRx's ``enable_cache=True`` does nothing
@@ -11,7 +11,8 @@
   the training thread and its hand-off copies them into shared memory again; 0.4.1 sends every
   buffer's file descriptor with every save. Neither happens here;
 - **the write** by NVRx's own multi-process (0.4.1) or multi-threaded (0.7) writer in its
-  persistent worker, its results put into the save's channel (:class:`.handoff.ResultsFile`).
+  persistent worker, its results put into the save's report (:class:`.report.SaveReport`), and
+  checked against the files written (:func:`check_layout`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from . import handoff, integrity
-from .nvrx import _worker_pid
-from .nvrx_worker import cpu_shim, worker_write_staged
+from .. import integrity
+from . import handoff
+from .process import WriterProcess
+from .report import SaveReport
+from .worker import cpu_shim, worker_write_staged
 
 
 class PlanCache:
@@ -68,7 +71,7 @@ class DcpSave:
     """What the trainer keeps of one async DCP save until it is collected."""
 
     token: str
-    channel: str
+    report: SaveReport
     plan: tuple  # (storage writer, global metadata or None, dist wrapper), from NVRx's planning
     has_data: bool
 
@@ -98,12 +101,12 @@ def _staged_writer_class() -> type:
             self.consistent_data_identifier = None  # 0.7: no tensor cache of its own
             self.cached_tensor_data = self.uncached_tensor_data = self.byte_io_data = None
             self.storage_plan = plan.storage_data
-            self.results_queue = None  # set per save: the save's channel
+            self.results_queue = None  # set per save: the save's report
 
     return _StagedWriter
 
 
-def plan_dcp_save(staged: Any, path: Path, thread_count: int, channel: str, registry: handoff.Registry,
+def plan_dcp_save(staged: Any, path: Path, thread_count: int, report: SaveReport, registry: handoff.Registry,
                   cache: Any) -> tuple:
     """Plan a DCP save of ``staged`` into ``path`` with the plan ``cache``; collective unless the
     cache is validated. Returns NVRx's (storage writer, global metadata, dist wrapper)."""
@@ -113,30 +116,27 @@ def plan_dcp_save(staged: Any, path: Path, thread_count: int, channel: str, regi
     writer = _staged_writer_class()(str(path), thread_count=thread_count)
     writer.registry = registry
     if hasattr(writer, "open_file"):  # 0.7+: the writer threads open files with this
-        writer.open_file = partial(integrity.hashing_open, channel)
+        writer.open_file = report.open_hashed
     return save_state_dict_async_plan(staged, writer, None, 0, planner=DefaultSavePlanner(), enable_cache=True,
                                       metadata_cache=cache)
 
 
-def schedule_dcp_save(calls_queue: Any, plan: tuple, registry: handoff.Registry, token: str, channel: str,
-                      fault: Optional[str]) -> DcpSave:
-    """Hand a planned save's write to the queue's worker: references into the buffers (and the
-    buffers themselves if this worker lacks them). Never waits for the worker. A rank with nothing
+def schedule_dcp_save(writer_process: WriterProcess, plan: tuple, registry: handoff.Registry, token: str,
+                      report: SaveReport, fault: Optional[str]) -> DcpSave:
+    """Hand a planned save's write to the writer process: references into the buffers (and the
+    buffers themselves if this writer lacks them). Never waits for the writer. A rank with nothing
     to write schedules nothing; it still takes part in finalize."""
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-
     writer = plan[0]
     if not writer.write_buckets:
-        return DcpSave(token, channel, plan, False)
-    writer.results_queue = handoff.ResultsFile(channel)
+        return DcpSave(token, report, plan, False)
+    writer.results_queue = report
     save_fn, _staging_fn, save_args = writer.get_save_function_and_args()
     rank, _, results = save_args
-    buffers = registry.payload_for(_worker_pid(calls_queue))
-    request = AsyncRequest(partial(worker_write_staged, channel, fault, buffers, registry.key, save_fn),
-                           (rank, registry.pack(writer.write_buckets), results), [], async_fn_kwargs={})
-    calls_queue.schedule_async_request(request)
-    registry.sent_to = _worker_pid(calls_queue)
-    return DcpSave(token, channel, plan, True)
+    buffers = registry.payload_for(writer_process.pid)
+    writer_process.schedule(partial(worker_write_staged, report, fault, buffers, registry.key, save_fn),
+                            (rank, registry.pack(writer.write_buckets), results))
+    registry.sent_to = writer_process.pid
+    return DcpSave(token, report, plan, True)
 
 
 class _OneItem:
@@ -157,7 +157,7 @@ def collect_save(save: DcpSave) -> tuple[Optional[list], Optional[str]]:
         storage_writer.results_queue = None
         return _retrieve(storage_writer)
     try:
-        item = handoff.read_results(save.channel)
+        item = save.report.results()
     except Exception as exc:  # noqa: BLE001 - nothing written, an unreadable file
         return None, f"{type(exc).__name__}: {exc}"
     storage_writer.results_queue = _OneItem(item)
@@ -182,3 +182,19 @@ def write_dcp_metadata(save: DcpSave, all_results: list[list], recorder: integri
     with cpu_shim():
         storage_writer.finish(global_metadata, all_results)
     return recorder.take(renames={".metadata.tmp": ".metadata"})
+
+
+def check_layout(results: list, checksums: dict[str, dict]) -> Optional[str]:
+    """Every file the write results point into must have a checksum and end exactly where the
+    last item written into it ends: results of another save would not."""
+    ends: dict[str, int] = {}
+    for r in results:
+        info = r.storage_data
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        if name not in checksums:
+            return f"no checksum was recorded for {name} (its writer bypassed the hashing stream)"
+        if checksums[name]["bytes"] != end:
+            return (f"the write results do not match {name}: its items end at byte {end} but "
+                    f"{checksums[name]['bytes']} bytes were written")
+    return None

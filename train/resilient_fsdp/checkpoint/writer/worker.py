@@ -1,9 +1,11 @@
-"""What runs inside NVRx's spawned checkpoint worker: the functions the engines hand it, wrapped
-so that a failure is recorded instead of killing the worker, files are hashed while written, and
-a CPU-only build does not trip over NVRx's CUDA calls.
+"""What runs inside the checkpoint writer process (NVRx's spawned worker): the functions the
+engines hand it, wrapped so that a failure is recorded in the save's report instead of killing
+the writer, files are hashed while written, a CPU-only build does not trip over NVRx's CUDA calls,
+and an injected writer fault (``writer-*`` kinds, :mod:`resilient_fsdp.resilience.faults`) is
+carried out.
 
-Everything here is module-level so it pickles by reference; the worker imports this module,
-which has no side effects at import time. The trainer's side is :mod:`.nvrx`.
+Everything here is module-level so it pickles by reference; the writer imports this module,
+which has no side effects at import time. The rank's side of the writer is :mod:`.process`.
 """
 
 from __future__ import annotations
@@ -12,14 +14,13 @@ import contextlib
 import os
 import threading
 import time
-from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .. import atomic
-from . import handoff, integrity
+from ... import atomic
+from . import handoff
+from .report import SaveReport
 
 # Worker threads: the writer serialises and checksums; it needs no intra-op thread pool competing
 # with training for the cores.
@@ -76,33 +77,34 @@ def cpu_shim() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _hashing_open_in_module(channel: str) -> Iterator[None]:
+def _hashing_open_in_module(report: SaveReport) -> Iterator[None]:
     """NVRx 0.4.1 opens each file with the name ``open`` of its module: make it the hashing one."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 
-    filesystem_async.open = partial(integrity.hashing_open, channel)
+    filesystem_async.open = report.open_hashed
     try:
         yield
     finally:
         del filesystem_async.open
 
 
-def worker_write(channel: str, fault: Optional[str], save_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Runs NVRx's write function in the worker; a failure is recorded in ``channel``.
+def worker_write(report: SaveReport, fault: Optional[str], save_fn: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> None:
+    """Runs NVRx's write function in the worker; a failure is recorded in ``report``.
 
     NVRx's persistent worker dies on an exception and never reports completion, which would leave
     the trainer waiting forever. Recording the error and returning normally lets the trainer see
     the call complete and report the error on every rank.
     """
     try:
-        if (Path(channel) / integrity.ERROR_FILE).exists():
+        if report.has_error():
             return  # staging failed: nothing to write
         _writer_fault(fault, "before")
-        with cpu_shim(), _hashing_open_in_module(channel):
+        with cpu_shim(), _hashing_open_in_module(report):
             save_fn(*args, **kwargs)
         _writer_fault(fault, "after")
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it on every rank
-        integrity.record_error(channel, "the checkpoint writer failed")
+        report.record_error("the checkpoint writer failed")
 
 
 def _worker_setup() -> None:
@@ -113,7 +115,7 @@ def _worker_setup() -> None:
 _NOT_TAKEN = object()
 
 
-def _take_staged(channel: str, buffers: Optional[handoff.Buffers], key: str, packed: Any) -> Any:
+def _take_staged(report: SaveReport, buffers: Optional[handoff.Buffers], key: str, packed: Any) -> Any:
     """Keep ``buffers`` if sent (the first save of a generation, or a new worker) and rebuild what
     ``packed`` references; on failure record the error for the trainer and return ``_NOT_TAKEN``."""
     try:
@@ -121,44 +123,44 @@ def _take_staged(channel: str, buffers: Optional[handoff.Buffers], key: str, pac
         handoff.register(buffers)
         return handoff.unpack(packed, key)
     except BaseException:  # noqa: BLE001
-        integrity.record_error(channel, "the checkpoint writer could not take the staged state")
+        report.record_error("the checkpoint writer could not take the staged state")
         return _NOT_TAKEN
 
 
-def worker_write_staged(channel: str, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
+def worker_write_staged(report: SaveReport, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
                         save_fn: Callable[..., Any], rank: int, packed_buckets: Any, results: Any) -> None:
     """A DCP write of staged buffers: the write buckets rebuilt from their references, then
     :func:`worker_write`."""
-    buckets = _take_staged(channel, buffers, key, packed_buckets)
+    buckets = _take_staged(report, buffers, key, packed_buckets)
     if buckets is not _NOT_TAKEN:
-        worker_write(channel, fault, save_fn, rank, buckets, results)
+        worker_write(report, fault, save_fn, rank, buckets, results)
 
 
-def worker_torch_save_staged(channel: str, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
+def worker_torch_save_staged(report: SaveReport, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
                              packed_state: Any, path: str) -> None:
     """``torch-async``: :func:`worker_torch_save` of the staged state, from its references."""
-    state = _take_staged(channel, buffers, key, packed_state)
+    state = _take_staged(report, buffers, key, packed_state)
     if state is not _NOT_TAKEN:
-        worker_torch_save(channel, fault, state, path)
+        worker_torch_save(report, fault, state, path)
 
 
-def worker_torch_save(channel: str, fault: Optional[str], state: Any, path: str) -> None:
+def worker_torch_save(report: SaveReport, fault: Optional[str], state: Any, path: str) -> None:
     """``torch.save`` of one rank's staged state into ``path`` in the worker, hashed while written
     and fsynced before the call reports completion (``torch-async``)."""
     try:
         _writer_fault(fault, "before")
-        with integrity.hashing_open(channel, path, "wb") as f:
+        with report.open_hashed(path, "wb") as f:
             torch.save(state, f)
             atomic.fsync_stream(f)
         _writer_fault(fault, "after")
     except BaseException:  # noqa: BLE001
-        integrity.record_error(channel, "the checkpoint writer failed")
+        report.record_error("the checkpoint writer failed")
 
 
 def _writer_fault(fault: Optional[str], when: str) -> None:
-    """Fault injection (tests, drills): ``exit`` kills the writer after the data is written (as a
-    worker killed mid-save); ``raise`` fails the write before it starts; ``hang`` never finishes;
-    ``slow=SECONDS`` finishes that much later."""
+    """An injected writer fault (``writer-exit``, ``-raise``, ``-hang``, ``-slow``): ``exit`` kills
+    the writer after the data is written (as a worker killed mid-save); ``raise`` fails the write
+    before it starts; ``hang`` never finishes; ``slow=SECONDS`` finishes that much later."""
     if fault and fault.startswith("slow=") and when == "after":
         time.sleep(float(fault.split("=", 1)[1]))
     if fault == "exit" and when == "after":

@@ -8,20 +8,16 @@ items. A new worker (its process id changed) or new buffers (a new generation) g
 No request carries a staging function, so NVRx's scheduler never waits for the worker to take
 one (its ``preload_fn`` hand-shake); the worker may pick a request up whenever it is ready.
 
-A save's write results come back through the save's own channel directory (:class:`ResultsFile`),
-not through a process-wide queue: a result can only be read by the save it belongs to.
+A save's write results come back through its own report (:class:`.report.SaveReport`), not
+through a process-wide queue.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
-
-RESULTS_FILE = "write-results.pickle"
 
 
 @dataclass(frozen=True)
@@ -103,24 +99,3 @@ def _unpack(obj: Any, tensors: list) -> Any:
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_unpack(v, tensors) for v in obj)
     return obj
-
-
-class ResultsFile:
-    """Stands in for NVRx's results queue in a save's write arguments: the writer ``put``s its
-    results (or its exception) into the save's channel directory."""
-
-    def __init__(self, channel: str):
-        self.channel = channel
-
-    def put(self, item: Any, *_args: Any, **_kwargs: Any) -> None:
-        with open(Path(self.channel) / RESULTS_FILE, "wb") as f:
-            pickle.dump(item, f)
-
-
-def read_results(channel: str) -> Any:
-    """What the writer put for this save; raises when it put nothing (it did not finish)."""
-    path = Path(channel) / RESULTS_FILE
-    if not path.exists():
-        raise RuntimeError("the checkpoint writer reported completion but left no write results")
-    with open(path, "rb") as f:
-        return pickle.load(f)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -119,7 +121,7 @@ def _keys_of_kind() -> dict[str, list[str]]:
 def test_every_float_key_takes_a_number_however_it_is_written(text, number):
     """YAML 1.1 reads ``3e-4`` as a string; a number key takes it as the number."""
     keys = _keys_of_kind()["float"]
-    assert "optim.lr" in keys and "resilience.step_timeout_s" in keys and "checkpoint.s3.max_bandwidth_mb_s" in keys
+    assert "optim.lr" in keys and "resilience.hang_detection.step_timeout_s" in keys and "checkpoint.s3.max_bandwidth_mb_s" in keys
     for key in keys:
         value = user_tree(None, [f"{key}={text}"])
         for part in key.split("."):
@@ -161,3 +163,41 @@ def test_a_config_file_with_exponent_notation_gives_numbers(tmp_path):
     cfg = load_config(path, ["optim.weight_decay=1e-2"])
     assert (cfg.optim.lr, cfg.optim.eps, cfg.train.steps, cfg.optim.weight_decay) == (3e-4, 1e-8, 100, 0.01)
     assert "lr: 0.0003" in dump_yaml(cfg)
+
+
+def test_the_fault_kinds_the_docs_list_are_the_table():
+    from resilient_fsdp.config import FAULT_KINDS
+    from tests.support import REPO
+
+    text = (REPO / "docs" / "faults-and-restarts.md").read_text()
+    rows = re.findall(r"^\| `([a-z-]+)` \| ", text.split("## Injecting faults", 1)[1], re.M)
+    assert rows[:len(FAULT_KINDS)] == list(FAULT_KINDS)
+    assert all(f"\n{kind}\n" in describe() for kind in FAULT_KINDS)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("resilience.max_restarts=2", "resilience.launcher.max_restarts"),
+    ("resilience.in_process_soft_timeout_s=30", "resilience.in_process.soft_timeout_s"),
+    ("resilience.step_timeout_s=30", "resilience.hang_detection.step_timeout_s"),
+    ("resilience.graceful_stop_timeout_s=30", "resilience.stop.timeout_s"),
+    ("resilience.stop_exit_code=143", "resilience.stop.exit_code"),
+])
+def test_a_key_of_the_flat_resilience_layout_is_refused_naming_its_key_now(old, new):
+    with pytest.raises(ConfigError, match=f"unknown key '{old.split('=')[0]}': the key is {new}"):
+        load_config(None, [old])
+
+
+def test_in_process_restart_is_switched_on_inside_its_section():
+    with pytest.raises(ConfigError, match="resilience.in_process: a section, not a value: set "
+                                          "resilience.in_process.enabled=true"):
+        load_config(None, ["resilience.in_process=true"])
+    assert load_config(None, ["resilience.in_process.enabled=true"]).resilience.in_process.enabled
+
+
+def test_the_chart_refuses_a_flat_resilience_key_naming_its_key_now():
+    from resilient_fsdp.deploy import chart
+    from tests.support import REPO
+
+    with pytest.raises(chart.ChartError, match="unknown key 'trainer.resilience.max_restarts': the key is "
+                                               "trainer.resilience.launcher.max_restarts"):
+        chart.render(chart.load_values([REPO / "values" / "dev-cpu.yaml"], ["trainer.resilience.max_restarts=2"]))

@@ -1,0 +1,13 @@
+"""The checkpoint writer: the process each rank's asynchronous saves are written by, and every
+adaptation to NVRx's async checkpointing.
+
+- ``process``: :class:`~.process.WriterProcess`, the rank's writer (NVRx's persistent worker),
+  started in the background, replaced when it dies or hangs; the NVRx adaptations (CPU-only
+  torch, 0.4 / 0.7);
+- ``worker``: what runs inside the writer: the write functions, wrapped (failures recorded,
+  files hashed, the CPU shim, injected writer faults);
+- ``dcp_plan``: the ``async`` engine's DCP planning with a plan cache, its write buckets over the
+  staged buffers, the metadata, and the check that write results match the files;
+- ``handoff``: the staged buffers sent to the writer once, references per save;
+- ``report``: :class:`~.report.SaveReport`, what one save's writer reports back to its rank.
+"""

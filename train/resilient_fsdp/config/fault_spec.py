@@ -1,0 +1,150 @@
+"""The fault kinds and the grammar of one fault to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``.
+
+:data:`FAULT_KINDS` is the one table of kinds: the configuration checks ``resilience.inject``
+against it, the injector (:mod:`resilient_fsdp.resilience.faults`) fires each kind where its
+``when`` says, the local cluster executes the kinds marked ``by_cluster``, and restart accounting
+expects a recovery only for the kinds that ``stop`` training. A new kind is a row here and its
+action in the injector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal, Optional
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultKind:
+    """One kind of fault: where it fires, what it does, and who recovers."""
+
+    name: str
+    when: Literal["step", "collective", "save", "write"]
+    """``step``: as step STEP starts; ``collective``: just before step STEP's loss all-reduce;
+    ``save``: while the rank's checkpoint writer writes the first checkpoint at or after STEP;
+    ``write``: inside the checkpoint writer, as it writes step STEP's checkpoint."""
+    what: str
+    recovered_by: str
+    by_cluster: bool = False
+    """It acts on a whole node (pod), which a rank cannot do to its own: the cluster carries it out (``resilient-fsdp local`` reads
+    the rank's request; elsewhere ``node-loss`` kills the pod's processes from inside)."""
+    takes_duration: bool = False
+    """``:for=SECONDS`` applies."""
+    stops: bool = True
+    """Training stops (a restart follows); False: it only slows something down."""
+
+
+FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
+    FaultKind("exception", "step", "the step raises", "in-process, else in-job"),
+    FaultKind("hang", "step", "the rank stops making progress (sleeps forever)", "in-process, else in-job"),
+    FaultKind("hang-in-collective", "collective", "the rank stops just before the step's loss all-reduce; its "
+              "peers block inside it", "in-process, else in-job"),
+    FaultKind("sigkill", "step", "the rank's process is killed", "in-job"),
+    FaultKind("sigkill-during-save", "save", "the rank and its checkpoint writer are killed while the writer is "
+              "writing (bytes on disk > 0, < final)", "in-job (previous checkpoint)"),
+    FaultKind("sigterm", "step", "its node (agent) gets SIGTERM, as on eviction", "graceful stop + job level"),
+    FaultKind("node-loss", "step", "its whole node dies: agent, workers, helpers", "job level (node recreated)",
+              by_cluster=True),
+    FaultKind("partition", "step", "its node's network goes down (for good, or for SECONDS)",
+              "job level, or none when it heals in time", by_cluster=True, takes_duration=True),
+    FaultKind("writer-exit", "write", "the checkpoint writer dies after writing the data, before the save "
+              "is finalized", "in-process, else in-job (the previous checkpoint)"),
+    FaultKind("writer-raise", "write", "the checkpoint writer's write fails", "in-process, else in-job"),
+    FaultKind("writer-hang", "write", "the checkpoint writer never finishes the write",
+              "in-process, else in-job (checkpoint.write_timeout_s)"),
+    FaultKind("writer-slow", "write", "the checkpoint writer finishes SECONDS later", "none: the write is late",
+              takes_duration=True, stops=False),
+)}
+NODE_FAULT_KINDS = tuple(k.name for k in FAULT_KINDS.values() if k.by_cluster)
+_FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<options>(?::[^:]*)*)$")
+_FAULT_GRAMMAR = "KIND@STEP[:rank=R | :node=N][:for=SECONDS]"
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSpec:
+    """One fault to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]`` (see
+    :mod:`resilient_fsdp.resilience.faults`). ``node=N`` targets the lowest rank of node (pod) N,
+    its local rank 0; without ``node`` the target is ``rank`` (0 by default). ``for_s``: how long a
+    ``partition`` lasts (None: for good), or how much later a ``writer-slow`` write finishes."""
+
+    kind: str
+    step: int
+    rank: int = 0
+    node: Optional[int] = None
+    for_s: Optional[float] = None
+
+    @property
+    def key(self) -> str:
+        """File-name-safe identity of this fault."""
+        target = f"node{self.node}" if self.node is not None else f"rank{self.rank}"
+        return f"{self.kind}@{self.step}-{target}"
+
+    @property
+    def target(self) -> str:
+        return f"node={self.node}" if self.node is not None else f"rank={self.rank}"
+
+    @property
+    def kind_info(self) -> FaultKind:
+        return FAULT_KINDS[self.kind]
+
+    def __str__(self) -> str:
+        duration = f":for={self.for_s:g}" if self.for_s is not None else ""
+        return f"{self.kind}@{self.step}:{self.target}{duration}"
+
+
+def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
+    m = _FAULT_SPEC.match(text.strip())
+    if not m:
+        raise ConfigError(f"{key} {text!r}: expected {_FAULT_GRAMMAR}, e.g. sigkill@20:rank=1 or "
+                          "node-loss@12:node=0")
+    if m["kind"] not in FAULT_KINDS:
+        raise ConfigError(f"{key} {text!r}: unknown fault kind '{m['kind']}'; choose one of "
+                          f"{', '.join(FAULT_KINDS)}")
+    kind = FAULT_KINDS[m["kind"]]
+    step = int(m["step"])
+    if step < 1:
+        raise ConfigError(f"{key} {text!r}: STEP must be 1 or more")
+    options: dict[str, str] = {}
+    for part in m["options"].split(":")[1:]:
+        name, _, value = part.partition("=")
+        if name not in ("rank", "node", "for") or not value:
+            raise ConfigError(f"{key} {text!r}: unknown option {part!r}; expected {_FAULT_GRAMMAR}")
+        if name in options:
+            raise ConfigError(f"{key} {text!r}: '{name}' is given twice")
+        options[name] = value
+    if "rank" in options and "node" in options:
+        raise ConfigError(f"{key} {text!r}: give rank=R or node=N, not both (node=N fires on the node's local "
+                          "rank 0)")
+    for name in ("rank", "node"):
+        if name in options and not options[name].isdigit():
+            raise ConfigError(f"{key} {text!r}: {name} must be a whole number 0 or more")
+    for_s = None
+    if "for" in options:
+        if not kind.takes_duration:
+            takes = ", ".join(k.name for k in FAULT_KINDS.values() if k.takes_duration)
+            raise ConfigError(f"{key} {text!r}: for=SECONDS applies to {takes} only")
+        try:
+            for_s = float(options["for"])
+        except ValueError:
+            for_s = -1.0
+        if not for_s > 0:
+            raise ConfigError(f"{key} {text!r}: for= must be a number of seconds above 0")
+    elif kind.name == "writer-slow":
+        raise ConfigError(f"{key} {text!r}: writer-slow needs :for=SECONDS, how much later the write finishes")
+    node = int(options["node"]) if "node" in options else None
+    return FaultSpec(m["kind"], step, int(options.get("rank", 0)), node, for_s)
+
+
+def parse_faults(texts: list[str], world_size: Optional[int] = None, nodes: Optional[int] = None
+                 ) -> list[FaultSpec]:
+    specs = [parse_fault(t, "resilience.inject") for t in texts]
+    for spec in specs:
+        if world_size is not None and spec.node is None and spec.rank >= world_size:
+            raise ConfigError(f"resilience.inject {str(spec)!r}: rank {spec.rank} does not exist in a job of "
+                              f"{world_size} ranks")
+        if nodes is not None and spec.node is not None and spec.node >= nodes:
+            raise ConfigError(f"resilience.inject {str(spec)!r}: node {spec.node} does not exist in a job of "
+                              f"{nodes} node(s)")
+    return specs

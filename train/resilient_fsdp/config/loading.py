@@ -1,0 +1,219 @@
+"""Loading the configuration: defaults < a YAML file (``--config FILE``) < ``--set
+section.key=value`` overrides in the order given, validated, with cross-key rules.
+
+Values are read as their key's type takes them (a number written ``3e-4`` for a number key,
+the text as written for a string key), the same from a file and from ``--set``. Every problem is
+reported naming the dotted key and what it accepts; a key of another layout
+(:data:`MOVED_KEYS`) names the key it is now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from .errors import ConfigError
+from .fault_spec import parse_fault
+from .s3_uri import split_s3_uri
+from .sections import Config, S3Config, field_annotation, section_of
+
+_ADAPTER = TypeAdapter(Config)
+
+# ``resilience`` is grouped by restart layer; a flat key names the one it is in its group.
+MOVED_KEYS = {
+    **{f"resilience.in_process_{k}": f"resilience.in_process.{k}"
+       for k in ("max_iterations", "soft_timeout_s", "hard_timeout_s", "heartbeat_timeout_s", "barrier_timeout_s",
+                 "store_port_offset")},
+    **{f"resilience.{k}": f"resilience.hang_detection.{k}"
+       for k in ("init_timeout_s", "step_timeout_s", "checkpoint_timeout_s", "out_of_section_timeout_s",
+                 "learn_timeouts", "learn_after_steps", "safety_factor", "min_learned_timeout_s",
+                 "termination_signal", "workload_check_interval_s")},
+    "resilience.max_restarts": "resilience.launcher.max_restarts",
+    "resilience.workers_stop_timeout_s": "resilience.launcher.workers_stop_timeout_s",
+    "resilience.graceful_stop_timeout_s": "resilience.stop.timeout_s",
+    "resilience.stop_exit_code": "resilience.stop.exit_code",
+}
+# A section whose on/off switch is a key inside it.
+SECTION_SWITCHES = {"resilience.in_process": "resilience.in_process.enabled"}
+
+
+def _explain(error: dict) -> str:
+    """One line per problem: the dotted key, what is wrong, and what would be accepted."""
+    loc = tuple(str(p) for p in error["loc"])
+    key = ".".join(loc)
+    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        if key in MOVED_KEYS:
+            return f"unknown key '{key}': the key is {MOVED_KEYS[key]}"
+        parent = section_of(loc)
+        valid = [f.name for f in dataclasses.fields(parent)] if parent else []
+        hint = difflib.get_close_matches(loc[-1], valid, n=1)
+        where = ".".join(loc[:-1]) or "the top level"
+        msg = f"unknown key '{key}'"
+        if hint:
+            msg += f" (did you mean '{'.'.join(loc[:-1] + (hint[0],))}'?)"
+        return msg + (f"; valid keys in {where}: {', '.join(valid)}" if valid else "")
+    if error["type"] == "literal_error":
+        return f"{key}: {error['input']!r} is not valid; choose one of {error['ctx']['expected']}"
+    if error["type"] in ("dataclass_type", "model_type", "dataclass_args_type"):
+        if key in SECTION_SWITCHES:
+            return f"{key}: a section, not a value: set {SECTION_SWITCHES[key]}={yaml.safe_dump(error['input']).split(chr(10))[0]}"
+        return f"{key}: expected a section (a mapping of keys), got {error['input']!r}"
+    return f"{key}: {error['msg']} (got {error['input']!r})"
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {dotted}=...: empty key segment; use section.key=value")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+# A number as people write one: YAML 1.1 (PyYAML) reads `3e-4` and `1e30` as strings, since its
+# floats need a dot and a signed exponent.
+_NUMBER = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?$")
+
+
+def _alternatives(annotation: Any) -> list[Any]:
+    """The types a value of ``annotation`` may have (``Optional[float]``: ``[float]``)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _typed(annotation: Any, value: Any, raw: Optional[str] = None) -> Any:
+    """``value`` as a key of type ``annotation`` takes it: a number written ``3e-4`` for a number
+    key, the text as written for a string key (``raw``: the ``--set`` text, when there is one).
+    Anything else is left for validation to accept or to refuse with the key's name."""
+    if value is None:
+        return value
+    kinds = _alternatives(annotation)
+    if isinstance(value, str) and _NUMBER.match(value.strip()):
+        if float in kinds:
+            return float(value)
+        if int in kinds and float(value).is_integer():
+            return int(float(value))  # 1e5 steps
+    textual = [k for k in kinds if k is str or typing.get_origin(k) is Literal]
+    if raw is not None and textual and len(textual) == len(kinds) and not isinstance(value, str):
+        return raw  # a string key: --set model.factory=123 is the text 123
+    if isinstance(value, (list, tuple)) and kinds and typing.get_origin(kinds[0]) in (tuple, list):
+        args = [a for a in typing.get_args(kinds[0]) if a is not Ellipsis]
+        if args:
+            return [_typed(args[min(i, len(args) - 1)], v) for i, v in enumerate(value)]
+    return value
+
+
+def _typed_tree(tree: dict, parts: tuple[str, ...] = ()) -> dict:
+    """Every value of a user tree as its key's type takes it (see :func:`_typed`)."""
+    out = {}
+    for key, value in tree.items():
+        path = [*parts, str(key)]
+        annotation = field_annotation(path)
+        if isinstance(value, dict) and isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            out[key] = _typed_tree(value, tuple(path))
+        else:
+            out[key] = _typed(annotation, value) if annotation is not None else value
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key=value``; the value is read as a config file's would be: YAML (``3`` is an int,
+    ``true`` a bool), a number for a number key however it is written (``3e-4``), the text itself
+    for a string key."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value, for example --set train.steps=50")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    annotation = field_annotation(key.split("."))
+    if annotation is not None and not (isinstance(annotation, type) and dataclasses.is_dataclass(annotation)):
+        value = _typed(annotation, value, raw)
+    elif isinstance(value, dict) and annotation is not None:
+        value = _typed_tree(value, tuple(key.split(".")))
+    return key, value
+
+
+def user_tree(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> dict:
+    """The keys a user set, typed: the YAML file at ``path``, then ``overrides`` (``key=value``)."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: no such file") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+        tree = _typed_tree(loaded or {})
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build the configuration: defaults < YAML file at ``path`` < ``overrides`` (``key=value``)."""
+    tree = user_tree(path, overrides)
+    try:
+        config = _ADAPTER.validate_python(tree)
+    except ValidationError as exc:
+        lines = [_explain(e) for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+    _check_across_keys(config)
+    return config
+
+
+def _check_across_keys(config: Config) -> None:
+    """Rules that involve more than one key; each message names the keys and the fix."""
+    r = config.resilience
+    ip, hang = r.in_process, r.hang_detection
+    if ip.enabled:
+        order = [("soft_timeout_s", ip.soft_timeout_s), ("hard_timeout_s", ip.hard_timeout_s),
+                 ("barrier_timeout_s", ip.barrier_timeout_s)]
+        for (a, va), (b, vb) in zip(order, order[1:]):
+            if not va < vb:
+                raise ConfigError(f"resilience.in_process.{a}={va} must be less than resilience.in_process.{b}={vb}")
+        # In-process restart must get its chance before ft_launcher kills the hung rank.
+        for key in ("step_timeout_s", "checkpoint_timeout_s", "out_of_section_timeout_s"):
+            value = getattr(hang, key)
+            if value is not None and not value > ip.hard_timeout_s:
+                raise ConfigError(f"resilience.hang_detection.{key}={value} must exceed "
+                                  f"resilience.in_process.hard_timeout_s={ip.hard_timeout_s}: in-job hang detection "
+                                  "would kill a rank before in-process restart can recover it")
+        if not ip.heartbeat_timeout_s < ip.barrier_timeout_s:
+            raise ConfigError(f"resilience.in_process.heartbeat_timeout_s={ip.heartbeat_timeout_s} must be less than "
+                              f"resilience.in_process.barrier_timeout_s={ip.barrier_timeout_s}")
+    for text in r.inject:
+        parse_fault(text, key="resilience.inject")
+    check_s3_config(config.checkpoint.s3)
+
+
+def check_s3_config(cfg: S3Config) -> None:
+    """Rules across ``checkpoint.s3`` keys; each message names the key and the fix."""
+    if cfg.uri is None:
+        return
+    split_s3_uri(cfg.uri)
+    if cfg.endpoint_url is not None and not re.match(r"^https?://[^/\s]+", cfg.endpoint_url):
+        raise ConfigError(f"checkpoint.s3.endpoint_url={cfg.endpoint_url!r} must look like http(s)://host:port")
+    if cfg.retry_backoff_s > cfg.retry_backoff_max_s:
+        raise ConfigError(f"checkpoint.s3.retry_backoff_s={cfg.retry_backoff_s} must not exceed "
+                          f"checkpoint.s3.retry_backoff_max_s={cfg.retry_backoff_max_s}")

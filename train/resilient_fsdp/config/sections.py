@@ -1,0 +1,344 @@
+"""The configuration's sections: one dataclass per section, each field with its type, default and
+docstring (``describe`` prints them), so the documentation of a key lives next to it.
+
+Unknown keys and bad values are rejected by validation (:mod:`.loading`), naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+# extra="forbid" rejects typos; attribute docstrings become field descriptions for describe().
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+@dataclass(config=_STRICT)
+class ModelConfig:
+    preset: Literal["tiny", "125m", "1b", "8b", "70b"] = "tiny"
+    """Size preset of the built-in decoder-only transformer (tiny runs in seconds on CPU)."""
+    factory: Optional[str] = None
+    """``pkg.module:function`` building a custom ``torch.nn.Module`` from this section; replaces the
+    built-in model. Called under the meta device; see docs/config.md, "Custom models and datasets"."""
+    vocab_size: Optional[int] = Field(default=None, gt=0)
+    """Vocabulary size; default: the preset's. Token ids in the data must be below it."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward: less memory, ~30% more compute.
+    The RNG state is replayed for the recompute (dropout draws the same masks) unless the model
+    class sets ``recompute_needs_rng = False``."""
+    blocks: Optional[str] = None
+    """Attribute (a dotted path, e.g. ``transformer.h``) of a ``model.factory`` model that holds its
+    repeated blocks (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``): each is sharded
+    by FSDP on its own and wrapped by activation checkpointing. Unset: ``layers``; a model with
+    neither is refused."""
+
+
+@dataclass(config=_STRICT)
+class DataConfig:
+    source: Literal["synthetic", "tokens"] = "synthetic"
+    """``synthetic``: a deterministic, learnable token stream; ``tokens``: a memory-mapped token file."""
+    path: Optional[str] = None
+    """Token file for ``source=tokens``: a flat ``.bin`` array of token ids."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of the token file (uint16 for vocabularies up to 65,536)."""
+    seq_len: int = Field(default=64, gt=0)
+    """Tokens per training sequence."""
+    micro_batch_size: int = Field(default=4, gt=0)
+    """Sequences per rank per micro-batch."""
+    factory: Optional[str] = None
+    """``pkg.module:function`` building a custom map-style dataset; replaces ``source``."""
+
+
+@dataclass(config=_STRICT)
+class OptimConfig:
+    lr: float = Field(default=3e-3, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    warmup_steps: int = Field(default=10, ge=0)
+    """Linear warm-up steps, then cosine decay to ``min_lr_ratio * lr`` at ``train.steps``."""
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final learning rate as a fraction of ``lr``."""
+    grad_clip: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclass(config=_STRICT)
+class TrainConfig:
+    steps: int = Field(default=100, gt=0)
+    """Optimizer steps to train for."""
+    grad_accum_steps: int = Field(default=1, gt=0)
+    """Micro-batches per optimizer step; gradients are reduced only on the last one."""
+    stop_at_step: Optional[int] = Field(default=None, gt=0)
+    """End this run at this step (checkpointed, as at the end of training) although the schedule
+    still targets ``steps``; a later run with the same directory resumes there."""
+    log_every: int = Field(default=10, gt=0)
+    """Rank 0 prints a progress line every this many steps."""
+    deterministic: bool = True
+    """Deterministic kernels, so equal configs give bitwise-equal runs on CPU."""
+
+
+@dataclass(config=_STRICT)
+class DistConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` picks CUDA when a GPU is visible, else CPU; the backend follows (NCCL / gloo)."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Collective timeout once training runs. Gloo cannot be aborted, so peers of a dead rank wait
+    this long; on CUDA, NCCL is aborted by in-process restart instead."""
+    init_timeout_s: float = Field(default=600.0, gt=0)
+    """Timeout for creating the process group and for the first step (ranks start unevenly:
+    imports, model build, checkpoint load); ``timeout_s`` applies after the first step."""
+
+
+@dataclass(config=_STRICT)
+class S3Config:
+    uri: Optional[str] = None
+    """``s3://bucket/prefix``: keep durable copies of committed checkpoints there, and restore from
+    there when ``checkpoint.dir`` holds no complete checkpoint. Unset: no S3 tier. Credentials come
+    only from boto3's default chain (IRSA or EKS Pod Identity in a cluster; environment, profile or
+    instance role elsewhere); the bucket must exist."""
+    endpoint_url: Optional[str] = None
+    """Endpoint of an S3-compatible store (``http(s)://host:port``); unset: AWS S3."""
+    region: Optional[str] = None
+    """AWS region of the bucket; unset: the default chain's (``AWS_REGION``, the profile)."""
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    """Bucket in the host name (``virtual``) or in the path (``path``, which most S3-compatible
+    stores need); ``auto`` lets botocore choose."""
+    upload: bool = True
+    """Upload every committed checkpoint in the background, never blocking a step: each rank uploads
+    the files it wrote, then rank 0 the ``COMPLETE`` marker."""
+    restore: bool = True
+    """At start, when ``checkpoint.dir`` holds no complete checkpoint, download the newest complete
+    one under ``uri`` and resume from it. S3 unreachable then fails the start (the restart layers
+    retry it) rather than silently training from scratch; ``false`` starts without looking."""
+    keep_last: int = Field(default=3, ge=0)
+    """Complete checkpoints kept under ``uri``, independent of ``checkpoint.keep_last``; older ones
+    are deleted only after a newer one is completely uploaded. 0 keeps all. Incomplete uploads are
+    never deleted (``resilient-fsdp checkpoints list`` shows them)."""
+    max_pending: int = Field(default=2, gt=0)
+    """Backlog bound: committed checkpoints waiting for their upload besides the one in flight. When
+    a new one arrives with the backlog full, the oldest waiting one is dropped (superseded: the
+    newer checkpoint holds the later state) and reported. Local retention keeps a checkpoint until
+    its upload finished or was dropped."""
+    max_concurrency: int = Field(default=10, gt=0)
+    """Parallel requests of one transfer (parts of large files, whole small files)."""
+    multipart_threshold_mb: int = Field(default=64, ge=5)
+    """Files at least this large (MiB) go in parts (multipart upload, ranged downloads)."""
+    multipart_chunksize_mb: int = Field(default=64, ge=5, le=5120)
+    """Part size in MiB (S3 allows 5 MiB to 5 GiB, and at most 10,000 parts per object)."""
+    max_bandwidth_mb_s: Optional[float] = Field(default=None, gt=0)
+    """Cap on upload bandwidth (MB/s), so uploads leave room for the job's own traffic; unset: none."""
+    retry_mode: Literal["standard", "adaptive"] = "adaptive"
+    """botocore retry mode for each request: ``adaptive`` also slows the client down when S3
+    throttles (503 SlowDown); ``standard``: exponential backoff with jitter only."""
+    max_attempts: int = Field(default=10, gt=0)
+    """Attempts per S3 request (botocore retries) before the transfer counts as failed."""
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    """Timeout for opening a connection to S3."""
+    read_timeout_s: float = Field(default=60.0, gt=0)
+    """Timeout for a response (or the next bytes of one) from S3."""
+    retry_backoff_s: float = Field(default=5.0, gt=0)
+    """After a failed checkpoint upload, wait this long before trying it again, doubling with every
+    further failure up to ``retry_backoff_max_s``; training goes on meanwhile."""
+    retry_backoff_max_s: float = Field(default=300.0, gt=0)
+    """Longest wait between attempts at a failed checkpoint upload."""
+    drain_timeout_s: float = Field(default=600.0, ge=0)
+    """At the end of training (and on a graceful stop), how long each rank waits for its pending
+    uploads (and rank 0 for the markers), so the final checkpoint reaches S3; what is left is
+    reported in ``summary.json`` and uploaded by the next run with the same ``checkpoint.dir``."""
+    restore_timeout_s: float = Field(default=3600.0, gt=0)
+    """Longest restore from S3 at start (every rank downloads its share, then rank 0 commits). The
+    ranks wait for each other through the rendezvous store with this deadline, not in a collective,
+    so ``dist.timeout_s`` does not bound it; ``resilience.init_timeout_s`` must cover it too."""
+
+
+@dataclass(config=_STRICT)
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory, shared by all nodes; default ``<run_dir>/checkpoints``."""
+    interval_steps: int = Field(default=0, ge=0)
+    """Save every this many steps; 0 disables the step interval."""
+    interval_s: float = Field(default=0.0, ge=0)
+    """Also save when this many seconds passed since the last save; 0 disables the time interval."""
+    mode: Literal["async", "torch-async", "sync"] = "async"
+    """``async``: NVRx async DCP writer (the loop stalls only to stage state); ``torch-async``: NVRx
+    ``TorchAsyncCheckpoint``, one file per rank, resumable only at the same world size; ``sync``:
+    plain DCP save (the loop waits for the write)."""
+    keep_last: int = Field(default=3, ge=0)
+    """Committed checkpoints to keep (older ones are deleted after a newer one commits); 0 keeps all.
+    Incomplete checkpoints are never deleted."""
+    save_final: bool = True
+    """Save a checkpoint at the end of training."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in ``dir`` when one exists."""
+    resume_from: Optional[str] = None
+    """Resume from this checkpoint directory (a ``step_N``) instead of the newest one, at the job's
+    first start only (restarts of the job resume from its newest checkpoint). Checkpoints in
+    ``dir`` newer than it are renamed ``*.abandoned-*`` then: never deleted, never picked again."""
+    writer_threads: int = Field(default=2, gt=0)
+    """Files each rank writes in parallel (``async`` mode)."""
+    verify: Literal["load", "restore", "never"] = "load"
+    """Check files against the checksums in ``COMPLETE`` (CRC32C, recorded while writing):
+    ``load``: before every resume (each rank reads a share of the files) and after an S3 restore;
+    ``restore``: after an S3 restore only; ``never``. A checkpoint that fails is skipped for the
+    previous one, the file named."""
+    write_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for a background write when the loop must wait for it (a save due while the
+    previous one is written, the final save); past it the checkpoint fails on every rank. Keep it
+    below ``resilience.checkpoint_timeout_s``, so a stuck write is reported as such."""
+    job_id: Optional[str] = None
+    """Who writes ``dir``: two jobs may not write one directory (a lease names the holder).
+    Unset: the launcher's rendezvous id (``TORCHELASTIC_RUN_ID``, the same for every restart of a
+    job), else the process (a trainer without a launcher)."""
+    s3: S3Config = dataclasses.field(default_factory=S3Config)
+    """The S3 tier: durable copies of committed checkpoints, restore on a fresh cluster."""
+
+
+@dataclass(config=_STRICT)
+class InProcessConfig:
+    enabled: bool = False
+    """Wrap training in NVRx in-process restart (``inprocess.Wrapper``): after an exception or a
+    hang in any rank, every rank re-creates the process group and the model and reloads the
+    newest checkpoint in the same processes. The in-job restart stays on either way."""
+    max_iterations: int = Field(default=5, gt=0)
+    """In-process restarts a process makes before it gives up and leaves the fault to the in-job
+    restart (``ft_launcher`` respawns the workers)."""
+    soft_timeout_s: float = Field(default=60.0, gt=0)
+    """A rank making no progress (no completed step) this long is aborted and restarted in-process."""
+    hard_timeout_s: float = Field(default=90.0, gt=0)
+    """A rank still hung this long is terminated (then the in-job restart takes over)."""
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    """A rank whose in-process monitor misses heartbeats this long is considered gone."""
+    barrier_timeout_s: float = Field(default=120.0, gt=0)
+    """How long ranks wait for each other between in-process restart iterations."""
+    store_port_offset: int = Field(default=1, gt=0)
+    """The in-process restart's store listens on ``MASTER_PORT`` + this on the rank-0 host."""
+
+
+@dataclass(config=_STRICT)
+class HangDetectionConfig:
+    init_timeout_s: Optional[float] = Field(default=900.0, gt=0)
+    """Longest start-up (process group, model, resume) before the rank is declared hung and
+    restarted by ``ft_launcher``. ``null`` disables it."""
+    step_timeout_s: Optional[float] = Field(default=600.0, gt=0)
+    """Longest training step before the rank is declared hung (a learned value may raise it, never
+    lower it, see ``learn_timeouts``). ``null`` disables it."""
+    checkpoint_timeout_s: Optional[float] = Field(default=900.0, gt=0)
+    """Longest checkpoint call (staging, or committing a write), and the budget of the waits for
+    checkpoint writes and the end of the job (the ``drain`` section: the final save, a graceful
+    stop, a save that waits for the previous write), before the rank is declared hung."""
+    out_of_section_timeout_s: Optional[float] = Field(default=600.0, gt=0)
+    """Longest time outside start-up, steps and checkpoints (logging, evaluation) before the rank is
+    declared hung."""
+    learn_timeouts: bool = True
+    """Raise the step/checkpoint/out-of-section timeouts to ``safety_factor`` times the longest
+    observed durations (NVRx ``calculate_and_set_section_timeouts``) once ``learn_after_steps``
+    steps and a checkpoint were seen. The configured values are floors: a learned value never lowers
+    them. Learned values are saved in checkpoints and reused on resume, raised to the configured ones."""
+    learn_after_steps: int = Field(default=50, gt=0)
+    """Steps to observe before learning timeouts."""
+    safety_factor: float = Field(default=5.0, ge=1)
+    """Learned timeout = this x the longest observed duration."""
+    min_learned_timeout_s: float = Field(default=60.0, gt=0)
+    """Learned timeouts are never shorter than this (a short step is no reason to kill a slow one)."""
+    termination_signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
+    """Signal ``ft_launcher`` sends a hung rank."""
+    workload_check_interval_s: float = Field(default=5.0, gt=0)
+    """How often ``ft_launcher``'s rank monitors check for missed timeouts."""
+
+
+@dataclass(config=_STRICT)
+class LauncherConfig:
+    max_restarts: int = Field(default=3, ge=0)
+    """In-job restarts: how many times ``ft_launcher`` respawns the workers before the node fails
+    (then the job-level policy, ``restartPolicy``/``backoffLimit``, decides). Under NVRx 0.7 the
+    count is the job's: every node's restart rounds together."""
+    workers_stop_timeout_s: float = Field(default=15.0, gt=0)
+    """When restarting workers after a fault, how long ``ft_launcher`` waits between SIGTERM and
+    SIGKILL (a rank stuck in a collective that cannot be aborted is killed after this)."""
+
+
+@dataclass(config=_STRICT)
+class StopConfig:
+    timeout_s: float = Field(default=600.0, gt=0)
+    """On SIGTERM to a node (eviction, spot reclaim), how long its ranks get to finish the step and
+    commit a checkpoint before they are killed; keep it below the pod's
+    ``terminationGracePeriodSeconds``."""
+    exit_code: int = Field(default=143, ge=128, le=255)
+    """Exit code of a rank that stopped gracefully on SIGTERM: 128-255, which the PyTorchJob
+    ``ExitCode`` restart policy retries."""
+
+
+@dataclass(config=_STRICT)
+class ResilienceConfig:
+    in_process: InProcessConfig = dataclasses.field(default_factory=InProcessConfig)
+    """In-process restart: the same processes re-run the training function after a fault."""
+    hang_detection: HangDetectionConfig = dataclasses.field(default_factory=HangDetectionConfig)
+    """In-job hang detection: section timeouts ``ft_launcher``'s rank monitors enforce."""
+    launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
+    """In-job restart: ``ft_launcher`` respawning a node's workers."""
+    stop: StopConfig = dataclasses.field(default_factory=StopConfig)
+    """Graceful stop on SIGTERM: finish the step, commit a checkpoint, exit retryably."""
+    inject: list[str] = dataclasses.field(default_factory=list)
+    """Faults to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]`` (also ``--inject``); the
+    kinds are the table in :mod:`resilient_fsdp.config.fault_spec` (``resilient-fsdp config
+    --describe`` lists them). ``node=N``: the node's local rank 0. Each fires once per job. For
+    tests and drills; docs/faults-and-restarts.md."""
+
+
+@dataclass(config=_STRICT)
+class Config:
+    seed: int = 0
+    """Seed for initialisation, data order and dropout-free numerics."""
+    run_dir: str = "runs/local"
+    """Where ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` are written (shared by ranks)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The model."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """The training data."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The training loop."""
+    dist: DistConfig = dataclasses.field(default_factory=DistConfig)
+    """Device and process group."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
+    """Fault tolerance: in-process and in-job restart, hang detection, graceful stop, fault injection."""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run_dir) / "checkpoints"
+
+
+def subsection(cls: type, name: str) -> Optional[type]:
+    """The dataclass type of ``cls.name`` when that field is a nested section, else None."""
+    info = getattr(cls, "__pydantic_fields__", {}).get(name)
+    annotation = info.annotation if info is not None else None
+    return annotation if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) else None
+
+
+def section_of(parts: tuple | list) -> Optional[type]:
+    """The dataclass holding the key at ``parts``; None when the parent is not a section."""
+    cls: Optional[type] = Config
+    for part in parts[:-1]:
+        cls = subsection(cls, part)
+        if cls is None:
+            return None
+    return cls
+
+
+def field_annotation(parts: tuple | list) -> object:
+    """The declared type of the key at ``parts`` (a section's class for a section), or None."""
+    cls = section_of(parts)
+    info = getattr(cls, "__pydantic_fields__", {}).get(parts[-1]) if cls is not None else None
+    return info.annotation if info is not None else None

@@ -1,0 +1,157 @@
+"""One attempt at the training function, and every resilience hook it runs: one object the loop
+and the checkpointer talk to, instead of a monitor, a ping, a ledger, an injector and marks.
+
+An attempt is one start of the training function in a process: the first, or one after an
+in-process restart (same process), an in-job restart (new processes) or a job-level restart (new
+pods). :class:`Attempt` holds
+
+- the in-job hang detection (:mod:`.rank_monitor`): the ``init``, ``step``, ``checkpoint`` and
+  ``drain`` sections, the learned timeouts;
+- the in-process restart's progress ping (:mod:`.inprocess`), once per step and while draining;
+- fault injection (:mod:`.faults`) and the once-per-job ledger (:mod:`.ledger`);
+- which layer caused the attempt, where its start-up time went (its marks), and the recoveries
+  it closes after its first step (:mod:`.accounting`).
+
+:class:`NoHooks` is the same interface doing nothing, for a checkpointer used on its own
+(benchmarks, probes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ..config import ResilienceConfig, parse_faults
+from . import accounting
+from .faults import FaultInjector
+from .inprocess import InProcessAttempt
+from .ledger import FaultLedger
+from .rank_monitor import ProgressMonitor
+
+
+class NoHooks:
+    """No sections, no ping, no faults."""
+
+    def start_section(self, name: str) -> None:
+        """Open hang-detection section ``name``."""
+
+    def end_section(self, name: str, learn: bool = True) -> None:
+        """Close it; ``learn=False``: its duration is no sample for learning its timeout."""
+
+    @contextlib.contextmanager
+    def draining(self) -> Iterator[None]:
+        """The block waits for checkpoint writes or the end of the job (the ``drain`` budget)."""
+        yield
+
+    def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
+                     expected: Callable[[], Optional[int]]) -> None:
+        """A checkpoint of ``step`` started writing into ``partial_dir``."""
+
+    def save_written(self, step: int) -> None:
+        """This rank's write of ``step`` finished, before the checkpoint commits."""
+
+    def writer_fault(self, step: int) -> Optional[str]:
+        """What the checkpoint writer is to do wrong while writing ``step``; None: nothing."""
+        return None
+
+
+class Attempt(NoHooks):
+    """The resilience side of one attempt; see the module docstring.
+
+    Built before the process group (its ``init`` section covers building it); :meth:`joined`
+    once the group exists, since finding the layer is collective.
+    """
+
+    def __init__(self, cfg: ResilienceConfig, run_dir: Path, monitor: ProgressMonitor,
+                 in_process: Optional[InProcessAttempt] = None):
+        self.cfg, self.run_dir, self.monitor = cfg, run_dir, monitor
+        self.number = in_process.number if in_process else 0
+        self.store = in_process.store if in_process else None
+        # A failed attempt is followed by another in this process only under in-process restart.
+        self.retried_in_process = in_process is not None
+        self._ping = in_process.ping if in_process else (lambda: None)
+        self.ledger = FaultLedger(run_dir)
+        self.injector: Optional[FaultInjector] = None
+        self.layer = "start"
+        self.rank = 0
+        # Wall-clock marks, for where a recovery's time went (accounting.phases).
+        self.marks = {"attempt": time.time()}
+        monitor.reset()  # whatever a failed attempt left open
+        monitor.start("init")
+
+    def mark(self, name: str) -> None:
+        """This attempt reached ``name`` (``group``, ``model``, ``built``, ``resumed``)."""
+        self.marks[name] = time.time()
+
+    def joined(self, rank: int, world_size: int, device: torch.device, metrics_path: Path) -> None:
+        """Collective, once the process group exists: this rank's faults, and which layer caused
+        the attempt."""
+        self.rank = rank
+        self.injector = FaultInjector(parse_faults(self.cfg.inject, world_size), rank, self.ledger)
+        self.layer = accounting.detect_layer(metrics_path, self.number, rank, device)
+
+    def started(self) -> None:
+        """Start-up is over (built and resumed): the ``init`` section closes."""
+        self.monitor.end("init")
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Step ``step`` runs in the block: its section, its faults, the progress ping after it."""
+        self.monitor.start("step")
+        self.injector.at_step_start(step, step - 1)
+        yield
+        self.monitor.end("step")
+        self._ping()
+
+    def before_collective(self, step: int) -> None:
+        """Step ``step`` is about to enter its loss all-reduce."""
+        self.injector.before_collective(step)
+
+    def after_first_step(self, resumed_step: int, log: Callable[[dict, str], None]) -> None:
+        """Rank 0, after the first step of an attempt a restart caused: close the recoveries of
+        the faults that caused it; ``log(event, message)`` records each."""
+        if self.layer == "start" or self.rank != 0:
+            return
+        now = time.time()
+        for r in accounting.record_recoveries(self.ledger, self.layer, resumed_step, now, self.marks):
+            log({"event": "recovery", "t": now, **r},
+                f"recovered from {r['fault']} by {r['layer'].replace('_', '-')} restart in {r['recovery_s']:.2f} s; "
+                f"{r['lost_steps']} step(s) trained again")
+
+    def maybe_learn(self) -> Optional[dict]:
+        """Collective: learn the section timeouts once enough was seen; the timeouts when learned."""
+        return self.monitor.maybe_learn()
+
+    # -- the checkpointer's hooks -----------------------------------------------------------------
+
+    def start_section(self, name: str) -> None:
+        self.monitor.start(name)
+
+    def end_section(self, name: str, learn: bool = True) -> None:
+        self.monitor.end(name, learn=learn)
+
+    def draining(self):
+        """The ``drain`` section, with the in-process watchdog pinged meanwhile
+        (:meth:`.ProgressMonitor.draining`)."""
+        return self.monitor.draining(self._ping)
+
+    def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
+                     expected: Callable[[], Optional[int]]) -> None:
+        self.injector.save_started(step, partial_dir, measure, expected)
+
+    def save_written(self, step: int) -> None:
+        self.injector.save_written(step)
+
+    def writer_fault(self, step: int) -> Optional[str]:
+        return self.injector.writer_fault(step)
+
+    def close(self) -> None:
+        """The attempt ends: a save still watched for a fault will not be finished by it."""
+        if self.injector is not None:
+            self.injector.close()

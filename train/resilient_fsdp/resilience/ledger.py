@@ -1,0 +1,69 @@
+"""The fault ledger: every fired fault and its recovery, one JSON file each, on storage every rank
+shares (``<run_dir>/faults/``).
+
+"Once per job" is kept here: a rank claims a fault by creating its record exclusively before
+firing it, so the restart the fault causes passes the same step again without firing it twice.
+Restart accounting reads the records back (:mod:`.accounting`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import atomic
+from ..config import FaultSpec
+
+
+class FaultLedger:
+    """Fired faults and their recoveries, one JSON file each, on storage every rank shares."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir) / "faults"
+
+    def claim(self, spec: FaultSpec, record: dict) -> bool:
+        """Record ``spec`` as fired; False if it already was (by any rank, in any earlier attempt)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Durable before the fault fires: it may kill this process next.
+        return atomic.create_exclusive(self.dir / f"{spec.key}.json", json.dumps(record, sort_keys=True))
+
+    def claimed(self, spec: FaultSpec) -> bool:
+        return (self.dir / f"{spec.key}.json").exists()
+
+    def fired(self) -> list[dict]:
+        """Every fired fault, oldest first."""
+        records = []
+        for path in self.dir.glob("*.json") if self.dir.is_dir() else []:
+            if path.name.endswith((".recovery.json", ".went-on.json")):
+                continue
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # a record torn by the fault itself: nothing to account for
+        return sorted(records, key=lambda r: r["t_fault"])
+
+    def recoveries(self) -> dict[str, dict]:
+        found = {}
+        for path in self.dir.glob("*.recovery.json") if self.dir.is_dir() else []:
+            try:
+                found[path.name[: -len(".recovery.json")]] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def record_recovery(self, key: str, record: dict) -> None:
+        atomic.write_json(self.dir / f"{key}.recovery.json", record, indent=None, newline=False)
+
+    def record_went_on(self, key: str, record: dict) -> None:
+        """Training went on past a fault that stops nothing by itself (a partition that healed
+        in time): no restart is its recovery."""
+        atomic.write_json(self.dir / f"{key}.went-on.json", record, indent=None, newline=False)
+
+    def went_on(self) -> dict[str, dict]:
+        found = {}
+        for path in self.dir.glob("*.went-on.json") if self.dir.is_dir() else []:
+            try:
+                found[path.name[: -len(".went-on.json")]] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return found
