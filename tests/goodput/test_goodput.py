@@ -316,8 +316,8 @@ def test_the_local_measurements_docs_goodput_quotes_are_the_benchmarks_results(t
     """goodput.md quotes this machine's figures next to its at-scale assumptions: each must be
     the one the benchmark files hold, and the simulation it describes must give its range."""
     text = (REPO / "docs" / "goodput.md").read_text()
-    recovery = json.loads((REPO / "docs" / "bench-recovery.json").read_text())
-    checkpoint = json.loads((REPO / "docs" / "bench-checkpoint.json").read_text())
+    recovery = json.loads((REPO / "docs" / "benchmarks" / "recovery.json").read_text())
+    checkpoint = json.loads((REPO / "docs" / "benchmarks" / "checkpoint.json").read_text())
     for row, layer in (("recovery: in-process", "in_process"), ("recovery: in-job", "in_job"),
                        ("recovery: job level", "full_relaunch")):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"| {row} |"))
@@ -328,7 +328,7 @@ def test_the_local_measurements_docs_goodput_quotes_are_the_benchmarks_results(t
     low, high = map(float, re.search(r"\((0\.\d+)-(0\.\d+) at 2,048\s+nodes\)", text).groups())
     out = tmp_path / "sim.json"
     proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "2048", "--runs", "200",
-                           "--seed", "0", "--recovery-from-bench", str(REPO / "docs" / "bench-recovery.json"),
+                           "--seed", "0", "--recovery-from-bench", str(REPO / "docs" / "benchmarks" / "recovery.json"),
                            "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     goodputs = [round(r["goodput"], 4) for r in json.loads(out.read_text())["rows"]]

@@ -1,5 +1,5 @@
 """What every ``resilient-fsdp bench`` does with its results: ``--out FILE`` as sorted JSON, the
-form ``docs/bench-*.json`` keeps them in (diffs between runs stay readable)."""
+form ``docs/benchmarks/*.json`` keeps them in (diffs between runs stay readable)."""
 
 from __future__ import annotations
 
