@@ -21,6 +21,15 @@ REPO = Path(__file__).resolve().parents[1]
 # of a failed rank would otherwise wait out the default.
 FAST = ["dist.timeout_s=60"]
 
+# The NVRx lanes a test runs on: the image's 0.7 (the lane ./scripts/test prepares) in CI, the
+# pinned 0.4.1 in the extended tier (docs/tests.md).
+LANES = [pytest.param("pinned", marks=pytest.mark.extended), "image"]
+
+
+def lane_path(request, lane: str) -> list[Path]:
+    """What goes on a job's PYTHONPATH for ``lane`` (the image's NVRx lane; nothing for the pinned one)."""
+    return [] if lane == "pinned" else [request.getfixturevalue("nvrx_lane")]
+
 
 MARK = "RESILIENT_FSDP_TEST_RUN"
 

@@ -47,7 +47,7 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     c = sections["checkpoint"]["results"]
     assert c["state_bytes"] > 0 and c["sync"]["bytes"] > 0
     assert c["sync"]["stall_s"] > 0 and c["async"]["stall_s"] > 0 and c["async"]["write_s"] > 0
-    # Issue 19: every engine, with the figures of bench checkpoint, and the 8b preset's needs.
+    # Every engine, with the figures of bench checkpoint, and the 8b preset's needs.
     assert c["engines_measured"] == ["sync", "async", "dcp_process", "torch-async", "dcp_thread"]
     for engine in ("async", "dcp_process", "torch_async", "dcp_thread"):
         f = c[engine]
@@ -62,7 +62,7 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     assert big["estimate"]["params"] > 7e9 and "GPU only" in big["skipped"]
     assert c["async_stall_over_sync"] > 0 and isinstance(c["target_met"], bool)
     assert "copy-bound floor does not apply" in c["skipped"]["copy_floor"]
-    # Issue 16's device-memory assertions run on a GPU only; the hash's code path runs here too.
+    # The device-memory assertions run on a GPU only; the hash's code path runs here too.
     assert "GPU only" in c["skipped"]["device_memory"] and len(c["params_sha256"]) == 64
     assert "device_memory_flat_during_save" not in c
 

@@ -201,3 +201,14 @@ def test_the_chart_refuses_a_flat_resilience_key_naming_its_key_now():
     with pytest.raises(chart.ChartError, match="unknown key 'trainer.resilience.max_restarts': the key is "
                                                "trainer.resilience.launcher.max_restarts"):
         chart.render(chart.load_values([REPO / "values" / "dev-cpu.yaml"], ["trainer.resilience.max_restarts=2"]))
+
+
+def test_in_process_timeouts_must_be_ordered():
+    with pytest.raises(ConfigError, match="resilience.in_process.soft_timeout_s=90.0 must be less than "
+                                          "resilience.in_process.hard_timeout_s=90.0"):
+        load_config(None, ["resilience.in_process.enabled=true", "resilience.in_process.soft_timeout_s=90"])
+    with pytest.raises(ConfigError, match="resilience.hang_detection.step_timeout_s=30.0 must exceed "
+                                          "resilience.in_process.hard_timeout_s=90.0"):
+        load_config(None, ["resilience.in_process.enabled=true", "resilience.hang_detection.step_timeout_s=30"])
+    with pytest.raises(ConfigError, match="stop.exit_code"):
+        load_config(None, ["resilience.stop.exit_code=1"])  # would fail the job instead of restarting it

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.resilience.node import free_port
+from tests.resilience.probes import HERE as PROBES
 from tests.support import REPO, _env, assert_no_leftovers, run_local
 
 HERE = Path(__file__).parent
@@ -24,7 +25,7 @@ def test_peers_blocked_on_a_failed_rank_fail_at_once_not_at_the_collective_timeo
     until rank 0 exits or the timeout)."""
     port = free_port()
     env = _env(None, tmp_path)
-    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(HERE / "abort_probe.py"), str(r), "3", str(port)],
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(PROBES / "abort.py"), str(r), "3", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
              for r in range(3)]
     try:
@@ -63,7 +64,7 @@ def test_a_rank_that_fails_with_a_write_in_flight_releases_its_peers_before_clos
 
 
 def _probe(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "sweeper_probe.py"), *args],
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(PROBES / "sweeper.py"), *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])

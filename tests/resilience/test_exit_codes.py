@@ -69,7 +69,7 @@ def test_node_exit_code_follows_the_table(returncode, stop, config_failure, expe
     (0, None, False, 0),
 ])
 def test_a_lost_rendezvous_store_is_retried_by_the_job_level(returncode, stop, config_failure, expected):
-    """The row only: a node that loses its store is run by the local cluster's tests (issue 15)."""
+    """The row only: a node that loses its store is run by the local cluster's tests (tests/local/test_field_faults.py)."""
     code = node_exit_code(returncode, stop, config_failure, store_lost=True)
     assert code == expected
     assert retryable(code) == (code >= 128)

@@ -1,7 +1,10 @@
-"""Every fault kind, injected into a real 2-pod x 2-rank job (gloo, NVRx 0.4.1, ``resilient-fsdp
-local``): the job recovers by the layer meant for it and ends bitwise equal to the same job without
-faults. Rank 0 (which commits checkpoints and writes the summary) and node 0 (whose agent hosts the
-rendezvous store) are targets like any other. Node-level faults are executed by the local cluster."""
+"""Every fault kind, injected into a real job (gloo, ``resilient-fsdp local``): the job recovers by
+the layer meant for it and ends bitwise equal to the same job without faults. 2 pods x 2 ranks on
+the pinned NVRx (0.4.1); one pod of 2 ranks, whose agent hosts the rendezvous store, on each lane
+(the image's 0.7 in CI), in-process restart off and on. Rank 0 (which commits checkpoints and
+writes the summary) and node 0 are targets like any other. Node-level faults are executed by the
+local cluster; several pods under 0.7 with node faults on the store host are
+tests/local/test_field_faults.py."""
 
 from __future__ import annotations
 
@@ -10,7 +13,17 @@ import json
 import pytest
 
 from tests.resilience.fault_jobs import COMMON, IN_PROCESS, check_landed_mid_write, check_recoveries, run_with_faults
-from tests.support import assert_no_leftovers, netns_required, run_local
+from tests.support import LANES, REPO, assert_no_leftovers, netns_required, run_local
+from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
+
+IMAGE_NVRX = (REPO / "constraints-image.txt").read_text().split("nvidia-resiliency-ext==")[1].split()[0]
+
+
+def lane_run(request, lane: str) -> dict:
+    """``run_with_faults``'s arguments for ``lane``: the PYTHONPATH and the NVRx version it runs."""
+    if lane == "pinned":
+        return {"pythonpath": [], "nvrx_version": NVRX_VERSION}
+    return {"pythonpath": [request.getfixturevalue("nvrx07_lane")], "nvrx_version": IMAGE_NVRX}
 
 # Faults that need their own job: their recovery is asserted in detail below.
 CASES = [
@@ -117,4 +130,44 @@ def test_too_many_faults_fail_with_the_last_fault_named(tmp_path):
     committed = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_") and "." not in p.name)
     assert committed[-1].name == "step_00000008"
     assert json.loads((committed[-1] / "COMPLETE").read_text())["step"] == 8
+    assert_no_leftovers(run_dir)
+
+
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("lane", LANES)
+def test_every_kind_in_one_pod_is_recovered_by_in_job_restart(tmp_path, request, lane, reference_1x2):
+    # sigterm: 0.7's checkpoint worker installs its own SIGTERM handler (async_ckpt/core.py) that
+    # exits 143; the trainer starts it with SIGTERM blocked, so the SIGTERM ft_launcher sends a
+    # stopping node's ranks reaches the trainer only, and the graceful stop's checkpoint commits.
+    specs = ["exception@3:rank=0", "hang@7:rank=1", "hang-in-collective@11:rank=0", "sigkill-during-save@13:rank=1",
+             "sigterm@18:node=0"]
+    # 0.7 counts --max-restarts as rounds of the whole job (its _handle_restart_decision), not per
+    # node: four in-job restarts need four.
+    summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, extra=["--max-restarts=4"],
+                              timeout=600, **lane_run(request, lane))
+    check_recoveries(summary, ["in_job"] * 4 + ["job"])
+    check_landed_mid_write(summary["recoveries"][3])
+
+
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("lane", LANES)
+def test_every_kind_in_one_pod_is_recovered_by_in_process_restart(tmp_path, request, lane, reference_1x2):
+    specs = ["exception@3:rank=0", "hang@6:rank=1", "hang-in-collective@10:rank=0", "sigkill@13:rank=1",
+             "node-loss@18:node=0"]
+    summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, overrides=IN_PROCESS, timeout=600,
+                              **lane_run(request, lane))
+    check_recoveries(summary, ["in_process", "in_process", "in_process", "in_job", "job"])
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(240)
+def test_two_loopback_pods_under_the_image_nvrx(tmp_path, nvrx07_lane):
+    """Without namespaces too: 0.7 refuses two agents with one node address, and a loopback
+    endpoint makes every agent try to host the store; distinct 127.0.0.x addresses and is_host
+    per pod (the loopback deviations) make it work."""
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=2, nproc=1, overrides=["train.steps=4"], pythonpath=[nvrx07_lane],
+                     isolation="loopback", timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"NVRx {IMAGE_NVRX}" in proc.stdout
     assert_no_leftovers(run_dir)

@@ -19,7 +19,7 @@ from tests.support import assert_no_leftovers, read_events, read_losses, read_su
 RUN = ["train.steps=12", "checkpoint.interval_steps=4", "train.log_every=4", "resilience.hang_detection.learn_timeouts=false",
        "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5"]
 # Extended tier: in CI, sigterm@10:node=0 (tests/resilience/test_faults.py, 0.4.1) and
-# sigterm@18:node=0 (test_faults_nvrx07.py, 0.7) cover a graceful stop on each lane.
+# sigterm@18:node=0 (test_faults.py, one pod on each lane) cover a graceful stop on each lane.
 pytestmark = pytest.mark.extended
 LANES = ("pinned", "image")
 

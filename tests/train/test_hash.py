@@ -7,14 +7,15 @@ import socket
 import subprocess
 import sys
 
-from tests.support import REPO, _env
+from tests.support import _env
+from tests.train.probes import HERE as PROBES
 
 
 def hash_at(world: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "train" / "hash_probe.py")], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(PROBES / "params_hash.py")], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=_env(extra={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))

@@ -29,7 +29,7 @@ from ..train.trainer import Trainer
 from .checkpoint_engines import ENGINES, measure, page_faults, pin
 from .results import write_results
 
-# Targets (issue 19): async stall <= 2% of sync and not above the best DCP configuration; the
+# Targets: async stall <= 2% of sync and not above the best DCP configuration; the
 # tiny preset's stall <= 20 ms; steps during a write <= 1.10x idle.
 STALL_OVER_SYNC_TARGET = 0.02
 TINY_STALL_TARGET_S = 0.020
@@ -137,7 +137,7 @@ def ratios(r: dict) -> dict:
 
 
 def verdicts(r: dict) -> dict:
-    """Each target of issue 19 that this run can judge: the measured figure and whether it is met."""
+    """Each target this run can judge: the measured figure and whether it is met."""
     out: dict = {}
     if "async" not in r:
         return out

@@ -82,8 +82,10 @@ def breakdown(run: RunData) -> dict:
         if resumed_at is not None:
             lost += max(0.0, fault["t_fault"] - resumed_at)
     other = wall - productive - stalls - lost - recovery
+    # The run's own goodput (resilience.accounting computed it): the report explains it, it
+    # does not compute another.
     return {"wall_s": wall, "productive_s": productive, "checkpoint_stalls_s": stalls, "lost_work_s": lost,
-            "recovery_s": recovery, "other_s": other, "goodput": productive / wall if wall > 0 else 0.0}
+            "recovery_s": recovery, "other_s": other, "goodput": float(s["goodput"])}
 
 
 def render_table(run: RunData, parts: dict) -> str:
@@ -95,7 +97,7 @@ def render_table(run: RunData, parts: dict) -> str:
              f"{'':<18} {'seconds':>9} {'share':>7}"]
     lines += [f"{name:<18} {value:>9.2f} {value / wall:>7.1%}" for name, value in rows]
     lines.append(f"{'wall':<18} {parts['wall_s']:>9.2f} {'':>7}")
-    lines.append(f"goodput {parts['goodput']:.4f} (summary.json: {run.summary.get('goodput', float('nan')):.4f})")
+    lines.append(f"goodput {parts['goodput']:.4f} (summary.json's: productive / wall)")
     for fault in run.faults:
         rec = run.recoveries.get(fault["key"])
         if rec:

@@ -6,7 +6,7 @@ engine the section's budget allows, in this order: ``sync``, ``async``, ``dcp_pr
 ``optimizer.step()``, the stall, the time until committed and the step time while the write
 runs. The next preset (``8b``) is measured the same way only if it fits: its device, host and
 disk needs are estimated first, and a preset that does not fit is reported with the estimate.
-Issue 16's GPU assertions (device memory flat during a save, stall near the copy time, a bounded
+The GPU assertions (device memory flat during a save, stall near the copy time, a bounded
 hash) run on the first preset. torch and the trainer are imported inside.
 """
 
@@ -175,7 +175,7 @@ def _device_growth_of_a_save(trainer: Any, root: Any, step: int) -> int:
 
 def _staging_and_hash_assertions(s: Section, trainer: Any, r: dict, nbytes: int, async_stall: float, root: Any,
                                  step: int) -> None:
-    """Issue 16's GPU-only checks, as assertions the report shows:
+    """The GPU-only checks, as assertions the report shows:
 
     - staging keeps DTensors over host buffers: device memory does not grow by a shard during an
       async save (``device_memory_flat_during_save``);

@@ -1,4 +1,4 @@
-"""Run by tests/resilience/test_resilience.py: a node wrapper's view of a rank that dies and leaves helpers.
+"""Run by tests/resilience/test_agent.py: a node wrapper's view of a rank that dies and leaves helpers.
 
 Tree: this process (subreaper) -> "launcher" -> "rank" (session leader) -> "helper" (ignores
 SIGTERM) and a detached "monitor" (double fork + setsid, as NVRx's in-process monitor does).

@@ -1,6 +1,7 @@
-"""Hang detection never undercuts what is configured: a final save slower than the learned timeouts
-would allow finishes (in-process restart on and off), and timeouts restored from a checkpoint are
-raised to what the restarted job configures. Real jobs under ft_launcher (gloo on CPU)."""
+"""Hang detection never undercuts what is configured: learned timeouts are floored by the
+configured ones, a final save slower than the learned timeouts would allow finishes (in-process
+restart on and off), and timeouts restored from a checkpoint are raised to what the restarted job
+configures. Real jobs under ft_launcher (gloo on CPU), but the first test."""
 
 from __future__ import annotations
 
@@ -65,3 +66,22 @@ def test_a_slow_final_save_finishes_under_in_process_restart(tmp_path):
     assert summary["checkpoints"][-1]["step"] == 8 and summary["checkpoints"][-1]["write_s"] > 26
     assert_at_least(summary["hang_timeouts"], 60)
     assert_no_leftovers(run_dir)
+
+
+def test_learned_timeouts_never_go_below_the_configured_ones():
+    from resilient_fsdp.resilience.rank_monitor import with_floors
+
+    configured = {"init": 900.0, "step": 600.0, "checkpoint": 610.0, "drain": 610.0}
+    # NVRx learned 5 x a few milliseconds for step and checkpoint, and for out-of-section time.
+    learned = {"init": 900.0, "step": 0.4, "checkpoint": 0.6, "drain": 610.0}
+    section, oos = with_floors(learned, 0.2, {"step", "checkpoint"}, True, configured, 300.0, 60.0)
+    assert section == configured and oos == 300.0
+    # A step that really takes long raises its timeout above the configured one.
+    section, _ = with_floors({**learned, "step": 1500.0}, 0.2, {"step", "checkpoint"}, True, configured, 300.0, 60.0)
+    assert section["step"] == 1500.0 and section["checkpoint"] == 610.0
+    # Values restored from an older checkpoint: a missing section gets its configured value, a
+    # section configured without a limit stays without one, and a short configured value still
+    # gets the minimum when learned.
+    section, oos = with_floors({"step": 2.0, "checkpoint": 3.0}, 1.0, {"step", "checkpoint"}, True,
+                               {**configured, "step": 30.0, "checkpoint": None}, None, 60.0)
+    assert section == {"init": 900.0, "step": 60.0, "checkpoint": None, "drain": 610.0} and oos is None

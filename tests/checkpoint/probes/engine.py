@@ -1,7 +1,7 @@
 """The checkpoint engine across attempts and dead writers, in one process (a world of one), run by
-test_checkpoint.py against each NVRx lane.
+test_checkpoint_failures.py and test_staging.py against each NVRx lane.
 
-usage: python engine_probe.py RUN_DIR SCENARIO MODE
+usage: python engine.py RUN_DIR SCENARIO MODE
 
 - ``stale``: what an in-process restart does to the engine: attempt 1 starts a save and fails
   while the write is in flight (the trainer closes with ``failed=True``: the engine is drained
@@ -34,7 +34,7 @@ import time
 
 import psutil
 
-from ckpt_probe import equal, snapshot
+from round_trip import equal, snapshot
 from resilient_fsdp.checkpoint import store
 from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.resume import load

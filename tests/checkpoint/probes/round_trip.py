@@ -1,6 +1,6 @@
-"""Checkpoint round trip in one process (a world of one), run by test_checkpoint.py.
+"""Checkpoint round trip in one process (a world of one), run by test_round_trips.py.
 
-usage: python ckpt_probe.py RUN_DIR MODE
+usage: python round_trip.py RUN_DIR MODE
 
 Trains 3 steps, snapshots every piece of state, saves, keeps training (mutating the live
 tensors while the write may still be in flight), finalizes, then loads the checkpoint into a

@@ -1,7 +1,7 @@
 """Load every committed checkpoint of two runs (in one process, world size 1: DCP reshards) and
-compare them step by step, bit for bit; run by test_correctness.py.
+compare them step by step, bit for bit; run by test_checkpoint_failures.py.
 
-usage: python compare_probe.py WORK_DIR CHECKPOINTS_A CHECKPOINTS_B
+usage: python compare.py WORK_DIR CHECKPOINTS_A CHECKPOINTS_B
 
 Model, optimizer, schedule, counters and sampler position are compared; RNG streams are not
 loaded at another world size, and learned hang-detection timeouts are timings. Prints one JSON
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from ckpt_probe import equal, snapshot
+from round_trip import equal, snapshot
 from resilient_fsdp.checkpoint import store
 from resilient_fsdp.checkpoint.resume import load
 from resilient_fsdp.config import load_config

@@ -1,7 +1,7 @@
 """Run by tests/resilience/test_abort.py: one rank of a gloo job whose rank 0 fails while the others
 wait for it in a collective.
 
-usage: python abort_probe.py RANK WORLD_SIZE PORT
+usage: python abort.py RANK WORLD_SIZE PORT
 
 Every rank joins the process group the way the trainer does (``distributed.init_distributed``,
 which records the group's connections), and takes part in one all-reduce. Then rank 0 leaves the

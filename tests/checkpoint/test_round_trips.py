@@ -1,4 +1,6 @@
-"""Checkpointing in real processes: exact resume, snapshots, failures, retention, resharding."""
+"""Checkpoint round trips in real processes: each engine saves exactly the state of its step and
+resumes bitwise, on both NVRx lanes; cached plans; a stopped and resumed run equals an
+uninterrupted one; resharding; the save schedule and the figures reported."""
 
 from __future__ import annotations
 
@@ -7,16 +9,15 @@ import sys
 
 import pytest
 
+from tests.checkpoint.probes import HERE as PROBES_DIR, run_probe
 from tests.support import REPO, assert_no_leftovers, read_events, read_losses, read_summary, run_guarded, run_local, run_trainer
+
 
 MODES = ["async", "torch-async", "sync"]
 
 
 def probe(run_dir, mode, pythonpath=None) -> dict:
-    proc = run_guarded([sys.executable, str(REPO / "tests" / "checkpoint" / "ckpt_probe.py"), str(run_dir), mode], run_dir,
-                       pythonpath, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_probe("round_trip.py", run_dir, mode, pythonpath=pythonpath, timeout=180)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -39,11 +40,11 @@ def test_image_nvrx_version_round_trip(tmp_path, nvrx_lane, mode):
 @pytest.mark.parametrize("lane", [pytest.param("pinned", marks=pytest.mark.extended), "image"])
 def test_a_cached_plan_writes_checkpoints_that_load_bitwise_and_a_changed_structure_invalidates_it(tmp_path, request,
                                                                                                    lane):
-    """Issue 19: the plan cache (an explicit CheckpointMetadataCache) is validated at the second save
+    """The plan cache (an explicit CheckpointMetadataCache) is validated at the second save
     of a structure and skips planning from the third; an added key and a changed shape each start
     a fresh cache. The staging buffers travel to the writer once per structure, not per save."""
     pythonpath = [REPO] + ([] if lane == "pinned" else [request.getfixturevalue("nvrx_lane")])
-    proc = run_guarded([sys.executable, str(REPO / "tests" / "checkpoint" / "plan_cache_probe.py"), str(tmp_path / "c")],
+    proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")],
                        tmp_path, pythonpath, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saves = json.loads(proc.stdout.strip().splitlines()[-1])["saves"]
@@ -95,55 +96,7 @@ def test_checkpoint_figures_are_reported(uninterrupted):
     assert kept == ["step_00000008", "step_00000012", "step_00000016"]
 
 
-def test_writer_killed_mid_save_leaves_an_incomplete_checkpoint_that_resume_skips(tmp_path):
-    common = ["train.steps=12", "checkpoint.interval_steps=4"]
-    crashed = run_trainer(tmp_path, [*common, "resilience.inject=[writer-exit@8]"])
-    assert crashed.returncode != 0
-    assert "checkpoint of step 8 failed" in crashed.stderr and "exited with code 137" in crashed.stderr
-    ckpts = tmp_path / "checkpoints"
-    partial = list(ckpts.glob("step_00000008.incomplete-*"))
-    assert [p.name for p in ckpts.glob("step_????????")] == ["step_00000004"] and len(partial) == 1
-    resumed = run_trainer(tmp_path, common)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"skipping {partial[0]}: not a complete checkpoint" in resumed.stdout
-    assert "resumed from step 4" in resumed.stdout
-    assert partial[0].exists()  # reported, never deleted
-    reference = run_trainer(tmp_path / "ref", common)
-    assert read_summary(tmp_path)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
-    assert_no_leftovers(tmp_path)
-
-
-def test_unreadable_complete_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    first = run_trainer(tmp_path, ["train.steps=12", "train.stop_at_step=8", "checkpoint.interval_steps=4"])
-    assert first.returncode == 0, first.stderr
-    for f in (tmp_path / "checkpoints" / "step_00000008").glob("*.distcp"):
-        f.write_bytes(f.read_bytes()[:100])  # torn data behind a valid marker
-    second = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=4"])
-    assert second.returncode == 0, second.stderr
-    assert "cannot load" in second.stdout and "step_00000008" in second.stdout
-    assert "resumed from step 4" in second.stdout
-
-
-def test_full_disk_fails_with_a_clear_error_not_a_hang(tmp_path):
-    # The tiny model's checkpoint files are ~1 MB: a 256 KB file-size cap makes every write fail
-    # part-way (EFBIG, as ENOSPC would on a full disk).
-    proc = run_trainer(tmp_path, ["train.steps=6", "checkpoint.interval_steps=3"], file_size_limit=256 * 1024,
-                       timeout=120)
-    assert proc.returncode != 0
-    assert "checkpoint of step 3 failed" in proc.stderr and "stays incomplete" in proc.stderr
-    assert not list((tmp_path / "checkpoints").glob("step_????????"))
-    assert_no_leftovers(tmp_path)
-
-
-def test_unwritable_checkpoint_dir_is_a_config_error(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    proc = run_trainer(tmp_path / "run", ["train.steps=2", f"checkpoint.dir={blocker}/ckpts"])
-    assert proc.returncode == 2
-    assert f"checkpoint.dir='{blocker}/ckpts' is not writable" in proc.stderr
-
-
-# CI reshards the default engine's checkpoints (test_correctness.py, another world size).
+# CI reshards the default engine's checkpoints (test_resume.py, another world size).
 @pytest.mark.extended
 def test_dcp_checkpoints_reshard_and_torch_async_ones_refuse(tmp_path):
     for mode in ("async", "torch-async"):

@@ -1,6 +1,6 @@
 """params_sha256 at one world size: one rank of it (RANK, WORLD_SIZE, MASTER_* from the test).
 
-usage: python hash_probe.py   (prints one JSON line: rank, digest, bytes allocated while hashing)
+usage: python params_hash.py   (prints one JSON line: rank, digest, bytes allocated while hashing)
 
 The tiny model is sharded with FSDP2 and filled from full tensors that depend only on each
 parameter's name and shape, so every world size holds the same model. The bytes this rank

@@ -1,7 +1,7 @@
-"""The ``async`` engine's plan cache, in one process (a world of one), run by test_checkpoint.py
+"""The ``async`` engine's plan cache, in one process (a world of one), run by test_round_trips.py
 against each NVRx lane.
 
-usage: python plan_cache_probe.py RUN_DIR
+usage: python plan_cache.py RUN_DIR
 
 Saves a small state of DTensors and non-tensor items with the engine itself, step after step:
 unchanged (the cache is validated, then used without planning), then with an added key, then with

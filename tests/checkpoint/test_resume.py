@@ -1,0 +1,127 @@
+"""Resume: a corrupted newest checkpoint caught and passed over, a rewind (`resume_from`) applied
+at the job's first start, random streams restored exactly, another world size keeping the
+global batch, and a second job refused the same directory. Real processes (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from tests.support import assert_no_leftovers, read_losses, read_summary, run_local, run_trainer, write_module
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_resume_ends_bitwise_equal(tmp_path):
+    common = ["train.steps=12", "checkpoint.interval_steps=4"]
+    reference = run_trainer(tmp_path / "ref", common)
+    assert reference.returncode == 0, reference.stderr
+    first = run_trainer(tmp_path, common + ["train.stop_at_step=8"])
+    assert first.returncode == 0, first.stderr
+    newest = tmp_path / "checkpoints" / "step_00000008"
+    largest = max((p for p in newest.iterdir() if p.name != "COMPLETE"), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x10  # same size, one bit
+    largest.write_bytes(bytes(data))
+    second = run_trainer(tmp_path, common)
+    assert second.returncode == 0, second.stderr
+    assert f"integrity check failed: {largest.name}: crc32c" in second.stdout, second.stdout[-3000:]
+    assert "resumed from step 4" in second.stdout
+    assert read_summary(tmp_path)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
+    assert read_losses(tmp_path) == read_losses(tmp_path / "ref")
+    # The corrupted commit was moved aside by the new step 8, not deleted.
+    assert list((tmp_path / "checkpoints").glob("step_00000008.superseded-*"))
+
+
+def test_resume_from_applies_to_the_jobs_first_start_and_newer_checkpoints_are_set_aside(tmp_path):
+    common = ["train.steps=16", "checkpoint.interval_steps=4", "checkpoint.keep_last=0"]
+    first = run_trainer(tmp_path, common + ["checkpoint.job_id=job-a"])
+    assert first.returncode == 0, first.stderr
+    target = tmp_path / "checkpoints" / "step_00000008"
+    rewind = common + [f"checkpoint.resume_from={target}", "checkpoint.job_id=job-b"]
+    second = run_trainer(tmp_path / "b", rewind + [f"checkpoint.dir={tmp_path / 'checkpoints'}", "train.stop_at_step=12"])
+    assert second.returncode == 0, second.stderr
+    assert "resumed from step 8" in second.stdout
+    aside = sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoints").glob("*.abandoned-*"))
+    assert aside == ["step_00000012", "step_00000016"]
+    # A restart of job b (the same job id) resumes from its own newest checkpoint, step 12, not
+    # from resume_from again, and never from the abandoned timeline's step 16.
+    third = run_trainer(tmp_path / "b", rewind + [f"checkpoint.dir={tmp_path / 'checkpoints'}"])
+    assert third.returncode == 0, third.stderr
+    assert "applied at this job's first start" in third.stdout and "resumed from step 12" in third.stdout
+    assert read_summary(tmp_path / "b")["params_sha256"] == read_summary(tmp_path)["params_sha256"]
+    assert len(list((tmp_path / "checkpoints").glob("*.abandoned-*"))) == 2  # never deleted
+
+
+RANDOM_DATA = """
+import random
+import numpy as np
+import torch
+
+
+class RandomCrops:
+    # Windows at random offsets: each sample draws from Python's random and NumPy's generator.
+    def __init__(self, vocab, seq_len):
+        self.vocab, self.seq_len = vocab, seq_len
+
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, index):
+        start = random.randrange(self.vocab) + int(np.random.randint(0, 7))
+        return (start + index + torch.arange(self.seq_len + 1)) % self.vocab
+
+
+def build(cfg, vocab_size):
+    return RandomCrops(vocab_size, cfg.seq_len)
+"""
+
+
+def test_python_and_numpy_random_streams_resume_exactly(tmp_path, plugin_dir):
+    write_module(plugin_dir, "random_data", RANDOM_DATA)
+    common = ["train.steps=10", "checkpoint.interval_steps=5", "data.factory=random_data:build"]
+    ref = run_trainer(tmp_path / "ref", common, pythonpath=[plugin_dir])
+    assert ref.returncode == 0, ref.stderr
+    first = run_trainer(tmp_path, common + ["train.stop_at_step=5"], pythonpath=[plugin_dir])
+    assert first.returncode == 0, first.stderr
+    second = run_trainer(tmp_path, common, pythonpath=[plugin_dir])
+    assert second.returncode == 0, second.stderr
+    assert read_losses(tmp_path) == read_losses(tmp_path / "ref")
+    assert read_summary(tmp_path)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
+
+
+def test_another_world_size_keeps_the_global_batch_or_refuses_naming_the_keys(tmp_path):
+    two = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=8", "train.stop_at_step=4",
+                                                           "data.micro_batch_size=3"])
+    assert two.returncode == 0, two.stdout + two.stderr
+    refused = run_trainer(tmp_path, ["train.steps=8", "data.micro_batch_size=4"])
+    assert refused.returncode == 2
+    assert ("global batch" in refused.stderr and "train.grad_accum_steps" in refused.stderr
+            and "data.micro_batch_size" in refused.stderr), refused.stderr[-2000:]
+    one = run_trainer(tmp_path, ["train.steps=8", "data.micro_batch_size=3"])
+    assert one.returncode == 0, one.stderr
+    assert "resharded from world size 2 to 1; RNG streams start fresh" in one.stdout
+    assert "train.grad_accum_steps=2 instead of 1" in one.stdout
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"event": "step"' in line]
+    assert {s["tokens"] for s in steps} == {2 * 3 * 64}  # the same tokens per step at both world sizes
+    assert read_summary(tmp_path)["tokens_seen"] == 8 * 2 * 3 * 64
+    assert_no_leftovers(tmp_path)
+
+
+def test_a_second_job_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_path):
+    shared = tmp_path / "shared"
+    first = run_trainer(tmp_path / "a", ["train.steps=2", f"checkpoint.dir={shared}", "checkpoint.job_id=job-a"])
+    assert first.returncode == 0, first.stderr
+    # job-a ended cleanly and released the lease; pretend it is still running by holding it here.
+    from resilient_fsdp.checkpoint.lease import Lease
+
+    holder = Lease(shared, "job-a", print)
+    holder.acquire()
+    try:
+        second = run_trainer(tmp_path / "b", ["train.steps=2", f"checkpoint.dir={shared}", "checkpoint.job_id=job-b"])
+    finally:
+        holder.release()
+    assert second.returncode == 2
+    assert f"checkpoint.dir='{shared}' is in use by job 'job-a'" in second.stderr, second.stderr[-2000:]
+    third = run_trainer(tmp_path / "b", ["train.steps=2", f"checkpoint.dir={shared}", "checkpoint.job_id=job-b"])
+    assert third.returncode == 0, third.stderr
+    shutil.rmtree(shared)

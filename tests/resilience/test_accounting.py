@@ -1,0 +1,72 @@
+"""Restart accounting: attempt records become restarts by layer, recoveries with their phases,
+and goodput (no processes started here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from resilient_fsdp.config import FaultSpec
+from resilient_fsdp.resilience.accounting import record_recoveries, summarize
+from resilient_fsdp.resilience.ledger import FaultLedger
+
+
+def _write_metrics(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_summary_counts_restarts_by_layer_and_goodput_from_the_files(tmp_path):
+    ledger = FaultLedger(tmp_path)
+    spec = FaultSpec("exception", 5, 0)
+    ledger.claim(spec, {"fault": str(spec), "key": spec.key, "kind": "exception", "t_fault": 110.0,
+                        "completed_step": 4})
+    new = record_recoveries(ledger, "in_process", resumed_step=2, now=113.0)
+    assert new == [{"fault": "exception@5:rank=0", "kind": "exception", "layer": "in_process", "recovery_s": 3.0,
+                    "fault_step": 4, "resumed_from_step": 2, "lost_steps": 2}]
+    assert record_recoveries(ledger, "in_job", resumed_step=2, now=120.0) == []  # each fault recovers once
+    metrics = tmp_path / "metrics.jsonl"
+    _write_metrics(metrics, [
+        {"event": "start", "t": 100.0, "layer": "start"},
+        {"event": "step", "step": 1, "step_time_s": 2.0},
+        {"event": "step", "step": 2, "step_time_s": 2.0},
+        {"event": "start", "t": 112.0, "layer": "in_process"},
+        {"event": "step", "step": 3, "step_time_s": 2.0},
+        {"event": "start", "t": 130.0, "layer": "job"},
+        {"event": "step", "step": 4, "step_time_s": 2.0},
+    ])
+    s = summarize(metrics, ledger, now=140.0)
+    assert s["restarts"] == {"in_process": 1, "in_job": 0, "job": 1}
+    assert s["faults_injected"] == ["exception@5:rank=0"]
+    assert s["recoveries"][0]["layer"] == "in_process"
+    assert s["productive_s"] == 8.0 and s["job_wall_s"] == 40.0 and s["goodput"] == pytest.approx(0.2)
+
+
+def test_a_recovery_says_where_its_time_went():
+    from resilient_fsdp.resilience.accounting import phases
+
+    marks = {"attempt": 105.0, "group": 105.5, "model": 106.25, "built": 106.5, "resumed": 107.0}
+    # In-job or job: the new process started at 103 and spent 2 s importing before the attempt.
+    assert phases(100.0, marks, now=107.25, process_start=103.0) == {
+        "restart_s": 3.0, "process_start_s": 2.0, "group_s": 0.5, "model_s": 0.75, "engine_s": 0.25, "load_s": 0.5,
+        "first_step_s": 0.25}
+    # In-process: the process is older than the fault, so all of it before the attempt is restart.
+    p = phases(100.0, marks, now=107.25, process_start=50.0)
+    assert p["restart_s"] == 5.0 and p["process_start_s"] == 0.0
+    assert sum(p.values()) == pytest.approx(7.25)  # the phases add up to recovery_s
+    # An attempt that failed before its model was built: the later phases are 0, the sum holds.
+    early = phases(100.0, {"attempt": 105.0, "group": 106.0}, now=107.0)
+    assert early["model_s"] == early["engine_s"] == early["load_s"] == 0.0 and early["first_step_s"] == 1.0
+
+
+def test_the_trainers_marks_put_the_phases_in_the_recovery_record(tmp_path):
+    ledger = FaultLedger(tmp_path)
+    spec = FaultSpec("exception", 5, 0)
+    ledger.claim(spec, {"fault": str(spec), "key": spec.key, "kind": "exception", "t_fault": 100.0,
+                        "completed_step": 4})
+    (record,) = record_recoveries(ledger, "in_process", resumed_step=4, now=107.25,
+                                  marks={"attempt": 105.0, "group": 105.5, "model": 106.25, "built": 106.5,
+                                         "resumed": 107.0})
+    assert record["recovery_s"] == 7.25
+    assert sum(record["phases_s"].values()) == pytest.approx(record["recovery_s"])
+    assert record["phases_s"]["group_s"] == 0.5 and record["phases_s"]["first_step_s"] == 0.25
