@@ -232,3 +232,18 @@ def test_the_error_docs_config_shows_is_the_one_a_typo_gives():
     proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", *shlex.split(block[1])[1:]],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2 and proc.stderr == block[2], proc.stderr
+
+
+def test_every_test_the_docs_cite_exists():
+    """A page that names a test (``dir/test_x.py::test_name``, with or without ``tests/``) names
+    one that is there, so the fault matrix and the test tables describe the suite as it is."""
+    cited = []
+    for page in PAGES:
+        for number, raw in enumerate(page.read_text().splitlines(), 1):
+            for path, name in re.findall(r"`(?:tests/)?([a-z_]+/test_[a-z0-9_]+\.py)::(test_[a-z0-9_]+)", raw):
+                cited.append((f"{page.relative_to(REPO)}:{number}", path, name))
+    assert len(cited) > 10
+    missing = [f"{where}: tests/{path}::{name}" for where, path, name in cited
+               if not (REPO / "tests" / path).is_file()
+               or not re.search(rf"^def {name}\(", (REPO / "tests" / path).read_text(), re.M)]
+    assert missing == [], "the docs cite tests that do not exist:\n" + "\n".join(missing)
