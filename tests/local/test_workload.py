@@ -17,10 +17,13 @@ from tests.support import REPO
 from resilient_fsdp.deploy.chart import load_values, render
 from resilient_fsdp.local import job as local_job
 from resilient_fsdp.resilience import exit_codes
-from resilient_fsdp.local.fault_requests import FaultExecutor, requests_dir
-from resilient_fsdp.local.paths import IN_TEXT, replace_paths
-from resilient_fsdp.local.runtimes import LoopbackRuntime, hidden_image_paths
-from resilient_fsdp.local.workload import RestartPolicy, WorkloadError, expand, pods_of, quantity_bytes
+from resilient_fsdp.local.cluster.fault_requests import FaultExecutor, requests_dir
+from resilient_fsdp.local.manifests.kinds import pods_of
+from resilient_fsdp.local.manifests.pytorchjob import RestartPolicy
+from resilient_fsdp.local.manifests.spec import WorkloadError, expand, quantity_bytes
+from resilient_fsdp.local.runtime.loopback import LoopbackRuntime
+from resilient_fsdp.local.runtime.netns import hidden_image_paths
+from resilient_fsdp.local.runtime.paths import IN_TEXT, replace_paths
 from resilient_fsdp.resilience.agent import RENDEZVOUS_LOST_EXIT_CODE, exit_code, rendezvous_store_lost
 
 LOCAL = ["storage.type=existingClaim", "storage.existingClaim=local-run-dir", "trainer.run_dir=/fsx"]
