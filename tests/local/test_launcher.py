@@ -1,7 +1,7 @@
 """``resilient-fsdp local``: the chart's pods on this machine, failures, and cleanup.
 
 Each test starts a real job (gloo on CPU); as root every pod is a network namespace, otherwise
-processes on loopback (tests that need namespaces say so). ``test_workload.py`` checks what the
+processes on loopback (tests that need namespaces say so). ``test_manifests.py`` checks what the
 pods run without starting them."""
 
 from __future__ import annotations
