@@ -148,15 +148,15 @@ def netns_leftovers() -> list[str]:
     are not counted. Only root can make pods, so nothing is left otherwise."""
     if os.geteuid() != 0:
         return []
-    from resilient_fsdp.local import netns
+    from resilient_fsdp.local.runtime.netns_pods import plumbing
 
-    return netns.leaked()
+    return plumbing.leaked()
 
 
 def netns_required() -> None:
     """Skip a test that needs local pods (root, ``ip netns``) where they cannot be made, naming the
     reason and how to run it; under ``CI`` fail instead, so missing setup never passes as a skip."""
-    from resilient_fsdp.local.netns import available
+    from resilient_fsdp.local.runtime.netns_pods.plumbing import available
 
     ok, reason = available()
     if ok:

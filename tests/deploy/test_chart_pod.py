@@ -6,7 +6,7 @@ import sys
 
 from tests.deploy.chart_support import VALUES_DIR, config_map, container, render
 from tests.support import assert_no_leftovers, read_summary, run_guarded
-from resilient_fsdp.local.launcher import free_port
+from resilient_fsdp.local.cluster.launcher import free_port
 
 
 def test_should_train_and_exit_0_when_the_rendered_pod_command_runs(tmp_path):

@@ -1,7 +1,7 @@
 """``resilient-fsdp local``: the chart's pods on this machine, failures, and cleanup.
 
 Each test starts a real job (gloo on CPU); as root every pod is a network namespace, otherwise
-processes on loopback (tests that need namespaces say so). ``test_workload.py`` checks what the
+processes on loopback (tests that need namespaces say so). ``test_manifests.py`` checks what the
 pods run without starting them."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from tests.support import (REPO, _env, assert_no_leftovers, netns_required, processes_of, read_losses, read_summary,
                            run_local, write_module)
-from resilient_fsdp.local import netns
-from resilient_fsdp.local.launcher import find_root_cause
+from resilient_fsdp.local.cluster.launcher import find_root_cause
+from resilient_fsdp.local.runtime.netns_pods import plumbing
 
 
 def test_two_nodes_by_two_ranks_completes_with_a_valid_summary(tmp_path):
@@ -125,10 +125,10 @@ def test_a_sigkilled_launcher_leaves_nothing_after_the_next_start(tmp_path):
     assert (run_dir / "metrics.jsonl").exists(), "training never started"
     proc.kill()
     proc.wait(timeout=30)
-    assert netns.leaked(), "the killed launcher's pods should still be there"
+    assert plumbing.leaked(), "the killed launcher's pods should still be there"
     assert processes_of(run_dir), "and their processes with them"
-    removed = netns.cleanup_stale()  # what the next `resilient-fsdp local` does first
-    assert removed and not netns.leaked()
+    removed = plumbing.cleanup_stale()  # what the next `resilient-fsdp local` does first
+    assert removed and not plumbing.leaked()
     assert_no_leftovers(run_dir, wait_s=10)
 
 

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from resilient_fsdp.config import ConfigError
-from resilient_fsdp.local.workload import RestartPolicy
+from resilient_fsdp.local.manifests.pytorchjob import RestartPolicy
 from resilient_fsdp.resilience import exit_codes
 from resilient_fsdp.resilience.exit_codes import CONFIG, INFRASTRUCTURE, RENDEZVOUS_LOST, node_exit_code
 from tests.resilience.node import attempts, run_node, start_node

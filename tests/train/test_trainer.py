@@ -49,7 +49,7 @@ def test_run_dir_holds_resolved_config_metrics_and_summary(twin_runs):
     assert config["train"]["steps"] == STEPS and config["seed"] == 11
     # The pod's own view of the run directory: /fsx inside its mount namespace (netns pods), the
     # path on this machine where pods share its filesystem (loopback).
-    from resilient_fsdp.local.netns import available
+    from resilient_fsdp.local.runtime.netns_pods.plumbing import available
 
     assert config["run_dir"] == ("/fsx" if available()[0] else str(run_dir))
 

@@ -37,10 +37,10 @@ from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, lo
 from ..resilience.accounting import JOB_START_ENV
 from ..resilience.nvrx import QUIET_WARNINGS
 from ..resilience.faults import REQUESTS_ENV
-from . import jobset  # noqa: F401  (plugs the JobSet reader into workload.KINDS)
-from .fault_requests import requests_dir
-from .launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, free_port
-from .workload import WorkloadError, pods_of
+from .cluster.fault_requests import requests_dir
+from .cluster.launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, free_port
+from .manifests.kinds import pods_of
+from .manifests.spec import WorkloadError
 
 DEFAULT_VALUES = REPO_ROOT / "values" / "dev-cpu.yaml"
 LOCAL_CLAIM = "local-run-dir"
@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def choose_isolation(requested: Optional[str]) -> tuple[str, Optional[str]]:
     """(mode, a notice or None): netns when root and network namespaces work, else loopback."""
-    from .netns import available
+    from .runtime.netns_pods.plumbing import available
 
     if requested == "loopback":
         return "loopback", None
@@ -223,8 +223,9 @@ def main(args: argparse.Namespace) -> int:
         job, isolation, _ = prepare(args)
     except WorkloadError as exc:
         raise ConfigError(str(exc)) from None
-    from .runtimes import LoopbackRuntime, NetnsRuntime
-    from .run_state import new_run_id
+    from .runtime.loopback import LoopbackRuntime
+    from .runtime.netns import NetnsRuntime
+    from .runtime.netns_pods.run_state import new_run_id
 
     host_env = dict(os.environ)
     if isolation == "netns":

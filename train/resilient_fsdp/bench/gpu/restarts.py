@@ -79,7 +79,7 @@ def _recovery_results(s: Section, summary: dict) -> None:
 
 
 def section_in_process(s: Section) -> None:
-    from ...local.launcher import free_port
+    from ...local.cluster.launcher import free_port
 
     p, r = s.plan, s.results
     fresh_dir(s.dir)

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 import resilient_fsdp
-from resilient_fsdp.local import netns, run_state
-from resilient_fsdp.local.netns import NetnsError, available, cleanup_stale
-from resilient_fsdp.local.pods import PodNetwork
+from resilient_fsdp.local.runtime.netns_pods import plumbing, run_state
+from resilient_fsdp.local.runtime.netns_pods.plumbing import NetnsError, available, cleanup_stale
+from resilient_fsdp.local.runtime.netns_pods.network import PodNetwork
 from tests.support import netns_required
 
 
@@ -43,8 +43,8 @@ PORT = 29500  # each pod has its own port space: no clash with the host or other
 
 def leftovers() -> list[str]:
     """Everything on the host that carries the prefix, plus state files and temp directories."""
-    names = [n for n in netns.list_netns() if n.startswith(netns.PREFIX)]
-    names += [n for n in netns.list_links() if n.startswith(netns.PREFIX)]
+    names = [n for n in plumbing.list_netns() if n.startswith(plumbing.PREFIX)]
+    names += [n for n in plumbing.list_links() if n.startswith(plumbing.PREFIX)]
     if run_state.STATE_DIR.exists():
         names += [p.name for p in run_state.STATE_DIR.iterdir() if p.name != ".lock"]
     return names
@@ -52,7 +52,7 @@ def leftovers() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    assert leftovers() == [], "left by an earlier run: remove them (netns.cleanup_stale() does)"
+    assert leftovers() == [], "left by an earlier run: remove them (plumbing.cleanup_stale() does)"
     yield
     assert leftovers() == []
 
@@ -174,10 +174,10 @@ def test_two_pods_hostnames_hosts_file_and_tcp(net):
 
     # The host keeps no address on the bridge or the veths: it has no way into the pods' /24.
     for link in [net.bridge, master.veth, worker.veth]:
-        info = json.loads(netns.run(["ip", "-j", "addr", "show", "dev", link], "reading").stdout)
+        info = json.loads(plumbing.run(["ip", "-j", "addr", "show", "dev", link], "reading").stdout)
         assert info[0]["addr_info"] == [], link
-    longest = [netns.bridge_name("zzzzzz"), netns.veth_name("zzzzzz", netns.MAX_PODS - 1)]
-    assert all(len(name) <= netns.IFNAME_MAX for name in longest)
+    longest = [plumbing.bridge_name("zzzzzz"), plumbing.veth_name("zzzzzz", plumbing.MAX_PODS - 1)]
+    assert all(len(name) <= plumbing.IFNAME_MAX for name in longest)
 
 
 def test_mount_with_missing_parents_creates_nothing_on_the_host(net, tmp_path):
@@ -252,7 +252,7 @@ def test_kill_all_kills_the_whole_pod_and_it_can_be_recreated(net):
     wait_exec(bystander, "sleep")
     expected = {p.pid for p in sleepers} | {parent.pid, grandchild}
     assert expected <= set(master.pids())
-    listed = netns.run(["ip", "netns", "pids", master.netns], "listing").stdout.split()
+    listed = plumbing.run(["ip", "netns", "pids", master.netns], "listing").stdout.split()
     assert sorted(map(int, listed)) == master.pids()
 
     killed = master.kill_all()
@@ -271,7 +271,7 @@ def test_close_kills_removes_everything_and_is_idempotent():
     pod = network.add_pod("solo-0")
     sleeper = pod.spawn(["sleep", "300"])
     wait_exec(sleeper, "sleep")
-    assert pod.netns in netns.list_netns() and network.bridge in netns.list_links()
+    assert pod.netns in plumbing.list_netns() and network.bridge in plumbing.list_links()
     assert run_state.state_path(network.run_id).exists()
     network.close()
     assert sleeper.wait(timeout=5) == -signal.SIGKILL
@@ -283,8 +283,8 @@ def test_close_kills_removes_everything_and_is_idempotent():
 
 LAUNCHER = """
 import json, sys, time
-from resilient_fsdp.local.exit_cleanup import install_signal_cleanup
-from resilient_fsdp.local.pods import PodNetwork
+from resilient_fsdp.local.runtime.netns_pods.exit_cleanup import install_signal_cleanup
+from resilient_fsdp.local.runtime.netns_pods.network import PodNetwork
 net = PodNetwork()
 if sys.argv[1] == "handlers":
     install_signal_cleanup()
@@ -313,7 +313,7 @@ def start_launcher(tmp_path: Path, mode: str, sigint=signal.SIG_DFL) -> tuple[su
 
 
 def present(run: dict) -> list[str]:
-    names = set(netns.list_netns()) | set(netns.list_links())
+    names = set(plumbing.list_netns()) | set(plumbing.list_links())
     return [n for n in run["netns"] + run["links"] if n in names]
 
 
@@ -377,13 +377,13 @@ def test_an_ignored_sigint_stays_ignored_and_sigterm_still_cleans_up(tmp_path):
 def test_available_and_clear_errors(net, tmp_path):
     assert available() == (True, "network namespaces, bridges and veth pairs work")
     # Another run's /24 is never handed out again, nor one the host routes or uses.
-    chosen = netns.choose_subnet([str(net.subnet)])
+    chosen = plumbing.choose_subnet([str(net.subnet)])
     assert chosen != net.subnet and chosen.subnet_of(ipaddress.IPv4Network("10.0.0.0/8"))
-    assert not any(chosen.overlaps(n) for n in netns.host_networks())
+    assert not any(chosen.overlaps(n) for n in plumbing.host_networks())
     with pytest.raises(NetnsError, match="no-such-tool: command not found: install no-such-tool"):
-        netns.run(["no-such-tool"], "probing")
+        plumbing.run(["no-such-tool"], "probing")
     with pytest.raises(NetnsError, match=r"deleting: `ip link del rfnzzzzzz-br` failed: .*Cannot find device"):
-        netns.run(["ip", "link", "del", "rfnzzzzzz-br"], "deleting")
+        plumbing.run(["ip", "link", "del", "rfnzzzzzz-br"], "deleting")
     with pytest.raises(ValueError, match="run id"):
         PodNetwork("Bad_Id")
     with pytest.raises(ValueError, match="already taken"):
@@ -402,7 +402,8 @@ def test_available_and_clear_errors(net, tmp_path):
 def test_available_says_why_not_without_capabilities():
     # Root without CAP_NET_ADMIN/CAP_SYS_ADMIN, as in an unprivileged container.
     drop = ["--bounding-set=-net_admin,-sys_admin", "--inh-caps=-net_admin,-sys_admin"]
-    code = "import json; from resilient_fsdp.local.netns import available; print(json.dumps(available()))"
+    code = ("import json; from resilient_fsdp.local.runtime.netns_pods.plumbing import available; "
+            "print(json.dumps(available()))")
     env = {**os.environ, "PYTHONPATH": str(TRAIN_DIR)}
     out = subprocess.run(["setpriv", *drop, PY, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     ok, reason = json.loads(out.stdout)

@@ -1,6 +1,6 @@
 """Pod-side setup: sets the hostname and the mounts inside a pod, then execs the pod's command.
 
-``Pod.spawn`` runs this file between ``unshare`` and the command; every step of the chain execs
+``NetnsPod.spawn`` runs this file between ``unshare`` and the command; every step of the chain execs
 the next, so the pid ``Popen`` returns is the command's own::
 
     ip netns exec rfn<id>-<host>   joins the pod's network namespace (ip also unshares a mount

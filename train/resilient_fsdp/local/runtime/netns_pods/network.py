@@ -1,4 +1,4 @@
-"""Kubernetes pods simulated on one machine: ``PodNetwork`` (one local run) and its ``Pod``s.
+"""Kubernetes pods simulated on one machine: ``PodNetwork`` (one local run) and its ``NetnsPod``s.
 
 A ``PodNetwork`` owns a Linux bridge and, per pod, a network namespace joined to the bridge by a
 veth pair, with an address in the run's own /24 of 10.0.0.0/8. The bridge has no address on the
@@ -7,7 +7,7 @@ out of it (their only route is the /24 itself), so pods reach each other and not
 
 Each process a pod runs gets its own UTS and mount namespaces on top of the pod's network
 namespace: the pod's hostname, a hosts file that resolves every pod and alias, and bind mounts
-(see ``podinit``). Names and stale-run cleanup are in ``netns``, state files in ``run_state``,
+(see ``podinit``). Names and stale-run cleanup are in ``plumbing``, state files in ``run_state``,
 cleanup at exit and on signals in ``exit_cleanup``.
 
 Typical use::
@@ -33,13 +33,13 @@ import threading
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from . import exit_cleanup, netns, run_state
-from .netns import NetnsError
+from . import exit_cleanup, plumbing, run_state
+from .plumbing import NetnsError
 
 PODINIT = Path(__file__).with_name("podinit.py")
 
 
-class Pod:
+class NetnsPod:
     """One simulated pod: a network namespace with an address, a hostname, and its processes."""
 
     def __init__(self, network: PodNetwork, hostname: str, index: int, ip: str):
@@ -47,15 +47,15 @@ class Pod:
         self.hostname = hostname
         self.index = index
         self.ip = ip
-        self.netns = netns.netns_name(network.run_id, hostname)
-        self.veth = netns.veth_name(network.run_id, index)  # the host end, on the bridge
+        self.netns = plumbing.netns_name(network.run_id, hostname)
+        self.veth = plumbing.veth_name(network.run_id, index)  # the host end, on the bridge
         self._procs: list[subprocess.Popen] = []
         self._partitioned = False
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"Pod({self.hostname!r}, ip={self.ip!r}, netns={self.netns!r})"
+        return f"NetnsPod({self.hostname!r}, ip={self.ip!r}, netns={self.netns!r})"
 
     def spawn(
         self,
@@ -123,7 +123,7 @@ class Pod:
 
     def pids(self) -> list[int]:
         """Every process now in the pod's network namespace."""
-        return netns.pids_in_netns([self.netns])
+        return plumbing.pids_in_netns([self.netns])
 
     def kill_all(self, sig: int = signal.SIGKILL, timeout: float = 5.0) -> list[int]:
         """Signal every process in the pod at once (a lost node for SIGKILL); return their pids.
@@ -131,7 +131,7 @@ class Pod:
         With SIGKILL it returns once the pod holds no process; the pod itself stays, and
         ``spawn`` can start its processes again (a recreated pod: same address and hostname).
         """
-        pids = netns.kill_netns_processes([self.netns], sig, timeout)
+        pids = plumbing.kill_netns_processes([self.netns], sig, timeout)
         for proc in self._procs:  # reap our own children, so they do not linger as zombies
             proc.poll()
         return pids
@@ -173,7 +173,7 @@ class Pod:
     def _set_link(self, down: bool) -> None:
         state = "down" if down else "up"
         what = f"{'cutting off' if down else 'reconnecting'} pod {self.hostname}"
-        netns.run([self.network.tools["ip"], "link", "set", self.veth, state], what)
+        plumbing.run([self.network.tools["ip"], "link", "set", self.veth, state], what)
         self._partitioned = down
 
     def _stop_timer(self) -> None:
@@ -188,7 +188,7 @@ class PodNetwork:
 
     Args:
         run_id: up to 6 of ``[a-z0-9]``; random when omitted. All names carry it.
-        reap_stale: first remove what dead runs left behind (``netns.cleanup_stale``); the names
+        reap_stale: first remove what dead runs left behind (``plumbing.cleanup_stale``); the names
             removed are in ``stale_removed``.
 
     Raises:
@@ -199,24 +199,24 @@ class PodNetwork:
         self.run_id = run_id or run_state.new_run_id()
         if not run_state.RUN_ID.match(self.run_id):
             raise ValueError(f"run id {self.run_id!r}: use 1 to 6 characters of a-z and 0-9")
-        self.tools = {"ip": netns.tool("ip"), "unshare": netns.tool("unshare")}
-        self.bridge = netns.bridge_name(self.run_id)
+        self.tools = {"ip": plumbing.tool("ip"), "unshare": plumbing.tool("unshare")}
+        self.bridge = plumbing.bridge_name(self.run_id)
         self.dir = run_state.run_dir(self.run_id)
         self.hosts_file = self.dir / "hosts"
         self.stage_dir = self.dir / "stage"
-        self.pods: dict[str, Pod] = {}
+        self.pods: dict[str, NetnsPod] = {}
         self.aliases: dict[str, str] = {}  # alias -> pod hostname
         self.stale_removed: list[str] = []
         self._owner = os.getpid()
         self._closed = False
         with run_state.state_lock():
             if reap_stale:
-                self.stale_removed = netns.cleanup_stale(locked=True)
+                self.stale_removed = plumbing.cleanup_stale(locked=True)
             states = run_state.read_states()
-            mine = f"{netns.PREFIX}{self.run_id}-"
-            if self.run_id in states or any(n.startswith(mine) for n in netns.list_netns() + netns.list_links()):
+            mine = f"{plumbing.PREFIX}{self.run_id}-"
+            if self.run_id in states or any(n.startswith(mine) for n in plumbing.list_netns() + plumbing.list_links()):
                 raise NetnsError(f"run id {self.run_id} is in use by another local run; pick another")
-            self.subnet = netns.choose_subnet(s["subnet"] for s in states.values() if s.get("subnet"))
+            self.subnet = plumbing.choose_subnet(s["subnet"] for s in states.values() if s.get("subnet"))
             self._save_state()  # recorded before anything exists, so a crash from here on is found
         exit_cleanup.register(self)
         try:
@@ -225,7 +225,7 @@ class PodNetwork:
             self._write_hosts()
             # addrgenmode none: no IPv6 link-local address either, so the host has no address
             # at all on the bridge and sends nothing (router solicitations, MLD) to the pods.
-            netns.run([self.tools["ip"], "-batch", "-"], f"creating bridge {self.bridge}", stdin=(
+            plumbing.run([self.tools["ip"], "-batch", "-"], f"creating bridge {self.bridge}", stdin=(
                 f"link add {self.bridge} type bridge\n"
                 f"link set {self.bridge} addrgenmode none\n"
                 f"link set {self.bridge} up\n"
@@ -247,7 +247,7 @@ class PodNetwork:
     def closed(self) -> bool:
         return self._closed
 
-    def add_pod(self, hostname: str, aliases: Iterable[str] = ()) -> Pod:
+    def add_pod(self, hostname: str, aliases: Iterable[str] = ()) -> NetnsPod:
         """Create a pod: its namespace, veth pair, loopback and address; resolvable by all pods.
 
         Args:
@@ -256,32 +256,32 @@ class PodNetwork:
         """
         self._check_open()
         aliases = list(aliases)
-        if not netns.HOSTNAME.match(hostname):
+        if not plumbing.HOSTNAME.match(hostname):
             raise ValueError(f"pod hostname {hostname!r}: use a DNS label (a-z, 0-9, '-', at most 63)")
         self._check_new_names([hostname, *aliases])
         index = len(self.pods)
-        if index >= netns.MAX_PODS:
-            raise NetnsError(f"a local run holds at most {netns.MAX_PODS} pods (one /24)")
-        pod = Pod(self, hostname, index, str(self.subnet.network_address + 1 + index))
+        if index >= plumbing.MAX_PODS:
+            raise NetnsError(f"a local run holds at most {plumbing.MAX_PODS} pods (one /24)")
+        pod = NetnsPod(self, hostname, index, str(self.subnet.network_address + 1 + index))
         self.pods[hostname] = pod
         self.aliases.update((alias, hostname) for alias in aliases)
         self._save_state()
         ip = self.tools["ip"]
         try:
             # The pod end is created inside the namespace, so "eth0" never clashes with the host's.
-            netns.run([ip, "-batch", "-"], f"creating pod {hostname}", stdin=(
+            plumbing.run([ip, "-batch", "-"], f"creating pod {hostname}", stdin=(
                 f"netns add {pod.netns}\n"
                 f"link add {pod.veth} type veth peer name eth0 netns {pod.netns}\n"
                 f"link set {pod.veth} master {self.bridge} addrgenmode none up\n"
             ))
-            netns.run([ip, "-n", pod.netns, "-batch", "-"], f"configuring pod {hostname}", stdin=(
+            plumbing.run([ip, "-n", pod.netns, "-batch", "-"], f"configuring pod {hostname}", stdin=(
                 "link set lo up\n"
                 "link set eth0 addrgenmode none\n"
                 f"addr add {pod.ip}/{self.subnet.prefixlen} dev eth0\n"
                 "link set eth0 up\n"
             ))
         except BaseException:
-            netns.teardown(self.run_id, [pod.netns], [pod.veth])
+            plumbing.teardown(self.run_id, [pod.netns], [pod.veth])
             del self.pods[hostname]
             self.aliases = {a: h for a, h in self.aliases.items() if h != hostname}
             self._save_state()
@@ -289,10 +289,10 @@ class PodNetwork:
         self._write_hosts()
         return pod
 
-    def add_alias(self, alias: str, pod: Pod | str) -> None:
+    def add_alias(self, alias: str, pod: NetnsPod | str) -> None:
         """Make ``alias`` resolve to ``pod``'s address in every pod, including running ones."""
         self._check_open()
-        hostname = pod.hostname if isinstance(pod, Pod) else pod
+        hostname = pod.hostname if isinstance(pod, NetnsPod) else pod
         if hostname not in self.pods:
             raise KeyError(f"no pod {hostname!r} in run {self.run_id}")
         self._check_new_names([alias])
@@ -313,7 +313,7 @@ class PodNetwork:
         for pod in self.pods.values():
             pod._stop_timer()
         links = [pod.veth for pod in self.pods.values()] + [self.bridge]
-        _, problems = netns.teardown(self.run_id, [pod.netns for pod in self.pods.values()], links)
+        _, problems = plumbing.teardown(self.run_id, [pod.netns for pod in self.pods.values()], links)
         for pod in self.pods.values():
             for proc in pod._procs:
                 proc.poll()
@@ -329,7 +329,7 @@ class PodNetwork:
 
     def _check_new_names(self, names: list[str]) -> None:
         for name in names:
-            if not netns.ALIAS.match(name):
+            if not plumbing.ALIAS.match(name):
                 raise ValueError(f"host name {name!r} is not a valid DNS name")
             if name in self.pods or name in self.aliases or name == "localhost" or names.count(name) > 1:
                 raise ValueError(f"host name {name!r} is already taken in run {self.run_id}")

@@ -2,7 +2,7 @@
 
 Every ``PodNetwork`` registers itself here while it is open (``register``/``unregister``); at
 exit, and in the handlers ``install_signal_cleanup`` sets, the open ones are closed. A network is
-anything with a ``run_id`` and a ``close()``, so this module needs nothing of ``pods``.
+anything with a ``run_id`` and a ``close()``, so this module needs nothing of ``network``.
 """
 
 from __future__ import annotations

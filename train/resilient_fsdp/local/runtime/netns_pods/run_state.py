@@ -4,7 +4,7 @@ Every run has the state file ``/run/resilient-fsdp/netns/<id>.json`` and the tem
 ``<id>.d`` beside it. The state file records the run's resource names, its /24 and its owner (pid
 and start time, so a reused pid does not pass for the owner). It is written before the first
 resource exists and removed after the last one is gone, so a launcher killed at any point leaves a
-record; ``netns.cleanup_stale()`` reads these records to find what dead runs left behind.
+record; ``plumbing.cleanup_stale()`` reads these records to find what dead runs left behind.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from .. import atomic
+from .... import atomic
 
 STATE_DIR = Path("/run/resilient-fsdp/netns")
 RUN_ID = re.compile(r"^[a-z0-9]{1,6}$")

@@ -1,10 +1,10 @@
 """``resilient-fsdp local``: the rendered chart's job on one machine, pods and controller included.
 
-The job is what ``helm install`` would create (:mod:`resilient_fsdp.local.workload` reads it from
+The job is what ``helm install`` would create (:mod:`resilient_fsdp.local.manifests` reads it from
 the rendered manifests); this module plays the parts of the cluster around it:
 
 - the **kubelet**: each pod's container runs its rendered ``command`` + ``args`` with its ``env``
-  and volumes (:mod:`resilient_fsdp.local.runtimes`: a network namespace per pod, or plain
+  and volumes (:mod:`resilient_fsdp.local.runtime`: a network namespace per pod, or plain
   processes on loopback); its output goes to the console with a ``[node<N>/local<L>]`` prefix
   and in full to ``logs/node<N>.log``;
 - the **workload controller**: it injects the variables the operator injects, and applies the
@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
-from ..resilience import exit_codes
-from ..resilience.ledger import FaultLedger
-from ..resilience.processes import become_subreaper, kill_descendants
+from ...resilience import exit_codes
+from ...resilience.ledger import FaultLedger
+from ...resilience.processes import become_subreaper, kill_descendants
+from ..manifests.spec import PodSpec, Workload
+from ..runtime.base import Runtime
 from .fault_requests import FaultExecutor, requests_dir
-from .runtimes import Runtime
-from .workload import Pod, Workload
 
 _WORKER_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]+)(?P<local>\d+)\]:")
 DEFAULT_MAX_RECREATIONS = 10
@@ -161,7 +161,7 @@ class LocalLauncher:
             self.out.write(f"[local] {message}\n")
             self.out.flush()
 
-    def start_pod(self, pod: Pod) -> None:
+    def start_pod(self, pod: PodSpec) -> None:
         log_dir = self.job.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         extra = dict(self.job.extra_env)

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .. import atomic
-from ..config import NODE_FAULT_KINDS
-from .runtimes import Runtime
-from .workload import Workload, WorkloadError
+from ... import atomic
+from ...config import NODE_FAULT_KINDS
+from ..manifests.spec import Workload, WorkloadError
+from ..runtime.base import Runtime
 
 KINDS = NODE_FAULT_KINDS  # the kinds the table marks as carried out by the cluster
 

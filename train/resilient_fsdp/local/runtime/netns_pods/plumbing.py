@@ -86,7 +86,7 @@ def _hint(stderr: str) -> str:
     if "unknown device type" in text or "not supported" in text:
         return " (the kernel lacks bridge or veth support: modprobe bridge veth)"
     if "file exists" in text:
-        return " (left by a dead run? resilient_fsdp.local.netns.cleanup_stale() removes those)"
+        return " (left by a dead run? resilient_fsdp.local.runtime.netns_pods.plumbing.cleanup_stale() removes those)"
     return ""
 
 

@@ -1,33 +1,22 @@
-"""What the local cluster reads from the rendered chart, and how it would run it (no processes).
+"""What the local cluster reads from the rendered manifests: each kind's pods, the variables its
+controller injects, and its restart rules (no processes).
 
 The pods' commands are the chart's, byte for byte: there is no hand-written copy of the pod
 command left in the package (the local cluster, the GPU check), and no local-only flag in it."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-from pathlib import Path
 
 import pytest
 
-from tests.deploy.chart_support import VALUES_DIR
+from tests.local.manifest_support import rendered
 from tests.support import REPO
-from resilient_fsdp.deploy.chart import load_values, render
-from resilient_fsdp.local import job as local_job
+from resilient_fsdp.local.manifests.kinds import pods_of
+from resilient_fsdp.local.manifests.pytorchjob import RestartPolicy
+from resilient_fsdp.local.manifests.spec import WorkloadError, expand, quantity_bytes
 from resilient_fsdp.resilience import exit_codes
-from resilient_fsdp.local.fault_requests import FaultExecutor, requests_dir
-from resilient_fsdp.local.paths import IN_TEXT, replace_paths
-from resilient_fsdp.local.runtimes import LoopbackRuntime, hidden_image_paths
-from resilient_fsdp.local.workload import RestartPolicy, WorkloadError, expand, pods_of, quantity_bytes
 from resilient_fsdp.resilience.agent import RENDEZVOUS_LOST_EXIT_CODE, exit_code, rendezvous_store_lost
-
-LOCAL = ["storage.type=existingClaim", "storage.existingClaim=local-run-dir", "trainer.run_dir=/fsx"]
-
-
-def rendered(*sets: str, release: str = "job"):
-    return render(load_values([VALUES_DIR / "dev-cpu.yaml"], [*LOCAL, *sets]), release=release)
 
 
 def test_each_pod_runs_the_rendered_container_with_the_operators_variables():
@@ -119,90 +108,6 @@ def test_the_restart_policy_is_the_operators_not_the_docs():
     assert RestartPolicy("OnFailure", None).retryable(1) and not RestartPolicy("Never", None).retryable(137)
 
 
-def test_variables_expand_as_the_kubelet_expands_them():
-    env = {"A": "x", "B": "y"}
-    assert expand("$(A)-$(B)/$(C)/$$(A)", env) == "x-y/$(C)/$(A)"
-    assert quantity_bytes("1Gi") == 2**30 and quantity_bytes("512M") == 512 * 10**6
-
-
-def test_loopback_rewrites_names_and_paths_and_says_so(tmp_path):
-    out = rendered("nodes=2", f"storage.mountPath={tmp_path}", f"trainer.run_dir={tmp_path}")
-    workload = pods_of(out.documents())
-    # This machine's own variables are the image: a checkout under /tmp (a pod mount path) stays put.
-    runtime = LoopbackRuntime(workload, tmp_path, "t1", {"PATH": "/tmp/clone/.venv/bin:/usr/bin",
-                                                         "PYTHONPATH": "/tmp/clone/train"})
-    try:
-        argv, env = runtime.command(workload.pods[1], {"X": "1"})
-    finally:
-        runtime.close()
-    assert "--rdzv-endpoint=127.0.0.1:29400" in argv
-    assert f"--ft-cfg-path={tmp_path}/cluster/configmaps/config/ft_config.yaml" in argv
-    assert argv[-1] == f"--config={tmp_path}/cluster/configmaps/config/config.yaml"
-    assert "--rdzv-conf=join_timeout=300,is_host=false" in argv
-    assert env["PET_LOCAL_ADDR"] == "127.0.0.2" and env["MASTER_ADDR"] == "127.0.0.1" and env["X"] == "1"
-    assert env["TMPDIR"] == env["HOME"] and env["TMPDIR"].startswith(str(runtime.scratch))
-    assert env["PYTHONPATH"] == "/tmp/clone/train" and env["PATH"].endswith(":/tmp/clone/.venv/bin:/usr/bin")
-    assert (tmp_path / "cluster/configmaps/config/config.yaml").read_text().startswith("checkpoint:")
-
-
-def test_code_under_a_pod_volume_is_bound_back_into_the_pod():
-    assert hidden_image_paths(["/tmp/clone/.venv/bin", "/tmp/clone/train", "/usr/lib/python3", "/tmpx/a"],
-                              ["/tmp", "/fsx", "/dev/shm"]) == [("/tmp/clone", "/tmp")]
-
-
-def test_flags_become_chart_values(tmp_path):
-    config = tmp_path / "c.yaml"
-    config.write_text("train:\n  steps: 7\n")
-    args = argparse.Namespace(values_files=[], chart_values=["job.backoffLimit=0"], chart_values_json=[],
-                              config=str(config), overrides=["seed=3", "resilience.in_process.enabled=true"], nodes=3, nproc_per_node=1,
-                              max_restarts=1, inject=["sigkill@5:rank=0"], rdzv_port=None)
-    values = local_job.chart_values(args, tmp_path, "netns")
-    assert values["nodes"] == 3 and values["cpuRanksPerNode"] == 1 and values["job"]["backoffLimit"] == 0
-    assert values["storage"]["type"] == "existingClaim" and values["trainer"]["run_dir"] == "/fsx"
-    assert values["trainer"]["train"] == {"steps": 7} and values["trainer"]["seed"] == 3
-    resilience = values["trainer"]["resilience"]  # dev-cpu's, then --set, then --max-restarts
-    assert resilience["in_process"]["enabled"] is True and resilience["launcher"]["max_restarts"] == 1
-    assert resilience["hang_detection"]["init_timeout_s"] == 300
-    assert values["chaos"] == {"enabled": True, "inject": ["sigkill@5:rank=0"]}
-    assert values["instanceType"] == "cpu"  # values/dev-cpu.yaml, the default
-    loop = local_job.chart_values(args, tmp_path, "loopback", mount_path=str(tmp_path))
-    assert loop["storage"]["mountPath"] == str(tmp_path) and 1024 <= loop["rendezvous"]["port"] <= 65535
-
-
-class _Runtime:
-    """Records what the executor asks of the pods."""
-
-    def __init__(self):
-        self.calls = []
-
-    def kill(self, pod):
-        self.calls.append(("kill", pod.hostname))
-        return [1, 2, 3]
-
-    def partition(self, pod, seconds):
-        self.calls.append(("partition", pod.hostname, seconds))
-
-
-def test_fault_requests_are_carried_out_once_and_marked(tmp_path):
-    workload = pods_of(rendered("nodes=2").documents())
-    runtime, lost, said = _Runtime(), set(), []
-    executor = FaultExecutor(tmp_path, runtime, workload, said.append, lost)
-    folder = requests_dir(tmp_path)
-    folder.mkdir(parents=True)
-    requests = {"node-loss-step12-node0": {"kind": "node-loss", "node": 0, "step": 12, "for_s": None},
-                "partition-step28-node1": {"kind": "partition", "node": 1, "step": 28, "for_s": 20},
-                "partition-step30-node7": {"kind": "partition", "node": 7, "step": 30, "for_s": None}}
-    for name, body in requests.items():
-        (folder / f"{name}.json").write_text(json.dumps({**body, "rank": 0, "time": 1.0}))
-    done = executor.poll()
-    assert len(done) == 3 and executor.poll() == []
-    assert runtime.calls == [("kill", "job-resilient-fsdp-master-0"), ("partition", "job-resilient-fsdp-worker-0", 20)]
-    assert lost == {"job-resilient-fsdp-master-0"}
-    assert sorted(p.name for p in folder.iterdir()) == ["node-loss-step12-node0.done", "partition-step28-node1.done",
-                                                         "partition-step30-node7.failed"]
-    assert any("node 7 does not exist: the job has 2 pod(s)" in line for line in said)
-
-
 NVRX_07_LOST = ["2026-12-01 00:04:26,886 [ERROR] [job-worker-0] launcher.py:3750 Agent run ended with exception, "
                 "e=DistNetworkError('Failed to recv, got 0 bytes.'). Agent's exit code = 1\n"]
 NVRX_041_LOST = ["[ERROR] [ft_launcher8012@job-worker-0] Agent run ended with exception, e=RendezvousConnectionError("
@@ -220,25 +125,7 @@ def test_an_agent_that_lost_the_rendezvous_store_exits_retryably():
     assert exit_code(0, None, NVRX_07_LOST) == 0 and exit_code(-9, None, NVRX_07_LOST) == 137
 
 
-def test_the_rendered_manifests_are_kept_with_the_run(tmp_path, capsys):
-    """``local`` writes what it rendered beside the run, and refuses a partition it cannot make."""
-    args = argparse.Namespace(values_files=[], chart_values=[], chart_values_json=[], config=None,
-                              overrides=["train.steps=3"], nodes=2, nproc_per_node=1, max_restarts=None, inject=["partition@2:node=1"], rdzv_port=None,
-                              run_dir=str(tmp_path / "run"), isolation="loopback", release="t",
-                              max_recreations=3, verbose=False)
-    with pytest.raises(Exception, match="partition faults need --isolation netns"):
-        local_job.prepare(args)
-    args.inject = []
-    job, isolation, _ = local_job.prepare(args)
-    assert isolation == "loopback" and len(job.workload.pods) == 2
-    text = (Path(args.run_dir) / "cluster" / "manifests.yaml").read_text()
-    assert "kind: PyTorchJob" in text and "name: t-resilient-fsdp" in text
-
-
-def test_a_mount_path_is_rewritten_where_it_stands_as_a_path_and_only_there():
-    """What the console shows of a pod's line: ``/fsx`` is the run directory wherever it starts a
-    path; a longer name that merely begins with it is left alone, and a rewritten path never again."""
-    line = "summary /fsx/summary.json, config=/fsx/config.yaml (/fsx) [/fsx/a] '/fsx' /fsxy/z x/fsx /fsx:"
-    out = replace_paths(line, [("/fsx", "/home/u/run"), ("/home", "/elsewhere")], IN_TEXT)
-    assert out == ("summary /home/u/run/summary.json, config=/home/u/run/config.yaml (/home/u/run) "
-                   "[/home/u/run/a] '/home/u/run' /fsxy/z x/fsx /home/u/run:")
+def test_variables_expand_as_the_kubelet_expands_them():
+    env = {"A": "x", "B": "y"}
+    assert expand("$(A)-$(B)/$(C)/$$(A)", env) == "x-y/$(C)/$(A)"
+    assert quantity_bytes("1Gi") == 2**30 and quantity_bytes("512M") == 512 * 10**6

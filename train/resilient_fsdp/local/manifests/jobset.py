@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .workload import (KINDS, Pod, RestartPolicy, Workload, WorkloadError, _container_env, _mounts, _volumes,
-                       service_names)
+from .pytorchjob import RestartPolicy
+from .spec import PodSpec, Workload, WorkloadError, container_env, container_mounts, pod_volumes, service_names
 
 JOBSET_CONTAINER = "node"
 
@@ -34,7 +34,9 @@ JOBSET_CONTAINER = "node"
 @dataclass
 class JobSetPolicy(RestartPolicy):
     """The Job's pod failure policy and backoff, then the JobSet's failure policy (stateful: it
-    counts each Job's failures and the JobSet's restarts)."""
+    counts each Job's failures and the JobSet's restarts). The pod template's ``restartPolicy``,
+    ``backoffLimit`` and ``activeDeadlineSeconds`` are held, and ``retryable`` read, as
+    :class:`RestartPolicy` holds and reads them."""
 
     pod_rules: list = field(default_factory=list)
     """The Job's ``podFailurePolicy.rules``, as rendered."""
@@ -62,7 +64,7 @@ class JobSetPolicy(RestartPolicy):
                 return rule["action"]
         return None
 
-    def on_failure(self, pod: Pod, code: int, lost: bool, failures: int) -> tuple[str, str]:
+    def on_failure(self, pod: PodSpec, code: int, lost: bool, failures: int) -> tuple[str, str]:
         job = self.job_of[pod.hostname]
         action = self._pod_rule(pod.container, code, lost)
         if action == "Ignore":
@@ -101,6 +103,7 @@ class JobSetPolicy(RestartPolicy):
 
 
 def read_jobset(doc: dict) -> Workload:
+    """The pods a rendered JobSet's Indexed Jobs create, with the Jobs' and the JobSet's restart rules."""
     name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
     spec = doc["spec"]
     subdomain = (spec.get("network") or {}).get("subdomain") or name
@@ -126,18 +129,17 @@ def read_jobset(doc: dict) -> Workload:
         job = f"{name}-{rjob['name']}-{j}"
         for p in range(completions):
             hostname = f"{job}-{p}"
-            env = _container_env(c, f"JobSet {name} {rjob['name']}")
+            env = container_env(c, f"JobSet {name} {rjob['name']}")
             env.pop("JOB_COMPLETION_INDEX", None)
             env["JOB_COMPLETION_INDEX"] = str(p)
             restart.job_of[hostname] = job
-            pods.append(Pod(hostname=hostname, index=len(pods), role=rjob["name"], container=c["name"],
-                            command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
-                            mounts=_mounts(c), volumes=_volumes(template.get("spec", {})),
-                            aliases=[f"{hostname}.{subdomain}"] + service_names(f"{hostname}.{subdomain}", namespace)))
+            pods.append(PodSpec(hostname=hostname, index=len(pods), role=rjob["name"], container=c["name"],
+                                command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
+                                mounts=container_mounts(c), volumes=pod_volumes(template.get("spec", {})),
+                                aliases=[f"{hostname}.{subdomain}"]
+                                + service_names(f"{hostname}.{subdomain}", namespace)))
     if not pods:
         raise WorkloadError(f"JobSet {name}: no pods")
     # Pod 0's stable name under the JobSet's Service: the host its agent's rendezvous endpoint names.
     return Workload("JobSet", name, namespace, pods, {}, restart, f"{pods[0].hostname}.{subdomain}", "all")
 
-
-KINDS["JobSet"] = read_jobset  # importing this module (resilient_fsdp.local.job does) plugs the reader in

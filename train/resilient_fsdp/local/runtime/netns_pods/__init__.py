@@ -1,0 +1,10 @@
+"""Pods as Linux network namespaces on one machine, under ``NetnsRuntime`` (and usable alone).
+
+- ``network``: ``PodNetwork``, the pods of one run on their bridge, and each ``NetnsPod``: its
+  processes, kills and partitions;
+- ``plumbing``: the Linux plumbing under them: names, subnets, process kills, teardown, stale-run
+  cleanup, and whether pods can be made here;
+- ``podinit``: the setup inside a pod (hostname, hosts file, mounts), run by path;
+- ``run_state``: each run's state file and owner;
+- ``exit_cleanup``: closing runs at exit and on signals.
+"""
