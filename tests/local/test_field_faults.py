@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.resilience.fault_jobs import run_with_faults
-from tests.support import REPO, netns_required
+from tests.resilience.fault_jobs import lane_run, run_with_faults
+from tests.support import LANES, netns_required
 
 FIELD_FAULTS = ["node-loss@12:node=0", "sigkill@20:rank=0", "partition@28:node=1:for=20",
                 "hang-in-collective@36:rank=2"]
@@ -27,7 +27,6 @@ FIELD_FAULTS = ["node-loss@12:node=0", "sigkill@20:rank=0", "partition@28:node=1
 # cuts pod 1 off the store long enough for its agent to give up (its pod is recreated).
 LAYERS = {"node-loss": {"job"}, "sigkill": {"in_job"}, "partition": {"in_job", "job"},
           "hang-in-collective": {"in_job"}}
-LANE_VERSION = (REPO / "constraints-image.txt").read_text().split("nvidia-resiliency-ext==")[1].split()[0]
 
 
 def check_field_faults(summary: dict, run_dir) -> None:
@@ -50,22 +49,13 @@ def check_field_faults(summary: dict, run_dir) -> None:
     assert summary["restarts"]["job"] >= 1 and summary["restarts"]["in_job"] >= 2
 
 
-# The same job under the image's 0.7 runs in CI; this lane's copy is in the extended tier.
-@pytest.mark.extended
 @pytest.mark.timeout(720)
-def test_field_faults_in_one_job_under_nvrx041(tmp_path, reference_2x2):
-    netns_required()
-    run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, FIELD_FAULTS, reference_2x2, isolation="netns", timeout=660)
-    check_field_faults(summary, run_dir)
-
-
-@pytest.mark.timeout(720)
-def test_field_faults_in_one_job_under_nvrx07(tmp_path, reference_2x2, nvrx07_lane):
+@pytest.mark.parametrize("lane", LANES)
+def test_field_faults_in_one_job(tmp_path, request, lane, reference_2x2):
     netns_required()
     run_dir = tmp_path / "run"
     # 0.7 counts --max-restarts as rendezvous rounds of the whole job, not per pod: every fault
     # here opens at least one round.
     summary = run_with_faults(run_dir, FIELD_FAULTS, reference_2x2, isolation="netns", timeout=660,
-                              extra=["--max-restarts=8"], pythonpath=[nvrx07_lane], nvrx_version=LANE_VERSION)
+                              extra=["--max-restarts=8"], **lane_run(request, lane))
     check_field_faults(summary, run_dir)

@@ -8,8 +8,19 @@ from pathlib import Path
 
 import torch
 
+from tests.support import REPO, assert_no_leftovers, read_losses, read_summary, run_local
 from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
-from tests.support import assert_no_leftovers, read_losses, read_summary, run_local
+
+# The NVRx version of the image (its lane): what a job on that lane reports.
+IMAGE_NVRX = (REPO / "constraints-image.txt").read_text().split("nvidia-resiliency-ext==")[1].split()[0]
+
+
+def lane_run(request, lane: str) -> dict:
+    """``run_with_faults``'s arguments for ``lane`` (:data:`tests.support.LANES`): the PYTHONPATH
+    and the NVRx version the job must report."""
+    if lane == "pinned":
+        return {"pythonpath": [], "nvrx_version": NVRX_VERSION}
+    return {"pythonpath": [request.getfixturevalue("nvrx07_lane")], "nvrx_version": IMAGE_NVRX}
 
 # 40 steps: room for four faults 8 steps apart (the field faults' job), one reference for all.
 STEPS = 40

@@ -12,18 +12,9 @@ import json
 
 import pytest
 
-from tests.resilience.fault_jobs import COMMON, IN_PROCESS, check_landed_mid_write, check_recoveries, run_with_faults
-from tests.support import LANES, REPO, assert_no_leftovers, netns_required, run_local
-from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
-
-IMAGE_NVRX = (REPO / "constraints-image.txt").read_text().split("nvidia-resiliency-ext==")[1].split()[0]
-
-
-def lane_run(request, lane: str) -> dict:
-    """``run_with_faults``'s arguments for ``lane``: the PYTHONPATH and the NVRx version it runs."""
-    if lane == "pinned":
-        return {"pythonpath": [], "nvrx_version": NVRX_VERSION}
-    return {"pythonpath": [request.getfixturevalue("nvrx07_lane")], "nvrx_version": IMAGE_NVRX}
+from tests.resilience.fault_jobs import (COMMON, IMAGE_NVRX, IN_PROCESS, check_landed_mid_write, check_recoveries, lane_run,
+                                        run_with_faults)
+from tests.support import LANES, assert_no_leftovers, netns_required, run_local
 
 # Faults that need their own job: their recovery is asserted in detail below.
 CASES = [

@@ -2,16 +2,18 @@
 
 The folders are the architecture; each package's own docstring lists its modules.
 
-- ``config``: the typed run configuration (defaults < YAML file < ``--set``); imports nothing else here.
+- ``config/``: the typed run configuration (defaults < YAML file < ``--set``) and the fault kinds;
+  imports nothing else here.
 - ``atomic``: the one way files are replaced in place (write, fsync, rename, fsync the directory).
 - ``cli``: the ``resilient-fsdp`` command (argument parsing and dispatch only).
 - ``train/``: what every rank runs (``python -m resilient_fsdp.train``): the trainer, model,
   FSDP2 sharding, data, process group, metrics.
-- ``checkpoint/``: what a checkpoint holds, the engines, commit and retention, resume, the S3
-  tier, every adaptation to NVRx's async checkpointing, ``resilient-fsdp checkpoints``.
-- ``resilience/``: the restart layers (hang detection, in-process restart, graceful stop), fault
-  injection, restart accounting, the node agent every pod runs.
-- ``local/``: the one-machine cluster of ``resilient-fsdp local``.
+- ``checkpoint/``: the checkpointer the loop calls, what a checkpoint holds, the engines and the
+  writer process (every adaptation to NVRx's async checkpointing), commit and retention, resume,
+  the S3 tier, ``resilient-fsdp checkpoints``.
+- ``resilience/``: one attempt's resilience hooks, the restart layers (hang detection, in-process
+  restart, graceful stop), fault injection, restart accounting, the node agent every pod runs.
+- ``local/``: the one-machine cluster of ``resilient-fsdp local`` (manifests, cluster, runtimes).
 - ``deploy/``: the Helm chart from Python, validation with each workload kind's admission rules,
   the ``helm test`` release check, the chart README, the image build and its checks.
 - ``bench/``: the benchmarks and the GPU check.
