@@ -116,6 +116,14 @@ def _keys_of_kind() -> dict[str, list[str]]:
     return kinds
 
 
+def _set_value(key: str, text: str):
+    """What ``--set key=text`` puts into the user tree at ``key``."""
+    value = user_tree(None, [f"{key}={text}"])
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
 @pytest.mark.parametrize("text, number", [("3e-4", 3e-4), ("1e-5", 1e-5), ("2.5E+3", 2500.0), ("-1e-3", -1e-3),
                                           ("1e30", 1e30), ("1.0e30", 1e30), ("0.0003", 3e-4), (".5", 0.5)])
 def test_every_float_key_takes_a_number_however_it_is_written(text, number):
@@ -123,9 +131,7 @@ def test_every_float_key_takes_a_number_however_it_is_written(text, number):
     keys = _keys_of_kind()["float"]
     assert "optim.lr" in keys and "resilience.hang_detection.step_timeout_s" in keys and "checkpoint.s3.max_bandwidth_mb_s" in keys
     for key in keys:
-        value = user_tree(None, [f"{key}={text}"])
-        for part in key.split("."):
-            value = value[part]
+        value = _set_value(key, text)
         assert isinstance(value, float) and value == number, key
 
 
@@ -133,10 +139,8 @@ def test_every_int_key_takes_a_whole_number_in_exponent_notation():
     keys = _keys_of_kind()["int"]
     assert "train.steps" in keys and "train.stop_at_step" in keys and "model.vocab_size" in keys
     for key in keys:
-        tree = user_tree(None, [f"{key}=2e3"])
-        for part in key.split("."):
-            tree = tree[part]
-        assert tree == 2000 and type(tree) is int, key
+        value = _set_value(key, "2e3")
+        assert value == 2000 and type(value) is int, key
     with pytest.raises(ConfigError, match="train.steps"):
         load_config(None, ["train.steps=2.5e0"])  # not a whole number: refused, naming the key
 
@@ -150,10 +154,7 @@ def test_every_string_key_keeps_the_text_as_written():
     keys = _keys_of_kind()["str"]
     assert "run_dir" in keys and "model.factory" in keys and "checkpoint.s3.uri" in keys
     for key in keys:
-        tree = user_tree(None, [f"{key}=1e3"])
-        for part in key.split("."):
-            tree = tree[part]
-        assert tree == "1e3", key
+        assert _set_value(key, "1e3") == "1e3", key
 
 
 def test_a_config_file_with_exponent_notation_gives_numbers(tmp_path):
