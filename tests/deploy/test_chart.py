@@ -179,9 +179,12 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
     c = container(rendered)
     assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
     args = c["args"]
-    assert args[:8] == ["--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml", "--nnodes=4", "--nproc-per-node=8",
-                        "--rdzv-backend=c10d", "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500",
-                        "--rdzv-id=run1-resilient-fsdp", "--rdzv-conf=join_timeout=900", "--max-restarts=7"]
+    # The agent's own flag, then ft_launcher's; the store connect wait follows the join timeout.
+    assert args[:10] == ["--rejoin-timeout=1800", "--", "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
+                         "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                         "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500", "--rdzv-id=run1-resilient-fsdp",
+                         "--rdzv-conf=join_timeout=900,read_timeout=900,store_connect_wait_seconds=900",
+                         "--max-restarts=7"]
     assert "--workers-stop-timeout=20" in args and "--term-timeout=300" in args
     trainer = args[args.index("-m"):]
     assert trainer == ["-m", "resilient_fsdp.train", "--config=/etc/resilient-fsdp/config.yaml"]

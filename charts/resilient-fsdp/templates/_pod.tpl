@@ -75,6 +75,10 @@ spec:
       imagePullPolicy: {{ $v.image.pullPolicy }}
       command: [python, -m, resilient_fsdp.resilience.agent]
       args:
+        # The node agent's own flag: a node other than the store host joins again in its pod when
+        # another node's failure ends its launcher (one event counts once, on the store host's pod).
+        - --rejoin-timeout={{ int $v.rendezvous.rejoinTimeoutSeconds }}
+        - --
         - --ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml
         - --nnodes={{ include "resilient-fsdp.nnodes" $ }}
         - --nproc-per-node={{ $ranks }}
@@ -82,7 +86,11 @@ spec:
         - --rdzv-backend=c10d
         - --rdzv-endpoint={{ include "resilient-fsdp.rdzvHost" $ }}:{{ int $v.rendezvous.port }}
         - --rdzv-id={{ include "resilient-fsdp.fullname" $ }}
-        - --rdzv-conf=join_timeout={{ int $v.rendezvous.joinTimeoutSeconds }}
+        # The store client's connect wait (read_timeout; NVRx 0.7 probes for store_connect_wait_seconds
+        # first) follows the join timeout: pods that start apart (an image pull, pod 0 replaced) still
+        # meet. The agent adds is_host from the pod's index.
+        {{- $join := int $v.rendezvous.joinTimeoutSeconds }}
+        - --rdzv-conf=join_timeout={{ $join }},read_timeout={{ $join }},store_connect_wait_seconds={{ $join }}
         # In-job restart, as resilience.ft_launcher_flags spells it.
         - --max-restarts={{ include "resilient-fsdp.resilience" (set $r "key" "launcher.max_restarts") }}
         - --workers-stop-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "launcher.workers_stop_timeout_s")) }}
@@ -104,6 +112,14 @@ spec:
       env:
         - name: PYTHONUNBUFFERED
           value: "1"
+        {{- if and (eq $v.workload.kind "PyTorchJob") $v.elastic.enabled }}
+        # The pod's index, for who hosts the store and the node rank: an elastic PyTorchJob sets no
+        # PET_NODE_RANK (a Master's job does; an Indexed Job sets JOB_COMPLETION_INDEX).
+        - name: RESILIENT_FSDP_NODE_INDEX
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['training.kubeflow.org/replica-index']
+        {{- end }}
         # The root file system is read-only: caches (torch, triton) go to the /tmp volume.
         - name: HOME
           value: /tmp

@@ -1,4 +1,4 @@
-"""``python -m resilient_fsdp.resilience.agent FT_LAUNCHER_ARGS...``: a node's main process (a pod's PID 1).
+"""``python -m resilient_fsdp.resilience.agent [--rejoin-timeout=S --] FT_LAUNCHER_ARGS...``: a node's main process (a pod's PID 1).
 
 It runs ``ft_launcher`` with the given arguments and turns its ending into an exit code the
 job-level restart policy reads correctly (PyTorchJob ``restartPolicy: ExitCode`` retries 128-255
@@ -11,16 +11,21 @@ and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
   and sends SIGUSR1): ``ft_launcher`` is stopped before it restarts the rank, and the node exits 2;
 - ``ft_launcher`` killed by a signal: 128 + the signal (what a shell reports);
 - ``ft_launcher`` lost the rendezvous store (its host, pod 0's agent, died with its pod):
-  :data:`.exit_codes.RENDEZVOUS_LOST`, retried, so this pod is recreated and rejoins the store
-  pod 0's replacement hosts (see :func:`rendezvous_store_lost`);
+  :data:`.exit_codes.RENDEZVOUS_LOST` (see :func:`rendezvous_store_lost`);
 - ``ft_launcher`` failed otherwise (in-job restarts spent after infrastructure-type failures,
-  lost peers): :data:`.exit_codes.INFRASTRUCTURE`, which the job level retries;
-- 0 when training finished.
+  lost peers, a join timeout): :data:`.exit_codes.INFRASTRUCTURE`;
+- 0 when training finished, also when every rank of the node finished and only ft_launcher's
+  shutdown failed (the store host went first).
+
+On the last two kinds of failure a node that does not host the store joins again in its pod
+(``--rejoin-timeout``, :mod:`.rejoin`): the failure was caused by another node, and one event
+is counted once, on the store host's pod. The agent's own flags come before ``--``,
+ft_launcher's after it.
 
 It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
-the node, and since when), pins NVRx 0.7's node order to the operator's node rank
-(``GROUP_RANK`` from ``PET_NODE_RANK``) and, as a child subreaper, reaps whatever the node leaves
-behind. ``ft_launcher``'s stderr passes through it, so the ending can be read.
+the node, and since when), pins who hosts the store and the node rank to the pod's index
+(:mod:`.node_rank`) and, as a child subreaper, reaps whatever the node leaves behind.
+``ft_launcher``'s stderr passes through it, so the ending can be read.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import collections
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,10 +46,11 @@ from typing import Iterable, Optional
 
 import psutil
 
-from . import exit_codes
+from . import exit_codes, node_rank
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
+from .rejoin import PAUSE_S, REJOINED_CODES, Rejoin
 
 def ft_launcher_executable() -> list[str]:
     """``ft_launcher`` of this interpreter's NVRx, leaving the rendezvous open when this node fails
@@ -120,6 +127,7 @@ class RankHelperSweeper:
     def __init__(self, launcher_pid: int):
         self.launcher_pid = launcher_pid
         self.ranks: set[int] = set()  # session ids of ranks seen, dead ones until their helpers are gone
+        self.seen_ranks = False  # the launcher started ranks at some point
 
     def sweep(self) -> list[int]:
         """Learn the current ranks, reap dead children, kill dead ranks' helpers, forget dead
@@ -128,6 +136,7 @@ class RankHelperSweeper:
             for rank in psutil.Process(self.launcher_pid).children():
                 if _session(rank.pid) == rank.pid:
                     self.ranks.add(rank.pid)
+                    self.seen_ranks = True
         except psutil.NoSuchProcess:
             pass
         killed, helpers_left = [], set()
@@ -226,26 +235,61 @@ def _say(message: str) -> None:
     print(f"[resilient-fsdp agent] {message}", file=sys.stderr, flush=True)
 
 
+AGENT_FLAGS = {"--rejoin-timeout": "seconds a node that is not the store host keeps joining again after "
+                                      "another node's failure (0: never; default 0)"}
+
+
+def parse_agent_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
+    """The agent's own leading flags (:data:`AGENT_FLAGS`, ended by ``--``) and ft_launcher's
+    arguments (the rest)."""
+    flags: dict[str, float] = {}
+    i = 0
+    while i < len(argv) and argv[i].partition("=")[0] in AGENT_FLAGS:
+        name, _, value = argv[i].partition("=")
+        try:
+            flags[name] = float(value)
+        except ValueError:
+            raise ValueError(f"{argv[i]}: give {name}=SECONDS, a number") from None
+        i += 1
+    if i < len(argv) and argv[i] == "--":
+        i += 1
+    return flags, argv[i:]
+
+
+def _nproc(args: list[str]) -> Optional[int]:
+    for arg in args:
+        if arg.startswith("--nproc-per-node="):
+            value = arg.split("=", 1)[1]
+            return int(value) if value.isdigit() else None
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["--"]:
-        args = args[1:]
+    try:
+        flags, args = parse_agent_args(list(sys.argv[1:] if argv is None else argv))
+        index = node_rank.node_index(os.environ)
+    except ValueError as exc:
+        _say(f"configuration error: {exc}; exiting {exit_codes.CONFIG}")
+        _termination_message(str(exc))
+        return exit_codes.CONFIG
     become_subreaper()
-    env = dict(os.environ)
+    env = node_rank.launcher_env(os.environ, index)
     env[NODE_PID_ENV] = str(os.getpid())
     env[NODE_START_ENV] = repr(time.time())
+    if index is not None:
+        args = node_rank.with_store_host(args, index == 0)
+    store_host = index in (None, 0) or node_rank.rdzv_conf(args).get("is_host", "").lower() in ("1", "true", "yes")
     base = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}")
-    stop_file, fatal_file = base + ".stopping", base + ".fatal"
+    stop_file, fatal_file, done_dir = base + ".stopping", base + ".fatal", Path(base + ".done")
     # A pod's agent is always PID 1: files left by one that was SIGKILLed (the pod's /tmp
     # survives a container restart) would make every later SIGTERM read as a graceful stop.
     for stale in (stop_file, fatal_file):
         _remove(stale)
+    shutil.rmtree(done_dir, ignore_errors=True)
+    done_dir.mkdir()
     env[NODE_STOP_ENV] = stop_file
     env[exit_codes.NODE_FATAL_ENV] = fatal_file
-    if "PET_NODE_RANK" in env:
-        # NVRx 0.7 orders nodes by infrastructure rank, from SLURM or GROUP_RANK, else by address
-        # (utils.get_infrastructure_rank): the operator's node rank keeps pod N node N.
-        env.setdefault("GROUP_RANK", env["PET_NODE_RANK"])
+    env[exit_codes.NODE_DONE_ENV] = str(done_dir)
     received: list[int] = []
     fatal: list[bool] = []
     launcher: dict[str, subprocess.Popen] = {}
@@ -274,6 +318,55 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"configuration error: {bad}; exiting {exit_codes.CONFIG}")
         _termination_message(bad)
         return exit_codes.CONFIG
+    if index is not None:
+        _say(f"node {index} of the job (GROUP_RANK={env['GROUP_RANK']}); "
+             f"{'hosts' if store_host else 'joins'} the rendezvous store")
+    rejoin = Rejoin(store_host, flags.get("--rejoin-timeout", 0.0))
+    nproc = _nproc(args)
+    try:
+        while True:
+            returncode, lines, started = _run_launcher(args, env, launcher, received, fatal)
+            reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
+            code = exit_code(returncode, received[0] if received else None, lines, reason is not None)
+            finished = nproc is not None and exit_codes.finished_ranks(done_dir) >= nproc
+            if code != 0 and finished and reason is None and not received:
+                _say(f"every rank of this node finished training; ft_launcher's shutdown exited {returncode} "
+                     "(the store host may have gone first): exiting 0")
+                return 0
+            again = None if (reason is not None or received) else rejoin.decide(code, started)
+            if again is None:
+                break
+            _say(again)
+            time.sleep(PAUSE_S)
+            if received:  # stopped while no launcher ran: nothing to checkpoint
+                code = 128 + received[0]
+                break
+    finally:
+        for path in (stop_file, fatal_file):
+            _remove(path)
+        shutil.rmtree(done_dir, ignore_errors=True)
+    if reason is not None:
+        _say(f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
+             f"(exited {returncode}); exiting {code}: {reason}")
+        _termination_message(reason)
+    elif received:
+        _say(f"stopped by {signal.Signals(received[0]).name}; ft_launcher exited {returncode}; exiting {code}")
+    else:
+        if not store_host and code in REJOINED_CODES and rejoin.timeout_s > 0:
+            _say(rejoin.gave_up())
+        if code == RENDEZVOUS_LOST_EXIT_CODE:
+            _say(f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
+                 f"exiting {exit_codes.describe_code(code)}")
+        elif code != 0:
+            _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
+            _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
+    return code
+
+
+def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subprocess.Popen],
+                  received: list[int], fatal: list[bool]) -> tuple[int, list[str], bool]:
+    """One ``ft_launcher`` run to its end: (its return code, its last stderr lines, whether it
+    started ranks, i.e. a rendezvous of every node completed)."""
     child = subprocess.Popen([*ft_launcher_executable(), *args], env=env, stderr=subprocess.PIPE)
     tail = _StderrTail(child.stderr)
     tail.start()
@@ -291,23 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             sweeper.sweep()
     kill_descendants(timeout=5.0)
     tail.join(timeout=5.0)
-    reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
-    for path in (stop_file, fatal_file):
-        _remove(path)
-    code = exit_code(returncode, received[0] if received else None, list(tail.lines), reason is not None)
-    if reason is not None:
-        _say(f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
-             f"(exited {returncode}); exiting {code}: {reason}")
-        _termination_message(reason)
-    elif received:
-        _say(f"stopped by {signal.Signals(received[0]).name}; ft_launcher exited {returncode}; exiting {code}")
-    elif code == RENDEZVOUS_LOST_EXIT_CODE:
-        _say(f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
-             f"exiting {exit_codes.describe_code(code)}")
-    elif code != 0:
-        _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
-        _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
-    return code
+    return returncode, list(tail.lines), sweeper.seen_ranks
 
 
 def _send(child: subprocess.Popen, signum: int) -> None:

@@ -161,3 +161,32 @@ def report_configuration_failure(message: str) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+# ---- a rank tells its node that it finished training ---------------------------------------------
+
+# Set by the node agent: the directory each rank marks when its training finished (the final
+# checkpoint committed, a step every rank reaches together). A node whose ranks all finished
+# exits 0 whatever ft_launcher's own shutdown says: the store host may exit first, and a later
+# node's last store write then fails.
+NODE_DONE_ENV = "RESILIENT_FSDP_NODE_DONE_DIR"
+
+
+def report_finished() -> bool:
+    """Rank side: mark this rank's training finished for the node agent; False without an agent."""
+    path = os.environ.get(NODE_DONE_ENV)
+    if not path:
+        return False
+    try:
+        atomic.write_text(Path(path) / f"rank-{os.environ.get('LOCAL_RANK', '0')}", "done")
+    except OSError:
+        return False
+    return True
+
+
+def finished_ranks(done_dir: Path) -> int:
+    """Node side: how many of the node's ranks marked their training finished."""
+    try:
+        return sum(1 for p in done_dir.iterdir() if p.name.startswith("rank-"))
+    except OSError:
+        return 0

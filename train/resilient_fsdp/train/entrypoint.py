@@ -103,6 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         run(args)
+        exit_codes.report_finished()
     except NotRetried as exc:
         return configuration_failure(exc.error)
     except (ConfigError, FloatingPointError) as exc:

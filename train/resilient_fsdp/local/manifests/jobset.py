@@ -129,7 +129,11 @@ def read_jobset(doc: dict) -> Workload:
         job = f"{name}-{rjob['name']}-{j}"
         for p in range(completions):
             hostname = f"{job}-{p}"
-            env = container_env(c, f"JobSet {name} {rjob['name']}")
+            # The Indexed Job's annotation and the JobSet's labels on each pod.
+            fields = {"metadata.name": hostname, "metadata.namespace": namespace,
+                      "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(p),
+                      "metadata.labels['jobset.sigs.k8s.io/job-index']": str(j)}
+            env = container_env(c, f"JobSet {name} {rjob['name']}", fields)
             env.pop("JOB_COMPLETION_INDEX", None)
             env["JOB_COMPLETION_INDEX"] = str(p)
             restart.job_of[hostname] = job

@@ -142,7 +142,11 @@ def read_pytorchjob(doc: dict) -> Workload:
         c = _trainer_container(template, PYTORCH_CONTAINER, f"PyTorchJob {name} {role}")
         for i in range(int(replicas[role].get("replicas", 1))):
             hostname = f"{name}-{role.lower()}-{i}"
-            env = container_env(c, f"PyTorchJob {name} {role}")
+            # training-operator v1.9.4 pod labels (pkg/controller.v1/common/pod.go)
+            fields = {"metadata.name": hostname, "metadata.namespace": namespace,
+                      "metadata.labels['training.kubeflow.org/replica-type']": role.lower(),
+                      "metadata.labels['training.kubeflow.org/replica-index']": str(i)}
+            env = container_env(c, f"PyTorchJob {name} {role}", fields)
             for key, value in injected(role.lower(), i).items():
                 env.pop(key, None)  # appended: a later entry wins and takes the last place
                 env[key] = value

@@ -159,14 +159,23 @@ def service_names(name: str, namespace: str) -> list[str]:
     return [f"{name}.{namespace}", f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.cluster.local"]
 
 
-def container_env(container: dict, where: str) -> dict[str, str]:
+def container_env(container: dict, where: str, fields: Optional[dict[str, str]] = None) -> dict[str, str]:
     """A container's rendered ``env`` in order, each value expanded from the entries before it;
-    ``where`` names the container in errors."""
+    ``fields`` are the pod's downward-API values by ``fieldPath`` (``metadata.name``,
+    ``metadata.labels['KEY']``) that a ``valueFrom.fieldRef`` may read; ``where`` names the
+    container in errors."""
     env: dict[str, str] = {}
+    fields = fields or {}
     for entry in container.get("env") or []:
         if "value" not in entry and "valueFrom" in entry:
-            raise WorkloadError(f"{where}.env {entry['name']}: valueFrom ({', '.join(entry['valueFrom'])}) is not "
-                                "supported by the local cluster (no Secrets or downward API here); give a value")
+            path = (entry["valueFrom"].get("fieldRef") or {}).get("fieldPath")
+            if path is None or path not in fields:
+                raise WorkloadError(f"{where}.env {entry['name']}: valueFrom ({', '.join(entry['valueFrom'])}"
+                                    f"{' ' + path if path else ''}) is not supported by the local cluster (no "
+                                    "Secrets here; of the downward API only the pod's name, its controller's "
+                                    f"labels and annotations: {', '.join(sorted(fields)) or 'none'}); give a value")
+            env[entry["name"]] = fields[path]
+            continue
         env[entry["name"]] = expand(str(entry.get("value", "")), env)
     if container.get("envFrom"):
         raise WorkloadError(f"{where}.envFrom is not supported by the local cluster (no Secrets or ConfigMap "

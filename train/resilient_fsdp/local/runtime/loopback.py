@@ -30,8 +30,7 @@ class LoopbackRuntime(Runtime):
     Deviations from the rendered pod, each needed without namespaces: host names become
     127.0.0.<index+1> in args and env, and each agent gets that address as ``PET_LOCAL_ADDR``
     (NVRx 0.7 refuses two agents with one node address); paths of mounts other than the shared
-    volume are rewritten to their host directories; ``--rdzv-conf`` gains ``is_host`` (every
-    agent would take a loopback endpoint for its own and race to host the store); ``/tmp`` is
+    volume are rewritten to their host directories; ``/tmp`` is
     ``TMPDIR``; ``/dev/shm`` is the host's.
     """
 
@@ -90,7 +89,6 @@ class LoopbackRuntime(Runtime):
                 paths.append((mount.path.rstrip("/"), host))
         paths.sort(key=lambda p: -len(p[0]))
         argv = [self._rewrite(a, paths) for a in pod.argv]
-        argv = _with_is_host(argv, pod.index == 0)
         # Only what the pod's spec and the cluster set is rewritten: this machine's own variables
         # (PATH, PYTHONPATH: the image) are host paths already, and a checkout under /tmp, a
         # mount path, must stay where it is.
@@ -133,22 +131,6 @@ class LoopbackRuntime(Runtime):
         for pod in self.workload.pods:
             self.kill(pod)
         shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _with_is_host(argv: list[str], host: bool) -> list[str]:
-    flag = f"is_host={'true' if host else 'false'}"
-    out, done = [], False
-    for arg in argv:
-        if arg.startswith("--rdzv-conf=") and not done:
-            arg, done = f"{arg},{flag}", True
-        out.append(arg)
-    if not done:
-        try:
-            at = out.index("-m", out.index("-m") + 1) if out.count("-m") > 1 else len(out)
-        except ValueError:
-            at = len(out)
-        out.insert(at, f"--rdzv-conf={flag}")
-    return out
 
 
 def _alive(proc: psutil.Process) -> bool:

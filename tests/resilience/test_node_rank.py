@@ -1,0 +1,43 @@
+"""A node's index, who hosts the store and the node rank, from what each controller sets."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_fsdp.resilience.node_rank import (NodeIndexError, launcher_env, node_index, rdzv_conf,
+                                                 with_store_host)
+
+ARGS = ["--nnodes=4", "--rdzv-conf=join_timeout=900,read_timeout=900", "-m", "resilient_fsdp.train",
+        "--config=/etc/c.yaml"]
+
+
+@pytest.mark.parametrize("env, index", [
+    ({"PET_NODE_RANK": "3", "JOB_COMPLETION_INDEX": "1"}, 3),  # the operator's node rank first
+    ({"JOB_COMPLETION_INDEX": "2"}, 2),  # JobSet: the Indexed Job's index
+    ({"RESILIENT_FSDP_NODE_INDEX": "5"}, 5),  # elastic PyTorchJob: the chart's replica index
+    ({}, None),  # a node run by hand
+])
+def test_the_index_comes_from_the_first_variable_a_controller_sets(env, index):
+    assert node_index(env) == index
+
+
+def test_a_malformed_index_names_its_variable():
+    with pytest.raises(NodeIndexError, match="JOB_COMPLETION_INDEX='x'"):
+        node_index({"JOB_COMPLETION_INDEX": "x"})
+
+
+def test_is_host_joins_the_launchers_rdzv_conf_and_an_explicit_one_is_kept():
+    assert with_store_host(ARGS, True)[1] == "--rdzv-conf=join_timeout=900,read_timeout=900,is_host=true"
+    assert rdzv_conf(with_store_host(ARGS, False)) == {"join_timeout": "900", "read_timeout": "900",
+                                                       "is_host": "false"}
+    explicit = ["--rdzv-conf=is_host=true", *ARGS]
+    assert with_store_host(explicit, False) == explicit
+    # No --rdzv-conf: a new flag before the training module; the trainer's own flags are not read.
+    bare = ["--nnodes=2", "-m", "resilient_fsdp.train", "--rdzv-conf=is_host=true"]
+    assert with_store_host(bare, False)[:3] == ["--nnodes=2", "--rdzv-conf=is_host=false", "-m"]
+
+
+def test_group_rank_is_the_index_unless_set():
+    assert launcher_env({"A": "1"}, 7) == {"A": "1", "GROUP_RANK": "7"}
+    assert launcher_env({"GROUP_RANK": "2"}, 7)["GROUP_RANK"] == "2"
+    assert "GROUP_RANK" not in launcher_env({}, None)

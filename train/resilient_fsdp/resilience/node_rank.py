@@ -1,0 +1,86 @@
+"""A node's place in the job: its index (the pod's), who hosts the rendezvous store, its node rank.
+
+Every workload controller numbers its pods, but each says it differently: the training operator
+sets ``PET_NODE_RANK`` (PyTorchJob with a Master; Kubeflow Trainer's torch plugin too), an Indexed
+Job sets ``JOB_COMPLETION_INDEX`` (JobSet), and an elastic PyTorchJob sets neither, so the chart
+passes its ``training.kubeflow.org/replica-index`` label as :data:`NODE_INDEX_ENV`. The node agent
+reads :func:`node_index` and pins two decisions to it, which NVRx otherwise makes on its own:
+
+- **who hosts the store**: ``is_host`` in ``--rdzv-conf`` (index 0 hosts). Without it NVRx 0.7
+  decides by matching the endpoint's name against the machine (name, ``/etc/hosts``, then a DNS
+  lookup compared by address), separately in three places; under a JobSet the endpoint
+  ``<pod>.<subdomain>`` matches only through cluster DNS, so a record published late means that
+  nobody hosts;
+- **the node rank**: ``GROUP_RANK`` (NVRx 0.7's infrastructure rank); without it NVRx orders nodes
+  by their FQDN as a string, so in a 16-pod job pods 10..15 would take node ranks 2..7, against
+  the order topology-aware placement used.
+
+Both are left alone when the launcher's arguments or environment already set them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+NODE_INDEX_ENV = "RESILIENT_FSDP_NODE_INDEX"
+# In the order they are read: the operator's node rank, the Indexed Job's index, the chart's.
+INDEX_SOURCES = ("PET_NODE_RANK", "JOB_COMPLETION_INDEX", NODE_INDEX_ENV)
+
+
+class NodeIndexError(ValueError):
+    """A node index that is not a non-negative integer; the message names the variable."""
+
+
+def node_index(env: Mapping[str, str]) -> Optional[int]:
+    """The pod's index in the job from the first of :data:`INDEX_SOURCES` that is set; None when
+    none is (a node run by hand, outside a workload controller)."""
+    for name in INDEX_SOURCES:
+        text = env.get(name, "").strip()
+        if text:
+            if not text.isdigit():
+                raise NodeIndexError(f"{name}={text!r}: a pod's index must be a non-negative integer")
+            return int(text)
+    return None
+
+
+def rdzv_conf(args: list[str]) -> dict[str, str]:
+    """The ``key=value`` pairs of every ``--rdzv-conf`` in ``args`` (ft_launcher's own flags,
+    before the training module's)."""
+    pairs: dict[str, str] = {}
+    for arg in _launcher_part(args):
+        if arg.startswith("--rdzv-conf="):
+            for item in arg.split("=", 1)[1].split(","):
+                if "=" in item:
+                    key, value = item.split("=", 1)
+                    pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def with_store_host(args: list[str], is_host: bool) -> list[str]:
+    """``args`` with ``is_host`` in its ``--rdzv-conf`` (added to the first, or as a new flag
+    before the training module), unless one already says."""
+    if "is_host" in rdzv_conf(args):
+        return list(args)
+    flag = f"is_host={'true' if is_host else 'false'}"
+    end = len(_launcher_part(args))
+    out = list(args)
+    for i in range(end):
+        if out[i].startswith("--rdzv-conf="):
+            out[i] = f"{out[i]},{flag}"
+            return out
+    out.insert(end, f"--rdzv-conf={flag}")
+    return out
+
+
+def _launcher_part(args: list[str]) -> list[str]:
+    """ft_launcher's flags: everything before the training module (``-m MODULE``, as the chart
+    and the local cluster run it)."""
+    return args[:args.index("-m")] if "-m" in args else args
+
+
+def launcher_env(env: Mapping[str, str], index: Optional[int]) -> dict[str, str]:
+    """``env`` with ``GROUP_RANK`` set to the node's index, unless already set."""
+    out = dict(env)
+    if index is not None:
+        out.setdefault("GROUP_RANK", str(index))
+    return out
