@@ -504,3 +504,31 @@ def test_should_say_how_to_get_crds_when_the_crd_directory_is_missing(capsys, tm
     code = main(["validate", "-f", str(VALUES_DIR / "dev-cpu.yaml"), "--crds", str(tmp_path / "none")])
     assert code == 2
     assert "scripts/fetch-crds" in capsys.readouterr().err
+
+
+# ---- a job's config is fixed for that job ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["PyTorchJob", "JobSet", "TrainJob"])
+def test_should_mount_an_immutable_config_named_by_its_content_when_rendered(kind):
+    first = render(f"workload.kind={kind}")
+    changed = render(f"workload.kind={kind}", "trainer.train.steps=77")
+    names = []
+    for rendered in (first, changed):
+        cm = rendered.find("ConfigMap")
+        assert cm["immutable"] is True
+        names.append(cm["metadata"]["name"])
+        text = rendered.text()
+        # Every pod template mounts that one ConfigMap, and no other name of it appears.
+        assert text.count(f"name: {cm['metadata']['name']}") >= 2
+    assert names[0] != names[1] and all(n.startswith("resilient-fsdp-config-") for n in names)
+    assert render(f"workload.kind={kind}").find("ConfigMap")["metadata"]["name"] == names[0]  # deterministic
+
+
+def test_should_refuse_helm_upgrade_naming_how_to_change_a_running_job():
+    with pytest.raises(chart.ChartError) as caught:
+        render("workload.kind=JobSet", release="run1", upgrade=True)
+    message = str(caught.value)
+    assert "helm upgrade of run1: a training job keeps the spec and config it started with" in message
+    assert "helm uninstall run1 -n default, then helm install run1 with the new values" in message
+    assert "storage.keepOnUninstall" in message

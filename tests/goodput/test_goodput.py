@@ -187,6 +187,8 @@ def test_profile_restart_settings_are_the_advisors(profile):
         for key, value in keys.items():
             assert values["trainer"]["resilience"][group][key] == value, f"{profile}: trainer.resilience.{group}.{key}"
     assert values["job"]["backoffLimit"] == expected["job"]["backoffLimit"]
+    assert values["workload"]["jobSet"]["maxRestarts"] == expected["workload"]["jobSet"]["maxRestarts"], \
+        f"{profile}: workload.jobSet.maxRestarts"
 
 
 def test_the_docs_table_of_profiles_is_the_profiles():
@@ -195,7 +197,7 @@ def test_the_docs_table_of_profiles_is_the_profiles():
     assert lines[start:end + 1] == profiles.profile_table(), \
         "docs/eks-helm.md's profile table is stale: python -m resilient_fsdp.goodput.profiles"
     p5 = next(line for line in lines[start:end] if line.startswith("| `p5-16node`"))
-    assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 1,260 s | 4 / 4 |" in p5  # read off the profile
+    assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 1,260 s | 4 / 4 / 2 |" in p5  # read off the profile
 
 
 def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):

@@ -242,3 +242,18 @@ ft_config.yaml does, rather than let the trainer's default come back. */}}
 {{- $f := float64 . }}
 {{- if eq $f (float64 (int64 $f)) }}{{ int64 $f }}{{ else }}{{ $f }}{{ end }}
 {{- end }}
+
+{{/* The job's ConfigMap data: the trainer's config and ft_launcher's. */}}
+{{- define "resilient-fsdp.configData" -}}
+# The trainer's configuration (resilient-fsdp config --describe lists the keys).
+config.yaml: |
+  {{- include "resilient-fsdp.trainerConfig" . | nindent 2 }}
+# ft_launcher's hang detection, read through --ft-cfg-path.
+ft_config.yaml: |
+  {{- include "resilient-fsdp.ftConfig" . | trim | nindent 2 }}
+{{- end }}
+
+{{/* The job's ConfigMap name: the release's name and the hash of the data it holds. */}}
+{{- define "resilient-fsdp.configMapName" -}}
+{{- printf "%s-config-%s" (include "resilient-fsdp.fullname" .) (include "resilient-fsdp.configData" . | sha256sum | trunc 10) }}
+{{- end }}

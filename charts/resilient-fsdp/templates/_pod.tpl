@@ -204,7 +204,7 @@ spec:
   volumes:
     - name: config
       configMap:
-        name: {{ include "resilient-fsdp.fullname" $ }}
+        name: {{ include "resilient-fsdp.configMapName" $ }}
     - name: shared
       {{- if eq $v.storage.type "emptyDir" }}
       emptyDir:

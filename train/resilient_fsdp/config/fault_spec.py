@@ -56,6 +56,9 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "in-process, else in-job (checkpoint.write_timeout_s)"),
     FaultKind("writer-slow", "write", "the checkpoint writer finishes SECONDS later", "none: the write is late",
               takes_duration=True, stops=False),
+    FaultKind("slow-exit", "step", "the rank finishes training, then waits SECONDS (default 30) before it exits, "
+              "as a slow teardown does: its node ends after the store host's", "none: the node still exits 0",
+              takes_duration=True, stops=False),
 )}
 NODE_FAULT_KINDS = tuple(k.name for k in FAULT_KINDS.values() if k.by_cluster)
 _FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<options>(?::[^:]*)*)$")

@@ -141,8 +141,9 @@ class Rendered:
 
 
 def render(values: Optional[dict] = None, release: str = DEFAULT_RELEASE, namespace: str = DEFAULT_NAMESPACE,
-           chart: Optional[str | Path] = None) -> Rendered:
-    """Render the chart with ``values`` over its defaults (schema and ``fail`` rules enforced)."""
+           chart: Optional[str | Path] = None, upgrade: bool = False) -> Rendered:
+    """Render the chart with ``values`` over its defaults (schema and ``fail`` rules enforced),
+    as ``helm install`` does (``upgrade``: as ``helm upgrade`` does)."""
     helm_python = _helm()
     path = chart_dir(chart)
     try:
@@ -151,7 +152,8 @@ def render(values: Optional[dict] = None, release: str = DEFAULT_RELEASE, namesp
         raise ChartError(f"release name {release!r}: {_detail(exc)}") from None
     try:
         with helm_python.Chart.load(path) as loaded:
-            out = loaded.render(values or {}, name=release, namespace=namespace, is_install=True)
+            out = loaded.render(values or {}, name=release, namespace=namespace, is_install=not upgrade,
+                                is_upgrade=upgrade)
     except helm_python.HelmValuesError as exc:
         raise ChartError(explain_schema_error(_detail(exc))) from None
     except helm_python.HelmRenderError as exc:

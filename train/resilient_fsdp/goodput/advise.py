@@ -18,9 +18,16 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
   absorbs slow starts (``ft_launcher`` kills a rank that overstays a section);
 * ``resilience.launcher.max_restarts`` and ``job.backoffLimit``: the 99th percentile of the Poisson number
   of failures over the job, at least 3, so a job with the expected failure rate exhausts neither
-  more than once in a hundred runs. What ``job.backoffLimit`` then does depends on the chart's
-  ``workload.kind`` (``--kind``; :data:`BACKOFF_LIMIT_MEANING`): a JobSet's Job counts it, a
-  PyTorchJob under ``restartPolicy: ExitCode`` does not.
+  more than once in a hundred runs. Both count events, because that is what one event costs each:
+  an event spends one in-job restart (a rendezvous round; NVRx 0.7's budget is job-wide), and at
+  most one counted pod failure (the pod that failed, or the store host's pod when the in-job
+  budget is spent; the other nodes join again in their pods, :mod:`resilient_fsdp.resilience.rejoin`).
+  What ``job.backoffLimit`` then does depends on the chart's ``workload.kind`` (``--kind``;
+  :data:`BACKOFF_LIMIT_MEANING`): a JobSet's Job counts it, a PyTorchJob under
+  ``restartPolicy: ExitCode`` does not;
+* ``workload.jobSet.maxRestarts``: :data:`JOBSET_RESTARTS` whole restarts once the Job's budget is
+  spent, each with a fresh one: (1 + maxRestarts) x (1 + backoffLimit) counted failures in all,
+  three times the 99th percentile's budget, for a burst the failure model leaves out (a bad rack).
 """
 
 from __future__ import annotations
@@ -60,14 +67,16 @@ BACKOFF_LIMIT_MEANING = {
     "PyTorchJob": "not a bound under restartPolicy ExitCode (training-operator v1.9.4, kubeflow/trainer#2045): "
                   "0 fails the job at the first pod failure, >= 1 never stops recreating pods that exit 128-255; "
                   "only an exit of 1-127 or job.activeDeadlineSeconds ends the job. A budget that counts: --kind JobSet",
-    "JobSet": "pod failures (exits 128-255, evictions excepted) the Job absorbs; one more restarts the whole "
-              "JobSet with a fresh budget, up to workload.jobSet.maxRestarts times",
+    "JobSet": "pod failures (exits 128-255, evictions excepted) the Job absorbs, one at most per event (the "
+              "other nodes join again in their pods); one more restarts the whole JobSet with a fresh budget, "
+              "up to workload.jobSet.maxRestarts times",
     "TrainJob": "as JobSet, in the TrainingRuntime the chart renders (an existing ClusterTrainingRuntime keeps "
                 "its own policy)",
 }
 # Longer intervals are not worth their lost work in failures the model leaves out (a corrupt
 # newest checkpoint sends the job back two intervals; operators stop jobs on purpose).
 MAX_INTERVAL_S = 3600
+JOBSET_RESTARTS = 2
 
 
 class AdviseError(ValueError):
@@ -128,6 +137,7 @@ class Advice:
     goodput: dict
     max_restarts: int
     backoff_limit: int
+    jobset_max_restarts: int
     step_timeout_s: int
     checkpoint_timeout_s: int
     init_timeout_s: int
@@ -149,6 +159,7 @@ class Advice:
                 },
             },
             "job": {"backoffLimit": self.backoff_limit},
+            "workload": {"jobSet": {"maxRestarts": self.jobset_max_restarts}},
         }
 
 
@@ -184,6 +195,7 @@ def advise(inputs: Inputs) -> Advice:
     return Advice(
         inputs=inputs, job_mtbf_s=mtbf_s, young_s=young, daly_s=daly, interval_s=interval,
         expected_failures=failures, goodput=breakdown.as_dict(), max_restarts=limit, backoff_limit=limit,
+        jobset_max_restarts=JOBSET_RESTARTS,
         step_timeout_s=_whole(step_timeout), checkpoint_timeout_s=_whole(checkpoint_timeout),
         init_timeout_s=_whole(init_timeout),
         # Between sections (logging, data) nothing long happens; the step timeout covers it.
@@ -327,6 +339,9 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
         ("max_restarts / backoffLimit", f"{a.max_restarts} / {a.backoff_limit} = max({RESTART_LIMIT_FLOOR}, "
                                         f"Poisson({a.expected_failures:.2f}) {RESTART_QUANTILE:.0%} quantile)"),
         (f"backoffLimit ({kind})", BACKOFF_LIMIT_MEANING[kind]),
+        ("workload.jobSet.maxRestarts", f"{a.jobset_max_restarts}: whole-JobSet restarts after backoffLimit, "
+                                        f"{(1 + a.jobset_max_restarts) * (1 + a.backoff_limit)} counted failures in all "
+                                        "(JobSet and TrainJob)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

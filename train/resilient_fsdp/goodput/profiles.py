@@ -72,7 +72,9 @@ def header_block(line: str) -> list[str]:
         f"#   -> Daly interval {a.daly_s:,.0f} s -> checkpoint.interval_s {a.interval_s} (rounded down, "
         f"<= {adv.MAX_INTERVAL_S:,} s, >= W);",
         f"#     max_restarts = backoffLimit = max({adv.RESTART_LIMIT_FLOOR}, {adv.RESTART_QUANTILE:.0%} Poisson "
-        f"quantile of F) = {a.max_restarts};",
+        f"quantile of F) = {a.max_restarts} (one event spends at most one of each);",
+        f"#     workload.jobSet.maxRestarts {a.jobset_max_restarts}: (1 + {a.jobset_max_restarts}) x (1 + "
+        f"{a.backoff_limit}) = {(1 + a.jobset_max_restarts) * (1 + a.backoff_limit)} counted failures in all;",
         f"#     step/out-of-section {a.step_timeout_s} s, checkpoint {a.checkpoint_timeout_s} s, init "
         f"{a.init_timeout_s} s ({adv.SAFETY:g} x what each covers, floors);",
         f"#     expected goodput {g['productive']:.4f} (restart R {i.restart_s:g} s, step {i.step_s:g} s, "
@@ -136,14 +138,16 @@ def profile_row(path: Path) -> str:
         where = f"FSx {fsx['deploymentType']} {storage['size']} ({rate} MB/s/TiB)"
     else:
         where = storage["type"]
-    budget = f"{trainer['resilience']['launcher']['max_restarts']} / {values['job']['backoffLimit']}"
+    budget = (f"{trainer['resilience']['launcher']['max_restarts']} / {values['job']['backoffLimit']} / "
+              f"{values['workload']['jobSet']['maxRestarts']}")
     return (f"| `{path.stem}` | {pods} x {instance} ({per_pod} each) | {trainer['model']['preset']} | {every} | "
             f"{budget} | {where} |")
 
 
 TABLE_START = "<!-- profiles: python -m resilient_fsdp.goodput.profiles writes this table -->"
 TABLE_END = "<!-- end of profiles -->"
-TABLE_HEAD = ["| profile | pods x instance | model | checkpoint every | `max_restarts` / `backoffLimit` | storage |",
+TABLE_HEAD = ["| profile | pods x instance | model | checkpoint every | `max_restarts` / `backoffLimit` / "
+              "`jobSet.maxRestarts` | storage |",
               "|---|---|---|---|---|---|"]
 
 

@@ -11,7 +11,9 @@ chart's JobSet rules do the same (``podFailurePolicy``). So the classification i
 - **infrastructure-type** failures (signals, hangs, lost peers or rendezvous store, CUDA/NCCL
   errors, anything unknown) are retried by every layer in turn; when the in-job restarts are spent
   the pod exits :data:`INFRASTRUCTURE` (128 + ``EX_TEMPFAIL``), which the job level retries; a
-  node that lost its rendezvous store exits :data:`RENDEZVOUS_LOST`, also retried.
+  node that lost its rendezvous store exits :data:`RENDEZVOUS_LOST`, also retried. A node that
+  does not host the store joins again in its pod after either (:mod:`.rejoin`), so one event is
+  counted once.
 
 :data:`TABLE` is that classification as data: the node agent (:mod:`.agent`) and the trainer
 (:mod:`resilient_fsdp.train.entrypoint`) act on it, and ``docs/faults-and-restarts.md`` shows
@@ -37,14 +39,25 @@ EX_TEMPFAIL = 75  # sysexits.h: "temporary failure; the user is invited to retry
 
 @dataclass(frozen=True)
 class Row:
-    """One kind of ending: the node's exit code and who retries it."""
+    """One kind of ending: the node's exit code, who retries it, what each kind's controller does."""
 
     name: str
     code: str  # as shown in the docs ("2", "128 + N")
     kind: str  # "success", "configuration", "stop" or "infrastructure"
     what: str
     retried_by: str
-    job: str
+    budget: str
+    """What the job level does with it: ``done``, ``fails`` (the job fails at once), ``counted``
+    (a retried pod failure, counted against the Job's ``backoffLimit`` under a JobSet) or
+    ``none`` (no pod exit: nothing is counted)."""
+    codes: range = range(0)
+    """The exit codes of the row, for the check against the rendered rules."""
+
+    def pytorchjob(self) -> str:
+        return BUDGET[self.budget][0]
+
+    def jobset(self) -> str:
+        return BUDGET[self.budget][1]
 
 
 SUCCESS = 0
@@ -55,37 +68,59 @@ NVRX_NO_RESTART = 93  # NVRx 0.7's ft_launcher: NoRestartRequested (--ft-no-rest
 # 129-192, where 128 + a signal lives, so the two read apart.
 RENDEZVOUS_LOST = 200
 
+# What each kind's controller does with a row's ending: (PyTorchJob, JobSet and TrainJob).
+BUDGET = {
+    "done": ("the pod succeeds; the job is done when the Master is (elastic: any Worker)",
+             "the pod completes its index; the JobSet is done when every index is"),
+    "fails": ("the job fails at once (`restartPolicy: ExitCode`: 1-127 are permanent)",
+              "the `FailJob` rule fails the Job, and `fatalExitCode` the JobSet, at once"),
+    "counted": ("the pod is recreated (`ExitCode` retries 128-255; `job.backoffLimit` does not bound "
+                "recreations there)",
+                "counted against `job.backoffLimit` (not when the pod has `DisruptionTarget`: evicted, "
+                "preempted, drained); past it the JobSet restarts whole, up to `workload.jobSet.maxRestarts`"),
+    "none": ("nothing: no pod exits", "nothing is counted: no pod exits"),
+}
+
 TABLE: tuple[Row, ...] = (
-    Row("done", str(SUCCESS), "success", "training finished (every rank exited 0)", "-",
-        "done once every pod exited 0"),
+    Row("done", str(SUCCESS), "success",
+        "training finished: every rank exited 0, or every rank of the node finished training and only "
+        "`ft_launcher`'s own shutdown failed (the store host exited first)", "-", "done", range(0, 1)),
     Row("configuration", str(CONFIG), "configuration",
         "`ConfigError` (a bad key or value, missing data, a model or checkpoint that does not fit, a "
         "missing `checkpoint.resume_from`, another job's lease), a non-finite loss, bad trainer or "
         "launcher flags",
         "none: in-process restart re-raises it at once; the rank marks its node, whose agent stops "
-        "`ft_launcher` before it restarts the rank",
-        "fails at once; the reason is the rank's error (pod log, termination message)"),
+        "`ft_launcher` before it restarts the rank", "fails", range(CONFIG, CONFIG + 1)),
     Row("nvrx-no-restart", str(NVRX_NO_RESTART), "configuration",
         "NVRx 0.7's `ft_launcher` decided that restarting cannot help (its failure attribution said "
         "stop, or no progress across restarts; this project's flags enable neither)",
-        "none", "fails"),
+        "none", "fails", range(NVRX_NO_RESTART, NVRX_NO_RESTART + 1)),
     Row("stopped", "128 + N (143 for SIGTERM)", "stop",
         "the node was asked to stop (eviction, spot reclaim, scale-down: SIGTERM or SIGINT); its ranks "
         "committed a checkpoint of the current step",
-        "job level", "the pod is recreated and the job resumes from that checkpoint"),
+        "job level: the pod is recreated and the job resumes from that checkpoint", "counted", range(129, 193)),
     Row("killed", "128 + N (137 for SIGKILL)", "infrastructure",
         "`ft_launcher` itself was killed by signal N (the OOM killer, a node going down)",
-        "job level", "the pod is recreated"),
+        "job level: the pod is recreated", "counted", range(129, 193)),
+    Row("joined-again", "- (no exit)", "infrastructure",
+        "a node that does not host the store saw its `ft_launcher` end with 200 or 203 below, which "
+        "another node's failure causes (the store host lost, the job-wide in-job restarts spent by a "
+        "peer's fault, a peer that did not join in time)",
+        "the node agent: it starts `ft_launcher` again in the same pod, which joins the store pod 0 "
+        "hosts, for up to `rendezvous.rejoinTimeoutSeconds` from the event; then it exits with the code",
+        "none"),
     Row("rendezvous-store-lost", str(RENDEZVOUS_LOST), "infrastructure",
-        "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost); "
-        "this node is healthy",
-        "job level", "the pod is recreated and joins the store of the host's replacement"),
+        "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost) and no "
+        "store came back within `rendezvous.rejoinTimeoutSeconds`",
+        "job level: the pod is recreated", "counted", range(RENDEZVOUS_LOST, RENDEZVOUS_LOST + 1)),
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
-        "peers, CUDA/NCCL errors, in-process restarts spent, any other "
-        "exception; its in-job restarts (`resilience.launcher.max_restarts`) are spent",
-        "in-process (exceptions, hangs), then in-job, then job level",
-        "the pod is recreated (128 + `EX_TEMPFAIL`)"),
+        "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, any other exception; its "
+        "in-job restarts (`resilience.launcher.max_restarts`, job-wide on NVRx 0.7) are spent. Only the "
+        "store host's pod exits with it at once: one count per event, and its replacement hosts a new "
+        "store with a fresh in-job budget",
+        "in-process (exceptions, hangs), then in-job, then job level (128 + `EX_TEMPFAIL`)", "counted",
+        range(INFRASTRUCTURE, INFRASTRUCTURE + 1)),
 )
 
 
@@ -136,9 +171,10 @@ def describe_code(code: int) -> str:
 
 def markdown_table() -> str:
     """:data:`TABLE` as the Markdown table ``docs/faults-and-restarts.md`` shows."""
-    lines = ["| node exit code | kind | what happened | retried by | the job |", "|---|---|---|---|---|"]
+    lines = ["| node exit code | kind | what happened | retried by | PyTorchJob | JobSet and TrainJob |",
+             "|---|---|---|---|---|---|"]
     for r in TABLE:
-        lines.append(f"| {r.code} | {r.kind} | {r.what} | {r.retried_by} | {r.job} |")
+        lines.append(f"| {r.code} | {r.kind} | {r.what} | {r.retried_by} | {r.pytorchjob()} | {r.jobset()} |")
     return "\n".join(lines)
 
 

@@ -294,6 +294,9 @@ class FaultInjector:
                 self.partitions.append((spec, record["t_fault"]))
                 return  # the cluster cuts the link; training goes on until it notices
             self._await_node_loss(spec, request)
+        if spec.kind == "slow-exit":
+            _EXIT_DELAYS.append(spec.for_s if spec.for_s is not None else SLOW_EXIT_DEFAULT_S)
+            return
         if spec.kind == "exception":
             raise InjectedFault(f"injected fault {spec}: an exception at step {spec.step} on rank {self.rank}")
         if spec.kind == "sigkill":
@@ -334,3 +337,16 @@ class FaultInjector:
             time.sleep(0.05)
         print(f"[resilient-fsdp] rank {self.rank}: {spec}: nothing executed the request {request} within "
               f"{NODE_LOSS_WAIT_S:.0f} s; killing this node's processes from inside", file=sys.stderr, flush=True)
+
+
+# ``slow-exit``: seconds this process waits once training has finished, before it exits.
+SLOW_EXIT_DEFAULT_S = 30.0
+_EXIT_DELAYS: list[float] = []
+
+
+def delay_exit() -> None:
+    """After training finished: wait out every ``slow-exit`` fault this rank fired."""
+    if _EXIT_DELAYS:
+        seconds = sum(_EXIT_DELAYS)
+        print(f"[resilient-fsdp] training finished; slow-exit: exiting in {seconds:g} s", file=sys.stderr, flush=True)
+        time.sleep(seconds)

@@ -17,7 +17,7 @@ from typing import Optional
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ..config import Config, ConfigError, describe, load_config, parse_faults
-from ..resilience import exit_codes
+from ..resilience import exit_codes, faults
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
 from . import distributed
@@ -104,6 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         run(args)
         exit_codes.report_finished()
+        faults.delay_exit()
     except NotRetried as exc:
         return configuration_failure(exc.error)
     except (ConfigError, FloatingPointError) as exc:

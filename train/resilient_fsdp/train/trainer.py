@@ -16,6 +16,8 @@ import json
 import math
 import os
 import random
+import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,6 +292,9 @@ class Trainer:
                                 "world_size": info.world_size})
         model_name = cfg.model.factory or f"preset {cfg.model.preset}"
         how = "" if layer == "start" else f" | restarted ({layer.replace('_', '-')})"
+        # Every rank says where it runs: which pod holds which ranks, as the node ranks ordered them.
+        print(f"[resilient-fsdp] rank {info.rank} of {info.world_size}: node {os.environ.get('GROUP_RANK', '?')}, "
+              f"local rank {info.local_rank}, host {socket.gethostname()}", file=sys.stderr, flush=True)
         self.metrics.info(
             f"world size {info.world_size} ({info.device.type}, {info.backend}) | model {model_name}: "
             f"{self.num_params:,} parameters | {self.tokens_per_step:,} tokens/step | NVRx "
