@@ -146,7 +146,7 @@ def start_server(pod) -> subprocess.Popen:
     return proc
 
 
-def test_two_pods_hostnames_hosts_file_and_tcp(net):
+def test_two_pods_hostnames_names_and_tcp(net):
     master, worker = net.pods[MASTER], net.pods[WORKER]
     names = [MASTER, WORKER, *ALIASES]
     probe = f"""
