@@ -13,6 +13,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,11 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
+from dnslib import OPCODE, RCODE, DNSRecord
 
 import resilient_fsdp
 from resilient_fsdp.local.runtime.netns_pods import plumbing, run_state
-from resilient_fsdp.local.runtime.netns_pods.plumbing import NetnsError, available, cleanup_stale
+from resilient_fsdp.local.runtime.netns_pods.dns import ClusterDNS
 from resilient_fsdp.local.runtime.netns_pods.network import PodNetwork
+from resilient_fsdp.local.runtime.netns_pods.plumbing import NetnsError, available, cleanup_stale
 from tests.support import netns_required
 
 
@@ -143,7 +146,7 @@ def start_server(pod) -> subprocess.Popen:
     return proc
 
 
-def test_two_pods_hostnames_hosts_file_and_tcp(net):
+def test_two_pods_hostnames_names_and_tcp(net):
     master, worker = net.pods[MASTER], net.pods[WORKER]
     names = [MASTER, WORKER, *ALIASES]
     probe = f"""
@@ -172,12 +175,115 @@ def test_two_pods_hostnames_hosts_file_and_tcp(net):
         server.kill()
         server.wait(timeout=5)
 
-    # The host keeps no address on the bridge or the veths: it has no way into the pods' /24.
-    for link in [net.bridge, master.veth, worker.veth]:
+    # The host keeps no address on the bridge or the veths (the DNS server's too): it has no way
+    # into the pods' /24.
+    for link in [net.bridge, net.dns_veth, master.veth, worker.veth]:
         info = json.loads(plumbing.run(["ip", "-j", "addr", "show", "dev", link], "reading").stdout)
         assert info[0]["addr_info"] == [], link
     longest = [plumbing.bridge_name("zzzzzz"), plumbing.veth_name("zzzzzz", plumbing.MAX_PODS - 1)]
     assert all(len(name) <= plumbing.IFNAME_MAX for name in longest)
+
+
+RESOLVER = """
+import json, socket, subprocess, sys
+
+def lookup(name):
+    try:
+        return sorted({a[4][0] for a in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)})
+    except socket.gaierror as exc:
+        return exc.errno
+
+def getent(name):
+    out = subprocess.run(["getent", "hosts", name], capture_output=True, text=True, timeout=30)
+    return out.stdout.split() if out.returncode == 0 else out.returncode
+
+def reverse(address):
+    try:
+        return socket.gethostbyaddr(address)[0]
+    except OSError as exc:
+        return str(exc)
+
+for line in sys.stdin:
+    ask = json.loads(line)
+    print(json.dumps({
+        "lookup": {n: lookup(n) for n in ask["names"]},
+        "getent": {n: getent(n) for n in ask["names"]},
+        # What a dual-stack server such as c10d's TCPStore asks for an IPv4 peer: ::ffff:<ip>.
+        "reverse": {ip: [reverse(ip), socket.getnameinfo(("::ffff:" + ip, 0), 0)[0]] for ip in ask["ips"]},
+        "hosts": open("/etc/hosts").read(), "resolv": open("/etc/resolv.conf").read()}), flush=True)
+"""
+
+
+def test_pods_resolve_each_other_by_the_runs_dns_as_on_a_cluster(net):
+    master, worker = net.pods[MASTER], net.pods[WORKER]
+    fqdn = "js-w-0-0.js.default.svc.cluster.local"  # a JobSet pod's: hostname.subdomain.namespace.svc...
+    store = net.add_pod("js-w-0-0", aliases=["js-w-0-0.js"], fqdn=fqdn)
+    proc = worker.spawn([PY, "-c", RESOLVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(names, ips=()):
+        proc.stdin.write(json.dumps({"names": names, "ips": list(ips)}) + "\n")
+        proc.stdin.flush()
+        return json.loads(read_line(proc, timeout=60))
+
+    try:
+        names = [MASTER, *ALIASES, "js-w-0-0.js", fqdn, WORKER, "no-such-pod", "late-store", "pypi.org"]
+        seen = ask(names, [master.ip, store.ip])
+        net.add_alias("late-store", store)  # while the pod runs
+        late = ask(["late-store"])
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=15)
+    expected = {MASTER: master.ip, **{a: master.ip for a in ALIASES}, "js-w-0-0.js": store.ip, fqdn: store.ip,
+                WORKER: worker.ip}
+    assert {n: seen["lookup"][n] for n in expected} == {n: [ip] for n, ip in expected.items()}
+    assert {n: seen["getent"][n][0] for n in expected} == expected
+    # Every other name is unknown, outside names too: the server never forwards a query.
+    for name in ("no-such-pod", "late-store", "pypi.org"):
+        assert seen["lookup"][name] == socket.EAI_NONAME and seen["getent"][name] == 2, name
+    assert late["lookup"]["late-store"] == [store.ip]
+    # Reverse lookups of pod addresses, the IPv4-mapped form included: the pod's own names.
+    assert seen["reverse"] == {master.ip: [MASTER, MASTER], store.ip: [fqdn, fqdn]}
+    # The pod's files are a cluster pod's: a hosts file of its own names only, and the cluster DNS.
+    assert seen["hosts"].endswith(f"\n{worker.ip}\t{WORKER}\n")
+    assert MASTER not in seen["hosts"] and "js-w-0-0" not in seen["hosts"]
+    assert store.hosts_file.read_text().endswith(f"\n{store.ip}\t{fqdn}\tjs-w-0-0\n")  # as the kubelet writes it
+    resolv = [line for line in seen["resolv"].splitlines() if not line.startswith("#")]
+    assert resolv == ["search default.svc.cluster.local svc.cluster.local cluster.local",
+                      f"nameserver {net.dns_address}", "options ndots:5"]
+    assert ipaddress.ip_address(net.dns_address) in net.subnet
+    assert net.dns_address not in {pod.ip for pod in net.pods.values()}
+
+
+def test_cluster_dns_answers_known_names_only():
+    """The server alone, on this machine's loopback: what it answers for each kind of query."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    server = ClusterDNS(sock)
+    port = sock.getsockname()[1]
+
+    def query(name, qtype="A", opcode=0):
+        request = DNSRecord.question(name, qtype)
+        request.header.opcode = opcode
+        return DNSRecord.parse(request.send("127.0.0.1", port, timeout=5))
+
+    try:
+        server.set_records({"pod-0": "10.1.2.3", "Store.Default.Svc.Cluster.Local": "10.1.2.3"}, {"10.1.2.3": "pod-0"})
+        answer = query("STORE.default.svc.cluster.local.")
+        assert [str(rr.rdata) for rr in answer.rr] == ["10.1.2.3"]
+        assert answer.header.aa and not answer.header.ra and answer.header.rcode == RCODE.NOERROR
+        assert [str(rr.rdata) for rr in query("3.2.1.10.in-addr.arpa", "PTR").rr] == ["pod-0."]
+        nodata = query("pod-0", "AAAA")  # the pods have no IPv6: a known name without that record
+        assert nodata.header.rcode == RCODE.NOERROR and nodata.rr == []
+        for name, qtype in (("pod-1", "A"), ("example.com", "A"), ("4.2.1.10.in-addr.arpa", "PTR")):
+            missing = query(name, qtype)
+            assert missing.header.rcode == RCODE.NXDOMAIN and missing.rr == [], name
+        assert query("pod-0", opcode=OPCODE.UPDATE).header.rcode == RCODE.NOTIMP
+        server.set_records({"pod-1": "10.1.2.4"}, {})  # replaces the names at once
+        assert query("pod-0").header.rcode == RCODE.NXDOMAIN
+        assert [str(rr.rdata) for rr in query("pod-1").rr] == ["10.1.2.4"]
+    finally:
+        server.close()
+    assert not server._thread.is_alive() and sock.fileno() == -1
 
 
 def test_mount_with_missing_parents_creates_nothing_on_the_host(net, tmp_path):
@@ -204,7 +310,7 @@ def test_mount_with_missing_parents_creates_nothing_on_the_host(net, tmp_path):
     assert seen["config"] == "model: tiny\n"
     assert seen["ro"] == errno.EROFS
     assert seen["passwd"] and seen["proc"]
-    assert f"{net.pods[MASTER].ip}\t{MASTER}" in seen["hosts"]
+    assert f"{net.pods[WORKER].ip}\t{WORKER}\n" in seen["hosts"] and MASTER not in seen["hosts"]
     assert (ckpt / "from-pod").read_text() == "saved"
     assert (tmp_path / "via-root-fs").read_text() == "x"
     assert not Path("/checkpoints").exists() and not Path("/etc/resilient-fsdp").exists()
@@ -226,8 +332,10 @@ def test_partition_cuts_a_pod_off_and_heals(net):
         master.partition(False)
         assert connect(worker, MASTER, retry_for=5).startswith("ok")
 
+        # By address: a cut-off pod cannot reach the cluster DNS either, and its lookup would
+        # wait out the resolver's timeout, past the heal.
         timer = worker.partition_for(1.5)
-        assert connect(worker, MASTER, timeout=0.5).startswith("fail")
+        assert connect(worker, master.ip, timeout=0.5).startswith("fail")
         timer.join(timeout=5)
         assert not worker.partitioned
         assert connect(worker, MASTER, retry_for=5).startswith("ok")
@@ -271,10 +379,14 @@ def test_close_kills_removes_everything_and_is_idempotent():
     pod = network.add_pod("solo-0")
     sleeper = pod.spawn(["sleep", "300"])
     wait_exec(sleeper, "sleep")
-    assert pod.netns in plumbing.list_netns() and network.bridge in plumbing.list_links()
+    assert {pod.netns, network.dns_netns} <= set(plumbing.list_netns())
+    assert {network.bridge, network.dns_veth} <= set(plumbing.list_links())
     assert run_state.state_path(network.run_id).exists()
+    server = network.dns._thread
+    assert server.is_alive()
     network.close()
     assert sleeper.wait(timeout=5) == -signal.SIGKILL
+    assert not server.is_alive() and network.dns.sock.fileno() == -1
     assert not run_state.state_path(network.run_id).exists() and not network.dir.exists()
     network.close()
     with pytest.raises(NetnsError, match="closed"):
@@ -293,8 +405,9 @@ procs = [pod.spawn(["sleep", "300"], start_new_session=True) for pod in pods]
 deadline = time.monotonic() + 10  # past the exec chain: the sleeps are inside their pods
 while time.monotonic() < deadline and any(open(f"/proc/{p.pid}/comm").read() != "sleep\\n" for p in procs):
     time.sleep(0.01)
-print(json.dumps({"run_id": net.run_id, "subnet": str(net.subnet), "netns": [p.netns for p in pods],
-                  "links": [net.bridge] + [p.veth for p in pods], "pids": [p.pid for p in procs]}), flush=True)
+print(json.dumps({"run_id": net.run_id, "subnet": str(net.subnet), "netns": [net.dns_netns] + [p.netns for p in pods],
+                  "links": [net.bridge, net.dns_veth] + [p.veth for p in pods], "pids": [p.pid for p in procs]}),
+      flush=True)
 try:
     time.sleep(300)
 except KeyboardInterrupt:

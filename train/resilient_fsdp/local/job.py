@@ -14,6 +14,8 @@ flag                           chart value
 ``--run-dir DIR``              the shared volume: ``storage.type=existingClaim``, bound to DIR
                                at ``storage.mountPath``; ``trainer.run_dir`` is the mount path
 ``--rdzv-port P``              ``rendezvous.port``
+``--pod-start-delay I=S``      none: the local cluster starts pod ``I`` ``S`` seconds after the
+                               others the first time (an image pull on a fresh node)
 ``--value KEY=V``              any other chart value, as ``helm --set``
 ``--value-json KEY=JSON``      any other chart value, as ``helm --set-json``
 =============================  ===============================================================
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import tempfile
 import time
@@ -64,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "job fails (a PyTorchJob with restartPolicy ExitCode and backoffLimit >= 1 recreates "
                         f"failed pods forever; job.backoffLimit=0 fails at the first failure); default "
                         f"{DEFAULT_MAX_RECREATIONS}")
+    p.add_argument("--pod-start-delay", dest="pod_start_delays", action="append", default=[],
+                   metavar="INDEX=SECONDS",
+                   help="start pod INDEX (its place in the job; 0 hosts the rendezvous store) SECONDS after the "
+                        "others, the first time only (recreations start at once): an image pull on a fresh node "
+                        "(repeatable)")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
                    help="inject a fault once per job: the chaos drill (repeatable)")
     p.add_argument("--isolation", choices=ISOLATIONS,
@@ -137,6 +145,31 @@ def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_
     return deep_merge(values, forced)
 
 
+def start_delays(flags: list[str], pods: Optional[int] = None) -> dict[int, float]:
+    """``--pod-start-delay INDEX=SECONDS`` flags as pod index -> seconds; with ``pods``, each
+    INDEX is also checked against a job of that many pods."""
+    delays: dict[int, float] = {}
+    for flag in flags:
+        index_text, sep, seconds_text = flag.partition("=")
+        example = "e.g. --pod-start-delay 0=30 starts pod 0, the store host, 30 s after the others"
+        if not sep or not index_text.strip().isdigit():
+            raise ConfigError(f"--pod-start-delay {flag}: give INDEX=SECONDS, INDEX a pod's place in the job "
+                              f"(0 for the first pod); {example}")
+        index = int(index_text)
+        try:
+            seconds = float(seconds_text)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ConfigError(f"--pod-start-delay {flag}: SECONDS must be a number of seconds, 0 or more; {example}")
+        if pods is not None and index >= pods:
+            raise ConfigError(f"--pod-start-delay {flag}: the job has {pods} pod(s), so INDEX is 0 to {pods - 1}")
+        if index in delays:
+            raise ConfigError(f"--pod-start-delay {flag}: pod {index} already has a delay; give each pod one")
+        delays[index] = seconds
+    return delays
+
+
 def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     """Check the flags, render the chart, read its pods: (job, isolation, notice)."""
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
@@ -145,6 +178,8 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     for flag, value in (("--max-restarts", args.max_restarts), ("--max-pod-recreations", args.max_recreations)):
         if value is not None and value < 0:
             raise ConfigError(f"{flag}={value}: must be 0 or more")
+    delay_flags = list(getattr(args, "pod_start_delays", None) or [])
+    start_delays(delay_flags)
     # The trainer's own checks first, with its messages: a typo should not cost a render.
     config_path = str(Path(args.config).resolve()) if args.config else None
     load_config(config_path, list(args.overrides))
@@ -169,6 +204,7 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
         rendered = render(values, release=args.release)
         documents, text = rendered.documents(), rendered.text()
     workload = pods_of(documents)
+    delays = start_delays(delay_flags, len(workload.pods))
     # The trainer configuration the pods will load, checked as the trainer checks it.
     maps = [d for d in documents if d.get("kind") == "ConfigMap"]
     cfg_text = (maps[0].get("data") or {}).get("config.yaml", "") if maps else ""
@@ -193,7 +229,8 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "cluster").mkdir(exist_ok=True)
     (run_dir / "cluster" / "manifests.yaml").write_text(text)
-    job = LocalJob(workload=workload, run_dir=run_dir, max_recreations=args.max_recreations, verbose=args.verbose)
+    job = LocalJob(workload=workload, run_dir=run_dir, max_recreations=args.max_recreations, verbose=args.verbose,
+                   start_delays=delays)
     job.extra_env = {JOB_START_ENV: repr(time.time())}
     if notice:
         job.notes.append(notice)

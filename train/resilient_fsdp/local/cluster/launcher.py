@@ -6,7 +6,8 @@ the rendered manifests); this module plays the parts of the cluster around it:
 - the **kubelet**: each pod's container runs its rendered ``command`` + ``args`` with its ``env``
   and volumes (:mod:`resilient_fsdp.local.runtime`: a network namespace per pod, or plain
   processes on loopback); its output goes to the console with a ``[node<N>/local<L>]`` prefix
-  and in full to ``logs/node<N>.log``;
+  and in full to ``logs/node<N>.log``; a pod given a start delay (``--pod-start-delay``) is
+  first started that long after the others, as a pod whose image a fresh node still pulls;
 - the **workload controller**: it injects the variables the operator injects, and applies the
   rendered restart policy when a pod ends (PyTorchJob ``ExitCode``: 128-255 recreates the pod
   with the same name, 1-127 fails the job; ``backoffLimit`` as training-operator v1.9.4 applies
@@ -60,6 +61,9 @@ class LocalJob:
     """After the job failed or succeeded, how long the remaining pods get to end on their own."""
     stop_timeout_s: float = 10.0
     """Between SIGTERM and SIGKILL when stopping a pod (its termination grace, shortened)."""
+    start_delays: dict[int, float] = field(default_factory=dict)
+    """Pod index -> seconds its first start waits after the other pods' (``--pod-start-delay``: an
+    image pull on a fresh node); recreations start at once."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every pod's environment by the local cluster (documented in docs/local-runs.md)."""
     notes: list[str] = field(default_factory=list)
@@ -153,6 +157,7 @@ class LocalLauncher:
         self.recreations = 0
         self.gave_up = "the controller ended the job"  # why the job level stopped retrying
         self.lost: set[str] = set()  # pods whose processes the fault executor killed
+        self.pending: dict[str, float] = {}  # pods not started yet: hostname -> when (monotonic)
         self.started = time.monotonic()
         self.executor = FaultExecutor(job.run_dir, runtime, job.workload, self.say, self.lost)
 
@@ -195,7 +200,15 @@ class LocalLauncher:
         signal.signal(signal.SIGTERM, interrupted)
         try:
             for pod in workload.pods:
-                self.start_pod(pod)
+                if pod.index not in job.start_delays:
+                    self.start_pod(pod)
+            now = time.monotonic()
+            for pod in workload.pods:
+                delay = job.start_delays.get(pod.index)
+                if delay is not None:
+                    self.pending[pod.hostname] = now + delay
+                    self.say(f"{pod.hostname} (pod {pod.index}) starts {delay:g} s after the others "
+                             "(--pod-start-delay: as an image pull on a fresh node delays it)")
             return self._watch()
         except KeyboardInterrupt as exc:
             self.say(f"interrupted ({exc or 'SIGINT'}): stopping every pod")
@@ -210,6 +223,7 @@ class LocalLauncher:
         outcome: Optional[tuple[str, int]] = None  # (pod, code) of the failure that ended the job
         while True:
             self.executor.poll()
+            self._start_due()
             for pod in workload.pods:
                 proc = self.procs.get(pod.hostname)
                 if proc is None or pod.hostname in self.succeeded or proc.poll() is None:
@@ -265,9 +279,21 @@ class LocalLauncher:
         self.report_failure(hostname, code)
         return code if 0 < code < 256 else 1
 
+    def _start_due(self) -> None:
+        """Start the delayed pods whose time has come."""
+        now = time.monotonic()
+        for hostname, due in list(self.pending.items()):
+            if now >= due:
+                del self.pending[hostname]
+                pod = self.job.workload.pod(hostname)
+                self.say(f"starting {hostname} (pod {pod.index}), {self.job.start_delays[pod.index]:g} s after the "
+                         "others (--pod-start-delay)")
+                self.start_pod(pod)
+
     def restart_all(self) -> None:
         """A whole-job restart: every pod deleted, and only when all are gone created again (a
-        JobSet's ``BlockingRecreate``)."""
+        JobSet's ``BlockingRecreate``). A pod still waiting for its delayed first start keeps
+        waiting."""
         for pod in self.job.workload.pods:
             self.runtime.kill(pod)
         for proc in self.procs.values():
@@ -279,7 +305,8 @@ class LocalLauncher:
         self.succeeded.clear()
         self.lost.clear()
         for pod in self.job.workload.pods:
-            self.start_pod(pod)
+            if pod.hostname not in self.pending:
+                self.start_pod(pod)
 
     def _wait_for_others(self) -> None:
         deadline = time.monotonic() + self.job.fail_grace_s

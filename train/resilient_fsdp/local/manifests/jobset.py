@@ -137,11 +137,11 @@ def read_jobset(doc: dict) -> Workload:
             env.pop("JOB_COMPLETION_INDEX", None)
             env["JOB_COMPLETION_INDEX"] = str(p)
             restart.job_of[hostname] = job
+            names = service_names(f"{hostname}.{subdomain}", namespace)
             pods.append(PodSpec(hostname=hostname, index=len(pods), role=rjob["name"], container=c["name"],
                                 command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
                                 mounts=container_mounts(c), volumes=pod_volumes(template.get("spec", {})),
-                                aliases=[f"{hostname}.{subdomain}"]
-                                + service_names(f"{hostname}.{subdomain}", namespace)))
+                                aliases=[f"{hostname}.{subdomain}", *names], fqdn=names[-1]))
     if not pods:
         raise WorkloadError(f"JobSet {name}: no pods")
     # Pod 0's stable name under the JobSet's Service: the host its agent's rendezvous endpoint names.

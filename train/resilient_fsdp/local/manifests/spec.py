@@ -77,6 +77,9 @@ class PodSpec:
     volumes: dict[str, Volume]
     aliases: list[str] = field(default_factory=list)
     """Other names that resolve to this pod (its Service, with the cluster DNS suffixes)."""
+    fqdn: str = ""
+    """For a pod with a subdomain (a JobSet's), ``<hostname>.<subdomain>.<namespace>.svc.cluster.local``:
+    the name the kubelet writes beside the hostname in the pod's own /etc/hosts; empty without one."""
 
     @property
     def argv(self) -> list[str]:

@@ -8,8 +8,8 @@ process of a pod at once, and gives each pod what its volumes promise:
 ============================  =====================================  ===============================
 rendered                      ``netns`` (root)                       ``loopback`` (anyone)
 ============================  =====================================  ===============================
-pod hostname, Service names   UTS hostname; hosts file in every pod  mapped to 127.0.0.<index+1> in
-                                                                     args and env (``PET_LOCAL_ADDR``)
+pod hostname, Service names   UTS hostname; the run's cluster DNS    mapped to 127.0.0.<index+1> in
+                              (resolv.conf), a kubelet's /etc/hosts  args and env (``PET_LOCAL_ADDR``)
 ConfigMap volume              files under ``<run_dir>/cluster``,     the same files; the mount path
                               bind-mounted read-only (items,         in args and env is rewritten to
                               subPath)                               where they are

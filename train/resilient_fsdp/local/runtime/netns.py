@@ -1,8 +1,9 @@
 """Pods as Linux network namespaces: the ``netns`` isolation mode (root).
 
 :class:`NetnsRuntime` gives each pod of the workload a network namespace of its own on the run's
-bridge (:mod:`resilient_fsdp.local.runtime.netns_pods`), with its hostname, the hosts file naming
-every pod and alias, and its volumes bind-mounted where the pod spec puts them; the image's code a
+bridge (:mod:`resilient_fsdp.local.runtime.netns_pods`), with its hostname, a kubelet's hosts file
+(its own names) and a resolv.conf naming the run's cluster DNS (every pod and alias, in the pod
+spec's namespace), and its volumes bind-mounted where the pod spec puts them; the image's code a
 volume would hide is bound back (:func:`hidden_image_paths`). What it shares with the loopback
 mode, and how the two differ, is in :mod:`resilient_fsdp.local.runtime.base`.
 """
@@ -26,14 +27,14 @@ class NetnsRuntime(Runtime):
 
     def __init__(self, workload: Workload, run_dir: Path, run_id: Optional[str], env: dict[str, str],
                  shared_mount: str):
-        self.network = PodNetwork(run_id)
+        self.network = PodNetwork(run_id, namespace=workload.namespace)
         super().__init__(workload, run_dir, self.network.run_id, env)
         self.shared_mount = shared_mount
         try:
             self.scratch = self.network.dir / "volumes"
             self.scratch.mkdir()
             for pod in workload.pods:
-                self.network.add_pod(pod.hostname, aliases=pod.aliases)
+                self.network.add_pod(pod.hostname, aliases=pod.aliases, fqdn=pod.fqdn or None)
             self.write_config_maps()
         except BaseException:
             self.network.close()

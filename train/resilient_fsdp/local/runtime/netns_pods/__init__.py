@@ -4,7 +4,9 @@
   processes, kills and partitions;
 - ``plumbing``: the Linux plumbing under them: names, subnets, process kills, teardown, stale-run
   cleanup, and whether pods can be made here;
-- ``podinit``: the setup inside a pod (hostname, hosts file, mounts), run by path;
+- ``dns``: ``ClusterDNS``, the run's name server for its pods (their names, their addresses'
+  reverse lookups, nothing else);
+- ``podinit``: the setup inside a pod (hostname, hosts file and resolv.conf, mounts), run by path;
 - ``run_state``: each run's state file and owner;
 - ``exit_cleanup``: closing runs at exit and on signals.
 """

@@ -5,10 +5,18 @@ veth pair, with an address in the run's own /24 of 10.0.0.0/8. The bridge has no
 host and nothing forwards or NATs: the host has no route into the /24 and the pods have no route
 out of it (their only route is the /24 itself), so pods reach each other and nothing else.
 
+Names resolve as on a cluster. One more namespace on the bridge, the run's DNS namespace, holds
+the last address of the /24, where the run's name server (``dns.ClusterDNS``, a thread of the
+process that owns the network) answers for every pod hostname and alias and for the pods'
+addresses (reverse lookups), and for nothing else. Every pod's ``/etc/resolv.conf`` names that
+server with a pod's search path (``<namespace>.svc.cluster.local svc.cluster.local
+cluster.local``, ``ndots:5``); its ``/etc/hosts`` is the kubelet's: localhost and the pod's own
+names only, so other pods' names come from DNS.
+
 Each process a pod runs gets its own UTS and mount namespaces on top of the pod's network
-namespace: the pod's hostname, a hosts file that resolves every pod and alias, and bind mounts
-(see ``podinit``). Names and stale-run cleanup are in ``plumbing``, state files in ``run_state``,
-cleanup at exit and on signals in ``exit_cleanup``.
+namespace: the pod's hostname, those two files, and bind mounts (see ``podinit``). Names and
+stale-run cleanup are in ``plumbing``, state files in ``run_state``, cleanup at exit and on
+signals in ``exit_cleanup``.
 
 Typical use::
 
@@ -31,10 +39,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from . import exit_cleanup, plumbing, run_state
 from .plumbing import NetnsError
+
+if TYPE_CHECKING:
+    from .dns import ClusterDNS
 
 PODINIT = Path(__file__).with_name("podinit.py")
 
@@ -42,9 +53,11 @@ PODINIT = Path(__file__).with_name("podinit.py")
 class NetnsPod:
     """One simulated pod: a network namespace with an address, a hostname, and its processes."""
 
-    def __init__(self, network: PodNetwork, hostname: str, index: int, ip: str):
+    def __init__(self, network: PodNetwork, hostname: str, index: int, ip: str, fqdn: str | None = None):
         self.network = network
         self.hostname = hostname
+        self.fqdn = fqdn
+        """The name the kubelet writes beside the hostname for a pod with a subdomain, or None."""
         self.index = index
         self.ip = ip
         self.netns = plumbing.netns_name(network.run_id, hostname)
@@ -56,6 +69,27 @@ class NetnsPod:
 
     def __repr__(self) -> str:
         return f"NetnsPod({self.hostname!r}, ip={self.ip!r}, netns={self.netns!r})"
+
+    @property
+    def hosts_file(self) -> Path:
+        """The pod's /etc/hosts on the host."""
+        return self.network.dir / "hosts" / self.hostname
+
+    def _write_hosts(self) -> None:
+        # As the kubelet writes it: localhost, then the pod's address with its own names only.
+        own = f"{self.fqdn}\t{self.hostname}" if self.fqdn else self.hostname
+        text = (
+            f"# Kubernetes-managed hosts file (resilient-fsdp local run {self.network.run_id}).\n"
+            "127.0.0.1\tlocalhost\n"
+            "::1\tlocalhost ip6-localhost ip6-loopback\n"
+            "fe00::0\tip6-localnet\n"
+            "fe00::0\tip6-mcastprefix\n"
+            "fe00::1\tip6-allnodes\n"
+            "fe00::2\tip6-allrouters\n"
+            f"{self.ip}\t{own}\n"
+        )
+        self.hosts_file.parent.mkdir(mode=0o755, exist_ok=True)
+        self.hosts_file.write_text(text)
 
     def spawn(
         self,
@@ -92,7 +126,8 @@ class NetnsPod:
             raise TypeError("argv must be a non-empty sequence of strings")
         if "args" in popen_kwargs or "executable" in popen_kwargs:
             raise TypeError("spawn() takes the command as argv only")
-        specs = [{"source": str(self.network.hosts_file), "target": "/etc/hosts", "ro": True}]
+        specs = [{"source": str(self.hosts_file), "target": "/etc/hosts", "ro": True},
+                 {"source": str(self.network.resolv_conf), "target": "/etc/resolv.conf", "ro": True}]
         for table, ro in ((mounts or {}, False), (ro_mounts or {}, True)):
             for host_path, pod_path in table.items():
                 specs.append({"source": _source(host_path), "target": _target(pod_path), "ro": ro})
@@ -100,7 +135,8 @@ class NetnsPod:
             specs.append({"tmpfs": str(options), "target": _target(pod_path), "ro": False})
         targets = [s["target"] for s in specs]
         if len(set(targets)) != len(targets):
-            raise ValueError(f"two mounts share a pod path (or one replaces /etc/hosts): {sorted(targets)}")
+            raise ValueError(f"two mounts share a pod path (or one replaces /etc/hosts or /etc/resolv.conf): "
+                             f"{sorted(targets)}")
         spec = {
             "hostname": self.hostname,
             "mounts": specs,
@@ -188,6 +224,7 @@ class PodNetwork:
 
     Args:
         run_id: up to 6 of ``[a-z0-9]``; random when omitted. All names carry it.
+        namespace: the Kubernetes namespace the pods are in: their DNS search path.
         reap_stale: first remove what dead runs left behind (``plumbing.cleanup_stale``); the names
             removed are in ``stale_removed``.
 
@@ -195,14 +232,20 @@ class PodNetwork:
         NetnsError: naming the failed step and its fix; nothing is left behind then.
     """
 
-    def __init__(self, run_id: str | None = None, *, reap_stale: bool = True):
+    def __init__(self, run_id: str | None = None, *, namespace: str = "default", reap_stale: bool = True):
         self.run_id = run_id or run_state.new_run_id()
         if not run_state.RUN_ID.match(self.run_id):
             raise ValueError(f"run id {self.run_id!r}: use 1 to 6 characters of a-z and 0-9")
+        if not plumbing.HOSTNAME.match(namespace):
+            raise ValueError(f"namespace {namespace!r}: use a DNS label (a-z, 0-9, '-', at most 63)")
+        self.namespace = namespace
         self.tools = {"ip": plumbing.tool("ip"), "unshare": plumbing.tool("unshare")}
         self.bridge = plumbing.bridge_name(self.run_id)
+        self.dns_netns = plumbing.dns_netns_name(self.run_id)
+        self.dns_veth = plumbing.dns_veth_name(self.run_id)
+        self.dns: ClusterDNS | None = None
         self.dir = run_state.run_dir(self.run_id)
-        self.hosts_file = self.dir / "hosts"
+        self.resolv_conf = self.dir / "resolv.conf"
         self.stage_dir = self.dir / "stage"
         self.pods: dict[str, NetnsPod] = {}
         self.aliases: dict[str, str] = {}  # alias -> pod hostname
@@ -217,12 +260,12 @@ class PodNetwork:
             if self.run_id in states or any(n.startswith(mine) for n in plumbing.list_netns() + plumbing.list_links()):
                 raise NetnsError(f"run id {self.run_id} is in use by another local run; pick another")
             self.subnet = plumbing.choose_subnet(s["subnet"] for s in states.values() if s.get("subnet"))
+            self.dns_address = plumbing.dns_address(self.subnet)
             self._save_state()  # recorded before anything exists, so a crash from here on is found
         exit_cleanup.register(self)
         try:
             self.dir.mkdir(mode=0o755)
             self.stage_dir.mkdir(mode=0o755)
-            self._write_hosts()
             # addrgenmode none: no IPv6 link-local address either, so the host has no address
             # at all on the bridge and sends nothing (router solicitations, MLD) to the pods.
             plumbing.run([self.tools["ip"], "-batch", "-"], f"creating bridge {self.bridge}", stdin=(
@@ -230,6 +273,7 @@ class PodNetwork:
                 f"link set {self.bridge} addrgenmode none\n"
                 f"link set {self.bridge} up\n"
             ))
+            self._start_dns()
         except BaseException:
             self.close()
             raise
@@ -247,22 +291,28 @@ class PodNetwork:
     def closed(self) -> bool:
         return self._closed
 
-    def add_pod(self, hostname: str, aliases: Iterable[str] = ()) -> NetnsPod:
+    def add_pod(self, hostname: str, aliases: Iterable[str] = (), fqdn: str | None = None) -> NetnsPod:
         """Create a pod: its namespace, veth pair, loopback and address; resolvable by all pods.
 
         Args:
             hostname: the Kubernetes pod hostname, a DNS label (``myjob-worker-0``).
-            aliases: more names for its address (a Service, ``<pod>.<svc>.<ns>.svc``, ...).
+            aliases: more names for its address (a Service, ``<pod>.<svc>.<ns>.svc``, ...), which
+                the other pods resolve by DNS.
+            fqdn: for a pod with a subdomain, ``<hostname>.<subdomain>.<ns>.svc.cluster.local``:
+                in its own hosts file beside the hostname (as the kubelet writes it), resolvable
+                by all pods, and what the reverse lookup of its address gives (else the hostname).
         """
         self._check_open()
         aliases = list(aliases)
+        if fqdn is not None and fqdn not in aliases:
+            aliases.append(fqdn)
         if not plumbing.HOSTNAME.match(hostname):
             raise ValueError(f"pod hostname {hostname!r}: use a DNS label (a-z, 0-9, '-', at most 63)")
         self._check_new_names([hostname, *aliases])
         index = len(self.pods)
         if index >= plumbing.MAX_PODS:
-            raise NetnsError(f"a local run holds at most {plumbing.MAX_PODS} pods (one /24)")
-        pod = NetnsPod(self, hostname, index, str(self.subnet.network_address + 1 + index))
+            raise NetnsError(f"a local run holds at most {plumbing.MAX_PODS} pods (one /24 with its DNS server)")
+        pod = NetnsPod(self, hostname, index, str(self.subnet.network_address + 1 + index), fqdn)
         self.pods[hostname] = pod
         self.aliases.update((alias, hostname) for alias in aliases)
         self._save_state()
@@ -286,11 +336,12 @@ class PodNetwork:
             self.aliases = {a: h for a, h in self.aliases.items() if h != hostname}
             self._save_state()
             raise
-        self._write_hosts()
+        pod._write_hosts()
+        self._publish_names()
         return pod
 
     def add_alias(self, alias: str, pod: NetnsPod | str) -> None:
-        """Make ``alias`` resolve to ``pod``'s address in every pod, including running ones."""
+        """Make ``alias`` resolve to ``pod``'s address in every pod, at once (running ones too)."""
         self._check_open()
         hostname = pod.hostname if isinstance(pod, NetnsPod) else pod
         if hostname not in self.pods:
@@ -298,13 +349,13 @@ class PodNetwork:
         self._check_new_names([alias])
         self.aliases[alias] = hostname
         self._save_state()
-        self._write_hosts()
+        self._publish_names()
 
     def close(self) -> None:
         """Remove everything the run created; idempotent, and safe from a signal handler.
 
-        Kills the pods' processes, then deletes the veth pairs, namespaces, bridge, temp files
-        and, last, the state file (so an interrupted close is finished by ``cleanup_stale``).
+        Stops the DNS server, kills the pods' processes, then deletes the veth pairs, namespaces,
+        bridge, temp files and, last, the state file (so an interrupted close is finished by ``cleanup_stale``).
         A handler that interrupts a close runs a complete one itself: every step skips what is
         already gone. Raises ``NetnsError`` if something could not be removed.
         """
@@ -312,8 +363,11 @@ class PodNetwork:
             return
         for pod in self.pods.values():
             pod._stop_timer()
-        links = [pod.veth for pod in self.pods.values()] + [self.bridge]
-        _, problems = plumbing.teardown(self.run_id, [pod.netns for pod in self.pods.values()], links)
+        if self.dns is not None:
+            self.dns.close()
+        links = [pod.veth for pod in self.pods.values()] + [self.dns_veth, self.bridge]
+        namespaces = [pod.netns for pod in self.pods.values()] + [self.dns_netns]
+        _, problems = plumbing.teardown(self.run_id, namespaces, links)
         for pod in self.pods.values():
             for proc in pod._procs:
                 proc.poll()
@@ -342,27 +396,48 @@ class PodNetwork:
             "owner_start": start,
             "boot_id": run_state.boot_id(),
             "subnet": str(self.subnet),
-            "links": [self.bridge] + [pod.veth for pod in self.pods.values()],
-            "netns": [pod.netns for pod in self.pods.values()],
+            "links": [self.bridge, self.dns_veth] + [pod.veth for pod in self.pods.values()],
+            "netns": [self.dns_netns] + [pod.netns for pod in self.pods.values()],
             "pods": {pod.hostname: pod.ip for pod in self.pods.values()},
         })
 
-    def _write_hosts(self) -> None:
-        lines = [
-            f"# resilient-fsdp local run {self.run_id}: the pods of {self.subnet}",
-            "127.0.0.1\tlocalhost",
-            "::1\tlocalhost ip6-localhost ip6-loopback",
-        ]
-        for pod in self.pods.values():
-            names = [pod.hostname] + [a for a, h in self.aliases.items() if h == pod.hostname]
-            lines.append(f"{pod.ip}\t{' '.join(names)}")
-        # A dual-stack server (c10d's TCPStore) sees its IPv4 peers as ::ffff:<ip>; cluster DNS
-        # answers their reverse lookups, here the hosts file does (no DNS server is reachable).
-        for pod in self.pods.values():
-            lines.append(f"::ffff:{pod.ip}\t{pod.hostname}")
-        # Rewritten in place, not replaced: running pods bind-mounted this inode.
-        with open(self.hosts_file, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    def _start_dns(self) -> None:
+        """The DNS namespace on the bridge, the server's socket in it, and the pods' resolv.conf."""
+        try:
+            from .dns import ClusterDNS, socket_in_netns
+        except ModuleNotFoundError as exc:
+            if exc.name != "dnslib":
+                raise
+            raise NetnsError("the pods' DNS server needs dnslib, of the `chart` extra: "
+                             "pip install -c constraints.txt -e '.[chart]'") from None
+        ip, ns, veth = self.tools["ip"], self.dns_netns, self.dns_veth
+        plumbing.run([ip, "-batch", "-"], "creating the pods' DNS namespace", stdin=(
+            f"netns add {ns}\n"
+            f"link add {veth} type veth peer name eth0 netns {ns}\n"
+            f"link set {veth} master {self.bridge} addrgenmode none up\n"
+        ))
+        plumbing.run([ip, "-n", ns, "-batch", "-"], "configuring the pods' DNS namespace", stdin=(
+            "link set eth0 addrgenmode none\n"
+            f"addr add {self.dns_address}/{self.subnet.prefixlen} dev eth0\n"
+            "link set eth0 up\n"
+        ))
+        sock = socket_in_netns(str(plumbing.NETNS_DIR / ns), self.dns_address)
+        self.dns = ClusterDNS(sock, name=f"dns-{self.run_id}")
+        self._publish_names()
+        search = f"{self.namespace}.svc.cluster.local svc.cluster.local cluster.local"
+        self.resolv_conf.write_text(
+            f"# resilient-fsdp local run {self.run_id}: the run's cluster DNS\n"
+            f"search {search}\nnameserver {self.dns_address}\noptions ndots:5\n"
+        )
+
+    def _publish_names(self) -> None:
+        """Hand the server every name the run knows, and each pod address's reverse name."""
+        if self.dns is None:
+            return
+        forward = {pod.hostname: pod.ip for pod in self.pods.values()}
+        forward.update((alias, self.pods[hostname].ip) for alias, hostname in self.aliases.items())
+        reverse = {pod.ip: pod.fqdn or pod.hostname for pod in self.pods.values()}
+        self.dns.set_records(forward, reverse)
 
 
 def _source(host_path: str | os.PathLike[str]) -> str:

@@ -4,7 +4,9 @@ Every resource a run creates carries ``PREFIX`` and the run id:
 
 - the bridge ``rfn<id>-br`` and the host ends of the pods' veth pairs ``rfn<id>-v<index>``;
 - the network namespaces ``rfn<id>-<pod hostname>`` (the pod ends of the veths live inside them,
-  named ``eth0``, so they never appear among the host's links).
+  named ``eth0``, so they never appear among the host's links);
+- the run's DNS namespace ``rfn<id>--dns`` (no pod hostname starts with ``-``), where the pods'
+  name server listens, joined to the bridge by the veth ``rfn<id>-dns``.
 
 Each run also has a state file and a temp directory (``run_state``). ``cleanup_stale()`` removes
 what runs whose owner is gone left behind, by those records and by a prefix scan. Nothing without
@@ -38,7 +40,9 @@ NETNS_DIR = Path("/run/netns")
 # IFNAMSIZ is 16 bytes including the terminating NUL, so an interface name holds 15 characters:
 # "rfn" + a run id of up to 6 + "-v" + a pod index of up to 3 digits = 14.
 IFNAME_MAX = 15
-MAX_PODS = 254  # .1 to .254 of the run's /24; .0 and .255 are the network and broadcast addresses
+# .1 to .253 of the run's /24 are the pods'; .254 is the DNS server's; .0 and .255 are the network
+# and broadcast addresses.
+MAX_PODS = 253
 
 # One /24 per run, from second octets that hosts rarely route. A run takes the first candidate
 # that overlaps no host route or address and no other run's /24.
@@ -49,7 +53,7 @@ SUBNET_POOL = tuple(
 HOSTNAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 ALIAS = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
-_LINK = re.compile(rf"^{PREFIX}([a-z0-9]{{1,6}})-(?:br|v\d{{1,4}})$")
+_LINK = re.compile(rf"^{PREFIX}([a-z0-9]{{1,6}})-(?:br|dns|v\d{{1,4}})$")
 _NETNS = re.compile(rf"^{PREFIX}([a-z0-9]{{1,6}})-[a-z0-9-]{{1,63}}$")
 _PACKAGES = {"ip": "iproute2", "unshare": "util-linux"}
 
@@ -68,6 +72,19 @@ def veth_name(run_id: str, index: int) -> str:
 
 def netns_name(run_id: str, hostname: str) -> str:
     return f"{PREFIX}{run_id}-{hostname}"
+
+
+def dns_netns_name(run_id: str) -> str:
+    return f"{PREFIX}{run_id}--dns"
+
+
+def dns_veth_name(run_id: str) -> str:
+    return f"{PREFIX}{run_id}-dns"
+
+
+def dns_address(subnet: ipaddress.IPv4Network) -> str:
+    """The pods' name server: the last host address of the run's /24, after the pods'."""
+    return str(subnet.broadcast_address - 1)
 
 
 def tool(name: str) -> str:

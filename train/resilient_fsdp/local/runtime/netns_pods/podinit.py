@@ -8,8 +8,8 @@ the next, so the pid ``Popen`` returns is the command's own::
     unshare --uts --mount --propagation private
                                    own hostname; own mounts, none of which reach the host
     python -I -S podinit.py SPEC -- COMMAND...
-                                   this file: hostname, /etc/hosts, bind and tmpfs mounts, cwd;
-                                   then exec
+                                   this file: hostname, bind mounts (/etc/hosts and
+                                   /etc/resolv.conf among them) and tmpfs mounts, cwd; then exec
     COMMAND...
 
 It runs by path with ``-I -S`` and imports only the standard library, so the pod's environment
