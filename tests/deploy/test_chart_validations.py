@@ -112,6 +112,9 @@ RULES = {
     "secret as a plain value": (
         ["pod.env[0].name=AWS_SECRET_ACCESS_KEY", "pod.env[0].value=abc"], None,
         ["pod.env[0] AWS_SECRET_ACCESS_KEY", "pod.secretEnv.AWS_SECRET_ACCESS_KEY", "secretKeyRef"]),
+    "fsx size off the capacity steps": (
+        FSX + ["storage.size=3600Gi"], [],
+        ["storage.size=3600Gi", "PERSISTENT_2", "a multiple of 2400Gi", "set storage.size"]),
     "irsa role without a created account": (
         ["serviceAccount.create=false", "serviceAccount.roleArn=arn:aws:iam::123456789012:role/r"], None,
         ["serviceAccount.roleArn", "serviceAccount.create=true"]),
@@ -125,6 +128,11 @@ def test_should_fail_naming_the_key_when_values_break_a_cross_key_rule(case):
     for fragment in fragments:
         assert fragment in message, f"{case}: {fragment!r} not in {message!r}"
     assert "execution error" not in message  # only the rule's own words reach the user
+
+
+@pytest.mark.parametrize("size", ["1200Gi", "2400Gi", "4800Gi", "14400Gi"])
+def test_should_take_each_fsx_capacity_step_when_storage_is_fsx(size):
+    assert render(*FSX, f"storage.size={size}", base=[]).find("PersistentVolumeClaim")
 
 
 def test_should_fail_naming_the_release_when_job_name_is_not_dns_1035():

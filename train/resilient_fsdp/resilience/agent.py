@@ -75,8 +75,8 @@ def rendezvous_store_lost(returncode: int, agent_lines: Iterable[str]) -> bool:
 
     The store lives in pod 0's agent. When that pod is lost, NVRx 0.7's agents on every other
     pod fail within seconds with ``DistNetworkError`` and exit 1, which ``restartPolicy:
-    ExitCode`` would take for a permanent failure and end the job. The pod is healthy: recreated,
-    it joins the store of pod 0's replacement. ``agent_lines`` are ft_launcher's last stderr
+    ExitCode`` would take for a permanent failure and end the job. The pod is healthy: its agent
+    starts ``ft_launcher`` again (:mod:`.rejoin`), which joins the store of pod 0's replacement. ``agent_lines`` are ft_launcher's last stderr
     lines; a rank's own errors (prefixed ``[default<N>]:``) do not count.
     """
     if returncode != 1:

@@ -15,8 +15,8 @@
 - **The c10d rendezvous store** is hosted by pod 0's agent (``--rdzv-conf=is_host=true`` there), on
   the cluster and locally: NVRx 0.7 keeps only its own barrier rendezvous
   (``ft_rendezvous_barrier.py``), whose rounds only the agent hosting the store closes, and it
-  refuses two agents with one node address. When that pod is lost the other agents exit 1; the
-  node agent (:mod:`.agent`) makes that exit retryable.
+  refuses two agents with one node address. When that pod is lost the other agents' launchers exit 1;
+  the node agent (:mod:`.agent`) starts them again in their pods to join the replacement's store.
 - **A node whose ranks failed for good leaves the rendezvous open.** ``ft_launcher`` closes the
   rendezvous permanently when its in-job restarts are spent (NVRx 0.4: ``clean_rdzv_shutdown(close=
   True)``; 0.7: ``shutdown_due_to_failure``), so the pod the job level recreates, and every other
