@@ -40,7 +40,9 @@ def test_each_pod_runs_the_rendered_container_with_the_operators_variables():
         assert {m.path for m in pod.mounts} == {"/etc/resilient-fsdp", "/fsx", "/dev/shm", "/tmp"}
         assert pod.volumes["dshm"].memory and not pod.volumes["tmp"].memory
     assert workload.rendezvous == "job-resilient-fsdp-master-0:29400"
-    assert set(workload.config_maps["job-resilient-fsdp"]) == {"config.yaml", "ft_config.yaml"}
+    (config_map,) = workload.config_maps  # the immutable one, named by its content
+    assert config_map.startswith("job-resilient-fsdp-config-")
+    assert set(workload.config_maps[config_map]) == {"config.yaml", "ft_config.yaml"}
     assert workload.restart == RestartPolicy("ExitCode", 3, None)
     assert workload.finished({"job-resilient-fsdp-master-0"}) and not workload.finished({"job-resilient-fsdp-worker-0"})
 
