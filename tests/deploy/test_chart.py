@@ -532,3 +532,17 @@ def test_should_refuse_helm_upgrade_naming_how_to_change_a_running_job():
     assert "helm upgrade of run1: a training job keeps the spec and config it started with" in message
     assert "helm uninstall run1 -n default, then helm install run1 with the new values" in message
     assert "storage.keepOnUninstall" in message
+
+
+def test_should_pass_each_elastic_workers_index_to_its_agent_when_elastic():
+    """An elastic PyTorchJob sets no PET_NODE_RANK: the chart passes the operator's replica-index
+    label, which the node agent reads for who hosts the store and the node rank."""
+    from resilient_fsdp.local.manifests.pytorchjob import read_pytorchjob
+    from resilient_fsdp.resilience.node_rank import node_index
+
+    rendered = render("nodes=3", "elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=3")
+    assert env(rendered, "Worker")["RESILIENT_FSDP_NODE_INDEX"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['training.kubeflow.org/replica-index']"}}
+    pods = read_pytorchjob(job(rendered)).pods
+    assert [node_index(p.env) for p in pods] == [0, 1, 2]
+    assert "RESILIENT_FSDP_NODE_INDEX" not in env(render("nodes=3"))  # a Master's job sets PET_NODE_RANK
