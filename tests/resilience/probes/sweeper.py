@@ -98,12 +98,10 @@ time.sleep(120)
 '''
 
 
-def reuse() -> None:
-    become_subreaper()
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_REUSE, RANK_PLAIN, DETACHED], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-    rank, helper = (int(x) for x in launcher.stdout.readline().split())
-    sweeper = RankHelperSweeper(launcher.pid)
+def kill_rank_and_sweep(launcher: subprocess.Popen, sweeper: RankHelperSweeper, helper: int
+                        ) -> tuple[list[int], float]:
+    """Let the sweeper learn the rank while it is alive, tell the launcher to kill it, and sweep
+    until the rank's helper is killed (at most 20 s): (the pids killed, that deadline)."""
     sweeper.sweep()
     launcher.stdin.write("go\n")
     launcher.stdin.flush()
@@ -112,6 +110,16 @@ def reuse() -> None:
     while time.time() < deadline and helper not in killed:
         time.sleep(0.2)
         killed += sweeper.sweep()
+    return killed, deadline
+
+
+def reuse() -> None:
+    become_subreaper()
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_REUSE, RANK_PLAIN, DETACHED], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    rank, helper = (int(x) for x in launcher.stdout.readline().split())
+    sweeper = RankHelperSweeper(launcher.pid)
+    killed, deadline = kill_rank_and_sweep(launcher, sweeper, helper)
     while psutil.pid_exists(helper) and time.time() < deadline:
         time.sleep(0.1)
         sweeper.sweep()  # reaps it
@@ -143,14 +151,7 @@ def main() -> None:
                                 stdout=subprocess.PIPE, text=True)
     rank, helper = (int(x) for x in launcher.stdout.readline().split())
     sweeper = RankHelperSweeper(launcher.pid)
-    sweeper.sweep()  # learns the rank while it is alive
-    launcher.stdin.write("go\n")
-    launcher.stdin.flush()
-    killed: list[int] = []
-    deadline = time.time() + 20
-    while time.time() < deadline and helper not in killed:
-        time.sleep(0.2)
-        killed += sweeper.sweep()
+    killed, deadline = kill_rank_and_sweep(launcher, sweeper, helper)
     for _ in range(3):  # the next sweeps reap the killed helper
         time.sleep(0.3)
         sweeper.sweep()
