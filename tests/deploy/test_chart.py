@@ -110,18 +110,18 @@ def test_should_request_gpus_efa_and_hugepages_of_the_instance_when_instance_typ
     assert job(rendered)["spec"]["nprocPerNode"] == str(spec["gpus"])
     assert requests["cpu"] == spec["cpu"] and requests["memory"] == spec["memory"]
     assert pod_spec(rendered)["nodeSelector"]["node.kubernetes.io/instance-type"] == instance_type
-    caps = c["securityContext"].get("capabilities", {})
+    # EFA or not, every capability stays dropped: EFA relies on the runtime's memlock limit.
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert c["securityContext"]["privileged"] is False
     if spec["efa"]:
         assert requests["vpc.amazonaws.com/efa"] == spec["efa"]
         assert requests["hugepages-2Mi"] == "5120Mi"
-        assert "IPC_LOCK" in caps.get("add", [])
-        assert e["FI_PROVIDER"] == "efa" and e["FI_EFA_FORK_SAFE"] == "1"
+        assert e["FI_PROVIDER"] == "efa" and e["FI_EFA_FORK_SAFE"] == "1" and e["RDMAV_FORK_SAFE"] == "1"
+        assert e["NCCL_TUNER_PLUGIN"] == "/opt/amazon/ofi-nccl/lib/libnccl-ofi-tuner.so"
         assert ("FI_EFA_USE_DEVICE_RDMA" in e) == spec["gpuDirectRdma"]
     else:
         assert "vpc.amazonaws.com/efa" not in requests and "hugepages-2Mi" not in requests
-        assert "IPC_LOCK" not in caps.get("add", [])
-        assert "FI_PROVIDER" not in e and "FI_EFA_USE_DEVICE_RDMA" not in e
+        assert "FI_PROVIDER" not in e and "FI_EFA_USE_DEVICE_RDMA" not in e and "RDMAV_FORK_SAFE" not in e
 
 
 def test_should_leave_out_efa_when_job_has_one_pod():
@@ -326,7 +326,7 @@ def test_should_pass_job_policy_through_when_set():
 
 def test_should_pass_scheduling_settings_through_when_set():
     values = {"storage": {"existingClaim": "ckpt"}, "pod": {
-        "nodeSelector": {"pool": "train"}, "priorityClassName": "high",
+        "nodeSelector": {"pool": "train"}, "priorityClassName": "high", "avoidUnhealthyNodes": False,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}}}

@@ -46,7 +46,7 @@ def test_on_this_machine_the_missing_cuda_nccl_and_efa_are_named_and_the_fsdp_st
     assert got["aws-ofi-nccl"][0] == "FAIL" and "libnccl-net-ofi.so" in got["aws-ofi-nccl"][1]
     assert got["nvrx"] == ("ok", f"nvidia-resiliency-ext {NVRX_HERE}")
     assert got["trainer"][0] == "ok"
-    assert got["gpu"][0] == "skip" and got["efa-device"][0] == "skip"
+    assert got["gpu"][0] == "skip" and got["efa-device"][0] == "skip" and got["memlock"][0] == "skip"
     status, detail = got["fsdp-step"]
     assert status == "ok", detail
     assert "3 steps on (cpu, gloo)" in detail and "checkpoint step_00000003" in detail
@@ -98,3 +98,16 @@ def test_one_process_step_leaves_the_jobs_launcher_variables_alone(monkeypatch):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "PET_NNODES"):
         assert image_check.LAUNCHER_ENV.match(name)
     assert not image_check.LAUNCHER_ENV.match("NCCL_DEBUG")
+
+
+def test_memlock_must_be_unlimited_only_where_the_node_has_efa():
+    # No EFA device exists here and this process cannot be given an unlimited limit: the devices
+    # and the limits are handed in.
+    import resource
+    finite = lambda _: (8 * 1024 * 1024, 8 * 1024 * 1024)  # noqa: E731
+    unlimited = lambda _: (resource.RLIM_INFINITY, resource.RLIM_INFINITY)  # noqa: E731
+    assert image_check.check_memlock(Pins(), devices=[], limits=finite).status == "skip"
+    bad = image_check.check_memlock(Pins(), devices=["rdmap16s27"], limits=finite)
+    assert bad.status == "FAIL" and "8192 KiB" in bad.detail and "LimitMEMLOCK=infinity" in bad.detail
+    good = image_check.check_memlock(Pins(), devices=["rdmap16s27"], limits=unlimited)
+    assert good.status == "ok" and "rdmap16s27" in good.detail

@@ -41,7 +41,8 @@ def test_should_fail_naming_the_owner_when_directory_cannot_be_created(tmp_path)
     (tmp_path / "runs").write_text("not a directory")
     result = rc.check_shared_volume(tmp_path, tmp_path / "runs" / "job")
     assert not result.ok
-    assert "cannot create" in result.detail and "owner" in result.detail and "pod.securityContext" in result.detail
+    assert "cannot create" in result.detail and "owner" in result.detail
+    assert "storage.prepare=true" in result.detail and "pod.securityContext.runAsUser" in result.detail
 
 
 def test_should_fail_naming_the_fix_when_the_volume_refuses_writes(tmp_path, monkeypatch):
@@ -54,7 +55,10 @@ def test_should_fail_naming_the_fix_when_the_volume_refuses_writes(tmp_path, mon
 
     monkeypatch.setattr(rc.os, "open", refuse)
     result = rc.check_shared_volume(tmp_path, tmp_path)
-    assert not result.ok and "Permission denied" in result.detail and "writable by the pods' user" in result.detail
+    assert not result.ok and "Permission denied" in result.detail
+    # Both fixes, by the values that make them: the chart's init step, or the pods' user.
+    assert "storage.prepare=true" in result.detail and "pod.securityContext.runAsUser" in result.detail
+    assert f"uid {rc.os.getuid()}" in result.detail
 
 
 def test_should_skip_the_device_checks_when_no_devices_are_requested(tmp_path):
@@ -101,11 +105,39 @@ def test_should_exit_1_listing_failures_when_run_as_a_module(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ok   shared volume") and lines[1].startswith("FAIL GPUs")
-    assert lines[-1] == "release check: 3 ok, 1 failed (GPUs)"
+    assert lines[-1] == "release check: 4 ok, 1 failed (GPUs)"
 
 
 def test_should_exit_0_when_every_check_passes(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.release_check", f"--shared-dir={tmp_path}",
                            "--rdzv-host=localhost", "--rdzv-timeout=0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "4 ok, 0 failed" in proc.stdout
+    assert "5 ok, 0 failed" in proc.stdout
+
+
+def _limited_memlock():
+    # Lowering a limit needs no privilege: the child starts with a finite memlock, as under a
+    # container runtime that sets none.
+    import resource
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, 64 * 1024))
+
+
+def test_should_fail_naming_the_runtime_limit_when_memlock_is_finite_on_an_efa_pod(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.release_check", f"--shared-dir={tmp_path}",
+                           "--rdzv-host=localhost", "--rdzv-timeout=0", "--memlock"],
+                          capture_output=True, text=True, timeout=60, preexec_fn=_limited_memlock)
+    line = next(ln for ln in proc.stdout.splitlines() if " memlock:" in ln)
+    assert proc.returncode == 1 and line.startswith("FAIL"), proc.stdout
+    assert "64 KiB" in line and "LimitMEMLOCK" in line and "container runtime" in line
+
+
+def test_should_pass_memlock_when_unlimited_and_skip_it_without_efa():
+    # An unlimited limit cannot be granted to this test process (raising the hard limit needs the
+    # runtime's or CAP_SYS_RESOURCE's say), so the limits are handed in here.
+    import resource
+    unlimited = rc.check_memlock(True, limits=lambda _: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert unlimited.ok and unlimited.detail == "unlimited"
+    finite = rc.check_memlock(True, limits=lambda _: (8 * 1024 * 1024, resource.RLIM_INFINITY))
+    assert not finite.ok and "8192 KiB (hard unlimited)" in finite.detail
+    skipped = rc.check_memlock(False, limits=lambda _: (0, 0))
+    assert skipped.ok and "skipped" in skipped.detail

@@ -59,7 +59,7 @@ spec:
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $v.pod.affinity }}
+  {{- with include "resilient-fsdp.affinity" $ | fromYaml }}
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -149,6 +149,19 @@ spec:
         - name: FI_EFA_USE_DEVICE_RDMA
           value: "1"
         {{- end }}
+        {{- /* EFA/NCCL settings AWS's NVRx-on-EKS sample sets (awsome-distributed-ai,
+        3.test_cases/pytorch/nvrx/kubernetes); the restart layers' NCCL settings come from the trainer. */}}
+        # rdma-core's own fork protection (libibverbs): DataLoader workers and the checkpoint
+        # writer fork after EFA has registered memory; without it a child's copy-on-write can move
+        # pages the NIC still writes to.
+        - name: RDMAV_FORK_SAFE
+          value: "1"
+        {{- with $v.efa.ncclTunerPlugin }}
+        # aws-ofi-nccl's tuner: algorithm and protocol choices measured on AWS instance types,
+        # where NCCL's built-in model does not know the EFA topology.
+        - name: NCCL_TUNER_PLUGIN
+          value: {{ . | quote }}
+        {{- end }}
         {{- end }}
         {{- range $name, $ref := $v.pod.secretEnv }}
         - name: {{ $name }}
@@ -177,12 +190,10 @@ spec:
           {{- toYaml $res | nindent 10 }}
       securityContext:
         {{- $sc := deepCopy $v.pod.containerSecurityContext }}
+        {{- /* No capability for EFA: its memory registration needs the runtime's unlimited memlock
+        limit (the release check tests it); IPC_LOCK would grant a non-root user nothing and takes the
+        pod out of Pod Security baseline. */}}
         {{- $_ := set $sc "privileged" false }}
-        {{- if $efa }}
-        {{- $caps := deepCopy (default dict $sc.capabilities) }}
-        {{- $_ := set $caps "add" (append (default list $caps.add) "IPC_LOCK" | uniq) }}
-        {{- $_ := set $sc "capabilities" $caps }}
-        {{- end }}
         {{- toYaml $sc | nindent 8 }}
       volumeMounts:
         - name: config
@@ -237,4 +248,37 @@ spec:
 
 {{- define "resilient-fsdp.claimName" -}}
 {{- if eq .Values.storage.type "existingClaim" }}{{ .Values.storage.existingClaim }}{{ else }}{{ include "resilient-fsdp.fullname" . }}-shared{{ end }}
+{{- end }}
+
+{{/*
+The pods' affinity: `pod.affinity` verbatim, with the chart's own required node rules (the
+unhealthy-node labels, `pod.zone`) added to each of its nodeSelectorTerms (terms are ORed, the
+expressions in a term ANDed, so every term must carry them).
+*/}}
+{{- define "resilient-fsdp.affinity" -}}
+{{- $v := .Values }}
+{{- $affinity := deepCopy $v.pod.affinity }}
+{{- $extra := list }}
+{{- if $v.pod.avoidUnhealthyNodes }}
+{{- range $key, $values := $v.pod.unhealthyNodeLabels }}
+{{- $extra = append $extra (dict "key" $key "operator" "NotIn" "values" $values) }}
+{{- end }}
+{{- end }}
+{{- with $v.pod.zone }}
+{{- $extra = append $extra (dict "key" "topology.kubernetes.io/zone" "operator" "In" "values" (list .)) }}
+{{- end }}
+{{- if $extra }}
+{{- $node := deepCopy (default dict $affinity.nodeAffinity) }}
+{{- $required := deepCopy (default dict (get $node "requiredDuringSchedulingIgnoredDuringExecution")) }}
+{{- $terms := list }}
+{{- range (default (list dict) $required.nodeSelectorTerms) }}
+{{- $term := deepCopy . }}
+{{- $_ := set $term "matchExpressions" (concat (default list $term.matchExpressions) $extra) }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- $_ := set $required "nodeSelectorTerms" $terms }}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ := set $affinity "nodeAffinity" $node }}
+{{- end }}
+{{- toYaml $affinity }}
 {{- end }}

@@ -36,8 +36,6 @@ ACCEPTED = {
                   "digest, and re-pulling a ~20 GB training image on every pod recreation lengthens recovery.",
     "CKV_K8S_43": "Image by tag unless image.digest is set: a digest is specific to a user's registry, so the "
                   "profiles cannot carry one; set image.digest for production runs.",
-    "CKV_K8S_25": "An added capability: every capability is dropped, and IPC_LOCK is added back on EFA pods "
-                  "only, because EFA registers (locks) memory for its buffers.",
 }
 
 

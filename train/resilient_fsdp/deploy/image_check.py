@@ -7,7 +7,8 @@ Two depths, one list of checks:
   PATH, and the EFA libraries (libfabric, the aws-ofi-nccl plugin) are where NCCL finds them. It
   then records the pins in the image, so the run-time check compares against the same numbers.
 - default (inside the image on a GPU node, e.g. nightly): the same, then a GPU is visible,
-  ``fi_info -p efa`` finds the EFA provider where the node has an EFA device, and the trainer
+  ``fi_info -p efa`` finds the EFA provider and the locked-memory limit is unlimited where the
+  node has an EFA device, and the trainer
   itself runs a few FSDP steps as a world of one (NCCL, bf16) and checkpoints them.
 
 Prints one line per check and exits 1 if any failed.
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -213,8 +215,24 @@ def check_efa_device(_pins: Pins) -> Result:
     if out.returncode != 0 or "provider: efa" not in out.stdout:
         return Result("efa-device", "FAIL", f"fi_info -p efa failed on {', '.join(devices)} (exit {out.returncode}): "
                                             f"{(out.stderr or out.stdout).strip()[-300:]}; is the pod granted "
-                                            "vpc.amazonaws.com/efa and IPC_LOCK?")
+                                            "vpc.amazonaws.com/efa (and is memlock unlimited)?")
     return Result("efa-device", "ok", f"fi_info -p efa: provider efa on {', '.join(devices)}")
+
+
+def check_memlock(_pins: Pins, devices: Optional[list[str]] = None,
+                  limits: Callable[[int], tuple[int, int]] = resource.getrlimit) -> Result:
+    """``ulimit -l`` is unlimited where the node has EFA: libfabric registers (locks) every buffer."""
+    devices = efa_devices() if devices is None else devices
+    if not devices:
+        return Result("memlock", "skip", "no EFA device on this node: the locked-memory limit does not matter")
+    soft, hard = limits(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return Result("memlock", "ok", f"ulimit -l unlimited (EFA: {', '.join(devices)})")
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else f"{hard // 1024} KiB"
+    return Result("memlock", "FAIL", f"ulimit -l is {soft // 1024} KiB (hard {hard_text}) on an EFA node: EFA "
+                                     "registers its buffers as locked memory and needs it unlimited. The limit is the "
+                                     "container runtime's: LimitMEMLOCK=infinity in containerd's systemd unit (the "
+                                     "EKS GPU AMIs set it), or `docker run --ulimit memlock=-1`")
 
 
 def check_fsdp_step(_pins: Pins, cpu_ok: bool = False, steps: int = 3) -> Result:
@@ -272,6 +290,7 @@ def run_checks(pins: Pins, build: bool, cpu_ok: bool) -> list[Result]:
     if build:
         return results
     for name, check in (("gpu", lambda p: check_gpu(p, cpu_ok)), ("efa-device", check_efa_device),
+                        ("memlock", check_memlock),
                         ("fsdp-step", lambda p: check_fsdp_step(p, cpu_ok))):
         try:
             results.append(check(pins))

@@ -5,16 +5,20 @@ Run in a Pod with the training pods' image, user, volumes and placement
 
     python -m resilient_fsdp.deploy.release_check --shared-dir /fsx \\
         --check-dir /fsx/runs/job/checkpoints --rdzv-host job-node-0-0.job --rdzv-port 29400 \\
-        [--gpus 8 --efa 32]
+        [--gpus 8 --efa 32] [--memlock]
 
 Each check prints one line, ``ok`` or ``FAIL`` with what was found and what to change; the exit
 code is 1 when any failed:
 
 - **shared volume**: the checkpoint directory (created if missing, as the trainer would) takes a
   file from this process's user: written, synced, read back and removed. A new FSx for Lustre
-  file system's root belongs to root, and a pod running as UID 10001 cannot write there.
+  file system's root belongs to root, and a pod running as UID 10001 cannot write there: the
+  failure names both fixes, ``storage.prepare`` and ``pod.securityContext.runAsUser``.
 - **GPUs** / **EFA**, only when requested: the device nodes the NVIDIA and EFA device plugins
   give a pod (``/dev/nvidiaN``, ``/dev/infiniband/uverbsN``) number at least what was requested.
+- **memlock**, where the training pods use EFA (``--memlock``): the container's locked-memory limit
+  (``ulimit -l``) is unlimited. EFA registers its buffers as locked memory; the limit is the node's
+  container runtime's to give (containerd's ``LimitMEMLOCK``), and no pod setting raises it.
 - **rendezvous host**: the name every agent passes to ``--rdzv-endpoint`` resolves. It resolves
   once the job's first pod exists, so the check keeps trying for ``--rdzv-timeout`` seconds.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import socket
 import sys
 import time
@@ -57,6 +62,38 @@ def _owner(path: Path) -> str:
     return f"owner {st.st_uid}:{st.st_gid}, mode {st.st_mode & 0o7777:o}"
 
 
+def _writable_fix(directory: Path) -> str:
+    """The two fixes, in the chart's values: prepare the directory, or run as its owner."""
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        owner = f" (its owner, {directory.stat().st_uid})"
+    except OSError:
+        owner = ""
+    return (f"set storage.prepare=true (an init container creates the run directory and gives it to uid {uid}, "
+            f"gid {gid}; a new FSx file system's root belongs to root and its CSI driver skips fsGroup), or chown "
+            f"{uid}:{gid} the directory on the file system yourself, or run the pods as the directory's owner "
+            f"(pod.securityContext.runAsUser{owner})")
+
+
+def check_memlock(required: bool, limits: Callable[[int], tuple[int, int]] = resource.getrlimit) -> Result:
+    """The locked-memory limit is unlimited (EFA pods); skipped when not ``required``."""
+    name = "memlock"
+    if not required:
+        return Result(name, True, "no EFA (skipped)")
+    soft, hard = limits(resource.RLIMIT_MEMLOCK)
+
+    def shown(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v // 1024} KiB"
+
+    if soft != resource.RLIM_INFINITY:
+        return Result(name, False, f"ulimit -l is {shown(soft)} (hard {shown(hard)}), EFA needs unlimited: it "
+                                   f"registers its buffers as locked memory, and NCCL fails to set up EFA. The "
+                                   f"limit comes from the node's container runtime, not the pod: set "
+                                   f"LimitMEMLOCK=infinity in containerd's systemd unit (the EKS GPU AMIs do), or "
+                                   f"default_ulimits memlock=-1 in its config, on the nodes of this instance type")
+    return Result(name, True, "unlimited")
+
+
 def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
     """The checkpoint directory is on the shared volume and this user can create it and write there."""
     name = "shared volume"
@@ -76,9 +113,7 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
         return Result(name, False, f"cannot create {target} as {who} ({exc.strerror}); {parent} has "
-                                   f"{_owner(parent)}: make it writable by the pods' user (e.g. chown "
-                                   f"{os.getuid()}:{os.getgid()} on the file system), or run the pods as its owner "
-                                   f"(pod.securityContext)")
+                                   f"{_owner(parent)}: {_writable_fix(parent)}")
     probe = target / f".release-check-{socket.gethostname()}-{os.getpid()}"
     payload = os.urandom(2048).hex()
     try:
@@ -89,8 +124,7 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
             return Result(name, False, f"{probe} read back different bytes: the volume is not consistent")
     except OSError as exc:
         return Result(name, False, f"cannot write in {target} as {who} ({exc.strerror}); it has {_owner(target)}: "
-                                   f"make it writable by the pods' user, or run the pods as its owner "
-                                   f"(pod.securityContext)")
+                                   f"{_writable_fix(target)}")
     finally:
         try:
             probe.unlink()
@@ -146,6 +180,7 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
         check_shared_volume(Path(args.shared_dir), Path(args.check_dir or args.shared_dir)),
         check_devices("GPUs", args.gpus, dev, r"nvidia[0-9]+", "NVIDIA device plugin"),
         check_devices("EFA", args.efa, dev / "infiniband", r"uverbs[0-9]+", "EFA device plugin"),
+        check_memlock(args.memlock),
         check_rendezvous_host(args.rdzv_host, args.rdzv_port, args.rdzv_timeout),
     ]
 
@@ -160,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-timeout", type=float, default=300.0, help="seconds to keep trying it (default 300)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs this pod requested (0: skip the check)")
     p.add_argument("--efa", type=int, default=0, help="EFA interfaces this pod requested (0: skip the check)")
+    p.add_argument("--memlock", action="store_true", help="check that the locked-memory limit is unlimited "
+                                                          "(the training pods use EFA)")
     p.add_argument("--dev-dir", default="/dev", help="where device nodes appear (default /dev)")
     return p
 

@@ -11,7 +11,10 @@ Three checks per document, each reported with the object and the field at fault:
   ``pytorch``, one Master replica, a Worker when elastic, a DNS-1035 name), which no schema states;
   for JobSets, TrainJobs and TrainingRuntimes the rules of the JobSet and Trainer webhooks and of
   the Job API (:mod:`resilient_fsdp.deploy.admission`), and each embedded Job template against the
-  Kubernetes ``batch/v1`` Job schema.
+  Kubernetes ``batch/v1`` Job schema;
+- every pod the objects make (the ``helm test`` pod too) against a Pod Security Standards level
+  (``--pod-security``, default ``baseline``: what the namespace must admit;
+  :mod:`resilient_fsdp.deploy.pod_security`).
 
 The CRDs are read from a directory: ``--crds``, else ``$RESILIENT_FSDP_CRDS``, else the copy vendored
 in this checkout, ``charts/vendor/crds`` (pinned versions, each file's source and sha256 in its
@@ -243,6 +246,13 @@ def validate_documents(docs: list[dict], crds: dict[tuple[str, str], dict],
     return problems
 
 
+def pod_security_problems(docs: list[dict], level: str) -> list[Problem]:
+    """The pods' breaches of a Pod Security Standards level, as problems."""
+    from resilient_fsdp.deploy import pod_security
+
+    return [Problem(name, f.path, f.message, f.check) for name, f in pod_security.check_documents(docs, level)]
+
+
 def add_parser(sub) -> None:
     """``resilient-fsdp validate``."""
     from .chart import add_values_args
@@ -254,6 +264,10 @@ def add_parser(sub) -> None:
                                    "Exits 1 when anything fails.")
     add_values_args(p)
     p.add_argument("--crds", help=f"directory of CRD manifests; default ${CRDS_ENV}, else charts/vendor/crds")
+    p.add_argument("--pod-security", choices=("privileged", "baseline", "restricted"), default="baseline",
+                   help="the Pod Security Standards level of the target namespace "
+                        "(pod-security.kubernetes.io/enforce); every pod must pass it (default baseline; "
+                        "privileged checks nothing)")
     p.set_defaults(run=_cmd_validate)
 
 
@@ -267,6 +281,7 @@ def _cmd_validate(args) -> int:
     docs = rendered.documents()
     findings = lint(load_values(args.values_files, args.set_values, args.set_json), chart=args.chart)
     problems = validate_documents(docs, crds)
+    problems += pod_security_problems(docs, args.pod_security)
     for line in findings:
         print(f"lint: {line}")
     bad = {p.obj for p in problems}
