@@ -26,6 +26,9 @@ def test_should_keep_pods_off_hyperpod_unhealthy_nodes_by_default():
 
 def test_should_render_no_affinity_when_health_rule_is_off_and_nothing_else_is_set():
     assert "affinity" not in pod_spec(render("pod.avoidUnhealthyNodes=false"))
+    # A default label set to null is dropped (Helm removes null keys when it merges values).
+    drop = "pod.unhealthyNodeLabels.sagemaker\\.amazonaws\\.com/node-health-status=null"
+    assert "affinity" not in pod_spec(render(drop))
 
 
 def test_should_pin_the_zone_and_add_the_rules_to_each_of_the_users_terms_when_both_are_set():

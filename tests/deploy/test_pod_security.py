@@ -116,7 +116,8 @@ RESTRICTED_BREACHES = [
     ("volumes[0]", {"name": "shared", "nfs": {"server": "x", "path": "/"}}, "spec.volumes[0].nfs"),
     ("containers[0].securityContext.allowPrivilegeEscalation", True,
      "spec.containers[0].securityContext.allowPrivilegeEscalation"),
-    ("securityContext.runAsNonRoot", False, "spec.containers[0].securityContext.runAsNonRoot"),
+    ("securityContext.runAsNonRoot", False, "spec.securityContext.runAsNonRoot"),
+    ("containers[0].securityContext.runAsNonRoot", False, "spec.containers[0].securityContext.runAsNonRoot"),
     ("securityContext.runAsUser", 0, "spec.securityContext.runAsUser"),
     ("containers[0].securityContext.runAsUser", 0, "spec.containers[0].securityContext.runAsUser"),
     ("securityContext.seccompProfile", {}, "spec.containers[0].securityContext.seccompProfile.type"),
@@ -137,7 +138,7 @@ def test_should_refuse_each_restricted_breach_that_baseline_admits(field, value,
 def test_should_take_the_pod_level_setting_for_every_container_and_a_container_level_one_for_itself():
     spec = clean_pod()
     del spec["securityContext"]["seccompProfile"]
-    for _, c in (("i", spec["initContainers"][0]), ("c", spec["containers"][0])):
+    for c in spec["initContainers"] + spec["containers"]:
         c["securityContext"]["seccompProfile"] = {"type": "RuntimeDefault"}
     assert pss.check_pod_spec(spec, level="restricted") == []
     del spec["initContainers"][0]["securityContext"]["seccompProfile"]
@@ -151,8 +152,10 @@ def test_should_find_the_pods_in_each_workload_kind_and_name_the_object():
     template = {"metadata": {}, "spec": bad}
     docs = [
         {"kind": "Pod", "metadata": {"name": "p"}, "spec": bad},
-        {"kind": "PyTorchJob", "metadata": {"name": "j"}, "spec": {"pytorchReplicaSpecs": {"Worker": {"template": template}}}},
-        {"kind": "JobSet", "metadata": {"name": "s"}, "spec": {"replicatedJobs": [{"template": {"spec": {"template": template}}}]}},
+        {"kind": "PyTorchJob", "metadata": {"name": "j"},
+         "spec": {"pytorchReplicaSpecs": {"Worker": {"template": template}}}},
+        {"kind": "JobSet", "metadata": {"name": "s"},
+         "spec": {"replicatedJobs": [{"template": {"spec": {"template": template}}}]}},
         {"kind": "TrainingRuntime", "metadata": {"name": "r"},
          "spec": {"template": {"spec": {"replicatedJobs": [{"template": {"spec": {"template": template}}}]}}}},
         {"kind": "ConfigMap", "metadata": {"name": "c"}, "data": {}},

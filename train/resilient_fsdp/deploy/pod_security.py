@@ -93,7 +93,8 @@ def _baseline(spec: dict, metadata: dict, path: str) -> list[Finding]:
     meta_path = f"{path[:-len('spec')]}metadata" if path.endswith("spec") else "metadata"
     for key, value in (metadata.get("annotations") or {}).items():
         if key.startswith(APPARMOR_ANNOTATION) and value != "runtime/default" and not value.startswith("localhost/"):
-            bad(f"{meta_path}.annotations[{key}]", f"AppArmor profile {value!r}: must be runtime/default or localhost/*")
+            bad(f"{meta_path}.annotations[{key}]",
+                f"AppArmor profile {value!r}: must be runtime/default or localhost/*")
     for at, c in _containers(spec, path):
         sc = c.get("securityContext") or {}
         if sc.get("privileged"):
@@ -151,13 +152,16 @@ def _restricted(spec: dict, path: str) -> list[Finding]:
                                                    f"{', '.join(sorted(RESTRICTED_VOLUMES))})")
     if pod_sc.get("runAsUser") == 0:
         bad(f"{path}.securityContext.runAsUser", "must not be 0 (root)")
+    if pod_sc.get("runAsNonRoot") is False:
+        bad(f"{path}.securityContext.runAsNonRoot", "must not be false")
     pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type")
     containers = list(_containers(spec, path))
     for at, c in containers:
         sc = c.get("securityContext") or {}
         if sc.get("allowPrivilegeEscalation") is not False:
             bad(f"{at}.securityContext.allowPrivilegeEscalation", "must be set to false")
-        if sc.get("runAsNonRoot") is False or (sc.get("runAsNonRoot") is None and pod_sc.get("runAsNonRoot") is not True):
+        non_root = sc.get("runAsNonRoot")
+        if non_root is False or (non_root is None and pod_sc.get("runAsNonRoot") is not True):
             bad(f"{at}.securityContext.runAsNonRoot", "must be true (here or in the pod's securityContext)")
         if sc.get("runAsUser") == 0:
             bad(f"{at}.securityContext.runAsUser", "must not be 0 (root)")
