@@ -16,7 +16,7 @@ from typing import Optional
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from ..config import Config, ConfigError, describe
+from ..config import Config, ConfigError, check_collective_timeouts, describe
 from ..resilience import exit_codes, faults, nccl_env
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
@@ -52,8 +52,11 @@ def attempt(cfg: Config, resources: ProcessResources, in_process: Optional[InPro
 
 def run(args: argparse.Namespace) -> dict:
     cfg = resolve_config(args)
+    nccl = distributed.uses_nccl(cfg.dist)
+    if nccl:
+        check_collective_timeouts(cfg)  # dist.device=auto on a GPU node: the loader could not tell
     # Before any process group: NCCL and torch read these when it is made.
-    nccl_env.apply(cfg, nccl=distributed.uses_nccl(cfg.dist))
+    nccl_env.apply(cfg, nccl=nccl)
     resources = ProcessResources(cfg)
     failed = True
     try:
