@@ -210,7 +210,7 @@ def _check_across_keys(config: Config) -> None:
 
 
 # After a collective times out, NCCL's watchdog waits for the flight recorder's dump before it
-# aborts (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 15 s by default), and ft_launcher checks its
+# aborts (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC: 15 s in torch's recent sources), and ft_launcher checks its
 # section timeouts every workload_check_interval_s: a minute covers both, with room for a slow
 # shared volume.
 DUMP_MARGIN_S = 60.0
