@@ -213,3 +213,32 @@ def test_in_process_timeouts_must_be_ordered():
         load_config(None, ["resilience.in_process.enabled=true", "resilience.hang_detection.step_timeout_s=30"])
     with pytest.raises(ConfigError, match="stop.exit_code"):
         load_config(None, ["resilience.stop.exit_code=1"])  # would fail the job instead of restarting it
+
+
+def test_on_nccl_the_collective_timeout_must_fire_and_dump_before_hang_detection_kills():
+    """dist.device=cuda: the loader holds the NCCL rules (dist.device=auto: the trainer, once it
+    sees a GPU, calls the same check); gloo (cpu) is not held to them."""
+    from resilient_fsdp.config import check_collective_timeouts
+
+    with pytest.raises(ConfigError, match=r"dist.timeout_s=600 must be at least 60 s below "
+                                          r"resilience.hang_detection.step_timeout_s=300: .*set dist.timeout_s=240 "
+                                          r"or less, or raise resilience.hang_detection.step_timeout_s"):
+        load_config(None, ["dist.device=cuda", "dist.timeout_s=600", "resilience.hang_detection.step_timeout_s=300"])
+    with pytest.raises(ConfigError, match="resilience.hang_detection.out_of_section_timeout_s=200"):
+        load_config(None, ["dist.device=cuda", "dist.timeout_s=240", "resilience.hang_detection.step_timeout_s=300",
+                           "resilience.hang_detection.out_of_section_timeout_s=200"])
+    with pytest.raises(ConfigError, match="dist.init_timeout_s=600 must be at least 60 s below "
+                                          "resilience.hang_detection.init_timeout_s=620"):
+        load_config(None, ["dist.device=cuda", "resilience.hang_detection.init_timeout_s=620"])
+    with pytest.raises(ConfigError, match="dist.timeout_s=80 must exceed resilience.in_process.hard_timeout_s=90"):
+        load_config(None, ["dist.device=cuda", "dist.timeout_s=80", "resilience.in_process.enabled=true"])
+    ok = load_config(None, ["dist.device=cuda", "dist.timeout_s=240", "resilience.hang_detection.step_timeout_s=300"])
+    assert ok.dist.timeout_s == 240
+    # A disabled section timeout is no bound; on CPU none of this applies.
+    load_config(None, ["dist.device=cuda", "resilience.hang_detection.step_timeout_s=null",
+                       "resilience.hang_detection.out_of_section_timeout_s=null"])
+    cpu = load_config(None, ["dist.device=cpu", "dist.timeout_s=600", "resilience.hang_detection.step_timeout_s=8"])
+    auto = load_config(None, ["dist.timeout_s=600", "resilience.hang_detection.step_timeout_s=300"])
+    with pytest.raises(ConfigError, match="dist.timeout_s=600 must be at least 60 s below"):
+        check_collective_timeouts(auto)
+    assert cpu.resilience.hang_detection.step_timeout_s == 8

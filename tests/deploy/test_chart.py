@@ -159,14 +159,17 @@ def test_should_size_shm_as_memory_volume_when_shm_size_is_set():
     assert mount(rendered, "dshm")["mountPath"] == "/dev/shm"
 
 
-def test_should_dump_nccl_flight_recorder_to_node_local_path_when_enabled():
-    rendered = render("nccl.flightRecorder.hostPath=/var/log/nccl", "nccl.flightRecorder.bufferSize=5000")
+def test_should_dump_nccl_flight_recorder_on_timeout_and_leave_the_path_to_the_trainer_when_enabled():
+    """The dump path is the trainer's (under run_dir on the shared volume, resilience/nccl_env.py):
+    the chart mounts no node-local volume for it and sets no path."""
+    rendered = render("nccl.flightRecorder.bufferSize=5000")
     e = env(rendered)
     assert e["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "5000" and e["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert e["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(mount(rendered, "nccl-flight-recorder")["mountPath"] + "/")
-    assert volume(rendered, "nccl-flight-recorder")["hostPath"]["path"] == "/var/log/nccl"
-    assert volume(render(), "nccl-flight-recorder")["emptyDir"] == {}
+    assert not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(e)
+    assert not any(v["name"] == "nccl-flight-recorder" for v in pod_spec(rendered)["volumes"])
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env(render("nccl.flightRecorder.enabled=false"))
+    overridden = env(render("pod.env[0].name=TORCH_FR_DUMP_TEMP_FILE", "pod.env[0].value=/logs/fr_"))
+    assert overridden["TORCH_FR_DUMP_TEMP_FILE"] == "/logs/fr_"  # what the trainer then keeps
 
 
 # ---- the launcher -------------------------------------------------------------------------------

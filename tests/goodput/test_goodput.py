@@ -189,6 +189,22 @@ def test_profile_restart_settings_are_the_advisors(profile):
     assert values["job"]["backoffLimit"] == expected["job"]["backoffLimit"]
     assert values["workload"]["jobSet"]["maxRestarts"] == expected["workload"]["jobSet"]["maxRestarts"], \
         f"{profile}: workload.jobSet.maxRestarts"
+    assert values["trainer"]["dist"]["timeout_s"] == expected["trainer"]["dist"]["timeout_s"], \
+        f"{profile}: trainer.dist.timeout_s"
+
+
+@pytest.mark.parametrize("profile", ADVISED_PROFILES)
+def test_profile_collective_timeout_fires_and_dumps_before_hang_detection_kills(profile, tmp_path):
+    """Every GPU profile's trainer configuration passes the NCCL rule (dist.timeout_s at least
+    DUMP_MARGIN_S below each section timeout), as the trainer applies it on a GPU node."""
+    from resilient_fsdp.config import DUMP_MARGIN_S, check_collective_timeouts, load_config
+
+    trainer = yaml.safe_load(VALUES_DIR.joinpath(f"{profile}.yaml").read_text())["trainer"]
+    path = tmp_path / "trainer.yaml"
+    path.write_text(yaml.safe_dump(trainer))
+    cfg = load_config(path)
+    check_collective_timeouts(cfg)
+    assert cfg.dist.timeout_s + DUMP_MARGIN_S <= cfg.resilience.hang_detection.step_timeout_s
 
 
 def test_the_docs_table_of_profiles_is_the_profiles():

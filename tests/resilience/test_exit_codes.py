@@ -169,3 +169,37 @@ def test_a_killed_launcher_exits_128_plus_the_signal(tmp_path):
             node.kill()
             node.wait()
     assert_no_leftovers(run_dir)
+
+
+def test_a_node_nvrx_finds_unhealthy_exits_with_its_own_retried_code(tmp_path, nvrx07_lane):
+    """Real processes, NVRx 0.7's ft_launcher under the node agent: NVRx's own failure injection
+    (``NVRX_INJECT_GPU_FAILURE``, read by its node health check before the first rendezvous) stands
+    in for a failed GPU, which cannot exist here. The node exits 201, retried by the job level
+    (the chart's rules: tests/deploy/test_restart_rules.py), not the generic 203."""
+    from tests.resilience.node import AGENT, free_port
+    from tests.support import run_guarded
+
+    cmd = [*AGENT, "--rejoin-timeout=30", "--", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=unhealthy", "--rdzv-conf=is_host=true",
+           "--max-restarts=0", "-m", "resilient_fsdp.train", "--describe-config"]
+    proc = run_guarded(cmd, tmp_path, [nvrx07_lane], 120, {"JOB_COMPLETION_INDEX": "0",
+                                                           "NVRX_INJECT_GPU_FAILURE": "0:0"})
+    assert proc.returncode == exit_codes.UNHEALTHY_NODE == 201, proc.stderr[-3000:]
+    assert exit_codes.UNHEALTHY_NODE in exit_codes.RETRIED
+    agent = [line for line in proc.stderr.splitlines() if line.startswith("[resilient-fsdp agent]")]
+    assert any("found this node unhealthy" in line and "201: unhealthy-node, retried by the job level" in line
+               for line in agent), agent
+    # A node that does not host the store never joins again in its pod after it: the node is the fault.
+    from resilient_fsdp.resilience.rejoin import REJOINED_CODES
+    assert exit_codes.UNHEALTHY_NODE not in REJOINED_CODES
+
+
+def test_unhealthy_node_output_maps_to_its_code_and_a_ranks_own_lines_do_not():
+    from resilient_fsdp.resilience.agent import exit_code
+
+    nvrx07 = ["[ERROR] Agent .run() raised UnhealthyNodeException: Node n0 has an unhealthy GPU."]
+    assert exit_code(1, None, nvrx07) == exit_codes.UNHEALTHY_NODE
+    assert exit_code(1, None, ["[default0]: UnhealthyNodeException in user code"]) == exit_codes.INFRASTRUCTURE
+    # A configuration failure or a stop outranks it; so does a launcher killed by a signal.
+    assert exit_code(1, None, nvrx07, config_failure=True) == exit_codes.CONFIG
+    assert exit_code(1, 15, nvrx07) == 143 and exit_code(-9, None, nvrx07) == 137

@@ -133,10 +133,9 @@ spec:
         {{- if $v.nccl.flightRecorder.enabled }}
         - name: TORCH_NCCL_TRACE_BUFFER_SIZE
           value: {{ int $v.nccl.flightRecorder.bufferSize | quote }}
+        # The dump path is the trainer's: under the run directory on the shared volume.
         - name: TORCH_NCCL_DUMP_ON_TIMEOUT
           value: "1"
-        - name: TORCH_NCCL_DEBUG_INFO_TEMP_FILE
-          value: {{ printf "%s/nccl_trace_rank_" ($v.nccl.flightRecorder.dumpDir | trimSuffix "/") | quote }}
         {{- end }}
         {{- end }}
         {{- if $efa }}
@@ -205,10 +204,6 @@ spec:
           mountPath: /dev/shm
         - name: tmp
           mountPath: /tmp
-        {{- if and $gpu $v.nccl.flightRecorder.enabled }}
-        - name: nccl-flight-recorder
-          mountPath: {{ $v.nccl.flightRecorder.dumpDir }}
-        {{- end }}
         {{- with $v.pod.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -231,16 +226,6 @@ spec:
     - name: tmp
       emptyDir:
         sizeLimit: {{ $v.pod.tmpSizeLimit }}
-    {{- if and $gpu $v.nccl.flightRecorder.enabled }}
-    - name: nccl-flight-recorder
-      {{- if $v.nccl.flightRecorder.hostPath }}
-      hostPath:
-        path: {{ $v.nccl.flightRecorder.hostPath }}
-        type: DirectoryOrCreate
-      {{- else }}
-      emptyDir: {}
-      {{- end }}
-    {{- end }}
     {{- with $v.pod.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}

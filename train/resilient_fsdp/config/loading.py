@@ -205,6 +205,44 @@ def _check_across_keys(config: Config) -> None:
     for text in r.inject:
         parse_fault(text, key="resilience.inject")
     check_s3_config(config.checkpoint.s3)
+    if config.dist.device == "cuda":  # "auto": checked by the trainer once it sees a GPU
+        check_collective_timeouts(config)
+
+
+# After a collective times out, NCCL's watchdog waits for the flight recorder's dump before it
+# aborts (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC: 15 s in torch's recent sources), and ft_launcher checks its
+# section timeouts every workload_check_interval_s: a minute covers both, with room for a slow
+# shared volume.
+DUMP_MARGIN_S = 60.0
+HANG_SECTIONS = ("step_timeout_s", "checkpoint_timeout_s", "out_of_section_timeout_s")
+
+
+def check_collective_timeouts(config: Config) -> None:
+    """Rules for NCCL process groups, where a collective's timeout is the hang's diagnosis: the
+    watchdog must time out a hung collective (and the flight recorder dump it) before in-job hang
+    detection kills the rank, and after in-process restart's hard timeout (NVRx's requirement).
+    Gloo has no watchdog and no dump, so CPU runs are not held to them."""
+    d, r = config.dist, config.resilience
+    hang = r.hang_detection
+    for key in HANG_SECTIONS:
+        value = getattr(hang, key)
+        if value is not None and not d.timeout_s + DUMP_MARGIN_S <= value:
+            raise ConfigError(
+                f"dist.timeout_s={d.timeout_s:g} must be at least {DUMP_MARGIN_S:g} s below "
+                f"resilience.hang_detection.{key}={value:g}: ft_launcher would kill a rank hung in a collective "
+                f"before NCCL's watchdog times the collective out and its flight recorder dumps; set "
+                f"dist.timeout_s={value - DUMP_MARGIN_S:g} or less, or raise resilience.hang_detection.{key}")
+    if hang.init_timeout_s is not None and not d.init_timeout_s + DUMP_MARGIN_S <= hang.init_timeout_s:
+        raise ConfigError(
+            f"dist.init_timeout_s={d.init_timeout_s:g} must be at least {DUMP_MARGIN_S:g} s below "
+            f"resilience.hang_detection.init_timeout_s={hang.init_timeout_s:g}: a collective hung during start-up "
+            f"would be killed before NCCL times it out and dumps; set dist.init_timeout_s="
+            f"{hang.init_timeout_s - DUMP_MARGIN_S:g} or less, or raise resilience.hang_detection.init_timeout_s")
+    if r.in_process.enabled and not d.timeout_s > r.in_process.hard_timeout_s:
+        raise ConfigError(
+            f"dist.timeout_s={d.timeout_s:g} must exceed resilience.in_process.hard_timeout_s="
+            f"{r.in_process.hard_timeout_s:g}: NCCL's watchdog would end the process before in-process restart "
+            "can recover it (NVRx's requirement)")
 
 
 def check_s3_config(cfg: S3Config) -> None:

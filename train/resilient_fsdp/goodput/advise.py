@@ -16,6 +16,9 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
 * expected failures over the job, expected goodput and its breakdown;
 * section timeouts: each at least ``SAFETY`` times what it covers and never below a floor that
   absorbs slow starts (``ft_launcher`` kills a rank that overstays a section);
+* ``dist.timeout_s``: :data:`~resilient_fsdp.config.DUMP_MARGIN_S` below the step timeout, so NCCL's
+  watchdog times a hung collective out, and its flight recorder dumps, before ``ft_launcher`` kills
+  the rank (the rule the configuration enforces on NCCL);
 * ``resilience.launcher.max_restarts`` and ``job.backoffLimit``: the 99th percentile of the Poisson number
   of failures over the job, at least 3, so a job with the expected failure rate exhausts neither
   more than once in a hundred runs. Both count events, because that is what one event costs each:
@@ -42,6 +45,7 @@ from typing import Optional
 
 import yaml
 
+from ..config import DUMP_MARGIN_S
 from . import costs as gc
 from . import model as gm
 
@@ -142,11 +146,13 @@ class Advice:
     checkpoint_timeout_s: int
     init_timeout_s: int
     out_of_section_timeout_s: int
+    dist_timeout_s: int
 
     def values(self) -> dict:
         """The chart values these settings map to."""
         return {
             "trainer": {
+                "dist": {"timeout_s": self.dist_timeout_s},
                 "checkpoint": {"interval_s": self.interval_s},
                 "resilience": {
                     "launcher": {"max_restarts": self.max_restarts},
@@ -200,6 +206,8 @@ def advise(inputs: Inputs) -> Advice:
         init_timeout_s=_whole(init_timeout),
         # Between sections (logging, data) nothing long happens; the step timeout covers it.
         out_of_section_timeout_s=_whole(step_timeout),
+        # The shortest section a collective runs in is the step (the others are at least as long).
+        dist_timeout_s=_whole(step_timeout) - int(DUMP_MARGIN_S),
     )
 
 
@@ -336,6 +344,8 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
                            f"{i.startup_s:g} s + load ~W))"),
         ("out_of_section_timeout_s", f"{a.out_of_section_timeout_s} = step_timeout_s (heartbeats are off: "
                                      f"sections cover the loop)"),
+        ("dist.timeout_s", f"{a.dist_timeout_s} = step_timeout_s - {DUMP_MARGIN_S:g} (NCCL times a hung collective "
+                           "out and dumps its flight recorder before ft_launcher kills the rank)"),
         ("max_restarts / backoffLimit", f"{a.max_restarts} / {a.backoff_limit} = max({RESTART_LIMIT_FLOOR}, "
                                         f"Poisson({a.expected_failures:.2f}) {RESTART_QUANTILE:.0%} quantile)"),
         (f"backoffLimit ({kind})", BACKOFF_LIMIT_MEANING[kind]),

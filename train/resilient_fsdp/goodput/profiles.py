@@ -77,6 +77,7 @@ def header_block(line: str) -> list[str]:
         f"{a.backoff_limit}) = {(1 + a.jobset_max_restarts) * (1 + a.backoff_limit)} counted failures in all;",
         f"#     step/out-of-section {a.step_timeout_s} s, checkpoint {a.checkpoint_timeout_s} s, init "
         f"{a.init_timeout_s} s ({adv.SAFETY:g} x what each covers, floors);",
+        f"#     dist.timeout_s {a.dist_timeout_s} = step - {adv.DUMP_MARGIN_S:g} s (NCCL dumps before a kill);",
         f"#     expected goodput {g['productive']:.4f} (restart R {i.restart_s:g} s, step {i.step_s:g} s, "
         f"start-up {i.startup_s:g} s).",
         line,

@@ -6,6 +6,7 @@
 - ``graceful_stop``: SIGTERM becomes "finish the step, commit a checkpoint, exit retryably";
 - ``ft_config``: the ``fault_tolerance:`` settings and the ``ft_launcher`` flags;
 - ``nvrx``: every adaptation to NVRx's restart layers (CPU, versions);
+- ``nccl_env``: the NCCL and torch variables each restart layer needs, and where hang dumps go;
 - ``faults``: fault injection (the kinds are :data:`resilient_fsdp.config.FAULT_KINDS`);
 - ``ledger``: fired faults and their recoveries, once per job, on shared storage;
 - ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;

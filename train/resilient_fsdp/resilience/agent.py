@@ -12,6 +12,8 @@ and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
 - ``ft_launcher`` killed by a signal: 128 + the signal (what a shell reports);
 - ``ft_launcher`` lost the rendezvous store (its host, pod 0's agent, died with its pod):
   :data:`.exit_codes.RENDEZVOUS_LOST` (see :func:`rendezvous_store_lost`);
+- NVRx's node health checks found the node unhealthy: :data:`.exit_codes.UNHEALTHY_NODE`
+  (see :func:`node_unhealthy`);
 - ``ft_launcher`` failed otherwise (in-job restarts spent after infrastructure-type failures,
   lost peers, a join timeout): :data:`.exit_codes.INFRASTRUCTURE`;
 - 0 when training finished, also when every rank of the node finished and only ft_launcher's
@@ -84,11 +86,28 @@ def rendezvous_store_lost(returncode: int, agent_lines: Iterable[str]) -> bool:
     return any(_STORE_LOST.search(line) for line in agent_lines if not _RANK_LINE.match(line))
 
 
+# How ft_launcher reports that NVRx's node health checks failed: the exception's name, on its own
+# lines (NVRx 0.7 "Agent .run() raised UnhealthyNodeException: ..."; 0.4.1 raises it out of the
+# rendezvous handler, so its traceback names it).
+_UNHEALTHY = re.compile(r"\bUnhealthyNodeException\b")
+
+
+def node_unhealthy(returncode: int, agent_lines: Iterable[str]) -> bool:
+    """Whether ``ft_launcher`` failed (exit 1) because NVRx found this node unhealthy (its GPU,
+    NIC, storage or external node-health check, before a rendezvous). A rank's own output does
+    not count."""
+    if returncode != 1:
+        return False
+    return any(_UNHEALTHY.search(line) for line in agent_lines if not _RANK_LINE.match(line))
+
+
 def exit_code(returncode: int, stop_signal: Optional[int], agent_lines: Iterable[str] = (),
               config_failure: bool = False) -> int:
     """The node's exit code (see :func:`.exit_codes.node_exit_code`)."""
+    lines = list(agent_lines)
     return exit_codes.node_exit_code(returncode, stop_signal, config_failure,
-                                     store_lost=rendezvous_store_lost(returncode, agent_lines))
+                                     store_lost=rendezvous_store_lost(returncode, lines),
+                                     unhealthy=node_unhealthy(returncode, lines))
 
 
 class _StderrTail(threading.Thread):
@@ -354,7 +373,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         if not store_host and code in REJOINED_CODES and rejoin.timeout_s > 0:
             _say(rejoin.gave_up())
-        if code == RENDEZVOUS_LOST_EXIT_CODE:
+        if code == exit_codes.UNHEALTHY_NODE:
+            _say(f"NVRx's node health checks found this node unhealthy; ft_launcher exited {returncode}; exiting "
+                 f"{exit_codes.describe_code(code)}: cordon the node (kubectl cordon) or let node auto-repair "
+                 "replace it, so that the recreated pod lands elsewhere")
+            _termination_message(f"unhealthy node (NVRx node health check); node exit code "
+                                 f"{exit_codes.describe_code(code)}")
+        elif code == RENDEZVOUS_LOST_EXIT_CODE:
             _say(f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
                  f"exiting {exit_codes.describe_code(code)}")
         elif code != 0:

@@ -13,7 +13,11 @@ chart's JobSet rules do the same (``podFailurePolicy``). So the classification i
   the pod exits :data:`INFRASTRUCTURE` (128 + ``EX_TEMPFAIL``), which the job level retries; a
   node that lost its rendezvous store exits :data:`RENDEZVOUS_LOST`, also retried. A node that
   does not host the store joins again in its pod after either (:mod:`.rejoin`), so one event is
-  counted once.
+  counted once;
+- a node that NVRx's node health checks found **unhealthy** (a GPU, NIC, storage or external node
+  health check failed before a rendezvous) exits :data:`UNHEALTHY_NODE`: retried by the job level
+  like an infrastructure failure, but distinct, so that an operator or an alert can tell a bad
+  node from a bad job, and never joined again in the same pod.
 
 :data:`TABLE` is that classification as data: the node agent (:mod:`.agent`) and the trainer
 (:mod:`resilient_fsdp.train.entrypoint`) act on it, and ``docs/faults-and-restarts.md`` shows
@@ -67,6 +71,8 @@ NVRX_NO_RESTART = 93  # NVRx 0.7's ft_launcher: NoRestartRequested (--ft-no-rest
 # The node lost the rendezvous store (its host, pod 0's agent, went away with its pod): outside
 # 129-192, where 128 + a signal lives, so the two read apart.
 RENDEZVOUS_LOST = 200
+# NVRx's node health checks failed on this node (ft_launcher says 1): the same range, its own code.
+UNHEALTHY_NODE = 201
 
 # What each kind's controller does with a row's ending: (PyTorchJob, JobSet and TrainJob).
 BUDGET = {
@@ -113,6 +119,13 @@ TABLE: tuple[Row, ...] = (
         "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost) and no "
         "store came back within `rendezvous.rejoinTimeoutSeconds`",
         "job level: the pod is recreated", "counted", range(RENDEZVOUS_LOST, RENDEZVOUS_LOST + 1)),
+    Row("unhealthy-node", str(UNHEALTHY_NODE), "infrastructure",
+        "NVRx's node health checks found this node unhealthy before a rendezvous (NVRx 0.7: its GPU, NIC "
+        "link, storage or external node-health check failed, or a rank asked to exclude the node; 0.4.1: "
+        "its GPU check): `ft_launcher` raised `UnhealthyNodeException` and exited 1. The node does not "
+        "join again in its pod: cordon it, or let node auto-repair replace it (docs/faults-and-restarts.md)",
+        "job level: the pod is recreated (elsewhere once the node is cordoned or marked unhealthy)", "counted",
+        range(UNHEALTHY_NODE, UNHEALTHY_NODE + 1)),
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
         "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, any other exception; its "
@@ -134,10 +147,11 @@ def is_configuration_failure(exc: BaseException) -> bool:
 
 
 def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False,
-                   store_lost: bool = False) -> int:
+                   store_lost: bool = False, unhealthy: bool = False) -> int:
     """The node's exit code from ``ft_launcher``'s return code, the stop signal the node received
     (if any), whether a rank reported a configuration-type failure, and whether ``ft_launcher``
-    failed because the rendezvous store went away (read from its output by the agent)."""
+    failed because the rendezvous store went away or because NVRx found the node unhealthy (both
+    read from its output by the agent)."""
     if config_failure:
         return CONFIG
     if returncode < 0:
@@ -148,6 +162,8 @@ def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: 
         return 128 + stop_signal  # ranks checkpointed and stopped; ft_launcher says 1
     if returncode in (CONFIG, NVRX_NO_RESTART):
         return returncode  # its own bad flags (argparse), or NVRx decided against a restart
+    if unhealthy:
+        return UNHEALTHY_NODE  # before store_lost: the bad node is the cause, not its store
     if store_lost:
         return RENDEZVOUS_LOST
     return INFRASTRUCTURE
@@ -156,7 +172,8 @@ def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: 
 def describe_code(code: int) -> str:
     """One line for a node's exit code: which row, and whether the job level retries it."""
     if code in RETRIED:
-        named = {INFRASTRUCTURE: "restarts-exhausted", RENDEZVOUS_LOST: "rendezvous-store-lost"}
+        named = {INFRASTRUCTURE: "restarts-exhausted", RENDEZVOUS_LOST: "rendezvous-store-lost",
+                 UNHEALTHY_NODE: "unhealthy-node"}
         name = named.get(code, "stopped or killed")
         try:
             sig = f" ({signal.Signals(code - 128).name})" if code not in named else ""

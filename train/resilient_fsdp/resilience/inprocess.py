@@ -90,7 +90,7 @@ def run_in_process(cfg: InProcessConfig, body: Callable[[InProcessAttempt], Any]
         inprocess.Wrapper,
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.store_port_offset},
         abort=nvrx.make_abort(),  # shuts the gloo group's connections down first
-        health_check=None,
+        health_check=nvrx.rank_health_check(),  # CudaHealthCheck on GPU nodes
         soft_timeout=seconds(seconds=soft),
         hard_timeout=seconds(seconds=cfg.hard_timeout_s),
         heartbeat_timeout=seconds(seconds=cfg.heartbeat_timeout_s),

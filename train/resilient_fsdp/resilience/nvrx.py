@@ -11,7 +11,9 @@
   ``LOCAL_RANK`` is set; without a GPU they fail and turn every restart into a termination (and
   constructing them logs NVML errors in every rank), so :func:`new_wrapper` builds the wrapper
   without them there (and says so), and keeps them on GPU nodes; :func:`adapt_health_checks`
-  drops any that a wrapper built otherwise carries.
+  drops any that a wrapper built otherwise carries. The wrapper's own ``health_check`` is NVRx's
+  ``CudaHealthCheck`` on GPU nodes (:func:`rank_health_check`): a restart must wait for the CUDA
+  kernels still queued, and a corrupt CUDA context must end the rank rather than be restarted into.
 - **The c10d rendezvous store** is hosted by pod 0's agent (``--rdzv-conf=is_host=true`` there), on
   the cluster and locally: NVRx 0.7 keeps only its own barrier rendezvous
   (``ft_rendezvous_barrier.py``), whose rounds only the agent hosting the store closes, and it
@@ -174,6 +176,21 @@ def new_wrapper(wrapper_class, gpu_present: Optional[bool] = None, say: Optional
         os.environ["LOCAL_RANK"] = local_rank
     _say_dropped(list(GPU_HEALTH_CHECKS), say)
     return wrapper
+
+
+def rank_health_check(gpu_present: Optional[bool] = None):
+    """The in-process wrapper's ``health_check``: NVRx's ``CudaHealthCheck`` where a GPU is present
+    (it synchronises with the GPU before every restart: pending kernels finish, a broken context
+    raises and the rank is terminated), None on CPU, where there is nothing to check."""
+    if gpu_present is None:
+        import torch
+
+        gpu_present = torch.cuda.is_available()
+    if not gpu_present:
+        return None
+    from nvidia_resiliency_ext.inprocess.health_check import CudaHealthCheck
+
+    return CudaHealthCheck()
 
 
 def _say_dropped(dropped: list[str], say: Optional[Callable[[str], None]]) -> None:

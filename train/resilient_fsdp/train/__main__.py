@@ -3,7 +3,12 @@
 import importlib.util
 import sys
 
-from .entrypoint import main
+from ..resilience.nccl_env import apply_before_torch
+
+# The restart layers' environment before torch loads: it reads TORCH_CPP_LOG_LEVEL only then.
+apply_before_torch(sys.argv[1:])
+
+from .entrypoint import main  # noqa: E402 (after the environment is set)
 
 if __name__ == "__main__":
     # The processes multiprocessing spawns from a rank (NVRx's checkpoint writer and the manager

@@ -51,6 +51,11 @@ def select_device(cfg: DistConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def uses_nccl(cfg: DistConfig) -> bool:
+    """Whether this rank's process group will be NCCL's (a GPU it will use), before it exists."""
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
 def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None) -> DistInfo:
     """Join (or, without a launcher, create) the default process group.
 
