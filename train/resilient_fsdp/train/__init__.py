@@ -1,6 +1,7 @@
 """What every rank runs: ``python -m resilient_fsdp.train [--config FILE] [--set k=v]...``.
 
-- ``entrypoint``: one rank's process: arguments, in-process restart around the attempts, exit codes;
+- ``entrypoint``: one rank's process: in-process restart around the attempts, exit codes;
+- ``arguments``: its command line and the configuration it resolves to (importable without torch);
 - ``trainer``: the composition root and the loop (``Trainer``, its ``TrainCounters``);
 - ``resources``: what outlives an in-process restart (checkpoint engine, S3 uploader, monitor);
 - ``model``: the built-in decoder-only transformer;

@@ -16,34 +16,14 @@ from typing import Optional
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from ..config import Config, ConfigError, describe, load_config, parse_faults
+from ..config import Config, ConfigError, describe
 from ..resilience import exit_codes, faults
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
 from . import distributed
+from .arguments import parse_args, resolve_config
 from .resources import ProcessResources
 from .trainer import Trainer
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
-    p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
-                   help="inject a fault once per job (repeatable; adds to resilience.inject)")
-    p.add_argument("--describe-config", action="store_true", help="print every config key and exit")
-    return p.parse_args(argv)
-
-
-def resolve_config(args: argparse.Namespace) -> Config:
-    overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
-    cfg = load_config(args.config, overrides)
-    if args.inject:
-        parse_faults(args.inject)  # names the bad --inject value
-        cfg.resilience.inject = list(cfg.resilience.inject) + list(args.inject)
-    return cfg
 
 
 def attempt(cfg: Config, resources: ProcessResources, in_process: Optional[InProcessAttempt] = None) -> dict:

@@ -1,0 +1,37 @@
+"""The trainer's command line, ``[--config FILE] [--set k=v]... [--run-dir DIR] [--inject SPEC]...``,
+and the configuration it resolves to.
+
+Importable without torch: the node agent reads the run directory from the command it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from ..config import Config, load_config, parse_faults
+
+DESCRIPTION = "The trainer every pod runs, once per rank."
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.train", description=DESCRIPTION)
+    p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
+    p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
+                   help="inject a fault once per job (repeatable; adds to resilience.inject)")
+    p.add_argument("--describe-config", action="store_true", help="print every config key and exit")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """Defaults < ``--config`` file < ``--set`` (``--run-dir`` last among them); ``--inject``
+    adds to ``resilience.inject``."""
+    overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
+    cfg = load_config(args.config, overrides)
+    if args.inject:
+        parse_faults(args.inject)  # names the bad --inject value
+        cfg.resilience.inject = list(cfg.resilience.inject) + list(args.inject)
+    return cfg
