@@ -34,7 +34,8 @@ def test_should_serve_metrics_from_every_pods_agent_on_a_named_port_when_default
 def test_should_serve_the_same_endpoint_when_kind_is_jobset():
     js = render("workload.kind=JobSet").find("JobSet")
     (c,) = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
-    assert "--metrics-port=9410" in c["args"] and {"name": "metrics", "containerPort": 9410, "protocol": "TCP"} in c["ports"]
+    assert "--metrics-port=9410" in c["args"]
+    assert {"name": "metrics", "containerPort": 9410, "protocol": "TCP"} in c["ports"]
 
 
 def test_should_admit_the_scraper_to_the_metrics_port_only_when_network_policy_is_on():

@@ -66,7 +66,8 @@ def test_should_serve_the_runs_records_and_follow_them_when_scraped(tmp_path, en
     assert value(first, "resilient_fsdp_checkpoint_stall_seconds_sum") == 0.25
     assert value(first, "resilient_fsdp_checkpoint_write_seconds_sum") == 2.0
     assert value(first, "resilient_fsdp_productive_seconds") == 2.0
-    assert value(first, "resilient_fsdp_goodput_ratio") == pytest.approx(2.0 / value(first, "resilient_fsdp_job_wall_seconds"))
+    wall = value(first, "resilient_fsdp_job_wall_seconds")  # since the start event at t=100
+    assert value(first, "resilient_fsdp_goodput_ratio") == pytest.approx(2.0 / wall)
 
     # A fault, an in-job restart that resumes from step 4 and recovers, then more steps; the last
     # line is still being written and waits for the next scrape.

@@ -1,4 +1,5 @@
-"""``python -m resilient_fsdp.resilience.agent [--rejoin-timeout=S] [--metrics-port=N] [--] FT_LAUNCHER_ARGS...``: a node's main process (a pod's PID 1).
+"""A node's main process (a pod's PID 1):
+``python -m resilient_fsdp.resilience.agent [--rejoin-timeout=S] [--metrics-port=N] [--] FT_LAUNCHER_ARGS...``.
 
 It runs ``ft_launcher`` with the given arguments and turns its ending into an exit code the
 job-level restart policy reads correctly (PyTorchJob ``restartPolicy: ExitCode`` retries 128-255
