@@ -182,8 +182,9 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
     c = container(rendered)
     assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
     args = c["args"]
-    # The agent's own flag, then ft_launcher's; the store connect wait follows the join timeout.
-    assert args[:10] == ["--rejoin-timeout=1800", "--", "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
+    # The agent's own flags, then ft_launcher's; the store connect wait follows the join timeout.
+    assert args[:11] == ["--rejoin-timeout=1800", "--metrics-port=9410", "--",
+                         "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
                          "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
                          "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500", "--rdzv-id=run1-resilient-fsdp",
                          "--rdzv-conf=join_timeout=900,read_timeout=900,store_connect_wait_seconds=900",
@@ -191,7 +192,8 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
     assert "--workers-stop-timeout=20" in args and "--term-timeout=300" in args
     trainer = args[args.index("-m"):]
     assert trainer == ["-m", "resilient_fsdp.train", "--config=/etc/resilient-fsdp/config.yaml"]
-    assert c["ports"] == [{"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 9410, "protocol": "TCP"}]
     specs = job(rendered)["spec"]["pytorchReplicaSpecs"]
     assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 3)
     assert "elasticPolicy" not in job(rendered)["spec"]
@@ -388,8 +390,8 @@ def test_should_harden_the_pod_when_defaults_are_used():
 
 
 def test_should_admit_only_the_jobs_pods_when_network_policy_is_on():
-    policy = render().find("NetworkPolicy")
-    (rule,) = policy["spec"]["ingress"]
+    policy = render("metrics.enabled=false").find("NetworkPolicy")
+    (rule,) = policy["spec"]["ingress"]  # the metrics scraper's rule: test_chart_metrics.py
     assert rule["from"][0]["podSelector"] == policy["spec"]["podSelector"]
     assert not [d for d in render("networkPolicy.enabled=false").documents() if d["kind"] == "NetworkPolicy"]
 

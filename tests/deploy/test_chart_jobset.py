@@ -60,8 +60,8 @@ def test_should_rendezvous_on_pod_zeros_stable_hostname_when_kind_is_jobset():
     args = pod(js)["spec"]["containers"][0]["args"]
     assert "--rdzv-endpoint=run1-resilient-fsdp-node-0-0.run1-resilient-fsdp:29410" in args
     assert "--nnodes=3" in args
-    assert pod(js)["spec"]["containers"][0]["ports"] == [{"name": "rendezvous", "containerPort": 29410,
-                                                          "protocol": "TCP"}]
+    assert pod(js)["spec"]["containers"][0]["ports"][0] == {"name": "rendezvous", "containerPort": 29410,
+                                                             "protocol": "TCP"}
 
 
 def test_should_keep_elastic_membership_on_pod_zero_when_kind_is_jobset_and_elastic():

@@ -7,12 +7,14 @@ pods run without starting them."""
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import (REPO, _env, assert_no_leftovers, netns_required, processes_of, read_losses, read_summary,
                            run_local, write_module)
@@ -132,22 +134,57 @@ def test_a_sigkilled_launcher_leaves_nothing_after_the_next_start(tmp_path):
     assert_no_leftovers(run_dir, wait_s=10)
 
 
-def test_interrupting_the_launcher_stops_every_process(tmp_path):
+def scrape_pod0(command: str) -> dict:
+    """Pod 0's metrics by the command the launcher printed (curl, from inside the pod in netns
+    mode), parsed as Prometheus parses them: {name: value} of the samples without a layer."""
+    argv = shlex.split(command)
+    argv = argv[1:] if argv[0] == "sudo" else argv  # the tests run as root, where sudo may be absent
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, f"{command}: {out.stderr}"
+    return {s.name: s.value for f in text_string_to_metric_families(out.stdout) for s in f.samples
+            if s.labels.get("node") == "0" and "layer" not in s.labels}
+
+
+def test_a_running_job_serves_metrics_and_interrupting_the_launcher_stops_every_process(tmp_path):
+    """While the job trains, pod 0's endpoint, read with the command the launcher prints, shows the
+    step and the goodput moving; SIGTERM to the launcher then stops every process."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", "--nodes=2", "--nproc-per-node=1",
            f"--run-dir={run_dir}", "--set", "train.steps=100000", "--set", "dist.timeout_s=60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(mark=run_dir), cwd=REPO)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
-        time.sleep(0.5)
-    assert (run_dir / "metrics.jsonl").exists(), "training never started"
-    assert len(processes_of(run_dir)) >= 5  # launcher, 2 agents, 2 ranks (and NVRx monitors)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=_env(mark=run_dir),
+                                cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and '"event": "step"' not in _read(run_dir / "metrics.jsonl"):
+            time.sleep(0.5)
+        assert '"event": "step"' in _read(run_dir / "metrics.jsonl"), "training never started: " + _read(log)
+        assert len(processes_of(run_dir)) >= 5  # launcher, 2 agents, 2 ranks (and NVRx monitors)
+        note = re.search(r"metrics: every pod's agent serves the run's metrics on port \d+; pod 0's: (.+)", _read(log))
+        assert note, _read(log)
+        first = scrape_pod0(note[1])
+        second = first
+        while time.monotonic() < deadline and second["resilient_fsdp_step"] <= first["resilient_fsdp_step"]:
+            time.sleep(0.5)
+            second = scrape_pod0(note[1])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert second["resilient_fsdp_step"] > first["resilient_fsdp_step"] >= 1
+    assert second["resilient_fsdp_goodput_ratio"] != first["resilient_fsdp_goodput_ratio"]
+    assert 0 < second["resilient_fsdp_goodput_ratio"] < 1 and second["resilient_fsdp_tokens_per_second"] > 0
+    out = _read(log)
     assert proc.returncode == 130, out
     assert "interrupted (SIGTERM): stopping every pod" in out
     assert_no_leftovers(run_dir)
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def test_root_cause_prefers_the_rank_that_failed_first(tmp_path):

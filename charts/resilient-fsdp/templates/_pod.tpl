@@ -78,6 +78,10 @@ spec:
         # The node agent's own flag: a node other than the store host joins again in its pod when
         # another node's failure ends its launcher (one event counts once, on the store host's pod).
         - --rejoin-timeout={{ int $v.rendezvous.rejoinTimeoutSeconds }}
+        {{- if $v.metrics.enabled }}
+        # The run's Prometheus metrics, served by the agent (container port `metrics`).
+        - --metrics-port={{ int $v.metrics.port }}
+        {{- end }}
         - --
         - --ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml
         - --nnodes={{ include "resilient-fsdp.nnodes" $ }}
@@ -109,6 +113,11 @@ spec:
         - name: {{ if eq $v.workload.kind "PyTorchJob" }}pytorchjob-port{{ else }}rendezvous{{ end }}
           containerPort: {{ int $v.rendezvous.port }}
           protocol: TCP
+        {{- if $v.metrics.enabled }}
+        - name: metrics
+          containerPort: {{ int $v.metrics.port }}
+          protocol: TCP
+        {{- end }}
       env:
         - name: PYTHONUNBUFFERED
           value: "1"

@@ -38,6 +38,7 @@ import yaml
 from ..config import ConfigError, load_config, parse_faults, user_tree
 from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, load_values, render
 from ..resilience.accounting import JOB_START_ENV
+from ..resilience.agent import parse_agent_args
 from ..resilience.nvrx import QUIET_WARNINGS
 from ..resilience.faults import REQUESTS_ENV
 from .cluster.fault_requests import requests_dir
@@ -142,6 +143,9 @@ def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_
         forced["rendezvous"] = {"port": args.rdzv_port}
     elif isolation == "loopback":
         forced["rendezvous"] = {"port": free_port()}
+    if isolation == "loopback" and "port" not in (values.get("metrics") or {}):
+        # The pods share this machine's ports (each agent listens on its pod's own address).
+        forced["metrics"] = {"port": free_port()}
     return deep_merge(values, forced)
 
 
@@ -255,6 +259,25 @@ def local_env(job: LocalJob, pod_requests: str) -> dict[str, str]:
     return env
 
 
+def metrics_note(workload, runtime) -> Optional[str]:
+    """How to read pod 0's metrics endpoint from this machine, when the pods serve one."""
+    pod = workload.pods[0]
+    try:
+        port = int(parse_agent_args(list(pod.args))[0].get("--metrics-port", 0))
+    except ValueError:
+        return None  # the agent says what is wrong with its flag
+    if not port:
+        return None
+    if runtime.mode == "netns":
+        from .runtime.netns_pods.plumbing import netns_name
+
+        # The host has no address on the pods' bridge: read it from inside the pod.
+        how = f"sudo ip netns exec {netns_name(runtime.run_id, pod.hostname)} curl -s localhost:{port}/metrics"
+    else:
+        how = f"curl -s {runtime.addresses[pod.hostname]}:{port}/metrics"
+    return f"metrics: every pod's agent serves the run's metrics on port {port}; pod 0's: {how}"
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         job, isolation, _ = prepare(args)
@@ -273,6 +296,9 @@ def main(args: argparse.Namespace) -> int:
         runtime = LoopbackRuntime(job.workload, job.run_dir, new_run_id(), host_env)
     try:
         job.extra_env = local_env(job, runtime.pod_path(requests_dir(job.run_dir)))
+        note = metrics_note(job.workload, runtime)
+        if note:
+            job.notes.append(note)
         return LocalLauncher(job, runtime).run()
     finally:
         runtime.close()

@@ -12,6 +12,7 @@
 - ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;
 - ``exit_codes``: what a node's exit code means, and which layer retries it;
 - ``agent``: a node's main process (a pod's PID 1) around ``ft_launcher``;
+- ``metrics_endpoint``: the agent's Prometheus endpoint, the run's records as metrics;
 - ``node_rank``: a node's index in the job, who hosts the rendezvous store, its node rank;
 - ``rejoin``: a node that another node's failure stopped joins again in its pod, bounded;
 - ``processes``: process-tree helpers the agent shares with the local launcher.

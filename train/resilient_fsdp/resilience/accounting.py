@@ -20,15 +20,16 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import psutil
-import torch
-import torch.distributed as dist
 
 from ..config import FAULT_KINDS
 from .faults import NODE_START_ENV
 from .ledger import FaultLedger
+
+if TYPE_CHECKING:
+    import torch
 
 LAYERS = ("in_process", "in_job", "job")
 JOB_START_ENV = "RESILIENT_FSDP_JOB_START"
@@ -72,6 +73,10 @@ def _process_start() -> Optional[float]:
 
 def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.device) -> str:
     """Collective: the layer that caused this attempt (see the module docstring)."""
+    # torch only here: the node agent reads restarts and goodput from this module without it.
+    import torch
+    import torch.distributed as dist
+
     t = torch.tensor([node_start_time()], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     newest_node = float(t.item())
@@ -140,6 +145,15 @@ def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: f
     return new
 
 
+def restart_counts(records: list[dict]) -> dict[str, int]:
+    """Attempts started by each restart layer (:data:`LAYERS`), from the ``start`` events."""
+    restarts = {layer: 0 for layer in LAYERS}
+    for r in records:
+        if r.get("event") == "start" and r.get("layer") in restarts:
+            restarts[r["layer"]] += 1
+    return restarts
+
+
 def job_start_time(records: list[dict]) -> Optional[float]:
     raw = os.environ.get(JOB_START_ENV)
     if raw:
@@ -152,10 +166,7 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
     """The fault-tolerance part of ``summary.json``; read from files, so it spans every attempt."""
     now = time.time() if now is None else now
     records = read_records(metrics_path)
-    restarts = {layer: 0 for layer in LAYERS}
-    for r in records:
-        if r.get("event") == "start" and r.get("layer") in restarts:
-            restarts[r["layer"]] += 1
+    restarts = restart_counts(records)
     recoveries, went_on = ledger.recoveries(), ledger.went_on()
     faults = ledger.fired()
     productive = sum(r["step_time_s"] for r in records if r.get("event") == "step")

@@ -1,4 +1,5 @@
-"""``python -m resilient_fsdp.resilience.agent [--rejoin-timeout=S --] FT_LAUNCHER_ARGS...``: a node's main process (a pod's PID 1).
+"""A node's main process (a pod's PID 1):
+``python -m resilient_fsdp.resilience.agent [--rejoin-timeout=S] [--metrics-port=N] [--] FT_LAUNCHER_ARGS...``.
 
 It runs ``ft_launcher`` with the given arguments and turns its ending into an exit code the
 job-level restart policy reads correctly (PyTorchJob ``restartPolicy: ExitCode`` retries 128-255
@@ -27,7 +28,9 @@ ft_launcher's after it.
 It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
 the node, and since when), pins who hosts the store and the node rank to the pod's index
 (:mod:`.node_rank`) and, as a child subreaper, reaps whatever the node leaves behind.
-``ft_launcher``'s stderr passes through it, so the ending can be read.
+``ft_launcher``'s stderr passes through it, so the ending can be read. With ``--metrics-port`` it
+serves the run's metrics to Prometheus from a daemon thread (:mod:`.metrics_endpoint`); an
+endpoint it cannot serve is said once and training goes on without it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Iterable, Optional
 
 import psutil
 
-from . import exit_codes, node_rank
+from . import exit_codes, metrics_endpoint, node_rank
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
@@ -255,7 +258,8 @@ def _say(message: str) -> None:
 
 
 AGENT_FLAGS = {"--rejoin-timeout": "seconds a node that is not the store host keeps joining again after "
-                                      "another node's failure (0: never; default 0)"}
+                                      "another node's failure (0: never; default 0)",
+               "--metrics-port": "port of the node's Prometheus metrics endpoint (0: none; default 0)"}
 
 
 def parse_agent_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
@@ -265,10 +269,15 @@ def parse_agent_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
     i = 0
     while i < len(argv) and argv[i].partition("=")[0] in AGENT_FLAGS:
         name, _, value = argv[i].partition("=")
-        try:
-            flags[name] = float(value)
-        except ValueError:
-            raise ValueError(f"{argv[i]}: give {name}=SECONDS, a number") from None
+        if name == "--metrics-port":
+            if not (value.isdigit() and int(value) <= 65535):
+                raise ValueError(f"{argv[i]}: give {name}=PORT, a whole number from 1 to 65535 (0: no metrics)")
+            flags[name] = int(value)
+        else:
+            try:
+                flags[name] = float(value)
+            except ValueError:
+                raise ValueError(f"{argv[i]}: give {name}=SECONDS, a number") from None
         i += 1
     if i < len(argv) and argv[i] == "--":
         i += 1
@@ -337,6 +346,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"configuration error: {bad}; exiting {exit_codes.CONFIG}")
         _termination_message(bad)
         return exit_codes.CONFIG
+    if flags.get("--metrics-port"):
+        start_metrics(int(flags["--metrics-port"]), args, index, env)
     if index is not None:
         _say(f"node {index} of the job (GROUP_RANK={env['GROUP_RANK']}); "
              f"{'hosts' if store_host else 'joins'} the rendezvous store")
@@ -386,6 +397,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
             _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
     return code
+
+
+def start_metrics(port: int, args: list[str], index: Optional[int], env: dict[str, str]) -> None:
+    """Serve the run's metrics on ``port``: on the node's address when ft_launcher is given one
+    (``--local-addr``, ``PET_LOCAL_ADDR``: pods sharing a host's loopback), else on every address."""
+    address = next((a.split("=", 1)[1] for a in args if a.startswith("--local-addr=")), env.get("PET_LOCAL_ADDR"))
+    try:
+        run_dir = metrics_endpoint.trainer_run_dir(args)
+        where, _ = metrics_endpoint.serve(port, run_dir, "" if index is None else str(index), address or None)
+    except metrics_endpoint.MetricsError as exc:
+        _say(f"no metrics endpoint: {exc}; training goes on without it")
+        return
+    _say(f"metrics of {run_dir} served at /metrics, {where}")
 
 
 def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subprocess.Popen],

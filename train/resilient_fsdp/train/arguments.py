@@ -1,5 +1,10 @@
-"""The trainer's command line and the configuration it resolves to; importable without torch, so
-that what must be set before torch loads can be read from it (:mod:`resilient_fsdp.resilience.nccl_env`)."""
+"""The trainer's command line, ``[--config FILE] [--set k=v]... [--run-dir DIR] [--inject SPEC]...``,
+and the configuration it resolves to.
+
+Importable without torch: what must be set before torch loads is read from it
+(:mod:`resilient_fsdp.resilience.nccl_env`), and the node agent reads the run directory from the
+command it starts (:mod:`resilient_fsdp.resilience.metrics_endpoint`).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
+    """Defaults < ``--config`` file < ``--set`` (``--run-dir`` last among them); ``--inject``
+    adds to ``resilience.inject``."""
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     cfg = load_config(args.config, overrides)
     if args.inject:

@@ -1,0 +1,289 @@
+"""The node agent's Prometheus endpoint: a run's progress, checkpoints, restarts, recoveries and goodput.
+
+The ranks already record all of it on the shared volume: rank 0's ``metrics.jsonl`` (a record per
+step and per committed checkpoint, a ``start`` event per attempt with the layer that restarted it)
+and the fault ledger (``faults/``). The agent, a pod's PID 1, outlives ft_launcher's restarts of
+the ranks, so it serves them (``--metrics-port``): nothing runs in the ranks, nothing waits on the
+training loop. Each scrape reads what was appended since the one before (:class:`RunRecords`),
+so a scrape costs as much at step 100,000 as at step 10.
+
+The values are the job's, read from its one run directory, so every pod serves the same ones,
+labelled with its ``node`` index: aggregate with ``max without (node, pod, instance)``. Goodput,
+restarts and recoveries are defined as in ``summary.json`` (:mod:`.accounting`).
+:data:`METRICS` names every metric; docs/eks-helm.md lists them with their meaning.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import json
+import os
+import socket
+import socketserver
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+from ..config import ConfigError
+from . import accounting
+from .ledger import FaultLedger
+
+TRAINER_MODULE = "resilient_fsdp.train"
+PREFIX = "resilient_fsdp_"
+# name (without the prefix) -> (type, meaning). The exposition adds _total to counters and
+# _count/_sum to summaries.
+METRICS = {
+    "step": ("gauge", "The newest completed training step."),
+    "loss": ("gauge", "The loss of that step (mean over every rank and micro-batch)."),
+    "step_time_seconds": ("gauge", "How long that step took."),
+    "tokens_per_second": ("gauge", "Tokens trained per second over the newest steps (up to 10)."),
+    "last_step_timestamp_seconds": ("gauge", "When that step completed (Unix time): a stalled job stops moving it."),
+    "checkpoint_step": ("gauge", "The step of the newest committed checkpoint."),
+    "checkpoint_stall_seconds": ("summary", "Time training waited for each committed checkpoint (count, sum)."),
+    "checkpoint_write_seconds": ("summary", "From the start of each committed checkpoint to its commit (count, sum)."),
+    "checkpoint_last_stall_seconds": ("gauge", "Time training waited for the newest committed checkpoint."),
+    "checkpoint_last_write_seconds": ("gauge", "Write time of the newest committed checkpoint."),
+    "restarts_total": ("counter", "Attempts started by each restart layer (label layer: in_process, in_job, job)."),
+    "faults_injected_total": ("counter", "Faults the chaos drill fired."),
+    "recoveries_total": ("counter", "Recoveries from fired faults, by the layer that recovered (label layer)."),
+    "recovery_seconds_total": ("counter", "Time from each fault to the first step after it, summed, by layer."),
+    "lost_steps_total": ("counter", "Steps trained again after recoveries, by layer."),
+    "productive_seconds": ("gauge", "Time spent in the steps of the run's timeline (each final step once)."),
+    "job_wall_seconds": ("gauge", "Wall time since the job began (until it finished)."),
+    "goodput_ratio": ("gauge", "productive_seconds / job_wall_seconds, as summary.json's goodput."),
+}
+
+
+class MetricsError(Exception):
+    """The endpoint cannot be served; the message names the flag or value and the fix."""
+
+
+def trainer_run_dir(launcher_args: list[str]) -> Path:
+    """The run directory of the trainer that ``ft_launcher`` starts (``-m resilient_fsdp.train
+    ARGS``), resolved as the trainer resolves its configuration."""
+    from ..train.arguments import parse_args, resolve_config
+
+    starts = [i for i in range(len(launcher_args) - 1)
+              if launcher_args[i] == "-m" and launcher_args[i + 1] == TRAINER_MODULE]
+    if not starts:
+        raise MetricsError(f"ft_launcher's arguments run no `-m {TRAINER_MODULE}`, so the run directory "
+                           "the metrics come from is unknown")
+    try:
+        args = parse_args(launcher_args[starts[0] + 2:])
+    except SystemExit:
+        raise MetricsError("the trainer's arguments do not parse (the ranks report why)") from None
+    try:
+        return Path(resolve_config(args).run_dir)
+    except ConfigError as exc:
+        raise MetricsError(f"the trainer's configuration does not load (the ranks report it): {exc}") from None
+
+
+class RunRecords:
+    """``metrics.jsonl`` as it grows, folded into what the metrics need.
+
+    The file is only appended to, except when an attempt resumes: rank 0 then rewrites it without
+    the records past the step it resumed from. A rewrite shows as another inode, a shorter file,
+    or other bytes just before where the last read stopped; the file is then read again from the
+    start. A line still being written waits for the next read.
+    """
+
+    TAIL = 256  # bytes kept from before the read position, to notice a rewrite
+    CHUNK = 4 << 20  # the first read of a long run's file goes in pieces of this size
+    WINDOW = 10  # steps tokens_per_second averages over
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._reset(None)
+
+    def _reset(self, inode: Optional[int]) -> None:
+        self.inode, self.offset, self.tail = inode, 0, b""
+        self.last_step: Optional[dict] = None
+        self.recent: collections.deque = collections.deque(maxlen=self.WINDOW)
+        self.productive_s = 0.0
+        self.checkpoints, self.stall_s, self.write_s = 0, 0.0, 0.0
+        self.last_checkpoint: Optional[dict] = None
+        self.lifecycle: list[dict] = []  # start and finish events: a few per attempt
+
+    def refresh(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self.inode or st.st_size < self.offset or not self._same_tail(f):
+                    self._reset(st.st_ino)
+                f.seek(self.offset)
+                pending = b""
+                while chunk := f.read(self.CHUNK):
+                    pending += chunk
+                    end = pending.rfind(b"\n") + 1
+                    for line in pending[:end].splitlines():
+                        self._fold(line)
+                    self.offset += end
+                    self.tail = (self.tail + pending[:end])[-self.TAIL:]
+                    pending = pending[end:]
+        except FileNotFoundError:
+            self._reset(None)  # before the first attempt wrote anything
+
+    def _same_tail(self, f) -> bool:
+        if not self.offset:
+            return True
+        f.seek(self.offset - len(self.tail))
+        return f.read(len(self.tail)) == self.tail
+
+    def _fold(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return  # a line torn by a crash mid-write
+        event = record.get("event") if isinstance(record, dict) else None
+        if event == "step":
+            self.last_step = record
+            self.recent.append((record.get("tokens", 0), record.get("step_time_s", 0.0)))
+            self.productive_s += record.get("step_time_s", 0.0)
+        elif event == "checkpoint":
+            self.checkpoints += 1
+            self.stall_s += record.get("stall_s", 0.0)
+            self.write_s += record.get("write_s", 0.0)
+            self.last_checkpoint = record
+        elif event in ("start", "finish"):
+            self.lifecycle.append(record)
+
+    def tokens_per_s(self) -> Optional[float]:
+        seconds = sum(s for _, s in self.recent)
+        return sum(t for t, _ in self.recent) / seconds if seconds > 0 else None
+
+    def wall_s(self, now: float) -> Optional[float]:
+        """Since the job began (:func:`.accounting.job_start_time`); a finished job's stops at its end."""
+        start = accounting.job_start_time(self.lifecycle)
+        if start is None:
+            return None
+        if self.lifecycle and self.lifecycle[-1].get("event") == "finish":
+            now = self.lifecycle[-1].get("t", now)
+        return max(0.0, now - start)
+
+
+class RunCollector:
+    """A Prometheus collector over a run directory: each scrape reads the newest records."""
+
+    def __init__(self, run_dir: Path, node: str):
+        self.run_dir, self.node = Path(run_dir), node
+        self.records = RunRecords(self.run_dir / "metrics.jsonl")
+        self.ledger = FaultLedger(self.run_dir)
+        self._lock = threading.Lock()  # scrapes are served on threads of their own
+
+    def collect(self) -> Iterator:
+        with self._lock:
+            try:
+                self.records.refresh()
+            except OSError:
+                pass  # unreadable for now (the volume): serve what the last read found
+            fired = self.ledger.fired()
+            recoveries = list(self.ledger.recoveries().values())
+            yield from self._families(self.records, fired, recoveries, time.time())
+
+    def _families(self, r: RunRecords, fired: list[dict], recoveries: list[dict], now: float) -> Iterator:
+        node = [self.node]
+        if r.last_step is not None:
+            step = r.last_step
+            yield self._gauge("step", step.get("step", 0))
+            yield self._gauge("loss", step.get("loss", float("nan")))
+            yield self._gauge("step_time_seconds", step.get("step_time_s", 0.0))
+            if step.get("t") is not None:
+                yield self._gauge("last_step_timestamp_seconds", step["t"])
+        rate = r.tokens_per_s()
+        if rate is not None:
+            yield self._gauge("tokens_per_second", rate)
+        for name, total in (("checkpoint_stall_seconds", r.stall_s), ("checkpoint_write_seconds", r.write_s)):
+            family = SummaryMetricFamily(PREFIX + name, METRICS[name][1], labels=["node"])
+            family.add_metric(node, count_value=r.checkpoints, sum_value=total)
+            yield family
+        if r.last_checkpoint is not None:
+            yield self._gauge("checkpoint_step", r.last_checkpoint.get("step", 0))
+            yield self._gauge("checkpoint_last_stall_seconds", r.last_checkpoint.get("stall_s", 0.0))
+            yield self._gauge("checkpoint_last_write_seconds", r.last_checkpoint.get("write_s", 0.0))
+        restarts = accounting.restart_counts(r.lifecycle)
+        yield self._by_layer("restarts_total", {layer: [n] for layer, n in restarts.items()})
+        injected = CounterMetricFamily(PREFIX + "faults_injected_total", METRICS["faults_injected_total"][1],
+                                       labels=["node"])
+        injected.add_metric(node, len(fired))
+        yield injected
+        by_layer: dict[str, list] = {layer: [] for layer in accounting.LAYERS}
+        for rec in recoveries:
+            by_layer.setdefault(rec.get("layer", "unknown"), []).append(rec)
+        yield self._by_layer("recoveries_total", {k: [len(v)] for k, v in by_layer.items()})
+        yield self._by_layer("recovery_seconds_total",
+                             {k: [sum(x.get("recovery_s", 0.0) for x in v)] for k, v in by_layer.items()})
+        yield self._by_layer("lost_steps_total",
+                             {k: [sum(x.get("lost_steps", 0) for x in v)] for k, v in by_layer.items()})
+        wall = r.wall_s(now)
+        if wall is not None:
+            yield self._gauge("productive_seconds", r.productive_s)
+            yield self._gauge("job_wall_seconds", wall)
+            yield self._gauge("goodput_ratio", r.productive_s / wall if wall > 0 else 0.0)
+
+    def _gauge(self, name: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, METRICS[name][1], labels=["node"])
+        family.add_metric([self.node], float(value))
+        return family
+
+    def _by_layer(self, name: str, values: dict[str, list]) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, METRICS[name][1], labels=["node", "layer"])
+        for layer, (value,) in values.items():
+            family.add_metric([self.node, layer], float(value))
+        return family
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in flight never holds the agent's exit
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            # Both families on one socket: IPv4 scrapers too, whatever the host's bindv6only says.
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        socketserver.TCPServer.server_bind(self)
+        # Not HTTPServer's own: it looks the address up by name (getfqdn), which can wait on DNS.
+        self.server_name, self.server_port = self.server_address[:2]
+        self.setup_environ()
+
+
+class _Server4(_Server):
+    address_family = socket.AF_INET
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:
+        pass  # a line per scrape would bury the node's log
+
+
+def serve(port: int, run_dir: Path, node: str, address: Optional[str] = None) -> tuple[str, WSGIServer]:
+    """Serve :class:`RunCollector` over HTTP on ``port`` (0: any free port) from a daemon thread: on
+    ``address``, else on every address (IPv6 and IPv4, or IPv4 where the host has no IPv6).
+    Returns (where it listens, the server)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RunCollector(run_dir, node))
+    candidates = [address] if address else ["::", "0.0.0.0"]
+    for host in candidates:
+        ipv6 = ":" in host
+        try:
+            server = (_Server6 if ipv6 else _Server4)((host, port), _QuietHandler)
+            break
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise MetricsError(f"--metrics-port={port}: port {port} is already in use on {host}; choose "
+                                   "another (the chart's metrics.port), or 0 for no metrics") from None
+            if host != candidates[-1] and exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                continue  # no IPv6 here
+            raise MetricsError(f"--metrics-port={port}: cannot listen on {host}: {exc.strerror or exc}") from None
+    server.set_app(make_wsgi_app(registry))
+    threading.Thread(target=server.serve_forever, name="metrics-endpoint", daemon=True).start()
+    where = f"{host}:{server.server_port}" if address else f"port {server.server_port} on every address"
+    return where, server
