@@ -67,6 +67,7 @@ spec:
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- include "resilient-fsdp.prepareStorage" $ | nindent 2 }}
   containers:
     # The name each kind needs: `pytorch` for the training operator's webhook and exit-code
     # reading, `node` for Kubeflow Trainer's torch plugin (and the podFailurePolicy's containerName).
@@ -237,4 +238,50 @@ spec:
 
 {{- define "resilient-fsdp.claimName" -}}
 {{- if eq .Values.storage.type "existingClaim" }}{{ .Values.storage.existingClaim }}{{ else }}{{ include "resilient-fsdp.fullname" . }}-shared{{ end }}
+{{- end }}
+
+{{/* Whether the pods prepare the shared volume (storage.prepare; auto: on for a new or static FSx). */}}
+{{- define "resilient-fsdp.prepareStorageOn" -}}
+{{- $p := .Values.storage.prepare }}
+{{- if eq (toString $p) "auto" }}{{ if has .Values.storage.type (list "fsx" "fsxStatic") }}true{{ end }}
+{{- else if $p }}true{{ end }}
+{{- end }}
+
+{{/*
+storage.prepare: an init container that makes the run and checkpoint directories the pod user's
+on a volume whose root is root's and where the CSI driver skips fsGroup (FSx on RWX). Only those
+two directories change owner, not what is in them; root with CHOWN alone, inside Pod Security
+baseline.
+*/}}
+{{- define "resilient-fsdp.prepareStorage" -}}
+{{- if include "resilient-fsdp.prepareStorageOn" . }}
+{{- $v := .Values }}
+{{- $sc := $v.pod.securityContext | default dict }}
+{{- $owner := printf "%v:%v" (default 0 $sc.runAsUser | int64) (default 0 (default $sc.runAsUser $sc.runAsGroup) | int64) }}
+initContainers:
+  - name: prepare-storage
+    image: {{ include "resilient-fsdp.image" . }}
+    imagePullPolicy: {{ $v.image.pullPolicy }}
+    command: [sh, -c, 'mkdir -p -- "$1" "$2" && chown -- "$3" "$1" "$2"', prepare-storage]
+    args:
+      - {{ include "resilient-fsdp.runDir" . | quote }}
+      - {{ include "resilient-fsdp.checkpointDir" . | quote }}
+      - {{ $owner | quote }}
+    resources:
+      requests: {cpu: 100m, memory: 64Mi}
+      limits: {cpu: 100m, memory: 64Mi}
+    securityContext:
+      runAsUser: 0
+      runAsGroup: 0
+      runAsNonRoot: false
+      privileged: false
+      allowPrivilegeEscalation: false
+      readOnlyRootFilesystem: true
+      capabilities:
+        drop: [ALL]
+        add: [CHOWN]
+    volumeMounts:
+      - name: shared
+        mountPath: {{ $v.storage.mountPath }}
+{{- end }}
 {{- end }}

@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ..config import Config, ConfigError, describe, load_config, parse_faults
 from ..resilience import exit_codes, faults
+from ..shared_volume import require_writable
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
 from . import distributed
@@ -72,6 +74,7 @@ def attempt(cfg: Config, resources: ProcessResources, in_process: Optional[InPro
 
 def run(args: argparse.Namespace) -> dict:
     cfg = resolve_config(args)
+    require_writable(Path(cfg.run_dir), "run_dir")
     resources = ProcessResources(cfg)
     failed = True
     try:

@@ -20,6 +20,10 @@ class WorkloadError(ValueError):
     """A rendered workload the local cluster cannot run; the message names the field."""
 
 
+# Below WorkloadError, which the security module imports from here.
+from .security import Security, security_of  # noqa: E402
+
+
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]i?)?$")
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -59,6 +63,19 @@ class Volume:
 
 
 @dataclass
+class InitContainer:
+    """One of the pod's ``initContainers``: run in order, each to completion, before the trainer
+    container; a failing one fails the pod."""
+
+    name: str
+    argv: list[str]
+    """``command`` + ``args``, ``$(VAR)`` expanded from its own ``env``."""
+    env: dict[str, str]
+    mounts: list[Mount]
+    security: Security
+
+
+@dataclass
 class PodSpec:
     """One pod the workload controller creates, with its trainer container."""
 
@@ -77,6 +94,10 @@ class PodSpec:
     volumes: dict[str, Volume]
     aliases: list[str] = field(default_factory=list)
     """Other names that resolve to this pod (its Service, with the cluster DNS suffixes)."""
+    security: Security = field(default_factory=Security)
+    """The trainer container's user, groups, capabilities and read-only root (:mod:`.security`)."""
+    init_containers: list[InitContainer] = field(default_factory=list)
+    """``initContainers``, in order."""
     fqdn: str = ""
     """For a pod with a subdomain (a JobSet's), ``<hostname>.<subdomain>.<namespace>.svc.cluster.local``:
     the name the kubelet writes beside the hostname in the pod's own /etc/hosts; empty without one."""
@@ -200,3 +221,19 @@ def container_mounts(container: dict) -> list[Mount]:
     """A container's ``volumeMounts``."""
     return [Mount(m["name"], m["mountPath"], bool(m.get("readOnly", False)), m.get("subPath", ""))
             for m in container.get("volumeMounts") or []]
+
+
+def init_containers(spec: dict, where: str, fields: Optional[dict[str, str]] = None) -> list[InitContainer]:
+    """A pod template spec's ``initContainers`` (``fields``: the downward-API values, as for
+    :func:`container_env`)."""
+    out = []
+    for c in spec.get("initContainers") or []:
+        name = f"{where} initContainer {c.get('name')}"
+        if c.get("restartPolicy") == "Always":
+            raise WorkloadError(f"{name}: a sidecar (restartPolicy: Always) is not supported by the local cluster")
+        env = container_env(c, name, fields)
+        argv = [expand(a, env) for a in list(c.get("command") or []) + list(c.get("args") or [])]
+        if not argv:
+            raise WorkloadError(f"{name}: no command (the local cluster has no image entrypoint to fall back on)")
+        out.append(InitContainer(c["name"], argv, env, container_mounts(c), security_of(spec, c, name)))
+    return out
