@@ -292,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         runtime = LoopbackRuntime(job.workload, job.run_dir, new_run_id(), host_env)
     if job.nofile:
         runtime.nofile = job.nofile
-    runtime.shared_fs_group = args.shared_volume_fsgroup
+    runtime.shared_fs_group = getattr(args, "shared_volume_fsgroup", "skip")
     try:
         job.extra_env = local_env(job, runtime.pod_path(requests_dir(job.run_dir)))
         return LocalLauncher(job, runtime).run()

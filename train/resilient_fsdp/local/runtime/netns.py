@@ -92,7 +92,7 @@ class NetnsRuntime(Runtime):
             for part in [p for p in path.split("/") if p]:
                 current = os.path.join(current, part)
                 try:
-                    if not os.stat(current).st_mode & stat.S_IXOTH:
+                    if os.stat(current).st_mode & (stat.S_IXGRP | stat.S_IXOTH) != stat.S_IXGRP | stat.S_IXOTH:
                         found.add(current)
                 except OSError:
                     break

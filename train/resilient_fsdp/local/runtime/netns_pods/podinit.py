@@ -181,8 +181,9 @@ def make_traversable(spec):
     """Search permission for every user on the ``traverse`` directories (shallowest first)."""
     layers = Layers(spec["stage"], set())
     for path in sorted(spec.get("traverse") or [], key=lambda p: p.count("/")):
-        if os.path.isdir(path) and not os.stat(path).st_mode & stat.S_IXOTH:
-            layers.shadow(path, stat.S_IXOTH)
+        search = stat.S_IXGRP | stat.S_IXOTH  # group too: a user in the owner's group is judged by it
+        if os.path.isdir(path) and os.stat(path).st_mode & search != search:
+            layers.shadow(path, search)
     layers.close()
 
 
