@@ -128,6 +128,13 @@ def test_init_containers_run_first_in_order_and_a_failing_one_fails_the_pod(tmp_
     assert out.strip().splitlines()[-1] == "10001"
     assert (run_dir.stat().st_uid, (run_dir / "checkpoints").stat().st_uid) == (10001, 10001)
     assert (run_dir / "checkpoints" / "by-trainer").stat().st_uid == 10001
+    # A run directory the user already owns, its checkpoint directory missing: root without
+    # DAC_OVERRIDE cannot make it there, so the init container leaves it to the trainer.
+    (run_dir / "checkpoints" / "by-trainer").unlink()
+    (run_dir / "checkpoints").rmdir()
+    os.chmod(run_dir, 0o755)
+    code, out = start(workload, run_dir, ["sh", "-c", "mkdir /fsx/checkpoints && echo made"])
+    assert code == 0 and out.strip().endswith("made"), out
 
     spec = {"securityContext": {"runAsUser": 10001}}
     failing = InitContainer("fails", ["sh", "-c", "touch /fsx/second-ran; exit 3"], {}, pod.mounts[1:2],

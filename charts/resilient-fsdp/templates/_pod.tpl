@@ -262,7 +262,13 @@ initContainers:
   - name: prepare-storage
     image: {{ include "resilient-fsdp.image" . }}
     imagePullPolicy: {{ $v.image.pullPolicy }}
-    command: [sh, -c, 'mkdir -p -- "$1" "$2" && chown -- "$3" "$1" "$2"', prepare-storage]
+    # Root without DAC_OVERRIDE cannot create inside a directory the user already owns: a
+    # checkpoint directory missing there is left to the trainer, which can.
+    command:
+      - sh
+      - -c
+      - 'mkdir -p -- "$1" || exit 1; mkdir -p -- "$2" 2>/dev/null; chown -- "$3" "$1" || exit 1; if [ -d "$2" ]; then chown -- "$3" "$2"; fi'
+      - prepare-storage
     args:
       - {{ include "resilient-fsdp.runDir" . | quote }}
       - {{ include "resilient-fsdp.checkpointDir" . | quote }}
