@@ -152,7 +152,7 @@ def test_without_storage_prepare_a_root_owned_volume_is_refused_naming_the_value
     assert workload.pods[0].init_containers == []
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    check = "from pathlib import Path; from resilient_fsdp.shared_volume import require_writable; " \
+    check = "from pathlib import Path; from resilient_fsdp.checkpoint.shared_volume import require_writable; " \
             "require_writable(Path('/fsx'), 'run_dir')"
     code, out = start(workload, run_dir, [sys.executable, "-c", check])
     assert code == 1 and "ConfigError: run_dir='/fsx' is not writable by uid 10001" in out, out

@@ -27,7 +27,7 @@ import torch
 
 from ..config import CheckpointConfig, ConfigError
 from ..resilience.attempt import NoHooks
-from ..shared_volume import not_writable_message
+from .shared_volume import not_writable_message
 from . import resume as resume_, store
 from .engines import NVRX_VERSION, Engine, LocalOutcome, build_engine
 from .group import RankGroup

@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from ..config import Config, ConfigError, describe, load_config, parse_faults
 from ..resilience import exit_codes, faults
-from ..shared_volume import require_writable
+from ..checkpoint.shared_volume import require_writable
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
 from . import distributed

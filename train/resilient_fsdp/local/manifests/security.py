@@ -11,10 +11,10 @@ The runtime defaults modelled are containerd's (runc's) for a non-privileged con
 - capabilities: the 14 of containerd's ``defaultUnixCaps`` (the same list as Docker's default),
   before the container's ``drop`` (``ALL`` drops them all) and ``add``;
 - user: the image's, which here is whoever runs the local cluster (root) unless ``runAsUser``;
-- ``nofile``: the launcher's ``--nofile``, default ``1024:524288`` (the hard part capped at the launcher's own
-  where it lacks CAP_SYS_RESOURCE): systemd's default since v240,
+- ``nofile``: the launcher's ``--nofile``, default ``1024:524288``: systemd's default since v240,
   which containers started by a containerd unit without ``LimitNOFILE`` inherit
-  (containerd/containerd#8924, containerd 2.0). EKS AMIs have shipped higher limits
+  (containerd/containerd#8924, containerd 2.0); the hard part is capped at the launcher's own
+  where it lacks CAP_SYS_RESOURCE. EKS AMIs have shipped higher limits
   (awslabs/amazon-eks-ami#1551), so a job must not rely on more than the soft 1024.
 """
 
@@ -24,7 +24,7 @@ import resource
 from dataclasses import dataclass
 from typing import Optional
 
-from .spec import WorkloadError
+from .errors import WorkloadError
 
 # Linux capability numbers (include/uapi/linux/capability.h).
 CAPABILITIES = {

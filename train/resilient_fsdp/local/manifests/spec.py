@@ -15,13 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-
-class WorkloadError(ValueError):
-    """A rendered workload the local cluster cannot run; the message names the field."""
-
-
-# Below WorkloadError, which the security module imports from here.
-from .security import Security, security_of  # noqa: E402
+from .errors import WorkloadError  # noqa: F401  (the readers import it from here)
+from .security import Security, security_of
 
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]i?)?$")

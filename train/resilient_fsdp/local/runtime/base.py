@@ -24,7 +24,10 @@ partition                     the pod's veth goes down               refused
 
 The image is this machine's Python environment: ``python`` is this interpreter, ``PYTHONPATH``
 is kept, and PYTHONPATH entries a pod volume would hide (``/tmp``) are bound read-only at the same
-path. Resources, security contexts and probes are not applied.
+path. In netns mode each container runs as its security context says (user, groups, fsGroup on
+the volumes the kubelet manages, read-only root, capabilities) with the container runtime's
+``nofile`` limit, after its pod's init containers (:mod:`.netns_pods.podinit`); loopback applies
+none of that. Resources, probes and scheduling fields are not applied.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@
 bridge (:mod:`resilient_fsdp.local.runtime.netns_pods`), with its hostname, a kubelet's hosts file
 (its own names) and a resolv.conf naming the run's cluster DNS (every pod and alias, in the pod
 spec's namespace), and its volumes bind-mounted where the pod spec puts them; the image's code a
-volume would hide is bound back (:func:`hidden_image_paths`). What it shares with the loopback
+volume would hide is bound back (:func:`hidden_image_paths`). Each container runs as its
+security context says, with the runtime's ``nofile`` limit, after the pod's init containers; for a
+non-root user the way to this machine's interpreter is made searchable in the pod
+(:meth:`NetnsRuntime.untraversable`). What it shares with the loopback
 mode, and how the two differ, is in :mod:`resilient_fsdp.local.runtime.base`.
 """
 

@@ -12,7 +12,7 @@ import os
 import uuid
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 def require_writable(path: Path, key: str) -> None:
