@@ -145,6 +145,34 @@ def test_init_containers_run_first_in_order_and_a_failing_one_fails_the_pod(tmp_
     assert (run_dir / "second-ran").exists() and not (run_dir / "trainer-ran").exists()
 
 
+def test_loopback_runs_init_containers_before_the_command_and_stops_at_a_failing_one(tmp_path):
+    """Loopback (no namespaces, no security context): the init containers still run first, in
+    order, with the mount path in their arguments rewritten to the run directory, and a failing one
+    ends the pod."""
+    from resilient_fsdp.local.runtime.loopback import LoopbackRuntime
+
+    workload = pods_of(rendered("storage.prepare=true").documents())
+    pod = workload.pods[0]
+    pod.init_containers.append(InitContainer("second", ["sh", "-c", 'echo $STEP > "$1/second"', "sh", "/fsx"],
+                                             {"STEP": "2"},
+                                             pod.mounts[1:2], security_of({}, {}, "test")))
+    pod.command, pod.args = ["sh", "-c", 'cat "$1/second"', "sh", "/fsx"], []
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    runtime = LoopbackRuntime(workload, run_dir, "lbinit", dict(os.environ))
+    try:
+        proc = runtime.start(pod, {})
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0 and out.strip() == "2", out
+        assert (run_dir / "checkpoints").stat().st_uid == 10001  # storage.prepare's, as the launcher's user
+        pod.init_containers[1].argv = ["sh", "-c", "exit 4"]
+        failed = runtime.start(pod, {})
+        out = failed.communicate(timeout=60)[0]
+        assert failed.returncode == 4 and out.strip() == "init container second exited with status 4: the pod fails", out
+    finally:
+        runtime.close()
+
+
 def test_without_storage_prepare_a_root_owned_volume_is_refused_naming_the_values(tmp_path):
     """The trainer's start check, as the pod's user on a root-owned volume without the init
     container: a configuration failure naming storage.prepare and pod.securityContext."""
