@@ -3,8 +3,7 @@ capabilities, a container runtime's ``nofile`` limit, the ``/dev/shm`` size, ini
 
 Each test starts real pods (network namespaces, the pod-side setup, the chart's rendered
 security context) with a small command in place of the trainer's; one short run trains through
-the chart's ``storage.prepare`` on a root-owned shared volume (extended). Needs root, as every
-netns test.
+the chart's ``storage.prepare`` on a root-owned shared volume. Needs root, as every netns test.
 """
 
 from __future__ import annotations
@@ -196,12 +195,10 @@ def test_a_privileged_or_root_run_as_non_root_pod_is_refused():
         security_of({}, {"securityContext": {"capabilities": {"add": ["NET_FOO"]}}}, "pod")
 
 
-@pytest.mark.extended
 def test_a_first_run_on_a_root_owned_volume_trains_through_storage_prepare(tmp_path):
     """The whole job at UID 10001, read-only root, no capabilities and nofile 1024 on a
-    root-owned run directory: the init container makes it writable, and it trains and checkpoints.
-    Extended (about a minute here): every CI-tier netns ``run_local`` takes the same path, since
-    ``local`` renders storage.prepare on and the dev-cpu pods run as 10001."""
+    root-owned run directory: the init container makes it writable, and it trains and checkpoints
+    (the one short run of this file in CI; the refusal without it is extended)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     result = run_local(run_dir, nproc=1, overrides=["train.steps=2", "checkpoint.interval_steps=2"], timeout=180)
