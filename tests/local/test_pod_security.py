@@ -119,7 +119,7 @@ def test_init_containers_run_first_in_order_and_a_failing_one_fails_the_pod(tmp_
     trainer container runs."""
     workload = pods_of(rendered("storage.prepare=true").documents())
     run_dir = tmp_path / "run"
-    run_dir.mkdir()  # root's, mode 0755: a fresh FSx root
+    run_dir.mkdir(mode=0o700)  # root's: a fresh FSx root (0700: once the user's, root cannot look in)
     pod = workload.pods[0]
     assert [i.name for i in pod.init_containers] == ["prepare-storage"]
     code, out = start(workload, run_dir, ["sh", "-c", "touch /fsx/checkpoints/by-trainer && id -u"])

@@ -262,12 +262,13 @@ initContainers:
   - name: prepare-storage
     image: {{ include "resilient-fsdp.image" . }}
     imagePullPolicy: {{ $v.image.pullPolicy }}
-    # Root without DAC_OVERRIDE cannot create inside a directory the user already owns: a
-    # checkpoint directory missing there is left to the trainer, which can.
+    # Root without DAC_OVERRIDE cannot create inside (or, for mode 0700, even look inside) a
+    # directory the user owns: the checkpoint directory goes first, and one it cannot reach is
+    # left to the trainer, which can.
     command:
       - sh
       - -c
-      - 'mkdir -p -- "$1" || exit 1; mkdir -p -- "$2" 2>/dev/null; chown -- "$3" "$1" || exit 1; if [ -d "$2" ]; then chown -- "$3" "$2"; fi'
+      - 'mkdir -p -- "$1" || exit 1; mkdir -p -- "$2" 2>/dev/null; if [ -d "$2" ]; then chown -- "$3" "$2" || exit 1; fi; chown -- "$3" "$1"'
       - prepare-storage
     args:
       - {{ include "resilient-fsdp.runDir" . | quote }}
