@@ -192,9 +192,10 @@ class LocalLauncher:
         job, workload = self.job, self.job.workload
         job.run_dir.mkdir(parents=True, exist_ok=True)
         requests_dir(job.run_dir).mkdir(parents=True, exist_ok=True)
-        # A drop box every pod's user writes its fault requests to (the local cluster's, no
-        # Kubernetes counterpart), whatever user the pod runs as.
-        os.chmod(requests_dir(job.run_dir), 0o1777)
+        # Drop boxes every pod's user writes to, whatever user the pod runs as: its fault requests
+        # and, one level up, the faults' once-only records (the local cluster made them, as root).
+        for box in (requests_dir(job.run_dir), requests_dir(job.run_dir).parent):
+            os.chmod(box, 0o1777)
         become_subreaper()
         ranks = workload.pods[0].ranks
         self.say(f"{len(workload.pods)} pod(s) x {ranks} rank(s): {workload.kind} {workload.name}, "
