@@ -3,8 +3,8 @@
 A :class:`Workload` is every pod the workload controller would create (:class:`PodSpec`), each
 with its hostname, the names that resolve to it, its trainer container (``command``, ``args``,
 ``env`` with what the controller injects, volume mounts, security context), its init containers
-and volumes, plus the rendered
-ConfigMaps and the kind's restart rules (:class:`RestartRules`). Each kind's reader builds one
+and volumes, plus the rendered ConfigMaps and the kind's restart rules (:class:`RestartRules`).
+Each kind's reader builds one
 (:mod:`resilient_fsdp.local.manifests.kinds`) with the Kubernetes rules here that every kind
 shares: ``env`` in order with ``$(VAR)`` expansion, volumes and mounts, quantities, Service names.
 Nothing here starts a process, and nothing depends on how pods are isolated.
