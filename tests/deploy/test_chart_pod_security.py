@@ -40,12 +40,15 @@ def test_should_add_no_capability_to_an_efa_pod_when_a_gpu_profile_is_rendered(p
     docs = chart.render(chart.load_values(profile_files(profile))).documents()
     for doc in docs:
         for _, template in pod_security.pod_templates(doc):
-            for c in template["spec"]["containers"] + template["spec"].get("initContainers", []):
+            for c in template["spec"]["containers"]:
                 assert "add" not in c["securityContext"].get("capabilities", {}), (doc["kind"], c["name"])
+            # storage.prepare's init container: CHOWN alone, which baseline allows.
+            for c in template["spec"].get("initContainers", []):
+                assert c["securityContext"]["capabilities"].get("add", []) in ([], ["CHOWN"]), (doc["kind"], c["name"])
 
 
-def test_should_refuse_the_flight_recorder_hostpath_at_baseline_naming_the_volume():
-    docs = render("nccl.flightRecorder.hostPath=/var/log/nccl").documents()
+def test_should_refuse_a_hostpath_volume_at_baseline_naming_the_volume():
+    docs = render("pod.extraVolumes[0].name=node-logs", "pod.extraVolumes[0].hostPath.path=/var/log/nccl").documents()
     found = [(name, f.path) for name, f in pod_security.check_documents(docs, "baseline")]
     assert found == [("PyTorchJob/resilient-fsdp", f"spec.pytorchReplicaSpecs.{role}.template.spec.volumes[4].hostPath")
                      for role in ("Master", "Worker")]
@@ -61,7 +64,7 @@ def test_should_fail_validate_on_the_pod_security_finding_alone_naming_the_field
     # One validate run costs ~10 s here (the Kubernetes schemas); the profile without the hostPath
     # passes validate at the default level in test_chart.py.
     args = ["validate", "-f", str(VALUES_DIR / "p5-4node.yaml"), "-f", str(MY_CLUSTER),
-            "--set", "nccl.flightRecorder.hostPath=/var/log/nccl"]
+            "--set", "pod.extraVolumes[0].name=node-logs", "--set", "pod.extraVolumes[0].hostPath.path=/var/log/nccl"]
     assert main(args) == 1
     out = capsys.readouterr().out
     problems = [ln.strip() for ln in out.splitlines() if ln.startswith("  ")]

@@ -67,6 +67,7 @@ spec:
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- include "resilient-fsdp.prepareStorage" $ | nindent 2 }}
   containers:
     # The name each kind needs: `pytorch` for the training operator's webhook and exit-code
     # reading, `node` for Kubeflow Trainer's torch plugin (and the podFailurePolicy's containerName).
@@ -275,4 +276,57 @@ expressions in a term ANDed, so every term must carry them).
 {{- $_ := set $affinity "nodeAffinity" $node }}
 {{- end }}
 {{- toYaml $affinity }}
+{{- end }}
+
+{{/* Whether the pods prepare the shared volume (storage.prepare; auto: on for a new or static FSx). */}}
+{{- define "resilient-fsdp.prepareStorageOn" -}}
+{{- $p := .Values.storage.prepare }}
+{{- if eq (toString $p) "auto" }}{{ if has .Values.storage.type (list "fsx" "fsxStatic") }}true{{ end }}
+{{- else if $p }}true{{ end }}
+{{- end }}
+
+{{/*
+storage.prepare: an init container that makes the run and checkpoint directories the pod user's
+on a volume whose root is root's and where the CSI driver skips fsGroup (FSx on RWX). Only those
+two directories change owner, not what is in them; root with CHOWN alone, inside Pod Security
+baseline.
+*/}}
+{{- define "resilient-fsdp.prepareStorage" -}}
+{{- if include "resilient-fsdp.prepareStorageOn" . }}
+{{- $v := .Values }}
+{{- $sc := $v.pod.securityContext | default dict }}
+{{- $owner := printf "%v:%v" (default 0 $sc.runAsUser | int64) (default 0 (default $sc.runAsUser $sc.runAsGroup) | int64) }}
+initContainers:
+  - name: prepare-storage
+    image: {{ include "resilient-fsdp.image" . }}
+    imagePullPolicy: {{ $v.image.pullPolicy }}
+    # Root without DAC_OVERRIDE cannot create inside (or, for mode 0700, even look inside) a
+    # directory the user owns: the checkpoint directory goes first, and one it cannot reach is
+    # left to the trainer, which can.
+    command:
+      - sh
+      - -c
+      - 'mkdir -p -- "$1" || exit 1; mkdir -p -- "$2" 2>/dev/null; if [ -d "$2" ]; then chown -- "$3" "$2" || exit 1; fi; chown -- "$3" "$1"'
+      - prepare-storage
+    args:
+      - {{ include "resilient-fsdp.runDir" . | quote }}
+      - {{ include "resilient-fsdp.checkpointDir" . | quote }}
+      - {{ $owner | quote }}
+    resources:
+      requests: {cpu: 100m, memory: 64Mi}
+      limits: {cpu: 100m, memory: 64Mi}
+    securityContext:
+      runAsUser: 0
+      runAsGroup: 0
+      runAsNonRoot: false
+      privileged: false
+      allowPrivilegeEscalation: false
+      readOnlyRootFilesystem: true
+      capabilities:
+        drop: [ALL]
+        add: [CHOWN]
+    volumeMounts:
+      - name: shared
+        mountPath: {{ $v.storage.mountPath }}
+{{- end }}
 {{- end }}

@@ -14,6 +14,8 @@
 - ``resume``: which checkpoint a start resumes from, and loading it;
 - ``store``: the directory layout, the atomic commit, discovery and retention;
 - ``lease``: one job at a time writes a checkpoint directory;
+- ``shared_volume``: whether this process can write the run or checkpoint directory, and the
+  chart values that fix it when not;
 - ``s3/``: the S3 tier (durable copies, restore on a new cluster);
 - ``commands``: ``resilient-fsdp checkpoints list|pull|push``.
 """

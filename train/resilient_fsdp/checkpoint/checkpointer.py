@@ -27,6 +27,7 @@ import torch
 
 from ..config import CheckpointConfig, ConfigError
 from ..resilience.attempt import NoHooks
+from .shared_volume import not_writable_message
 from . import resume as resume_, store
 from .engines import NVRX_VERSION, Engine, LocalOutcome, build_engine
 from .group import RankGroup
@@ -173,8 +174,7 @@ class Checkpointer:
                 probe.write_bytes(b"ok")
                 probe.unlink()
             except OSError as exc:
-                error = f"checkpoint.dir={str(self.root)!r} is not writable ({exc.strerror or exc}); " \
-                        "point checkpoint.dir at a writable shared directory"
+                error = not_writable_message("checkpoint.dir", self.root, exc)
             if error is None:
                 error = self._take_lease()
             if error is None:

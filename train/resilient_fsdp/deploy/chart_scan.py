@@ -34,6 +34,9 @@ ACCEPTED = {
     "CKV_K8S_9": "No readiness probe: the pods serve no traffic through a Service that readiness would gate.",
     "CKV_K8S_15": "imagePullPolicy IfNotPresent, not Always: tags are pinned (never latest) or images pulled by "
                   "digest, and re-pulling a ~20 GB training image on every pod recreation lengthens recovery.",
+    "CKV_K8S_25": "An added capability: CHOWN on storage.prepare's init container alone (within Pod Security "
+                  "baseline), which makes the run directory on a new FSx the pod user's; the training "
+                  "container drops every capability.",
     "CKV_K8S_43": "Image by tag unless image.digest is set: a digest is specific to a user's registry, so the "
                   "profiles cannot carry one; set image.digest for production runs.",
 }

@@ -18,7 +18,17 @@ flag                           chart value
                                others the first time (an image pull on a fresh node)
 ``--value KEY=V``              any other chart value, as ``helm --set``
 ``--value-json KEY=JSON``      any other chart value, as ``helm --set-json``
+``--nofile SOFT[:HARD]``       none: the ``nofile`` limit the container runtime gives each
+                               container (netns; default 1024:524288)
+``--shared-volume-fsgroup``    none: whether the kubelet applies ``fsGroup`` to the shared
+                               claim (netns; default ``skip``, as FSx for Lustre's CSI driver)
 =============================  ===============================================================
+
+The shared volume is modelled as a new FSx file system's: its root is whoever owns
+``--run-dir`` (root, for a directory the launcher makes), and ``fsGroup`` does not reach it.
+Under netns the chart's ``storage.prepare`` is therefore on unless the values set it: its init
+container makes the run and checkpoint directories the pod user's, as on a first EKS run.
+Under loopback, where pods run as the launcher's own user, it is off.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from ..resilience.faults import REQUESTS_ENV
 from .cluster.fault_requests import requests_dir
 from .cluster.launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, free_port
 from .manifests.kinds import pods_of
+from .manifests.security import nofile_limit
 from .manifests.spec import WorkloadError
 
 DEFAULT_VALUES = REPO_ROOT / "values" / "dev-cpu.yaml"
@@ -91,6 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rendering the chart: no chart, trainer or fault flags then")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
+    p.add_argument("--nofile", metavar="SOFT[:HARD]",
+                   help="the open-files limit each container starts with, as a container runtime sets it "
+                        "(netns); default 1024:524288, systemd's default that containerd 2.0 passes on")
+    p.add_argument("--shared-volume-fsgroup", choices=("skip", "apply"), default="skip",
+                   help="whether fsGroup reaches the shared volume (netns): skip, as the FSx CSI driver does for "
+                        "ReadWriteMany volumes (default), or apply, as a driver with fsGroupPolicy File does")
     p.add_argument("--config", help="trainer configuration file (trainer.* values)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="set one trainer key, e.g. --set train.steps=50 (trainer.KEY; repeatable; applied last)")
@@ -123,9 +140,10 @@ def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_
     files = args.values_files or [DEFAULT_VALUES]
     values = load_values(files, args.chart_values, args.chart_values_json)
     mount = mount_path or values.get("storage", {}).get("mountPath") or "/fsx"
+    prepare = (values.get("storage") or {}).get("prepare", isolation == "netns")
     forced: dict = {
         "storage": {"type": "existingClaim", "existingClaim": LOCAL_CLAIM, "mountPath": mount,
-                    "fsx": {"subnetId": ""}, "fsxStatic": {"volumeHandle": ""}},
+                    "fsx": {"subnetId": ""}, "fsxStatic": {"volumeHandle": ""}, "prepare": prepare},
         "trainer": deep_merge(trainer_values(args.config, args.overrides), {"run_dir": mount}),
     }
     if args.nodes is not None:
@@ -236,6 +254,7 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     job = LocalJob(workload=workload, run_dir=run_dir, max_recreations=args.max_recreations, verbose=args.verbose,
                    start_delays=delays)
     job.extra_env = {JOB_START_ENV: repr(time.time())}
+    job.nofile = nofile_limit(getattr(args, "nofile", None))
     if notice:
         job.notes.append(notice)
     return job, isolation, notice
@@ -294,6 +313,9 @@ def main(args: argparse.Namespace) -> int:
         runtime = NetnsRuntime(job.workload, job.run_dir, None, host_env, shared_mount=mount)
     else:
         runtime = LoopbackRuntime(job.workload, job.run_dir, new_run_id(), host_env)
+    if job.nofile:
+        runtime.nofile = job.nofile
+    runtime.shared_fs_group = getattr(args, "shared_volume_fsgroup", "skip")
     try:
         job.extra_env = local_env(job, runtime.pod_path(requests_dir(job.run_dir)))
         note = metrics_note(job.workload, runtime)

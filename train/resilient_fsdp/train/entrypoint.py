@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from ..checkpoint.shared_volume import require_writable
 from ..config import Config, ConfigError, check_collective_timeouts, describe
 from ..resilience import exit_codes, faults, nccl_env
 from ..resilience.graceful_stop import StopRequested
@@ -52,6 +54,7 @@ def attempt(cfg: Config, resources: ProcessResources, in_process: Optional[InPro
 
 def run(args: argparse.Namespace) -> dict:
     cfg = resolve_config(args)
+    require_writable(Path(cfg.run_dir), "run_dir")
     nccl = distributed.uses_nccl(cfg.dist)
     if nccl:
         check_collective_timeouts(cfg)  # dist.device=auto on a GPU node: the loader could not tell

@@ -24,6 +24,7 @@ child subreaper, and the close kills every process of every pod.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -68,6 +69,8 @@ class LocalJob:
     """Added to every pod's environment by the local cluster (documented in docs/local-runs.md)."""
     notes: list[str] = field(default_factory=list)
     """Lines printed after the start line (deviations, fallbacks)."""
+    nofile: Optional[tuple[int, int]] = None
+    """The ``nofile`` limit (soft, hard) each container starts with; None: the runtime's default."""
 
 
 class _Forwarder(threading.Thread):
@@ -174,6 +177,10 @@ class LocalLauncher:
         # error files where find_root_cause looks: torchrun flags by their PET_ variables, as
         # pods take them, so the rendered command stays as it is.
         extra.update(PET_TEE="3", PET_LOG_DIR=self.runtime.pod_path(log_dir / f"node{pod.index}"))
+        if self.runtime.mode == "netns" and pod.security.uid:
+            # The local cluster's own log directory, which a pod's user must be able to fill.
+            (log_dir / f"node{pod.index}").mkdir(exist_ok=True)
+            os.chown(log_dir / f"node{pod.index}", pod.security.uid, pod.security.gid or 0)
         proc = self.runtime.start(pod, extra)
         self.procs[pod.hostname] = proc
         fwd = _Forwarder(pod.index, proc.stdout, log_dir / f"node{pod.index}.log", self.out, self.lock,
@@ -185,6 +192,10 @@ class LocalLauncher:
         job, workload = self.job, self.job.workload
         job.run_dir.mkdir(parents=True, exist_ok=True)
         requests_dir(job.run_dir).mkdir(parents=True, exist_ok=True)
+        # Drop boxes every pod's user writes to, whatever user the pod runs as: its fault requests
+        # and, one level up, the faults' once-only records (the local cluster made them, as root).
+        for box in (requests_dir(job.run_dir), requests_dir(job.run_dir).parent):
+            os.chmod(box, 0o1777)
         become_subreaper()
         ranks = workload.pods[0].ranks
         self.say(f"{len(workload.pods)} pod(s) x {ranks} rank(s): {workload.kind} {workload.name}, "

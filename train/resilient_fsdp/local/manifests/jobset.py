@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .pytorchjob import RestartPolicy
-from .spec import PodSpec, Workload, WorkloadError, container_env, container_mounts, pod_volumes, service_names
+from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, pod_volumes,
+                   security_of, service_names)
 
 JOBSET_CONTAINER = "node"
 
@@ -141,7 +142,10 @@ def read_jobset(doc: dict) -> Workload:
             pods.append(PodSpec(hostname=hostname, index=len(pods), role=rjob["name"], container=c["name"],
                                 command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
                                 mounts=container_mounts(c), volumes=pod_volumes(template.get("spec", {})),
-                                aliases=[f"{hostname}.{subdomain}", *names], fqdn=names[-1]))
+                                aliases=[f"{hostname}.{subdomain}", *names], fqdn=names[-1],
+                                security=security_of(template.get("spec", {}), c, f"JobSet {name} {rjob['name']}"),
+                                init_containers=init_containers(template.get("spec", {}),
+                                                                f"JobSet {name} {rjob['name']}", fields)))
     if not pods:
         raise WorkloadError(f"JobSet {name}: no pods")
     # Pod 0's stable name under the JobSet's Service: the host its agent's rendezvous endpoint names.

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .spec import PodSpec, Workload, WorkloadError, container_env, container_mounts, pod_volumes, service_names
+from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, pod_volumes,
+                   security_of, service_names)
 
 PYTORCH_CONTAINER = "pytorch"
 PYTORCH_PORT_NAME = "pytorchjob-port"
@@ -153,7 +154,10 @@ def read_pytorchjob(doc: dict) -> Workload:
             pods.append(PodSpec(hostname=hostname, index=len(pods), role=role.lower(), container=c["name"],
                                 command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
                                 mounts=container_mounts(c), volumes=pod_volumes(template.get("spec", {})),
-                                aliases=service_names(hostname, namespace)))
+                                aliases=service_names(hostname, namespace),
+                                security=security_of(template.get("spec", {}), c, f"PyTorchJob {name} {role}"),
+                                init_containers=init_containers(template.get("spec", {}),
+                                                                f"PyTorchJob {name} {role}", fields)))
     if not pods:
         raise WorkloadError(f"PyTorchJob {name}: no replicas")
     first = pods[0]

@@ -2,8 +2,9 @@
 
 A :class:`Workload` is every pod the workload controller would create (:class:`PodSpec`), each
 with its hostname, the names that resolve to it, its trainer container (``command``, ``args``,
-``env`` with what the controller injects, volume mounts) and volumes, plus the rendered
-ConfigMaps and the kind's restart rules (:class:`RestartRules`). Each kind's reader builds one
+``env`` with what the controller injects, volume mounts, security context), its init containers
+and volumes, plus the rendered ConfigMaps and the kind's restart rules (:class:`RestartRules`).
+Each kind's reader builds one
 (:mod:`resilient_fsdp.local.manifests.kinds`) with the Kubernetes rules here that every kind
 shares: ``env`` in order with ``$(VAR)`` expansion, volumes and mounts, quantities, Service names.
 Nothing here starts a process, and nothing depends on how pods are isolated.
@@ -15,9 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-
-class WorkloadError(ValueError):
-    """A rendered workload the local cluster cannot run; the message names the field."""
+from .errors import WorkloadError  # noqa: F401  (the readers import it from here)
+from .security import Security, security_of
 
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]i?)?$")
@@ -59,6 +59,19 @@ class Volume:
 
 
 @dataclass
+class InitContainer:
+    """One of the pod's ``initContainers``: run in order, each to completion, before the trainer
+    container; a failing one fails the pod."""
+
+    name: str
+    argv: list[str]
+    """``command`` + ``args``, ``$(VAR)`` expanded from its own ``env``."""
+    env: dict[str, str]
+    mounts: list[Mount]
+    security: Security
+
+
+@dataclass
 class PodSpec:
     """One pod the workload controller creates, with its trainer container."""
 
@@ -77,6 +90,10 @@ class PodSpec:
     volumes: dict[str, Volume]
     aliases: list[str] = field(default_factory=list)
     """Other names that resolve to this pod (its Service, with the cluster DNS suffixes)."""
+    security: Security = field(default_factory=Security)
+    """The trainer container's user, groups, capabilities and read-only root (:mod:`.security`)."""
+    init_containers: list[InitContainer] = field(default_factory=list)
+    """``initContainers``, in order."""
     fqdn: str = ""
     """For a pod with a subdomain (a JobSet's), ``<hostname>.<subdomain>.<namespace>.svc.cluster.local``:
     the name the kubelet writes beside the hostname in the pod's own /etc/hosts; empty without one."""
@@ -200,3 +217,19 @@ def container_mounts(container: dict) -> list[Mount]:
     """A container's ``volumeMounts``."""
     return [Mount(m["name"], m["mountPath"], bool(m.get("readOnly", False)), m.get("subPath", ""))
             for m in container.get("volumeMounts") or []]
+
+
+def init_containers(spec: dict, where: str, fields: Optional[dict[str, str]] = None) -> list[InitContainer]:
+    """A pod template spec's ``initContainers`` (``fields``: the downward-API values, as for
+    :func:`container_env`)."""
+    out = []
+    for c in spec.get("initContainers") or []:
+        name = f"{where} initContainer {c.get('name')}"
+        if c.get("restartPolicy") == "Always":
+            raise WorkloadError(f"{name}: a sidecar (restartPolicy: Always) is not supported by the local cluster")
+        env = container_env(c, name, fields)
+        argv = [expand(a, env) for a in list(c.get("command") or []) + list(c.get("args") or [])]
+        if not argv:
+            raise WorkloadError(f"{name}: no command (the local cluster has no image entrypoint to fall back on)")
+        out.append(InitContainer(c["name"], argv, env, container_mounts(c), security_of(spec, c, name)))
+    return out

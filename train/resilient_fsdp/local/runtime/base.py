@@ -24,19 +24,24 @@ partition                     the pod's veth goes down               refused
 
 The image is this machine's Python environment: ``python`` is this interpreter, ``PYTHONPATH``
 is kept, and PYTHONPATH entries a pod volume would hide (``/tmp``) are bound read-only at the same
-path. Resources, security contexts and probes are not applied.
+path. In netns mode each container runs as its security context says (user, groups, fsGroup on
+the volumes the kubelet manages, read-only root, capabilities) with the container runtime's
+``nofile`` limit, after its pod's init containers (:mod:`.netns_pods.podinit`); loopback applies
+none of that. Resources, probes and scheduling fields are not applied.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 from ..manifests.spec import Mount, PodSpec, Workload, WorkloadError, quantity_bytes
+from ..manifests.security import nofile_limit
 from .paths import IN_TEXT, replace_paths
 
 POD_MARK_ENV = "RESILIENT_FSDP_LOCAL_POD"
@@ -55,6 +60,12 @@ class Runtime:
         self.cluster_dir = run_dir / "cluster"
         self.scratch: Optional[Path] = None  # per-pod emptyDir directories
         self.starts: dict[str, int] = {}
+        self.nofile: tuple[int, int] = nofile_limit()
+        """The ``nofile`` limit (soft, hard) the container runtime gives each container (netns)."""
+        self.shared_fs_group: str = "skip"
+        """Whether the kubelet applies ``fsGroup`` to the shared claim: ``skip``, as for an RWX
+        volume of a CSI driver whose ``fsGroupPolicy`` is ``ReadWriteOnceWithFSType`` (FSx for
+        Lustre's), or ``apply``, as for a driver with ``File`` (netns)."""
 
     # -- volumes ---------------------------------------------------------------------------------
 
@@ -93,7 +104,10 @@ class Runtime:
         elif volume.kind == "emptyDir":
             if volume.memory and self.mode == "netns":
                 size = volume.source.get("sizeLimit")
-                return "tmpfs", ",".join(["mode=1777"] + ([f"size={quantity_bytes(size)}"] if size else []))
+                group = pod.security.fs_group
+                # fsGroup: the kubelet gives the volume that group and the setgid bit.
+                owner = ["mode=1777"] if group is None else ["mode=3777", f"gid={group}"]
+                return "tmpfs", ",".join(owner + ([f"size={quantity_bytes(size)}"] if size else []))
             host = self.scratch / pod.hostname / volume.name
         else:
             raise WorkloadError(f"pod {pod.hostname}: volume {volume.name} is a {volume.kind}, which the local "
@@ -121,16 +135,33 @@ class Runtime:
                 (base / volume.name).mkdir(parents=True, mode=0o1777)
                 os.chmod(base / volume.name, 0o1777)
 
+    def apply_fs_group(self, pod: PodSpec) -> None:
+        """``fsGroup`` on the volumes the kubelet manages (emptyDir, configMap: group-owned, group
+        read-write, directories setgid), and on the shared claim only under ``shared_fs_group``
+        ``apply`` (a driver whose ``fsGroupPolicy`` skips RWX volumes gets no change)."""
+        group = pod.security.fs_group
+        if group is None or self.mode != "netns":
+            return
+        for volume in pod.volumes.values():
+            if volume.kind == "emptyDir" and not volume.memory:
+                set_group(self.scratch / pod.hostname / volume.name, group)
+            elif volume.kind == "configMap":
+                set_group(self.cluster_dir / "configmaps" / volume.name, group, writable=False)
+            elif volume.kind == "persistentVolumeClaim" and self.shared_fs_group == "apply":
+                set_group(self.run_dir, group)
+
     # -- environment -----------------------------------------------------------------------------
 
-    def environment(self, pod: PodSpec, extra: dict[str, str]) -> dict[str, str]:
+    def environment(self, pod: PodSpec, extra: dict[str, str], container_env: Optional[dict[str, str]] = None
+                    ) -> dict[str, str]:
         """The image's environment (this machine's, with ``python`` this interpreter), then the
-        container's rendered and injected ``env``, then the local cluster's own additions."""
+        container's rendered and injected ``env`` (``container_env``: an init container's; default
+        the trainer container's), then the local cluster's own additions."""
         env = dict(self.base_env)
         bin_dir = os.path.dirname(sys.executable)
         env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", os.defpath).split(os.pathsep)
                                                    if p and p != bin_dir])
-        env.update(pod.env)
+        env.update(pod.env if container_env is None else container_env)
         env.update(extra)
         env[POD_MARK_ENV] = f"{self.run_id}/{pod.hostname}"
         return env
@@ -164,3 +195,17 @@ class Runtime:
 
     def close(self) -> None:
         raise NotImplementedError
+
+
+def set_group(root: Path, group: int, writable: bool = True) -> None:
+    """The kubelet's volume ownership for ``fsGroup``: every file and directory under ``root``
+    owned by ``group``, readable (``writable``: and writable) by it, directories setgid."""
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        st = path.stat()
+        os.chown(path, -1, group)
+        extra = stat.S_IRGRP | (stat.S_IWGRP if writable else 0)
+        if path.is_dir():
+            extra |= stat.S_IXGRP | stat.S_ISGID
+        os.chmod(path, stat.S_IMODE(st.st_mode) | extra)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -72,8 +73,25 @@ class LoopbackRuntime(Runtime):
     def start(self, pod: PodSpec, extra_env: dict[str, str]) -> subprocess.Popen:
         self.fresh_empty_dirs(pod)
         argv, env = self.command(pod, extra_env)
+        argv = self.after_init_containers(pod, argv)
         return subprocess.Popen(argv, env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+
+    def after_init_containers(self, pod: PodSpec, argv: list[str]) -> list[str]:
+        """``argv`` behind ``pod``'s init containers, each run to completion in order with its own
+        environment, as the launcher's user (loopback applies no security context); a failing
+        one ends the pod with its status."""
+        if not pod.init_containers:
+            return argv
+        paths = sorted(((m.path.rstrip("/"), self.volume_source(pod, m)[1]) for m in pod.mounts
+                        if self.volume_source(pod, m)[1] != m.path), key=lambda p: -len(p[0]))
+        steps = []
+        for init in pod.init_containers:
+            env = [f"{k}={self._rewrite(v, paths)}" for k, v in self.environment(pod, {}, init.env).items()]
+            run = shlex.join(["env", "-i", *env, *[self._rewrite(a, paths) for a in init.argv]])
+            steps.append(f"{run} || {{ s=$?; echo {shlex.quote(f'init container {init.name} exited with status')}"
+                         " $s: the pod fails >&2; exit $s; }")
+        return ["sh", "-c", "\n".join(steps + ['exec "$@"']), "pod-init", *argv]
 
     def command(self, pod: PodSpec, extra_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         """``pod``'s command line and environment with the loopback deviations applied."""

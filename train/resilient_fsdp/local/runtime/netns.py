@@ -4,18 +4,22 @@
 bridge (:mod:`resilient_fsdp.local.runtime.netns_pods`), with its hostname, a kubelet's hosts file
 (its own names) and a resolv.conf naming the run's cluster DNS (every pod and alias, in the pod
 spec's namespace), and its volumes bind-mounted where the pod spec puts them; the image's code a
-volume would hide is bound back (:func:`hidden_image_paths`). What it shares with the loopback
+volume would hide is bound back (:func:`hidden_image_paths`). Each container runs as its
+security context says, with the runtime's ``nofile`` limit, after the pod's init containers; for a
+non-root user the way to this machine's interpreter is made searchable in the pod
+(:meth:`NetnsRuntime.untraversable`). What it shares with the loopback
 mode, and how the two differ, is in :mod:`resilient_fsdp.local.runtime.base`.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 from typing import Optional
 
-from ..manifests.spec import PodSpec, Workload
+from ..manifests.spec import Mount, PodSpec, Workload
 from .base import Runtime
 from .netns_pods.network import PodNetwork
 
@@ -49,10 +53,21 @@ class NetnsRuntime(Runtime):
 
     def start(self, pod: PodSpec, extra_env: dict[str, str]) -> subprocess.Popen:
         self.fresh_empty_dirs(pod)
+        self.apply_fs_group(pod)
+        inits = [{"name": init.name, "argv": init.argv, "env": self.environment(pod, {}, init.env),
+                  "security": init.security.podinit(), **self.container_mounts(pod, init.mounts)}
+                 for init in pod.init_containers]
+        return self.network.pods[pod.hostname].spawn(
+            pod.argv, env=self.environment(pod, extra_env), cwd="/", **self.container_mounts(pod, pod.mounts),
+            security=pod.security.podinit(), nofile=self.nofile, inits=inits, traverse=self.untraversable(pod),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+    def container_mounts(self, pod: PodSpec, mounts: list[Mount]) -> dict[str, dict[str, str]]:
+        """One container's ``mounts``, ``ro_mounts`` and ``tmpfs`` as ``PodHandle.spawn`` takes them."""
         binds: dict[str, str] = {}
         read_only: dict[str, str] = {}
         tmpfs: dict[str, str] = {}
-        for mount in pod.mounts:
+        for mount in mounts:
             how, what = self.volume_source(pod, mount)
             if how == "tmpfs":
                 tmpfs[mount.path] = what
@@ -61,14 +76,30 @@ class NetnsRuntime(Runtime):
             else:
                 binds[what] = mount.path
         # The image's code where a volume would hide it (a checkout or a test's folder under /tmp).
-        for top, target in hidden_image_paths(self.image_paths(), [m.path for m in pod.mounts]):
+        for top, target in hidden_image_paths(self.image_paths(), [m.path for m in mounts]):
             host_target = next((h for h, p in binds.items() if p == target), None)
             if host_target is not None:  # an emptyDir of ours: make the mount point there
                 Path(host_target, os.path.relpath(top, target)).mkdir(parents=True, exist_ok=True)
             read_only.setdefault(top, top)
-        return self.network.pods[pod.hostname].spawn(
-            pod.argv, env=self.environment(pod, extra_env), cwd="/", mounts=binds, ro_mounts=read_only, tmpfs=tmpfs,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        return {"mounts": binds, "ro_mounts": read_only, "tmpfs": tmpfs}
+
+    def untraversable(self, pod: PodSpec) -> list[str]:
+        """Directories on the way to the image's paths that a pod's non-root user could not
+        search (this machine's interpreter under a 0700 /root): the pod gets search permission on
+        its own copy of them, as an image has its Python readable by every user."""
+        if all(not s.uid for s in [pod.security] + [i.security for i in pod.init_containers]):
+            return []
+        found: set[str] = set()
+        for path in self.image_paths():
+            current = "/"
+            for part in [p for p in path.split("/") if p]:
+                current = os.path.join(current, part)
+                try:
+                    if os.stat(current).st_mode & (stat.S_IXGRP | stat.S_IXOTH) != stat.S_IXGRP | stat.S_IXOTH:
+                        found.add(current)
+                except OSError:
+                    break
+        return sorted(found)
 
     def kill(self, pod: PodSpec) -> list[int]:
         return self.network.pods[pod.hostname].kill_all()

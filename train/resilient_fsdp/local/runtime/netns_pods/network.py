@@ -100,6 +100,10 @@ class NetnsPod:
         mounts: Mapping[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
         ro_mounts: Mapping[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
         tmpfs: Mapping[str | os.PathLike[str], str] | None = None,
+        security: Mapping | None = None,
+        nofile: tuple[int, int] | None = None,
+        inits: Sequence[Mapping] = (),
+        traverse: Sequence[str] = (),
         stdin=None,
         stdout=None,
         stderr=None,
@@ -117,6 +121,14 @@ class NetnsPod:
                 made on a tmpfs private to the process; nothing is created on the host.
             tmpfs: absolute pod path -> tmpfs mount options (``"size=1073741824,mode=1777"``): a
                 memory-backed directory of its own (an ``emptyDir`` with ``medium: Memory``).
+            security: what the process runs as, applied after the mounts
+                (:meth:`resilient_fsdp.local.manifests.security.Security.podinit`); None: as this process.
+            nofile: its ``RLIMIT_NOFILE`` (soft, hard); None: this process's.
+            inits: init containers, run to completion in order before ``argv``, each in a mount
+                namespace of its own: ``name``, ``argv``, ``env``, ``mounts``, ``ro_mounts``,
+                ``tmpfs`` and ``security`` as above. A failing one ends the pod with its status.
+            traverse: directories every user gets search permission on in the pod (the way to
+                this machine's interpreter for a non-root user).
             stdin, stdout, stderr, start_new_session, popen_kwargs: as for ``subprocess.Popen``.
 
         Setup failures inside the pod (a mount) exit with status 125 and a line on stderr.
@@ -126,22 +138,17 @@ class NetnsPod:
             raise TypeError("argv must be a non-empty sequence of strings")
         if "args" in popen_kwargs or "executable" in popen_kwargs:
             raise TypeError("spawn() takes the command as argv only")
-        specs = [{"source": str(self.hosts_file), "target": "/etc/hosts", "ro": True},
-                 {"source": str(self.network.resolv_conf), "target": "/etc/resolv.conf", "ro": True}]
-        for table, ro in ((mounts or {}, False), (ro_mounts or {}, True)):
-            for host_path, pod_path in table.items():
-                specs.append({"source": _source(host_path), "target": _target(pod_path), "ro": ro})
-        for pod_path, options in (tmpfs or {}).items():
-            specs.append({"tmpfs": str(options), "target": _target(pod_path), "ro": False})
-        targets = [s["target"] for s in specs]
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"two mounts share a pod path (or one replaces /etc/hosts or /etc/resolv.conf): "
-                             f"{sorted(targets)}")
         spec = {
             "hostname": self.hostname,
-            "mounts": specs,
+            "mounts": self._mount_specs(mounts, ro_mounts, tmpfs),
             "stage": str(self.network.stage_dir),
             "cwd": os.path.abspath(cwd) if cwd is not None else None,
+            "security": dict(security) if security else None,
+            "nofile": list(nofile) if nofile else None,
+            "traverse": [str(p) for p in traverse],
+            "inits": [{"name": i["name"], "argv": [str(a) for a in i["argv"]], "env": dict(i["env"]),
+                       "mounts": self._mount_specs(i.get("mounts"), i.get("ro_mounts"), i.get("tmpfs")),
+                       "security": dict(i["security"])} for i in inits],
         }
         tools = self.network.tools
         command = [
@@ -156,6 +163,22 @@ class NetnsPod:
         )
         self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
+
+    def _mount_specs(self, mounts, ro_mounts, tmpfs) -> list[dict]:
+        """One container's mounts as podinit reads them: the kubelet's /etc/hosts and
+        /etc/resolv.conf, then its volumes."""
+        specs = [{"source": str(self.hosts_file), "target": "/etc/hosts", "ro": True},
+                 {"source": str(self.network.resolv_conf), "target": "/etc/resolv.conf", "ro": True}]
+        for table, ro in ((mounts or {}, False), (ro_mounts or {}, True)):
+            for host_path, pod_path in table.items():
+                specs.append({"source": _source(host_path), "target": _target(pod_path), "ro": ro})
+        for pod_path, options in (tmpfs or {}).items():
+            specs.append({"tmpfs": str(options), "target": _target(pod_path), "ro": False})
+        targets = [s["target"] for s in specs]
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"two mounts share a pod path (or one replaces /etc/hosts or /etc/resolv.conf): "
+                             f"{sorted(targets)}")
+        return specs
 
     def pids(self) -> list[int]:
         """Every process now in the pod's network namespace."""

@@ -8,9 +8,21 @@ the next, so the pid ``Popen`` returns is the command's own::
     unshare --uts --mount --propagation private
                                    own hostname; own mounts, none of which reach the host
     python -I -S podinit.py SPEC -- COMMAND...
-                                   this file: hostname, bind mounts (/etc/hosts and
-                                   /etc/resolv.conf among them) and tmpfs mounts, cwd; then exec
+                                   this file: hostname; then each init container in a child
+                                   with a mount namespace of its own, in order, each waited
+                                   for; then the trainer container's bind mounts (/etc/hosts and
+                                   /etc/resolv.conf among them) and tmpfs mounts, cwd; then,
+                                   last, what a container runtime applies (below); then exec
     COMMAND...
+
+What a container runtime applies, after the mounts, for each container (``security`` in SPEC,
+:class:`resilient_fsdp.local.manifests.security.Security`): the ``nofile`` limit; a read-only
+root (every mount but the container's writable volumes and /proc, /sys, /dev remounted
+read-only, in this mount namespace only); the capability bounding set (dropped capabilities
+cannot come back; a non-root user starts with none effective); the supplementary groups, group
+and user; ``no_new_privs``. Directories a non-root user could not traverse to reach the image
+(``traverse``: this machine's interpreter under a 0700 /root) get a private copy whose mode adds
+search permission, as an image installs its Python readable by every user.
 
 It runs by path with ``-I -S`` and imports only the standard library, so the pod's environment
 (PYTHONPATH, a venv) cannot change it. Exit status 125 means the setup failed (the reason is on
@@ -44,6 +56,15 @@ MNT_DETACH = 0x2
 # statvfs flags a read-only bind remount must repeat to keep them (they equal the MS_* values).
 KEEP_FLAGS = 0x2 | 0x4 | 0x8 | 0x400 | 0x800 | 0x1000  # nosuid nodev noexec noatime nodiratime relatime
 SETUP_FAILED = 125
+CLONE_NEWNS = 0x20000
+MS_PRIVATE = 0x40000
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# A container sees these as the runtime sets them up (its own /proc, /sys, /dev): never remounted.
+KERNEL_TREES = ("/proc", "/sys", "/dev")
 
 _libc = None
 
@@ -54,6 +75,7 @@ def libc():
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
         _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     return _libc
 
 
@@ -127,12 +149,49 @@ def split_existing(path):
     return os.path.realpath(current), []
 
 
-def setup(spec):
-    socket.sethostname(spec["hostname"])
-    drop_netns_handles()
+class Layers:
+    """Private copies of existing directories (a tmpfs holding a bind of each entry) on the
+    stage directory, each moved over its original: where a missing mount point can be made, or
+    a directory's mode changed, without touching the host."""
+
+    def __init__(self, stage, ours):
+        self.stage, self.ours, self.scratch, self.count = stage, ours, None, 0
+
+    def shadow(self, existing, extra_mode=0):
+        if self.scratch is None:
+            self.scratch = self.stage  # after a chroot this is the plain host directory again
+            mount("tmpfs", self.scratch, "tmpfs", 0, "mode=700")
+        self.count += 1
+        layer = os.path.join(self.scratch, str(self.count))
+        os.mkdir(layer)
+        mount("tmpfs", layer, "tmpfs", 0, "mode=755")
+        replicate(existing, layer)
+        if extra_mode:
+            os.chmod(layer, stat.S_IMODE(os.stat(layer).st_mode) | extra_mode)
+        mount(layer, existing, flags=MS_MOVE)
+        self.ours.add(existing)
+
+    def close(self):
+        if self.scratch is not None:
+            umount(self.scratch)  # the layers were moved away; the pod sees the empty directory again
+            self.scratch = None
+
+
+def make_traversable(spec):
+    """Search permission for every user on the ``traverse`` directories (shallowest first)."""
+    layers = Layers(spec["stage"], set())
+    for path in sorted(spec.get("traverse") or [], key=lambda p: p.count("/")):
+        search = stat.S_IXGRP | stat.S_IXOTH  # group too: a user in the owner's group is judged by it
+        if os.path.isdir(path) and os.stat(path).st_mode & search != search:
+            layers.shadow(path, search)
+    layers.close()
+
+
+def setup(mounts, stage, cwd=None):
+    """Mount ``mounts`` (the container's volumes) in this mount namespace; then ``cwd``."""
     # Open every source before mounting anything: a later mount could hide a source path.
     sources = []
-    for m in spec["mounts"]:
+    for m in mounts:
         if m.get("tmpfs") is not None:  # a memory-backed volume: no source, mounted fresh
             sources.append((None, True, m["tmpfs"], m["target"], m["ro"]))
             continue
@@ -142,8 +201,7 @@ def setup(spec):
             raise SetupError(f"mount source {m['source']}: {exc.strerror}") from None
         sources.append((fd, stat.S_ISDIR(os.fstat(fd).st_mode), m["source"], m["target"], m["ro"]))
     sources.sort(key=lambda s: s[3].count("/"))  # parents before children
-    cwd = spec.get("cwd") or os.getcwd()
-    stage = spec["stage"]  # an empty host directory; only this namespace mounts on it
+    cwd = cwd or os.getcwd()
     ours = set()  # directories on our own tmpfs layers, where creating entries touches no host fs
 
     # A missing top-level directory: only a new root can hold it.
@@ -159,22 +217,12 @@ def setup(spec):
         os.chroot(".")
         ours.add("/")
 
-    scratch = None
-    layers = 0
+    layers = Layers(stage, ours)
     for fd, is_dir, source, target, ro in sources:
         existing, missing = split_existing(target)
         if missing:
             if existing not in ours:
-                if scratch is None:
-                    scratch = stage  # after a chroot this is the plain host directory again
-                    mount("tmpfs", scratch, "tmpfs", 0, "mode=700")
-                layers += 1
-                layer = os.path.join(scratch, str(layers))
-                os.mkdir(layer)
-                mount("tmpfs", layer, "tmpfs", 0, "mode=755")
-                replicate(existing, layer)
-                mount(layer, existing, flags=MS_MOVE)
-                ours.add(existing)
+                layers.shadow(existing)
             path = existing
             for i, part in enumerate(missing):
                 path = os.path.join(path, part)
@@ -191,27 +239,134 @@ def setup(spec):
             continue
         mount(f"/proc/self/fd/{fd}", target, flags=MS_BIND | (MS_REC if is_dir else 0))
         if ro:
-            keep = os.statvfs(target).f_flag & KEEP_FLAGS
-            mount(None, target, flags=MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+            remount_read_only(target)
         os.close(fd)
-    if scratch is not None:
-        umount(scratch)  # the layers were moved away; the pod sees the empty directory again
+    layers.close()
     os.chdir(cwd)
+
+
+def remount_read_only(target):
+    keep = os.statvfs(target).f_flag & KEEP_FLAGS
+    mount(None, target, flags=MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+
+
+def read_only_root(mounts):
+    """``readOnlyRootFilesystem``: every mount of this namespace read-only but the container's
+    writable volumes (and what lies below them) and the kernel's trees."""
+    writable = [m["target"].rstrip("/") for m in mounts if not m["ro"]]
+
+    def under(path, tops):
+        return any(path == t or path.startswith(t + "/") for t in tops)
+
+    for point in sorted(set(mount_points()), key=lambda p: p.count("/")):
+        if under(point, writable) or under(point, KERNEL_TREES):
+            continue
+        if os.statvfs(point).f_flag & MS_RDONLY:
+            continue
+        remount_read_only(point)
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def prctl(option, arg2=0):
+    if libc().prctl(option, arg2, 0, 0, 0) != 0:
+        raise SetupError(f"prctl({option}, {arg2}): {os.strerror(ctypes.get_errno())}")
+
+
+def become(security, nofile):
+    """Last, after the mounts: the ``nofile`` limit, the capability bounding set, no inheritable
+    or ambient capabilities, the groups and the user; ``no_new_privs``. For root, exec makes the
+    bounding set the effective one; another user starts with no capabilities."""
+    if nofile:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, tuple(nofile))
+    keep = set(security["caps"])
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        if cap not in keep:
+            prctl(PR_CAPBSET_DROP, cap)
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    header, data = CapHeader(LINUX_CAPABILITY_VERSION_3, 0), (CapData * 2)()
+    if libc().capget(ctypes.byref(header), data) != 0:
+        raise SetupError(f"capget: {os.strerror(ctypes.get_errno())}")
+    for d in data:
+        d.inheritable = 0
+    if libc().capset(ctypes.byref(header), data) != 0:
+        raise SetupError(f"capset: {os.strerror(ctypes.get_errno())}")
+    uid, gid = security["uid"], security["gid"]
+    if gid is None and uid is not None:
+        gid = 0  # no /etc/passwd entry for the user in the image: the runtime's group 0
+    os.setgroups(security["groups"])
+    if gid is not None:
+        os.setresgid(gid, gid, gid)
+    if uid is not None:
+        os.setresuid(uid, uid, uid)
+    if security["no_new_privs"]:
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+
+def run_init(spec, init):
+    """One init container, to completion, in a child with its own mount namespace: 0, or the
+    status the pod fails with."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if libc().unshare(CLONE_NEWNS) != 0:
+                raise SetupError(f"unshare: {os.strerror(ctypes.get_errno())}")
+            mount(None, "/", flags=MS_REC | MS_PRIVATE)
+            setup(init["mounts"], spec["stage"], "/")
+            if init["security"]["read_only_root"]:
+                read_only_root(init["mounts"])
+            become(init["security"], spec.get("nofile"))
+        except (SetupError, OSError, ValueError) as exc:
+            fail(spec, f"init container {init['name']}: setup failed: {exc}", SETUP_FAILED)
+        exec_command(spec, init["argv"], init["env"], f"init container {init['name']}: ")
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
+def exec_command(spec, command, env=None, what=""):
+    try:
+        if env is None:
+            os.execvp(command[0], command)
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        fail(spec, f"{what}{command[0]}: command not found", 127)
+    except OSError as exc:
+        fail(spec, f"{what}{command[0]}: {exc.strerror}", 126)
 
 
 def main(argv):
     spec = json.loads(argv[1])
     command = argv[3:]  # argv[2] is "--"
     try:
-        setup(spec)
+        socket.sethostname(spec["hostname"])
+        drop_netns_handles()
+        make_traversable(spec)
     except (SetupError, OSError) as exc:
         fail(spec, f"setup failed: {exc}", SETUP_FAILED)
+    for init in spec.get("inits") or []:
+        code = run_init(spec, init)
+        if code != 0:
+            fail(spec, f"init container {init['name']} exited with status {code}: the pod fails", code)
     try:
-        os.execvp(command[0], command)
-    except FileNotFoundError:
-        fail(spec, f"{command[0]}: command not found", 127)
-    except OSError as exc:
-        fail(spec, f"{command[0]}: {exc.strerror}", 126)
+        setup(spec["mounts"], spec["stage"], spec.get("cwd"))
+        security = spec.get("security")
+        if security:
+            if security["read_only_root"]:
+                read_only_root(spec["mounts"])
+            become(security, spec.get("nofile"))
+    except (SetupError, OSError, ValueError) as exc:
+        fail(spec, f"setup failed: {exc}", SETUP_FAILED)
+    exec_command(spec, command)
 
 
 def fail(spec, message, status):

@@ -1,0 +1,52 @@
+"""``storage.prepare``: the init container that makes the run and checkpoint directories the pod
+user's on a volume whose root is root's (a new FSx), rendered by the real Helm engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.deploy.chart_support import pod_spec, profile_files, render, render_error
+
+FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
+STATIC = ["storage.type=fsxStatic", "storage.fsxStatic.volumeHandle=fs-0123abcd",
+          "storage.fsxStatic.dnsname=fs-0123abcd.fsx.us-west-2.amazonaws.com", "storage.fsxStatic.mountname=abc"]
+
+
+def init_containers(rendered) -> list[dict]:
+    return pod_spec(rendered).get("initContainers") or []
+
+
+@pytest.mark.parametrize("sets, on", [(FSX, True), (STATIC, True), (["storage.existingClaim=ckpt"], False),
+                                      (["storage.type=emptyDir", "nodes=1"], False),
+                                      (["storage.existingClaim=ckpt", "storage.prepare=true"], True),
+                                      (FSX + ["storage.prepare=false"], False)])
+def test_should_prepare_a_new_or_static_fsx_when_storage_prepare_is_auto_or_forced(sets, on):
+    assert [c["name"] for c in init_containers(render(*sets, base=[]))] == (["prepare-storage"] if on else [])
+
+
+def test_should_own_only_the_run_and_checkpoint_directories_with_chown_alone_when_preparing():
+    rendered = render(*FSX, "pod.securityContext.runAsUser=2000", "pod.securityContext.runAsGroup=3000",
+                      "trainer.checkpoint.dir=/fsx/ckpt/a", base=[], release="r")
+    (init,) = init_containers(rendered)
+    assert init["args"] == ["/fsx/runs/r-resilient-fsdp", "/fsx/ckpt/a", "2000:3000"]
+    script = init["command"][2]
+    assert "chown -- " in script and "-R" not in script  # two directories, never what is in them
+    assert init["image"] == pod_spec(rendered)["containers"][0]["image"]
+    assert init["securityContext"] == {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "privileged": False,
+                                       "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                       "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}}
+    assert init["volumeMounts"] == [{"name": "shared", "mountPath": "/fsx"}]
+    assert init["resources"]["limits"] == init["resources"]["requests"]
+
+
+def test_should_refuse_a_storage_prepare_that_is_not_auto_true_or_false():
+    assert "storage.prepare" in render_error("storage.prepare=sometimes")
+
+
+@pytest.mark.parametrize("name", ["p4d-2node", "p5-4node"])
+def test_should_prepare_the_volume_when_a_gpu_profile_provisions_a_new_fsx(name):
+    """The profiles' new FSx gets the init container by default; test_chart validates every
+    profile's documents (the init container with them) against the Kubernetes schemas."""
+    rendered = render(files=profile_files(name), base=[])
+    assert rendered.find("StorageClass")["provisioner"] == "fsx.csi.aws.com"
+    assert [c["name"] for c in init_containers(rendered)] == ["prepare-storage"]

@@ -1,0 +1,36 @@
+"""Whether this process can write a directory on the shared volume, and the values that fix it.
+
+A new FSx for Lustre file system's root belongs to root, and the FSx CSI driver does not apply
+``fsGroup`` to a ReadWriteMany volume (its ``fsGroupPolicy`` is ``ReadWriteOnceWithFSType``), so a
+pod running as a non-root user cannot write there on the first run. That is a configuration
+failure: no restart fixes it; the chart's ``storage.prepare`` or the pod's user does.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from ..config import ConfigError
+
+
+def require_writable(path: Path, key: str) -> None:
+    """Raise :class:`ConfigError` unless this process can create ``path`` (the config's ``key``)
+    and write a file in it; the probe file is removed again."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(not_writable_message(key, path, exc)) from None
+
+
+def not_writable_message(key: str, path: Path, exc: OSError) -> str:
+    """Why ``path`` (the config's ``key``) is not writable, naming the chart values that fix it."""
+    return (f"{key}={str(path)!r} is not writable by uid {os.getuid()} gid {os.getgid()} ({exc.strerror or exc}); "
+            "a new FSx volume's root is root's and fsGroup does not reach a ReadWriteMany volume: set "
+            "storage.prepare=true (an init container makes the run and checkpoint directories this user's), or "
+            "make the directory writable by pod.securityContext.runAsUser/runAsGroup beforehand "
+            "(docs/eks-helm.md)")
