@@ -7,8 +7,8 @@ is done, hands over this rank's outcome (:class:`LocalOutcome`), and on the coor
   values, plans (with a plan cache; from the third save of a structure on, in the background) and
   returns; the tensors are copied into reused host buffers while the next forward and backward
   run, and the trainer waits for that copy just before ``optimizer.step()`` (:meth:`Engine.staged`).
-  The copy's helper thread then hands the write to the writer (:mod:`.writer.handoff`: buffers
-  once, references per save); the writer writes a standard DCP checkpoint; the loop collects it
+  The copy's helper thread then hands the write to the writer (:mod:`.writer.handoff`: the
+  staging arena once, references per save); the writer writes a standard DCP checkpoint; the loop collects it
   at a later step.
 - ``torch-async``: the same staging; the writer of NVRx's ``TorchAsyncCheckpoint`` writes each
   rank's shard with ``torch.save`` (one file per rank), fsynced before it reports completion.
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import integrity
-from .staging import StagingJob, StateStager, local_tensors, structure
+from .staging import StagingJob, StateStager, structure
 from .state import to_local
 from .writer import dcp_plan, handoff
 from .writer.process import NVRX_VERSION, WriterProcess
@@ -162,7 +162,7 @@ class SyncEngine(Engine):
 
 class StagedEngine(Engine):
     """What ``async`` and ``torch-async`` share: the rank's writer process, started at construction
-    in the background, and staging into reused buffers that the writer receives once. A save in
+    in the background, and staging into a reused arena (:mod:`.arena`) that the writer receives once. A save in
     flight is its :class:`.writer.report.SaveReport` until it is collected."""
 
     torch_save = False
@@ -180,7 +180,7 @@ class StagedEngine(Engine):
         staged = self.stager.prepare(sd, key)
         name = f"{os.getpid()}-{id(self):x}-{self.stager.generation}"
         if self.registry is None or self.registry.key != name:
-            self.registry = handoff.Registry(name, local_tensors(self.stager.buffers))
+            self.registry = handoff.Registry(name, self.stager.arena.bytes)
         return staged
 
     def _begin(self, token: str) -> tuple[Optional[str], SaveReport]:
@@ -346,8 +346,8 @@ class TorchAsyncEngine(StagedEngine):
             if unavailable:
                 raise RuntimeError(unavailable)
             buffers = registry.payload_for(self.writer.pid)
-            self.writer.schedule(partial(worker_torch_save_staged, report, fault, buffers, registry.key),
-                                 (registry.pack(staged), str(path)))
+            self.writer.send(report, buffers, partial(worker_torch_save_staged, report, fault, registry.key),
+                             (registry.pack(staged), str(path)))
             registry.sent_to = self.writer.pid
 
         self.job = self.stager.start_copy(local, schedule)
