@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from .. import atomic
+from .. import atomic, open_files
 from ..checkpoint import store as checkpoint_store
 from ..checkpoint.engines import Engine, build_engine
 from ..checkpoint.s3.uploader import Uploader
@@ -24,6 +25,10 @@ class ProcessResources:
     would drop uploads; the others belong to the process, not to an attempt."""
 
     def __init__(self, cfg: Config):
+        # First: the checkpoint writer started below inherits the limit.
+        limit, first = open_files.raise_soft_limit()
+        if first and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[resilient-fsdp] {limit.describe()}", file=sys.stdout, flush=True)
         self.cfg = cfg
         self.engine: Optional[Engine] = None
         self.uploader: Optional[Uploader] = None
