@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ... import atomic, open_files
+from ... import atomic
+from ...train import open_files
 from . import handoff
 from .report import SaveReport
 
@@ -44,7 +45,7 @@ ORPHANED_EXIT_CODE = 75
 
 def writer_started(trainer_pid: int, rank: int) -> None:
     """The writer's first call, before anything in it touches CUDA: hide the GPUs, raise the
-    open-files limit (:mod:`resilient_fsdp.open_files`; inherited from the trainer, so this says
+    open-files limit (:mod:`resilient_fsdp.train.open_files`; inherited from the trainer, so this says
     something only when the trainer did not raise it) and exit once the trainer is gone."""
     hide_gpus()
     limit, first = open_files.raise_soft_limit()

@@ -4,7 +4,8 @@ Many container runtimes start a container with a soft limit of 1024 and a far hi
 An unprivileged process may raise its own soft limit up to the hard one, so the trainer and its
 checkpoint writer do so first thing (:func:`raise_soft_limit`), and say once what they found.
 Where the hard limit is 1024 too, nothing can be raised: the checkpoint's staging still fits,
-since it holds one descriptor per rank and writer, not one per tensor (:mod:`.checkpoint.arena`).
+since it holds one descriptor per rank and writer, not one per tensor
+(:mod:`resilient_fsdp.checkpoint.arena`).
 """
 
 from __future__ import annotations
