@@ -177,7 +177,13 @@ class StagedEngine(Engine):
         self.writer = WriterProcess(rank, torch_save=self.torch_save)
 
     def _stage(self, sd: Any, key: Optional[tuple] = None) -> Any:
-        staged = self.stager.prepare(sd, key)
+        """``sd`` over the staging arena; None, with a failed job, when the arena cannot be made
+        (host shared memory full or capped): the save fails on every rank, training goes on."""
+        try:
+            staged = self.stager.prepare(sd, key)
+        except (OSError, RuntimeError) as exc:
+            self.job = self.stager.failed(f"{type(exc).__name__}: {exc}")
+            return None
         name = f"{os.getpid()}-{id(self):x}-{self.stager.generation}"
         if self.registry is None or self.registry.key != name:
             self.registry = handoff.Registry(name, self.stager.arena.bytes)
@@ -278,9 +284,11 @@ class AsyncEngine(StagedEngine):
         unavailable, report = self._begin(token)
         key = self.voted_key if self.voted_key is not None else (structure(sd), self.world_size)
         self.voted_key = None
-        staged = self._stage(sd, key[0])
-        cache = self.plans.use(key, keep=plan >= PLAN_KEEP)
         self.save = None
+        staged = self._stage(sd, key[0])
+        if staged is None:
+            return
+        cache = self.plans.use(key, keep=plan >= PLAN_KEEP)
         plan_now = partial(dcp_plan.plan_dcp_save, staged, partial_dir, self.thread_count, report, self.registry,
                            cache)
         # Planning gathers every rank's plan unless the cache is validated: then it is done in the
@@ -337,9 +345,11 @@ class TorchAsyncEngine(StagedEngine):
               fault: Optional[str] = None) -> None:
         unavailable, report = self._begin(token)
         local = to_local(sd)
-        staged = self._stage(local)
-        registry = self.registry
         self.name = f"rank{self.rank:05d}.pt"
+        staged = self._stage(local)
+        if staged is None:
+            return
+        registry = self.registry
         path = partial_dir / self.name
 
         def schedule() -> None:  # on the staging thread, once the copy is done

@@ -142,6 +142,11 @@ class StateStager:
         self.job = StagingJob(sd, self.buffers, self.pin, then)
         return self.job
 
+    def failed(self, error: str) -> "StagingJob":
+        """A job that copies nothing and fails with ``error`` (what :meth:`prepare` raised)."""
+        self.job = StagingJob(None, None, False, None, error=f"staging the state into host buffers failed: {error}")
+        return self.job
+
     def stage(self, sd: Any) -> Any:
         """Prepare and copy, waiting for the copy (tests, and callers with nothing to overlap)."""
         staged = self.prepare(sd)
@@ -173,9 +178,10 @@ class StagingJob:
     ``error`` holds what failed (as text); nothing is raised across threads.
     """
 
-    def __init__(self, sd: Any, buffers: Any, cuda: bool, then: Optional[Callable[[], None]]):
+    def __init__(self, sd: Any, buffers: Any, cuda: bool, then: Optional[Callable[[], None]],
+                 error: Optional[str] = None):
         self.cuda = cuda
-        self.error: Optional[str] = None
+        self.error: Optional[str] = error  # given: the job never copies (the buffers could not be made)
         self.copied = threading.Event()  # the copy is done (CPU) or queued on the side stream (GPU)
         self.copy_s = 0.0
         # CPU seconds of this job's thread: the copy, and the hand-off that follows it (planning
@@ -185,7 +191,7 @@ class StagingJob:
         self._done_event = None
         self._ready_event = None
         self._device = None
-        if cuda:  # the side stream must start after what the training stream queued so far
+        if cuda and error is None:  # the side stream must start after what the training stream queued so far
             self._device = torch.cuda.current_device()  # a new thread starts on device 0
             self._ready_event = torch.cuda.Event()
             self._ready_event.record()
@@ -194,6 +200,9 @@ class StagingJob:
         self.thread.start()
 
     def _run(self, sd: Any, buffers: Any, then: Optional[Callable[[], None]]) -> None:
+        if self.error is not None:
+            self.copied.set()
+            return
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             if self.cuda:
