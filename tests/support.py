@@ -49,26 +49,32 @@ def _env(pythonpath: list[Path] | None = None, mark: Path | None = None, extra: 
 
 def run_local(run_dir: Path, nodes: int = 1, nproc: int = 2, overrides: list[str] | None = None,
               pythonpath: list[Path] | None = None, timeout: float = 240, extra: list[str] | None = None,
-              env: dict | None = None, isolation: str | None = None) -> subprocess.CompletedProcess:
+              env: dict | None = None, isolation: str | None = None,
+              open_files: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
     """``resilient-fsdp local`` as a user runs it (the dev-cpu values, each pod a network namespace
-    when root); returns the finished process (output captured)."""
+    when root); returns the finished process (output captured). ``open_files``: as for
+    :func:`run_guarded`."""
     cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={nodes}", f"--nproc-per-node={nproc}",
            f"--run-dir={run_dir}", *([f"--isolation={isolation}"] if isolation else []), *(extra or [])]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
-    return run_guarded(cmd, run_dir, pythonpath, timeout, env)
+    return run_guarded(cmd, run_dir, pythonpath, timeout, env, open_files=open_files)
 
 
 def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, timeout: float,
-                env: dict | None = None, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+                env: dict | None = None, file_size_limit: int | None = None,
+                open_files: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` to completion; on timeout kill it and everything it started, then fail.
 
     ``file_size_limit`` (bytes) caps every file the processes write (RLIMIT_FSIZE): writes past
-    it fail with EFBIG, as they would with ENOSPC on a full disk.
+    it fail with EFBIG, as they would with ENOSPC on a full disk. ``open_files``: the (soft, hard)
+    ``nofile`` limit (RLIMIT_NOFILE) every process started inherits, as a container runtime sets it.
     """
     def limit() -> None:
         if file_size_limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, open_files)
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(pythonpath, run_dir, env), cwd=REPO, start_new_session=True,
@@ -87,13 +93,13 @@ def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, ti
 
 
 def run_trainer(run_dir: Path, overrides: list[str] | None = None, pythonpath: list[Path] | None = None,
-                timeout: float = 120, env: dict | None = None, file_size_limit: int | None = None
-                ) -> subprocess.CompletedProcess:
+                timeout: float = 120, env: dict | None = None, file_size_limit: int | None = None,
+                open_files: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
     """One trainer process without a launcher (a world of one)."""
     cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir)]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
-    return run_guarded(cmd, run_dir, pythonpath, timeout, env, file_size_limit)
+    return run_guarded(cmd, run_dir, pythonpath, timeout, env, file_size_limit, open_files)
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -204,7 +204,10 @@ def orphan(run_dir, mode):
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     child = subprocess.Popen([sys.executable, __file__, run_dir, "orphan-child", mode], stdout=subprocess.PIPE,
                              text=True)
-    first = json.loads(child.stdout.readline())
+    line = child.stdout.readline()
+    while line and not line.startswith("{"):  # the trainer's own lines (its open-files limit) come first
+        line = child.stdout.readline()
+    first = json.loads(line)
     writer = first["writer_pid"]
     time.sleep(2)  # the write of step 2 is under way (its data is written, then it sleeps)
     out = {"committed": first["committed"], "writer_alive_before": psutil.pid_exists(writer)}

@@ -6,6 +6,7 @@
 - ``state``: what a checkpoint holds for one rank (model, optimizer, schedule, counters, sampler,
   RNG, learned timeouts) and the canonical parameter names;
 - ``staging``: the snapshot in reused host buffers that the loop waits for;
+- ``arena``: the one block of shared memory a rank's staging buffers are views of;
 - ``engines``: what an engine is, and ``async`` (NVRx DCP writer), ``torch-async`` (NVRx, one
   file per rank), ``sync``;
 - ``writer/``: the rank's checkpoint writer process and every adaptation to NVRx's async

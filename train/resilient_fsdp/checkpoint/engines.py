@@ -7,8 +7,8 @@ is done, hands over this rank's outcome (:class:`LocalOutcome`), and on the coor
   values, plans (with a plan cache; from the third save of a structure on, in the background) and
   returns; the tensors are copied into reused host buffers while the next forward and backward
   run, and the trainer waits for that copy just before ``optimizer.step()`` (:meth:`Engine.staged`).
-  The copy's helper thread then hands the write to the writer (:mod:`.writer.handoff`: buffers
-  once, references per save); the writer writes a standard DCP checkpoint; the loop collects it
+  The copy's helper thread then hands the write to the writer (:mod:`.writer.handoff`: the
+  staging arena once, references per save); the writer writes a standard DCP checkpoint; the loop collects it
   at a later step.
 - ``torch-async``: the same staging; the writer of NVRx's ``TorchAsyncCheckpoint`` writes each
   rank's shard with ``torch.save`` (one file per rank), fsynced before it reports completion.
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import integrity
-from .staging import StagingJob, StateStager, local_tensors, structure
+from .staging import StagingJob, StateStager, structure
 from .state import to_local
 from .writer import dcp_plan, handoff
 from .writer.process import NVRX_VERSION, WriterProcess
@@ -162,7 +162,7 @@ class SyncEngine(Engine):
 
 class StagedEngine(Engine):
     """What ``async`` and ``torch-async`` share: the rank's writer process, started at construction
-    in the background, and staging into reused buffers that the writer receives once. A save in
+    in the background, and staging into a reused arena (:mod:`.arena`) that the writer receives once. A save in
     flight is its :class:`.writer.report.SaveReport` until it is collected."""
 
     torch_save = False
@@ -177,10 +177,16 @@ class StagedEngine(Engine):
         self.writer = WriterProcess(rank, torch_save=self.torch_save)
 
     def _stage(self, sd: Any, key: Optional[tuple] = None) -> Any:
-        staged = self.stager.prepare(sd, key)
+        """``sd`` over the staging arena; None, with a failed job, when the arena cannot be made
+        (host shared memory full or capped): the save fails on every rank, training goes on."""
+        try:
+            staged = self.stager.prepare(sd, key)
+        except (OSError, RuntimeError) as exc:
+            self.job = self.stager.failed(f"{type(exc).__name__}: {exc}")
+            return None
         name = f"{os.getpid()}-{id(self):x}-{self.stager.generation}"
         if self.registry is None or self.registry.key != name:
-            self.registry = handoff.Registry(name, local_tensors(self.stager.buffers))
+            self.registry = handoff.Registry(name, self.stager.arena.bytes)
         return staged
 
     def _begin(self, token: str) -> tuple[Optional[str], SaveReport]:
@@ -278,9 +284,11 @@ class AsyncEngine(StagedEngine):
         unavailable, report = self._begin(token)
         key = self.voted_key if self.voted_key is not None else (structure(sd), self.world_size)
         self.voted_key = None
-        staged = self._stage(sd, key[0])
-        cache = self.plans.use(key, keep=plan >= PLAN_KEEP)
         self.save = None
+        staged = self._stage(sd, key[0])
+        if staged is None:
+            return
+        cache = self.plans.use(key, keep=plan >= PLAN_KEEP)
         plan_now = partial(dcp_plan.plan_dcp_save, staged, partial_dir, self.thread_count, report, self.registry,
                            cache)
         # Planning gathers every rank's plan unless the cache is validated: then it is done in the
@@ -337,17 +345,19 @@ class TorchAsyncEngine(StagedEngine):
               fault: Optional[str] = None) -> None:
         unavailable, report = self._begin(token)
         local = to_local(sd)
-        staged = self._stage(local)
-        registry = self.registry
         self.name = f"rank{self.rank:05d}.pt"
+        staged = self._stage(local)
+        if staged is None:
+            return
+        registry = self.registry
         path = partial_dir / self.name
 
         def schedule() -> None:  # on the staging thread, once the copy is done
             if unavailable:
                 raise RuntimeError(unavailable)
             buffers = registry.payload_for(self.writer.pid)
-            self.writer.schedule(partial(worker_torch_save_staged, report, fault, buffers, registry.key),
-                                 (registry.pack(staged), str(path)))
+            self.writer.send(report, buffers, partial(worker_torch_save_staged, report, fault, registry.key),
+                             (registry.pack(staged), str(path)))
             registry.sent_to = self.writer.pid
 
         self.job = self.stager.start_copy(local, schedule)

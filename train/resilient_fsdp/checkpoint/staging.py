@@ -14,13 +14,13 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.tensor import DTensor
 
-
+from .arena import Arena, plan
 
 def structure(sd: Any, key: str = "") -> tuple:
     """What the buffers and a save plan depend on: every value's place, every tensor's kind, (local)
@@ -73,16 +73,18 @@ class StateStager:
     """Host buffers allocated once and reused, so the file holds exactly the state of the step it is
     named for while the loop goes on changing the live tensors.
 
-    The buffers are torch's own (``_create_cpu_state_dict``): in shared memory (NVRx's worker
-    receives them once and keeps them, :mod:`.handoff`), pinned on GPUs (registered with CUDA,
-    unregistered when released), DTensors kept as DTensor wrappers around the host buffer, so
-    nothing is copied back to the device. Reuse is what keeps the save cheap: a fresh buffer costs
-    a page fault per page, about as long as a whole synchronous save on a CPU-only machine. A
-    change of structure (a key, a shape, a dtype) allocates new buffers under a new ``generation``.
+    The buffers are views into one :class:`.arena.Arena` per structure: one block of shared memory
+    (one file descriptor however many tensors; the writer receives it once and keeps it,
+    :mod:`.writer.handoff`), pinned on GPUs, DTensors kept as DTensor wrappers around their host
+    buffer, so nothing is copied back to the device. Reuse is what keeps the save cheap: a fresh
+    buffer costs a page fault per page, about as long as a whole synchronous save on a CPU-only
+    machine. A change of structure (a key, a shape, a dtype) replaces the arena under a new
+    ``generation``.
     """
 
     def __init__(self) -> None:
         self.pin = torch.cuda.is_available()
+        self.arena: Optional[Arena] = None
         self.buffers: Any = None
         self.key: tuple = ()
         self.generation = 0
@@ -110,16 +112,17 @@ class StateStager:
                     torch.cuda.set_device(device)
                 self._allocate(sd, key)
             except BaseException:  # noqa: BLE001 - the next prepare allocates them again, raising what fails there
-                self.buffers, self.key = None, ()
+                self.arena, self.buffers, self.key = None, None, ()
 
         self.allocating = threading.Thread(target=run, name="checkpoint-staging-allocate", daemon=True)
         self.allocating.start()
 
     def _allocate(self, sd: Any, key: tuple) -> None:
-        self.buffers = _create_cpu_state_dict(sd, pin_memory=self.pin, share_memory=True)
-        for t in local_tensors(self.buffers):
-            if not t.is_shared():  # torch makes 0-dim buffers outside shared memory
-                t.share_memory_()
+        slots, nbytes = plan(local_tensors(sd))
+        arena = Arena(nbytes, pin=self.pin)
+        views = iter([arena.view(slot) for slot in slots])
+        self.buffers = _over(sd, views)
+        self.arena = arena
         self.key = key
         self.generation += 1
 
@@ -139,6 +142,11 @@ class StateStager:
         self.job = StagingJob(sd, self.buffers, self.pin, then)
         return self.job
 
+    def failed(self, error: str) -> "StagingJob":
+        """A job that copies nothing and fails with ``error`` (what :meth:`prepare` raised)."""
+        self.job = StagingJob(None, None, False, None, error=f"staging the state into host buffers failed: {error}")
+        return self.job
+
     def stage(self, sd: Any) -> Any:
         """Prepare and copy, waiting for the copy (tests, and callers with nothing to overlap)."""
         staged = self.prepare(sd)
@@ -155,9 +163,11 @@ class StateStager:
             self.job.join()
 
     def close(self) -> None:
-        """Release the buffers (and their pinned registrations, which torch ties to them)."""
+        """Release the buffers (and the arena's pinned registration)."""
         self.wait()
-        self.buffers, self.key = None, ()
+        if self.arena is not None:
+            self.arena.close()
+        self.arena, self.buffers, self.key = None, None, ()
 
 
 class StagingJob:
@@ -168,9 +178,10 @@ class StagingJob:
     ``error`` holds what failed (as text); nothing is raised across threads.
     """
 
-    def __init__(self, sd: Any, buffers: Any, cuda: bool, then: Optional[Callable[[], None]]):
+    def __init__(self, sd: Any, buffers: Any, cuda: bool, then: Optional[Callable[[], None]],
+                 error: Optional[str] = None):
         self.cuda = cuda
-        self.error: Optional[str] = None
+        self.error: Optional[str] = error  # given: the job never copies (the buffers could not be made)
         self.copied = threading.Event()  # the copy is done (CPU) or queued on the side stream (GPU)
         self.copy_s = 0.0
         # CPU seconds of this job's thread: the copy, and the hand-off that follows it (planning
@@ -180,7 +191,7 @@ class StagingJob:
         self._done_event = None
         self._ready_event = None
         self._device = None
-        if cuda:  # the side stream must start after what the training stream queued so far
+        if cuda and error is None:  # the side stream must start after what the training stream queued so far
             self._device = torch.cuda.current_device()  # a new thread starts on device 0
             self._ready_event = torch.cuda.Event()
             self._ready_event.record()
@@ -189,6 +200,9 @@ class StagingJob:
         self.thread.start()
 
     def _run(self, sd: Any, buffers: Any, then: Optional[Callable[[], None]]) -> None:
+        if self.error is not None:
+            self.copied.set()
+            return
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             if self.cuda:
@@ -237,15 +251,28 @@ class StagingJob:
         return not self.thread.is_alive()
 
 
+def _over(sd: Any, views: Iterator[torch.Tensor]) -> Any:
+    """``sd``'s structure with its tensors replaced, in :func:`local_tensors`' order, by ``views``
+    (a DTensor by a DTensor of the same layout around its view); ``None`` for every other value."""
+    if isinstance(sd, DTensor):
+        return DTensor(next(views), sd._spec, requires_grad=False)
+    if isinstance(sd, torch.Tensor):
+        return next(views)
+    if isinstance(sd, dict):
+        return {k: _over(v, views) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_over(v, views) for v in sd)
+    return None
+
+
 def _tensor_pairs(live: Any, buf: Any, out: list) -> list:
     """(buffer, live) local tensors of ``live`` and its buffers, walked together (the buffers have
-    ``live``'s structure); a live tensor that is its own buffer (a 0-dim DTensor) is left out."""
+    ``live``'s structure)."""
     if isinstance(live, torch.Tensor):
-        if buf is not live:
-            if isinstance(live, DTensor):
-                out.append((buf._local_tensor, live._local_tensor))
-            else:
-                out.append((buf, live))
+        if isinstance(live, DTensor):
+            out.append((buf._local_tensor, live._local_tensor))
+        else:
+            out.append((buf, live))
     elif isinstance(live, dict):
         for k, v in live.items():
             _tensor_pairs(v, buf[k], out)
@@ -258,8 +285,6 @@ def _tensor_pairs(live: Any, buf: Any, out: list) -> list:
 def _snapshot(live: Any, buf: Any) -> Any:
     """``live``'s structure with the staged tensors from ``buf`` and copies of everything else."""
     if isinstance(live, torch.Tensor):
-        if buf is live:  # torch hands a 0-dim DTensor back as is: copy its value instead
-            return live.detach().clone()
         return buf
     if isinstance(live, dict):
         return {k: _snapshot(v, buf[k]) for k, v in live.items()}

@@ -4,6 +4,7 @@
 - ``arguments``: the command line and the configuration it resolves to (no torch import);
 - ``trainer``: the composition root and the loop (``Trainer``, its ``TrainCounters``);
 - ``resources``: what outlives an in-process restart (checkpoint engine, S3 uploader, monitor);
+- ``open_files``: the process's open-files limit, raised to the hard limit at start;
 - ``model``: the built-in decoder-only transformer;
 - ``presets``: its size presets' shapes and parameter counts (importable without torch);
 - ``parallelize``: FSDP2 sharding and activation checkpointing;

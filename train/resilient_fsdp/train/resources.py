@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 from .. import atomic
+from . import open_files
 from ..checkpoint import store as checkpoint_store
 from ..checkpoint.engines import Engine, build_engine
 from ..checkpoint.s3.uploader import Uploader
@@ -21,9 +23,14 @@ class ProcessResources:
     """What outlives an in-process restart: the checkpoint engine (its writer process and staging
     buffers), the rank's S3 uploader (its backlog), the link to ``ft_launcher``'s rank monitor, and
     the SIGTERM flag. Re-creating the first would cost a process spawn per restart, the second
-    would drop uploads; the others belong to the process, not to an attempt."""
+    would drop uploads; the others belong to the process, not to an attempt. Made first thing in
+    a rank's process: it raises the process's open-files limit (:mod:`.open_files`)."""
 
     def __init__(self, cfg: Config):
+        # First: the checkpoint writer started below inherits the limit.
+        limit, first = open_files.raise_soft_limit()
+        if first and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[resilient-fsdp] {limit.describe()}", file=sys.stdout, flush=True)
         self.cfg = cfg
         self.engine: Optional[Engine] = None
         self.uploader: Optional[Uploader] = None

@@ -6,10 +6,10 @@
   checkpoint, a changed shape kept in its metadata): a new cache is made whenever the state's
   structure, the world size or the attempt changes, and the ranks agree on using it;
 - **the write buckets** built here from the staged buffers (:class:`_StagedWriter`, NVRx's
-  ``FileSystemWriterAsync`` with its own ``prepare_write_data``): references into the buffers the
+  ``FileSystemWriterAsync`` with its own ``prepare_write_data``): references into the arena the
   worker already holds, no copy. NVRx 0.7's own ``prepare_write_data`` clones every CPU tensor on
-  the training thread and its hand-off copies them into shared memory again; 0.4.1 sends every
-  buffer's file descriptor with every save. Neither happens here;
+  the training thread and its hand-off copies them into shared memory again; 0.4.1 sends a file
+  descriptor per tensor with every save. Neither happens here;
 - **the write** by NVRx's own multi-process (0.4.1) or multi-threaded (0.7) writer in its
   persistent worker, its results put into the save's report (:class:`.report.SaveReport`), and
   checked against the files written (:func:`check_layout`).
@@ -123,8 +123,8 @@ def plan_dcp_save(staged: Any, path: Path, thread_count: int, report: SaveReport
 
 def schedule_dcp_save(writer_process: WriterProcess, plan: tuple, registry: handoff.Registry, token: str,
                       report: SaveReport, fault: Optional[str]) -> DcpSave:
-    """Hand a planned save's write to the writer process: references into the buffers (and the
-    buffers themselves if this writer lacks them). Never waits for the writer. A rank with nothing
+    """Hand a planned save's write to the writer process: references into the arena (and the
+    arena itself if this writer lacks it). Never waits for the writer. A rank with nothing
     to write schedules nothing; it still takes part in finalize."""
     writer = plan[0]
     if not writer.write_buckets:
@@ -133,8 +133,8 @@ def schedule_dcp_save(writer_process: WriterProcess, plan: tuple, registry: hand
     save_fn, _staging_fn, save_args = writer.get_save_function_and_args()
     rank, _, results = save_args
     buffers = registry.payload_for(writer_process.pid)
-    writer_process.schedule(partial(worker_write_staged, report, fault, buffers, registry.key, save_fn),
-                            (rank, registry.pack(writer.write_buckets), results))
+    writer_process.send(report, buffers, partial(worker_write_staged, report, fault, registry.key, save_fn),
+                        (rank, registry.pack(writer.write_buckets), results))
     registry.sent_to = writer_process.pid
     return DcpSave(token, report, plan, True)
 

@@ -1,12 +1,17 @@
 """Handing a staged save to the writer process without making the loop wait for it.
 
-The staging buffers live in shared memory and are reused from save to save. They are sent to the
-writer process once (:class:`Buffers`: the tensors, under the stager's generation); the worker
-keeps them (:func:`register`), and each save then sends only references into them
-(:func:`pack`: a :class:`Ref` is an index, offset, shape and stride) together with its small
-items. A new worker (its process id changed) or new buffers (a new generation) get them again.
-No request carries a staging function, so NVRx's scheduler never waits for the worker to take
-one (its ``preload_fn`` hand-shake); the worker may pick a request up whenever it is ready.
+The staging buffers are views into one shared-memory arena (:mod:`..arena`) reused from save to
+save. The arena is sent to the writer process once (:class:`Buffers`: one file descriptor, under
+the stager's generation); the worker keeps it (:func:`register`), and each save then sends only
+references into it (:meth:`Registry.pack`: a :class:`Ref` is a byte offset, dtype, shape and
+stride) together with its small items. A new worker (its process id changed) or a new arena (a
+new generation) gets it again. No request carries a staging function, so NVRx's scheduler never
+waits for the worker to take one (its ``preload_fn`` hand-shake); the worker may pick a request up
+whenever it is ready.
+
+Requests are pickled by :func:`encode` on the caller's thread, not by the queue's feeder thread,
+which prints an error and drops what it cannot pickle: the save would then wait for
+``checkpoint.write_timeout_s`` and fail without a reason.
 
 A save's write results come back through its own report (:class:`.report.SaveReport`), not
 through a process-wide queue.
@@ -14,51 +19,55 @@ through a process-wide queue.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
-from typing import Any, Optional
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
+
+from ..arena import tensor_at
 
 
 @dataclass(frozen=True)
 class Ref:
-    """A tensor that is a view of registered buffer ``index``."""
+    """A tensor that is a view of the registered arena, at byte ``offset``."""
 
-    index: int
     offset: int
+    dtype: torch.dtype
     shape: tuple
     stride: tuple
 
 
 @dataclass
 class Buffers:
-    """The staging buffers of one generation, sent to a worker once."""
+    """The arena of one generation (its bytes, one shared-memory descriptor), sent to a worker once."""
 
     key: str
-    tensors: list
+    arena: torch.Tensor
 
 
 class Registry:
-    """Trainer side: which storage belongs to which buffer, and which worker already has them."""
+    """Trainer side: the arena the staged tensors lie in, and which worker already has it."""
 
-    def __init__(self, key: str, tensors: list[torch.Tensor]):
-        self.key, self.tensors = key, tensors
-        self.by_storage = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}
-        self.sent_to: Optional[int] = None  # the worker process that holds them
+    def __init__(self, key: str, arena: torch.Tensor):
+        self.key, self.arena = key, arena
+        self.base = arena.untyped_storage().data_ptr()
+        self.sent_to: Optional[int] = None  # the worker process that holds it
 
     def payload_for(self, worker_pid: Optional[int]) -> Optional[Buffers]:
-        """The buffers, unless ``worker_pid`` already has them (None: not started, send them)."""
+        """The arena, unless ``worker_pid`` already has it (None: not started, send it)."""
         if worker_pid is not None and worker_pid == self.sent_to:
             return None
-        return Buffers(self.key, self.tensors)
+        return Buffers(self.key, self.arena)
 
     def pack(self, obj: Any) -> Any:
-        """``obj`` with every tensor that lies in a registered buffer replaced by a :class:`Ref`."""
+        """``obj`` with every tensor that lies in the arena replaced by a :class:`Ref`."""
         if isinstance(obj, torch.Tensor):
-            i = self.by_storage.get(obj.untyped_storage().data_ptr())
-            if i is None or obj.dtype != self.tensors[i].dtype or obj.is_cuda:
+            if obj.is_cuda or obj.untyped_storage().data_ptr() != self.base:
                 return obj  # not a staging buffer (a copied scalar): sent as it is
-            return Ref(i, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()))
+            return Ref(obj.storage_offset() * obj.element_size(), obj.dtype, tuple(obj.shape), tuple(obj.stride()))
         if isinstance(obj, dict):
             return {k: self.pack(v) for k, v in obj.items()}
         if isinstance(obj, list):
@@ -68,34 +77,86 @@ class Registry:
         return obj
 
 
+class NotSendable(RuntimeError):
+    """A request for the writer that cannot be pickled; the message names the part that cannot."""
+
+
+def encode(value: Any) -> bytes:
+    """``value`` pickled as the writer's queue pickles it: tensors in shared memory travel as file
+    descriptors."""
+    return bytes(ForkingPickler.dumps(value))
+
+
+def encode_request(fn: Callable[..., Any], args: tuple) -> bytes:
+    """``(fn, args)`` as :func:`encode` pickles it; raises :class:`NotSendable` naming the first
+    part that cannot be pickled."""
+    try:
+        return encode((fn, args))
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types; all mean the same here
+        parts = [("its function", fn)] + [(f"its argument {i}", a) for i, a in enumerate(args)]
+        raise NotSendable(f"the checkpoint writer cannot be sent {_name(fn)}: {_culprit(parts) or 'the request'} cannot be "
+                          f"pickled ({type(exc).__name__}: {exc})") from exc
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+def _name(fn: Any) -> str:
+    fn = getattr(fn, "func", fn)  # a partial
+    return getattr(fn, "__qualname__", type(fn).__qualname__)
+
+
+def _culprit(parts: list[tuple[str, Any]]) -> Optional[str]:
+    """The path of the innermost of ``parts`` (and their items) that does not pickle, with its
+    type. Tensors are not tried: they pickle, and trying one would share it."""
+    for path, value in parts:
+        if isinstance(value, torch.Tensor):
+            continue
+        try:
+            pickle.dumps(value)
+            continue
+        except Exception:  # noqa: BLE001
+            pass
+        items: list = []
+        if isinstance(value, dict):
+            items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        inner = _culprit(items) if items else None
+        return inner or f"{path} (a {type(value).__module__}.{type(value).__qualname__})"
+    return None
+
+
 # ---- worker side: what the writer process keeps ------------------------------------------------
 
-_REGISTERED: dict[str, list] = {}
+_REGISTERED: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
 
 
 def register(buffers: Optional[Buffers]) -> None:
     """Keep ``buffers`` in this (writer) process, replacing any older generation."""
     if buffers is not None and buffers.key not in _REGISTERED:
         _REGISTERED.clear()
-        _REGISTERED[buffers.key] = buffers.tensors
+        _REGISTERED[buffers.key] = (buffers.arena, buffers.arena.numpy())
 
 
 def unpack(obj: Any, key: str) -> Any:
-    """Inverse of :meth:`Registry.pack`, in the worker, against the buffers registered as ``key``."""
-    tensors = _REGISTERED.get(key)
-    if tensors is None:
+    """Inverse of :meth:`Registry.pack`, in the worker, against the arena registered as ``key``;
+    every tensor is one over its own bytes of the arena (:func:`..arena.tensor_at`)."""
+    held = _REGISTERED.get(key)
+    if held is None:
         raise RuntimeError(f"the checkpoint writer holds no staging buffers for {key!r} (it holds "
                            f"{sorted(_REGISTERED) or 'none'}); the trainer re-sends them to a new writer")
-    return _unpack(obj, tensors)
+    return _unpack(obj, held[1])
 
 
-def _unpack(obj: Any, tensors: list) -> Any:
+def _unpack(obj: Any, memory: np.ndarray) -> Any:
     if isinstance(obj, Ref):
-        return tensors[obj.index].as_strided(obj.shape, obj.stride, obj.offset)
+        return tensor_at(memory, obj.offset, obj.dtype, obj.shape, obj.stride)
     if isinstance(obj, dict):
-        return {k: _unpack(v, tensors) for k, v in obj.items()}
+        return {k: _unpack(v, memory) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_unpack(v, tensors) for v in obj]
+        return [_unpack(v, memory) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_unpack(v, tensors) for v in obj)
+        return tuple(_unpack(v, memory) for v in obj)
     return obj

@@ -14,8 +14,12 @@ its ``AsyncCallsQueue``, and every adaptation this project makes to NVRx's async
      made in the trainer would not reach it);
    - never ask NVRx for its CUDA-tensor collectives: the caller polls with ``no_dist=True`` and
      agrees across ranks with its own collective on the job's backend;
-   - never seed the plan cache from loaded metadata (its verification allocates on ``cuda``);
-   - on 0.7.x start the worker in ``cpu_shm_mode`` (no CUDA context, shared-memory tensors).
+   - never seed the plan cache from loaded metadata (its verification allocates on ``cuda``).
+
+   The writer never needs a GPU, on GPU machines either: it reads the staged host memory and
+   writes files. On 0.7.x the worker starts in ``cpu_shm_mode`` (otherwise it selects a device
+   and allocates on it before its first request), and its first request hides the GPUs from it
+   (:func:`.worker.writer_started`), so no CUDA context (about 0.5 GB of each GPU) is ever opened.
 
 2. **Version differences** between the pinned 0.4.1 (the newest release for glibc < 2.39) and the
    0.7.x the image ships: detected by feature (constructor parameters), not by version strings.
@@ -25,9 +29,12 @@ its ``AsyncCallsQueue``, and every adaptation this project makes to NVRx's async
    process it starts) and SIGTERM blocked (inherited too: a launcher's SIGTERM to the process
    group does not cut a graceful stop's final write; the worker is ended by :func:`close_queue`).
    Requests carry no staging function, so scheduling one never waits for the worker to take it,
-   and the staged tensors travel once (:mod:`.handoff`). Write results come back through each
-   save's own channel, never through NVRx's process-wide results queue, whose Manager process
-   (seconds to start after every restart) is therefore never started.
+   and the staged tensors travel once, as one shared-memory arena (:mod:`.handoff`). Requests are
+   pickled before they are queued: one that cannot be fails its save at once, naming what could
+   not be pickled, and one the queue's feeder thread still fails to send is reported by the next
+   poll (:meth:`WriterProcess.poll`); NVRx's queue would drop either silently. Write results
+   come back through each save's own channel, never through NVRx's process-wide results queue,
+   whose Manager process (seconds to start after every restart) is therefore never started.
 
 4. **Correctness around the worker.** Errors of the worker (its write, a worker that died) are
    recorded per save (:mod:`.integrity`'s channel) and read once, by that save. A worker that
@@ -50,9 +57,12 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 from typing import Any, Callable, Optional
 
-from .worker import cuda_present, exit_when_orphaned
+from . import handoff
+from .report import SaveReport
+from .worker import take_request, writer_started
 
 NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
 # What checkpointing imports of NVRx, for reports of what a machine can import.
@@ -78,8 +88,8 @@ def make_calls_queue() -> Any:
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
     kwargs: dict[str, Any] = {"persistent": True}
-    if _accepts(AsyncCallsQueue, "cpu_shm_mode") and not cuda_present():
-        kwargs["cpu_shm_mode"] = True  # 0.7+: skip the worker's CUDA device setup
+    if _accepts(AsyncCallsQueue, "cpu_shm_mode"):
+        kwargs["cpu_shm_mode"] = True  # 0.7+: skip the worker's CUDA device setup (on GPUs too)
     if _accepts(AsyncCallsQueue, "cpu_priority"):
         kwargs["cpu_priority"] = None  # 0.7+: the worker inherits WRITER_NICE from its starter
     return AsyncCallsQueue(**kwargs)
@@ -113,7 +123,7 @@ def lower_this_thread() -> None:
         pass
 
 
-def _start_worker(calls_queue: Any, rank: int) -> threading.Thread:
+def _start_worker(calls_queue: Any, rank: int, refused: Callable[[str], None]) -> threading.Thread:
     """Start the queue's persistent worker now, in the background, instead of at the first save.
 
     A spawned interpreter that imports torch takes seconds; at the first save it would be stall.
@@ -121,9 +131,10 @@ def _start_worker(calls_queue: Any, rank: int) -> threading.Thread:
     worker, and the threads and processes it starts per write, inherit both) and whose SIGTERM is
     blocked (inherited across exec: NVRx 0.7's SIGTERM handler never runs; the resource tracker
     is started before, since its start unblocks SIGTERM in the calling thread). Its first request
-    makes it exit when this process is gone (:func:`.worker.exit_when_orphaned`); the next
-    poll drains that request's completion. Join the thread before using the queue; its
-    ``error`` then says what failed, if anything.
+    hides the GPUs from it and makes it exit when this process is gone
+    (:func:`.worker.writer_started`); the next poll drains that request's completion. Whatever
+    the queue's feeder thread fails to send is passed to ``refused``. Join the thread before using
+    the queue; its ``error`` then says what failed, if anything.
     """
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
@@ -136,7 +147,8 @@ def _start_worker(calls_queue: Any, rank: int) -> threading.Thread:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             caller = calls_queue._get_async_caller()
             caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
-            calls_queue.schedule_async_request(AsyncRequest(exit_when_orphaned, (os.getpid(),), []))
+            _report_feeder_errors(caller.queue, refused)
+            calls_queue.schedule_async_request(AsyncRequest(writer_started, (os.getpid(), rank), []))
         except BaseException as exc:  # noqa: BLE001 - the next save reports it (WriterProcess.usable)
             thread.error = f"the checkpoint writer process could not be started: {type(exc).__name__}: {exc}"
 
@@ -144,6 +156,18 @@ def _start_worker(calls_queue: Any, rank: int) -> threading.Thread:
     thread.error = None
     thread.start()
     return thread
+
+
+def _report_feeder_errors(queue: Any, refused: Callable[[str], None]) -> None:
+    """A request ``queue``'s feeder thread fails to pickle or send goes to ``refused`` with the
+    reason, instead of only being printed and dropped (the hook ``multiprocessing`` provides; the
+    feeder takes it when it starts, at the first put)."""
+    def on_error(exc: BaseException, obj: Any) -> None:
+        fn = getattr(obj, "async_fn", None)
+        name = getattr(getattr(fn, "func", fn), "__qualname__", type(obj).__qualname__)
+        refused(f"the checkpoint writer's queue could not send the request for {name}: {type(exc).__name__}: {exc}")
+
+    queue._on_queue_feeder_error = on_error
 
 
 # ---- polling and closing -----------------------------------------------------------------------
@@ -226,8 +250,14 @@ class WriterProcess:
         self.rank = rank
         self.torch_checkpoint = make_torch_async_checkpoint() if torch_save else None
         self.queue = self.torch_checkpoint._async_calls_queue if torch_save else make_calls_queue()
-        self.starting = _start_worker(self.queue, rank)
+        # Set by the queue's feeder thread: a request it could not send (NVRx's bookkeeping then
+        # waits for a completion that never comes, so the writer is replaced before the next save).
+        self.refused: Optional[str] = None
+        self.starting = _start_worker(self.queue, rank, self._refuse)
         self.notes: list[str] = []  # said by the checkpointer at the next save
+
+    def _refuse(self, reason: str) -> None:
+        self.refused = self.refused or reason
 
     @property
     def process(self) -> Optional[Any]:
@@ -246,7 +276,8 @@ class WriterProcess:
         self.queue = make_calls_queue()
         if self.torch_checkpoint is not None:
             self.torch_checkpoint._async_calls_queue = self.queue
-        self.starting = _start_worker(self.queue, self.rank)
+        self.refused = None
+        self.starting = _start_worker(self.queue, self.rank, self._refuse)
 
     def usable(self) -> Optional[str]:
         """Wait for the worker's start; None when it can take a write, else why not. A worker that
@@ -262,16 +293,30 @@ class WriterProcess:
                               "since the last save; a new one is started")
             self.restart()
             self.starting.join()
+        elif self.refused:
+            self.notes.append(f"rank {self.rank}: a new checkpoint writer is started ({self.refused})")
+            self.restart()
+            self.starting.join()
         return None
 
-    def schedule(self, fn: Callable[..., None], args: tuple) -> None:
-        """Hand ``fn(*args)`` to the worker; never waits for it to be taken."""
+    def send(self, report: SaveReport, buffers: Optional[handoff.Buffers], fn: Callable[..., None],
+             args: tuple) -> None:
+        """Hand ``fn(*args)`` to the worker, with ``buffers`` (the arena) first unless it holds them;
+        never waits for it to be taken. Pickled here (:func:`.handoff.encode_request`), so that a
+        request that cannot be raises :class:`.handoff.NotSendable`, naming what cannot, before
+        anything is sent; failures in the worker are recorded in ``report``."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
-        self.queue.schedule_async_request(AsyncRequest(fn, args, [], async_fn_kwargs={}))
+        request = handoff.encode_request(fn, args)  # first: nothing of the arena is shared on failure
+        shared = handoff.encode(buffers) if buffers is not None else None
+        self.queue.schedule_async_request(AsyncRequest(partial(take_request, report), (shared, request), [],
+                                                       async_fn_kwargs={}))
 
     def poll(self) -> tuple[bool, Optional[str]]:
-        """(every scheduled write finished, an error if the worker died); never blocks."""
+        """(every scheduled write finished, an error if the worker died or a request could not be
+        sent to it); never blocks."""
+        if self.refused:
+            return True, self.refused
         finalize = self.torch_checkpoint.finalize_async_save if self.torch_checkpoint is not None else None
         return _poll_queue(self.queue, finalize)
 

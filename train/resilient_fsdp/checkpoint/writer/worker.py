@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ... import atomic
+from ...train import open_files
 from . import handoff
 from .report import SaveReport
 
@@ -41,8 +43,33 @@ PARENT_CHECK_S = 1.0
 ORPHANED_EXIT_CODE = 75
 
 
+def writer_started(trainer_pid: int, rank: int) -> None:
+    """The writer's first call, before anything in it touches CUDA: hide the GPUs, raise the
+    open-files limit (:mod:`resilient_fsdp.train.open_files`; inherited from the trainer, so this says
+    something only when the trainer did not raise it) and exit once the trainer is gone."""
+    hide_gpus()
+    limit, first = open_files.raise_soft_limit()
+    if first and limit.soft != limit.before:
+        print(f"[resilient-fsdp] checkpoint writer of rank {rank}: {limit.describe()}", file=sys.stderr, flush=True)
+    exit_when_orphaned(trainer_pid)
+
+
+# The writer reads host memory and writes files; a CUDA context would cost it about 0.5 GB of the
+# GPU's memory for nothing. The CUDA runtime reads this when it initialises, which torch does at
+# its first CUDA call: set before any, it hides the GPUs as if set before torch was imported.
+HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def hide_gpus() -> None:
+    """No GPU is visible to this process from now on (it must not have initialised CUDA yet)."""
+    if torch.cuda.is_initialized():
+        print("[resilient-fsdp] warning: the checkpoint writer initialised CUDA before hiding the GPUs; "
+              "its CUDA context stays", file=sys.stderr, flush=True)
+    os.environ.update(HIDDEN_GPUS)
+
+
 def exit_when_orphaned(trainer_pid: int) -> None:
-    """The writer's first call: from now on it exits as soon as ``trainer_pid``, its parent, is gone.
+    """From now on this process (the writer) exits as soon as ``trainer_pid``, its parent, is gone.
 
     The writer blocks SIGTERM so that it can finish a graceful stop's final checkpoint, and waits
     on its request queue forever; a trainer killed outright (SIGKILL, OOM) would leave it behind
@@ -112,34 +139,48 @@ def _worker_setup() -> None:
         torch.set_num_threads(WORKER_TORCH_THREADS)
 
 
+def take_request(report: SaveReport, buffers: Optional[bytes], request: bytes) -> None:
+    """What the writer runs for every save: keep the arena if it was sent (the first save of a
+    generation, or a new worker), rebuild the request's function and arguments
+    (:func:`.handoff.encode_request`) and run it. What fails is recorded in ``report`` (receiving
+    the arena's descriptor can fail, e.g. at the ``nofile`` limit); the writer goes on."""
+    try:
+        _worker_setup()
+        if buffers is not None:
+            handoff.register(handoff.decode(buffers))
+        fn, args = handoff.decode(request)
+    except BaseException:  # noqa: BLE001
+        report.record_error("the checkpoint writer could not take the request")
+        return
+    fn(*args)
+
+
 _NOT_TAKEN = object()
 
 
-def _take_staged(report: SaveReport, buffers: Optional[handoff.Buffers], key: str, packed: Any) -> Any:
-    """Keep ``buffers`` if sent (the first save of a generation, or a new worker) and rebuild what
-    ``packed`` references; on failure record the error for the trainer and return ``_NOT_TAKEN``."""
+def _take_staged(report: SaveReport, key: str, packed: Any) -> Any:
+    """What ``packed`` references in the arena registered as ``key``; on failure record the error
+    for the trainer and return ``_NOT_TAKEN``."""
     try:
-        _worker_setup()
-        handoff.register(buffers)
         return handoff.unpack(packed, key)
     except BaseException:  # noqa: BLE001
         report.record_error("the checkpoint writer could not take the staged state")
         return _NOT_TAKEN
 
 
-def worker_write_staged(report: SaveReport, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
-                        save_fn: Callable[..., Any], rank: int, packed_buckets: Any, results: Any) -> None:
+def worker_write_staged(report: SaveReport, fault: Optional[str], key: str, save_fn: Callable[..., Any], rank: int,
+                        packed_buckets: Any, results: Any) -> None:
     """A DCP write of staged buffers: the write buckets rebuilt from their references, then
     :func:`worker_write`."""
-    buckets = _take_staged(report, buffers, key, packed_buckets)
+    buckets = _take_staged(report, key, packed_buckets)
     if buckets is not _NOT_TAKEN:
         worker_write(report, fault, save_fn, rank, buckets, results)
 
 
-def worker_torch_save_staged(report: SaveReport, fault: Optional[str], buffers: Optional[handoff.Buffers], key: str,
-                             packed_state: Any, path: str) -> None:
+def worker_torch_save_staged(report: SaveReport, fault: Optional[str], key: str, packed_state: Any,
+                             path: str) -> None:
     """``torch-async``: :func:`worker_torch_save` of the staged state, from its references."""
-    state = _take_staged(report, buffers, key, packed_state)
+    state = _take_staged(report, key, packed_state)
     if state is not _NOT_TAKEN:
         worker_torch_save(report, fault, state, path)
 
