@@ -20,6 +20,7 @@ from resilient_fsdp.local.manifests.kinds import pods_of
 from resilient_fsdp.local.manifests.security import security_of
 from resilient_fsdp.local.manifests.spec import InitContainer, WorkloadError, quantity_bytes
 from resilient_fsdp.local.runtime.netns import NetnsRuntime
+from tests.checkpoint.probes import HERE as CHECKPOINT_PROBES
 from tests.local.manifest_support import rendered
 from tests.support import netns_required, run_local
 
@@ -196,16 +197,21 @@ def test_a_privileged_or_root_run_as_non_root_pod_is_refused():
 
 
 def test_a_first_run_on_a_root_owned_volume_trains_through_storage_prepare(tmp_path):
-    """The whole job at UID 10001, read-only root, no capabilities and nofile 1024 on a
-    root-owned run directory: the init container makes it writable, and it trains and checkpoints
-    (the one short run of this file in CI; the refusal without it is extended)."""
+    """The whole job at UID 10001, read-only root, no capabilities and nofile 1024 (soft and hard,
+    so raising the soft limit cannot help) on a root-owned run directory: the init container makes
+    it writable, and a model of over 3,000 staged tensors trains and checkpoints (the one short run
+    of this file in CI; the refusal without it is extended)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    result = run_local(run_dir, nproc=1, overrides=["train.steps=2", "checkpoint.interval_steps=2"], timeout=180)
+    result = run_local(run_dir, nproc=1, overrides=["train.steps=2", "checkpoint.interval_steps=2",
+                                                    "model.factory=many_tensors:build"],
+                       pythonpath=[CHECKPOINT_PROBES], extra=["--nofile", "1024:1024"], timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
-    assert (run_dir / "checkpoints" / "step_00000002").stat().st_uid == 10001
+    step = run_dir / "checkpoints" / "step_00000002"
+    assert step.is_dir() and step.stat().st_uid == 10001
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 2
+    # The trainer saw the pod's limit and could not raise it.
+    assert "soft limit 1024, hard limit 1024" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.extended
