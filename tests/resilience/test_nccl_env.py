@@ -14,6 +14,19 @@ from resilient_fsdp.resilience import nccl_env
 from tests.resilience.node import free_port
 from tests.support import REPO, _env, write_module
 
+# The probes' report: a store wait that times out (it logs a C++ warning unless TORCH_CPP_LOG_LEVEL
+# took effect), then the variables the trainer set, as one ``ENV {...}`` line.
+REPORT = """
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    try:
+        store.wait(["absent"], datetime.timedelta(seconds=0.1))
+    except Exception:
+        pass
+    names = ["NCCL_NVLS_ENABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_RETHROW_CUDA_ERRORS",
+             "TORCH_CPP_LOG_LEVEL", "TORCH_FR_DUMP_TEMP_FILE"]
+    print("ENV " + json.dumps({k: os.environ.get(k) for k in names}), flush=True)
+"""
+
 # A model factory that reports what its rank process sees, then stops the run as a configuration
 # error would (exit 2, retried by no layer): the environment after the trainer set it up, and
 # whether a store wait that times out logged a C++ warning (TORCH_CPP_LOG_LEVEL took effect).
@@ -23,16 +36,9 @@ import torch.distributed as dist
 from resilient_fsdp.config import ConfigError
 
 def build(cfg):
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    try:
-        store.wait(["absent"], datetime.timedelta(seconds=0.1))
-    except Exception:
-        pass
-    names = ["NCCL_NVLS_ENABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_RETHROW_CUDA_ERRORS",
-             "TORCH_CPP_LOG_LEVEL", "TORCH_FR_DUMP_TEMP_FILE"]
-    print("ENV " + json.dumps({k: os.environ.get(k) for k in names}), flush=True)
+{report}
     raise ConfigError("probe done")
-"""
+""".replace("{report}\n", REPORT.lstrip("\n"))
 
 
 def run_rank(tmp_path, in_process: bool) -> tuple[dict, str]:
@@ -60,19 +66,11 @@ import atexit, datetime, json, os, runpy, sys
 
 def report():
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    try:
-        store.wait(["absent"], datetime.timedelta(seconds=0.1))
-    except Exception:
-        pass
-    names = ["NCCL_NVLS_ENABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_RETHROW_CUDA_ERRORS",
-             "TORCH_CPP_LOG_LEVEL"]
-    print("ENV " + json.dumps({k: os.environ.get(k) for k in names}), flush=True)
-
+{report}
 atexit.register(report)
 sys.argv = ["resilient_fsdp.train", *sys.argv[1:], "--describe-config"]
 runpy.run_module("resilient_fsdp.train", run_name="__main__", alter_sys=True)
-"""
+""".replace("{report}\n", REPORT.lstrip("\n"))
 
 
 def run_main(in_process: bool) -> tuple[dict, str]:
@@ -92,7 +90,8 @@ def test_in_process_restart_sets_nvrx_nccl_settings_before_torch_loads_over_ft_l
     only when it loads, took effect. Without in-process restart nothing is set (the control)."""
     env, err = run_main(in_process=True)
     assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-                   "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_CPP_LOG_LEVEL": "error"}
+                   "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_CPP_LOG_LEVEL": "error",
+                   "TORCH_FR_DUMP_TEMP_FILE": None}
     assert "waitForInput" not in err, err[-2000:]
     env, err = run_main(in_process=False)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the in-job restart keeps ft_launcher's
