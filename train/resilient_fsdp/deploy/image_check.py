@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from .release_check import memlock_shortfall
+
 # Where the pins go at build time and where the run-time check reads them.
 PINS_FILE = Path("/opt/resilient-fsdp/pins.json")
 # The EFA installer's locations (libfabric and the aws-ofi-nccl plugin NCCL loads).
@@ -225,14 +227,10 @@ def check_memlock(_pins: Pins, devices: Optional[list[str]] = None,
     devices = efa_devices() if devices is None else devices
     if not devices:
         return Result("memlock", "skip", "no EFA device on this node: the locked-memory limit does not matter")
-    soft, hard = limits(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY:
+    shortfall = memlock_shortfall(limits)
+    if shortfall is None:
         return Result("memlock", "ok", f"ulimit -l unlimited (EFA: {', '.join(devices)})")
-    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else f"{hard // 1024} KiB"
-    return Result("memlock", "FAIL", f"ulimit -l is {soft // 1024} KiB (hard {hard_text}) on an EFA node: EFA "
-                                     "registers its buffers as locked memory and needs it unlimited. The limit is the "
-                                     "container runtime's: LimitMEMLOCK=infinity in containerd's systemd unit (the "
-                                     "EKS GPU AMIs set it), or `docker run --ulimit memlock=-1`")
+    return Result("memlock", "FAIL", f"on an EFA node, {shortfall}")
 
 
 def check_fsdp_step(_pins: Pins, cpu_ok: bool = False, steps: int = 3) -> Result:

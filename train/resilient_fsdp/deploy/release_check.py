@@ -75,23 +75,30 @@ def _writable_fix(directory: Path) -> str:
             f"(pod.securityContext.runAsUser{owner})")
 
 
+def memlock_shortfall(limits: Callable[[int], tuple[int, int]] = resource.getrlimit) -> Optional[str]:
+    """Why this process's locked-memory limit is too low for EFA, with the fix; None when unlimited.
+    The one rule both ``helm test`` and the image's self-check (:mod:`.image_check`) apply."""
+    soft, hard = limits(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return None
+
+    def shown(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v // 1024} KiB"
+
+    return (f"ulimit -l is {shown(soft)} (hard {shown(hard)}), EFA needs unlimited: it registers its buffers as "
+            f"locked memory, and NCCL fails to set up EFA. The limit comes from the node's container runtime, not "
+            f"the pod: set LimitMEMLOCK=infinity in containerd's systemd unit (the EKS GPU AMIs do), or "
+            f"default_ulimits memlock=-1 in its config (`docker run --ulimit memlock=-1` for docker), on the nodes "
+            f"of this instance type")
+
+
 def check_memlock(required: bool, limits: Callable[[int], tuple[int, int]] = resource.getrlimit) -> Result:
     """The locked-memory limit is unlimited (EFA pods); skipped when not ``required``."""
     name = "memlock"
     if not required:
         return Result(name, True, "no EFA (skipped)")
-    soft, hard = limits(resource.RLIMIT_MEMLOCK)
-
-    def shown(v: int) -> str:
-        return "unlimited" if v == resource.RLIM_INFINITY else f"{v // 1024} KiB"
-
-    if soft != resource.RLIM_INFINITY:
-        return Result(name, False, f"ulimit -l is {shown(soft)} (hard {shown(hard)}), EFA needs unlimited: it "
-                                   f"registers its buffers as locked memory, and NCCL fails to set up EFA. The "
-                                   f"limit comes from the node's container runtime, not the pod: set "
-                                   f"LimitMEMLOCK=infinity in containerd's systemd unit (the EKS GPU AMIs do), or "
-                                   f"default_ulimits memlock=-1 in its config, on the nodes of this instance type")
-    return Result(name, True, "unlimited")
+    shortfall = memlock_shortfall(limits)
+    return Result(name, False, shortfall) if shortfall else Result(name, True, "unlimited")
 
 
 def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
