@@ -29,8 +29,19 @@ def require_writable(path: Path, key: str) -> None:
 
 def not_writable_message(key: str, path: Path, exc: OSError) -> str:
     """Why ``path`` (the config's ``key``) is not writable, naming the chart values that fix it."""
-    return (f"{key}={str(path)!r} is not writable by uid {os.getuid()} gid {os.getgid()} ({exc.strerror or exc}); "
-            "a new FSx volume's root is root's and fsGroup does not reach a ReadWriteMany volume: set "
-            "storage.prepare=true (an init container makes the run and checkpoint directories this user's), or "
-            "make the directory writable by pod.securityContext.runAsUser/runAsGroup beforehand "
-            "(docs/eks-helm.md)")
+    return (f"{key}={str(path)!r} is not writable by uid {os.getuid()} gid {os.getgid()} ({exc.strerror or exc}): "
+            f"{writable_fix(path)} (docs/eks-helm.md)")
+
+
+def writable_fix(directory: Path) -> str:
+    """The fixes, in the chart's values: prepare the directory, or run as its owner. The trainer and
+    ``helm test`` (:mod:`resilient_fsdp.deploy.release_check`) both say this."""
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        owner = f" (its owner, {directory.stat().st_uid})"
+    except OSError:
+        owner = ""
+    return (f"set storage.prepare=true (an init container creates the run and checkpoint directories and gives "
+            f"them to uid {uid}, gid {gid}; a new FSx file system's root belongs to root and its CSI driver skips "
+            f"fsGroup on a ReadWriteMany volume), or chown {uid}:{gid} the directory on the file system yourself, "
+            f"or run the pods as the directory's owner (pod.securityContext.runAsUser/runAsGroup{owner})")

@@ -22,8 +22,9 @@ code is 1 when any failed:
 - **rendezvous host**: the name every agent passes to ``--rdzv-endpoint`` resolves. It resolves
   once the job's first pod exists, so the check keeps trying for ``--rdzv-timeout`` seconds.
 
-Standard library and ``resilient_fsdp.atomic`` only: it runs in the trainer image without touching
-torch or CUDA.
+Standard library, ``resilient_fsdp.atomic`` and the trainer's own shared-volume message
+(:mod:`resilient_fsdp.checkpoint.shared_volume`, torch-free) only: it runs in the trainer image
+without touching torch or CUDA.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from resilient_fsdp import atomic
+from resilient_fsdp.checkpoint.shared_volume import writable_fix
 
 
 @dataclass(frozen=True)
@@ -60,19 +62,6 @@ def _owner(path: Path) -> str:
     except OSError:
         return "unknown owner"
     return f"owner {st.st_uid}:{st.st_gid}, mode {st.st_mode & 0o7777:o}"
-
-
-def _writable_fix(directory: Path) -> str:
-    """The two fixes, in the chart's values: prepare the directory, or run as its owner."""
-    uid, gid = os.getuid(), os.getgid()
-    try:
-        owner = f" (its owner, {directory.stat().st_uid})"
-    except OSError:
-        owner = ""
-    return (f"set storage.prepare=true (an init container creates the run directory and gives it to uid {uid}, "
-            f"gid {gid}; a new FSx file system's root belongs to root and its CSI driver skips fsGroup), or chown "
-            f"{uid}:{gid} the directory on the file system yourself, or run the pods as the directory's owner "
-            f"(pod.securityContext.runAsUser{owner})")
 
 
 def memlock_shortfall(limits: Callable[[int], tuple[int, int]] = resource.getrlimit) -> Optional[str]:
@@ -120,7 +109,7 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
         return Result(name, False, f"cannot create {target} as {who} ({exc.strerror}); {parent} has "
-                                   f"{_owner(parent)}: {_writable_fix(parent)}")
+                                   f"{_owner(parent)}: {writable_fix(parent)}")
     probe = target / f".release-check-{socket.gethostname()}-{os.getpid()}"
     payload = os.urandom(2048).hex()
     try:
@@ -131,7 +120,7 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
             return Result(name, False, f"{probe} read back different bytes: the volume is not consistent")
     except OSError as exc:
         return Result(name, False, f"cannot write in {target} as {who} ({exc.strerror}); it has {_owner(target)}: "
-                                   f"{_writable_fix(target)}")
+                                   f"{writable_fix(target)}")
     finally:
         try:
             probe.unlink()
