@@ -5,6 +5,8 @@
 - ``recovery``: ``bench recovery``: one fault recovered by each restart layer;
 - ``soak``: ``bench soak``: a fault a minute for ten minutes: goodput and exactness;
 - ``s3``: ``bench s3``: S3 throughput, managed transfer vs one stream (and the local S3 server);
+- ``resume_cost``: the bytes one resume reads at 1,024 ranks (modelled) and the parameter hash's
+  rate per rank (measured);
 - ``results``: how every benchmark writes its ``--out`` JSON;
 - ``gpu``: ``scripts/gpu-check``: the prepared one-GPU check and the wheels it carries.
 """

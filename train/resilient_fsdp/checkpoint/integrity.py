@@ -9,7 +9,10 @@ verified before a checkpoint is loaded and after an S3 download.
   and a download. A stream in another process records its result in the save's report
   (:class:`.writer.report.SaveReport`); one in the rank records it in memory
   (:class:`Recorder`, :class:`HashingFileSystem`);
-- :func:`verify` reads files back and compares, each rank its share (:func:`share`).
+- :func:`verify` reads files back and compares, each rank its share (:func:`share`);
+- :class:`VerifiedHere` remembers the checkpoints this process verified or downloaded with their
+  checksums checked, so a later attempt in the same process (an in-process restart, a load right
+  after an S3 restore) does not read them again to verify them.
 
 A file that is written with a seek away from its end (no writer here does) gets no checksum and
 is reported as unverifiable rather than given a wrong one.
@@ -171,3 +174,31 @@ def verify(root: Path, files: dict[str, dict], names: list[str]) -> list[str]:
             problems.append(f"{name}: {ALGORITHM} {got}, the manifest says {entry[ALGORITHM]} (same size: the "
                             "contents changed after they were written)")
     return problems
+
+
+# ---- what this process has verified ------------------------------------------------------------
+
+class VerifiedHere:
+    """Checkpoints whose files this process found matching their checksums, by path and the
+    manifest's identity (step, ``created_unix``, ``job``): a checkpoint rewritten at the same path
+    is another checkpoint. In memory only, so a fresh process verifies again: files can change
+    between runs, and that is what verification catches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: set[tuple] = set()
+
+    @staticmethod
+    def key(path: Path, manifest: dict) -> tuple:
+        return (str(Path(path).resolve()), manifest.get("step"), manifest.get("created_unix"), manifest.get("job"))
+
+    def remember(self, path: Path, manifest: dict) -> None:
+        with self._lock:
+            self._keys.add(self.key(path, manifest))
+
+    def __contains__(self, item: tuple[Path, dict]) -> bool:
+        with self._lock:
+            return self.key(*item) in self._keys
+
+
+verified_here = VerifiedHere()

@@ -13,6 +13,15 @@ its newest checkpoint (``resume_from`` itself while nothing newer was committed)
 **Verification** (``checkpoint.verify: load``): before loading, every rank checks its share of the
 files against the checksums in ``COMPLETE``. A checkpoint that fails verification or loading is
 reported, naming the file, and the next older one is tried (not when it was ``resume_from``).
+Each file is read for verification once per process: a checkpoint this process already verified,
+or downloaded from S3 with its checksums checked, is loaded without verifying it again
+(:class:`.integrity.VerifiedHere`; only when every rank remembers it). Verification is a pass of
+its own rather than a hash of what loading reads: DCP reads only the byte ranges of the items
+each rank's plan needs (at another world size, slices of many files), so no rank reads whole files.
+
+**Loading** reads DCP's ``.metadata`` (every item's location in the files: hundreds of MB for a
+large model) once, on rank 0, and broadcasts it; the other ranks load through a reader that is
+handed it (:class:`SharedMetadataReader`), so the file is read once, not once per rank.
 
 **At another world size** (DCP checkpoints reshard): the global batch is kept by changing
 ``train.grad_accum_steps``, or the start is refused; each rank's saved RNG streams belong to the
@@ -25,11 +34,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .. import atomic
 from ..config import CheckpointConfig, ConfigError
@@ -186,9 +197,13 @@ def elastic_grad_accum(manifest: dict, world_size: int, batch: dict) -> Optional
 
 
 def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo) -> Optional[str]:
-    """Collective: every rank checks its share of the files; the first problem, named, or None."""
+    """Collective: every rank checks its share of the files; the first problem, named, or None.
+    Skipped when every rank remembers verifying ``ckpt`` (or downloading it, checked) already."""
     files = ckpt.manifest.get("checksums")
     if cfg.verify != "load" or not files:
+        return None
+    # Agreed by every rank: a rank that joined the job since (a fresh process) remembers nothing.
+    if group.max(0.0 if (ckpt.path, ckpt.manifest) in integrity.verified_here else 1.0) == 0.0:
         return None
     try:
         problems = integrity.verify(ckpt.path, files, integrity.share(files, group.world_size, group.rank))
@@ -196,6 +211,7 @@ def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo)
         problems = [f"verification failed: {type(exc).__name__}: {exc}"]
     found = [p for part in group.all_gather(problems) for p in part]
     if not found:
+        integrity.verified_here.remember(ckpt.path, ckpt.manifest)
         return None
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     return f"integrity check failed: {found[0]}{more}"
@@ -204,11 +220,49 @@ def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo)
 def _load(group: RankGroup, state: CheckpointState, ckpt: store.CheckpointInfo) -> Optional[str]:
     """Collective: load ``ckpt`` on every rank; the error, if any rank failed."""
     same_world = ckpt.manifest["world_size"] == group.world_size
-    error = load(state, ckpt, group.rank, same_world)
+    reader, error = None, None
+    if ckpt.manifest["mode"] != "torch-async":
+        reader, error = shared_metadata_reader(group, ckpt.path)
+    if error is None:
+        error = load(state, ckpt, group.rank, same_world, reader)
     failed = group.max(1.0 if error else 0.0)
     if failed and error is None:
         error = "another rank could not load it"
     return error
+
+
+class SharedMetadataReader(FileSystemReader):
+    """torch DCP's file system reader with the checkpoint's metadata read at most once: handed in
+    (broadcast by rank 0), or read by the first :meth:`read_metadata` and kept."""
+
+    def __init__(self, path: Path, metadata: Optional[Metadata] = None):
+        super().__init__(path)
+        self.metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata files: not shared
+            return super().read_metadata(*args, **kwargs)
+        if self.metadata is None:
+            self.metadata = super().read_metadata()
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id  # this load's id, as torch's reader sets it
+        return self.metadata
+
+
+def shared_metadata_reader(group: RankGroup, path: Path) -> tuple[Optional[SharedMetadataReader], Optional[str]]:
+    """Collective: a reader for ``path`` on every rank holding the metadata rank 0 read (the file
+    read once for the job), or the same error on every rank."""
+    payload = None
+    if group.is_coordinator:
+        try:
+            payload = {"metadata": SharedMetadataReader(path).read_metadata()}
+        except Exception as exc:  # noqa: BLE001 - reported on every rank; the older checkpoint is tried
+            payload = {"error": f"cannot read its DCP metadata: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    payload = group.broadcast(payload)
+    if "error" in payload:
+        return None, payload["error"]
+    return SharedMetadataReader(path, payload["metadata"]), None
 
 
 def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int, accum: Optional[int],
@@ -224,16 +278,17 @@ def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_s
             f"samples per step at world size {world_size}")
 
 
-def load(state: CheckpointState, ckpt: store.CheckpointInfo, rank: int, with_rng: bool) -> Optional[str]:
-    """Load ``ckpt`` into ``state`` on this rank (RNG only at the same world size); the error as
-    one line, or None."""
+def load(state: CheckpointState, ckpt: store.CheckpointInfo, rank: int, with_rng: bool,
+         reader: Optional[FileSystemReader] = None) -> Optional[str]:
+    """Load ``ckpt`` into ``state`` on this rank (RNG only at the same world size; a DCP checkpoint
+    through ``reader``, torch's own when None); the error as one line, or None."""
     try:
         sd = state.state_dict(with_rng=with_rng)
         if ckpt.manifest["mode"] == "torch-async":
             loaded = torch.load(ckpt.path / f"rank{rank:05d}.pt", map_location="cpu", weights_only=False)
             sd = from_local(loaded, sd)
         else:
-            dcp.load(sd, checkpoint_id=str(ckpt.path))
+            dcp.load(sd, checkpoint_id=str(ckpt.path), storage_reader=reader)
         state.load_state_dict(sd)
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]

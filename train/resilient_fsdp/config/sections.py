@@ -189,7 +189,8 @@ class CheckpointConfig:
     """Check files against the checksums in ``COMPLETE`` (CRC32C, recorded while writing):
     ``load``: before every resume (each rank reads a share of the files) and after an S3 restore;
     ``restore``: after an S3 restore only; ``never``. A checkpoint that fails is skipped for the
-    previous one, the file named."""
+    previous one, the file named. A process verifies a checkpoint once: one it already verified,
+    or downloaded from S3 and checked, is loaded without reading it again to verify it."""
     write_timeout_s: float = Field(default=600.0, gt=0)
     """Longest wait for a background write when the loop must wait for it (a save due while the
     previous one is written, the final save); past it the checkpoint fails on every rank. Keep it

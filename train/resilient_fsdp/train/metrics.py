@@ -16,53 +16,127 @@ from torch.distributed.tensor import DTensor, Shard
 from ..checkpoint.state import canonical_name
 
 
+HASH_BLOCK_BYTES = 64 * 1024 * 1024
+"""Most bytes of a parameter :func:`params_sha256` holds as a host copy at a time (rows of a
+device tensor are copied to the host in blocks of about this size; CPU tensors are read in place)."""
+_DIGEST_BITS = 256
+_LIMB_BITS = 16  # a limb summed over 2**47 ranks still fits in int64
+
+
 @torch.no_grad()
 def params_sha256(model: nn.Module) -> str:
-    """SHA-256 over every full parameter in ``named_parameters`` order; the same on every rank.
+    """A SHA-256 digest of every parameter's name, dtype, shape and bytes; the same on every rank.
 
-    Collective: every rank must call it. Name, dtype and shape are hashed with the bytes, so two
-    runs compare equal only if they hold the same parameters bit for bit, at any world size. Names
-    are canonical (wrapper prefixes such as activation checkpointing's removed), as in checkpoints.
-    Memory stays bounded: one parameter at a time is gathered to rank 0 alone (a dim-0 sharded
-    DTensor as its shards; another layout through ``full_tensor``), hashed there, and the digest
-    is broadcast.
+    Collective: every rank must call it. Two runs get the same digest exactly when they hold the
+    same parameters bit for bit, at any world size (the definition does not depend on how the
+    parameters are sharded). Names are canonical (wrapper prefixes such as activation
+    checkpointing's removed), as in checkpoints.
+
+    Definition: each parameter is cut into leaves by its shape alone: one leaf per dim-0 row of a
+    parameter of two or more dimensions, one leaf for the whole of a 0-D or 1-D one. A leaf's
+    digest is ``SHA-256(name|row|bytes)`` (``name|*|bytes`` for a whole parameter); the model's
+    is ``SHA-256(SHA-256(v2 header + name|dtype|shape per parameter, in named_parameters order)
+    || sum of the leaf digests mod 2**256)``. FSDP2 shards by dim-0 rows, so every rank hashes
+    the rows it holds, in parallel, reading them in place (a device tensor through host copies of
+    at most :data:`HASH_BLOCK_BYTES`), and one all-reduce of the sums combines them: no rank
+    gathers a sharded parameter of two or more dimensions. 1-D parameters (norm weights: one
+    dimension's size) are gathered whole and hashed by rank 0; so is a parameter of any other
+    layout (``full_tensor``), and an unsharded one is hashed by rank 0 alone.
+
+    A sum of digests compares runs; it is not meant to resist a collision crafted on purpose.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        full = _full_on_rank0(param, rank)
-        if rank == 0:
-            full = full.detach().to("cpu").contiguous()
-            digest.update(f"{canonical_name(name)}|{full.dtype}|{tuple(full.shape)}|".encode())
-            digest.update(full.view(torch.uint8).numpy().tobytes())
-        del full
-    if not dist.is_initialized():
-        return digest.hexdigest()
-    box = [digest.hexdigest() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    header = hashlib.sha256(b"resilient-fsdp params_sha256 v2\n")
+    total, device = 0, torch.device("cpu")
+    for raw_name, param in model.named_parameters():
+        name = canonical_name(raw_name)
+        header.update(f"{name}|{param.dtype}|{tuple(param.shape)}\n".encode())
+        device = param.device
+        total += _leaf_sum(name, param, rank)
+    if dist.is_initialized():
+        total = _sum_over_ranks(total % (1 << _DIGEST_BITS), device)
+    combined = header.digest() + (total % (1 << _DIGEST_BITS)).to_bytes(_DIGEST_BITS // 8, "big")
+    return hashlib.sha256(combined).hexdigest()
 
 
-def _full_on_rank0(param: torch.Tensor, rank: int) -> Optional[torch.Tensor]:
-    """The whole of ``param`` on rank 0 (None elsewhere). Dim-0 shards (FSDP2's layout: torch.chunk
-    sizes, trailing ranks possibly empty) are padded to equal size and gathered to rank 0."""
-    if not isinstance(param, DTensor):
-        return param if rank == 0 else None
+def _leaf_sum(name: str, param: torch.Tensor, rank: int) -> int:
+    """The sum of the digests of the leaves of ``param`` this rank hashes."""
+    if param.dim() >= 2 and isinstance(param, DTensor):
+        rows = _local_rows(param)
+        if rows is not None:
+            local, first = rows
+            return _rows_sum(name, local, first)
+    if isinstance(param, DTensor):
+        param = param.full_tensor()  # collective; 1-D, or a layout other than FSDP2's dim-0 shards
+    if rank != 0:
+        return 0
+    if param.dim() >= 2:
+        return _rows_sum(name, param, 0)
+    digest = hashlib.sha256(f"{name}|*|".encode())
+    for block in _host_blocks(param.reshape(-1)):
+        digest.update(block)
+    return int.from_bytes(digest.digest(), "big")
+
+
+def _local_rows(param: DTensor) -> Optional[tuple[torch.Tensor, int]]:
+    """This rank's rows of a dim-0 sharded DTensor on a 1-D mesh and the global index of its first
+    (FSDP2's layout: ``torch.chunk`` sizes, trailing ranks possibly empty); None for another layout."""
     mesh = param.device_mesh
-    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),) or param.dim() == 0:
-        full = param.full_tensor()
-        return full if rank == 0 else None
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        return None
     world, rows = mesh.size(), param.shape[0]
     chunk = -(-rows // world)
+    first = min(rows, mesh.get_local_rank() * chunk)
     local = param.to_local()
-    padded = local.new_zeros((chunk, *param.shape[1:]))
-    padded[: local.shape[0]].copy_(local)
-    group = mesh.get_group()
-    parts = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
-    dist.gather(padded, parts, dst=dist.get_global_rank(group, 0), group=group)
-    if rank != 0:
-        return None
-    return torch.cat([p[: max(0, min(chunk, rows - r * chunk))] for r, p in enumerate(parts)])
+    if local.shape[0] != min(chunk, rows - first):
+        return None  # not torch.chunk's split: hash the gathered parameter instead
+    return local, first
+
+
+def _rows_sum(name: str, rows: torch.Tensor, first: int) -> int:
+    """The sum of ``SHA-256(name|row|bytes)`` over dim-0 rows, row numbers counted from ``first``."""
+    count = rows.shape[0]
+    row_bytes = rows[0].numel() * rows.element_size() if count else 0
+    total = 0
+    if row_bytes == 0:
+        for i in range(count):
+            total += int.from_bytes(hashlib.sha256(f"{name}|{first + i}|".encode()).digest(), "big")
+        return total
+    per_block = max(1, HASH_BLOCK_BYTES // row_bytes)
+    for start in range(0, count, per_block):
+        block = rows[start:start + per_block]
+        if row_bytes <= HASH_BLOCK_BYTES:
+            data = _as_bytes(block.to("cpu").contiguous())
+            for j in range(block.shape[0]):
+                digest = hashlib.sha256(f"{name}|{first + start + j}|".encode())
+                digest.update(data[j * row_bytes:(j + 1) * row_bytes])
+                total += int.from_bytes(digest.digest(), "big")
+        else:  # one row larger than a block: hashed in slices of it
+            digest = hashlib.sha256(f"{name}|{first + start}|".encode())
+            for part in _host_blocks(block[0].reshape(-1)):
+                digest.update(part)
+            total += int.from_bytes(digest.digest(), "big")
+    return total
+
+
+def _host_blocks(flat: torch.Tensor):
+    """The bytes of a 1-D tensor in host blocks of at most :data:`HASH_BLOCK_BYTES`."""
+    step = max(1, HASH_BLOCK_BYTES // max(1, flat.element_size()))
+    for start in range(0, flat.numel(), step):
+        yield _as_bytes(flat[start:start + step].to("cpu").contiguous())
+
+
+def _as_bytes(host: torch.Tensor) -> memoryview:
+    return memoryview(host.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _sum_over_ranks(value: int, device: torch.device) -> int:
+    """The sum of every rank's ``value`` (< 2**256), exactly: added as 16-bit limbs in int64."""
+    limbs = _DIGEST_BITS // _LIMB_BITS
+    mask = (1 << _LIMB_BITS) - 1
+    t = torch.tensor([(value >> (_LIMB_BITS * k)) & mask for k in range(limbs)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return sum(int(v) << (_LIMB_BITS * k) for k, v in enumerate(t.tolist()))
 
 
 class MetricsLog:

@@ -181,7 +181,8 @@ def _staging_and_hash_assertions(s: Section, trainer: Any, r: dict, nbytes: int,
       async save (``device_memory_flat_during_save``);
     - the async stall is close to the time of a pinned device-to-host copy of the state
       (``stall_close_to_d2h_copy``);
-    - ``params_sha256`` gathers one parameter at a time: its peak device memory is a few of the
+    - ``params_sha256`` hashes each rank's rows where they are (copied to the host in bounded
+      blocks; only 1-D parameters gathered): its peak device memory grows by less than a few of the
       largest parameter, not the model (``params_hash_bounded``).
 
     On CPU the hash runs (the rehearsal exercises its code) and the memory figures are skipped.

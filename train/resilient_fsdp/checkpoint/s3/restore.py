@@ -7,7 +7,9 @@ first, balanced by bytes, so a large restore spreads over every node's network),
 against the marker's size and the checksum recorded when it was written, and reports through the
 rendezvous store. Rank 0 waits there for every rank, with ``checkpoint.s3.restore_timeout_s`` as
 its deadline (not the collective timeout), commits the download like a freshly written
-checkpoint and posts the outcome, which the other ranks wait for with the same deadline.
+checkpoint and posts the outcome, which the other ranks wait for with the same deadline. A
+download checked against its checksums is remembered as verified, so the load that follows does
+not read it a second time to verify it (:class:`..integrity.VerifiedHere`).
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def restore_collectively(group: RankGroup, checkpoint: CheckpointConfig, plan: d
         raise CheckpointError(f"restoring step {plan['step']} from {plan['uri']}/ failed: {outcome['error']}. The "
                               "partial download is kept and resumed by the next start; set "
                               "checkpoint.s3.restore=false to start without S3")
+    if checkpoint.verify != "never":  # every rank checked its share: loading need not read it to verify
+        integrity.verified_here.remember(Path(outcome["path"]), manifest)
     seconds = time.perf_counter() - t0
     total = sum(manifest["files"].values())
     say(f"restored step {plan['step']} from S3 in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s "
