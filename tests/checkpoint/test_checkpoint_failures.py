@@ -42,11 +42,11 @@ def test_three_kills_during_saves_leave_at_most_one_incomplete_directory(tmp_pat
     common = ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.keep_last=2"]
     ckpts = tmp_path / "checkpoints"
     for kill in range(3):
-        crashed = run_trainer(tmp_path, [*common, "resilience.inject=[writer-exit@8]"])
+        crashed = run_trainer(tmp_path, [*common, "resilience.inject=[writer-exit@8]"], timeout=300)
         assert crashed.returncode != 0 and "checkpoint of step 8 failed" in crashed.stderr, crashed.stderr[-2000:]
         torn = list(ckpts.glob("*.incomplete-*"))
         assert len(torn) == 1, (kill, torn)  # the earlier kills' torn writes were swept at each start
-    finished = run_trainer(tmp_path, common)
+    finished = run_trainer(tmp_path, common, timeout=300)
     assert finished.returncode == 0, finished.stderr
     assert [p.name for p in sorted(ckpts.iterdir()) if p.is_dir()] == ["step_00000008", "step_00000012"]
 

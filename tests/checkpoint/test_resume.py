@@ -40,7 +40,7 @@ def test_resume_from_applies_to_the_jobs_first_start_and_survives_retention_dele
     # The documented rewind: a step_N inside the job's own checkpoint.dir, with retention on.
     rewind = common + [f"checkpoint.resume_from={target}", "checkpoint.job_id=job-b", "checkpoint.keep_last=2",
                        f"checkpoint.dir={ckpts}"]
-    second = run_trainer(tmp_path / "b", rewind + ["train.stop_at_step=16"])
+    second = run_trainer(tmp_path / "b", rewind + ["train.stop_at_step=16"], timeout=300)
     assert second.returncode == 0, second.stderr
     assert "resumed from step 8" in second.stdout
     aside = sorted(p.name.split(".")[0] for p in ckpts.glob("*.abandoned-*"))
@@ -49,7 +49,7 @@ def test_resume_from_applies_to_the_jobs_first_start_and_survives_retention_dele
     assert sorted(p.name for p in ckpts.glob("step_????????")) == ["step_00000012", "step_00000016"]
     # A restart of job b (the same job id) resumes from its own newest checkpoint, step 16, without
     # reading the deleted target, and never from the abandoned timeline's steps.
-    third = run_trainer(tmp_path / "b", rewind)
+    third = run_trainer(tmp_path / "b", rewind, timeout=300)
     assert third.returncode == 0, third.stderr
     assert "applied at this job's first start" in third.stdout and "resumed from step 16" in third.stdout
     assert read_summary(tmp_path / "b")["params_sha256"] == read_summary(tmp_path)["params_sha256"]
