@@ -15,7 +15,7 @@ from tests.checkpoint.probes import run_probe
 from tests.support import LANES, assert_no_leftovers, lane_path, read_losses, read_summary, run_local, run_trainer
 
 
-def test_writer_killed_mid_save_leaves_an_incomplete_checkpoint_that_resume_skips(tmp_path):
+def test_writer_killed_mid_save_leaves_an_incomplete_checkpoint_that_the_next_start_sweeps(tmp_path):
     common = ["train.steps=12", "checkpoint.interval_steps=4"]
     crashed = run_trainer(tmp_path, [*common, "resilience.inject=[writer-exit@8]"])
     assert crashed.returncode != 0
@@ -25,12 +25,30 @@ def test_writer_killed_mid_save_leaves_an_incomplete_checkpoint_that_resume_skip
     assert [p.name for p in ckpts.glob("step_????????")] == ["step_00000004"] and len(partial) == 1
     resumed = run_trainer(tmp_path, common)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"skipping {partial[0]}: not a complete checkpoint" in resumed.stdout
     assert "resumed from step 4" in resumed.stdout
-    assert partial[0].exists()  # reported, never deleted
+    # The next start swept the torn write under its lease, said so and recorded it.
+    assert f"removed torn checkpoint directory {partial[0]}" in resumed.stdout, resumed.stdout[-3000:]
+    assert not partial[0].exists() and not list(ckpts.glob("*.incomplete-*")) and not list(ckpts.glob("*.deleting-*"))
+    swept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"checkpoint_swept"' in line]
+    assert [(e["path"], e["kind"]) for e in swept] == [(str(partial[0]), "incomplete")] and swept[0]["bytes"] > 0
     reference = run_trainer(tmp_path / "ref", common)
     assert read_summary(tmp_path)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
     assert_no_leftovers(tmp_path)
+
+
+@pytest.mark.extended
+def test_three_kills_during_saves_leave_at_most_one_incomplete_directory(tmp_path):
+    common = ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.keep_last=2"]
+    ckpts = tmp_path / "checkpoints"
+    for kill in range(3):
+        crashed = run_trainer(tmp_path, [*common, "resilience.inject=[writer-exit@8]"], timeout=300)
+        assert crashed.returncode != 0 and "checkpoint of step 8 failed" in crashed.stderr, crashed.stderr[-2000:]
+        torn = list(ckpts.glob("*.incomplete-*"))
+        assert len(torn) == 1, (kill, torn)  # the earlier kills' torn writes were swept at each start
+    finished = run_trainer(tmp_path, common, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert [p.name for p in sorted(ckpts.iterdir()) if p.is_dir()] == ["step_00000008", "step_00000012"]
 
 
 def test_unreadable_complete_checkpoint_falls_back_to_the_previous_one(tmp_path):

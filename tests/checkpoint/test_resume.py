@@ -31,24 +31,29 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_resume_ends_bitwi
     assert list((tmp_path / "checkpoints").glob("step_00000008.superseded-*"))
 
 
-def test_resume_from_applies_to_the_jobs_first_start_and_newer_checkpoints_are_set_aside(tmp_path):
-    common = ["train.steps=16", "checkpoint.interval_steps=4", "checkpoint.keep_last=0"]
-    first = run_trainer(tmp_path, common + ["checkpoint.job_id=job-a"])
+def test_resume_from_applies_to_the_jobs_first_start_and_survives_retention_deleting_its_target(tmp_path):
+    common = ["train.steps=20", "checkpoint.interval_steps=4"]
+    first = run_trainer(tmp_path, common + ["checkpoint.job_id=job-a", "checkpoint.keep_last=0"])
     assert first.returncode == 0, first.stderr
-    target = tmp_path / "checkpoints" / "step_00000008"
-    rewind = common + [f"checkpoint.resume_from={target}", "checkpoint.job_id=job-b"]
-    second = run_trainer(tmp_path / "b", rewind + [f"checkpoint.dir={tmp_path / 'checkpoints'}", "train.stop_at_step=12"])
+    ckpts = tmp_path / "checkpoints"
+    target = ckpts / "step_00000008"
+    # The documented rewind: a step_N inside the job's own checkpoint.dir, with retention on.
+    rewind = common + [f"checkpoint.resume_from={target}", "checkpoint.job_id=job-b", "checkpoint.keep_last=2",
+                       f"checkpoint.dir={ckpts}"]
+    second = run_trainer(tmp_path / "b", rewind + ["train.stop_at_step=16"], timeout=300)
     assert second.returncode == 0, second.stderr
     assert "resumed from step 8" in second.stdout
-    aside = sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoints").glob("*.abandoned-*"))
-    assert aside == ["step_00000012", "step_00000016"]
-    # A restart of job b (the same job id) resumes from its own newest checkpoint, step 12, not
-    # from resume_from again, and never from the abandoned timeline's step 16.
-    third = run_trainer(tmp_path / "b", rewind + [f"checkpoint.dir={tmp_path / 'checkpoints'}"])
+    aside = sorted(p.name.split(".")[0] for p in ckpts.glob("*.abandoned-*"))
+    assert aside == ["step_00000012", "step_00000016", "step_00000020"]
+    # Steps 12 and 16 committed: retention deleted the target like any older checkpoint.
+    assert sorted(p.name for p in ckpts.glob("step_????????")) == ["step_00000012", "step_00000016"]
+    # A restart of job b (the same job id) resumes from its own newest checkpoint, step 16, without
+    # reading the deleted target, and never from the abandoned timeline's steps.
+    third = run_trainer(tmp_path / "b", rewind, timeout=300)
     assert third.returncode == 0, third.stderr
-    assert "applied at this job's first start" in third.stdout and "resumed from step 12" in third.stdout
+    assert "applied at this job's first start" in third.stdout and "resumed from step 16" in third.stdout
     assert read_summary(tmp_path / "b")["params_sha256"] == read_summary(tmp_path)["params_sha256"]
-    assert len(list((tmp_path / "checkpoints").glob("*.abandoned-*"))) == 2  # never deleted
+    assert len(list(ckpts.glob("*.abandoned-*"))) == 3  # never deleted
 
 
 RANDOM_DATA = """

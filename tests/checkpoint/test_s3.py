@@ -1,5 +1,5 @@
 """The S3 tier against moto's standalone server: marker last, byte-exact restore, partial uploads,
-retention, the bounded backlog during an outage, start-up checks and the operator commands."""
+retention, the sweep of marker-less prefixes, the bounded backlog during an outage, start-up checks and the operator commands."""
 
 from __future__ import annotations
 
@@ -139,6 +139,33 @@ def test_retention_keeps_the_newest_complete_ones_and_never_touches_incomplete_o
         client.delete_object(Bucket=s3.bucket, Key=f"r/step_{step:08d}/COMPLETE")
     assert s3_remote.apply_remote_retention(client, loc, keep_last=1) == []
     assert s3_remote.newest_complete(client, loc)[0].step == 8
+
+
+def test_marker_less_prefixes_older_than_the_newest_marked_one_are_swept(s3, tmp_path):
+    cfg = s3_config(s3, "torn", keep_last=1)
+    loc, client = s3_client.parse_s3_uri(cfg.uri), s3_client.make_client(cfg)
+    s3_transfer.upload_checkpoint(client, cfg, loc, make_checkpoint(tmp_path / "a", 2, sizes=(1000,)))
+    # Torn uploads: data objects without a marker, older than the next marked checkpoint; and one
+    # newer than it, which may be an upload in progress.
+    for step in (1, 3, 4, 5, 6, 7):
+        client.put_object(Bucket=s3.bucket, Key=f"torn/step_{step:08d}/__0_0.distcp", Body=b"cut off")
+    client.put_object(Bucket=s3.bucket, Key="torn/step_00000099/__0_0.distcp", Body=b"in progress")
+    assert s3_remote.sweep_torn_remote(client, loc) == [(1, 7)]  # only those older than step 2
+    uploader = s3_uploader.Uploader(cfg)
+    try:
+        uploader.submit(8, make_checkpoint(tmp_path / "b", 8, sizes=(1000,)))
+        assert uploader.drain(60)
+        uploader.submit(9, make_checkpoint(tmp_path / "c", 9, sizes=(1000,)))
+        assert uploader.drain(60)
+    finally:
+        uploader.close()
+    events = [record for record, _ in uploader.take_events()]
+    swept = [e["step"] for e in events if e["event"] == "s3_swept"]
+    # At most SWEEP_CAP prefixes after each upload; the rest after the next one.
+    assert swept == [3, 4, 5, 6, 7] and s3_remote.SWEEP_CAP == 4
+    remote = s3_remote.list_remote(client, loc)
+    assert [(r.step, r.complete) for r in remote] == [(9, True), (99, False)]  # retention still keeps 1
+    assert [e["deleted"] for e in events if e["event"] == "s3_retention"] == [[2], [8]]
 
 
 def test_during_an_outage_the_backlog_stays_bounded_and_held_checkpoints_survive_local_retention(s3, tmp_path):

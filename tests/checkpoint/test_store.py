@@ -165,3 +165,53 @@ def test_a_lease_names_its_job_refuses_another_and_is_taken_over_after_a_crash(t
     taker.acquire()
     assert "from job 'job-crashed'" in said[-1] and "its process is gone" in said[-1]
     taker.release()
+
+
+def test_the_sweep_removes_torn_writes_a_commit_reached_and_at_a_start_all_but_never_user_data(tmp_path):
+    for step in (4, 8):
+        store.commit(_partial(tmp_path, step), {"step": step})
+    torn_4 = _partial(tmp_path, 4, "00000001")  # a failed re-save of step 4
+    torn_8 = _partial(tmp_path, 8, "00000002")
+    newer = _partial(tmp_path, 12, "00000003")  # a write killed before step 12 was committed
+    in_flight = _partial(tmp_path, 8, "00000004")  # a save of step 8 again (after a failed load)
+    leftover = tmp_path / "step_00000002.deleting-00000005"
+    leftover.mkdir()
+    abandoned = tmp_path / "step_00000016.abandoned-1-aa"
+    superseded = tmp_path / "step_00000008.superseded-1-bb"
+    unreadable = tmp_path / "step_00000010"
+    for keep in (abandoned, superseded, unreadable):
+        keep.mkdir()
+    said, events = [], []
+    names = store.torn_names(tmp_path)
+    removed = store.sweep_torn(tmp_path, names, in_flight=in_flight, say=said.append, record=events.append)
+    assert sorted(p.name for p in removed) == sorted([leftover.name, torn_4.name, torn_8.name])
+    assert newer.exists() and in_flight.exists()  # step 12 is not committed: not at or below the newest
+    assert all(p.exists() for p in (abandoned, superseded, unreadable))
+    assert [c.step for c in store.scan(tmp_path)[0]] == [4, 8]
+    assert len(said) == 3 and all(m.startswith("removed torn checkpoint directory") for m in said), said
+    assert {e["event"] for e in events} == {"checkpoint_swept"} and sum(e["bytes"] for e in events) == 20
+    # At a start nothing of the job is in flight: every incomplete directory is stale.
+    stale = frozenset(store.torn_names(tmp_path))
+    store.sweep_torn(tmp_path, sorted(stale), stale)
+    assert store.torn_names(tmp_path) == [] and all(p.exists() for p in (abandoned, superseded, unreadable))
+
+
+def test_the_sweep_is_capped_and_the_rest_goes_at_the_next_pass(tmp_path):
+    store.commit(_partial(tmp_path, 9), {"step": 9})
+    for i in range(store.SWEEP_CAP + 2):
+        _partial(tmp_path, 9, f"{i:08x}")
+    names = store.torn_names(tmp_path)
+    assert len(store.sweep_torn(tmp_path, names)) == store.SWEEP_CAP
+    assert len(store.sweep_torn(tmp_path, store.torn_names(tmp_path))) == 2
+    assert store.torn_names(tmp_path) == []
+
+
+def test_three_kills_during_saves_leave_at_most_one_incomplete_directory(tmp_path):
+    store.commit(_partial(tmp_path, 4), {"step": 4})
+    for kill in range(3):
+        stale = frozenset(store.torn_names(tmp_path))  # a start: the sweep runs before the first save
+        store.sweep_torn(tmp_path, sorted(stale), stale)
+        _partial(tmp_path, 8, f"{kill:08x}")  # then the save of step 8 is killed
+        assert len(store.torn_names(tmp_path)) == 1
+    # Space: keep_last committed + the torn write, whatever the number of kills.
+    assert store.dir_bytes(tmp_path) == 2 * 10 + len((tmp_path / "step_00000004" / store.MARKER).read_bytes())

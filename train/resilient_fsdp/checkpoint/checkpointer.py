@@ -93,6 +93,8 @@ class Checkpointer:
         self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") \
             if group.is_coordinator else None
         self._retention_said: list[str] = []
+        self._retention_events: list[dict] = []  # metrics.jsonl records of the retention thread
+        self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
 
     def say(self, message: str) -> None:
         self.log.info(message)
@@ -180,6 +182,9 @@ class Checkpointer:
             if error is None:
                 for path in store.recover(self.root):
                     self.say(f"completed the commit of {path} that a crash had cut short")
+                # Under the lease, nothing in flight yet: torn writes of earlier attempts go, in the
+                # background (a crash loop can leave several whole checkpoints).
+                self._sweep(at_start=True)
             if error is None and self.cfg.s3.uri:
                 error = self._check_s3()
         error = self.group.broadcast(error)
@@ -398,8 +403,25 @@ class Checkpointer:
         held = self.uploader.holds if self.uploader is not None else (lambda _p: False)
         self._retention.submit(store.apply_retention, self.root, self.cfg.keep_last, held,
                                self._retention_said.append)
+        self._sweep(at_start=False)
+
+    def _sweep(self, at_start: bool) -> None:
+        """Rank 0, holding the lease: remove torn writes (:func:`.store.sweep_torn`) on the
+        retention thread. The names are listed here, on the thread that starts writes, while none
+        is in flight (after a commit, or before the first save), so a write started later is never
+        among them."""
+        if self._retention is None or self.lease is None:
+            return
+        in_flight = self.pending["dir"] if self.pending is not None else None
+        names = store.torn_names(self.root)
+        if at_start:
+            self._stale_torn = frozenset(names)
+        self._retention.submit(store.sweep_torn, self.root, names, self._stale_torn, in_flight,
+                               self._retention_said.append, self._retention_events.append)
 
     def _say_retention(self) -> None:
+        while self._retention_events:
+            self.log.event(self._retention_events.pop(0))
         while self._retention_said:
             self.say(self._retention_said.pop(0))
 

@@ -7,8 +7,12 @@ restore that just finished on rank 0) cannot make them disagree.
 **``resume_from`` at the job's first start only.** The first start of a job (:mod:`.lease`'s job
 id) with ``checkpoint.resume_from`` loads that checkpoint, renames every checkpoint in
 ``checkpoint.dir`` newer than it to ``*.abandoned-*`` (never deleted, never picked again) and
-records this in ``<checkpoint.dir>/RESUME_FROM``. Every later start of the same job resumes from
-its newest checkpoint (``resume_from`` itself while nothing newer was committed).
+records this in ``<checkpoint.dir>/RESUME_FROM``. Every later start of the same job reads that
+record first and resumes from the job's newest committed checkpoint (``resume_from`` itself only
+while nothing newer was committed), so the target is never needed again once a newer checkpoint
+exists and retention may delete it like any other; a target that is gone while nothing newer was
+committed is a clear ConfigError. Errors of the decision, ConfigError included, are broadcast:
+every rank raises the same one.
 
 **Verification** (``checkpoint.verify: load``): before loading, every rank checks its share of the
 files against the checksums in ``COMPLETE``. A checkpoint that fails verification or loading is
@@ -71,13 +75,11 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
            batch: dict, say: Callable[[str], None]) -> Resumed:
     """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded."""
     decide_here = (lambda: decide(cfg, root, job, say)) if group.is_coordinator else (lambda: None)
-    plan = group.broadcast(decide_here())
-    if plan.get("error"):
-        raise CheckpointError(plan["error"])
+    plan = _raise_if_error(group.broadcast(decide_here()))
     restored = None
     if plan.get("s3"):
         restored = s3_restore.restore_collectively(group, cfg, plan["s3"], say)
-        plan = group.broadcast(decide_here())
+        plan = _raise_if_error(group.broadcast(decide_here()))
     candidate = _info(plan.get("candidate"))
     tried: list[str] = []
     while candidate is not None:
@@ -98,6 +100,14 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     return Resumed(None, restored_from_s3=restored)
 
 
+def _raise_if_error(plan: dict) -> dict:
+    """Every rank raises the error rank 0's decision met, with its type: a ConfigError (bad
+    configuration, exit 2) or a CheckpointError (the start fails and is retried)."""
+    if plan.get("error"):
+        raise (ConfigError if plan.get("config") else CheckpointError)(plan["error"])
+    return plan
+
+
 def _as_dict(info: Optional[store.CheckpointInfo]) -> Optional[dict]:
     return None if info is None else {"step": info.step, "path": str(info.path), "manifest": info.manifest}
 
@@ -107,7 +117,9 @@ def _info(d: Optional[dict]) -> Optional[store.CheckpointInfo]:
 
 
 def decide(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None]) -> dict:
-    """Rank 0: ``{"candidate": ..., "pinned": bool}``, ``{"s3": ...}`` (restore first) or ``{"error"}``."""
+    """Rank 0: ``{"candidate": ..., "pinned": bool}``, ``{"s3": ...}`` (restore first) or
+    ``{"error": message, "config": bool}``. Never raises: the error travels in the broadcast, so
+    every rank raises it at once instead of waiting for rank 0's abort or the collective timeout."""
     try:
         if cfg.resume_from:
             return _resume_from(cfg, root, job, say)
@@ -122,37 +134,52 @@ def decide(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], Non
             if found is not None:
                 return found
         return {"candidate": _as_dict(committed[-1] if committed else None)}
-    except ConfigError:
-        raise
+    except ConfigError as exc:
+        return {"error": str(exc), "config": True}
     except Exception as exc:  # an S3 failure: the start fails, the restart layers retry it
-        return {"error": str(exc)}
+        return {"error": str(exc), "config": False}
 
 
 def _resume_from(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None]) -> dict:
     path = Path(cfg.resume_from).resolve()
+    # RESUME_FROM first: once this job applied resume_from, the target may be gone (retention
+    # deletes it like any checkpoint once newer ones are committed) and is not needed.
+    try:
+        record = json.loads((root / RESUME_RECORD).read_text())
+    except (OSError, ValueError):
+        record = {}
+    if record.get("job") == job and record.get("resume_from") == str(path) and isinstance(record.get("step"), int):
+        return _after_rewind(cfg, root, path, record["step"], say)
     manifest = store.read_manifest(path)
     if manifest is None:
         raise ConfigError(f"checkpoint.resume_from={cfg.resume_from!r} is not a complete checkpoint "
                           f"(no readable {store.MARKER} manifest); name a step_N directory")
     step = int(manifest["step"])
-    try:
-        record = json.loads((root / RESUME_RECORD).read_text())
-    except (OSError, ValueError):
-        record = {}
-    if record.get("job") == job and record.get("resume_from") == str(path):
-        committed = store.scan(root)[0]
-        newest = committed[-1] if committed else None
-        if newest is not None and newest.step >= step and newest.path != path:
-            say(f"checkpoint.resume_from={cfg.resume_from} was applied at this job's first start; resuming "
-                f"from the job's newest checkpoint, step {newest.step}")
-            return {"candidate": _as_dict(newest)}
-        return {"candidate": _as_dict(store.CheckpointInfo(step, path, manifest)), "pinned": True}
     moved = store.set_aside_newer(root, step)
     for p in moved:
         say(f"set aside {p}: newer than checkpoint.resume_from (step {step}); kept, never resumed from")
     atomic.write_json(root / RESUME_RECORD, {"job": job, "resume_from": str(path), "step": step,
                                              "applied_unix": time.time(), "set_aside": [str(p) for p in moved]})
     return {"candidate": _as_dict(store.CheckpointInfo(step, path, manifest)), "pinned": True}
+
+
+def _after_rewind(cfg: CheckpointConfig, root: Path, path: Path, step: int, say: Callable[[str], None]) -> dict:
+    """A later start of the job that applied ``resume_from`` (step ``step``): the job's newest
+    committed checkpoint, or the target itself while nothing newer was committed."""
+    committed = store.scan(root)[0]
+    newest = committed[-1] if committed else None
+    if newest is not None and newest.step >= step and newest.path != path:
+        say(f"checkpoint.resume_from={cfg.resume_from} was applied at this job's first start; resuming "
+            f"from the job's newest checkpoint, step {newest.step}")
+        return {"candidate": _as_dict(newest)}
+    manifest = store.read_manifest(path)
+    if manifest is not None and manifest.get("step") == step:
+        return {"candidate": _as_dict(store.CheckpointInfo(step, path, manifest)), "pinned": True}
+    raise ConfigError(
+        f"checkpoint.resume_from={cfg.resume_from!r} was applied at this job's first start ({root / RESUME_RECORD}), "
+        f"but it is no longer a complete checkpoint and this job committed nothing at or after its step {step} "
+        f"in checkpoint.dir={str(root)!r}; unset checkpoint.resume_from to resume from the newest checkpoint there, "
+        "or name another complete step_N directory")
 
 
 def older_than(root: Path, step: int) -> Optional[store.CheckpointInfo]:

@@ -21,8 +21,32 @@ between the two renames leaves a partial directory holding a valid ``COMPLETE`` 
 then removed, so a crash mid-delete never leaves a ``step_N`` that scans as good. It is
 best-effort: a failure is reported and training goes on; leftovers are removed next time.
 
-Nothing here deletes an incomplete, unreadable or abandoned checkpoint: it is reported and left
-for the operator.
+Retention never deletes what a job's resume decision still depends on: the newest committed
+checkpoint is never a victim, and a ``resume_from`` target is needed only while it is the newest
+thing its job can resume from (a later start resumes from a newer commit once there is one,
+:mod:`.resume`), so it is kept exactly as long as that holds.
+
+**Torn writes** (``.incomplete-*`` left by a failed, timed-out or killed write) are swept by rank 0
+under the lease (:func:`sweep_torn`), at most :data:`SWEEP_CAP` directories a pass, the rest the
+next pass (those listed at a start stay eligible), each removal logged:
+
+* after each commit: every incomplete directory whose step is at or below the newest committed
+  step, except the write in flight (a later commit reached its step: it can never be resumed);
+* at a start (preflight, after :func:`recover`), before this job has a write in flight: every
+  incomplete directory. None can become a checkpoint: a write is committed only by the process
+  that started it, and that process is gone (or, after an in-process restart, its attempt ended
+  and its write was drained or abandoned).
+
+So any number of kills during saves leaves at most one incomplete directory (the last killed
+write's, until the next start or a commit of its step). Leftover ``.deleting-*`` directories
+are removed too. Never deleted: a committed checkpoint, a ``.superseded-*`` copy of a step that
+retention keeps, an ``.abandoned-*`` set-aside (``resume_from``'s, kept for the operator), a
+``step_N`` without a readable manifest (reported and left for the operator), or a partial
+directory :func:`recover` completes.
+
+**Space** on the volume: at most ``keep_last`` committed checkpoints, one write in flight, one torn
+write (until a commit reaches its step), superseded copies of kept steps (rewinds only) and what
+the sweep is deleting; set-asides are the operator's.
 """
 
 from __future__ import annotations
@@ -46,6 +70,9 @@ _PARTIAL = re.compile(r"^step_(\d{8})\.incomplete-([0-9a-f]+)$")
 _SUPERSEDED = re.compile(r"^step_(\d{8})\.superseded-\d+(?:-[0-9a-f]+)?$")
 _ABANDONED = re.compile(r"^step_(\d{8})\.abandoned-\d+(?:-[0-9a-f]+)?$")
 _DELETING = re.compile(r"^step_\d{8}.*\.deleting-[0-9a-f]+$")
+# Torn and leftover directories removed per sweep: a sweep after a crash loop must not hold up
+# the retention thread for long; the rest go at the next pass.
+SWEEP_CAP = 4
 
 
 class CheckpointError(RuntimeError):
@@ -206,6 +233,65 @@ def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = l
         if leftover not in removed:
             _remove(leftover, say)
     return deleted
+
+
+def torn_names(root: Path) -> list[str]:
+    """Names of the incomplete and leftover ``.deleting`` directories in ``root`` now: what a sweep
+    may consider. Listed on the thread that starts writes, while none is in flight, so a write that
+    starts later can never be among them."""
+    try:
+        return sorted(e.name for e in root.iterdir() if _PARTIAL.match(e.name) or _DELETING.match(e.name))
+    except OSError:
+        return []
+
+
+def sweep_victims(root: Path, names: list[str], newest_committed: Optional[int],
+                  stale: frozenset[str] = frozenset(), in_flight: Optional[Path] = None) -> list[Path]:
+    """Which of ``names`` (:func:`torn_names`) a sweep removes, by name (the rule is in the module
+    docstring): leftover deletions, incomplete directories at or below ``newest_committed``, and
+    those in ``stale`` (listed at the job's start, before it had a write in flight); never
+    ``in_flight``."""
+    torn = []
+    for name in names:
+        if in_flight is not None and name == in_flight.name:
+            continue
+        m = _PARTIAL.match(name)
+        if m is None or name in stale or (newest_committed is not None and int(m.group(1)) <= newest_committed):
+            torn.append(root / name)
+    return torn
+
+
+def sweep_torn(root: Path, names: list[str], stale: frozenset[str] = frozenset(), in_flight: Optional[Path] = None,
+               say: Callable[[str], None] = lambda _m: None, record: Callable[[dict], None] = lambda _r: None,
+               cap: int = SWEEP_CAP) -> list[Path]:
+    """Remove torn writes and leftover ``.deleting`` directories among ``names`` (at most ``cap``,
+    the rest at the next pass); each removal is said and recorded (a ``checkpoint_swept`` event).
+    Returns what was removed. Run by rank 0 while it holds the lease: no other job writes here."""
+    committed, _ = scan(root)
+    newest = committed[-1].step if committed else None
+    removed = []
+    for path in sweep_victims(root, names, newest, stale, in_flight)[:cap]:
+        if not path.is_dir():
+            continue
+        kind = "deleting" if _DELETING.match(path.name) else "incomplete"
+        try:
+            nbytes = dir_bytes(path)
+            marked = path if kind == "deleting" else path.with_name(f"{path.name}.deleting-{_token()}")
+            if marked != path:
+                atomic.rename(path, marked)
+        except OSError as exc:
+            say(f"warning: could not remove torn checkpoint directory {path} ({exc.strerror or exc}); "
+                "tried again at the next pass; training goes on")
+            continue
+        _remove(marked, say)
+        removed.append(path)
+        why = "a leftover of an interrupted deletion" if kind == "deleting" else (
+            "an incomplete write of an earlier attempt" if path.name in stale else
+            f"an incomplete write; step {newest} is committed")
+        say(f"removed torn checkpoint directory {path} ({nbytes / 1e6:.1f} MB, {why})")
+        record({"event": "checkpoint_swept", "t": time.time(), "path": str(path), "kind": kind,
+                "bytes": nbytes, "newest_committed": newest})
+    return removed
 
 
 def _remove(path: Path, say: Callable[[str], None]) -> None:

@@ -174,15 +174,17 @@ class CheckpointConfig:
     plain DCP save (the loop waits for the write)."""
     keep_last: int = Field(default=3, ge=0)
     """Committed checkpoints to keep (older ones are deleted after a newer one commits); 0 keeps all.
-    Incomplete checkpoints are never deleted."""
+    Torn writes (``*.incomplete-*``) are deleted at the next start and once a commit reaches their
+    step, whatever this is."""
     save_final: bool = True
     """Save a checkpoint at the end of training."""
     resume: bool = True
     """Resume from the newest complete checkpoint in ``dir`` when one exists."""
     resume_from: Optional[str] = None
     """Resume from this checkpoint directory (a ``step_N``) instead of the newest one, at the job's
-    first start only (restarts of the job resume from its newest checkpoint). Checkpoints in
-    ``dir`` newer than it are renamed ``*.abandoned-*`` then: never deleted, never picked again."""
+    first start only (restarts of the job resume from its newest checkpoint, so retention may
+    delete it once a newer one is committed). Checkpoints in ``dir`` newer than it are renamed
+    ``*.abandoned-*`` then: never deleted, never picked again."""
     writer_threads: int = Field(default=2, gt=0)
     """Files each rank writes in parallel (``async`` mode)."""
     verify: Literal["load", "restore", "never"] = "load"

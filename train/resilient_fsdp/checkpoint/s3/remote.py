@@ -1,4 +1,5 @@
-"""What is under the prefix: checkpoints complete or not, their markers, and retention there."""
+"""What is under the prefix: checkpoints complete or not, their markers, retention there, and the
+sweep of prefixes that torn uploads left without a marker."""
 
 from __future__ import annotations
 
@@ -126,3 +127,28 @@ def apply_remote_retention(client: Any, loc: S3Location, keep_last: int) -> list
                                                              "Quiet": True})
         deleted.append(victim.step)
     return deleted
+
+
+# Marker-less prefixes deleted per sweep; the rest go after the next upload.
+SWEEP_CAP = 4
+
+
+def sweep_torn_remote(client: Any, loc: S3Location, cap: int = SWEEP_CAP) -> list[tuple[int, int]]:
+    """Delete ``step_N/`` prefixes without a marker that are older than the newest marked one
+    (uploads cut off or superseded: a marker never follows once a newer one is put), at most
+    ``cap``; returns their (step, bytes). Rank 0's uploader calls it, under the job's lease.
+
+    A prefix newer than the newest marked one may be an upload in progress and is never touched.
+    """
+    remote = list_remote(client, loc)
+    marked = [r.step for r in remote if r.complete]
+    if not marked:
+        return []
+    swept = []
+    for torn in [r for r in remote if not r.complete and r.step < marked[-1]][:cap]:
+        keys = [loc.key(store.committed_name(torn.step), rel) for rel in torn.files]
+        for i in range(0, len(keys), 1000):
+            client.delete_objects(Bucket=loc.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
+                                                             "Quiet": True})
+        swept.append((torn.step, sum(torn.files.values())))
+    return swept

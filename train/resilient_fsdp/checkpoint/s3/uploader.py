@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ...config import S3Config
 from .. import integrity, store
 from .client import describe_error, make_client, parse_s3_uri
-from .remote import apply_remote_retention, checkpoint_id
+from .remote import apply_remote_retention, checkpoint_id, sweep_torn_remote
 from .transfer import count_receipts, file_sizes, put_marker, upload_share
 
 _AWAIT_POLL_S = 1.0
@@ -283,6 +283,7 @@ class Uploader:
             self._cond.notify_all()
         try:
             deleted = apply_remote_retention(client, self.loc, self.cfg.keep_last)
+            swept = sweep_torn_remote(client, self.loc)
         except Exception as exc:
             with self._cond:
                 self.status.last_error = f"retention: {describe_error(exc)}"
@@ -290,6 +291,11 @@ class Uploader:
                             f"warning: S3 retention after step {entry.step} failed ({self.status.last_error}); "
                             "it is tried again after the next upload")
             return
+        for step, nbytes in swept:
+            with self._cond:
+                self._event({"event": "s3_swept", "step": step, "bytes": nbytes},
+                            f"deleted {self.loc.uri(store.committed_name(step))}/ ({nbytes / 1e6:.1f} MB): an upload "
+                            f"that never got its marker, older than step {entry.step}'s")
         if deleted:
             with self._cond:
                 self.status.deleted += deleted
