@@ -13,6 +13,10 @@ finished, gathers every rank's outcome to rank 0, which writes the metadata and 
 broadcasts the result: every rank returns the same record or raises the same
 :class:`CheckpointError`. :meth:`~Checkpointer.resume` is :mod:`.resume`'s: rank 0 decides, every
 rank verifies its share of the files and loads.
+
+A periodic save that fails (:class:`~.failures.SaveFailed`) is reported and training goes on, up
+to ``checkpoint.max_consecutive_failures`` in a row (:mod:`.failures`); the final save and a
+graceful stop's fail the job, as a lost lease does.
 """
 
 from __future__ import annotations
@@ -319,6 +323,7 @@ class Checkpointer:
         t_start = time.perf_counter()
         token, error = votes[0][0], votes[0][1]
         if error:
+            self.last_save_time = time.monotonic()  # checkpoint.interval_s: not again at the next step
             raise error.error()
         partial_dir = self.root / store.partial_name(step, token)
         self.hooks.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
