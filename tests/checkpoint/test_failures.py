@@ -62,3 +62,11 @@ def test_a_full_volume_names_free_and_needed_space_the_fix_and_that_nothing_comm
     assert "Committed checkpoints are never deleted to make room" in message
     unknown = failures.volume_full_message(tmp_path, needed_bytes=None, keep_last=3)
     assert "no checkpoint was committed yet" in unknown
+
+
+def test_less_free_space_than_a_checkpoint_needs_counts_as_full_and_unknown_needs_do_not(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    assert failures.short_of_space(tmp_path, free * 2)
+    assert not failures.short_of_space(tmp_path, 1024)
+    assert not failures.short_of_space(tmp_path, None)
+    assert not failures.short_of_space(tmp_path / "missing", 1024)

@@ -439,9 +439,12 @@ class Checkpointer:
                              f"checkpoint.dir={str(self.root)!r}: {exc.strerror or exc}", failures.MKDIR, step, exc)
 
     def _failure(self, message: str, cause: str, step: int, error: object) -> Failure:
-        """Rank 0: the failure of the save of ``step``; a full volume is said as such."""
-        if failures.is_volume_full(error):
-            needed = self.expected_written_bytes()
+        """Rank 0: the failure of the save of ``step``; a full volume is said as such. A writer's
+        error does not always carry the ENOSPC (torch's zip writer reports a short write as a
+        position mismatch), so less free space than a checkpoint needs counts as full too."""
+        needed = self.expected_written_bytes() if cause in (failures.WRITER, failures.FINALIZE, failures.MKDIR) \
+            else None
+        if failures.is_volume_full(error) or failures.short_of_space(self.root, needed):
             return Failure(f"{message}: {failures.volume_full_message(self.root, needed, self.cfg.keep_last)}",
                            failures.VOLUME_FULL, step)
         return Failure(message, cause, step)

@@ -56,6 +56,14 @@ def is_volume_full(error: object) -> bool:
     return any(t in str(error) for t in _ENOSPC_TEXT)
 
 
+def short_of_space(root: Path, needed_bytes: Optional[int]) -> bool:
+    """Less free space under ``root`` than a checkpoint needs (False when either is unknown)."""
+    try:
+        return needed_bytes is not None and shutil.disk_usage(root).free < needed_bytes
+    except OSError:
+        return False
+
+
 def volume_full_message(root: Path, needed_bytes: Optional[int], keep_last: int) -> str:
     """What to tell a user whose checkpoint volume is full: how full, what a checkpoint needs, the fix."""
     try:
