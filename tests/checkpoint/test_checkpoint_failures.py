@@ -1,39 +1,40 @@
 """Checkpoints that fail stay out of the way: a writer killed mid-save, an unreadable or full
 volume, failed attempts with a write in flight, dead, hung and failing writers, in real
 processes (gloo on CPU), on both NVRx lanes where NVRx is involved. Nothing incomplete is ever
-loaded; every rank reports the same failure."""
+loaded; every rank sees the same failure; a failed save is reported and training goes on until
+checkpoint.max_consecutive_failures saves in a row failed."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
 import pytest
 
 from tests.checkpoint.probes import run_probe
-from tests.support import LANES, assert_no_leftovers, lane_path, read_losses, read_summary, run_local, run_trainer
+from resilient_fsdp.checkpoint import store
+from tests.support import (LANES, assert_no_leftovers, lane_path, read_events, read_losses, read_summary,
+                           run_local, run_trainer)
 
 
-def test_writer_killed_mid_save_leaves_an_incomplete_checkpoint_that_the_next_start_sweeps(tmp_path):
-    common = ["train.steps=12", "checkpoint.interval_steps=4"]
-    crashed = run_trainer(tmp_path, [*common, "resilience.inject=[writer-exit@8]"])
-    assert crashed.returncode != 0
-    assert "checkpoint of step 8 failed" in crashed.stderr and "exited with code 137" in crashed.stderr
+def test_a_writer_killed_mid_save_is_reported_training_commits_the_next_and_the_torn_write_is_swept(tmp_path):
+    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=4", "resilience.inject=[writer-exit@8]"],
+                       timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "checkpoint of step 8 failed" in out and "exited with code 137" in out and "training goes on" in out
+    failed = read_events(tmp_path, "checkpoint_failed")
+    assert [(r["step"], r["cause"], r["consecutive"], r["fatal"]) for r in failed] == [(8, "writer", 1, False)]
     ckpts = tmp_path / "checkpoints"
-    partial = list(ckpts.glob("step_00000008.incomplete-*"))
-    assert [p.name for p in ckpts.glob("step_????????")] == ["step_00000004"] and len(partial) == 1
-    resumed = run_trainer(tmp_path, common)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from step 4" in resumed.stdout
-    # The next start swept the torn write under its lease, said so and recorded it.
-    assert f"removed torn checkpoint directory {partial[0]}" in resumed.stdout, resumed.stdout[-3000:]
-    assert not partial[0].exists() and not list(ckpts.glob("*.incomplete-*")) and not list(ckpts.glob("*.deleting-*"))
-    swept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if '"checkpoint_swept"' in line]
-    assert [(e["path"], e["kind"]) for e in swept] == [(str(partial[0]), "incomplete")] and swept[0]["bytes"] > 0
-    reference = run_trainer(tmp_path / "ref", common)
-    assert read_summary(tmp_path)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
+    assert [p.name for p in sorted(ckpts.glob("step_????????"))] == ["step_00000004", "step_00000012"]
+    assert [r["step"] for r in read_events(tmp_path, "checkpoint")] == [4, 12]
+    # Once step 12 is committed, rank 0 sweeps the torn write of step 8 under its lease, says so and records it.
+    swept = read_events(tmp_path, "checkpoint_swept")
+    assert [(Path(e["path"]).name.split(".")[0], e["kind"]) for e in swept] == [("step_00000008", "incomplete")], swept
+    assert swept[0]["bytes"] > 0 and f"removed torn checkpoint directory {swept[0]['path']}" in out
+    assert not list(ckpts.glob("*.incomplete-*")) and not list(ckpts.glob("*.deleting-*"))
     assert_no_leftovers(tmp_path)
 
 
@@ -62,15 +63,49 @@ def test_unreadable_complete_checkpoint_falls_back_to_the_previous_one(tmp_path)
     assert "resumed from step 4" in second.stdout
 
 
-def test_full_disk_fails_with_a_clear_error_not_a_hang(tmp_path):
+def test_saves_that_keep_failing_end_the_job_at_max_consecutive_failures_naming_the_cause(tmp_path):
     # The tiny model's checkpoint files are ~1 MB: a 256 KB file-size cap makes every write fail
-    # part-way (EFBIG, as ENOSPC would on a full disk).
-    proc = run_trainer(tmp_path, ["train.steps=6", "checkpoint.interval_steps=3"], file_size_limit=256 * 1024,
-                       timeout=120)
+    # part-way (EFBIG); the second failure in a row ends the job.
+    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=3", "checkpoint.max_consecutive_failures=2"],
+                       file_size_limit=256 * 1024, timeout=300)
     assert proc.returncode != 0
-    assert "checkpoint of step 3 failed" in proc.stderr and "stays incomplete" in proc.stderr
+    assert "checkpoint of step 3 failed" in proc.stdout and "training goes on" in proc.stdout, proc.stdout[-3000:]
+    assert "2 checkpoint save(s) in a row failed (checkpoint.max_consecutive_failures=2)" in proc.stderr
+    assert "checkpoint of step 6 failed" in proc.stderr and "File too large" in proc.stderr, proc.stderr[-3000:]
+    failed = read_events(tmp_path, "checkpoint_failed")
+    assert [(r["step"], r["consecutive"], r["fatal"]) for r in failed] == [(3, 1, False), (6, 2, True)]
     assert not list((tmp_path / "checkpoints").glob("step_????????"))
+    assert len(list((tmp_path / "checkpoints").glob("step_*.incomplete-*"))) == 2
     assert_no_leftovers(tmp_path)
+
+
+@pytest.mark.extended
+def test_a_full_checkpoint_volume_says_so_and_keeps_the_committed_checkpoint(tmp_path):
+    # A real full volume: checkpoint.dir on a tmpfs that holds one checkpoint (~1.8 MB) but not two.
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(volume)],
+                             capture_output=True, text=True)
+    assert mounted.returncode == 0, f"this test mounts a tmpfs and needs root: {mounted.stderr}"
+    try:
+        proc = run_trainer(tmp_path / "run", ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.keep_last=1",
+                                              f"checkpoint.dir={volume}"],
+                           timeout=180)
+        committed = [p.name for p in volume.glob("step_????????")]
+        kept = store.read_manifest(volume / "step_00000004") if committed else None
+    finally:
+        subprocess.run(["umount", str(volume)], check=True)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "the checkpoint volume is full" in err and "MB free" in err, err[-3000:]
+    assert "a checkpoint needs about" in err and "checkpoint.keep_last (now 1" in err
+    assert "Committed checkpoints are never deleted to make room" in err
+    # Step 8's failure is reported and training goes on; step 12's save is the final one: it fails the job.
+    assert "The checkpoint that ends this run" in err and "the newest committed checkpoint: step 4" in err
+    causes = [(r["step"], r["cause"]) for r in read_events(tmp_path / "run", "checkpoint_failed")]
+    assert causes == [(8, "volume_full"), (12, "volume_full")], causes
+    assert committed == ["step_00000004"] and kept is not None and kept["step"] == 4
+    assert_no_leftovers(tmp_path / "run")
 
 
 def test_unwritable_checkpoint_dir_is_a_config_error(tmp_path):
@@ -168,24 +203,36 @@ def test_in_process_restart_with_a_write_in_flight_commits_only_checkpoints_that
     assert_no_leftovers(tmp_path / "run")
 
 
-def test_a_writer_error_on_one_rank_fails_every_rank_with_the_same_error(tmp_path):
+def test_a_writer_error_on_one_rank_is_one_failed_save_on_every_rank_and_training_goes_on(tmp_path):
+    # Every rank must take the same branch: one that raised while the other went on would hang
+    # the next collective, so a job that finishes with step 12 committed shows they agreed.
     proc = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=12", "checkpoint.interval_steps=4"],
                      extra=["--max-restarts=0", "--max-node-restarts=0", "--inject=writer-raise@8:rank=1"], timeout=180)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    assert proc.returncode == 0, out[-5000:]
     expected = "checkpoint of step 8 failed (rank 1: OSError: injected writer failure"
-    logs = [p.read_text() for p in sorted((tmp_path / "logs").rglob("*")) if p.is_file()]
-    ranks = [log for log in logs if expected in log]
-    assert len(ranks) >= 2 or out.count(expected) >= 2, out[-5000:]
-    assert [p.name for p in (tmp_path / "checkpoints").glob("step_????????")] == ["step_00000004"]
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").rglob("*")) if p.is_file())
+    assert expected in out + logs, out[-5000:]
+    failed = read_events(tmp_path, "checkpoint_failed")
+    assert [(r["step"], r["cause"], r["consecutive"]) for r in failed] == [(8, "writer", 1)]
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_????????"))] == ["step_00000004",
+                                                                                          "step_00000012"]
     assert_no_leftovers(tmp_path)
 
 
-def test_a_write_that_never_finishes_fails_at_the_deadline_not_a_hang(tmp_path):
-    # The first save hangs: a healthy write before it would have to beat the 3 s deadline too,
-    # which the niced writer does not on a loaded machine.
-    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.write_timeout_s=3",
-                                  "resilience.inject=[writer-hang@4]"], timeout=120)
-    assert proc.returncode != 0
-    assert "did not finish within checkpoint.write_timeout_s=3" in proc.stderr, proc.stderr[-3000:]
+def test_a_write_that_never_finishes_fails_at_the_deadline_and_the_next_save_gets_a_new_writer(tmp_path):
+    # The first save hangs and is waited for at step 8 (the next save), 3 s at most; the save of
+    # step 8 goes to a new writer. Whether that one beats the 3 s deadline too depends on the
+    # machine's load, so the run does not promise it (no final save, two failures allowed).
+    proc = run_trainer(tmp_path, ["train.steps=8", "checkpoint.interval_steps=4", "checkpoint.write_timeout_s=3",
+                                  "checkpoint.save_final=false", "checkpoint.max_consecutive_failures=3",
+                                  "resilience.inject=[writer-hang@4]"], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "did not finish within checkpoint.write_timeout_s=3" in out, out[-3000:]
+    failed = read_events(tmp_path, "checkpoint_failed")
+    assert (failed[0]["step"], failed[0]["cause"]) == (4, "write_timeout"), failed
+    assert not (tmp_path / "checkpoints" / "step_00000004").exists()
+    committed = [r["step"] for r in read_events(tmp_path, "checkpoint")]
+    assert committed == [8] or [r["step"] for r in failed] == [4, 8], (committed, failed)
     assert_no_leftovers(tmp_path)

@@ -3,6 +3,7 @@ retention, the sweep of marker-less prefixes, the bounded backlog during an outa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -20,13 +21,13 @@ from resilient_fsdp.config import ConfigError, S3Config, load_config
 MIB = 1024 * 1024
 
 
-def make_checkpoint(root, step, sizes=(6 * MIB, 100_000, 0)):
+def make_checkpoint(root, step, sizes=(6 * MIB, 100_000, 0), world_size=1):
     """A committed checkpoint of random files, as the trainer's commit leaves it."""
     partial = root / store.partial_name(step, "00c0ffee")
     partial.mkdir(parents=True)
     for i, size in enumerate(sizes):
         (partial / f"__{i}_0.distcp").write_bytes(os.urandom(size))
-    return store.commit(partial, {"step": step, "world_size": 1, "created_unix": time.time()})
+    return store.commit(partial, {"step": step, "world_size": world_size, "created_unix": time.time()})
 
 
 def s3_config(s3, prefix, **kw):
@@ -199,6 +200,47 @@ def test_during_an_outage_the_backlog_stays_bounded_and_held_checkpoints_survive
     assert events.count("s3_superseded") == 3 and "s3_error" in events and events.count("s3_upload") == 2
     assert [r.step for r in s3_remote.list_remote(s3.client, s3_client.parse_s3_uri(cfg.uri)) if r.complete] == [4, 5]
     assert not uploader.holds(root / "step_00000001")  # released: local retention may take it now
+
+
+def test_a_rank_that_cannot_upload_is_named_and_holds_at_most_max_awaiting_checkpoints(s3, tmp_path):
+    # Two ranks: rank 1's S3 endpoint refuses connections, so its receipts never come.
+    cfg = s3_config(s3, "lagging", max_awaiting=2, max_pending=8, keep_last=0)
+    root = tmp_path / "ckpts"
+    ckpts = {step: make_checkpoint(root, step, sizes=(200_000, 100_000), world_size=2) for step in (1, 2, 3, 4)}
+    rank0 = s3_uploader.Uploader(cfg, rank=0, world_size=2)
+    rank1 = s3_uploader.Uploader(dataclasses.replace(cfg, endpoint_url="http://127.0.0.1:9"), rank=1, world_size=2)
+    try:
+        for step, path in ckpts.items():
+            rank0.submit(step, path)
+            rank1.submit(step, path)
+        deadline = time.monotonic() + 60
+        while rank0.summary()["released"] != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lagging = rank0.summary()
+        assert lagging["released"] == [1, 2] and lagging["pending"] == [3, 4], lagging
+        assert lagging["lagging_ranks"] == [1] and rank1.summary()["failed"] >= 1
+        assert not rank0.holds(ckpts[1]) and not rank0.holds(ckpts[2]) and rank0.holds(ckpts[4])
+        deleted = store.apply_retention(root, keep_last=1, held=rank0.holds)
+        assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000002"]
+        events = rank0.take_events()
+        released = [(r, m) for r, m in events if r["event"] == "s3_released"]
+        assert [r["step"] for r, _ in released] == [1, 2] and all(r["waiting_for"] == [1] for r, _ in released)
+        assert "rank(s) 1 did not upload" in released[0][1] and "checkpoint.s3.max_awaiting=2" in released[0][1]
+        assert [r["ranks"] for r, _ in events if r["event"] == "s3_lagging"] == [[1]]
+        loc = s3_client.parse_s3_uri(cfg.uri)
+        assert not [r.step for r in s3_remote.list_remote(s3.client, loc) if r.complete]  # nothing restorable
+        # Rank 1 back (its process restarted with a working endpoint): the newest is marked.
+        rank1.close()
+        rank1 = s3_uploader.Uploader(cfg, rank=1, world_size=2)
+        rank1.submit(4, ckpts[4])
+        assert rank0.drain(60)
+        status = rank0.summary()
+    finally:
+        rank0.close()
+        rank1.close()
+    assert status["uploaded"] == [4] and status["lagging_ranks"] == [] and status["pending"] == []
+    assert [r.step for r in s3_remote.list_remote(s3.client, loc) if r.complete] == [4]
+    assert [r["ranks"] for r, _ in rank0.take_events() if r["event"] == "s3_lagging"] == [[]]
 
 
 def test_start_up_check_names_a_missing_bucket_and_missing_credentials(s3, monkeypatch):

@@ -110,6 +110,29 @@ def test_should_serve_the_runs_records_and_follow_them_when_scraped(tmp_path, en
     assert value(third, "resilient_fsdp_tokens_per_second") == pytest.approx(6 * 1024 / 4.0)
 
 
+def test_should_count_failed_saves_and_the_s3_backlog_until_a_commit_and_a_marker_clear_them(tmp_path, endpoint):
+    metrics = tmp_path / "metrics.jsonl"
+    append(metrics, {"event": "start", "t": 100.0, "layer": "start"},
+           {"event": "checkpoint_failed", "t": 101.0, "step": 4, "cause": "volume_full", "consecutive": 1},
+           {"event": "checkpoint_failed", "t": 102.0, "step": 8, "cause": "volume_full", "consecutive": 2},
+           {"event": "s3_lagging", "t": 103.0, "ranks": [1, 3], "awaiting": 2},
+           {"event": "s3_released", "t": 104.0, "step": 4, "waiting_for": [1, 3], "awaiting": 2})
+    failing = scrape(endpoint)
+    assert value(failing, "resilient_fsdp_checkpoint_failures_total") == 2
+    assert value(failing, "resilient_fsdp_checkpoint_consecutive_failures") == 2
+    assert value(failing, "resilient_fsdp_s3_lagging_ranks") == 2
+    assert value(failing, "resilient_fsdp_s3_awaiting_checkpoints") == 2
+    assert value(failing, "resilient_fsdp_s3_released_total") == 1
+    append(metrics, {"event": "checkpoint", "t": 105.0, "step": 12, "stall_s": 0.1, "write_s": 1.0, "bytes": 10},
+           {"event": "s3_lagging", "t": 106.0, "ranks": [], "awaiting": 1},
+           {"event": "s3_upload", "t": 107.0, "step": 12, "awaiting": 0})
+    healed = scrape(endpoint)
+    assert value(healed, "resilient_fsdp_checkpoint_failures_total") == 2  # a counter: it only grows
+    assert value(healed, "resilient_fsdp_checkpoint_consecutive_failures") == 0
+    assert value(healed, "resilient_fsdp_s3_lagging_ranks") == 0
+    assert value(healed, "resilient_fsdp_s3_awaiting_checkpoints") == 0
+
+
 def test_should_name_the_port_when_it_is_in_use_and_leave_the_agent_running(tmp_path, capsys):
     taken = socket.create_server(("127.0.0.1", 0))
     port = taken.getsockname()[1]

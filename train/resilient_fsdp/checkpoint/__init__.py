@@ -2,6 +2,7 @@
 
 - ``checkpointer``: what the loop calls (after each step, at the end): save on schedule, poll,
   agree, finalize, commit, log; resume;
+- ``failures``: a failed save's cause, the streak of them that ends a job, a full volume's message;
 - ``group``: the ranks a checkpoint is written by and the collectives the checkpointer uses;
 - ``state``: what a checkpoint holds for one rank (model, optimizer, schedule, counters, sampler,
   RNG, learned timeouts) and the canonical parameter names;

@@ -13,6 +13,10 @@ finished, gathers every rank's outcome to rank 0, which writes the metadata and 
 broadcasts the result: every rank returns the same record or raises the same
 :class:`CheckpointError`. :meth:`~Checkpointer.resume` is :mod:`.resume`'s: rank 0 decides, every
 rank verifies its share of the files and loads.
+
+A periodic save that fails (:class:`~.failures.SaveFailed`) is reported and training goes on, up
+to ``checkpoint.max_consecutive_failures`` in a row (:mod:`.failures`); the final save and a
+graceful stop's fail the job, as a lost lease does.
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ from ..resilience.attempt import NoHooks
 from .shared_volume import not_writable_message
 from . import resume as resume_, store
 from .engines import NVRX_VERSION, Engine, LocalOutcome, build_engine
+from . import failures
+from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
 from .lease import Lease, job_id
 from .s3 import client as s3_client
 from .s3.uploader import Uploader
 from .state import CheckpointState
-from .store import CheckpointError
 
 
 class RunLog(Protocol):
@@ -84,7 +89,9 @@ class Checkpointer:
         self.pending: Optional[dict] = None
         self.records: list[dict] = []
         self.last_save_time = time.monotonic()
-        self.last_saved_step: Optional[int] = None
+        self.last_saved_step: Optional[int] = None  # the newest save started
+        self.last_committed_step: Optional[int] = None
+        self.streak = FailureStreak(cfg.max_consecutive_failures)
         self.resumed_from: Optional[dict] = None
         self.restored_from_s3: Optional[dict] = None  # {"step", "uri"} when this start downloaded one
         self.job = job_id(cfg)
@@ -113,7 +120,7 @@ class Checkpointer:
         was committed and what S3 did; the seconds it took. Collective."""
         t0 = time.perf_counter()
         self.hooks.start_section("checkpoint")
-        committed = self.poll()
+        committed = self._periodic(self.poll)
         self._log(committed)
         learn = committed is not None  # only calls that saved or committed teach its timeout
         if self.due(step):
@@ -121,9 +128,9 @@ class Checkpointer:
                 # The save would wait for the previous write: that wait has the drain budget.
                 self.hooks.end_section("checkpoint", learn=learn)
                 with self.hooks.draining():
-                    self._log(self.wait())
+                    self._log(self._periodic(self.wait))
                 self.hooks.start_section("checkpoint")
-            self._log(self.save(step))
+            self._log(self._periodic(lambda: self.save(step)))
             learn = True
         self.hooks.end_section("checkpoint", learn=learn)
         self._report_uploads()
@@ -131,12 +138,63 @@ class Checkpointer:
 
     def finish(self, step: int, save: bool) -> None:
         """The end of training (``save``: ``checkpoint.save_final``) or a graceful stop (``save``):
-        a checkpoint of ``step`` unless it has one, and every write waited for. Collective."""
+        a committed checkpoint of ``step`` unless it has one, and every write waited for. Collective.
+
+        A save of an earlier step still in flight counts as a periodic one (its failure is one
+        more in the streak). With ``save``, the checkpoint of ``step`` failing raises: the caller
+        promised it, and no later save will make up for it."""
         with self.hooks.draining():
-            if save and self.last_saved_step != step:
-                self._log(self.save(step))
-            self._log(self.wait())
+            if self.pending is not None and not (save and self.pending["step"] == step):
+                self._log(self._periodic(self.wait))
+            if save:
+                try:
+                    if self.last_committed_step != step and self.pending is None:
+                        self._log(self.save(step))
+                    self._log(self.wait())
+                except SaveFailed as exc:
+                    self._save_failed(exc, final=True)
         self._report_uploads()
+
+    def _periodic(self, call: Callable[[], Optional[dict]]) -> Optional[dict]:
+        """``call``'s record; a save it reports failed is counted instead (:meth:`_save_failed`)."""
+        try:
+            return call()
+        except SaveFailed as exc:
+            self._save_failed(exc)
+            return None
+
+    def _save_failed(self, exc: SaveFailed, final: bool = False) -> None:
+        """A save failed on every rank: report it and go on, or raise the job's end (a lost lease,
+        ``final``, the streak at ``checkpoint.max_consecutive_failures``). Every rank gets here with
+        the same failure, so every rank takes the same branch."""
+        self._replace_hung_engine()
+        end: Optional[SaveFailed] = None
+        if final:
+            self.streak.count += 1
+            newest = f"step {self.last_committed_step}" if self.last_committed_step is not None else "none"
+            end = SaveFailed(f"{exc}. The checkpoint that ends this run (checkpoint.save_final, or a graceful stop's) "
+                             f"was not committed; the newest committed checkpoint: {newest}", exc.cause, exc.step,
+                             fatal=True)
+        else:
+            try:
+                self.streak.failed(exc)
+            except SaveFailed as limit:
+                end = limit
+        self.log.event({"event": "checkpoint_failed", "t": time.time(), "step": exc.step, "cause": exc.cause,
+                        "consecutive": self.streak.count, "limit": self.streak.limit, "fatal": end is not None,
+                        "error": str(exc)})
+        if end is not None:
+            raise end from exc
+        self.say(f"warning: {exc}; training goes on and the next due save tries again ({self.streak.count} in a "
+                 f"row; the job fails at checkpoint.max_consecutive_failures={self.streak.limit})")
+
+    def _replace_hung_engine(self) -> None:
+        """A writer that outlived checkpoint.write_timeout_s may never take another write: the next
+        save gets a new engine (a caller's factory closes the hung one itself)."""
+        if self._engine is not None and self._engine.hung:
+            if self.owns_engine:
+                self._engine.close(abort=True)
+            self._engine = None
 
     def _log(self, record: Optional[dict]) -> None:
         if record is None:
@@ -221,7 +279,7 @@ class Checkpointer:
         self.restored_from_s3 = done.restored_from_s3.as_dict() if done.restored_from_s3 else None
         if done.step is not None:
             self.resumed_from = {"step": done.step, "path": done.path}
-            self.last_saved_step = done.step
+            self.last_saved_step = self.last_committed_step = done.step
         if done.grad_accum_steps is not None:
             self.grad_accum_steps = done.grad_accum_steps
             self.batch = {**self.batch, "grad_accum_steps": done.grad_accum_steps}
@@ -263,15 +321,15 @@ class Checkpointer:
             try:
                 (self.root / store.partial_name(step, token)).mkdir(parents=True)
             except OSError as exc:
-                error = f"cannot create a checkpoint directory under checkpoint.dir={str(self.root)!r}: " \
-                        f"{exc.strerror or exc}"
+                error = self._mkdir_failure(step, exc)
         # One collective: rank 0's directory, and whether every rank can use its plan cache.
         t_agree = time.perf_counter()
         votes = self.group.all_gather((token, error, vote))
         t_start = time.perf_counter()
         token, error = votes[0][0], votes[0][1]
         if error:
-            raise CheckpointError(error)
+            self.last_save_time = time.monotonic()  # checkpoint.interval_s: not again at the next step
+            raise error.error()
         partial_dir = self.root / store.partial_name(step, token)
         self.hooks.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
                                 self.expected_written_bytes)
@@ -333,27 +391,29 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if not all_done:
             self.engine.abandon()
-            raise CheckpointError(f"checkpoint of step {pending['step']} failed: its write did not finish within "
-                                  f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
-                                  f"incomplete at {pending['dir']} and will not be loaded")
+            raise SaveFailed(f"checkpoint of step {pending['step']} failed: its write did not finish within "
+                             f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
+                             f"incomplete at {pending['dir']} and will not be loaded", failures.TIMEOUT,
+                             step=pending["step"])
         outcomes = self.group.gather(self.engine.collect())
         record, error = self._commit(pending, outcomes) if self.group.is_coordinator else (None, None)
         record, error = self.group.broadcast((record, error))
         if error:
-            raise CheckpointError(error)
+            raise error.error()
         self._after_commit(record)
         return {k: v for k, v in record.items() if k != "manifest"}
 
-    def _commit(self, pending: dict, outcomes: list[LocalOutcome]) -> tuple[Optional[dict], Optional[str]]:
+    def _commit(self, pending: dict, outcomes: list[LocalOutcome]) -> tuple[Optional[dict], Optional[Failure]]:
         """Rank 0: check every rank's outcome, write the metadata, commit; (record, None) or
-        (None, the error every rank raises)."""
+        (None, the failure every rank raises)."""
         step, where = pending["step"], pending["dir"]
         failed = [o for o in outcomes if o.error]
         if failed:
-            first = failed[0]
+            first = next((o for o in failed if failures.is_volume_full(o.error)), failed[0])
             others = f"; {len(failed) - 1} other rank(s) failed too" if len(failed) > 1 else ""
-            return None, (f"checkpoint of step {step} failed (rank {first.rank}: {first.error.strip()}{others}); it "
-                          f"stays incomplete at {where} and will not be loaded; the previous checkpoint is intact")
+            message = (f"checkpoint of step {step} failed (rank {first.rank}: {first.error.strip()}{others}); it "
+                       f"stays incomplete at {where} and will not be loaded; the previous checkpoint is intact")
+            return None, self._failure(message, failures.WRITER, step, first.error)
         try:
             checksums = {}
             for o in outcomes:
@@ -361,7 +421,7 @@ class Checkpointer:
             checksums.update({n: {**e, "writer": 0} for n, e in self.engine.finish(outcomes).items()})
             lost = self.lease.check() if self.lease is not None else None
             if lost:
-                raise CheckpointError(lost)
+                return None, Failure(lost, failures.LEASE, step, fatal=True)
             nbytes = sum(e["bytes"] for e in checksums.values())
             write_s = time.perf_counter() - pending["t0"]
             manifest = {**self.identity, "step": step, "mode": self.engine.mode,
@@ -372,16 +432,33 @@ class Checkpointer:
         except (Exception, BaseException) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            return None, (f"checkpoint of step {step} failed while finalizing: {type(exc).__name__}: {exc}; it "
-                          f"stays incomplete at {where}")
+            return None, self._failure(f"checkpoint of step {step} failed while finalizing: {type(exc).__name__}: "
+                                       f"{exc}; it stays incomplete at {where}", failures.FINALIZE, step, exc)
         return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"],
                 "save_call_s": pending["save_call_s"], "save_call_parts_s": pending["save_call_parts_s"],
                 "staging_wait_s": pending["staging_wait_s"], "write_s": write_s,
                 "bytes": nbytes, "path": str(final), "manifest": manifest}, None
 
+    def _mkdir_failure(self, step: int, exc: OSError) -> Failure:
+        return self._failure(f"checkpoint of step {step} failed: cannot create a checkpoint directory under "
+                             f"checkpoint.dir={str(self.root)!r}: {exc.strerror or exc}", failures.MKDIR, step, exc)
+
+    def _failure(self, message: str, cause: str, step: int, error: object) -> Failure:
+        """Rank 0: the failure of the save of ``step``; a full volume is said as such. A writer's
+        error does not always carry the ENOSPC (torch's zip writer reports a short write as a
+        position mismatch), so less free space than a checkpoint needs counts as full too."""
+        needed = self.expected_written_bytes() if cause in (failures.WRITER, failures.FINALIZE, failures.MKDIR) \
+            else None
+        if failures.is_volume_full(error) or failures.short_of_space(self.root, needed):
+            return Failure(f"{message}: {failures.volume_full_message(self.root, needed, self.cfg.keep_last)}",
+                           failures.VOLUME_FULL, step)
+        return Failure(message, cause, step)
+
     def _after_commit(self, record: dict) -> None:
         """Every rank: uploads of its files; rank 0: retention, off the training thread."""
         self.records.append({k: v for k, v in record.items() if k != "manifest"})
+        self.last_committed_step = record["step"]
+        self.streak.committed()
         if self.uploader is not None:
             self.uploader.submit(record["step"], Path(record["path"]), manifest=record["manifest"])
         self.apply_retention()

@@ -39,6 +39,8 @@ class FaultKind:
     """Training stops (a restart follows); False: it only slows something down."""
 
 
+# A failed save is not a failed attempt (checkpoint.max_consecutive_failures).
+_SAVE_FAILS = "none: the save fails on every rank and training goes on"
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("exception", "step", "the step raises", "in-process, else in-job"),
     FaultKind("hang", "step", "the rank stops making progress (sleeps forever)", "in-process, else in-job"),
@@ -57,10 +59,10 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("partition", "step", "its node's network goes down (for good, or for SECONDS)",
               "job level, or none when it heals in time", by_cluster=True, takes_duration=True),
     FaultKind("writer-exit", "write", "the checkpoint writer dies after writing the data, before the save "
-              "is finalized", "in-process, else in-job (the previous checkpoint)"),
-    FaultKind("writer-raise", "write", "the checkpoint writer's write fails", "in-process, else in-job"),
+              "is finalized", _SAVE_FAILS + " (a new writer takes the next save)", stops=False),
+    FaultKind("writer-raise", "write", "the checkpoint writer's write fails", _SAVE_FAILS, stops=False),
     FaultKind("writer-hang", "write", "the checkpoint writer never finishes the write",
-              "in-process, else in-job (checkpoint.write_timeout_s)"),
+              _SAVE_FAILS + " at checkpoint.write_timeout_s", stops=False),
     FaultKind("writer-slow", "write", "the checkpoint writer finishes SECONDS later", "none: the write is late",
               takes_duration=True, stops=False),
     FaultKind("slow-exit", "step", "the rank finishes training, then waits SECONDS (default 30) before it exits, "

@@ -128,6 +128,11 @@ class S3Config:
     a new one arrives with the backlog full, the oldest waiting one is dropped (superseded: the
     newer checkpoint holds the later state) and reported. Local retention keeps a checkpoint until
     its upload finished or was dropped."""
+    max_awaiting: int = Field(default=4, gt=0)
+    """Rank 0 puts a checkpoint's marker once every rank uploaded its files; checkpoints waiting for
+    that are held from local retention. When more than this many wait (a rank whose uploads keep
+    failing), the oldest is released: named in the log with the ranks it waits for, kept locally
+    only as ``keep_last`` says, and left without a marker on S3, so it is never restored."""
     max_concurrency: int = Field(default=10, gt=0)
     """Parallel requests of one transfer (parts of large files, whole small files)."""
     multipart_threshold_mb: int = Field(default=64, ge=5)
@@ -197,6 +202,11 @@ class CheckpointConfig:
     """Longest wait for a background write when the loop must wait for it (a save due while the
     previous one is written, the final save); past it the checkpoint fails on every rank. Keep it
     below ``resilience.checkpoint_timeout_s``, so a stuck write is reported as such."""
+    max_consecutive_failures: int = Field(default=3, ge=1)
+    """A failed periodic save (a writer error, a full volume, a write past ``write_timeout_s``) is
+    reported (log, a ``checkpoint_failed`` record) and training goes on; the next due save tries
+    again. The job fails when this many saves in a row failed; 1: at the first. The final save,
+    the graceful stop's save and a lost lease fail the job at once."""
     job_id: Optional[str] = None
     """Who writes ``dir``: two jobs may not write one directory (a lease names the holder).
     Unset: the launcher's rendezvous id (``TORCHELASTIC_RUN_ID``, the same for every restart of a

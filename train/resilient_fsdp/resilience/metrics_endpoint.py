@@ -49,6 +49,15 @@ METRICS = {
     "checkpoint_write_seconds": ("summary", "From the start of each committed checkpoint to its commit (count, sum)."),
     "checkpoint_last_stall_seconds": ("gauge", "Time training waited for the newest committed checkpoint."),
     "checkpoint_last_write_seconds": ("gauge", "Write time of the newest committed checkpoint."),
+    "checkpoint_failures_total": ("counter", "Saves that failed (each a checkpoint_failed record)."),
+    "checkpoint_consecutive_failures": ("gauge", "Saves failed in a row since the newest commit; the job fails at "
+                                        "checkpoint.max_consecutive_failures."),
+    "s3_awaiting_checkpoints": ("gauge", "Checkpoints rank 0 waits for every rank's S3 upload of before putting "
+                                "the marker (held from local retention)."),
+    "s3_lagging_ranks": ("gauge", "Ranks holding up S3 markers: missing from the oldest of several awaiting "
+                         "checkpoints."),
+    "s3_released_total": ("counter", "Checkpoints that stopped waiting past checkpoint.s3.max_awaiting: never "
+                          "marked complete on S3."),
     "restarts_total": ("counter", "Attempts started by each restart layer (label layer: in_process, in_job, job)."),
     "faults_injected_total": ("counter", "Faults the chaos drill fired."),
     "non_finite_losses_total": ("counter", "Non-finite losses the job met, each restarted once as a suspected "
@@ -110,6 +119,9 @@ class RunRecords:
         self.productive_s = 0.0
         self.checkpoints, self.stall_s, self.write_s = 0, 0.0, 0.0
         self.last_checkpoint: Optional[dict] = None
+        self.failures, self.consecutive_failures = 0, 0
+        self.s3_awaiting: Optional[int] = None
+        self.s3_lagging, self.s3_released = 0, 0
         self.lifecycle: list[dict] = []  # start and finish events: a few per attempt
 
     def refresh(self) -> None:
@@ -152,6 +164,15 @@ class RunRecords:
             self.stall_s += record.get("stall_s", 0.0)
             self.write_s += record.get("write_s", 0.0)
             self.last_checkpoint = record
+            self.consecutive_failures = 0
+        elif event == "checkpoint_failed":
+            self.failures += 1
+            self.consecutive_failures = record.get("consecutive", self.consecutive_failures + 1)
+        elif event in ("s3_upload", "s3_released", "s3_lagging") and "awaiting" in record:
+            self.s3_awaiting = record["awaiting"]
+            self.s3_released += event == "s3_released"
+            if event == "s3_lagging":
+                self.s3_lagging = len(record.get("ranks", []))
         elif event in ("start", "finish"):
             self.lifecycle.append(record)
 
@@ -209,6 +230,12 @@ class RunCollector:
             yield self._gauge("checkpoint_step", r.last_checkpoint.get("step", 0))
             yield self._gauge("checkpoint_last_stall_seconds", r.last_checkpoint.get("stall_s", 0.0))
             yield self._gauge("checkpoint_last_write_seconds", r.last_checkpoint.get("write_s", 0.0))
+        yield self._counter("checkpoint_failures_total", r.failures)
+        yield self._gauge("checkpoint_consecutive_failures", r.consecutive_failures)
+        if r.s3_awaiting is not None:
+            yield self._gauge("s3_awaiting_checkpoints", r.s3_awaiting)
+            yield self._gauge("s3_lagging_ranks", r.s3_lagging)
+            yield self._counter("s3_released_total", r.s3_released)
         restarts = accounting.restart_counts(r.lifecycle)
         yield self._by_layer("restarts_total", {layer: [n] for layer, n in restarts.items()})
         injected = CounterMetricFamily(PREFIX + "faults_injected_total", METRICS["faults_injected_total"][1],
@@ -235,6 +262,11 @@ class RunCollector:
 
     def _gauge(self, name: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(PREFIX + name, METRICS[name][1], labels=["node"])
+        family.add_metric([self.node], float(value))
+        return family
+
+    def _counter(self, name: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, METRICS[name][1], labels=["node"])
         family.add_metric([self.node], float(value))
         return family
 

@@ -91,9 +91,16 @@ def put_receipt(client: Any, loc: S3Location, manifest: dict, rank: int, names: 
                       Body=json.dumps({"files": names}).encode())
 
 
-def count_receipts(client: Any, loc: S3Location, manifest: dict) -> int:
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=receipt_prefix(loc, manifest))
-    return sum(len(page.get("Contents", [])) for page in pages)
+def receipt_ranks(client: Any, loc: S3Location, manifest: dict) -> set[int]:
+    """The ranks whose receipt of this commit is there (each put by :func:`put_receipt`)."""
+    prefix = receipt_prefix(loc, manifest)
+    ranks = set()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            name = o["Key"][len(prefix):]
+            if name.startswith("rank") and name[4:].isdigit():
+                ranks.add(int(name[4:]))
+    return ranks
 
 
 def put_marker(client: Any, loc: S3Location, path: Path, manifest: dict) -> None:

@@ -22,7 +22,7 @@ from ...config import S3Config
 from .. import integrity, store
 from .client import describe_error, make_client, parse_s3_uri
 from .remote import apply_remote_retention, checkpoint_id, sweep_torn_remote
-from .transfer import count_receipts, file_sizes, put_marker, upload_share
+from .transfer import file_sizes, put_marker, receipt_ranks, upload_share
 
 _AWAIT_POLL_S = 1.0
 
@@ -47,12 +47,14 @@ class _Awaiting:
     manifest: dict
     ranks: int
     since: float = field(default_factory=time.monotonic)
+    missing: list[int] = field(default_factory=list)  # ranks without a receipt at the last look
 
 
 @dataclass
 class UploadStatus:
     uploaded: list[int] = field(default_factory=list)
     superseded: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)  # awaited too long: never marked, not held
     deleted: list[int] = field(default_factory=list)
     failed: int = 0  # failed attempts, each retried unless superseded
     last_error: Optional[str] = None
@@ -64,7 +66,9 @@ class Uploader:
     at a time (its files in parallel), so a step never waits for S3. Failed uploads are retried
     with backoff; the backlog is bounded by ``max_pending``. Rank 0 also puts each checkpoint's
     marker once every rank's receipt is there; checkpoints waiting or in flight are held: local
-    retention must not delete them (:meth:`holds`).
+    retention must not delete them (:meth:`holds`). At most ``max_awaiting`` checkpoints wait for
+    other ranks' receipts: past that the oldest is released (a rank whose uploads keep failing
+    must not keep every checkpoint on disk), and the ranks it waited for are named.
 
     Events (``metrics.jsonl`` records with a message for the log) are queued here and written by
     the training loop's thread through :meth:`take_events` (rank 0; the other ranks print their
@@ -78,6 +82,7 @@ class Uploader:
         self._waiting: collections.deque[_Job] = collections.deque()
         self._current: Optional[_Job] = None
         self._awaiting: list[_Awaiting] = []
+        self._lagging: list[int] = []  # ranks missing from the oldest of several awaiting checkpoints
         self._events: collections.deque[tuple[dict, str]] = collections.deque()
         self._closing = False
         self._adopted = False
@@ -152,7 +157,8 @@ class Uploader:
         with self._cond:
             s = self.status
             return {"uri": self.cfg.uri, "uploaded": list(s.uploaded), "pending": self._pending_locked(),
-                    "superseded": list(s.superseded), "deleted": list(s.deleted), "failed": s.failed,
+                    "superseded": list(s.superseded), "released": list(s.released),
+                    "lagging_ranks": list(self._lagging), "deleted": list(s.deleted), "failed": s.failed,
                     "last_error": s.last_error, "bytes_uploaded": s.bytes_uploaded}
 
     # -- internals: the methods below that touch shared state run with the lock held --
@@ -236,6 +242,7 @@ class Uploader:
                     ranks = self.world_size
                     self._awaiting = [a for a in self._awaiting if a.path != job.path]
                     self._awaiting.append(_Awaiting(job.step, job.path, job.manifest, ranks))
+                    self._release_oldest()
             elif result["status"] == "vanished":
                 self._event({"event": "s3_skipped", "step": job.step, "reason": "deleted locally"},
                             f"S3 upload of step {job.step} skipped: {job.path} no longer exists")
@@ -250,7 +257,9 @@ class Uploader:
             awaiting = list(self._awaiting)
         for entry in awaiting:
             try:
-                if count_receipts(client, self.loc, entry.manifest) < entry.ranks:
+                present = receipt_ranks(client, self.loc, entry.manifest)
+                entry.missing = sorted(set(range(entry.ranks)) - present)
+                if entry.missing:
                     continue
                 put_marker(client, self.loc, entry.path, entry.manifest)
             except Exception as exc:  # noqa: BLE001 - retried at the next look
@@ -262,6 +271,38 @@ class Uploader:
                                 "tried again shortly")
                 continue
             self._marked(client, entry)
+        with self._cond:
+            self._say_lagging()
+
+    def _release_oldest(self) -> None:
+        """Rank 0: past ``max_awaiting`` checkpoints waiting for receipts, the oldest stops waiting."""
+        while len(self._awaiting) > self.cfg.max_awaiting:
+            entry = self._awaiting.pop(0)
+            self.status.released.append(entry.step)
+            waited = ", ".join(map(str, entry.missing)) or "unknown (not looked at yet)"
+            self._event({"event": "s3_released", "step": entry.step, "waiting_for": entry.missing,
+                         "awaiting": len(self._awaiting)},
+                        f"warning: S3 upload of step {entry.step} released after "
+                        f"checkpoint.s3.max_awaiting={self.cfg.max_awaiting} newer checkpoints waited too: rank(s) "
+                        f"{waited} did not upload their files; it gets no marker on S3 (never restored from there) "
+                        "and local retention no longer holds it. Check those ranks' S3 errors in their logs")
+            self._cond.notify_all()
+        self._say_lagging()
+
+    def _say_lagging(self) -> None:
+        """Rank 0: report a change of the ranks holding up markers (those missing from the oldest
+        awaiting checkpoint while a newer one waits as well; one awaiting is an upload in progress)."""
+        lagging = self._awaiting[0].missing if len(self._awaiting) > 1 else []
+        if lagging == self._lagging:
+            return
+        self._lagging = list(lagging)
+        if lagging:
+            message = (f"warning: S3 markers wait for rank(s) {', '.join(map(str, lagging))}: "
+                       f"{len(self._awaiting)} checkpoint(s) await their uploads (the oldest, step "
+                       f"{self._awaiting[0].step}, is released past checkpoint.s3.max_awaiting={self.cfg.max_awaiting})")
+        else:
+            message = "S3 markers no longer wait for a lagging rank"
+        self._event({"event": "s3_lagging", "ranks": list(lagging), "awaiting": len(self._awaiting)}, message)
 
     def _marked(self, client: Any, entry: _Awaiting) -> None:
         where = self.loc.uri(store.committed_name(entry.step)) + "/"
@@ -277,7 +318,8 @@ class Uploader:
                             "not marked complete")
             self.status.uploaded.append(entry.step)
             self._event({"event": "s3_upload", "step": entry.step, "bytes": nbytes, "seconds": seconds,
-                         "uri": where, "ranks": entry.ranks, "id": checkpoint_id(entry.manifest)},
+                         "uri": where, "ranks": entry.ranks, "id": checkpoint_id(entry.manifest),
+                         "awaiting": len(self._awaiting)},
                         f"checkpoint step {entry.step} uploaded to {where} ({nbytes / 1e6:.1f} MB from "
                         f"{entry.ranks} rank(s), marker last)")
             self._cond.notify_all()
