@@ -54,10 +54,10 @@ class Resumed:
     grad_accum_steps: Optional[int] = None
     """The ``train.grad_accum_steps`` the ``train.elastic_batch`` policy chose for this world size,
     when it differs from the configured one."""
-    global_batch_target: Optional[int] = None
-    """The run's target global batch, carried by the checkpoint (None: the configured one)."""
     restored_from_s3: Optional[s3_restore.Restored] = None
     """The checkpoint this start downloaded from S3 first, if it did."""
+    global_batch_target: Optional[int] = None
+    """The run's target global batch, carried by the checkpoint (None: the configured one)."""
 
 
 def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
@@ -82,8 +82,8 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
             _say_resumed(say, candidate, group.world_size, choice, batch)
             accum = choice.grad_accum_steps if choice is not None else None
             changed = accum if accum is not None and accum != batch.get("grad_accum_steps") else None
-            return Resumed(candidate.step, str(candidate.path), changed, restored,
-                           choice.target if choice is not None else None)
+            return Resumed(candidate.step, str(candidate.path), changed, restored_from_s3=restored,
+                           global_batch_target=choice.target if choice is not None else None)
         tried.append(f"{candidate.path}: {error}")
         say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
         if plan.get("pinned"):
