@@ -64,10 +64,6 @@ RULES = {
          "trainer.train.elastic_batch=exact"], None,
         ["trainer.train.elastic_batch=exact cannot keep the global batch of 128", "at 3 pods (24 ranks) of",
          "elastic.minNodes=2..elastic.maxNodes=4", "Set trainer.train.elastic_batch=nearest"]),
-    "elastic range above the global batch": (
-        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=6", "nodes=4"], None,
-        ["trainer.train.elastic_batch=nearest", "at 5 pods (40 ranks), 6 pods (48 ranks)", "global batch of 128",
-         "Set elastic.maxNodes to 4 or less", "trainer.train.grad_accum_steps"]),
     "two storage choices": (
         FSX[1:], None,
         ["storage.fsx.subnetId is set but storage.type=existingClaim", "set storage.type=fsx"]),
@@ -250,20 +246,22 @@ def test_should_render_p5en_64node_whose_shrunk_worlds_train_at_the_nearest_glob
     assert "at 62 pods (496 ranks), 63 pods (504 ranks) of elastic.minNodes=62..elastic.maxNodes=64" in message
 
 
-@pytest.mark.parametrize("policy, sets", [
-    ("exact", ["elastic.minNodes=1", "elastic.maxNodes=6", "nodes=6", "trainer.train.grad_accum_steps=1"]),
-    ("nearest", ["elastic.minNodes=1", "elastic.maxNodes=8", "nodes=3", "trainer.train.grad_accum_steps=2"]),
+@pytest.mark.parametrize("sets", [
+    ["elastic.minNodes=1", "elastic.maxNodes=6", "nodes=6", "trainer.train.grad_accum_steps=1"],
+    ["elastic.minNodes=3", "elastic.maxNodes=8", "nodes=5", "trainer.train.grad_accum_steps=3"],
 ])
-def test_should_refuse_the_same_world_sizes_as_the_trainers_policy_with_the_trainers_defaults(policy, sets):
+def test_should_refuse_the_world_sizes_the_trainer_would_with_its_defaults_and_serve_them_all_with_nearest(sets):
     # trainer.data.micro_batch_size unset: the chart must assume the trainer's default.
     mb, rpn = DataConfig().micro_batch_size, 8
     values = dict(s.split("=") for s in sets)
     target = int(values["nodes"]) * rpn * mb * int(values["trainer.train.grad_accum_steps"])
     pods = range(int(values["elastic.minNodes"]), int(values["elastic.maxNodes"]) + 1)
-    expected = [w // rpn for w in unserved(target, [n * rpn for n in pods], mb, policy)]
+    expected = [w // rpn for w in unserved(target, [n * rpn for n in pods], mb, "exact")]
     assert expected, "the case must exercise the rule"
-    message = render_error("elastic.enabled=true", f"trainer.train.elastic_batch={policy}", *sets)
+    message = render_error("elastic.enabled=true", "trainer.train.elastic_batch=exact", *sets)
     assert f"global batch of {target} samples per step" in message
     assert f"trainer.data.micro_batch_size={mb}" in message
     assert ", ".join(f"{n} pods ({n * rpn} ranks)" for n in expected) + " of elastic.minNodes" in message
-    assert TrainConfig().elastic_batch == "nearest"  # what the chart assumes when the key is unset
+    # Unset, the key is the trainer's default, nearest, which serves every world size of the range.
+    assert TrainConfig().elastic_batch == "nearest"
+    assert render("elastic.enabled=true", *sets).find("ConfigMap")

@@ -72,7 +72,9 @@ def test_unserved_names_the_sizes_of_a_range_each_policy_cannot_serve():
     worlds = [n * 8 for n in range(62, 65)]  # values/p5en-64node.yaml: 62..64 nodes x 8 GPUs
     assert unserved(512, worlds, 1, "exact") == [496, 504]
     assert unserved(512, worlds, 1, "nearest") == []
-    assert unserved(512, [n * 8 for n in range(62, 67)], 1, "nearest") == [520, 528]
+    # Above the target's world, nearest still serves: one micro-batch a rank, a larger batch.
+    assert unserved(512, [520, 528], 1, "nearest") == []
+    assert choose(512, 528, 1, "nearest").global_batch == 528
 
 
 def test_the_policy_is_a_train_key_defaulting_to_nearest():

@@ -18,8 +18,10 @@ e.g. when the lost nodes return.
 
 For a planned range of world sizes (the chart's ``elastic.minNodes..maxNodes``), :func:`unserved`
 names the sizes the policy cannot serve: with ``exact`` those whose ranks x micro-batch do not
-divide the target; with ``nearest`` those whose ranks x micro-batch exceed it (accum would have to
-fall below 1, so the batch would grow past the target by more than rounding).
+divide the target; ``nearest`` serves every size, since accum >= 1 always exists. Its batch is
+within half of ranks x micro-batch of the target, or ranks x micro-batch itself at a world whose
+ranks x micro-batch exceed the target (above the chart's ``nodes``: one micro-batch a rank, a larger
+batch).
 
 Pure functions: no torch, so ``resilient-fsdp`` commands and tests use them without it.
 """
@@ -111,4 +113,4 @@ def unserved(target: int, world_sizes: Iterable[int], micro_batch: int, policy: 
     """The world sizes of a planned range that ``policy`` cannot serve at ``target`` (see above)."""
     if policy == "exact":
         return [w for w in world_sizes if target % (w * micro_batch)]
-    return [w for w in world_sizes if w * micro_batch > target]
+    return []
