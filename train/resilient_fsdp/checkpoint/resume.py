@@ -33,8 +33,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import atomic
-from ..train import global_batch
 from ..config import CheckpointConfig, ConfigError
+from ..train import global_batch
 from . import integrity, store
 from .group import RankGroup
 from .s3 import restore as s3_restore
