@@ -1,11 +1,14 @@
 """Resume: a corrupted newest checkpoint caught and passed over, a rewind (`resume_from`) applied
 at the job's first start, random streams restored exactly, another world size keeping the
-global batch, and a second job refused the same directory. Real processes (gloo on CPU)."""
+global batch or training on at the nearest one (``train.elastic_batch``), and a second job
+refused the same directory. Real processes (gloo on CPU)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+
+import pytest
 
 from tests.support import assert_no_leftovers, read_losses, read_summary, run_local, run_trainer, write_module
 
@@ -93,22 +96,35 @@ def test_python_and_numpy_random_streams_resume_exactly(tmp_path, plugin_dir):
     assert read_summary(tmp_path)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
 
 
-def test_another_world_size_keeps_the_global_batch_or_refuses_naming_the_keys(tmp_path):
-    two = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=8", "train.stop_at_step=4",
-                                                           "data.micro_batch_size=3"])
-    assert two.returncode == 0, two.stdout + two.stderr
-    refused = run_trainer(tmp_path, ["train.steps=8", "data.micro_batch_size=4"])
+@pytest.mark.timeout(360)
+def test_a_world_that_cannot_make_the_global_batch_trains_on_at_the_nearest_or_is_refused(tmp_path):
+    """3 ranks x 1 sample x accum 3 (9 a step), then 2 ranks, which cannot make 9: ``exact``
+    refuses, ``nearest`` trains on at 8 (accum 4; 8 and 10 tie, the smaller wins)."""
+    three = run_local(tmp_path, nodes=1, nproc=3, overrides=["train.steps=8", "train.stop_at_step=4",
+                                                             "data.micro_batch_size=1", "train.grad_accum_steps=3"])
+    assert three.returncode == 0, three.stdout + three.stderr
+    refused = run_trainer(tmp_path, ["train.steps=8", "data.micro_batch_size=2", "train.grad_accum_steps=3",
+                                     "train.elastic_batch=exact"])
     assert refused.returncode == 2
-    assert ("global batch" in refused.stderr and "train.grad_accum_steps" in refused.stderr
-            and "data.micro_batch_size" in refused.stderr), refused.stderr[-2000:]
-    one = run_trainer(tmp_path, ["train.steps=8", "data.micro_batch_size=3"])
-    assert one.returncode == 0, one.stderr
-    assert "resharded from world size 2 to 1; RNG streams start fresh" in one.stdout
-    assert "train.grad_accum_steps=2 instead of 1" in one.stdout
+    assert ("train.elastic_batch=exact: cannot keep the global batch of 9 samples per step" in refused.stderr
+            and "train.grad_accum_steps" in refused.stderr and "data.micro_batch_size" in refused.stderr
+            and "train.elastic_batch=nearest" in refused.stderr), refused.stderr[-2000:]
+    two = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=8", "data.micro_batch_size=1",
+                                                           "train.grad_accum_steps=3"])
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "resharded from world size 3 to 2; RNG streams start fresh" in two.stdout
+    assert ("train.grad_accum_steps=4 instead of 3: global batch 8 samples per step instead of the run's 9 "
+            "(train.elastic_batch=nearest" in two.stdout), two.stdout[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if '"event": "step"' in line]
-    assert {s["tokens"] for s in steps} == {2 * 3 * 64}  # the same tokens per step at both world sizes
-    assert read_summary(tmp_path)["tokens_seen"] == 8 * 2 * 3 * 64
+    assert [(s["step"], s["global_batch"]) for s in steps] == [(n, 9 if n <= 4 else 8) for n in range(1, 9)]
+    assert all(s["tokens"] == s["global_batch"] * 64 for s in steps)
+    summary = read_summary(tmp_path)
+    assert (summary["global_batch"], summary["global_batch_target"]) == (8, 9)
+    assert summary["tokens_seen"] == (4 * 9 + 4 * 8) * 64
+    # The run's target travels in the checkpoint, so a later start at 3 (or 1, or 9) ranks regains it.
+    manifest = json.loads((tmp_path / "checkpoints" / "step_00000008" / "COMPLETE").read_text())
+    assert (manifest["global_batch_target"], manifest["grad_accum_steps"], manifest["world_size"]) == (9, 4, 2)
     assert_no_leftovers(tmp_path)
 
 

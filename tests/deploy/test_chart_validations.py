@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.chart_support import crds, render, render_error  # noqa: F401
+from tests.deploy.chart_support import crds, profile_files, render, render_error  # noqa: F401
+from resilient_fsdp.config import DataConfig, TrainConfig
 from resilient_fsdp.deploy import chart, validate
+from resilient_fsdp.train.global_batch import unserved
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
 
@@ -53,6 +55,15 @@ RULES = {
     "nodes outside the elastic range": (
         ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=6"], None,
         ["nodes=6", "elastic.minNodes=2", "elastic.maxNodes=4"]),
+    "torch-async checkpoints with elastic": (
+        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
+         "trainer.checkpoint.mode=torch-async"], None,
+        ["trainer.checkpoint.mode=torch-async with elastic.enabled=true", "set trainer.checkpoint.mode=async"]),
+    "elastic range the exact batch cannot keep": (
+        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
+         "trainer.train.elastic_batch=exact"], None,
+        ["trainer.train.elastic_batch=exact cannot keep the global batch of 128", "at 3 pods (24 ranks) of",
+         "elastic.minNodes=2..elastic.maxNodes=4", "Set trainer.train.elastic_batch=nearest"]),
     "two storage choices": (
         FSX[1:], None,
         ["storage.fsx.subnetId is set but storage.type=existingClaim", "set storage.type=fsx"]),
@@ -223,3 +234,34 @@ def test_should_apply_the_operator_webhook_rules_when_validating_a_pytorchjob(br
     problems = validate.check_pytorchjob_webhook(_pytorchjob(docs))
     assert any(p.path == path and words in p.message for p in problems), problems
     assert validate.check_pytorchjob_webhook(_pytorchjob(_job_docs())) == []
+
+
+def test_should_render_p5en_64node_whose_shrunk_worlds_train_at_the_nearest_global_batch():
+    """62-64 pods x 8 GPUs at 512 samples a step: 496 and 504 ranks cannot make 512, which
+    ``nearest`` (the default) serves and ``exact`` refuses, as the trainer would at their start."""
+    files = profile_files("p5en-64node")
+    assert render(files=files, base=[]).find("ConfigMap")
+    message = render_error("trainer.train.elastic_batch=exact", files=files, base=[])
+    assert unserved(512, [n * 8 for n in range(62, 65)], 1, "exact") == [496, 504]
+    assert "at 62 pods (496 ranks), 63 pods (504 ranks) of elastic.minNodes=62..elastic.maxNodes=64" in message
+
+
+@pytest.mark.parametrize("sets", [
+    ["elastic.minNodes=1", "elastic.maxNodes=6", "nodes=6", "trainer.train.grad_accum_steps=1"],
+    ["elastic.minNodes=3", "elastic.maxNodes=8", "nodes=5", "trainer.train.grad_accum_steps=3"],
+])
+def test_should_refuse_the_world_sizes_the_trainer_would_with_its_defaults_and_serve_them_all_with_nearest(sets):
+    # trainer.data.micro_batch_size unset: the chart must assume the trainer's default.
+    mb, rpn = DataConfig().micro_batch_size, 8
+    values = dict(s.split("=") for s in sets)
+    target = int(values["nodes"]) * rpn * mb * int(values["trainer.train.grad_accum_steps"])
+    pods = range(int(values["elastic.minNodes"]), int(values["elastic.maxNodes"]) + 1)
+    expected = [w // rpn for w in unserved(target, [n * rpn for n in pods], mb, "exact")]
+    assert expected, "the case must exercise the rule"
+    message = render_error("elastic.enabled=true", "trainer.train.elastic_batch=exact", *sets)
+    assert f"global batch of {target} samples per step" in message
+    assert f"trainer.data.micro_batch_size={mb}" in message
+    assert ", ".join(f"{n} pods ({n * rpn} ranks)" for n in expected) + " of elastic.minNodes" in message
+    # Unset, the key is the trainer's default, nearest, which serves every world size of the range.
+    assert TrainConfig().elastic_batch == "nearest"
+    assert render("elastic.enabled=true", *sets).find("ConfigMap")

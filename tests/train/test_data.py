@@ -8,6 +8,7 @@ import torch
 
 from resilient_fsdp.config import ConfigError, DataConfig
 from resilient_fsdp.train.data import BatchLoader, Permutation, ResumableSampler, SyntheticTokens, TokenFile, build_dataset
+from resilient_fsdp.train.global_batch import choose
 
 
 def test_synthetic_is_deterministic_and_in_range():
@@ -104,3 +105,29 @@ def test_the_global_sample_order_is_the_same_at_every_world_size(before, after):
     head, state = stream(before, 0, 20 * after)
     tail, _ = stream(after, state["consumed"], 20 * before)
     assert head + tail == reference[:len(head) + len(tail)]
+
+
+def test_a_resume_whose_global_batch_changes_neither_repeats_nor_skips_samples():
+    """The sampler's state is samples consumed, not steps: 4 ranks x accum 2 (8 a step), then 3
+    ranks at the batch train.elastic_batch=nearest chooses for them (accum 3, 9 a step)."""
+    mb, steps = 1, 7
+
+    def train(world, accum, start, n):
+        samplers = [ResumableSampler(61, seed=2, shuffle=True) for _ in range(world)]
+        for s in samplers:
+            s.load_state_dict({"consumed": start})
+        out = []
+        for _ in range(n):
+            for _ in range(accum):  # each micro-batch: every rank takes its slice
+                for rank, s in enumerate(samplers):
+                    out += s.next_indices(rank, world, mb)
+        assert len({s.consumed for s in samplers}) == 1  # the ranks agree on the position
+        return out, samplers[0].state_dict()
+
+    choice = choose(8, 3, mb, "nearest")
+    assert (choice.grad_accum_steps, choice.global_batch) == (3, 9)
+    head, state = train(4, 2, 0, steps)
+    tail, end = train(3, choice.grad_accum_steps, state["consumed"], steps)
+    reference, _ = train(1, 1, 0, 8 * steps + 9 * steps)
+    assert head + tail == reference
+    assert end["consumed"] == 8 * steps + 9 * steps

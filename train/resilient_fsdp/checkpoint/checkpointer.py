@@ -66,14 +66,16 @@ class Checkpointer:
 
     Every public method is collective: all ranks call it at the same step. With an S3 tier, every
     rank hands its files of each committed checkpoint to its ``uploader``; rank 0's also uploads
-    the marker. ``batch``: this run's ``grad_accum_steps`` and ``micro_batch_size``, recorded so
-    that a resume at another world size keeps the global batch (:attr:`grad_accum_steps`).
+    the marker. ``batch``: this run's ``grad_accum_steps``, ``micro_batch_size`` and
+    ``global_batch_target``, recorded so that a resume at another world size chooses its
+    :attr:`grad_accum_steps` by the ``elastic_batch`` policy (``train.elastic_batch``).
     """
 
     def __init__(self, cfg: CheckpointConfig, root: Path, group: RankGroup, state: CheckpointState,
                  identity: dict, log: Optional[RunLog] = None, hooks: Optional[NoHooks] = None,
                  engine_factory: Optional[Callable[[], Engine]] = None,
-                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None):
+                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None,
+                 elastic_batch: str = "nearest"):
         self.cfg, self.root, self.group, self.state = cfg, root, group, state
         self.log = log or SilentLog()
         # The attempt's resilience hooks: hang-detection sections, the drain budget, fault injection.
@@ -82,6 +84,7 @@ class Checkpointer:
         self.identity = identity  # what a resumed run must match: model shape, preset
         self.batch = batch or {}
         self.grad_accum_steps: Optional[int] = self.batch.get("grad_accum_steps")
+        self.elastic_batch = elastic_batch
         # An engine from a factory belongs to the caller (it outlives in-process restarts).
         self.owns_engine = engine_factory is None
         self._engine_factory = engine_factory or (lambda: build_engine(cfg.mode, group.rank, cfg.writer_threads))
@@ -275,7 +278,7 @@ class Checkpointer:
         next older one is tried."""
         self.before_optimizer_step()  # loading changes the live state: no copy may be reading it
         done = resume_.resume(self.group, self.cfg, self.root, self.job, self.state, self.identity, self.batch,
-                              self.say)
+                              self.say, self.elastic_batch)
         self.restored_from_s3 = done.restored_from_s3.as_dict() if done.restored_from_s3 else None
         if done.step is not None:
             self.resumed_from = {"step": done.step, "path": done.path}
@@ -283,6 +286,8 @@ class Checkpointer:
         if done.grad_accum_steps is not None:
             self.grad_accum_steps = done.grad_accum_steps
             self.batch = {**self.batch, "grad_accum_steps": done.grad_accum_steps}
+        if done.global_batch_target is not None:
+            self.batch = {**self.batch, "global_batch_target": done.global_batch_target}
         # Local checkpoints an earlier run may not have uploaded (not when this run ignores them).
         if self.uploader is not None and self.cfg.resume:
             self.uploader.adopt(self.group.broadcast(store.scan(self.root)[0] if self.group.is_coordinator else None))

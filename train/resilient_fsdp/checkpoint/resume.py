@@ -27,9 +27,10 @@ each rank's plan needs (at another world size, slices of many files), so no rank
 large model) once, on rank 0, and broadcasts it; the other ranks load through a reader that is
 handed it (:class:`SharedMetadataReader`), so the file is read once, not once per rank.
 
-**At another world size** (DCP checkpoints reshard): the global batch is kept by changing
-``train.grad_accum_steps``, or the start is refused; each rank's saved RNG streams belong to the
-old layout, so they start fresh.
+**At another world size** (DCP checkpoints reshard): ``train.grad_accum_steps`` is chosen by the
+``train.elastic_batch`` policy (:mod:`resilient_fsdp.train.global_batch`: the run's global batch
+exactly, else the nearest, or a refusal); each rank's saved RNG streams belong to the old layout,
+so they start fresh.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .. import atomic
 from ..config import CheckpointConfig, ConfigError
+from ..train import global_batch
 from . import integrity, store
 from .group import RankGroup
 from .s3 import restore as s3_restore
@@ -65,15 +67,18 @@ class Resumed:
     """The step loaded; None: nothing was (a fresh start)."""
     path: Optional[str] = None
     grad_accum_steps: Optional[int] = None
-    """The ``train.grad_accum_steps`` that keeps the checkpoint's global batch at this world size,
+    """The ``train.grad_accum_steps`` the ``train.elastic_batch`` policy chose for this world size,
     when it differs from the configured one."""
     restored_from_s3: Optional[s3_restore.Restored] = None
     """The checkpoint this start downloaded from S3 first, if it did."""
+    global_batch_target: Optional[int] = None
+    """The run's target global batch, carried by the checkpoint (None: the configured one)."""
 
 
 def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
-           batch: dict, say: Callable[[str], None]) -> Resumed:
-    """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded."""
+           batch: dict, say: Callable[[str], None], elastic_batch: str = "nearest") -> Resumed:
+    """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded.
+    ``elastic_batch``: the ``train.elastic_batch`` policy at another world size."""
     decide_here = (lambda: decide(cfg, root, job, say)) if group.is_coordinator else (lambda: None)
     plan = _raise_if_error(group.broadcast(decide_here()))
     restored = None
@@ -84,12 +89,14 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     tried: list[str] = []
     while candidate is not None:
         check_compatible(candidate, identity, group.world_size)
-        accum = elastic_grad_accum(candidate.manifest, group.world_size, batch)
+        choice = global_batch.at_resume(candidate.manifest, group.world_size, batch, elastic_batch)
         error = _verify(group, cfg, candidate) or _load(group, state, candidate)
         if error is None:
-            _say_resumed(say, candidate, group.world_size, accum, batch)
+            _say_resumed(say, candidate, group.world_size, choice, batch)
+            accum = choice.grad_accum_steps if choice is not None else None
             changed = accum if accum is not None and accum != batch.get("grad_accum_steps") else None
-            return Resumed(candidate.step, str(candidate.path), changed, restored)
+            return Resumed(candidate.step, str(candidate.path), changed, restored_from_s3=restored,
+                           global_batch_target=choice.target if choice is not None else None)
         tried.append(f"{candidate.path}: {error}")
         say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
         if plan.get("pinned"):
@@ -204,25 +211,6 @@ def check_compatible(ckpt: store.CheckpointInfo, identity: dict, world_size: int
             "which reshard")
 
 
-def elastic_grad_accum(manifest: dict, world_size: int, batch: dict) -> Optional[int]:
-    """At another world size: the ``grad_accum_steps`` that keeps the checkpoint's global batch
-    (samples per optimizer step), or a ConfigError saying why none does. None: nothing to change."""
-    w0, a0, mb0 = manifest.get("world_size"), manifest.get("grad_accum_steps"), manifest.get("micro_batch_size")
-    mb, accum = batch.get("micro_batch_size"), batch.get("grad_accum_steps")
-    if w0 == world_size or None in (w0, a0, mb0, mb, accum):
-        return None
-    global_batch = w0 * a0 * mb0
-    if global_batch % (world_size * mb):
-        fits = [w for w in range(1, global_batch + 1) if global_batch % (w * mb) == 0]
-        raise ConfigError(
-            f"cannot resume at world size {world_size} with the same global batch: the checkpoint's is "
-            f"{global_batch} samples per step (world size {w0} x train.grad_accum_steps={a0} x "
-            f"data.micro_batch_size={mb0}), not divisible by {world_size} ranks x data.micro_batch_size={mb}. "
-            f"Resume at a world size in {fits[:12]}, or set data.micro_batch_size so that world size x "
-            f"data.micro_batch_size divides {global_batch}")
-    return global_batch // (world_size * mb)
-
-
 def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo) -> Optional[str]:
     """Collective: every rank checks its share of the files; the first problem, named, or None.
     Skipped when every rank remembers verifying ``ckpt`` (or downloading it, checked) already."""
@@ -292,17 +280,25 @@ def shared_metadata_reader(group: RankGroup, path: Path) -> tuple[Optional[Share
     return SharedMetadataReader(path, payload["metadata"]), None
 
 
-def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int, accum: Optional[int],
-                 batch: dict) -> None:
+def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int,
+                 choice: Optional[global_batch.Choice], batch: dict) -> None:
     m = ckpt.manifest
     say(f"resumed from step {ckpt.step} ({ckpt.path}, {m['mode']}, saved at world size {m['world_size']})")
     if m["world_size"] != world_size:
         say(f"resharded from world size {m['world_size']} to {world_size}; RNG streams start fresh "
             "(each rank's saved random state belongs to the old layout)")
-    if accum is not None and accum != batch.get("grad_accum_steps"):
-        say(f"train.grad_accum_steps={accum} instead of {batch.get('grad_accum_steps')}: keeps the "
-            f"checkpoint's global batch of {m['world_size'] * m['grad_accum_steps'] * m['micro_batch_size']} "
-            f"samples per step at world size {world_size}")
+    if choice is None:
+        return
+    if choice.exact:
+        what = f"keeps the run's global batch of {choice.target} samples per step at world size {world_size}"
+    else:
+        what = (f"global batch {choice.global_batch} samples per step instead of the run's {choice.target} "
+                f"(train.elastic_batch=nearest: {world_size} ranks x data.micro_batch_size="
+                f"{batch.get('micro_batch_size')} cannot make {choice.target})")
+    if choice.grad_accum_steps != batch.get("grad_accum_steps"):
+        say(f"train.grad_accum_steps={choice.grad_accum_steps} instead of {batch.get('grad_accum_steps')}: {what}")
+    else:
+        say(f"train.grad_accum_steps={choice.grad_accum_steps}: {what}")
 
 
 def load(state: CheckpointState, ckpt: store.CheckpointInfo, rank: int, with_rng: bool,

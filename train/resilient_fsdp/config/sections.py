@@ -77,6 +77,12 @@ class TrainConfig:
     """Optimizer steps to train for."""
     grad_accum_steps: int = Field(default=1, gt=0)
     """Micro-batches per optimizer step; gradients are reduced only on the last one."""
+    elastic_batch: Literal["nearest", "exact"] = "nearest"
+    """The global batch (samples per optimizer step) when a checkpoint is resumed at another world
+    size: ``grad_accum_steps`` is chosen to keep the run's global batch (set at its first start)
+    when world size x ``data.micro_batch_size`` divides it. Otherwise ``nearest`` trains on with
+    the nearest global batch the ranks can make (ties: the smaller) and ``exact`` refuses the
+    start. The learning-rate schedule counts optimizer steps either way."""
     stop_at_step: Optional[int] = Field(default=None, gt=0)
     """End this run at this step (checkpointed, as at the end of training) although the schedule
     still targets ``steps``; a later run with the same directory resumes there."""

@@ -9,6 +9,7 @@
 - ``presets``: its size presets' shapes and parameter counts (importable without torch);
 - ``parallelize``: FSDP2 sharding and activation checkpointing;
 - ``data``: token datasets and the resumable distributed sampler;
+- ``global_batch``: the global batch at another world size (``train.elastic_batch``; no torch import);
 - ``factories``: ``pkg.module:function`` imports for custom models and datasets;
 - ``distributed``: device, backend and process group from launcher variables;
 - ``metrics``: progress lines, ``metrics.jsonl``, parameter hashing.

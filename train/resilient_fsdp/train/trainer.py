@@ -176,14 +176,26 @@ class Trainer:
                                          engine_factory=lambda: resources.checkpoint_engine(info.rank),
                                          uploader=resources.s3_uploader(info.rank, info.world_size),
                                          batch={"grad_accum_steps": self.grad_accum,
-                                                "micro_batch_size": cfg.data.micro_batch_size})
+                                                "micro_batch_size": cfg.data.micro_batch_size,
+                                                "global_batch_target": self.global_batch},
+                                         elastic_batch=cfg.train.elastic_batch)
         self.checkpointer.preflight()
 
     # -- training ---------------------------------------------------------------------------------
 
     @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step at this world size (``train.elastic_batch`` may make it differ
+        from the run's target, ``global_batch_target``)."""
+        return self.info.world_size * self.grad_accum * self.cfg.data.micro_batch_size
+
+    @property
+    def global_batch_target(self) -> int:
+        return self.checkpointer.batch.get("global_batch_target") or self.global_batch
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.info.world_size * self.grad_accum * self.cfg.data.micro_batch_size * self.cfg.data.seq_len
+        return self.global_batch * self.cfg.data.seq_len
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs)
@@ -245,7 +257,8 @@ class Trainer:
                                 self.log_event)
             ckpt_s = ckpt.after_step(step)
             self.metrics.step({"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
-                               "ckpt_s": ckpt_s, "tokens": self.tokens_per_step, "lr": lr, "t": time.time()})
+                               "ckpt_s": ckpt_s, "tokens": self.tokens_per_step, "global_batch": self.global_batch,
+                               "lr": lr, "t": time.time()})
             if len(self.step_times) == 1:
                 self.after_first_step(resumed_step)
             self.log_learned(attempt.maybe_learn())
@@ -343,6 +356,8 @@ class Trainer:
             "backend": self.info.backend,
             "num_params": self.num_params,
             "tokens_seen": self.counters.tokens_seen,
+            "global_batch": self.global_batch,
+            "global_batch_target": self.global_batch_target,
             "steps_this_run": len(self.step_times),
             "tokens_per_s": self.tokens_per_step * len(self.step_times) / productive if productive else 0.0,
             "resumed_from_step": (ckpt.resumed_from or {}).get("step"),
