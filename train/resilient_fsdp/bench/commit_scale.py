@@ -80,9 +80,15 @@ class _Save:
 def measure(world: int, layers: int = LAYERS) -> dict:
     names = fqns(layers)
     outcomes = [rank_outcome(r, world, names) for r in range(world)]
+    # Each rank pickles its own outcome (in parallel); rank 0 unpickles all of them (in turn).
     t = time.perf_counter()
-    per_rank = [len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in outcomes]
-    pickle_s = time.perf_counter() - t
+    blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in outcomes]
+    pickle_s = (time.perf_counter() - t) / world
+    t = time.perf_counter()
+    outcomes = [pickle.loads(b) for b in blobs]
+    unpickle_s = time.perf_counter() - t
+    per_rank = [len(b) for b in blobs]
+    del blobs
     with tempfile.TemporaryDirectory() as tmp:
         writer = FileSystemWriter(tmp)
         save = _Save(plan=(writer, global_metadata(world, names), None))
@@ -95,8 +101,10 @@ def measure(world: int, layers: int = LAYERS) -> dict:
     integrity.share(files, world, 0)
     share_s = time.perf_counter() - t
     return {"world_size": world, "tensors_per_rank": len(names), "gather_bytes": sum(per_rank),
-            "gather_bytes_per_rank": sum(per_rank) / world, "gather_pickle_s": pickle_s,
-            "metadata_bytes": metadata_bytes, "finalize_s": finalize_s, "files": len(files), "share_s": share_s}
+            "gather_bytes_per_rank": sum(per_rank) / world, "rank_pickle_s": pickle_s,
+            "rank0_unpickle_s": unpickle_s, "metadata_bytes": metadata_bytes, "finalize_s": finalize_s,
+            "rank0_s": unpickle_s + finalize_s, "rank0_mb_s": (sum(per_rank) + metadata_bytes) / 1e6 / max(
+                unpickle_s + finalize_s, 1e-9), "files": len(files), "share_s": share_s}
 
 
 def main(argv: list[str] | None = None) -> None:
