@@ -83,11 +83,18 @@ def test_checkpoint_figures_are_reported(uninterrupted):
     events = read_events(uninterrupted, "checkpoint")
     assert [e["step"] for e in events] == [4, 8, 12, 16]
     for e in events:
-        assert e["mode"] == "async" and e["bytes"] > 100_000 and 0 < e["stall_s"] <= e["write_s"]
+        # The stall lies within the save's span: the write, then the commit's manifest, rename and broadcast.
+        assert e["mode"] == "async" and e["bytes"] > 100_000 and 0 < e["stall_s"] <= e["write_s"] + e["commit_s"]
         # The save call's parts (previous write, state, agreement, start) add up to the call.
         parts = e["save_call_parts_s"]
         assert set(parts) == {"previous_s", "state_s", "agree_s", "start_s"} and min(parts.values()) >= 0
         assert sum(parts.values()) == pytest.approx(e["save_call_s"], abs=1e-3)
+        # The commit (gather, .metadata, manifest and rename, broadcast) is timed in parts and is stall.
+        commit = e["commit_parts_s"]
+        assert set(commit) == {"gather_s", "finalize_s", "manifest_s", "other_s", "broadcast_s"}
+        assert min(commit.values()) >= 0 and commit["finalize_s"] > 0 and commit["manifest_s"] > 0
+        assert sum(commit.values()) == pytest.approx(e["commit_s"], abs=1e-6)
+        assert e["commit_s"] < e["stall_s"]
     summary = read_summary(uninterrupted)
     assert [c["step"] for c in summary["checkpoints"]] == [4, 8, 12, 16]
     assert summary["checkpoint_stall_s"] == pytest.approx(sum(e["stall_s"] for e in events))

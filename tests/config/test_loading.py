@@ -242,3 +242,16 @@ def test_on_nccl_the_collective_timeout_must_fire_and_dump_before_hang_detection
     with pytest.raises(ConfigError, match="dist.timeout_s=600 must be at least 60 s below"):
         check_collective_timeouts(auto)
     assert cpu.resilience.hang_detection.step_timeout_s == 8
+
+
+def test_s3_restore_must_fit_the_init_section():
+    s3 = ["checkpoint.s3.uri=s3://bucket/run", "resilience.hang_detection.init_timeout_s=900"]
+    assert load_config(None, s3 + ["checkpoint.s3.restore_timeout_s=600"]).checkpoint.s3.restore_timeout_s == 600
+    with pytest.raises(ConfigError) as err:
+        load_config(None, s3 + ["checkpoint.s3.restore_timeout_s=3600"])
+    for text in ("checkpoint.s3.restore_timeout_s=3600", "resilience.hang_detection.init_timeout_s=900",
+                 "checkpoint.s3.restore=false"):
+        assert text in str(err.value)
+    # Without a restore at start the restore's timeout is not used.
+    load_config(None, s3 + ["checkpoint.s3.restore_timeout_s=3600", "checkpoint.s3.restore=false"])
+    load_config(None, ["checkpoint.s3.restore_timeout_s=3600"])

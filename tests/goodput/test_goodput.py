@@ -94,11 +94,16 @@ def test_advisor_rejects_bad_input_naming_the_flag(capsys):
 
 def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage():
     """p5-16node by hand: 70,553,706,496 params x 12 B = 846.64 GB over 128 GPUs = 6.614 GB a shard;
-    stall 6.614 / 53 + 0.5 = 0.6248 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB =
+    commit 128 ranks x 250 kB x 2.05 / 8 MB/s = 8.2 s; stall 6.614 / 53 + 0.5 + 8.2 = 8.8248 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB =
     7.031 GB/s) = 120.41 s."""
     a = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--preset", "70b", "--storage-size", "14400Gi",
                 "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
-    assert a.inputs.ckpt_stall_s == pytest.approx(0.6248, abs=1e-4)
+    assert a.inputs.ckpt_stall_s == pytest.approx(8.8248, abs=1e-4)
+    assert a.inputs.estimate.commit_s == pytest.approx(8.2, abs=1e-9)
+    # The commit grows with the world: twice the ranks, twice the commit.
+    wide = _advice("--instance", "p5.48xlarge", "--nodes", "32", "--preset", "70b", "--storage-size", "14400Gi",
+                   "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
+    assert wide.inputs.estimate.commit_s == pytest.approx(2 * a.inputs.estimate.commit_s)
     assert a.inputs.ckpt_write_s == pytest.approx(120.41, abs=0.01)
     assert dict(a.inputs.cost_sources) == {"ckpt_stall_s": "estimated", "ckpt_write_s": "estimated",
                                            "restart_s": "default"}
@@ -109,7 +114,7 @@ def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage()
     scratch = _advice("--instance", "g5.12xlarge", "--nodes", "1", "--preset", "1b", "--storage-size", "1200Gi",
                       "--deployment-type", "SCRATCH_2")
     assert scratch.inputs.ckpt_write_s == pytest.approx(1_100_048_384 * 12 / (1200 / 1024 * 200e6))
-    assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5)
+    assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5 + 4 * 250e3 * 2.05 / 8e6)
 
 
 def test_advisor_lets_each_measured_cost_replace_its_estimate(tmp_path):
@@ -127,7 +132,7 @@ def test_advisor_lets_each_measured_cost_replace_its_estimate(tmp_path):
 
 def test_advise_with_only_what_a_user_knows_prints_a_full_recommendation():
     """The README's call: instance, nodes, model; storage: the chart's default volume, too slow
-    for a 70b state, which the table says along with the size that would do."""
+    for a 70b state at a small stall, which the table says along with the size that would do."""
     proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
                            "--nodes", "16", "--preset", "70b"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
@@ -135,6 +140,11 @@ def test_advise_with_only_what_a_user_knows_prints_a_full_recommendation():
         assert any(line.startswith(key) for line in proc.stdout.splitlines()), key
     assert "(estimated)" in proc.stdout and "847 GB" in proc.stdout
     assert "(1.17 TiB x 250 MB/s/TiB, PERSISTENT_2)" in proc.stdout  # the chart's default volume
+    # With a small measured stall, Daly's interval is shorter than the default volume's write.
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
+                           "--nodes", "16", "--preset", "70b", "--ckpt-stall-s", "0.625"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
     assert "W is longer than Daly's interval" in proc.stdout and "storage.size 4800Gi" in proc.stdout
 
 
@@ -213,7 +223,7 @@ def test_the_docs_table_of_profiles_is_the_profiles():
     assert lines[start:end + 1] == profiles.profile_table(), \
         "docs/eks-helm.md's profile table is stale: python -m resilient_fsdp.goodput.profiles"
     p5 = next(line for line in lines[start:end] if line.startswith("| `p5-16node`"))
-    assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 1,260 s | 4 / 4 / 2 |" in p5  # read off the profile
+    assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 3,600 s | 4 / 4 / 2 |" in p5  # read off the profile
 
 
 def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):

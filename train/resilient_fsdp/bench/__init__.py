@@ -2,6 +2,8 @@
 
 - ``checkpoint``: ``bench checkpoint``: training-loop stall of every checkpoint engine, torch DCP's
   ``async_save`` included (``checkpoint_engines``: the engines and the measuring loop);
+- ``commit_scale``: ``python -m resilient_fsdp.bench.commit_scale``: rank 0's commit at 1,024
+  ranks, from synthetic outcomes (the gather's size, ``.metadata``, ``share()``);
 - ``recovery``: ``bench recovery``: one fault recovered by each restart layer;
 - ``soak``: ``bench soak``: a fault a minute for ten minutes: goodput and exactness;
 - ``s3``: ``bench s3``: S3 throughput, managed transfer vs one stream (and the local S3 server);

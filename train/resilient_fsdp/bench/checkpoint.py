@@ -7,7 +7,8 @@ shows the fixed costs), every engine in turn (:mod:`.checkpoint_engines`): ``syn
 ``dcp_thread``). Per engine, ``--warmup-saves`` unmeasured saves (the first allocates and touches
 the staging buffers and starts the writer), then ``--saves`` measured ones, each trained through
 until it is committed. Per engine, median and min of: the time inside the save call, the wait
-before ``optimizer.step()`` (the staging copy), their sum ``stall_s``, the time until committed
+before ``optimizer.step()`` (the staging copy), the commit on the training thread ``commit_s``
+(gather, ``.metadata``, manifest and rename, broadcast), their sum ``stall_s``, the time until committed
 ``write_s``, and the step time while the write runs ``step_time_s``, against idle steps.
 ``--pin`` runs training on one core and every writer process on another.
 """
@@ -164,15 +165,17 @@ def table(r: dict) -> str:
         f"checkpoint benchmark: preset {r['preset']} ({r['params'] / 1e6:.1f}M params + AdamW state, {gb:.3f} GB on "
         f"disk), {r['device']}, {r['threads']} threads, NVRx {r['nvrx']}, torch {r['torch']}; {r['saves']} measured "
         f"saves per engine, median (min)" + (", training and writers pinned to separate cores" if r["pinned"] else ""),
-        f"{'engine':<12} {'save call':>17} {'wait < step':>17} {'stall':>17} {'stall/sync':>10} {'committed':>9} "
+        f"{'engine':<12} {'save call':>17} {'wait < step':>17} {'commit':>17} {'stall':>17} {'stall/sync':>10} "
+        f"{'committed':>9} "
         f"{'step during write':>19}",
     ]
     for mode in r["modes"]:
         f = r[key(mode)]
         share = r["ratios"].get(f"{key(mode)}_stall_over_sync")
-        cells = [f"{f[c]:.4f} ({f[c + '_min']:.4f})" for c in ("save_call_s", "wait_before_step_s", "stall_s")]
+        cells = [f"{f[c]:.4f} ({f[c + '_min']:.4f})" if c in f else "n/a"
+                 for c in ("save_call_s", "wait_before_step_s", "commit_s", "stall_s")]
         during = f"{f['step_time_s']:.3f} s ({f['step_time_s'] / r['idle_step_time_s']:.2f}x)" if f["step_time_s"] else "n/a"
-        rows.append(f"{key(mode):<12} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} "
+        rows.append(f"{key(mode):<12} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} {cells[3]:>17} "
                     f"{'' if share is None else f'{share:.2%}':>10} {f['write_s']:>8.2f}s {during:>19}")
     rows.append(f"idle step time {r['idle_step_time_s']:.3f} s (min {r['idle_step_time_s_min']:.3f} s)")
     idle_cpu = r.get("idle_cpu_s_per_step") or {}

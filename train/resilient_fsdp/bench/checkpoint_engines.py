@@ -71,7 +71,7 @@ class OurSaver(Saver):
         job, self.job = self.job, None
         cpu = {"staging_copy": job.copy_cpu_s, "staging_handoff": job.handoff_cpu_s} if job is not None else {}
         return {"write_s": record["write_s"], "bytes": record["bytes"], "wait_s": record["staging_wait_s"],
-                "call_s": record["save_call_s"], "thread_cpu_s": cpu}
+                "call_s": record["save_call_s"], "commit_s": record["commit_s"], "thread_cpu_s": cpu}
 
     def close(self) -> None:
         self.ckpt.close()
@@ -191,7 +191,8 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
     saver = make_saver(trainer, mode, root)
     original = trainer.checkpointer
     trainer.checkpointer = saver  # train_step awaits this saver's staging before optimizer.step()
-    cols: dict[str, list] = {"save_call_s": [], "wait_before_step_s": [], "stall_s": [], "write_s": []}
+    cols: dict[str, list] = {"save_call_s": [], "wait_before_step_s": [], "commit_s": [], "stall_s": [],
+                             "write_s": []}
     during: list[float] = []
     cpu: dict[str, list] = {}
     cores: dict[str, dict[str, list]] = {}
@@ -232,7 +233,11 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
             call = figures.get("call_s", call)
             cols["save_call_s"].append(call)
             cols["wait_before_step_s"].append(figures["wait_s"])
-            cols["stall_s"].append(call + figures["wait_s"])
+            # The commit (gather, .metadata, manifest, broadcast) runs on the training thread too;
+            # torch DCP's async_save commits in its own thread (no commit_s).
+            commit = figures.get("commit_s", 0.0)
+            cols["commit_s"].append(commit)
+            cols["stall_s"].append(call + figures["wait_s"] + commit)
             cols["write_s"].append(figures["write_s"])
             during += steps
             nbytes = figures["bytes"]

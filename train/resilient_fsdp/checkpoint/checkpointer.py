@@ -61,6 +61,17 @@ class SilentLog:
         pass
 
 
+def _add_broadcast(record: dict, broadcast_s: float, charge: bool) -> None:
+    """Complete a committed record on every rank: the broadcast's time (this rank's) joins
+    ``commit_s``, and the commit joins ``stall_s`` where it is charged to this checkpoint (a
+    commit waited for by the next save is that save's ``previous_s`` instead)."""
+    parts = dict(record["commit_parts_s"], broadcast_s=broadcast_s)
+    record["commit_parts_s"] = parts
+    record["commit_s"] = sum(parts.values())
+    if charge:
+        record["stall_s"] += record["commit_s"]
+
+
 class Checkpointer:
     """Saves on schedule, finalizes in the background, commits atomically, resumes exactly.
 
@@ -400,17 +411,25 @@ class Checkpointer:
                              f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
                              f"incomplete at {pending['dir']} and will not be loaded", failures.TIMEOUT,
                              step=pending["step"])
+        # The commit runs on the training thread: its time (rank 0's gather, metadata, manifest and
+        # rename, then the broadcast) is this checkpoint's commit_s and, when charged, stall.
+        t_gather = time.perf_counter()
         outcomes = self.group.gather(self.engine.collect())
-        record, error = self._commit(pending, outcomes) if self.group.is_coordinator else (None, None)
+        gather_s = time.perf_counter() - t_gather
+        record, error = self._commit(pending, outcomes, gather_s) if self.group.is_coordinator else (None, None)
+        t_broadcast = time.perf_counter()
         record, error = self.group.broadcast((record, error))
         if error:
             raise error.error()
+        _add_broadcast(record, time.perf_counter() - t_broadcast, charge)
         self._after_commit(record)
         return {k: v for k, v in record.items() if k != "manifest"}
 
-    def _commit(self, pending: dict, outcomes: list[LocalOutcome]) -> tuple[Optional[dict], Optional[Failure]]:
+    def _commit(self, pending: dict, outcomes: list[LocalOutcome],
+                gather_s: float = 0.0) -> tuple[Optional[dict], Optional[Failure]]:
         """Rank 0: check every rank's outcome, write the metadata, commit; (record, None) or
-        (None, the failure every rank raises)."""
+        (None, the failure every rank raises). ``gather_s``: how long gathering ``outcomes`` took."""
+        t0 = time.perf_counter()
         step, where = pending["step"], pending["dir"]
         failed = [o for o in outcomes if o.error]
         if failed:
@@ -423,7 +442,9 @@ class Checkpointer:
             checksums = {}
             for o in outcomes:
                 checksums.update({n: {**e, "writer": o.rank} for n, e in o.checksums.items()})
+            t_finish = time.perf_counter()
             checksums.update({n: {**e, "writer": 0} for n, e in self.engine.finish(outcomes).items()})
+            t_finished = time.perf_counter()
             lost = self.lease.check() if self.lease is not None else None
             if lost:
                 return None, Failure(lost, failures.LEASE, step, fatal=True)
@@ -433,15 +454,23 @@ class Checkpointer:
                         "world_size": self.group.world_size, **self.batch, "bytes": nbytes, "write_s": write_s,
                         "created_unix": time.time(), "nvrx_version": NVRX_VERSION,
                         "torch_version": torch.__version__, "job": self.job, "checksums": checksums}
+            t_manifest = time.perf_counter()
             final = store.commit(where, manifest)
+            t_end = time.perf_counter()
         except (Exception, BaseException) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return None, self._failure(f"checkpoint of step {step} failed while finalizing: {type(exc).__name__}: "
                                        f"{exc}; it stays incomplete at {where}", failures.FINALIZE, step, exc)
+        # Where the commit's time went: gathering every rank's outcome, the engine's metadata
+        # (DCP's .metadata, pickled), the manifest and the rename, and the rest (checksums, lease).
+        finalize_s, manifest_s = t_finished - t_finish, t_end - t_manifest
+        commit_parts = {"gather_s": gather_s, "finalize_s": finalize_s, "manifest_s": manifest_s,
+                        "other_s": max(0.0, (t_end - t0) - finalize_s - manifest_s), "broadcast_s": 0.0}
         return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"],
                 "save_call_s": pending["save_call_s"], "save_call_parts_s": pending["save_call_parts_s"],
                 "staging_wait_s": pending["staging_wait_s"], "write_s": write_s,
+                "commit_s": sum(commit_parts.values()), "commit_parts_s": commit_parts,
                 "bytes": nbytes, "path": str(final), "manifest": manifest}, None
 
     def _mkdir_failure(self, step: int, exc: OSError) -> Failure:

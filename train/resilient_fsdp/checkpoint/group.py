@@ -3,24 +3,64 @@
 :class:`RankGroup` is all the checkpoint package knows of the process group: this rank, the world
 size and the device the job's backend moves tensors on. Resume and the S3 restore take one and
 return their results; nothing of the checkpointer is handed to them.
+
+Objects (commit outcomes, records, votes) travel on a CPU side group (gloo), never on NCCL: an
+object collective on NCCL pickles into a tensor on the GPU, so a commit at 1,024 ranks would move
+hundreds of MB of write results through rank 0's GPU memory. :func:`open_object_group` makes that
+group once per default group (where the default group is made); a default group that is gloo
+already serves as its own. Small max-reductions stay on the default group: one tensor of a few
+floats, no pickling.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 
+# (default group, its object group): the side group belongs to one default group; an in-process
+# restart destroys both and makes a new default group, for which a new side group is opened.
+_object_group: Optional[tuple[Any, Optional[dist.ProcessGroup]]] = None
+
+
+def open_object_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
+    """Open the CPU group object collectives run on, for the current default group. Collective
+    over the default group (every rank calls it at the same point); None means the default group
+    itself (it is gloo)."""
+    global _object_group
+    default = dist.distributed_c10d._get_default_group()
+    if _object_group is not None and _object_group[0] is default:
+        return _object_group[1]
+    side = None
+    if dist.get_backend(default) != dist.Backend.GLOO:
+        side = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+    _object_group = (default, side)
+    return side
+
+
+def object_group() -> Optional[dist.ProcessGroup]:
+    """The object group of the current default group (opened on first use if it was not)."""
+    return open_object_group()
+
+
 @dataclass(frozen=True)
 class RankGroup:
-    """This rank of the job's default process group. Every method is collective."""
+    """This rank of the job's default process group. Every method is collective.
+
+    ``objects``: the group object collectives use; unset, the default group's object group
+    (:func:`object_group`)."""
 
     rank: int
     world_size: int
     device: torch.device
+    objects: Optional[dist.ProcessGroup] = field(default=None, compare=False)
+
+    def _objects(self) -> Optional[dist.ProcessGroup]:
+        return self.objects if self.objects is not None else object_group()
 
     @property
     def is_coordinator(self) -> bool:
@@ -42,19 +82,19 @@ class RankGroup:
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._objects())
         return box[0]
 
     def gather(self, obj: Any) -> Optional[list]:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
         out = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=self._objects())
         return out
 
     def all_gather(self, obj: Any) -> list:
         """Every rank's ``obj`` on every rank."""
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self._objects())
         return out
 
     def store(self) -> dist.Store:

@@ -20,6 +20,7 @@ is reported as unverifiable rather than given a wrong one.
 
 from __future__ import annotations
 
+import heapq
 import io
 import threading
 from contextlib import contextmanager
@@ -142,12 +143,14 @@ def file_crc32c(path: Path) -> str:
 
 def share(files: dict[str, dict], world_size: int, rank: int) -> list[str]:
     """This rank's part of ``files`` (name -> entry with ``bytes``): largest first, each to the
-    rank with the fewest bytes so far, so every rank reads about as much. The same on every rank."""
-    loads = [0] * world_size
+    rank with the fewest bytes so far (the lowest rank among equals), so every rank reads about as
+    much. The same on every rank: it depends on the names and sizes only. A heap of (bytes, rank)
+    keeps it O(files log world) at 1,000 ranks; the order the ties break in is the heap's key."""
+    loads = [(0, r) for r in range(world_size)]  # already a heap: sorted
     mine = []
     for name in sorted(files, key=lambda n: (-int(files[n].get("bytes", 0)), n)):
-        target = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[target] += int(files[name].get("bytes", 0))
+        load, target = loads[0]
+        heapq.heapreplace(loads, (load + int(files[name].get("bytes", 0)), target))
         if target == rank:
             mine.append(name)
     return mine

@@ -205,6 +205,7 @@ def _check_across_keys(config: Config) -> None:
     for text in r.inject:
         parse_fault(text, key="resilience.inject")
     check_s3_config(config.checkpoint.s3)
+    check_restore_fits_init(config)
     if config.dist.device == "cuda":  # "auto": checked by the trainer once it sees a GPU
         check_collective_timeouts(config)
 
@@ -243,6 +244,22 @@ def check_collective_timeouts(config: Config) -> None:
             f"dist.timeout_s={d.timeout_s:g} must exceed resilience.in_process.hard_timeout_s="
             f"{r.in_process.hard_timeout_s:g}: NCCL's watchdog would end the process before in-process restart "
             "can recover it (NVRx's requirement)")
+
+
+def check_restore_fits_init(config: Config) -> None:
+    """An S3 restore runs at start, inside the init hang-detection section: a restore allowed
+    longer than that section would be killed by ft_launcher as a hang while it still downloads."""
+    ckpt, hang = config.checkpoint, config.resilience.hang_detection
+    restores = bool(ckpt.s3.uri and ckpt.s3.restore and ckpt.resume and not ckpt.resume_from)
+    if not restores or hang.init_timeout_s is None:
+        return
+    if not ckpt.s3.restore_timeout_s < hang.init_timeout_s:
+        raise ConfigError(
+            f"checkpoint.s3.restore_timeout_s={ckpt.s3.restore_timeout_s:g} must be less than "
+            f"resilience.hang_detection.init_timeout_s={hang.init_timeout_s:g}: the restore from S3 runs in the "
+            f"init section, and ft_launcher would kill a rank still restoring as hung; lower "
+            f"checkpoint.s3.restore_timeout_s, raise resilience.hang_detection.init_timeout_s, or set "
+            f"checkpoint.s3.restore=false")
 
 
 def check_s3_config(cfg: S3Config) -> None:

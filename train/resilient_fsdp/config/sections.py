@@ -165,10 +165,11 @@ class S3Config:
     """At the end of training (and on a graceful stop), how long each rank waits for its pending
     uploads (and rank 0 for the markers), so the final checkpoint reaches S3; what is left is
     reported in ``summary.json`` and uploaded by the next run with the same ``checkpoint.dir``."""
-    restore_timeout_s: float = Field(default=3600.0, gt=0)
+    restore_timeout_s: float = Field(default=600.0, gt=0)
     """Longest restore from S3 at start (every rank downloads its share, then rank 0 commits). The
     ranks wait for each other through the rendezvous store with this deadline, not in a collective,
-    so ``dist.timeout_s`` does not bound it; ``resilience.init_timeout_s`` must cover it too."""
+    so ``dist.timeout_s`` does not bound it; it must be less than
+    ``resilience.hang_detection.init_timeout_s``, the section the restore runs in."""
 
 
 @dataclass(config=_STRICT)

@@ -7,6 +7,12 @@ measured costs are given:
 * the state is ``BYTES_PER_PARAM`` bytes per parameter (fp32 weights and AdamW's two moments);
 * the stall ``delta`` is one GPU's shard copied to host memory at the GPU's device-to-host rate,
   plus ``STALL_FIXED_S`` for what every save does besides copying (plan, agree, hand off);
+* the commit, on rank 0 in the step loop and so also stall: every rank's DCP write results
+  (``COMMIT_BYTES_PER_RANK``: one per tensor shard, and every rank holds a shard of every tensor)
+  gathered and unpickled, and DCP's ``.metadata`` of the same entries (``METADATA_PER_RESULT_BYTE``
+  of it per byte gathered) pickled, at ``RANK0_COMMIT_MB_S``: ``gpus x bytes per rank x (1 +
+  ratio) / rate``, linear in the world (``python -m resilient_fsdp.bench.commit_scale`` measures
+  it for a 70b-like state);
 * the background write ``W`` is the whole state at the file system's throughput, which FSx for
   Lustre gives per TiB of capacity: ``capacity (TiB) x per-unit throughput (MB/s/TiB)``.
 
@@ -25,6 +31,18 @@ BYTES_PER_PARAM = 12
 """fp32 master weights + two AdamW moments (8B parameters: ~96 GB; 70B: ~847 GB)."""
 STALL_FIXED_S = 0.5
 """Per save besides the copy: the save plan, the ranks' agreement, the writer's hand-off."""
+COMMIT_BYTES_PER_RANK = 250e3
+"""Pickled write results (and file checksums) one rank hands rank 0 per save, for a 70b-like state
+(80 layers: ~2,200 tensor shards of weights and AdamW moments, ~115 B each; bench.commit_scale).
+Shallower models have fewer tensors and less; the estimate keeps the deep model's figure."""
+METADATA_PER_RESULT_BYTE = 1.05
+"""Bytes of ``.metadata`` per byte of gathered write results (bench.commit_scale at 1,024 ranks:
+68.0 MB from 65.0 MB)."""
+RANK0_COMMIT_MB_S = 8.0
+"""Rank 0's rate through unpickling the gathered results and pickling ``.metadata`` (MB/s, one
+core). bench.commit_scale measures 0.55-1.6 MB/s on the 2-core development machine at a load
+average of about 10, five processes to a core; an uncontended core is assumed five times the
+higher figure until a training host measures it."""
 # Device-to-host copy rate per GPU (GB/s), measured: ~25 on PCIe Gen4 (A100, A10G, L4), ~53 on
 # PCIe Gen5 (H100, H200; B200 hosts link at Gen5 too). Keyed by instance family.
 D2H_GB_S = {"p4d": 25.0, "p4de": 25.0, "g5": 25.0, "g6": 25.0, "p5": 53.0, "p5e": 53.0, "p5en": 53.0,
@@ -70,6 +88,8 @@ class Estimate:
     storage: Storage
     stall_s: float
     write_s: float
+    commit_s: float = 0.0
+    """The commit's part of ``stall_s``."""
 
     @property
     def state_gb(self) -> float:
@@ -83,7 +103,9 @@ class Estimate:
         """The arithmetic, one line per cost, as the profiles' headers write it."""
         s = self.storage
         return [f"state {self.params / 1e9:.1f}e9 params x {BYTES_PER_PARAM} B = {self.state_gb:,.0f} GB",
-                f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s = "
+                f"commit = {self.gpus} ranks x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x (1 + {METADATA_PER_RESULT_BYTE:g}) / "
+                f"{RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s",
+                f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s + commit = "
                 f"{self.stall_s:.3g} s",
                 f"write W = {self.state_gb:,.0f} GB / ({s.capacity_tib:.2f} TiB x {s.mb_s_per_tib:g} MB/s/TiB, "
                 f"{s.deployment_type}) = {self.write_s:.0f} s"]
@@ -153,6 +175,12 @@ def estimate(params: int, gpus: int, instance: str, volume: Storage) -> Estimate
     """The stall and write time of one checkpoint of ``params`` parameters sharded over ``gpus``."""
     rate = d2h_gb_s(instance)
     state_gb = params * BYTES_PER_PARAM / 1e9
-    stall = state_gb / max(gpus, 1) / rate + STALL_FIXED_S
+    commit = commit_s(gpus)
+    stall = state_gb / max(gpus, 1) / rate + STALL_FIXED_S + commit
     return Estimate(params=params, gpus=max(gpus, 1), d2h_gb_s=rate, storage=volume, stall_s=stall,
-                    write_s=state_gb / volume.gb_s)
+                    write_s=state_gb / volume.gb_s, commit_s=commit)
+
+
+def commit_s(gpus: int) -> float:
+    """Rank 0's commit of one checkpoint at a world of ``gpus`` ranks (linear in it)."""
+    return max(gpus, 1) * COMMIT_BYTES_PER_RANK * (1 + METADATA_PER_RESULT_BYTE) / (RANK0_COMMIT_MB_S * 1e6)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..checkpoint.group import open_object_group
 from ..config import ConfigError, DistConfig
 from ..resilience import nvrx
 
@@ -84,6 +85,9 @@ def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None) -> Dis
         with nvrx.recording_group_sockets(_store_ports(store)):
             dist.init_process_group(backend=backend, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None, **where)
+            # The checkpoint package's object collectives run on gloo (see checkpoint.group); made
+            # here, with the default group, so its connections are recorded and aborted with it.
+            open_object_group(timeout)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
@@ -91,6 +95,9 @@ def use_steady_timeout(cfg: DistConfig) -> None:
     """Switch collectives from the start-up timeout to ``dist.timeout_s`` (after the first step)."""
     if dist.is_initialized() and cfg.timeout_s < cfg.init_timeout_s:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg.timeout_s))
+        objects = open_object_group()
+        if objects is not None:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=cfg.timeout_s), objects)
 
 
 def _store_ports(store: Optional[dist.Store]) -> list[int]:

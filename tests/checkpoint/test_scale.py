@@ -1,0 +1,78 @@
+"""Per-save costs that grow with the world, bounded without processes: the commit's gather and
+``.metadata`` are linear in the ranks, :func:`integrity.share` is O(files log world) and assigns
+as the linear scan did, and object collectives run on a CPU group."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from resilient_fsdp.bench import commit_scale
+from resilient_fsdp.checkpoint import group as group_mod
+from resilient_fsdp.checkpoint import integrity
+
+
+def share_by_scan(files: dict[str, dict], world_size: int, rank: int) -> list[str]:
+    """The reference: largest file first, to the least-loaded rank found by a scan of the world."""
+    loads = [0] * world_size
+    mine = []
+    for name in sorted(files, key=lambda n: (-int(files[n].get("bytes", 0)), n)):
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[target] += int(files[name].get("bytes", 0))
+        if target == rank:
+            mine.append(name)
+    return mine
+
+
+def test_share_matches_the_linear_scan_on_random_inputs():
+    rng = random.Random(7)
+    for _ in range(30):
+        world = rng.randint(1, 40)
+        # Few distinct sizes, so ties (and their breaking by rank) are exercised.
+        files = {f"f{i:04d}": {"bytes": rng.choice([0, 1, 2, 5, 100, rng.randint(0, 10**6)])}
+                 for i in range(rng.randint(0, 120))}
+        for rank in range(world):
+            assert integrity.share(files, world, rank) == share_by_scan(files, world, rank)
+    parts = [integrity.share(files, world, r) for r in range(world)]
+    assert sorted(n for p in parts for n in p) == sorted(files)
+
+
+def test_share_at_1024_ranks_is_fast():
+    world = 1024
+    files = {f"__{r}_{t}.distcp": {"bytes": 10**9 + r * 7 + t} for r in range(world) for t in range(4)}
+    t0 = time.perf_counter()
+    mine = integrity.share(files, world, 3)
+    elapsed = time.perf_counter() - t0
+    assert len(mine) == 4  # 4 files per rank of about equal size: 4 each
+    assert elapsed < 1.0, f"share over {len(files)} files x {world} ranks took {elapsed:.2f} s"
+
+
+def test_the_commit_gather_and_metadata_grow_linearly_with_the_world():
+    names = commit_scale.fqns(layers=2)
+    one = len(pickle.dumps(commit_scale.rank_outcome(5, 8, names)))
+    assert one > 100 * len(names) // 2  # a write result per tensor shard, not a summary
+    small, large = commit_scale.measure(8, layers=2), commit_scale.measure(32, layers=2)
+    assert small["tensors_per_rank"] == large["tensors_per_rank"] == len(names)
+    per_rank = (small["gather_bytes_per_rank"], large["gather_bytes_per_rank"])
+    assert abs(per_rank[1] - per_rank[0]) / per_rank[0] < 0.05, per_rank  # the same per rank: linear
+    ratio = large["metadata_bytes"] / small["metadata_bytes"]
+    assert 3.0 < ratio < 5.0, ratio  # 4x the ranks: about 4x the .metadata
+    assert large["files"] == 32 * commit_scale.WRITER_THREADS
+
+
+def test_object_collectives_use_gloo_and_follow_a_new_default_group(tmp_path):
+    for attempt in range(2):  # an in-process restart destroys the default group and makes another
+        store = dist.FileStore(str(tmp_path / f"store{attempt}"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            assert group_mod.open_object_group() is None  # gloo already: the default group carries objects
+            assert group_mod._object_group[0] is dist.distributed_c10d._get_default_group()
+            g = group_mod.RankGroup(0, 1, device=torch.device("cpu"))
+            assert dist.get_backend(g._objects()) == "gloo"
+            assert g.gather({"a": 1}) == [{"a": 1}] and g.broadcast(3) == 3 and g.all_gather("x") == ["x"]
+        finally:
+            dist.destroy_process_group()

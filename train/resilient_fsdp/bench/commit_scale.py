@@ -1,0 +1,120 @@
+"""``python -m resilient_fsdp.bench.commit_scale``: what a checkpoint commit costs rank 0 at a
+world of many ranks, measured without the ranks.
+
+The commit gathers every rank's outcome (:class:`~resilient_fsdp.checkpoint.engines.LocalOutcome`:
+its DCP write results and the checksum of every file it wrote) to rank 0, which writes DCP's
+``.metadata`` from all of them. Both grow with the world: every rank writes a shard of every
+tensor, so the write results are (tensors x world) and so is ``.metadata``. Here the outcomes are
+built for a 70b-like state (FSDP: each rank holds a shard of each of about 720 parameters, plus
+AdamW's two moments of each; one file per writer thread) and measured: the pickled size of the
+gather (what travels on the object group), rank 0's ``.metadata`` written by the code the engine
+uses (:func:`~resilient_fsdp.checkpoint.writer.dcp_plan.write_dcp_metadata`), and
+:func:`~resilient_fsdp.checkpoint.integrity.share` at that world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                    TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..checkpoint import integrity
+from ..checkpoint.engines import LocalOutcome
+from ..checkpoint.writer import dcp_plan
+
+# A Llama-2-70b-like layout: 80 layers of 9 tensors (4 attention, 3 MLP, 2 norms), plus the
+# embedding, the output head and the final norm; AdamW keeps two moments of each.
+LAYERS, PER_LAYER, EXTRA = 80, 9, 3
+STATES_PER_PARAM = 3
+WRITER_THREADS = 2
+
+
+def fqns(layers: int = LAYERS) -> list[str]:
+    names = [f"model.layers.{i}.t{j}" for i in range(layers) for j in range(PER_LAYER)]
+    names += [f"model.extra{k}" for k in range(EXTRA)]
+    return [f"{kind}.{n}" for n in names for kind in ("model", "optim.exp_avg", "optim.exp_avg_sq")]
+
+
+def rank_outcome(rank: int, world: int, names: list[str], shard_rows: int = 1024) -> LocalOutcome:
+    """One rank's outcome: a write result per tensor shard it wrote, spread over its files."""
+    files = [f"__{rank}_{t}.distcp" for t in range(WRITER_THREADS)]
+    offsets = [0] * WRITER_THREADS
+    results = []
+    length = shard_rows * 8192 * 2  # bf16 rows of 8192
+    for i, fqn in enumerate(names):
+        t = i % WRITER_THREADS
+        results.append(WriteResult(index=MetadataIndex(fqn, torch.Size([rank * shard_rows, 0])),
+                                   size_in_bytes=length,
+                                   storage_data=_StorageInfo(files[t], offsets[t], length)))
+        offsets[t] += length
+    checksums = {f: {"bytes": offsets[t], "crc32c": f"{rank:08x}"} for t, f in enumerate(files)}
+    return LocalOutcome(rank=rank, results=results, checksums=checksums)
+
+
+def global_metadata(world: int, names: list[str], shard_rows: int = 1024) -> Metadata:
+    """The plan's metadata: every tensor in ``world`` row shards (what FSDP's DCP plan holds)."""
+    props = TensorProperties(dtype=torch.bfloat16)
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([r * shard_rows, 0]), sizes=torch.Size([shard_rows, 8192]))
+              for r in range(world)]
+    md = {n: TensorStorageMetadata(properties=props, size=torch.Size([world * shard_rows, 8192]), chunks=chunks)
+          for n in names}
+    return Metadata(state_dict_metadata=md)
+
+
+@dataclass
+class _Save:
+    """What :func:`dcp_plan.write_dcp_metadata` reads of a save: its planned writer and metadata."""
+    plan: tuple
+
+
+def measure(world: int, layers: int = LAYERS) -> dict:
+    names = fqns(layers)
+    outcomes = [rank_outcome(r, world, names) for r in range(world)]
+    # Each rank pickles its own outcome (in parallel); rank 0 unpickles all of them (in turn).
+    t = time.perf_counter()
+    blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in outcomes]
+    pickle_s = (time.perf_counter() - t) / world
+    t = time.perf_counter()
+    outcomes = [pickle.loads(b) for b in blobs]
+    unpickle_s = time.perf_counter() - t
+    per_rank = [len(b) for b in blobs]
+    del blobs
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = FileSystemWriter(tmp)
+        save = _Save(plan=(writer, global_metadata(world, names), None))
+        t = time.perf_counter()
+        dcp_plan.write_dcp_metadata(save, [o.results for o in outcomes], integrity.Recorder())
+        finalize_s = time.perf_counter() - t
+        metadata_bytes = (Path(tmp) / ".metadata").stat().st_size
+    files = {n: e for o in outcomes for n, e in o.checksums.items()}
+    t = time.perf_counter()
+    integrity.share(files, world, 0)
+    share_s = time.perf_counter() - t
+    return {"world_size": world, "tensors_per_rank": len(names), "gather_bytes": sum(per_rank),
+            "gather_bytes_per_rank": sum(per_rank) / world, "rank_pickle_s": pickle_s,
+            "rank0_unpickle_s": unpickle_s, "metadata_bytes": metadata_bytes, "finalize_s": finalize_s,
+            "rank0_s": unpickle_s + finalize_s, "rank0_mb_s": (sum(per_rank) + metadata_bytes) / 1e6 / max(
+                unpickle_s + finalize_s, 1e-9), "files": len(files), "share_s": share_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.bench.commit_scale", description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, nargs="+", default=[1024], help="world sizes to measure")
+    p.add_argument("--layers", type=int, default=LAYERS, help="transformer layers of the state (70b: 80)")
+    args = p.parse_args(argv)
+    for world in args.world:
+        print(json.dumps(measure(world, args.layers)))
+
+
+if __name__ == "__main__":
+    main()
