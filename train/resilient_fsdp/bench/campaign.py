@@ -374,6 +374,19 @@ def launch(run_dir: Path, pods: int, overrides: list[str], faults: list[str], is
     return proc.returncode, time.time() - start, out
 
 
+def leg_start_index(records: list[dict], leg: int) -> int:
+    """Where launch ``leg`` (0: the first) begins in ``metrics.jsonl``: at its first attempt's
+    ``start`` event (restarts within a launch log another layer). The trainer drops the records
+    past the step it resumes from, so counting lines before a launch would not find it."""
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start" and r.get("layer") == "start"]
+    return starts[leg] if leg < len(starts) else len(records)
+
+
+def leg_records(records: list[dict], leg: int) -> list[dict]:
+    start = leg_start_index(records, leg)
+    return records[start:leg_start_index(records, leg + 1)] if start < len(records) else []
+
+
 def read_records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -478,9 +491,12 @@ def compare_losses(records: list[dict], reference: dict[int, float], upto: int) 
 
 
 def time_table(legs: list[dict], records: list[dict], run_dir: Path) -> dict:
-    """Where the campaign's wall time went: steps that count (each step's last run once),
-    checkpoint stalls, recoveries (each fault to the first step after its restore), lost work
-    and the rest (start-up of each launch, relaunch gaps, shutdown)."""
+    """Where the campaign's wall time (its launches') went: steps that count (each step once),
+    checkpoint stalls, recoveries (each fault to the first step after its restore; the work lost
+    to it is inside) and the rest (each launch's start-up and shutdown). Steps trained again:
+    the recoveries' lost steps and the rewind's."""
+    rewound = sum(max(0, legs[i - 1]["stop_step"] - leg["first_step"]) for i, leg in enumerate(legs)
+                  if i and leg["leg"] == "rewind")
     from ..resilience.ledger import FaultLedger
 
     last: dict[int, float] = {}
@@ -492,11 +508,9 @@ def time_table(legs: list[dict], records: list[dict], run_dir: Path) -> dict:
     stalls = sum(r.get("stall_s", 0.0) for r in records if r.get("event") == "checkpoint")
     recoveries = list(FaultLedger(run_dir).recoveries().values())
     recovery = sum(r["recovery_s"] for r in recoveries)
-    trained = sum(r["step_time_s"] for r in records if r.get("event") == "step")
-    lost = trained - productive
     return {"wall_s": wall, "productive_s": productive, "checkpoint_stalls_s": stalls, "recovery_s": recovery,
-            "retrained_steps_s": lost, "other_s": wall - productive - stalls - recovery - lost,
-            "goodput": productive / wall if wall else 0.0}
+            "other_s": wall - productive - stalls - recovery, "goodput": productive / wall if wall else 0.0,
+            "steps_trained_again": sum(r["lost_steps"] for r in recoveries) + rewound}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -540,7 +554,6 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     bucket = (lambda: s3.total_bytes(prefix)) if s3 else None
     extra = s3.overrides(prefix) if s3 else []
     leg_results, outputs, fired_specs = [], "", []
-    compare_upto = 0
     rewind_ok: Optional[dict] = None
     rewind_line: Optional[dict] = None
     with Sampler(mark, run_dir / "checkpoints", args.sample_every_s, bucket) as sampler:
@@ -549,23 +562,21 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
             if leg.name == "rewind":
                 target = f"{pod_checkpoint_dir(run_dir)}/step_{leg.first_step:08d}"
                 overrides.append(f"checkpoint.resume_from={target}")
-            before = len(read_records(run_dir))
             faults = [f.spec for f in leg.faults if not f.skipped]
             code, wall, out = launch(run_dir, leg.pods, overrides, faults, args.isolation, mark, log,
                                      args.leg_timeout_s)
             outputs += out
             records = read_records(run_dir)
-            steps = [r["step"] for r in records[before:] if r.get("event") == "step"]
+            mine = leg_records(records, len(leg_results))
+            steps = [r["step"] for r in mine if r.get("event") == "step"]
             fired_specs += [f.spec for f in leg.faults if not f.skipped]
             leg_results.append({"leg": leg.name, "pods": leg.pods, "first_step": leg.first_step,
                                 "stop_step": leg.stop_step, "exit_code": code, "wall_s": wall,
                                 "last_step": max(steps, default=None), "faults": [dataclasses.asdict(f) for f in leg.faults]})
             print(f"[campaign] leg {leg.name}: {leg.pods} pod(s), steps {leg.first_step}..{leg.stop_step}, exit {code}, "
                   f"{wall:.0f} s; faults: {', '.join(faults) or 'none'}", flush=True)
-            if leg.name in ("main", "rewind"):
-                compare_upto = len(records)
             if leg.name == "rewind":
-                rewind_line = rewound_line(records[before:], leg.first_step)
+                rewind_line = rewound_line(mine, leg.first_step)
                 rewind_ok = result(bool(steps) and steps[0] == leg.first_step + 1,
                                    {"first_step": steps[0] if steps else None, "expected": leg.first_step + 1})
             if code != 0:
@@ -603,7 +614,7 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
         **check_accounting(run_dir, fired_specs, outputs),
         "rewind_resumed_at_its_step": rewind_ok or result(False, "the rewind leg did not run"),
         "rewind_restarts_stay_on_its_line": rewind_line or result(False, "the rewind leg did not run"),
-        "losses_equal_fault_free": compare_losses(records, reference, compare_upto),
+        "losses_equal_fault_free": compare_losses(records, reference, leg_start_index(records, LEGS.index("shrink"))),
         "no_processes_left": result(not left, [" ".join(p.cmdline())[:160] for p, _ in left
                                                if p.is_running()] if left else []),
         "no_pods_left": result(not plumbing.leaked() if os.geteuid() == 0 else True,
@@ -636,8 +647,8 @@ def format_table(results: dict) -> str:
     t = results["time"]
     rows.append("where the time went (s): " + ", ".join(
         f"{k.removesuffix('_s').replace('_', ' ')} {t[k]:.1f}" for k in
-        ("wall_s", "productive_s", "checkpoint_stalls_s", "recovery_s", "retrained_steps_s", "other_s"))
-        + f"; campaign goodput {t['goodput']:.3f}")
+        ("wall_s", "productive_s", "checkpoint_stalls_s", "recovery_s", "other_s"))
+        + f"; campaign goodput {t['goodput']:.3f}; steps trained again {t['steps_trained_again']}")
     for s in results["skipped"]:
         rows.append(f"skipped: {s['spec']}: {s['skipped']}")
     rows.append(f"{'check':<34} result")
