@@ -141,3 +141,18 @@ def test_the_volume_is_counted_with_set_asides_apart(tmp_path):
         (tmp_path / name).write_bytes(b"x" * size)
     assert tree_bytes(tmp_path) == (132, 12, 1)
     assert tree_bytes(tmp_path / "missing") == (0, 0, 0)
+
+
+def test_the_bucket_is_measured_and_a_step_without_its_marker_is_found(tmp_path):
+    from resilient_fsdp.bench.campaign import LocalS3
+
+    s3 = LocalS3(tmp_path)
+    try:
+        for key, size in (("job/step_00000004/a.distcp", 10), ("job/step_00000004/COMPLETE", 2),
+                          ("job/step_00000008/a.distcp", 5), ("other/step_00000001/a", 100)):
+            s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"x" * size)
+        assert s3.total_bytes("job") == 17
+        assert s3.markerless("job") == ["step_00000008"]
+        assert f"checkpoint.s3.uri=s3://{s3.bucket}/job" in s3.overrides("job")
+    finally:
+        s3.close()

@@ -59,12 +59,13 @@ SET_ASIDE = (".abandoned-", ".superseded-")
 DEFAULT_KINDS = ("sigkill-during-save:rank=1,node-loss:node=0,hang:rank=2,partition:node=1:for=20,"
                  "sigkill-during-save:rank=3,nan-loss:rank=0,hang-in-collective:rank=2,sigkill:rank=0,"
                  "node-loss:node=1,exception:rank=3,node-loss:node=0,writer-raise:rank=1")
+KEEP_LAST = 2
 # The fault tests' settings: a stuck rank is killed 2 s after SIGTERM, a hung step is detected
 # after 8 s, rank monitors look twice a second.
 COMMON = ["dist.timeout_s=60", "resilience.launcher.workers_stop_timeout_s=2",
           "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.step_timeout_s=8",
-          "resilience.hang_detection.learn_timeouts=false", "checkpoint.keep_last=2"]
-S3_SETTINGS = ["checkpoint.s3.keep_last=2", "checkpoint.s3.connect_timeout_s=1", "checkpoint.s3.read_timeout_s=2",
+          "resilience.hang_detection.learn_timeouts=false", f"checkpoint.keep_last={KEEP_LAST}"]
+S3_SETTINGS = [f"checkpoint.s3.keep_last={KEEP_LAST}", "checkpoint.s3.connect_timeout_s=1", "checkpoint.s3.read_timeout_s=2",
                "checkpoint.s3.max_attempts=2", "checkpoint.s3.retry_backoff_s=0.5",
                "checkpoint.s3.retry_backoff_max_s=2"]
 FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -317,10 +318,12 @@ class LocalS3:
 
         from .s3 import LocalS3Server
 
-        os.environ.update(FAKE_AWS)
         self.server = LocalS3Server(root / "s3-server.log")
         self.bucket = f"campaign-{uuid.uuid4().hex[:8]}"
-        self.client = boto3.session.Session().client("s3", endpoint_url=self.server.endpoint)
+        self.client = boto3.session.Session(aws_access_key_id=FAKE_AWS["AWS_ACCESS_KEY_ID"],
+                                            aws_secret_access_key=FAKE_AWS["AWS_SECRET_ACCESS_KEY"],
+                                            region_name=FAKE_AWS["AWS_DEFAULT_REGION"]).client(
+            "s3", endpoint_url=self.server.endpoint)
         self.client.create_bucket(Bucket=self.bucket)
 
     def overrides(self, prefix: str) -> list[str]:
@@ -347,14 +350,15 @@ class LocalS3:
 
 
 def launch(run_dir: Path, pods: int, overrides: list[str], faults: list[str], isolation: str, mark: str, log: Path,
-           timeout_s: float) -> tuple[int, float, str]:
+           timeout_s: float, env: Optional[dict] = None) -> tuple[int, float, str]:
     """One ``resilient-fsdp local`` launch of the JobSet: (exit code, wall seconds, output)."""
     cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={pods}", "--nproc-per-node=1",
            f"--run-dir={run_dir}", f"--isolation={isolation}", "--value=workload.kind=JobSet",
            "--max-restarts=50", "--max-pod-recreations=50", *(f"--inject={f}" for f in faults)]
     for o in overrides:
         cmd += ["--set", o]
-    env = {**os.environ, RUN_MARK_ENV: mark}
+    # The local server's throwaway credentials (with S3 on): nothing reaches AWS.
+    env = {**os.environ, **(env or {}), RUN_MARK_ENV: mark}
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -564,7 +568,7 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
                 overrides.append(f"checkpoint.resume_from={target}")
             faults = [f.spec for f in leg.faults if not f.skipped]
             code, wall, out = launch(run_dir, leg.pods, overrides, faults, args.isolation, mark, log,
-                                     args.leg_timeout_s)
+                                     args.leg_timeout_s, FAKE_AWS if s3 else None)
             outputs += out
             records = read_records(run_dir)
             mine = leg_records(records, len(leg_results))
@@ -584,13 +588,20 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     records = read_records(run_dir)
     checkpoints = run_dir / "checkpoints"
     camp_peaks = peaks(sampler.samples)
-    margin = size // 2 + (1 << 20)
-    disk_bound = 3 * size + margin
+    # keep_last committed checkpoints and one being written; the margin covers metadata and the
+    # checkpoint's size varying by a few percent between world sizes.
+    disk_bound = (KEEP_LAST + 1) * size + size // 2 + (1 << 20)
     from ..local.runtime.netns_pods import plumbing
 
-    left = job_processes(mark)
-    for proc, _ in left:
+    # As the tests' leftover check: a few seconds for the last processes to exit, then whatever
+    # is still there is named and killed.
+    deadline = time.monotonic() + 5
+    while job_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = []
+    for proc, pod in job_processes(mark):
         try:
+            left.append(f"{pod} {proc.pid}: {' '.join(proc.cmdline())[:160]}")
             proc.kill()
         except psutil.NoSuchProcess:
             pass
@@ -615,8 +626,7 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
         "rewind_resumed_at_its_step": rewind_ok or result(False, "the rewind leg did not run"),
         "rewind_restarts_stay_on_its_line": rewind_line or result(False, "the rewind leg did not run"),
         "losses_equal_fault_free": compare_losses(records, reference, leg_start_index(records, LEGS.index("shrink"))),
-        "no_processes_left": result(not left, [" ".join(p.cmdline())[:160] for p, _ in left
-                                               if p.is_running()] if left else []),
+        "no_processes_left": result(not left, left),
         "no_pods_left": result(not plumbing.leaked() if os.geteuid() == 0 else True,
                                plumbing.leaked() if os.geteuid() == 0 else "not root: no pods made"),
         "incomplete_dirs_at_most_one": result(sum(".incomplete-" in n for n in names) <= 1,
@@ -628,7 +638,7 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     return {
         "nodes": args.nodes, "steps": args.steps, "interval_steps": args.interval_steps,
         "fault_every_steps": args.fault_every_steps, "isolation": args.isolation, "s3": bool(s3),
-        "cpu_count": os.cpu_count(), "keep_last": 2, "checkpoint_bytes": size,
+        "cpu_count": os.cpu_count(), "keep_last": KEEP_LAST, "checkpoint_bytes": size,
         "legs": leg_results, "fault_free_wall_s": ref_wall, "fault_free_peaks": ref_peaks, "peaks": camp_peaks,
         "skipped": [dataclasses.asdict(f) for leg in legs for f in leg.faults if f.skipped],
         "checks": checks, "checks_needing_fixes": list(CHECKS_NEEDING_FIXES),
