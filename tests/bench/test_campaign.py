@@ -11,13 +11,12 @@ store-host losses and the field faults' job on 0.7 (both ``extended`` now; docs/
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from resilient_fsdp.bench.campaign import CHECKS
-from tests.support import REPO, _env, netns_required
+from tests.support import netns_required, run_guarded
 
 STEPS, INTERVAL, EVERY = 44, 4, 8
 KINDS = ("sigkill-during-save:rank=1,partition:node=1:for=20,node-loss:node=0,hang-in-collective:rank=2,"
@@ -40,8 +39,8 @@ def campaign(tmp_path_factory, nvrx07_lane):
     cmd = [sys.executable, "-m", "resilient_fsdp.cli", "bench", "campaign", f"--run-dir={root / 'run'}",
            f"--steps={STEPS}", f"--interval-steps={INTERVAL}", f"--fault-every-steps={EVERY}", f"--kinds={KINDS}",
            "--isolation=netns", "--leg-timeout-s=400", f"--out={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1100,
-                          env=_env([nvrx07_lane], root))
+    # On a timeout every process of the campaign (marked with root) is killed, then the test fails.
+    proc = run_guarded(cmd, root, [nvrx07_lane], timeout=1100)
     assert out.exists(), proc.stdout[-6000:] + proc.stderr[-6000:]
     results = json.loads(out.read_text())
     results["_stdout"] = proc.stdout

@@ -46,6 +46,7 @@ from typing import Callable, Optional
 import psutil
 import yaml
 
+from ..checkpoint.store import MARKER
 from ..config import FAULT_KINDS
 from .recovery import fresh_dir
 from .results import write_results
@@ -342,7 +343,7 @@ class LocalS3:
         for o in self.objects(prefix):
             top, _, rel = o["Key"][len(prefix) + 1:].partition("/")
             if top.startswith("step_") and rel:
-                steps[top] = steps.get(top, False) or rel == "COMPLETE"
+                steps[top] = steps.get(top, False) or rel == MARKER
         return sorted(name for name, complete in steps.items() if not complete)
 
     def close(self) -> None:
