@@ -40,14 +40,14 @@ def campaign(tmp_path_factory, nvrx07_lane):
            f"--steps={STEPS}", f"--interval-steps={INTERVAL}", f"--fault-every-steps={EVERY}", f"--kinds={KINDS}",
            "--isolation=netns", "--leg-timeout-s=400", f"--out={out}"]
     # On a timeout every process of the campaign (marked with root) is killed, then the test fails.
-    proc = run_guarded(cmd, root, [nvrx07_lane], timeout=1100)
+    proc = run_guarded(cmd, root, [nvrx07_lane], timeout=1500)
     assert out.exists(), proc.stdout[-6000:] + proc.stderr[-6000:]
     results = json.loads(out.read_text())
     results["_stdout"] = proc.stdout
     return results
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1600)
 def test_the_ci_campaign_runs_its_schedule(campaign):
     fired = {f["kind"] for leg in campaign["legs"] for f in leg["faults"] if not f["skipped"]}
     assert EXPECTED_KINDS <= fired, fired
@@ -58,7 +58,7 @@ def test_the_ci_campaign_runs_its_schedule(campaign):
     assert "where the time went" in campaign["_stdout"] and 0 < campaign["time"]["goodput"] < 1
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("check", [c for c in CHECKS if c not in NOT_APPLICABLE_UNDER_NETNS])
 def test_the_ci_campaign_check_holds(campaign, check):
     result = campaign["checks"][check]
@@ -68,7 +68,7 @@ def test_the_ci_campaign_check_holds(campaign, check):
     assert result["ok"] is True, f"{check} ({CHECKS[check]}) {needs}: {json.dumps(result['detail'])[:3000]}"
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1600)
 def test_s3_checks_are_reported_not_applicable_under_netns(campaign):
     for check in NOT_APPLICABLE_UNDER_NETNS:
         assert campaign["checks"][check]["ok"] is None and "netns" in campaign["checks"][check]["detail"]
