@@ -199,3 +199,10 @@ def test_root_cause_prefers_the_rank_that_failed_first(tmp_path):
     assert cause["message"] == "ValueError: the real problem"
     assert cause["where"] == "node1 local rank 1 (attempt_0)"
     assert find_root_cause(tmp_path / "empty") is None
+    # A job no layer retried ended on its newest error; the earlier ones were retried.
+    d = tmp_path / "node0" / "job_x" / "attempt_1" / "0"
+    d.mkdir(parents=True)
+    (d / "error.json").write_text(json.dumps({"message": {"message": "RepeatedNonFiniteLoss: step 3 again",
+                                                          "extraInfo": {"timestamp": 130}}}))
+    assert find_root_cause(tmp_path)["message"] == "ValueError: the real problem"
+    assert find_root_cause(tmp_path, last=True)["where"] == "node0 local rank 0 (attempt_1)"

@@ -87,18 +87,21 @@ def test_which_exceptions_are_never_retried():
 
 # ---- real processes ----------------------------------------------------------------------------
 
-NAN_MODEL = """
-    import os
+# A configuration error in the middle of training, where in-process restart would retry any other
+# exception. (A non-finite loss is retried once: tests/resilience/test_non_finite.py.)
+REFUSING_MODEL = """
+    from resilient_fsdp.config import ConfigError
     from resilient_fsdp.train.model import build_model
 
     def build(cfg):
         model = build_model("tiny")
         forward, calls = model.forward, [0]
-        def forward_nan_at_third(tokens):
+        def forward_refusing_the_third(tokens):
             calls[0] += 1
-            out = forward(tokens)
-            return out * float("nan") if calls[0] == 3 else out
-        model.forward = forward_nan_at_third
+            if calls[0] == 3:
+                raise ConfigError("model.factory: refusing batch 3 of this data")
+            return forward(tokens)
+        model.forward = forward_refusing_the_third
         return model
 """
 
@@ -107,12 +110,13 @@ NAN_MODEL = """
                                              (True, "image")],
                          ids=["in-job", "in-process", "in-process-nvrx07"])
 def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugin_dir, in_process, lane):
-    """A missing data file (in-job only) or a NaN loss (in-process restart on, on both NVRx lanes):
+    """A missing data file (in-job only) or a model that raises a configuration error at step 3
+    (in-process restart on, on both NVRx lanes):
     the node exits 2 at once although every layer has restarts left; ft_launcher started the
     ranks once."""
-    write_module(plugin_dir, "nan_model", NAN_MODEL)
+    write_module(plugin_dir, "refusing_model", REFUSING_MODEL)
     run_dir = tmp_path / "run"
-    cause = ["model.factory=nan_model:build"] if in_process else ["data.source=tokens",
+    cause = ["model.factory=refusing_model:build"] if in_process else ["data.source=tokens",
                                                                    f"data.path={tmp_path / 'missing.bin'}"]
     lanes = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
     t0 = time.monotonic()
@@ -122,13 +126,13 @@ def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugi
     out = proc.stdout + proc.stderr
     assert proc.returncode == CONFIG, out[-4000:]
     assert "exited with code 2: not retried" in proc.stdout and "recreating" not in proc.stdout, proc.stdout[-3000:]
-    reason = "loss is nan at step 3" if in_process else "data.path="
+    reason = "refusing batch 3" if in_process else "data.path="
     assert reason in proc.stdout.split("job FAILED", 1)[1]
     assert attempts(run_dir / "logs" / "node0") == ["attempt_0"], out[-3000:]
     node_log = (run_dir / "logs" / "node0.log").read_text()
     assert "a rank failed with a configuration error, which no restart can fix" in node_log
     if in_process:
-        assert "in-process" not in node_log.split("loss is nan", 1)[1].split("\n", 1)[0]
+        assert "in-process" not in node_log.split(reason, 1)[1].split("\n", 1)[0]
     assert time.monotonic() - t0 < 200
     assert_no_leftovers(run_dir)
 

@@ -87,6 +87,9 @@ def test_should_serve_the_runs_records_and_follow_them_when_scraped(tmp_path, en
     assert value(second, "resilient_fsdp_restarts_total", layer="in_job") == 1
     assert value(second, "resilient_fsdp_restarts_total", layer="in_process") == 0
     assert value(second, "resilient_fsdp_faults_injected_total") == 1
+    assert value(second, "resilient_fsdp_non_finite_losses_total") == 0
+    ledger.record_non_finite({"step": 7, "t": 112.0, "loss": float("nan"), "ranks": [], "outcome": "restart"}, seen=0)
+    assert value(scrape(endpoint), "resilient_fsdp_non_finite_losses_total") == 1
     assert value(second, "resilient_fsdp_recoveries_total", layer="in_job") == 1
     assert value(second, "resilient_fsdp_recovery_seconds_total", layer="in_job") == 5.5
     assert value(second, "resilient_fsdp_lost_steps_total", layer="in_job") == 1

@@ -21,12 +21,15 @@ class FaultKind:
     """One kind of fault: where it fires, what it does, and who recovers."""
 
     name: str
-    when: Literal["step", "collective", "save", "write"]
+    when: Literal["step", "collective", "loss", "save", "write"]
     """``step``: as step STEP starts; ``collective``: just before step STEP's loss all-reduce;
+    ``loss``: on the rank's own loss of step STEP, just before that all-reduce;
     ``save``: while the rank's checkpoint writer writes the first checkpoint at or after STEP;
     ``write``: inside the checkpoint writer, as it writes step STEP's checkpoint."""
     what: str
     recovered_by: str
+    once_per_job: bool = True
+    """False: it fires each time its step runs, the restarts it causes included."""
     by_cluster: bool = False
     """It acts on a whole node (pod), which a rank cannot do to its own: the cluster carries it out (``resilient-fsdp local`` reads
     the rank's request; elsewhere ``node-loss`` kills the pod's processes from inside)."""
@@ -41,6 +44,10 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("hang", "step", "the rank stops making progress (sleeps forever)", "in-process, else in-job"),
     FaultKind("hang-in-collective", "collective", "the rank stops just before the step's loss all-reduce; its "
               "peers block inside it", "in-process, else in-job"),
+    FaultKind("nan-loss", "loss", "the rank's loss of the step is NaN, as from a GPU that computes silent NaNs: "
+              "the job's loss is non-finite", "in-job: one restart from the last checkpoint (not in-process)"),
+    FaultKind("nan-loss-repeat", "loss", "as nan-loss, each time the step runs: the restart meets it again",
+              "none: after its one restart the job fails (exit 2) naming the step and the ranks", once_per_job=False),
     FaultKind("sigkill", "step", "the rank's process is killed", "in-job"),
     FaultKind("sigkill-during-save", "save", "the rank and its checkpoint writer are killed while the writer is "
               "writing (bytes on disk > 0, < final)", "in-job (previous checkpoint)"),

@@ -290,7 +290,7 @@ class ResilienceConfig:
     inject: list[str] = dataclasses.field(default_factory=list)
     """Faults to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]`` (also ``--inject``); the
     kinds are the table in :mod:`resilient_fsdp.config.fault_spec` (``resilient-fsdp config
-    --describe`` lists them). ``node=N``: the node's local rank 0. Each fires once per job. For
+    --describe`` lists them). ``node=N``: the node's local rank 0. Each fires once per job (``nan-loss-repeat``: each time its step runs). For
     tests and drills; docs/faults-and-restarts.md."""
 
 

@@ -9,6 +9,7 @@
 - ``nccl_env``: the NCCL and torch variables each restart layer needs, and where hang dumps go;
 - ``faults``: fault injection (the kinds are :data:`resilient_fsdp.config.FAULT_KINDS`);
 - ``ledger``: fired faults and their recoveries, once per job, on shared storage;
+- ``non_finite``: a non-finite loss: one in-job restart as a suspected hardware fault, then exit 2;
 - ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;
 - ``exit_codes``: what a node's exit code means, and which layer retries it;
 - ``agent``: a node's main process (a pod's PID 1) around ``ft_launcher``;

@@ -180,6 +180,9 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         # collective timed out, or one nothing executed).
         "unrecovered": [_unrecovered(f, went_on.get(f["key"])) for f in faults
                         if f["key"] not in recoveries and _stops(f)],
+        # Non-finite losses the job met, each restarted once as a suspected hardware fault
+        # (resilience/non_finite.py): the step, the ranks whose own loss it was, their node and host.
+        "non_finite_losses": ledger.non_finite(),
         "productive_s": productive,
         "job_wall_s": wall,
         "goodput": productive / wall if wall > 0 else 0.0,

@@ -109,8 +109,10 @@ class Attempt(NoHooks):
         self.monitor.end("step")
         self._ping()
 
-    def before_collective(self, step: int) -> None:
-        """Step ``step`` is about to enter its loss all-reduce."""
+    def before_collective(self, step: int, local_loss: torch.Tensor) -> None:
+        """Step ``step`` is about to enter its loss all-reduce with this rank's ``local_loss``
+        (which a ``nan-loss`` fault poisons in place)."""
+        self.injector.local_loss(step, local_loss)
         self.injector.before_collective(step)
 
     def after_first_step(self, resumed_step: int, log: Callable[[dict, str], None]) -> None:

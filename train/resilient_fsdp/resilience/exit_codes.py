@@ -5,7 +5,8 @@ The job-level restart policy sees only a pod's exit code: a PyTorchJob under
 chart's JobSet rules do the same (``podFailurePolicy``). So the classification is:
 
 - **configuration-type** failures (a retry cannot fix them: a bad key or value, missing data, a
-  model or checkpoint that does not fit, another job's lease, a non-finite loss, bad flags) are
+  model or checkpoint that does not fit, another job's lease, a non-finite loss at a step the job
+  already restarted for, bad flags) are
   retried by no layer: in-process restart re-raises them at once, the node stops ``ft_launcher``
   before it restarts the rank, and the pod exits 2, which fails the job with the reason;
 - **infrastructure-type** failures (signals, hangs, lost peers or rendezvous store, CUDA/NCCL
@@ -17,7 +18,10 @@ chart's JobSet rules do the same (``podFailurePolicy``). So the classification i
 - a node that NVRx's node health checks found **unhealthy** (a GPU, NIC, storage or external node
   health check failed before a rendezvous) exits :data:`UNHEALTHY_NODE`: retried by the job level
   like an infrastructure failure, but distinct, so that an operator or an alert can tell a bad
-  node from a bad job, and never joined again in the same pod.
+  node from a bad job, and never joined again in the same pod;
+- a **non-finite loss** is first taken for a hardware fault (a GPU computing silent NaNs): the
+  ranks exit :data:`NON_FINITE_LOSS`, skipping in-process restart, and are restarted in-job from
+  the last checkpoint; the same step non-finite again is configuration-type (:mod:`.non_finite`).
 
 :data:`TABLE` is that classification as data: the node agent (:mod:`.agent`) and the trainer
 (:mod:`resilient_fsdp.train.entrypoint`) act on it, and ``docs/faults-and-restarts.md`` shows
@@ -73,6 +77,9 @@ NVRX_NO_RESTART = 93  # NVRx 0.7's ft_launcher: NoRestartRequested (--ft-no-rest
 RENDEZVOUS_LOST = 200
 # NVRx's node health checks failed on this node (ft_launcher says 1): the same range, its own code.
 UNHEALTHY_NODE = 201
+# A rank's first non-finite loss at a step (resilience/non_finite.py): retried like any rank
+# failure, its own code so that the rank's exit in the launcher's log says what it was.
+NON_FINITE_LOSS = 202
 
 # What each kind's controller does with a row's ending: (PyTorchJob, JobSet and TrainJob).
 BUDGET = {
@@ -93,8 +100,8 @@ TABLE: tuple[Row, ...] = (
         "`ft_launcher`'s own shutdown failed (the store host exited first)", "-", "done", range(0, 1)),
     Row("configuration", str(CONFIG), "configuration",
         "`ConfigError` (a bad key or value, missing data, a model or checkpoint that does not fit, a "
-        "missing `checkpoint.resume_from`, another job's lease), a non-finite loss, bad trainer or "
-        "launcher flags",
+        "missing `checkpoint.resume_from`, another job's lease), a non-finite loss at a step the job already "
+        "restarted for (the message names the step and the ranks each time), bad trainer or launcher flags",
         "none: in-process restart re-raises it at once; the rank marks its node, whose agent stops "
         "`ft_launcher` before it restarts the rank", "fails", range(CONFIG, CONFIG + 1)),
     Row("nvrx-no-restart", str(NVRX_NO_RESTART), "configuration",
@@ -126,6 +133,13 @@ TABLE: tuple[Row, ...] = (
         "join again in its pod: cordon it, or let node auto-repair replace it (docs/faults-and-restarts.md)",
         "job level: the pod is recreated (elsewhere once the node is cordoned or marked unhealthy)", "counted",
         range(UNHEALTHY_NODE, UNHEALTHY_NODE + 1)),
+    Row("non-finite-loss", f"{NON_FINITE_LOSS} (the rank's)", "infrastructure",
+        "the job's loss was non-finite (NaN, inf) at a step for the first time: a suspected hardware fault. "
+        "Every rank exits 202; the ranks whose own loss was non-finite, their node and host are recorded in "
+        "`<run_dir>/faults/non-finite/` and logged",
+        "in-job (not in-process: it would keep the same processes and CUDA state): every rank restarts from "
+        "the last checkpoint; job level once the in-job restarts are spent (the node exits 203; a trainer "
+        "that is the pod's own process exits 202)", "counted", range(NON_FINITE_LOSS, NON_FINITE_LOSS + 1)),
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
         "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, any other exception; its "
@@ -173,7 +187,7 @@ def describe_code(code: int) -> str:
     """One line for a node's exit code: which row, and whether the job level retries it."""
     if code in RETRIED:
         named = {INFRASTRUCTURE: "restarts-exhausted", RENDEZVOUS_LOST: "rendezvous-store-lost",
-                 UNHEALTHY_NODE: "unhealthy-node"}
+                 UNHEALTHY_NODE: "unhealthy-node", NON_FINITE_LOSS: "non-finite-loss"}
         name = named.get(code, "stopped or killed")
         try:
             sig = f" ({signal.Signals(code - 128).name})" if code not in named else ""

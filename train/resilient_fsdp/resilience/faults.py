@@ -1,10 +1,12 @@
-"""Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``, fired once per job, for tests,
-demos and cluster drills.
+"""Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``, fired once per job (a kind the
+table marks otherwise, ``nan-loss-repeat``, each time its step runs), for tests, demos and cluster
+drills.
 
 The kinds, where each fires and which layer is expected to recover, are one table,
 :data:`resilient_fsdp.config.FAULT_KINDS` (``resilient-fsdp config --describe`` lists it): the
-injector fires a kind where its ``when`` says (as a step starts, before the step's collective,
-while a checkpoint is written, or inside the checkpoint writer), and does what the kind names.
+injector fires a kind where its ``when`` says (as a step starts, before the step's collective, on
+the rank's loss of the step, while a checkpoint is written, or inside the checkpoint writer), and
+does what the kind names.
 
 The target is ``rank=R`` (default rank 0) or ``node=N``: the lowest rank of node (pod) N, its local
 rank 0. A node's index is ``RESILIENT_FSDP_NODE`` (set by ``resilient-fsdp local``), else the
@@ -32,13 +34,16 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import psutil
 
 from .. import atomic
 from ..config import NODE_FAULT_KINDS, ConfigError, FaultSpec
 from .ledger import FaultLedger
+
+if TYPE_CHECKING:  # the node agent imports this module, without torch
+    import torch
 
 # Set by the node agent wrapper (resilient_fsdp.resilience.agent): the process that stands for the node (pod).
 NODE_PID_ENV = "RESILIENT_FSDP_NODE_PID"
@@ -231,6 +236,17 @@ class FaultInjector:
         for spec in self.mine:
             if spec.kind_info.when == "collective" and spec.step == step:
                 self.fire(spec, step - 1)
+
+    def local_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Called with this rank's loss of step ``step`` before it enters the loss all-reduce: a
+        ``nan-loss`` fault makes it NaN in place (the job's loss is then non-finite on every rank)."""
+        for spec in self.mine:
+            if spec.kind_info.when == "loss" and spec.step == step:
+                record = self._record(spec, step - 1)
+                if self.ledger.claim(spec, record) or not spec.kind_info.once_per_job:
+                    print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec}: this rank's loss of step "
+                          f"{step} is NaN", file=sys.stderr, flush=True)
+                    loss.fill_(float("nan"))
 
     def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
                      expected: Callable[[], Optional[int]]) -> None:

@@ -4,6 +4,10 @@ shares (``<run_dir>/faults/``).
 "Once per job" is kept here: a rank claims a fault by creating its record exclusively before
 firing it, so the restart the fault causes passes the same step again without firing it twice.
 Restart accounting reads the records back (:mod:`.accounting`).
+
+Non-finite losses the job met (injected or not) are kept beside them, in ``faults/non-finite/``,
+one file each (:mod:`.non_finite`): they are events of the job, not faults it was told to fire,
+so the fired faults and their recoveries do not count them.
 """
 
 from __future__ import annotations
@@ -67,3 +71,28 @@ class FaultLedger:
             except (OSError, ValueError):
                 continue
         return found
+
+    # -- non-finite losses ------------------------------------------------------------------------
+
+    @property
+    def non_finite_dir(self) -> Path:
+        return self.dir / "non-finite"
+
+    def record_non_finite(self, record: dict, seen: int) -> Path:
+        """Keep one non-finite loss at ``record["step"]``, the ``seen``-th recorded there, durably:
+        the restart it causes reads it back. Every rank writes it (the first one wins), so it is
+        kept whichever rank the restart stops first."""
+        self.non_finite_dir.mkdir(parents=True, exist_ok=True)
+        path = self.non_finite_dir / f"step{record['step']:08d}-{seen}.json"
+        atomic.create_exclusive(path, json.dumps(record, sort_keys=True))
+        return path
+
+    def non_finite(self) -> list[dict]:
+        """Every non-finite loss recorded in this run directory, oldest first."""
+        records = []
+        for path in self.non_finite_dir.glob("*.json") if self.non_finite_dir.is_dir() else []:
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return sorted(records, key=lambda r: r["t"])

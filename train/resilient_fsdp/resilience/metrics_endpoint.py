@@ -51,6 +51,8 @@ METRICS = {
     "checkpoint_last_write_seconds": ("gauge", "Write time of the newest committed checkpoint."),
     "restarts_total": ("counter", "Attempts started by each restart layer (label layer: in_process, in_job, job)."),
     "faults_injected_total": ("counter", "Faults the chaos drill fired."),
+    "non_finite_losses_total": ("counter", "Non-finite losses the job met, each restarted once as a suspected "
+                                "hardware fault (resilience/non_finite.py)."),
     "recoveries_total": ("counter", "Recoveries from fired faults, by the layer that recovered (label layer)."),
     "recovery_seconds_total": ("counter", "Time from each fault to the first step after it, summed, by layer."),
     "lost_steps_total": ("counter", "Steps trained again after recoveries, by layer."),
@@ -184,9 +186,10 @@ class RunCollector:
                 pass  # unreadable for now (the volume): serve what the last read found
             fired = self.ledger.fired()
             recoveries = list(self.ledger.recoveries().values())
-            yield from self._families(self.records, fired, recoveries, time.time())
+            yield from self._families(self.records, fired, recoveries, time.time(), len(self.ledger.non_finite()))
 
-    def _families(self, r: RunRecords, fired: list[dict], recoveries: list[dict], now: float) -> Iterator:
+    def _families(self, r: RunRecords, fired: list[dict], recoveries: list[dict], now: float,
+                  non_finite: int = 0) -> Iterator:
         node = [self.node]
         if r.last_step is not None:
             step = r.last_step
@@ -212,6 +215,10 @@ class RunCollector:
                                        labels=["node"])
         injected.add_metric(node, len(fired))
         yield injected
+        losses = CounterMetricFamily(PREFIX + "non_finite_losses_total", METRICS["non_finite_losses_total"][1],
+                                     labels=["node"])
+        losses.add_metric(node, non_finite)
+        yield losses
         by_layer: dict[str, list] = {layer: [] for layer in accounting.LAYERS}
         for rec in recoveries:
             by_layer.setdefault(rec.get("layer", "unknown"), []).append(rec)

@@ -3,7 +3,8 @@
 Launched by ``ft_launcher`` (or ``torchrun``) once per rank; without a launcher it is a world of
 one. One process: the arguments, the configuration, one attempt at training (or several under
 in-process restart), and the exit code the restart layers read (0 done, 2 a configuration-type
-failure, which it also reports to the node agent so that no layer retries it,
+failure, which it also reports to the node agent so that no layer retries it, 202 after the
+job's first non-finite loss at a step, which the in-job restart retries,
 ``resilience.stop.exit_code`` after a graceful stop; :mod:`resilient_fsdp.resilience.exit_codes`).
 """
 
@@ -22,6 +23,7 @@ from ..config import Config, ConfigError, check_collective_timeouts, describe
 from ..resilience import exit_codes, faults, nccl_env
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
+from ..resilience.non_finite import NonFiniteLoss
 from . import distributed
 from .arguments import parse_args, resolve_config
 from .resources import ProcessResources
@@ -97,6 +99,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return configuration_failure(exc.error)
     except (ConfigError, FloatingPointError) as exc:
         return configuration_failure(exc)
+    except NonFiniteLoss as exc:
+        return non_finite_loss(exc)
     except StopRequested as stop:
         return stop.exit_code
     finally:
@@ -114,6 +118,14 @@ def configuration_failure(exc: BaseException) -> int:
     print(message, file=sys.stderr, flush=True)
     exit_codes.report_configuration_failure(message)
     return exit_codes.CONFIG
+
+
+def non_finite_loss(exc: NonFiniteLoss) -> int:
+    """The job's first non-finite loss at a step: recorded for the launcher's root-cause report,
+    and the code the in-job restart retries (the record is already on shared storage)."""
+    get_error_handler().record_exception(exc)
+    print(f"error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr, flush=True)
+    return exit_codes.NON_FINITE_LOSS
 
 
 def stop_helper_processes() -> None:

@@ -34,7 +34,7 @@ from ..checkpoint.group import RankGroup
 from ..checkpoint.state import CheckpointState
 from ..checkpoint.writer.process import NVRX_VERSION
 from ..config import Config, dump_yaml
-from ..resilience import accounting
+from ..resilience import accounting, non_finite
 from ..resilience.attempt import Attempt
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt
@@ -211,9 +211,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         stop = torch.tensor(1.0 if self.resources.stop.requested else 0.0, device=self.info.device)
+        self.attempt.before_collective(self.counters.step + 1, local_loss)
+        self.local_loss = local_loss  # which rank's loss it was, should the global one be non-finite
         # gloo has no AVG reduction: sum and divide.
         reduced = torch.stack([local_loss, stop])
-        self.attempt.before_collective(self.counters.step + 1)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
         return reduced[0].item() / (accum * self.info.world_size), reduced[1].item() > 0
 
@@ -239,8 +240,9 @@ class Trainer:
             self.counters.tokens_seen += self.tokens_per_step
             self.step_times.append(step_time)
             self.last_loss = loss
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}; lower optim.lr or check the data")
+            if not math.isfinite(loss):  # one restart, as a suspected hardware fault; the same step again fails
+                non_finite.stop(step, loss, self.local_loss / self.grad_accum, self.info.rank, self.attempt.ledger,
+                                self.log_event)
             ckpt_s = ckpt.after_step(step)
             self.metrics.step({"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
                                "ckpt_s": ckpt_s, "tokens": self.tokens_per_step, "lr": lr, "t": time.time()})

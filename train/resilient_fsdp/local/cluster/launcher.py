@@ -102,8 +102,10 @@ class _Forwarder(threading.Thread):
                     self.out.flush()
 
 
-def find_root_cause(log_root: Path) -> Optional[dict]:
-    """The earliest error any rank recorded (torch elastic ``error.json`` files under ``log_root``).
+def find_root_cause(log_root: Path, last: bool = False) -> Optional[dict]:
+    """The earliest error any rank recorded (torch elastic ``error.json`` files under ``log_root``);
+    ``last``: the newest instead, for a job that ended on a failure no layer retries (its earlier
+    errors were retried; the newest ended it, e.g. a non-finite loss at a step already restarted for).
 
     Files live at ``node<N>/<run_id>/attempt_<k>/<local_rank>/error.json``. Returns
     ``{"where", "message", "timestamp", "path"}`` or None when no rank recorded an error (a rank
@@ -123,7 +125,8 @@ def find_root_cause(log_root: Path) -> Optional[dict]:
         found.append({"where": where, "message": text, "timestamp": timestamp, "path": str(path)})
     # A rank that loses a peer fails too, within the same second; prefer the error that is not
     # such a symptom, then the earliest.
-    return min(found, key=lambda e: (_is_peer_symptom(e["message"]), e["timestamp"], e["path"])) if found else None
+    order = -1 if last else 1
+    return min(found, key=lambda e: (_is_peer_symptom(e["message"]), order * e["timestamp"], e["path"])) if found else None
 
 
 _PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError",
@@ -331,10 +334,12 @@ class LocalLauncher:
         job = self.job
         limits = (f"in-job restarts: trainer.resilience.launcher.max_restarts (ft_launcher --max-restarts); pod "
                   f"recreations used: {self.recreations} (local cap --max-pod-recreations={job.max_recreations})")
-        cause = find_root_cause(job.run_dir / "logs")
+        retried = not 0 < code < 256 or job.workload.restart.retryable(code)
+        cause = find_root_cause(job.run_dir / "logs", last=not retried)
         what = f"{hostname} exit code {code}" if hostname else "deadline"
         if cause:
-            self.say(f"job FAILED ({what}); first error, {cause['where']}: {cause['message']}")
+            which = "first error" if retried else "the error that ended it"
+            self.say(f"job FAILED ({what}); {which}, {cause['where']}: {cause['message']}")
             self.say(f"  full traceback: {cause['path']}")
         else:
             self.say(f"job FAILED: {what}; see {job.run_dir / 'logs'}")
@@ -342,8 +347,11 @@ class LocalLauncher:
         faults = FaultLedger(job.run_dir).fired()
         if faults:
             last = faults[-1]
-            self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']}); restarts did "
-                     f"not recover it within the limits: {limits}")
+            if retried:
+                self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']}); restarts did "
+                         f"not recover it within the limits: {limits}")
+            else:
+                self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']})")
         else:
             self.say(f"  restart limits: {limits}")
 
