@@ -51,6 +51,9 @@ def check_field_faults(summary: dict, run_dir) -> None:
     assert summary["restarts"]["job"] >= 1 and summary["restarts"]["in_job"] >= 2
 
 
+# Extended on both lanes: the CI-sized campaign (tests/bench/test_campaign.py) injects these four
+# kinds into a 4-pod JobSet under 0.7 in CI.
+@pytest.mark.extended
 @pytest.mark.timeout(720)
 @pytest.mark.parametrize("lane", LANES)
 def test_field_faults_in_one_job(tmp_path, request, lane, reference_2x2):

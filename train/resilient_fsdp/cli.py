@@ -6,6 +6,7 @@
 - ``resilient-fsdp bench checkpoint``: checkpoint stall of every engine, torch DCP's included.
 - ``resilient-fsdp bench recovery``: one fault recovered in-process, in-job and by a full relaunch.
 - ``resilient-fsdp bench soak``: a fault a minute for ten minutes: goodput and exactness.
+- ``resilient-fsdp bench campaign``: a long mixed schedule of faults, rewinds and resizes: what stays bounded.
 - ``resilient-fsdp bench s3``: S3 upload and download throughput, managed transfer vs one stream.
 - ``resilient-fsdp checkpoints list|pull|push``: local and S3 checkpoints, for operators.
 - ``resilient-fsdp render``: the Helm chart's manifests for some values files (no helm binary).
@@ -54,12 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.checkpoint import add_parser as add_checkpoint_bench
     from .bench.recovery import add_parser as add_recovery_bench
     from .bench.s3 import add_parser as add_s3_bench
+    from .bench.campaign import add_parser as add_campaign_bench
     from .bench.soak import add_parser as add_soak_bench
     from .checkpoint.commands import add_parser as add_checkpoints
 
     add_checkpoint_bench(bench_sub)
     add_recovery_bench(bench_sub)
     add_soak_bench(bench_sub)
+    add_campaign_bench(bench_sub)
     add_s3_bench(bench_sub)
 
     add_checkpoints(sub, _add_config_args)

@@ -6,6 +6,8 @@
   ranks, from synthetic outcomes (the gather's size, ``.metadata``, ``share()``);
 - ``recovery``: ``bench recovery``: one fault recovered by each restart layer;
 - ``soak``: ``bench soak``: a fault a minute for ten minutes: goodput and exactness;
+- ``campaign``: ``bench campaign``: one job through faults, a rewind, a shrink and a regrow: what stays
+  bounded, what the restart budgets count, what is left behind;
 - ``s3``: ``bench s3``: S3 throughput, managed transfer vs one stream (and the local S3 server);
 - ``resume_cost``: the bytes one resume reads at 1,024 ranks (modelled) and the parameter hash's
   rate per rank (measured);
