@@ -36,7 +36,7 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_resume_ends_bitwi
 
 def test_resume_from_applies_to_the_jobs_first_start_and_survives_retention_deleting_its_target(tmp_path):
     common = ["train.steps=20", "checkpoint.interval_steps=4"]
-    first = run_trainer(tmp_path, common + ["checkpoint.job_id=job-a", "checkpoint.keep_last=0"])
+    first = run_trainer(tmp_path, common + ["checkpoint.job_id=job-a", "checkpoint.keep_last=0"], timeout=300)
     assert first.returncode == 0, first.stderr
     ckpts = tmp_path / "checkpoints"
     target = ckpts / "step_00000008"
