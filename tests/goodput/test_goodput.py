@@ -94,12 +94,12 @@ def test_advisor_rejects_bad_input_naming_the_flag(capsys):
 
 def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage():
     """p5-16node by hand: 70,553,706,496 params x 12 B = 846.64 GB over 128 GPUs = 6.614 GB a shard;
-    commit 128 ranks x 250 kB x 2.05 / 8 MB/s = 8.2 s; stall 6.614 / 53 + 0.5 + 8.2 = 8.8248 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB =
+    commit 128 ranks x 250 kB x 2.05 / 5 MB/s = 13.12 s; stall 6.614 / 53 + 0.5 + 13.12 = 13.7448 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB =
     7.031 GB/s) = 120.41 s."""
     a = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--preset", "70b", "--storage-size", "14400Gi",
                 "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
-    assert a.inputs.ckpt_stall_s == pytest.approx(8.8248, abs=1e-4)
-    assert a.inputs.estimate.commit_s == pytest.approx(8.2, abs=1e-9)
+    assert a.inputs.ckpt_stall_s == pytest.approx(13.7448, abs=1e-4)
+    assert a.inputs.estimate.commit_s == pytest.approx(13.12, abs=1e-9)
     # The commit grows with the world: twice the ranks, twice the commit.
     wide = _advice("--instance", "p5.48xlarge", "--nodes", "32", "--preset", "70b", "--storage-size", "14400Gi",
                    "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
@@ -114,7 +114,7 @@ def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage()
     scratch = _advice("--instance", "g5.12xlarge", "--nodes", "1", "--preset", "1b", "--storage-size", "1200Gi",
                       "--deployment-type", "SCRATCH_2")
     assert scratch.inputs.ckpt_write_s == pytest.approx(1_100_048_384 * 12 / (1200 / 1024 * 200e6))
-    assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5 + 4 * 250e3 * 2.05 / 8e6)
+    assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5 + 4 * 250e3 * 2.05 / 5e6)
 
 
 def test_advisor_lets_each_measured_cost_replace_its_estimate(tmp_path):
