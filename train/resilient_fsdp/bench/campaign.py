@@ -14,9 +14,9 @@ changes size the way a JobSet's does: a relaunch at another size from the newest
 
 Faults: one every ``--fault-every-steps`` steps of each leg, taking ``--kinds`` in turn (the
 fault grammar of ``config.fault_spec``, ``KIND[:rank=R | :node=N][:for=SECONDS]``; R and N are
-taken modulo the leg's world). A kind this tree or this isolation cannot run (``partition`` on
-loopback pods; a kind missing from ``FAULT_KINDS``, such as ``nan-loss`` where it is not there)
-keeps its slot and is reported as skipped. With ``--isolation loopback`` the S3 tier is on,
+taken modulo the leg's world); a kind that is not in ``FAULT_KINDS`` is refused before anything
+starts. A kind this isolation cannot run (``partition`` on loopback pods) keeps its slot and is
+reported as skipped. With ``--isolation loopback`` the S3 tier is on,
 against a moto server on this machine's loopback; network-namespace pods cannot reach this
 machine's loopback (``resilient-fsdp local`` refuses such an endpoint), so there it is off.
 
@@ -160,8 +160,6 @@ def leg_bounds(steps: int, interval: int) -> dict[str, tuple[int, int]]:
 
 def available(kind: str, isolation: str) -> Optional[str]:
     """Why ``kind`` cannot run here, or None."""
-    if kind not in FAULT_KINDS:
-        return f"'{kind}' is not a fault kind of this tree (config.fault_spec.FAULT_KINDS)"
     if kind == "partition" and isolation != "netns":
         return "a partition needs network-namespace pods (--isolation netns)"
     return None
@@ -182,6 +180,8 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
             entry = entries[slot % len(entries)]
             slot += 1
             kind, _, options = entry.partition(":")
+            if kind not in FAULT_KINDS:
+                raise ValueError(f"--kinds: {kind!r} is not a fault kind; the kinds are {', '.join(FAULT_KINDS)}")
             suffix = ":" + retarget(options, pods[leg]) if options else ""
             # The ledger keeps a fault once per job: a rewound step may not repeat an earlier spec.
             while f"{kind}@{step}{suffix}" in taken:
@@ -523,7 +523,11 @@ def main(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     log = root / "bench.log"
     log.write_text("")
-    legs = plan(args)
+    try:
+        legs = plan(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     s3 = LocalS3(root) if args.isolation == "loopback" else None
     try:
         results = run_campaign(args, root, legs, s3, log)
