@@ -322,6 +322,7 @@ class Uploader:
                          "awaiting": len(self._awaiting)},
                         f"checkpoint step {entry.step} uploaded to {where} ({nbytes / 1e6:.1f} MB from "
                         f"{entry.ranks} rank(s), marker last)")
+            self._say_lagging()  # before drain() can return: the summary then holds the ranks still lagging
             self._cond.notify_all()
         try:
             deleted = apply_remote_retention(client, self.loc, self.cfg.keep_last)
