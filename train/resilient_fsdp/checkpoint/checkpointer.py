@@ -530,6 +530,13 @@ class Checkpointer:
         self._retention.submit(store.sweep_torn, self.root, names, self._stale_torn, in_flight,
                                self._retention_said.append, self._retention_events.append)
 
+    def settle(self) -> None:
+        """Wait for the retention thread's queued passes and report them: before the run's last
+        records are written, so what a pass removed at the end is in ``metrics.jsonl`` too."""
+        if self._retention is not None:
+            self._retention.submit(lambda: None).result()
+        self._say_retention()
+
     def _say_retention(self) -> None:
         while self._retention_events:
             self.log.event(self._retention_events.pop(0))

@@ -367,6 +367,7 @@ class Trainer:
             **self.versions,
         }
         if self.is_rank0:
+            ckpt.settle()
             summary["s3"] = self.s3_summary()  # completed after the uploads (ProcessResources.close)
             self.metrics.event({"event": "finish", "t": time.time(), "step": self.counters.step})
             self.metrics.close()
