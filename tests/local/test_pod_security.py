@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -143,6 +144,34 @@ def test_init_containers_run_first_in_order_and_a_failing_one_fails_the_pod(tmp_
     code, out = start(workload, run_dir, ["sh", "-c", "touch /fsx/trainer-ran"])
     assert code == 3 and "init container fails exited with status 3" in out, out
     assert (run_dir / "second-ran").exists() and not (run_dir / "trainer-ran").exists()
+
+
+def test_prepare_storage_passes_when_another_pod_takes_the_volume_root_mid_script(tmp_path):
+    """Two pods prepare one volume at once: the other pod's last chown (the volume root, mode 0700,
+    now the user's) lands between this pod's look at the checkpoint directory and its chown of it,
+    which root without DAC_READ_SEARCH then cannot reach. The script judges by what it can reach
+    afterwards, so this pod passes and its trainer writes there. The other pod is played,
+    at exactly that moment, by a ``chown`` first on the init container's PATH."""
+    workload = pods_of(rendered("storage.prepare=true").documents())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    (run_dir / "checkpoints").mkdir()
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    real = shutil.which("chown")
+    (shims / "chown").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for last; do :; done
+        if [ "$last" = /fsx/checkpoints ]; then {real} 10001:10001 /fsx/checkpoints /fsx; fi
+        exec {real} "$@"
+    """))
+    os.chmod(shims / "chown", 0o755)
+    pod = workload.pods[0]
+    (init,) = pod.init_containers
+    init.env = {**init.env, "PATH": f"{shims}:{os.environ['PATH']}"}
+    code, out = start(workload, run_dir, ["sh", "-c", "touch /fsx/checkpoints/by-trainer && echo wrote"])
+    assert code == 0 and out.strip().endswith("wrote"), out
+    assert (run_dir.stat().st_uid, run_dir.stat().st_mode & 0o777) == (10001, 0o700)
 
 
 def test_loopback_runs_init_containers_before_the_command_and_stops_at_a_failing_one(tmp_path):

@@ -302,11 +302,12 @@ initContainers:
     imagePullPolicy: {{ $v.image.pullPolicy }}
     # Root without DAC_OVERRIDE cannot create inside (or, for mode 0700, even look inside) a
     # directory the user owns: the checkpoint directory goes first, and one it cannot reach is
-    # left to the trainer, which can.
+    # left to the trainer, which can. Another pod may take the run directory mid-script (its
+    # last chown), so a failed chown is judged by whether the directory is still reachable.
     command:
       - sh
       - -c
-      - 'mkdir -p -- "$1" || exit 1; mkdir -p -- "$2" 2>/dev/null; if [ -d "$2" ]; then chown -- "$3" "$2" || exit 1; fi; chown -- "$3" "$1"'
+      - 'mkdir -p -- "$1" || exit 1; mkdir -p -- "$2" 2>/dev/null; if [ -d "$2" ]; then chown -- "$3" "$2" 2>/dev/null || [ ! -d "$2" ] || chown -- "$3" "$2" || exit 1; fi; chown -- "$3" "$1"'
       - prepare-storage
     args:
       - {{ include "resilient-fsdp.runDir" . | quote }}
