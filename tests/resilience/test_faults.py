@@ -1,7 +1,7 @@
 """Every fault kind, injected into a real job (gloo, ``resilient-fsdp local``): the job recovers by
-the layer meant for it and ends bitwise equal to the same job without faults. 2 pods x 2 ranks on
-the pinned NVRx (0.4.1); one pod of 2 ranks, whose agent hosts the rendezvous store, on each lane
-(the image's 0.7 in CI), in-process restart off and on. Rank 0 (which commits checkpoints and
+the layer meant for it and ends bitwise equal to the same job without faults. One pod of 2 ranks,
+whose agent hosts the rendezvous store, on the pinned NVRx (0.4.1) and on each lane (the image's
+0.7 in CI), in-process restart off and on; 2 pods x 2 ranks in the extended tier. Rank 0 (which commits checkpoints and
 writes the summary) and node 0 are targets like any other. Node-level faults are executed by the
 local cluster; several pods under 0.7 with node faults on the store host are
 tests/local/test_field_faults.py."""
@@ -18,18 +18,21 @@ from tests.support import LANES, assert_no_leftovers, netns_required, run_local
 
 # Faults that need their own job: their recovery is asserted in detail below.
 CASES = [
-    # fault, the layer expected to recover it
-    pytest.param("sigkill-during-save@10:rank=0", "in_job", marks=pytest.mark.extended),
-    ("sigterm@10:node=0", "job"),
+    # fault, the layer expected to recover it, pods (of 2 ranks)
+    pytest.param("sigkill-during-save@10:rank=0", "in_job", 2, marks=pytest.mark.extended),
+    # A graceful stop on the pinned lane (the image's: the one-pod tests below); one pod, whose
+    # agent is the store host, so the whole job stops and restarts.
+    ("sigterm@10:node=0", "job", 1),
     # node-loss@10:node=0: tests/local/test_jobset.py, as a PyTorchJob and as a JobSet.
 ]
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("spec,layer", CASES, ids=["sigkill-during-save", "sigterm"])
-def test_fault_is_recovered_bitwise(tmp_path, reference_2x2, spec, layer):
+@pytest.mark.parametrize("spec,layer,nodes", CASES, ids=["sigkill-during-save", "sigterm"])
+def test_fault_is_recovered_bitwise(tmp_path, request, spec, layer, nodes):
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, [spec], reference_2x2, timeout=300)
+    reference = request.getfixturevalue("reference_2x2" if nodes == 2 else "reference_1x2")
+    summary = run_with_faults(run_dir, [spec], reference, nodes=nodes, timeout=300)
     (recovery,) = summary["recoveries"]
     assert recovery["layer"] == layer, summary["_output"]
     assert summary["restarts"][layer] >= 1
