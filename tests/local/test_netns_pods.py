@@ -7,6 +7,7 @@ after each one; every wait is bounded by a subprocess timeout.
 from __future__ import annotations
 
 import errno
+import hashlib
 import ipaddress
 import json
 import os
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -68,9 +70,10 @@ def net():
         yield network
 
 
-def run_py(pod, code: str, timeout: float = 15, **kwargs) -> str:
-    """Run Python code in ``pod``; return its stdout, failing the test on a non-zero exit."""
-    proc = pod.spawn([PY, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def run_py(pod, code: str, timeout: float = 15, argv: tuple[str, ...] = (), **kwargs) -> str:
+    """Run Python code in ``pod`` (``argv``: its ``sys.argv[1:]``); return its stdout, failing the
+    test on a non-zero exit."""
+    proc = pod.spawn([PY, "-c", textwrap.dedent(code), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                      text=True, **kwargs)
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode} in {pod.hostname}:\n{out}\n{err}"
@@ -342,6 +345,56 @@ def test_partition_cuts_a_pod_off_and_heals(net):
     finally:
         server.kill()
         server.wait(timeout=5)
+
+
+def test_a_forwarded_host_port_is_reached_from_every_pod_at_the_same_address_and_no_other(net):
+    """A server on this machine's loopback (as the local S3-API server is): each pod, one added
+    after the forward too, reaches it at 127.0.0.1:<port>, and a large body comes back whole; any
+    other port of this machine's loopback stays out of reach; a partitioned pod is cut off from it
+    too, and reaches it again once healed."""
+    body = os.urandom(3 << 20)
+    server = socket.create_server(("127.0.0.1", 0))
+    other = socket.create_server(("127.0.0.1", 0))
+    port, other_port = server.getsockname()[1], other.getsockname()[1]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(body)
+
+    threading.Thread(target=serve, daemon=True).start()
+    fetch = textwrap.dedent(f"""
+        import hashlib, socket, sys
+        try:
+            with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5) as s:
+                s.sendall(b"get")
+                got = b""
+                while chunk := s.recv(1 << 16):
+                    got += chunk
+            print(len(got), hashlib.sha256(got).hexdigest())
+        except OSError as exc:
+            print("fail", type(exc).__name__)
+    """)
+    expected = f"{len(body)} {hashlib.sha256(body).hexdigest()}"
+    try:
+        relay = net.forward_host_port(port)
+        late = net.add_pod("late-0")
+        for pod in [*net.pods.values()]:
+            assert run_py(pod, fetch, argv=(str(port),)).strip() == expected, pod.hostname
+        assert relay.relayed == 3
+        assert run_py(late, fetch, argv=(str(other_port),)).strip() == "fail ConnectionRefusedError"
+        late.partition(True)
+        assert run_py(late, fetch, argv=(str(port),)).strip().startswith("fail")
+        late.partition(False)
+        assert run_py(late, fetch, argv=(str(port),)).strip() == expected
+    finally:
+        server.close()
+        other.close()
 
 
 def test_kill_all_kills_the_whole_pod_and_it_can_be_recreated(net):

@@ -244,10 +244,11 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
         raise ConfigError("partition faults need --isolation netns (root): on loopback no pod has a network link "
                           "of its own to cut")
     endpoint = cfg.checkpoint.s3.endpoint_url if cfg.checkpoint.s3.uri else None
+    host_ports = []
     if isolation == "netns" and endpoint and _is_loopback(endpoint):
-        raise ConfigError(f"checkpoint.s3.endpoint_url={endpoint} is this machine's loopback, which a pod in its own "
-                          "network namespace cannot reach (its loopback is its own): run with --isolation loopback, "
-                          "or give an address the pods can reach")
+        # A pod's loopback is its own: the local cluster relays the endpoint's port from each
+        # pod's loopback to this machine's, so the URL the chart rendered works unchanged.
+        host_ports.append(_port_of(endpoint))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "cluster").mkdir(exist_ok=True)
     (run_dir / "cluster" / "manifests.yaml").write_text(text)
@@ -255,9 +256,23 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
                    start_delays=delays)
     job.extra_env = {JOB_START_ENV: repr(time.time())}
     job.nofile = nofile_limit(getattr(args, "nofile", None))
+    job.host_ports = host_ports
+    if host_ports:
+        job.notes.append(f"checkpoint.s3.endpoint_url={endpoint} is this machine's loopback: each pod reaches it at "
+                         f"the same address, through a relay of port {host_ports[0]} in the pod (a local run's "
+                         "stand-in; on a cluster the endpoint must be an address the pods can reach)")
     if notice:
         job.notes.append(notice)
     return job, isolation, notice
+
+
+def _port_of(url: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"checkpoint.s3.endpoint_url={url}: its port is not a number from 1 to 65535") from None
+    return port or (443 if parts.scheme == "https" else 80)
 
 
 def _is_loopback(url: str) -> bool:
@@ -310,7 +325,8 @@ def main(args: argparse.Namespace) -> int:
     if isolation == "netns":
         mount = next(m.path for m in job.workload.pods[0].mounts
                      if job.workload.pods[0].volumes[m.volume].kind == "persistentVolumeClaim")
-        runtime = NetnsRuntime(job.workload, job.run_dir, None, host_env, shared_mount=mount)
+        runtime = NetnsRuntime(job.workload, job.run_dir, None, host_env, shared_mount=mount,
+                               host_ports=job.host_ports)
     else:
         runtime = LoopbackRuntime(job.workload, job.run_dir, new_run_id(), host_env)
     if job.nofile:

@@ -71,6 +71,9 @@ class LocalJob:
     """Lines printed after the start line (deviations, fallbacks)."""
     nofile: Optional[tuple[int, int]] = None
     """The ``nofile`` limit (soft, hard) each container starts with; None: the runtime's default."""
+    host_ports: list[int] = field(default_factory=list)
+    """Ports of this machine's loopback each pod reaches at the same address (netns pods only:
+    ``netns_pods.host_ports``), e.g. a local S3-API server's."""
 
 
 class _Forwarder(threading.Thread):

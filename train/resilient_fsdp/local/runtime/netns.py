@@ -3,7 +3,8 @@
 :class:`NetnsRuntime` gives each pod of the workload a network namespace of its own on the run's
 bridge (:mod:`resilient_fsdp.local.runtime.netns_pods`), with its hostname, a kubelet's hosts file
 (its own names) and a resolv.conf naming the run's cluster DNS (every pod and alias, in the pod
-spec's namespace), and its volumes bind-mounted where the pod spec puts them; the image's code a
+spec's namespace), ports of this machine's loopback it is given at the same address in every pod
+(:mod:`.netns_pods.host_ports`), and its volumes bind-mounted where the pod spec puts them; the image's code a
 volume would hide is bound back (:func:`hidden_image_paths`). Each container runs as its
 security context says, with the runtime's ``nofile`` limit, after the pod's init containers; for a
 non-root user the way to this machine's interpreter is made searchable in the pod
@@ -17,7 +18,7 @@ import os
 import stat
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..manifests.spec import Mount, PodSpec, Workload
 from .base import Runtime
@@ -30,7 +31,7 @@ class NetnsRuntime(Runtime):
     mode = "netns"
 
     def __init__(self, workload: Workload, run_dir: Path, run_id: Optional[str], env: dict[str, str],
-                 shared_mount: str):
+                 shared_mount: str, host_ports: Sequence[int] = ()):
         self.network = PodNetwork(run_id, namespace=workload.namespace)
         super().__init__(workload, run_dir, self.network.run_id, env)
         self.shared_mount = shared_mount
@@ -39,6 +40,8 @@ class NetnsRuntime(Runtime):
             self.scratch.mkdir()
             for pod in workload.pods:
                 self.network.add_pod(pod.hostname, aliases=pod.aliases, fqdn=pod.fqdn or None)
+            for port in host_ports:
+                self.network.forward_host_port(port)
             self.write_config_maps()
         except BaseException:
             self.network.close()

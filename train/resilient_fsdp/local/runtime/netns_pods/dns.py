@@ -17,7 +17,6 @@ replaces the names at once; ``close`` stops the thread. A killed owner takes the
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import os
 import selectors
@@ -27,55 +26,14 @@ from typing import Mapping
 
 from dnslib import PTR, QTYPE, RCODE, RR, A, DNSError, DNSRecord, OPCODE
 
-from .plumbing import NetnsError
 
 PORT = 53
 TTL = 5  # CoreDNS's kubernetes plugin answers with a TTL of 5 s
-CLONE_NEWNET = 0x40000000
 
 
 def reverse_name(ip: str) -> str:
     """The ``in-addr.arpa`` name of an IPv4 address, without the final dot."""
     return ipaddress.IPv4Address(ip).reverse_pointer
-
-
-def socket_in_netns(netns_path: str, address: str, port: int = PORT) -> socket.socket:
-    """A UDP socket bound to ``address:port`` inside the network namespace at ``netns_path``.
-
-    A socket belongs to the namespace it was created in, whichever thread uses it later; a thread
-    of its own enters the namespace (``setns``, which for a network namespace moves only the
-    calling thread) and ends there, so no other thread of this process ever leaves its own.
-    """
-    result: dict = {}
-
-    def make() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        try:
-            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            result["error"] = f"opening {netns_path}: {exc.strerror}"
-            return
-        try:
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                result["error"] = f"entering {netns_path}: {os.strerror(ctypes.get_errno())}"
-                return
-            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                sock.bind((address, port))
-            except OSError as exc:
-                sock.close()
-                result["error"] = f"binding {address}:{port}: {exc.strerror}"
-                return
-            result["socket"] = sock
-        finally:
-            os.close(fd)
-
-    thread = threading.Thread(target=make, name="dns-socket", daemon=True)
-    thread.start()
-    thread.join()
-    if "socket" not in result:
-        raise NetnsError(f"starting the pods' DNS server: {result.get('error', 'no socket')}")
-    return result["socket"]
 
 
 class ClusterDNS:

@@ -8,7 +8,9 @@ out of it (their only route is the /24 itself), so pods reach each other and not
 Names resolve as on a cluster. One more namespace on the bridge, the run's DNS namespace, holds
 the last address of the /24, where the run's name server (``dns.ClusterDNS``, a thread of the
 process that owns the network) answers for every pod hostname and alias and for the pods'
-addresses (reverse lookups), and for nothing else. Every pod's ``/etc/resolv.conf`` names that
+addresses (reverse lookups), and for nothing else. A port of the host's loopback a run is given
+(``forward_host_port``: a local S3-API server) is relayed from each pod's own loopback
+(``host_ports``), the one way out of a pod, to that port alone. Every pod's ``/etc/resolv.conf`` names that
 server with a pod's search path (``<namespace>.svc.cluster.local svc.cluster.local
 cluster.local``, ``ndots:5``); its ``/etc/hosts`` is the kubelet's: localhost and the pod's own
 names only, so other pods' names come from DNS.
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from . import exit_cleanup, plumbing, run_state
+from .host_ports import HostPort
 from .plumbing import NetnsError
 
 if TYPE_CHECKING:
@@ -273,6 +276,7 @@ class PodNetwork:
         self.pods: dict[str, NetnsPod] = {}
         self.aliases: dict[str, str] = {}  # alias -> pod hostname
         self.stale_removed: list[str] = []
+        self.host_ports: dict[int, HostPort] = {}
         self._owner = os.getpid()
         self._closed = False
         with run_state.state_lock():
@@ -361,7 +365,17 @@ class PodNetwork:
             raise
         pod._write_hosts()
         self._publish_names()
+        for relay in self.host_ports.values():
+            relay.add(pod)
         return pod
+
+    def forward_host_port(self, port: int) -> HostPort:
+        """Make ``127.0.0.1:port`` of this machine reachable at the same address in every pod, those
+        added later too (:mod:`.host_ports`)."""
+        self._check_open()
+        if port not in self.host_ports:
+            self.host_ports[port] = HostPort(port, list(self.pods.values()))
+        return self.host_ports[port]
 
     def add_alias(self, alias: str, pod: NetnsPod | str) -> None:
         """Make ``alias`` resolve to ``pod``'s address in every pod, at once (running ones too)."""
@@ -388,6 +402,8 @@ class PodNetwork:
             pod._stop_timer()
         if self.dns is not None:
             self.dns.close()
+        for relay in self.host_ports.values():
+            relay.close()
         links = [pod.veth for pod in self.pods.values()] + [self.dns_veth, self.bridge]
         namespaces = [pod.netns for pod in self.pods.values()] + [self.dns_netns]
         _, problems = plumbing.teardown(self.run_id, namespaces, links)
@@ -427,7 +443,7 @@ class PodNetwork:
     def _start_dns(self) -> None:
         """The DNS namespace on the bridge, the server's socket in it, and the pods' resolv.conf."""
         try:
-            from .dns import ClusterDNS, socket_in_netns
+            from .dns import PORT as DNS_PORT, ClusterDNS
         except ModuleNotFoundError as exc:
             if exc.name != "dnslib":
                 raise
@@ -444,7 +460,8 @@ class PodNetwork:
             f"addr add {self.dns_address}/{self.subnet.prefixlen} dev eth0\n"
             "link set eth0 up\n"
         ))
-        sock = socket_in_netns(str(plumbing.NETNS_DIR / ns), self.dns_address)
+        sock = plumbing.socket_in_netns(str(plumbing.NETNS_DIR / ns), self.dns_address, DNS_PORT,
+                                        what="the pods' DNS server")
         self.dns = ClusterDNS(sock, name=f"dns-{self.run_id}")
         self._publish_names()
         search = f"{self.namespace}.svc.cluster.local svc.cluster.local cluster.local"

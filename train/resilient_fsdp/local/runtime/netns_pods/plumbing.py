@@ -19,6 +19,7 @@ Only the ``ip`` (iproute2) and ``unshare`` (util-linux) commands are used: Pytho
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import json
 import os
@@ -27,12 +28,16 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterable
 
 from .run_state import owner_alive, read_states, remove_leftover_files, remove_state, run_dir, state_lock
+
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns() into a network namespace
 
 PREFIX = "rfn"
 # Where `ip netns` keeps named namespaces (a bind mount of each namespace's nsfs file).
@@ -60,6 +65,52 @@ _PACKAGES = {"ip": "iproute2", "unshare": "util-linux"}
 
 class NetnsError(RuntimeError):
     """A namespace, link or mount operation failed; the message names what and how to fix it."""
+
+
+def socket_in_netns(netns_path: str, address: str, port: int, kind: int = socket.SOCK_DGRAM,
+                    what: str = "a socket") -> socket.socket:
+    """A socket of ``kind`` bound to ``address:port`` inside the network namespace at ``netns_path``
+    (a TCP one listening).
+
+    A socket belongs to the namespace it was created in, whichever thread uses it later; a thread
+    of its own enters the namespace (``setns``, which for a network namespace moves only the
+    calling thread) and ends there, so no other thread of this process ever leaves its own.
+    ``what`` names the socket in the error.
+    """
+    result: dict = {}
+
+    def make() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            result["error"] = f"opening {netns_path}: {exc.strerror}"
+            return
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                result["error"] = f"entering {netns_path}: {os.strerror(ctypes.get_errno())}"
+                return
+            sock = socket.socket(socket.AF_INET, kind)
+            try:
+                if kind == socket.SOCK_STREAM:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((address, port))
+                if kind == socket.SOCK_STREAM:
+                    sock.listen(64)
+            except OSError as exc:
+                sock.close()
+                result["error"] = f"binding {address}:{port}: {exc.strerror}"
+                return
+            result["socket"] = sock
+        finally:
+            os.close(fd)
+
+    thread = threading.Thread(target=make, name="netns-socket", daemon=True)
+    thread.start()
+    thread.join()
+    if "socket" not in result:
+        raise NetnsError(f"starting {what}: {result.get('error', 'no socket')}")
+    return result["socket"]
 
 
 def bridge_name(run_id: str) -> str:
