@@ -19,5 +19,6 @@
 - ``shared_volume``: whether this process can write the run or checkpoint directory, and the
   chart values that fix it when not;
 - ``s3/``: the S3 tier (durable copies, restore on a new cluster);
+- ``memory/``: the memory tier (snapshots in the pods' memory, replicas on other pods);
 - ``commands``: ``resilient-fsdp checkpoints list|pull|push``.
 """

@@ -1,0 +1,145 @@
+"""A rank's memory slots (``checkpoint.memory.slots``) on a real tmpfs: alternation, records by
+rename, checksums, a torn write, another structure, a new process finding what an earlier one
+left (an in-job restart keeps the pod's ``/dev/shm``), and removal at the job's end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient_fsdp.checkpoint.memory.slots import (MemorySlots, SlotInvalid, job_root, owner_name, remove_job,
+                                                    slot_bytes, structure_digest)
+from resilient_fsdp.checkpoint.staging import structure
+from tests.support import REPO
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def root(tmp_path):
+    """A job's root on this machine's tmpfs, as in a pod's memory-backed /dev/shm."""
+    if not SHM.is_dir():
+        pytest.fail("/dev/shm is missing: the memory tier's tests need a tmpfs there")
+    job = f"test-{tmp_path.name[-20:]}-{id(tmp_path) & 0xffff:x}"
+    yield job_root(SHM, job)
+    remove_job(SHM, job)
+
+
+def state(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(33, 7, generator=g), torch.randn(5, generator=g).to(torch.bfloat16),
+            torch.randint(0, 100, (3, 3), generator=g), torch.empty(0)]
+
+
+def save(slots: MemorySlots, tensors: list[torch.Tensor], step: int, digest: str = "d"):
+    slot = slots.next_slot()
+    spans, views = slots.open(slot, tensors)
+    for view, t in zip(views, tensors):
+        view.copy_(t)
+    return slots.commit(slot, spans, step, digest, world_size=4, rank=1, job="j", attempt=0, meta={"mesh": [4]})
+
+
+def test_saves_alternate_and_the_newest_complete_snapshot_loads_bitwise(root):
+    slots = MemorySlots(root, owner_name(1))
+    assert slots.newest() is None and slots.next_slot() == "a"
+    first = save(slots, state(1), step=2)
+    second = save(slots, state(2), step=4)
+    assert (first.slot, second.slot) == ("a", "b")
+    assert [r.step for r in slots.records()] == [4, 2]
+    third = save(slots, state(3), step=6)
+    assert third.slot == "a" and [r.step for r in slots.records()] == [6, 4]
+    live = [torch.zeros_like(t) for t in state(0)]
+    slots.load_into(slots.newest(), live, digest="d")
+    for got, want in zip(live, state(3)):
+        assert torch.equal(got, want) and got.dtype == want.dtype
+    assert slots.newest().meta == {"mesh": [4]} and slots.newest().world_size == 4
+
+
+def test_a_save_cut_off_halfway_leaves_the_other_snapshot_whole(root):
+    slots = MemorySlots(root, owner_name(0))
+    save(slots, state(1), step=2)
+    save(slots, state(2), step=4)
+    # The next save goes into slot a (step 2's): its record goes first, then the copy is cut off.
+    spans, views = slots.open(slots.next_slot(), state(3))
+    views[0].copy_(state(3)[0])
+    assert [r.step for r in slots.records()] == [4]
+    again = MemorySlots(root, owner_name(0))  # a new process after the kill
+    assert again.next_slot() == "a"
+    live = [torch.zeros_like(t) for t in state(0)]
+    again.load_into(again.newest(), live)
+    assert all(torch.equal(a, b) for a, b in zip(live, state(2)))
+
+
+def test_a_flipped_byte_or_another_structure_is_refused_and_nothing_is_copied(root):
+    slots = MemorySlots(root, owner_name(2))
+    record = save(slots, state(1), step=8)
+    live = [torch.full_like(t, 7) for t in state(0)]
+    with pytest.raises(SlotInvalid, match="another structure"):
+        slots.load_into(record, live, digest="other")
+    path = root / owner_name(2) / "slot-a.bin"
+    data = bytearray(path.read_bytes())
+    data[record.spans[1][0]] ^= 0x01
+    path.write_bytes(bytes(data))
+    fresh = MemorySlots(root, owner_name(2))
+    with pytest.raises(SlotInvalid, match="tensor 1 fails its CRC32C") as caught:
+        fresh.load_into(fresh.newest(), live)
+    assert caught.value.where == path
+    assert all(bool((t == 7).all()) for t in live)  # checked before any copy
+
+
+def test_a_record_whose_bytes_are_short_or_unreadable_is_no_snapshot(root):
+    slots = MemorySlots(root, owner_name(3))
+    save(slots, state(1), step=2)
+    save(slots, state(2), step=4)
+    (root / owner_name(3) / "slot-b.bin").write_bytes(b"short")
+    (root / owner_name(3) / "slot-a.json").write_text("{not json")
+    assert MemorySlots(root, owner_name(3)).records() == []
+
+
+def test_a_new_layout_resizes_the_slot_and_the_digest_follows_the_structure(root):
+    slots = MemorySlots(root, owner_name(0))
+    small = [torch.ones(4)]
+    save(slots, small, step=1)
+    big = [torch.ones(1000), torch.ones(10, dtype=torch.float64)]
+    record = save(slots, big, step=2)
+    assert record.nbytes == slot_bytes(big) and (root / owner_name(0) / "slot-b.bin").stat().st_size == slot_bytes(big)
+    assert structure_digest(structure({"w": torch.ones(3)})) == structure_digest(structure({"w": torch.zeros(3)}))
+    assert structure_digest(structure({"w": torch.ones(3)})) != structure_digest(structure({"w": torch.ones(4)}))
+
+
+def test_snapshots_past_a_restored_step_are_discarded(root):
+    slots = MemorySlots(root, owner_name(0))
+    save(slots, state(1), step=10)
+    save(slots, state(2), step=12)
+    assert slots.discard_newer_than(10) == [12]
+    assert [r.step for r in slots.records()] == [10] and slots.next_slot() == "b"
+
+
+def test_another_process_finds_and_loads_what_an_earlier_one_saved_and_the_job_end_removes_it(root):
+    """An in-job restart: the process that saved is gone, the pod's memory is not."""
+    slots = MemorySlots(root, owner_name(1))
+    save(slots, state(5), step=20)
+    code = textwrap.dedent(f"""
+        import json, sys, torch
+        from pathlib import Path
+        from resilient_fsdp.checkpoint.memory.slots import MemorySlots
+        slots = MemorySlots(Path({str(root)!r}), "rank-1")
+        record = slots.newest()
+        live = [torch.zeros(33, 7), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3, 3, dtype=torch.int64),
+                torch.empty(0)]
+        slots.load_into(record, live)
+        print(json.dumps({{"step": record.step, "sums": [float(t.double().sum()) for t in live]}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(REPO / "train"), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"step": 20, "sums": [float(t.double().sum()) for t in state(5)]}
+    remove_job(SHM, root.name)
+    assert not root.exists()

@@ -1,0 +1,272 @@
+"""One rank's memory checkpoints: two alternating slots in the pod's memory, each a file of the
+rank's tensor bytes with, once complete, a commit record beside it.
+
+Files in the pod's memory-backed ``/dev/shm`` because an in-job restart keeps the pod, so the new
+process of a rank finds its slots there (an in-process restart keeps them mapped); a lost pod loses
+them, and a peer's replica serves instead (``peers``). Two slots, ``a`` and ``b``, alternate: a save
+writes into the slot that does not hold the newest complete snapshot, after removing that slot's
+record, so a complete snapshot exists at every moment and a write cut off half-way is never taken
+for one.
+
+Layout under the job's root: ``<owner>/slot-<a|b>.bin`` (the bytes: each tensor at the aligned
+offset ``arena.plan`` gives it) and ``<owner>/slot-<a|b>.json`` (the record, written by rename once
+the bytes and their checksums are in place). ``owner`` is ``rank-<r>`` for a rank's own slots and
+``replica-of-<r>`` for the copy of rank r's slot a peer keeps.
+
+A record (:class:`Record`) holds the step, the attempt and job that wrote it, the world size, the
+digest of the state's structure (``staging.structure``: every tensor's place, kind, local shape and
+dtype), each tensor's place in the file and the CRC32C of its bytes, and what the caller adds
+(``meta``: mesh and placements, the non-tensor leaves). A slot loads only into a state of the same
+digest and only when every checksum matches; anything else is a :class:`SlotInvalid`, which the
+caller turns into a fallback (a replica, the durable checkpoint), never a silent load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import crc32c
+import torch
+
+from ... import atomic
+from ..arena import Slot as Span
+from ..arena import plan
+
+SLOTS = ("a", "b")
+FORMAT = 1
+
+
+class SlotInvalid(Exception):
+    """A memory checkpoint that must not be loaded: missing, torn, of another state, or corrupt.
+    ``reason`` says which, for the log and the fallback's record."""
+
+    def __init__(self, where: Path, reason: str):
+        super().__init__(f"memory checkpoint {where}: {reason}")
+        self.where, self.reason = where, reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What a complete slot holds (the JSON beside its bytes)."""
+
+    step: int
+    slot: str
+    digest: str
+    """``structure_digest`` of the state the bytes are of."""
+    world_size: int
+    rank: int
+    """The rank whose state this is (a replica keeps its source's)."""
+    job: str
+    attempt: int
+    nbytes: int
+    spans: tuple[tuple[int, str, tuple[int, ...]], ...]
+    """Per tensor, in ``staging.local_tensors`` order: byte offset, dtype name, shape."""
+    crc32c: tuple[int, ...]
+    """Per tensor: the CRC32C of its bytes."""
+    meta: dict
+    created_unix: float
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Record":
+        if data.get("format") != FORMAT:
+            raise ValueError(f"record format {data.get('format')!r}, expected {FORMAT}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["spans"] = tuple((int(o), str(d), tuple(int(n) for n in s)) for o, d, s in values["spans"])
+        values["crc32c"] = tuple(int(c) for c in values["crc32c"])
+        return cls(**values)
+
+
+def structure_digest(structure: tuple) -> str:
+    """A stable digest of ``staging.structure(state)``: equal for states that lay out alike."""
+    return hashlib.sha256(repr(structure).encode()).hexdigest()[:32]
+
+
+def owner_name(rank: int, replica: bool = False) -> str:
+    return f"replica-of-{rank}" if replica else f"rank-{rank}"
+
+
+class MemorySlots:
+    """The two slots of ``owner`` (``owner_name``) under ``root``, for tensors laid out alike at
+    every save (a new layout rewrites the slot's file at its new size)."""
+
+    def __init__(self, root: Path, owner: str):
+        self.dir = Path(root) / owner
+        self._mapped: dict[str, tuple[int, torch.Tensor]] = {}
+
+    # -- what is there -----------------------------------------------------------------------
+
+    def records(self) -> list[Record]:
+        """The complete slots' records, newest step first; an unreadable record is skipped here
+        (``load`` names it when asked for that slot)."""
+        found = []
+        for slot in SLOTS:
+            try:
+                found.append(self._record(slot))
+            except SlotInvalid:
+                continue
+        return sorted(found, key=lambda r: r.step, reverse=True)
+
+    def newest(self) -> Optional[Record]:
+        records = self.records()
+        return records[0] if records else None
+
+    def _record(self, slot: str) -> Record:
+        path = self.dir / f"slot-{slot}.json"
+        try:
+            record = Record.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise SlotInvalid(path, "no complete snapshot") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SlotInvalid(path, f"unreadable record ({exc})") from None
+        size = self._bin(slot).stat().st_size if self._bin(slot).exists() else -1
+        if size < record.nbytes:
+            raise SlotInvalid(path, f"its bytes are {max(size, 0)} of the {record.nbytes} recorded")
+        return record
+
+    def _bin(self, slot: str) -> Path:
+        return self.dir / f"slot-{slot}.bin"
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def next_slot(self) -> str:
+        """The slot a save writes into: the one not holding the newest complete snapshot."""
+        newest = self.newest()
+        return "b" if newest is not None and newest.slot == "a" else "a"
+
+    def open(self, slot: str, tensors: Iterable[torch.Tensor]) -> tuple[list[Span], list[torch.Tensor]]:
+        """Start a save into ``slot``: its record is removed first (from here on the slot is not a
+        snapshot), its file sized for ``tensors`` and mapped (kept mapped across saves, so each
+        page is touched once); returns the spans and the views to copy ``tensors`` into."""
+        spans, nbytes = plan(tensors)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        record = self.dir / f"slot-{slot}.json"
+        record.unlink(missing_ok=True)
+        buffer = self._map(slot, nbytes)
+        views = [buffer[s.offset: s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in spans]
+        return spans, views
+
+    def _map(self, slot: str, nbytes: int) -> torch.Tensor:
+        held = self._mapped.get(slot)
+        if held is not None and held[0] == nbytes:
+            return held[1]
+        path = self._bin(slot)
+        if held is not None or (path.exists() and path.stat().st_size != nbytes):
+            self._mapped.pop(slot, None)
+            path.unlink(missing_ok=True)  # a new layout: a file of the new size, not a grown one
+        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=max(nbytes, 1))
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+        buffer.zero_()  # first touch here, not in the first save's copy
+        self._mapped[slot] = (nbytes, buffer)
+        return buffer
+
+    def commit(self, slot: str, spans: list[Span], step: int, digest: str, *, world_size: int, rank: int,
+               job: str, attempt: int, meta: Optional[dict] = None) -> Record:
+        """Checksum the slot's bytes (the copy into them must be complete) and write its record
+        by rename: from here on the slot is a snapshot of ``step``."""
+        buffer = self._mapped[slot][1]
+        crcs = tuple(crc32c.crc32c(_bytes(buffer, s)) for s in spans)
+        record = Record(step=step, slot=slot, digest=digest, world_size=world_size, rank=rank, job=job,
+                        attempt=attempt, nbytes=int(buffer.numel()),
+                        spans=tuple((s.offset, _dtype_name(s.dtype), tuple(s.shape)) for s in spans),
+                        crc32c=crcs, meta=dict(meta or {}), created_unix=time.time())
+        atomic.write_json(self.dir / f"slot-{slot}.json", record.to_json())  # on tmpfs its fsyncs cost nothing
+        return record
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read(self, record: Record, digest: Optional[str] = None) -> list[torch.Tensor]:
+        """The tensors of ``record``'s slot, checked: the digest (when given) and every CRC32C.
+        Views of the mapped file, no copy; raises :class:`SlotInvalid`."""
+        where = self._bin(record.slot)
+        if digest is not None and record.digest != digest:
+            raise SlotInvalid(where, "it holds a state of another structure (model, mesh or world size)")
+        try:
+            buffer = self._map_existing(record)
+        except OSError as exc:
+            raise SlotInvalid(where, f"unreadable ({exc.strerror or exc})") from None
+        out = []
+        for i, ((offset, dtype, shape), crc) in enumerate(zip(record.spans, record.crc32c)):
+            span = Span(offset, _dtype(dtype), shape)
+            if offset + span.nbytes > buffer.numel():
+                raise SlotInvalid(where, f"tensor {i} lies past the end of the file")
+            if crc32c.crc32c(_bytes(buffer, span)) != crc:
+                raise SlotInvalid(where, f"tensor {i} fails its CRC32C (step {record.step})")
+            out.append(buffer[offset: offset + span.nbytes].view(span.dtype).view(span.shape))
+        return out
+
+    def load_into(self, record: Record, tensors: list[torch.Tensor], digest: Optional[str] = None) -> None:
+        """Copy ``record``'s slot into ``tensors`` (the live state's, in the same order), checked
+        first as :meth:`read` checks it; nothing is copied from a slot that fails."""
+        views = self.read(record, digest)
+        if len(views) != len(tensors):
+            raise SlotInvalid(self._bin(record.slot), f"{len(views)} tensors, the state has {len(tensors)}")
+        for live, saved in zip(tensors, views):
+            live.copy_(saved)
+
+    def _map_existing(self, record: Record) -> torch.Tensor:
+        held = self._mapped.get(record.slot)
+        if held is not None and held[0] == record.nbytes:
+            return held[1]
+        storage = torch.UntypedStorage.from_file(str(self._bin(record.slot)), shared=True,
+                                                 nbytes=max(record.nbytes, 1))
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)[:record.nbytes]
+        self._mapped[record.slot] = (record.nbytes, buffer)
+        return buffer
+
+    def discard_newer_than(self, step: int) -> list[int]:
+        """Remove the records of snapshots past ``step``: after a restore to ``step`` (from memory,
+        the durable checkpoint or a rewind) they belong to a line the job no longer trains on, and
+        a later snapshot of the same step number must never meet them. Returns the steps removed."""
+        removed = []
+        for record in self.records():
+            if record.step > step:
+                (self.dir / f"slot-{record.slot}.json").unlink(missing_ok=True)
+                removed.append(record.step)
+        return removed
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Unmap and delete both slots (the job has ended; memory goes back to the pod)."""
+        self._mapped.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _bytes(buffer: torch.Tensor, span: Span) -> memoryview:
+    return memoryview(buffer[span.offset: span.offset + span.nbytes].numpy())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def slot_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The size of one slot for ``tensors``: what ``/dev/shm`` must hold per slot."""
+    return plan(tensors)[1]
+
+
+def job_root(shm: Path, job: str) -> Path:
+    """Where a job's slots live in the pod's memory: one directory per job, so slots never outlive
+    the job they belong to or mix with another's."""
+    return Path(shm) / "resilient-fsdp" / job
+
+
+def remove_job(shm: Path, job: str) -> None:
+    shutil.rmtree(job_root(shm, job), ignore_errors=True)
