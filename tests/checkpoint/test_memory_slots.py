@@ -42,7 +42,8 @@ def save(slots: MemorySlots, tensors: list[torch.Tensor], step: int, digest: str
     spans, views = slots.open(slot, tensors)
     for view, t in zip(views, tensors):
         view.copy_(t)
-    return slots.commit(slot, spans, step, digest, world_size=4, rank=1, job="j", attempt=0, meta={"mesh": [4]})
+    return slots.commit(slot, spans, step, digest, world_size=4, rank=1, job="j", attempt=0, meta={"mesh": [4]},
+                        extra=f"values of step {step}".encode())
 
 
 def test_saves_alternate_and_the_newest_complete_snapshot_loads_bitwise(root):
@@ -91,6 +92,15 @@ def test_a_flipped_byte_or_another_structure_is_refused_and_nothing_is_copied(ro
         fresh.load_into(fresh.newest(), live)
     assert caught.value.where == path
     assert all(bool((t == 7).all()) for t in live)  # checked before any copy
+
+
+def test_the_non_tensor_values_beside_the_tensors_are_checked_too(root):
+    slots = MemorySlots(root, owner_name(0))
+    record = save(slots, state(1), step=6)
+    assert slots.extra(record) == b"values of step 6"
+    (root / owner_name(0) / "slot-a.extra").write_bytes(b"values of step 7")
+    with pytest.raises(SlotInvalid, match="non-tensor values fail their CRC32C"):
+        MemorySlots(root, owner_name(0)).extra(record)
 
 
 def test_a_record_whose_bytes_are_short_or_unreadable_is_no_snapshot(root):

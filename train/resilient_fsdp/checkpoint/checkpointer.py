@@ -38,6 +38,7 @@ from . import failures
 from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
 from .lease import Lease, job_id
+from .memory.tier import MemoryTier
 from .s3 import client as s3_client
 from .s3.uploader import Uploader
 from .state import CheckpointState
@@ -116,6 +117,9 @@ class Checkpointer:
         self._retention_said: list[str] = []
         self._retention_events: list[dict] = []  # metrics.jsonl records of the retention thread
         self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
+        # Snapshots in the pod's memory between durable saves (checkpoint.memory; off at 0).
+        self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, group.rank,
+                                 group.world_size) if cfg.memory.interval_steps > 0 else None
 
     def say(self, message: str) -> None:
         self.log.info(message)
@@ -146,9 +150,23 @@ class Checkpointer:
                 self.hooks.start_section("checkpoint")
             self._log(self._periodic(lambda: self.save(step)))
             learn = True
+        elif self.memory is not None and self.memory.due(step):
+            self.memory.save(step, self.state.state_dict(), batch=self.batch)
         self.hooks.end_section("checkpoint", learn=learn)
+        self._log_memory()
         self._report_uploads()
         return time.perf_counter() - t0
+
+    def _log_memory(self) -> None:
+        """Rank 0 records its memory saves; any rank says one that failed (training goes on)."""
+        if self.memory is None:
+            return
+        for record in self.memory.poll():
+            if self.group.is_coordinator:
+                self.log.event(record)
+            if record["error"]:
+                print(f"[resilient-fsdp] rank {self.group.rank}: warning: memory checkpoint of step {record['step']} "
+                      f"failed ({record['error']}); the previous one stays, training goes on", flush=True)
 
     def finish(self, step: int, save: bool) -> None:
         """The end of training (``save``: ``checkpoint.save_final``) or a graceful stop (``save``):
@@ -289,7 +307,10 @@ class Checkpointer:
         next older one is tried."""
         self.before_optimizer_step()  # loading changes the live state: no copy may be reading it
         done = resume_.resume(self.group, self.cfg, self.root, self.job, self.state, self.identity, self.batch,
-                              self.say, self.elastic_batch)
+                              self.say, self.elastic_batch, self.memory)
+        if self.memory is not None:
+            # Snapshots past the step this start trains on belong to a line it no longer follows.
+            self.memory.discard_newer_than(done.step if done.step is not None else -1)
         self.restored_from_s3 = done.restored_from_s3.as_dict() if done.restored_from_s3 else None
         if done.step is not None:
             self.resumed_from = {"step": done.step, "path": done.path}
@@ -369,13 +390,14 @@ class Checkpointer:
         """Wait until the pending save's copy of the state is done (the trainer calls it just
         before ``optimizer.step()``, the first change to parameters and optimizer state); that wait
         counts as stall. Rank-local; returns the seconds waited."""
+        memory = self.memory.before_optimizer_step() if self.memory is not None else 0.0
         if self.pending is None or self.pending["staged"] or self._engine is None:
-            return 0.0
+            return memory
         waited = self._engine.staged()
         self.pending["staged"] = True
         self.pending["staging_wait_s"] += waited
         self.pending["stall_s"] += waited
-        return waited
+        return waited + memory
 
     def poll(self, block: bool = False, charge: bool = True) -> Optional[dict]:
         """Collect and commit the pending checkpoint once every rank's write finished; with
@@ -531,11 +553,14 @@ class Checkpointer:
                                self._retention_said.append, self._retention_events.append)
 
     def settle(self) -> None:
-        """Wait for the retention thread's queued passes and report them: before the run's last
-        records are written, so what a pass removed at the end is in ``metrics.jsonl`` too."""
+        """Wait for the retention thread's queued passes and a memory save in flight, and report
+        them: before the run's last records are written, so they are in ``metrics.jsonl`` too."""
         if self._retention is not None:
             self._retention.submit(lambda: None).result()
         self._say_retention()
+        if self.memory is not None:
+            self.memory.settle()
+            self._log_memory()
 
     def _say_retention(self) -> None:
         while self._retention_events:
@@ -557,6 +582,12 @@ class Checkpointer:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+        if self.memory is not None:
+            # A failed attempt leaves its slots to the restart that follows; an ended job removes them.
+            if not abort:
+                self.memory.settle()
+                self._log_memory()
+            self.memory.close(remove=not abort)
         if self._engine is None:
             return
         if self.owns_engine:

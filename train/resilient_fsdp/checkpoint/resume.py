@@ -52,6 +52,8 @@ from ..config import CheckpointConfig, ConfigError
 from ..train import global_batch
 from . import integrity, store
 from .group import RankGroup
+from .memory import agreement
+from .memory.tier import MemoryTier
 from .s3 import restore as s3_restore
 from .state import CheckpointState, from_local
 from .store import CheckpointError
@@ -73,14 +75,23 @@ class Resumed:
     """The checkpoint this start downloaded from S3 first, if it did."""
     global_batch_target: Optional[int] = None
     """The run's target global batch, carried by the checkpoint (None: the configured one)."""
+    from_memory: bool = False
+    """Restored from the memory tier's snapshots, not from a durable checkpoint."""
 
 
 def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
-           batch: dict, say: Callable[[str], None], elastic_batch: str = "nearest") -> Resumed:
+           batch: dict, say: Callable[[str], None], elastic_batch: str = "nearest",
+           memory: Optional[MemoryTier] = None) -> Resumed:
     """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded.
-    ``elastic_batch``: the ``train.elastic_batch`` policy at another world size."""
+    ``elastic_batch``: the ``train.elastic_batch`` policy at another world size. With ``memory``
+    (the memory tier), every rank's snapshots are weighed against the durable choice first."""
     decide_here = (lambda: decide(cfg, root, job, say)) if group.is_coordinator else (lambda: None)
     plan = _raise_if_error(group.broadcast(decide_here()))
+    if memory is not None and cfg.resume and not plan.get("pinned"):
+        durable = (plan.get("candidate") or plan.get("s3") or {}).get("step")
+        done = from_memory(group, memory, state, durable, batch, say)
+        if done is not None:
+            return done
     restored = None
     if plan.get("s3"):
         restored = s3_restore.restore_collectively(group, cfg, plan["s3"], say)
@@ -105,6 +116,38 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     if tried:
         raise CheckpointError("no loadable checkpoint; tried:\n  " + "\n  ".join(tried))
     return Resumed(None, restored_from_s3=restored)
+
+
+def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, durable_step: Optional[int],
+                batch: dict, say: Callable[[str], None]) -> Optional[Resumed]:
+    """Collective: restore every rank from its memory snapshot when :func:`.memory.agreement.decide`
+    says every rank can, at a step no older than the durable choice (``durable_step``); None to
+    go on to the durable checkpoint (no such step, or a rank whose slot failed its checks)."""
+    t0 = time.perf_counter()
+    reports = group.all_gather(memory.report())
+    decision = agreement.decide(reports, group.world_size, durable_step)
+    if not decision.from_memory:
+        if any(r.own for r in reports):
+            say(f"memory checkpoints not used: {decision.why}; resuming from the durable checkpoint")
+        return None
+    if decision.replicas_to_send():
+        say(f"memory checkpoints not used: step {decision.step} needs replicas, which this job does not keep; "
+            "resuming from the durable checkpoint")
+        return None
+    error = memory.restore(state, decision.step)
+    errors = [e for e in group.all_gather(error) if e]
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        say(f"warning: memory checkpoint of step {decision.step} not loaded: {errors[0]}{more}; resuming from the "
+            "durable checkpoint")
+        return None
+    saved = (memory.newest_of(decision.step).meta or {}).get("batch") or {}
+    accum = saved.get("grad_accum_steps")
+    say(f"resumed from memory: step {decision.step} on every rank ({decision.why}) in "
+        f"{time.perf_counter() - t0:.2f} s")
+    return Resumed(decision.step, str(memory.slots.dir),
+                   accum if accum is not None and accum != batch.get("grad_accum_steps") else None,
+                   global_batch_target=saved.get("global_batch_target"), from_memory=True)
 
 
 def _raise_if_error(plan: dict) -> dict:

@@ -18,11 +18,12 @@ from .loading import (DUMP_MARGIN_S, MOVED_KEYS, check_collective_timeouts, chec
                       parse_override, user_tree)
 from .s3_uri import split_s3_uri
 from .sections import (CheckpointConfig, Config, DataConfig, DistConfig, HangDetectionConfig, InProcessConfig,
-                       LauncherConfig, ModelConfig, OptimConfig, ResilienceConfig, S3Config, StopConfig, TrainConfig)
+                       LauncherConfig, MemoryConfig, ModelConfig, OptimConfig, ResilienceConfig, S3Config, StopConfig,
+                       TrainConfig)
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DUMP_MARGIN_S", "DataConfig", "DistConfig", "FAULT_KINDS",
            "FaultKind",
            "FaultSpec", "HangDetectionConfig", "InProcessConfig", "LauncherConfig", "MOVED_KEYS", "ModelConfig",
-           "NODE_FAULT_KINDS", "OptimConfig", "ResilienceConfig", "S3Config", "StopConfig", "TrainConfig",
+           "MemoryConfig", "NODE_FAULT_KINDS", "OptimConfig", "ResilienceConfig", "S3Config", "StopConfig", "TrainConfig",
            "check_collective_timeouts", "check_s3_config", "describe", "dump_yaml", "load_config", "parse_fault", "parse_faults",
            "parse_override", "split_s3_uri", "to_dict", "user_tree"]

@@ -173,6 +173,19 @@ class S3Config:
 
 
 @dataclass(config=_STRICT)
+class MemoryConfig:
+    interval_steps: int = Field(default=0, ge=0)
+    """Also keep a checkpoint of every rank's state in the pod's memory every this many steps
+    (0: off): restored by a copy after an in-process or in-job restart, when every rank has the
+    same step, instead of reading the durable checkpoint. Two slots per rank (one is always a
+    complete snapshot); ``/dev/shm`` must hold both (``shm.sizeLimit``). A step where the durable
+    save is due takes that one instead."""
+    dir: str = "/dev/shm"
+    """Where the slots live: the pod's memory-backed ``emptyDir`` (it outlives an in-job restart,
+    not the pod). Removed when the job ends."""
+
+
+@dataclass(config=_STRICT)
 class CheckpointConfig:
     dir: Optional[str] = None
     """Checkpoint directory, shared by all nodes; default ``<run_dir>/checkpoints``."""
@@ -220,6 +233,8 @@ class CheckpointConfig:
     job), else the process (a trainer without a launcher)."""
     s3: S3Config = dataclasses.field(default_factory=S3Config)
     """The S3 tier: durable copies of committed checkpoints, restore on a fresh cluster."""
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    """The memory tier: snapshots in the pods' memory between durable checkpoints."""
 
 
 @dataclass(config=_STRICT)

@@ -9,8 +9,9 @@ record, so a complete snapshot exists at every moment and a write cut off half-w
 for one.
 
 Layout under the job's root: ``<owner>/slot-<a|b>.bin`` (the bytes: each tensor at the aligned
-offset ``arena.plan`` gives it) and ``<owner>/slot-<a|b>.json`` (the record, written by rename once
-the bytes and their checksums are in place). ``owner`` is ``rank-<r>`` for a rank's own slots and
+offset ``arena.plan`` gives it), ``<owner>/slot-<a|b>.extra`` (what the caller keeps beside the
+tensors: the state's non-tensor values) and ``<owner>/slot-<a|b>.json`` (the record, written by
+rename once the bytes and their checksums are in place). ``owner`` is ``rank-<r>`` for a rank's own slots and
 ``replica-of-<r>`` for the copy of rank r's slot a peer keeps.
 
 A record (:class:`Record`) holds the step, the attempt and job that wrote it, the world size, the
@@ -69,6 +70,8 @@ class Record:
     """Per tensor, in ``staging.local_tensors`` order: byte offset, dtype name, shape."""
     crc32c: tuple[int, ...]
     """Per tensor: the CRC32C of its bytes."""
+    extra_crc32c: int
+    """The CRC32C of the slot's ``extra`` bytes (the state's non-tensor values, pickled)."""
     meta: dict
     created_unix: float
 
@@ -83,6 +86,7 @@ class Record:
         values = {k: v for k, v in data.items() if k in fields}
         values["spans"] = tuple((int(o), str(d), tuple(int(n) for n in s)) for o, d, s in values["spans"])
         values["crc32c"] = tuple(int(c) for c in values["crc32c"])
+        values["extra_crc32c"] = int(values["extra_crc32c"])
         return cls(**values)
 
 
@@ -136,6 +140,9 @@ class MemorySlots:
     def _bin(self, slot: str) -> Path:
         return self.dir / f"slot-{slot}.bin"
 
+    def _extra(self, slot: str) -> Path:
+        return self.dir / f"slot-{slot}.extra"
+
     # -- writing -----------------------------------------------------------------------------
 
     def next_slot(self) -> str:
@@ -170,15 +177,17 @@ class MemorySlots:
         return buffer
 
     def commit(self, slot: str, spans: list[Span], step: int, digest: str, *, world_size: int, rank: int,
-               job: str, attempt: int, meta: Optional[dict] = None) -> Record:
-        """Checksum the slot's bytes (the copy into them must be complete) and write its record
-        by rename: from here on the slot is a snapshot of ``step``."""
+               job: str, attempt: int, meta: Optional[dict] = None, extra: bytes = b"") -> Record:
+        """Checksum the slot's bytes (the copy into them must be complete), write ``extra`` beside
+        them, then the record by rename: from here on the slot is a snapshot of ``step``."""
         buffer = self._mapped[slot][1]
         crcs = tuple(crc32c.crc32c(_bytes(buffer, s)) for s in spans)
+        self._extra(slot).write_bytes(extra)
         record = Record(step=step, slot=slot, digest=digest, world_size=world_size, rank=rank, job=job,
                         attempt=attempt, nbytes=int(buffer.numel()),
                         spans=tuple((s.offset, _dtype_name(s.dtype), tuple(s.shape)) for s in spans),
-                        crc32c=crcs, meta=dict(meta or {}), created_unix=time.time())
+                        crc32c=crcs, extra_crc32c=crc32c.crc32c(extra), meta=dict(meta or {}),
+                        created_unix=time.time())
         atomic.write_json(self.dir / f"slot-{slot}.json", record.to_json())  # on tmpfs its fsyncs cost nothing
         return record
 
@@ -203,6 +212,17 @@ class MemorySlots:
                 raise SlotInvalid(where, f"tensor {i} fails its CRC32C (step {record.step})")
             out.append(buffer[offset: offset + span.nbytes].view(span.dtype).view(span.shape))
         return out
+
+    def extra(self, record: Record) -> bytes:
+        """``record``'s extra bytes, checked against its CRC32C; raises :class:`SlotInvalid`."""
+        path = self._extra(record.slot)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise SlotInvalid(path, f"unreadable ({exc.strerror or exc})") from None
+        if crc32c.crc32c(data) != record.extra_crc32c:
+            raise SlotInvalid(path, f"its non-tensor values fail their CRC32C (step {record.step})")
+        return data
 
     def load_into(self, record: Record, tensors: list[torch.Tensor], digest: Optional[str] = None) -> None:
         """Copy ``record``'s slot into ``tensors`` (the live state's, in the same order), checked

@@ -1,0 +1,194 @@
+"""A rank's memory checkpoints in the step loop (``checkpoint.memory``): a save when one is due, its
+copy overlapped with the next step's forward and backward, its commit off the training thread,
+and, at a start, the restore from memory when every rank can make it.
+
+**Saving** follows the durable save's staging: the state's tensors are copied, on a helper thread
+(``staging.StagingJob``), into the views of the slot being written (:mod:`.slots`, in the pod's
+``/dev/shm``); the loop waits for that copy just before ``optimizer.step()`` (the first change to
+the state), which is the memory save's stall, measured like the durable save's. The non-tensor
+values (counters, the sampler, the schedule, the learned timeouts) are taken when the save starts
+and kept beside the tensors. The checksums and the record follow the copy on the same helper
+thread; the next memory save waits for them (one in flight, two slots). A memory save never
+coincides with a durable one: at a step where both are due, the durable save is taken.
+
+**Restoring** (:meth:`MemoryTier.restore`): every rank copies its own slot into the live state,
+after the slot's checks; a rank whose slot fails them makes the whole start fall back to the
+durable checkpoint (the decision is :mod:`.agreement`'s, made in :mod:`..resume`).
+
+**The end**: a job that ends (its last step trained, its last durable checkpoint committed)
+removes its slots; a failed attempt leaves them for the restart that follows.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..staging import StagingJob, _over, local_tensors, structure
+from .agreement import Report
+from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name, structure_digest
+
+
+class MemoryTier:
+    """Rank ``rank``'s memory checkpoints of job ``job``, every ``interval_steps`` steps, in
+    ``shm`` (``checkpoint.memory.dir``)."""
+
+    def __init__(self, interval_steps: int, shm: Path, job: str, rank: int, world_size: int):
+        self.interval_steps = interval_steps
+        self.root = job_root(Path(shm), job)
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.slots = MemorySlots(self.root, owner_name(rank))
+        self.cuda = torch.cuda.is_available()
+        self._copy: Optional[StagingJob] = None
+        self.pending: Optional[dict] = None
+        self._finished: list[dict] = []
+
+    def due(self, step: int) -> bool:
+        return self.interval_steps > 0 and step % self.interval_steps == 0
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, step: int, sd: dict, attempt: int = 0, batch: Optional[dict] = None) -> None:
+        """Start the memory checkpoint of ``step`` from ``sd`` (the state now); its copy runs until
+        :meth:`before_optimizer_step`. ``batch``: the run's ``grad_accum_steps`` and global batch
+        target now, restored with the state (at the same world size, so the same ones)."""
+        t0 = time.perf_counter()
+        self.settle()
+        tensors = local_tensors(sd)
+        digest = structure_digest(structure(sd))
+        slot = self.slots.next_slot()
+        pending = {"step": step, "slot": slot, "t0": t0, "stall_s": 0.0, "staged": False}
+        try:
+            spans, views = self.slots.open(slot, tensors)
+            extra = pickle.dumps(_values(sd), protocol=pickle.HIGHEST_PROTOCOL)
+        except (OSError, RuntimeError, pickle.PicklingError) as exc:
+            self._finished.append(self._event(pending, error=f"{type(exc).__name__}: {exc}"))
+            return
+
+        def commit() -> None:
+            t = time.perf_counter()
+            pending["record"] = self.slots.commit(slot, spans, step, digest, world_size=self.world_size,
+                                                  rank=self.rank, job=self.job, attempt=attempt, extra=extra,
+                                                  meta={"batch": dict(batch or {})})
+            pending["commit_s"] = time.perf_counter() - t
+
+        self._copy = StagingJob(sd, _over(sd, iter(views)), self.cuda, commit)
+        pending["nbytes"] = sum(t.numel() * t.element_size() for t in tensors)
+        pending["stall_s"] = time.perf_counter() - t0
+        self.pending = pending
+
+    def before_optimizer_step(self) -> float:
+        """Wait for the pending memory save's copy (rank-local); the seconds waited, its stall."""
+        if self.pending is None or self.pending["staged"] or self._copy is None:
+            return 0.0
+        waited = self._copy.wait()
+        self.pending["staged"] = True
+        self.pending["stall_s"] += waited
+        return waited
+
+    def poll(self) -> list[dict]:
+        """The ``memory_checkpoint`` records of saves finished since the last call."""
+        if self.pending is not None and self._copy is not None and self._copy.done():
+            self._finish()
+        done, self._finished = self._finished, []
+        return done
+
+    def settle(self) -> None:
+        """Wait for the save in flight, its commit included."""
+        if self.pending is not None and self._copy is not None:
+            self.before_optimizer_step()
+            self._copy.join()
+            self._finish()
+
+    def _finish(self) -> None:
+        pending, self.pending = self.pending, None
+        copy, self._copy = self._copy, None
+        error = copy.error if copy is not None else None
+        if error is None and "record" not in pending:
+            error = "its commit did not finish"
+        self._finished.append(self._event(pending, error=error, copy_s=copy.copy_s if copy else 0.0))
+
+    def _event(self, pending: dict, error: Optional[str] = None, copy_s: float = 0.0) -> dict:
+        return {"event": "memory_checkpoint", "t": time.time(), "step": pending["step"], "slot": pending["slot"],
+                "rank": self.rank, "stall_s": pending["stall_s"], "copy_s": copy_s,
+                "commit_s": pending.get("commit_s", 0.0), "bytes": pending.get("nbytes", 0), "error": error}
+
+    # -- restoring -------------------------------------------------------------------------------
+
+    def report(self) -> Report:
+        """This rank's complete snapshots at this world size (their structure is checked when one
+        is loaded: taking the live state's structure here would initialise an empty optimizer's
+        state, which a fresh start must not have)."""
+        return Report(self.rank, tuple(sorted(r.step for r in self.slots.records()
+                                              if r.world_size == self.world_size)))
+
+    def restore(self, state: Any, step: int) -> Optional[str]:
+        """Load this rank's snapshot of ``step`` into ``state`` (a ``CheckpointState``); the reason
+        it cannot, or None. The slot's checksums are checked before the live state is touched,
+        its structure before anything is copied."""
+        record = self.newest_of(step)
+        if record is None:
+            return f"rank {self.rank} has no memory checkpoint of step {step}"
+        try:
+            views = self.slots.read(record)
+            values = pickle.loads(self.slots.extra(record))
+        except SlotInvalid as exc:
+            return str(exc)
+        sd = state.state_dict()
+        if record.digest != structure_digest(structure(sd)):
+            return (f"memory checkpoint {self.slots.dir} of step {step}: it holds a state of another structure "
+                    "(model, mesh or world size)")
+        live = local_tensors(sd)
+        if len(live) != len(views):
+            return f"memory checkpoint of step {step} holds {len(views)} tensors, the state {len(live)}"
+        for dst, src in zip(live, views):
+            dst.copy_(src)
+        state.load_state_dict(_with_values(sd, values))
+        return None
+
+    def discard_newer_than(self, step: int) -> list[int]:
+        return self.slots.discard_newer_than(step)
+
+    def newest_of(self, step: int) -> Optional[Record]:
+        """This rank's snapshot of ``step``, if it has one."""
+        return next((r for r in self.slots.records() if r.step == step), None)
+
+    def close(self, remove: bool) -> None:
+        """Wait for the save in flight; ``remove``: the job has ended, its slots go."""
+        if self._copy is not None:
+            self._copy.join()
+        self.pending, self._copy = None, None
+        if remove:
+            self.slots.remove()
+            for directory in (self.root, self.root.parent):  # once no rank's slots are left in them
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
+
+
+def _values(sd: Any) -> Any:
+    """``sd`` with every tensor taken out (None in its place): what a snapshot keeps beside them."""
+    if isinstance(sd, torch.Tensor):
+        return None
+    if isinstance(sd, dict):
+        return {k: _values(v) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_values(v) for v in sd)
+    return sd
+
+
+def _with_values(live: Any, values: Any) -> Any:
+    """``live``'s tensors (restored in place) with the snapshot's non-tensor ``values``."""
+    if isinstance(live, (torch.Tensor, DTensor)):
+        return live
+    if isinstance(live, dict):
+        return {k: _with_values(v, values[k]) for k, v in live.items()}
+    if isinstance(live, (list, tuple)):
+        return type(live)(_with_values(v, s) for v, s in zip(live, values))
+    return values
