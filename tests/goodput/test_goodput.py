@@ -243,6 +243,45 @@ def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):
     assert job["spec"]["runPolicy"]["backoffLimit"] == yaml.safe_load(proc.stdout)["job"]["backoffLimit"]
 
 
+def test_the_memory_tier_model_reduces_to_the_durable_one_and_adds_up():
+    # No failure covered and no memory save between durable ones: the durable model exactly.
+    plain = gm.expected_goodput(1000, 10, 40, 100, 20_000)
+    reduced = gm.expected_goodput_with_memory(1000, 10, 40, 100, 20_000, 1000, 0.5, 100, 0.0)
+    assert reduced.as_dict() == pytest.approx(plain.as_dict())
+    # T_m = 100 s, delta_m = 0.5 s, R_m = 100 s, 75% covered: lost per failure 0.75 x 50.25 +
+    # 0.25 x 545 = 173.94 s; 9 memory saves per durable interval add 4.5 s of stall.
+    g = gm.expected_goodput_with_memory(1000, 10, 40, 100, 20_000, 100, 0.5, 100, 0.75)
+    failures = (0.75 * 50.25 + 0.25 * 545 + 100) / 20_000
+    assert g.productive == pytest.approx((1 - failures) * 1000 / 1014.5)
+    assert g.productive > plain.productive and sum(g.as_dict().values()) == pytest.approx(1.0)
+
+
+def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path):
+    from resilient_fsdp.deploy.chart import load_values, render
+
+    a = _advice("--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--storage-size", "115200Gi",
+                "--deployment-type", "PERSISTENT_2", "--storage-throughput", "1000", "--memory")
+    m, mi = a.memory, a.inputs.memory
+    mtbf = a.job_mtbf_s
+    assert m["daly_s"] == pytest.approx(gm.daly_interval(mi.stall_s, mtbf / 0.75))
+    assert m["interval_steps"] == int(m["daly_s"] // 10) and 1 <= m["interval_steps"] <= a.interval_s // 10
+    shard_gib = 70.6e9 * 12 / 4096 / 2**30
+    assert m["shm_gib"] == math.ceil(2 * shard_gib * 8) + adv.SHM_MARGIN_GIB
+    assert m["goodput"]["productive"] > a.goodput["productive"]
+    values = a.values()
+    assert values["trainer"]["checkpoint"]["memory"] == {"interval_steps": m["interval_steps"]}
+    assert values["shm"] == {"sizeLimit": f"{m['shm_gib']}Gi"}
+    snippet = tmp_path / "advised.yaml"
+    snippet.write_text(yaml.safe_dump(values))
+    pod = render(load_values([str(VALUES_DIR / "p5-4node.yaml"), str(VALUES_DIR / "examples" / "my-cluster.yaml"),
+                              str(snippet)], [])).find("PyTorchJob")
+    assert f"{m['shm_gib']}Gi" in json.dumps(pod)  # the chart takes the values as they are
+    with pytest.raises(adv.AdviseError, match="--memory-coverage"):
+        _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b", "--memory", "--memory-coverage", "1.5")
+    assert "memory" not in _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b").values()["trainer"][
+        "checkpoint"]
+
+
 @pytest.mark.parametrize("kind, words", [
     ("PyTorchJob", ["not a bound", "kubeflow/trainer#2045", "0 fails the job at the first pod failure"]),
     ("JobSet", ["the Job absorbs", "workload.jobSet.maxRestarts"]),

@@ -5,6 +5,8 @@ A local job (``--nodes`` x ``--nproc-per-node`` ranks, the ``tiny`` preset) gets
 
 - ``in_process``: ``resilience.in_process.enabled=true``: every rank re-enters training in its process;
 - ``in_job``: in-process restart off: ``ft_launcher`` respawns the workers of every node;
+- ``in_job_memory``: the same, with memory checkpoints every ``--memory-interval-steps`` steps
+  (``checkpoint.memory``): the new workers restore from the pod's ``/dev/shm``;
 - ``full_relaunch``: no restart allowed (``--max-restarts 0 --max-node-restarts 0``): the job
   fails and is launched again from its last checkpoint, which is what a plain torchrun job gets.
 
@@ -36,7 +38,7 @@ COMMON = ["resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detec
           "resilience.hang_detection.learn_timeouts=false", "resilience.in_process.soft_timeout_s=20",
           "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
           "resilience.in_process.barrier_timeout_s=120"]
-LAYERS = ("in_process", "in_job", "full_relaunch")
+LAYERS = ("in_process", "in_job", "in_job_memory", "full_relaunch")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval-steps", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--timeout-s", type=float, default=2.0,
                    help="dist.timeout_s: how long gloo peers wait on the failed rank (default 2)")
+    p.add_argument("--memory-interval-steps", type=int, default=1,
+                   help="checkpoint.memory.interval_steps of the in_job_memory layer (default 1)")
     p.add_argument("--repeats", type=int, default=5, help="runs per layer; median, min and max are reported")
     p.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layers to measure")
     p.add_argument("--out", help="write the results as JSON here")
@@ -74,6 +78,8 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
                  f"dist.timeout_s={args.timeout_s}", *COMMON,
                  f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}"]
+    if layer == "in_job_memory":
+        overrides.append(f"checkpoint.memory.interval_steps={args.memory_interval_steps}")
     flags = [f"--inject={spec}"]
     if layer == "full_relaunch":
         flags += ["--max-restarts=0", "--max-node-restarts=0"]
@@ -88,8 +94,16 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     (recovery,) = summary["recoveries"]
     return {"recovery_s": recovery["recovery_s"], "lost_steps": recovery["lost_steps"],
             "layer_seen": recovery["layer"], "params_sha256": summary["params_sha256"],
-            "phases_s": recovery.get("phases_s"),
+            "phases_s": recovery.get("phases_s"), "memory_save_stall_s": memory_stall(run_dir / "metrics.jsonl"),
             **save_stalls(run_dir / "metrics.jsonl", args.fault_step, args.steps)}
+
+
+def memory_stall(metrics: Path) -> float | None:
+    """The median stall of the run's memory saves (rank 0's records; the first, which maps and
+    touches the slot, left out), or None without them."""
+    events = [json.loads(line) for line in metrics.read_text().splitlines() if '"memory_checkpoint"' in line]
+    stalls = [e["stall_s"] for e in events[1:] if e.get("event") == "memory_checkpoint" and not e.get("error")]
+    return statistics.median(stalls) if stalls else None
 
 
 def save_stalls(metrics: Path, fault_step: int, final_step: int) -> dict:
@@ -153,15 +167,21 @@ def main(args: argparse.Namespace) -> int:
                           "recovery_s_max": max(times),
                           "lost_steps_median": statistics.median(s["lost_steps"] for s in samples),
                           "save_after_restart_over_normal_max": max(ratios) if ratios else None,
+                          "memory_save_stall_s_median": _median_of(s["memory_save_stall_s"] for s in samples),
                           "phases_s_median": median_phases(samples), "samples": samples}
     results["layers"] = layers
     results["loadavg_end"] = os.getloadavg()
     relaunch = results.get("full_relaunch", {}).get("recovery_s_median")
     results["ratios"] = {f"{layer}_over_full_relaunch": results[layer]["recovery_s_median"] / relaunch
-                         for layer in ("in_process", "in_job") if layer in results and relaunch}
+                         for layer in ("in_process", "in_job", "in_job_memory") if layer in results and relaunch}
     print(format_table(results))
     write_results(results, args.out)
     return 0 if all(s["bitwise_equal_to_fault_free"] for layer in layers for s in results[layer]["samples"]) else 1
+
+
+def _median_of(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def median_phases(samples: list[dict]) -> dict:

@@ -30,7 +30,12 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
   ``restartPolicy: ExitCode`` does not;
 * ``workload.jobSet.maxRestarts``: :data:`JOBSET_RESTARTS` whole restarts once the Job's budget is
   spent, each with a fresh one: (1 + maxRestarts) x (1 + backoffLimit) counted failures in all,
-  three times the 99th percentile's budget, for a burst the failure model leaves out (a bad rack).
+  three times the 99th percentile's budget, for a burst the failure model leaves out (a bad rack);
+* with ``--memory``, ``checkpoint.memory.interval_steps``: Daly's interval for the memory tier's
+  stall and the MTBF of the failures it covers (``M / coverage``), in whole steps, at least one and
+  at most the durable interval; ``shm.sizeLimit``: two slots of a rank's shard per GPU of the pod
+  plus :data:`SHM_MARGIN_GIB` for NCCL; and the goodput with and without it
+  (``model.expected_goodput_with_memory``).
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ BACKOFF_LIMIT_MEANING = {
 # newest checkpoint sends the job back two intervals; operators stop jobs on purpose).
 MAX_INTERVAL_S = 3600
 JOBSET_RESTARTS = 2
+# The share of failures an in-job restart from memory recovers: DLRover's flash checkpoint reports
+# about 75% of faults recovered by a process restart on 1,536 H800s (docs/blogs/flash_checkpoint.md).
+MEMORY_COVERAGE = 0.75
+SHM_MARGIN_GIB = 8  # beside the slots: NCCL's and the staging arena's shared memory
 
 
 class AdviseError(ValueError):
@@ -128,6 +137,17 @@ class Inputs:
     """(cost, where it came from: estimated, given, measured) for the stall, write and restart."""
     estimate: Optional[gc.Estimate] = None
     """The checkpoint-cost estimate, when one was made."""
+    memory: Optional["MemoryInputs"] = None
+    """The memory tier's costs, with ``--memory``."""
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    stall_s: float
+    restart_s: float
+    coverage: float
+    shard_gb: Optional[float]
+    """One rank's share of the state (for ``shm.sizeLimit``); None without a model size."""
 
 
 @dataclass(frozen=True)
@@ -147,9 +167,20 @@ class Advice:
     init_timeout_s: int
     out_of_section_timeout_s: int
     dist_timeout_s: int
+    memory: Optional[dict] = None
+    """With ``--memory``: ``interval_s``, ``interval_steps``, ``goodput`` (its breakdown) and
+    ``shm_gib`` (None without a model size)."""
 
     def values(self) -> dict:
         """The chart values these settings map to."""
+        values = self._values()
+        if self.memory is not None:
+            values["trainer"]["checkpoint"]["memory"] = {"interval_steps": self.memory["interval_steps"]}
+            if self.memory["shm_gib"] is not None:
+                values["shm"] = {"sizeLimit": f"{self.memory['shm_gib']}Gi"}
+        return values
+
+    def _values(self) -> dict:
         return {
             "trainer": {
                 "dist": {"timeout_s": self.dist_timeout_s},
@@ -199,6 +230,7 @@ def advise(inputs: Inputs) -> Advice:
     init_timeout = max(INIT_TIMEOUT_FLOOR_S, SAFETY * (inputs.startup_s + inputs.ckpt_write_s))
     step_timeout = max(STEP_TIMEOUT_FLOOR_S, SAFETY * inputs.step_s)
     return Advice(
+        memory=_memory_advice(inputs, interval, mtbf_s) if inputs.memory is not None else None,
         inputs=inputs, job_mtbf_s=mtbf_s, young_s=young, daly_s=daly, interval_s=interval,
         expected_failures=failures, goodput=breakdown.as_dict(), max_restarts=limit, backoff_limit=limit,
         jobset_max_restarts=JOBSET_RESTARTS,
@@ -209,6 +241,23 @@ def advise(inputs: Inputs) -> Advice:
         # The shortest section a collective runs in is the step (the others are at least as long).
         dist_timeout_s=_whole(step_timeout) - int(DUMP_MARGIN_S),
     )
+
+
+def _memory_advice(inputs: Inputs, interval_s: int, mtbf_s: float) -> dict:
+    """The memory tier's interval, the pod's ``/dev/shm`` for it, and the goodput it gives."""
+    m = inputs.memory
+    if not 0 < m.coverage <= 1:
+        raise AdviseError("--memory-coverage must be above 0 and at most 1 (the share of failures the pods survive)")
+    stall = max(m.stall_s, 1e-3)
+    daly = gm.daly_interval(stall, mtbf_s / m.coverage)
+    steps = max(1, min(int(daly // inputs.step_s), max(1, int(interval_s // inputs.step_s))))
+    memory_interval = steps * inputs.step_s
+    goodput = gm.expected_goodput_with_memory(interval_s, inputs.ckpt_stall_s, inputs.ckpt_write_s, inputs.restart_s,
+                                              mtbf_s, memory_interval, m.stall_s, m.restart_s, m.coverage)
+    shm = (math.ceil(2 * m.shard_gb * 1e9 / 2**30 * inputs.gpus_per_node) + SHM_MARGIN_GIB
+           if m.shard_gb is not None else None)
+    return {"daly_s": daly, "interval_s": memory_interval, "interval_steps": steps, "goodput": goodput.as_dict(),
+            "shm_gib": shm}
 
 
 def _whole(seconds: float) -> int:
@@ -262,6 +311,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-s", type=float, default=10.0, help="time of one training step (default 10)")
     p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
                    help=f"model build, sharding and rendezvous at start (default {DEFAULT_STARTUP_S:g})")
+    p.add_argument("--memory", action="store_true",
+                   help="also size the memory tier (checkpoint.memory): its interval, /dev/shm, the goodput gained")
+    p.add_argument("--memory-stall-s", type=float, help="measured stall of one memory save; default: the copy of a "
+                                                        "rank's shard at the instance's device-to-host rate")
+    p.add_argument("--memory-restart-s", type=float,
+                   help="an in-job restart from memory (measured: bench recovery's in_job_memory row); "
+                        "default: --restart-s")
+    p.add_argument("--memory-coverage", type=float, default=MEMORY_COVERAGE,
+                   help=f"the share of failures the pods survive, restored from memory (default {MEMORY_COVERAGE:g}, "
+                        "DLRover's published share)")
     p.add_argument("--from-bench", action="append", default=[], metavar="FILE",
                    help="take measured costs from `bench checkpoint` / `bench recovery` JSON (repeatable)")
     p.add_argument("--values", action="store_true", help="print a values snippet for the chart instead of the table")
@@ -311,12 +370,33 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     else:
         mtbf = gm.node_mtbf_hours(gpus)
         source = gm.LLAMA3_SOURCE.format(gpu_hours=gm.llama3_gpu_mtbf_hours())
-    return Inputs(instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
+    memory = None
+    if getattr(args, "memory", False):
+        memory = _memory_inputs(args, estimate, costs.get("restart_s", DEFAULT_RESTART_S), gpus)
+    return Inputs(memory=memory, instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
                   job_hours=args.job_hours, ckpt_stall_s=costs["ckpt_stall_s"], ckpt_write_s=costs["ckpt_write_s"],
                   restart_s=costs.get("restart_s", DEFAULT_RESTART_S), step_s=args.step_s,
                   startup_s=args.startup_s, mtbf_source=source,
                   cost_sources=tuple((k, sources[k]) for k in ("ckpt_stall_s", "ckpt_write_s", "restart_s")),
                   estimate=estimate)
+
+
+def _memory_inputs(args: argparse.Namespace, estimate: Optional[gc.Estimate], restart_s: float,
+                   gpus: int) -> MemoryInputs:
+    shard = estimate.shard_gb if estimate is not None else None
+    if shard is None:
+        params = gc.params_of(args.preset, args.params)
+        shard = params * gc.BYTES_PER_PARAM / 1e9 / (args.nodes * gpus) if params else None
+    stall = args.memory_stall_s
+    if stall is None:
+        if shard is None:
+            raise AdviseError("--memory needs the memory save's stall: pass --memory-stall-s, or the model's size "
+                              "(--preset or --params) to estimate it")
+        stall = gc.memory_stall_s(shard, args.instance)
+    # Without a measurement, a restart from memory costs what the in-job restart does: its load is
+    # a small part of it (1.4 of 18.9 s in bench recovery's in-job runs), the gain is in lost work.
+    restart = args.memory_restart_s if args.memory_restart_s is not None else restart_s
+    return MemoryInputs(stall_s=stall, restart_s=restart, coverage=args.memory_coverage, shard_gb=shard)
 
 
 def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
@@ -353,6 +433,21 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
                                         f"{(1 + a.jobset_max_restarts) * (1 + a.backoff_limit)} counted failures in all "
                                         "(JobSet and TrainJob)"),
     ]
+    if a.memory is not None:
+        m, mi = a.memory, i.memory
+        gm_ = m["goodput"]
+        rows += [
+            ("memory tier costs", f"stall {mi.stall_s:.3g} s, restart from memory {mi.restart_s:.3g} s, covering "
+                                  f"{mi.coverage:.0%} of failures"),
+            ("checkpoint.memory.interval_steps", f"{m['interval_steps']} ({m['interval_s']:g} s; Daly for the memory "
+                                                 f"stall and M / coverage: {m['daly_s']:,.0f} s, in whole steps, at "
+                                                 "most the durable interval)"),
+            ("goodput with memory", f"{gm_['productive']:.4f} (without: {g['productive']:.4f}): stalls "
+                                    f"{gm_['checkpoint_stalls']:.4f}, lost work {gm_['lost_work']:.4f}, restarts "
+                                    f"{gm_['restarts']:.4f}"),
+            ("shm.sizeLimit", f"{m['shm_gib']}Gi = 2 slots x shard x {i.gpus_per_node} GPUs + {SHM_MARGIN_GIB}Gi"
+                              if m["shm_gib"] is not None else "n/a (no model size: pass --preset or --params)"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

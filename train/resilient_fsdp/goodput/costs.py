@@ -181,6 +181,17 @@ def estimate(params: int, gpus: int, instance: str, volume: Storage) -> Estimate
                     write_s=state_gb / volume.gb_s, commit_s=commit)
 
 
+MEMORY_STALL_FIXED_S = 0.02
+"""Per memory save besides the copy (taking the state and its non-tensor values, starting the copy):
+3-15 ms measured for ``tiny`` on two cores (``memory_checkpoint`` records); no plan, no agreement."""
+
+
+def memory_stall_s(shard_gb: float, instance: str) -> float:
+    """A memory save's stall: the copy of the rank's shard into its slot and the save's fixed part,
+    no commit (the slot's record follows the copy off the training thread, on its own rank)."""
+    return shard_gb / d2h_gb_s(instance) + MEMORY_STALL_FIXED_S
+
+
 def commit_s(gpus: int) -> float:
     """Rank 0's commit of one checkpoint at a world of ``gpus`` ranks (linear in it)."""
     return max(gpus, 1) * COMMIT_BYTES_PER_RANK * (1 + METADATA_PER_RESULT_BYTE) / (RANK0_COMMIT_MB_S * 1e6)

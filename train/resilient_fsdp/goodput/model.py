@@ -107,3 +107,32 @@ def poisson_quantile(mean: float, probability: float = 0.99) -> int:
         log_term += math.log(mean / k)
         total += math.exp(log_term)
     return k
+
+
+def expected_goodput_with_memory(interval_s: float, delta_s: float, write_s: float, restart_s: float,
+                                 mtbf_s: float, memory_interval_s: float, memory_delta_s: float,
+                                 memory_restart_s: float, coverage: float) -> GoodputBreakdown:
+    """:func:`expected_goodput` with a memory tier: between durable checkpoints, one in the pods'
+    memory every ``memory_interval_s`` seconds of training (stall ``memory_delta_s``; its commit
+    follows the copy off the training thread, so it adds no write time), restored after the
+    share ``coverage`` of failures the pods survive (a crash, a hang, an error the in-job restart
+    handles) in ``memory_restart_s``; the other failures go back to the durable checkpoint.
+
+    Per covered failure: ``R_m + (T_m + delta_m) / 2``; per other failure: ``R + W + (T + delta) / 2``.
+    A durable interval holds ``T / T_m - 1`` memory saves (the durable save takes the last slot).
+    """
+    lost_memory = (memory_interval_s + memory_delta_s) / 2.0
+    lost_durable = write_s + (interval_s + delta_s) / 2.0
+    lost = coverage * lost_memory + (1.0 - coverage) * lost_durable
+    restart = coverage * memory_restart_s + (1.0 - coverage) * restart_s
+    failure_share = min(1.0, (lost + restart) / mtbf_s)
+    running = 1.0 - failure_share
+    memory_saves = max(0.0, interval_s / memory_interval_s - 1.0)
+    stalls = delta_s + memory_saves * memory_delta_s
+    cycle = interval_s + stalls
+    return GoodputBreakdown(
+        productive=running * interval_s / cycle,
+        checkpoint_stalls=running * stalls / cycle,
+        lost_work=failure_share * lost / (lost + restart),
+        restarts=failure_share * restart / (lost + restart),
+    )
