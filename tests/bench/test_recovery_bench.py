@@ -30,3 +30,15 @@ def test_save_stalls_compare_the_first_save_after_a_restart_with_normal_ones_and
     first, final = out["save_after_restart_parts_s"]
     assert first["agree_s"] == 0.3 and first["staging_wait_s"] == 0.07 and final["previous_s"] == 0.5
     assert [p["agree_s"] for p in out["normal_save_parts_s"]] == [0.01]
+
+
+def test_the_memory_save_stall_is_the_median_of_the_saves_after_the_first(tmp_path):
+    from resilient_fsdp.bench.recovery import memory_stall
+
+    records = [{"event": "memory_checkpoint", "step": s, "stall_s": t, "error": e}
+               for s, t, e in ((1, 0.5, None), (2, 0.01, None), (3, 0.03, None), (4, 9.0, "OSError: full"), (5, 0.02, None))]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert memory_stall(metrics) == pytest.approx(0.02)  # the first (mapping the slot) and the failed one left out
+    metrics.write_text(json.dumps({"event": "step", "step": 1}) + "\n")
+    assert memory_stall(metrics) is None
