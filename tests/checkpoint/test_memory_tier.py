@@ -66,3 +66,16 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
         assert not job_root(SHM, "memory-fallback").exists()
     finally:
         shutil.rmtree(job_root(SHM, "memory-fallback"), ignore_errors=True)
+
+
+def test_a_lost_pod_is_restored_from_the_replicas_its_peer_keeps_bitwise(tmp_path, reference_1x2):
+    """Two pods of one rank, replicas on: pod 1 is lost after step 11 and comes back with an empty
+    /dev/shm; its rank's snapshot of step 10 comes back from pod 0, which kept its replica."""
+    run_dir = tmp_path / "run"
+    summary = run_with_faults(run_dir, ["node-loss@12:node=1"], reference_1x2, nodes=2, nproc=1,
+                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=300)
+    (recovery,) = summary["recoveries"]
+    assert recovery["resumed_from_step"] == 10 and recovery["lost_steps"] == 1, recovery
+    assert "resumed from memory: step 10 on every rank" in summary["_stdout"], summary["_output"]
+    assert "1 rank(s) from the replica a peer keeps" in summary["_stdout"], summary["_output"]
+    assert not job_root(SHM, job_of(run_dir)).exists()

@@ -22,6 +22,8 @@ graceful stop's fail the job, as a lost lease does.
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -73,6 +75,16 @@ def _add_broadcast(record: dict, broadcast_s: float, charge: bool) -> None:
         record["stall_s"] += record["commit_s"]
 
 
+def ranks_per_pod(world_size: int) -> int:
+    """The ranks each pod (node) runs: the launcher's ``LOCAL_WORLD_SIZE``; the whole world when
+    unset (a trainer without a launcher is one pod)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        local = world_size
+    return local if local > 0 and world_size % local == 0 else world_size
+
+
 class Checkpointer:
     """Saves on schedule, finalizes in the background, commits atomically, resumes exactly.
 
@@ -119,10 +131,15 @@ class Checkpointer:
         self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
         # Snapshots in the pod's memory between durable saves (checkpoint.memory; off at 0).
         self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, group.rank,
-                                 group.world_size) if cfg.memory.interval_steps > 0 else None
+                                 group.world_size, cfg.memory.replicas, ranks_per_pod(group.world_size),
+                                 self._say_any_rank) if cfg.memory.interval_steps > 0 else None
 
     def say(self, message: str) -> None:
         self.log.info(message)
+
+    def _say_any_rank(self, message: str) -> None:
+        """A line from any rank (the log is rank 0's): what one rank alone sees."""
+        print(f"[resilient-fsdp] {message}", file=sys.stderr, flush=True)
 
     @property
     def engine(self) -> Engine:
@@ -165,8 +182,8 @@ class Checkpointer:
             if self.group.is_coordinator:
                 self.log.event(record)
             if record["error"]:
-                print(f"[resilient-fsdp] rank {self.group.rank}: warning: memory checkpoint of step {record['step']} "
-                      f"failed ({record['error']}); the previous one stays, training goes on", flush=True)
+                self._say_any_rank(f"rank {self.group.rank}: warning: memory checkpoint of step {record['step']} "
+                                   f"failed ({record['error']}); the previous one stays, training goes on")
 
     def finish(self, step: int, save: bool) -> None:
         """The end of training (``save``: ``checkpoint.save_final``) or a graceful stop (``save``):

@@ -131,9 +131,12 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
             say(f"memory checkpoints not used: {decision.why}; resuming from the durable checkpoint")
         return None
     if decision.replicas_to_send():
-        say(f"memory checkpoints not used: step {decision.step} needs replicas, which this job does not keep; "
-            "resuming from the durable checkpoint")
-        return None
+        moved = memory.exchange(decision)
+        errors = [e for e in group.all_gather(moved) if e]
+        if errors:
+            say(f"memory checkpoints not used: step {decision.step} needs replicas from peers, and {errors[0]}; "
+                "resuming from the durable checkpoint")
+            return None
     error = memory.restore(state, decision.step)
     errors = [e for e in group.all_gather(error) if e]
     if errors:

@@ -183,6 +183,10 @@ class MemoryConfig:
     dir: str = "/dev/shm"
     """Where the slots live: the pod's memory-backed ``emptyDir`` (it outlives an in-job restart,
     not the pod). Removed when the job ends."""
+    replicas: int = Field(default=0, ge=0, le=1)
+    """1: each rank's newest snapshot is also kept by a rank on another pod (the same local rank
+    of the next pod), sent over a gloo group of its own off the training thread, so a replacement
+    pod's ranks restore from their peers' memory; 0: snapshots stay on their own pod."""
 
 
 @dataclass(config=_STRICT)

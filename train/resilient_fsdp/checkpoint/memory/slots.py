@@ -191,7 +191,26 @@ class MemorySlots:
         atomic.write_json(self.dir / f"slot-{slot}.json", record.to_json())  # on tmpfs its fsyncs cost nothing
         return record
 
+    def open_raw(self, slot: str, nbytes: int) -> torch.Tensor:
+        """Start writing ``slot`` as bytes (a replica arriving from its rank): its record removed,
+        its file sized and mapped; the buffer to receive into."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"slot-{slot}.json").unlink(missing_ok=True)
+        return self._map(slot, nbytes)
+
+    def commit_raw(self, slot: str, record: Record, extra: bytes) -> Record:
+        """Complete ``slot`` with another slot's ``record`` (its checksums, unchanged: they are
+        checked when the slot is read) and ``extra``."""
+        self._extra(slot).write_bytes(extra)
+        mine = dataclasses.replace(record, slot=slot)
+        atomic.write_json(self.dir / f"slot-{slot}.json", mine.to_json())
+        return mine
+
     # -- reading -----------------------------------------------------------------------------
+
+    def raw(self, record: Record) -> torch.Tensor:
+        """``record``'s slot as bytes, unchecked (a replica's receiver checks them when it loads)."""
+        return self._map_existing(record)
 
     def read(self, record: Record, digest: Optional[str] = None) -> list[torch.Tensor]:
         """The tensors of ``record``'s slot, checked: the digest (when given) and every CRC32C.

@@ -15,6 +15,10 @@ coincides with a durable one: at a step where both are due, the durable save is 
 after the slot's checks; a rank whose slot fails them makes the whole start fall back to the
 durable checkpoint (the decision is :mod:`.agreement`'s, made in :mod:`..resume`).
 
+**Replicas** (``checkpoint.memory.replicas: 1``, :mod:`.replicas`): each committed snapshot is
+handed to this rank's sender, which sends the newest to the rank on the next pod; a start whose
+newest step a replacement pod's ranks lack moves those replicas into their own slots first.
+
 **The end**: a job that ends (its last step trained, its last durable checkpoint committed)
 removes its slots; a failed attempt leaves them for the restart that follows.
 """
@@ -24,13 +28,17 @@ from __future__ import annotations
 import pickle
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
+import torch.distributed as dist
+
 from ..staging import StagingJob, _over, local_tensors, structure
-from .agreement import Report
+from . import peers
+from .agreement import Decision, Report
+from .replicas import Replicator, exchange, replica_slots
 from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name, structure_digest
 
 
@@ -38,11 +46,22 @@ class MemoryTier:
     """Rank ``rank``'s memory checkpoints of job ``job``, every ``interval_steps`` steps, in
     ``shm`` (``checkpoint.memory.dir``)."""
 
-    def __init__(self, interval_steps: int, shm: Path, job: str, rank: int, world_size: int):
+    def __init__(self, interval_steps: int, shm: Path, job: str, rank: int, world_size: int, replicas: int = 0,
+                 ranks_per_pod: int = 1, say: Callable[[str], None] = lambda _m: None):
         self.interval_steps = interval_steps
         self.root = job_root(Path(shm), job)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.slots = MemorySlots(self.root, owner_name(rank))
+        self.replicator: Optional[Replicator] = None
+        self.group = None
+        self.source = None
+        if replicas:
+            # Collective: every rank builds its checkpointer, and so its memory tier, at one point.
+            self.group = dist.new_group(backend=dist.Backend.GLOO)
+            holder = peers.replica_holder(rank, world_size, ranks_per_pod)
+            self.source = peers.replica_source(rank, world_size, ranks_per_pod)
+            kept = replica_slots(self.root, self.source) if self.source is not None else None
+            self.replicator = Replicator(self.group, self.slots, kept, rank, holder, self.source, say)
         self.cuda = torch.cuda.is_available()
         self._copy: Optional[StagingJob] = None
         self.pending: Optional[dict] = None
@@ -76,6 +95,8 @@ class MemoryTier:
                                                   rank=self.rank, job=self.job, attempt=attempt, extra=extra,
                                                   meta={"batch": dict(batch or {})})
             pending["commit_s"] = time.perf_counter() - t
+            if self.replicator is not None:
+                self.replicator.committed(pending["record"])
 
         self._copy = StagingJob(sd, _over(sd, iter(views)), self.cuda, commit)
         pending["nbytes"] = sum(t.numel() * t.element_size() for t in tensors)
@@ -121,11 +142,22 @@ class MemoryTier:
     # -- restoring -------------------------------------------------------------------------------
 
     def report(self) -> Report:
-        """This rank's complete snapshots at this world size (their structure is checked when one
-        is loaded: taking the live state's structure here would initialise an empty optimizer's
-        state, which a fresh start must not have)."""
-        return Report(self.rank, tuple(sorted(r.step for r in self.slots.records()
-                                              if r.world_size == self.world_size)))
+        """This rank's complete snapshots at this world size, and the replicas it keeps (their
+        structure is checked when one is loaded: taking the live state's structure here would
+        initialise an empty optimizer's state, which a fresh start must not have)."""
+        def steps(slots: MemorySlots) -> tuple[int, ...]:
+            return tuple(sorted(r.step for r in slots.records() if r.world_size == self.world_size))
+
+        replicas = {}
+        if self.replicator is not None and self.source is not None:
+            replicas = {self.source: steps(replica_slots(self.root, self.source))}
+        return Report(self.rank, steps(self.slots), replicas)
+
+    def exchange(self, decision: Decision) -> Optional[str]:
+        """Collective: move the replicas ``decision`` needs into their ranks' own slots."""
+        if self.group is None:
+            return "this job keeps no replicas (checkpoint.memory.replicas=0)"
+        return exchange(self.group, decision, self.rank, self.slots, lambda source: replica_slots(self.root, source))
 
     def restore(self, state: Any, step: int) -> Optional[str]:
         """Load this rank's snapshot of ``step`` into ``state`` (a ``CheckpointState``); the reason
@@ -152,7 +184,10 @@ class MemoryTier:
         return None
 
     def discard_newer_than(self, step: int) -> list[int]:
-        return self.slots.discard_newer_than(step)
+        removed = self.slots.discard_newer_than(step)
+        if self.source is not None:
+            replica_slots(self.root, self.source).discard_newer_than(step)
+        return removed
 
     def newest_of(self, step: int) -> Optional[Record]:
         """This rank's snapshot of ``step``, if it has one."""
@@ -163,8 +198,12 @@ class MemoryTier:
         if self._copy is not None:
             self._copy.join()
         self.pending, self._copy = None, None
+        if self.replicator is not None:
+            self.replicator.close()
         if remove:
             self.slots.remove()
+            if self.source is not None:
+                replica_slots(self.root, self.source).remove()
             for directory in (self.root, self.root.parent):  # once no rank's slots are left in them
                 try:
                     directory.rmdir()

@@ -1,0 +1,101 @@
+"""Memory replicas between real processes over gloo (``checkpoint.memory.replicas``): each rank's
+newest snapshot reaches the rank on the next pod whole, an overtaken one is skipped and said, and
+a start's exchange moves a replica back into its rank's own slot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from resilient_fsdp.checkpoint.memory.slots import job_root, remove_job
+from resilient_fsdp.local.cluster.launcher import free_port
+from tests.support import REPO
+
+SHM = Path("/dev/shm")
+
+WORKER = textwrap.dedent('''
+    import json, os, sys, time, torch
+    import torch.distributed as dist
+    from pathlib import Path
+    from resilient_fsdp.checkpoint.memory.agreement import Report, decide
+    from resilient_fsdp.checkpoint.memory.replicas import Replicator, exchange, replica_slots
+    from resilient_fsdp.checkpoint.memory.slots import MemorySlots, owner_name
+
+    rank, world, root = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")
+    own = MemorySlots(root, owner_name(rank))
+    source, holder = (rank - 1) % world, (rank + 1) % world   # one rank per pod
+    said = []
+    rep = Replicator(group, own, replica_slots(root, source), rank, holder, source, said.append)
+
+    def save(step):
+        tensors = [torch.full((1000,), float(rank * 100 + step)), torch.arange(7, dtype=torch.int64) + step]
+        slot = own.next_slot()
+        spans, views = own.open(slot, tensors)
+        for v, t in zip(views, tensors):
+            v.copy_(t)
+        return own.commit(slot, spans, step, "d", world_size=world, rank=rank, job="j", attempt=0,
+                          extra=f"rank {rank} step {step}".encode())
+
+    first = save(2)
+    rep.committed(first)
+    time.sleep(1.0)                        # step 2's replica is sent
+    rep.committed(save(4))
+    rep.committed(save(6))                 # 4 may be overtaken before it leaves: skipped, said
+    dist.barrier()
+    rep.close()
+    kept = replica_slots(root, source)
+    newest = kept.newest()
+    views = kept.read(newest)               # every checksum, as a load checks them
+    out = {"rank": rank, "replica_of": source, "replica_step": newest.step, "replica_rank": newest.rank,
+           "value": float(views[0][0]), "extra": kept.extra(newest).decode(), "sent": rep.sent,
+           "skipped": rep.skipped, "said": said, "errors": rep.errors}
+    # A replacement pod for rank 1: its own slots are gone; the start's decision and exchange.
+    if rank == 1:
+        own.remove()
+    dist.barrier()
+    group2 = dist.new_group(backend="gloo")
+    reports = [None] * world
+    mine = Report(rank, tuple(r.step for r in own.records()), {source: tuple(r.step for r in kept.records())})
+    dist.all_gather_object(reports, mine)
+    decision = decide(reports, world, durable_step=4)
+    out["decision"] = [decision.step, {str(k): v for k, v in decision.sources.items()}]
+    out["exchange_error"] = exchange(group2, decision, rank, own, lambda s: replica_slots(root, s))
+    restored = own.newest()
+    out["own_after"] = [restored.step, float(own.read(restored)[0][0]), own.extra(restored).decode()]
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+''')
+
+
+def test_replicas_reach_the_next_pod_whole_and_come_back_to_a_replacement_pod(tmp_path):
+    job = f"replicas-{os.getpid()}-{tmp_path.name[-12:]}"
+    root = job_root(SHM, job)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "3"}
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(root)], env={**env, "RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        for o in outs:
+            source = (o["rank"] - 1) % 3
+            assert (o["replica_of"], o["replica_step"], o["replica_rank"]) == (source, 6, source), o
+            assert o["value"] == source * 100 + 6 and o["extra"] == f"rank {source} step 6", o
+            assert o["errors"] == [] and o["sent"][0] == 2 and o["sent"][-1] == 6, o
+            assert all(f"step {s} not replicated" in " ".join(o["said"]) for s in o["skipped"]), o
+        # Rank 1's pod was replaced: step 6 for it comes from rank 2, which kept its replica.
+        assert {json.dumps(o["decision"]) for o in outs} == {json.dumps([6, {"0": None, "1": 2, "2": None}])}
+        assert [o["exchange_error"] for o in outs] == [None, None, None]
+        assert outs[1]["own_after"] == [6, 106.0, "rank 1 step 6"]
+    finally:
+        remove_job(SHM, job)

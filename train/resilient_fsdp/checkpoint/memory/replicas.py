@@ -1,0 +1,166 @@
+"""Each rank's newest memory snapshot, kept also by a rank on another pod (``checkpoint.memory.replicas: 1``).
+
+Rank ``r`` sends to ``peers.replica_holder(r)`` and keeps the replica of ``peers.replica_source(r)``,
+over a gloo group of its own (CPU, never NCCL, never the training thread): two helper threads per
+rank, one sending, one receiving. The sender takes the newest committed snapshot each time it is
+free: a snapshot committed while the previous one is still on its way waits, and one overtaken by a
+newer snapshot before it left is skipped (the sender says so), so replication never holds up the
+memory saves and never grows a backlog. The receiver takes whatever its source sends next into the
+replica slot not holding the newest replica (``replica-of-<source>``, two alternating slots like the
+rank's own) and writes its record by rename once every byte is in: a record, then the bytes, each
+message a length first (a zero length: the sender has closed).
+
+At a start, :func:`exchange` moves the replicas the restore decision asks for (a replacement pod's
+ranks have none of their own) from their holders into the ranks' own slots, before every rank loads
+its own slot.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .agreement import Decision
+from .slots import MemorySlots, Record, owner_name
+
+# Message tags: the replication stream's, and the start's exchange (its own, so a receiver thread
+# already listening to the same peer never takes an exchange's message).
+STREAM = (1, 2)
+EXCHANGE = (3, 4)
+
+
+class Replicator:
+    """Rank ``rank``'s sender to ``holder`` and receiver from ``source`` (either None with one pod)."""
+
+    def __init__(self, group: dist.ProcessGroup, own: MemorySlots, replica: Optional[MemorySlots],
+                 rank: int, holder: Optional[int], source: Optional[int], say: Callable[[str], None]):
+        self.group, self.own, self.replica = group, own, replica
+        self.rank, self.holder, self.source, self.say = rank, holder, source, say
+        self._newest: Optional[Record] = None
+        self._cv = threading.Condition()
+        self._closed = False
+        self.sent: list[int] = []
+        self.skipped: list[int] = []
+        self.received: list[int] = []
+        self.errors: list[str] = []
+        self._threads = []
+        if holder is not None:
+            self._threads.append(threading.Thread(target=self._send_loop, name="memory-replica-send", daemon=True))
+        if source is not None and replica is not None:
+            self._threads.append(threading.Thread(target=self._receive_loop, name="memory-replica-receive",
+                                                  daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def committed(self, record: Record) -> None:
+        """A memory snapshot of this rank was committed: the next one to send."""
+        with self._cv:
+            if self._newest is not None and record.step > self._newest.step:
+                self.skipped.append(self._newest.step)
+                self.say(f"rank {self.rank}: memory checkpoint of step {self._newest.step} not replicated: its "
+                         f"replica was still on its way when step {record.step} was taken")
+            self._newest = record
+            self._cv.notify()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._newest is None and not self._closed:
+                    self._cv.wait()
+                record, self._newest = self._newest, None
+                if record is None:  # closed, nothing left
+                    break
+            try:
+                _send(self.group, self.holder, record, self.own)
+                self.sent.append(record.step)
+            except Exception as exc:  # noqa: BLE001 - a dead peer; the restore falls back without it
+                self.errors.append(f"sending step {record.step} to rank {self.holder}: {exc}")
+                return
+        try:
+            _send_goodbye(self.group, self.holder)
+        except Exception:  # noqa: BLE001 - the receiver may be gone already
+            pass
+
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                if not _receive(self.group, self.source, self.replica):
+                    return
+            except Exception as exc:  # noqa: BLE001 - the source's pod is gone; its replicas stay
+                if not self._closed:
+                    self.errors.append(f"receiving from rank {self.source}: {exc}")
+                return
+            newest = self.replica.newest()
+            if newest is not None:
+                self.received.append(newest.step)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued, say goodbye, and stop (the receiver when its source says goodbye)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _send_lengths(group: dist.ProcessGroup, dst: int, header: int, extra: int, tags=STREAM) -> None:
+    dist.send(torch.tensor([header, extra], dtype=torch.int64), dst=dst, group=group, tag=tags[0])
+
+
+def _send_goodbye(group: dist.ProcessGroup, dst: int) -> None:
+    _send_lengths(group, dst, 0, 0)
+
+
+def _send(group: dist.ProcessGroup, dst: int, record: Record, slots: MemorySlots, tags=STREAM) -> None:
+    """``record``'s slot to rank ``dst``: the lengths, the record and its extra bytes, the tensor bytes."""
+    extra = slots.extra(record)
+    header = json.dumps(record.to_json()).encode()
+    _send_lengths(group, dst, len(header), len(extra), tags)
+    dist.send(torch.frombuffer(bytearray(header + extra), dtype=torch.uint8), dst=dst, group=group, tag=tags[0])
+    dist.send(slots.raw(record), dst=dst, group=group, tag=tags[1])
+
+
+def _receive(group: dist.ProcessGroup, src: int, into: MemorySlots, tags=STREAM) -> bool:
+    """The next slot rank ``src`` sends, into ``into``'s next slot; False when it said goodbye."""
+    lengths = torch.zeros(2, dtype=torch.int64)
+    dist.recv(lengths, src=src, group=group, tag=tags[0])
+    header_len, extra_len = (int(n) for n in lengths.tolist())
+    if header_len == 0:
+        return False
+    payload = torch.empty(header_len + extra_len, dtype=torch.uint8)
+    dist.recv(payload, src=src, group=group, tag=tags[0])
+    raw = payload.numpy().tobytes()
+    record = Record.from_json(json.loads(raw[:header_len]))
+    slot = into.next_slot()
+    dist.recv(into.open_raw(slot, record.nbytes), src=src, group=group, tag=tags[1])
+    into.commit_raw(slot, record, raw[header_len:])
+    return True
+
+
+def exchange(group: dist.ProcessGroup, decision: Decision, rank: int, own: MemorySlots,
+             replicas: Callable[[int], MemorySlots]) -> Optional[str]:
+    """Collective over ``group``: every (holder, rank) pair of ``decision`` moves the holder's
+    replica of ``rank`` at the decided step into ``rank``'s own next slot; this rank's error, or None.
+    ``replicas(source)``: this rank's replica slots of ``source``."""
+    error = None
+    for holder, target in decision.replicas_to_send():
+        try:
+            if rank == holder:
+                kept = replicas(target)
+                record = next(r for r in kept.records() if r.step == decision.step)
+                _send(group, target, record, kept, EXCHANGE)
+            elif rank == target:
+                _receive(group, holder, own, EXCHANGE)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it in the load's agreement
+            error = f"moving the replica of rank {target} from rank {holder}: {type(exc).__name__}: {exc}"
+    return error
+
+
+def replica_slots(root, source: int) -> MemorySlots:
+    return MemorySlots(root, owner_name(source, replica=True))
