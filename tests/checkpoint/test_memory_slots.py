@@ -153,3 +153,22 @@ def test_another_process_finds_and_loads_what_an_earlier_one_saved_and_the_job_e
     assert seen == {"step": 20, "sums": [float(t.double().sum()) for t in state(5)]}
     remove_job(SHM, root.name)
     assert not root.exists()
+
+
+def test_a_full_dev_shm_is_a_clear_error_not_a_killed_process(tmp_path):
+    """A tmpfs of 1 MiB (as a small shm.sizeLimit) and a 2 MiB slot: the space is reserved before
+    the file is mapped, so the save fails with ENOSPC naming the fix instead of a SIGBUS."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.fail(f"mounting a tmpfs needs root: {made.stderr.strip()}")
+    try:
+        slots = MemorySlots(mount, owner_name(0))
+        with pytest.raises(OSError, match="raise shm.sizeLimit") as caught:
+            slots.open("a", [torch.zeros(512 * 1024)])  # 2 MiB of float32
+        assert caught.value.errno == 28 and not (mount / owner_name(0) / "slot-a.bin").exists()
+        slots.open("a", [torch.zeros(1024)])  # a slot that fits still works
+        slots.remove()  # unmaps it, so the tmpfs can go
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)

@@ -25,8 +25,10 @@ caller turns into a fallback (a replica, the durable checkpoint), never a silent
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -170,6 +172,7 @@ class MemorySlots:
         if held is not None or (path.exists() and path.stat().st_size != nbytes):
             self._mapped.pop(slot, None)
             path.unlink(missing_ok=True)  # a new layout: a file of the new size, not a grown one
+        _reserve(path, max(nbytes, 1))
         storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=max(nbytes, 1))
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
         buffer.zero_()  # first touch here, not in the first save's copy
@@ -279,6 +282,26 @@ class MemorySlots:
         """Unmap and delete both slots (the job has ended; memory goes back to the pod)."""
         self._mapped.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _reserve(path: Path, nbytes: int) -> None:
+    """Give ``path`` all ``nbytes`` now. A mapped file on a tmpfs that runs out of room kills the
+    process that touches the missing page (SIGBUS); reserved here, a full ``/dev/shm`` is an
+    ``OSError`` naming what to raise instead."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            free = shutil.disk_usage(path.parent).free
+            raise OSError(errno.ENOSPC, f"{path.parent} has {free / 2**20:.0f} MiB free, a memory checkpoint slot "
+                                        f"needs {nbytes / 2**20:.0f} MiB (two per rank, and a peer's two with "
+                                        "replicas): raise shm.sizeLimit (resilient-fsdp advise --memory sizes it) "
+                                        "or lower the ranks per pod") from None
+        raise
+    os.close(fd)
 
 
 def _bytes(buffer: torch.Tensor, span: Span) -> memoryview:
