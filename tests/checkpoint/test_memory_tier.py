@@ -22,17 +22,24 @@ def job_of(run_dir: Path) -> str:
     return manifest["job"]
 
 
-def test_a_killed_rank_is_restored_from_memory_by_the_in_job_restart_bitwise(tmp_path, reference_1x2):
-    """Durable checkpoints every 4 steps, memory ones every 2: the kill after step 11 loses one
-    step (the snapshot of step 10), not three (the durable step 8)."""
+def test_a_killed_rank_restores_from_its_own_memory_and_a_lost_pod_from_its_peers_replica_bitwise(
+        tmp_path, reference_1x2):
+    """Two pods of one rank, durable checkpoints every 4 steps, memory ones every 2, replicas on.
+    A kill after step 11: the in-job restart restores every rank from its own slot (step 10: one
+    step lost, not three); pod 1 lost after step 19 comes back with an empty /dev/shm, and its
+    rank's snapshot of step 18 comes back from pod 0, which kept its replica."""
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["sigkill@12:rank=1"], reference_1x2, nodes=1, overrides=MEMORY, timeout=300)
-    (recovery,) = summary["recoveries"]
-    assert recovery["layer"] == "in_job" and recovery["resumed_from_step"] == 10, recovery
-    assert recovery["lost_steps"] == 1
-    assert "resumed from memory: step 10 on every rank" in summary["_stdout"], summary["_output"]
+    summary = run_with_faults(run_dir, ["sigkill@12:rank=1", "node-loss@20:node=1"], reference_1x2, nodes=2, nproc=1,
+                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=400)
+    killed, lost = summary["recoveries"]
+    assert (killed["resumed_from_step"], killed["lost_steps"]) == (10, 1), killed
+    assert (lost["resumed_from_step"], lost["lost_steps"]) == (18, 1), lost
+    out = summary["_stdout"]
+    assert "resumed from memory: step 10 on every rank (step 10 from memory on every rank)" in out, summary["_output"]
+    assert "resumed from memory: step 18 on every rank (step 18 from memory on every rank, 1 rank(s) from the " \
+           "replica a peer keeps)" in out, summary["_output"]
     saved = read_events(run_dir, "memory_checkpoint")
-    assert {r["step"] for r in saved} >= {2, 6, 10} and not {r["step"] for r in saved} & {4, 8, 12}
+    assert {r["step"] for r in saved} >= {2, 6, 10, 14, 18} and not {r["step"] for r in saved} & {4, 8, 12, 16}
     assert all(r["error"] is None and r["bytes"] > 0 for r in saved)
     assert not job_root(SHM, job_of(run_dir)).exists()
 
@@ -67,15 +74,3 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
     finally:
         shutil.rmtree(job_root(SHM, "memory-fallback"), ignore_errors=True)
 
-
-def test_a_lost_pod_is_restored_from_the_replicas_its_peer_keeps_bitwise(tmp_path, reference_1x2):
-    """Two pods of one rank, replicas on: pod 1 is lost after step 11 and comes back with an empty
-    /dev/shm; its rank's snapshot of step 10 comes back from pod 0, which kept its replica."""
-    run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["node-loss@12:node=1"], reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=300)
-    (recovery,) = summary["recoveries"]
-    assert recovery["resumed_from_step"] == 10 and recovery["lost_steps"] == 1, recovery
-    assert "resumed from memory: step 10 on every rank" in summary["_stdout"], summary["_output"]
-    assert "1 rank(s) from the replica a peer keeps" in summary["_stdout"], summary["_output"]
-    assert not job_root(SHM, job_of(run_dir)).exists()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support import (REPO, _env, assert_no_leftovers, netns_required, processes_of, read_events, read_summary,
+from tests.support import (REPO, _env, assert_no_leftovers, processes_of, read_events, read_summary,
                            run_local, run_trainer)
 from resilient_fsdp.checkpoint.s3 import client as s3_client
 from resilient_fsdp.checkpoint.s3 import remote as s3_remote
@@ -172,20 +172,3 @@ def test_a_missing_bucket_stops_the_job_before_training_with_the_key_named(tmp_p
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"checkpoint.s3.uri='s3://{s3.bucket}-missing/x': bucket '{s3.bucket}-missing' does not exist" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists() or not read_events(tmp_path, "step")
-
-
-def test_pods_in_network_namespaces_upload_to_a_loopback_endpoint_through_the_local_relay(tmp_path, s3):
-    """A pod's loopback is its own: the local cluster relays the endpoint's port from each pod's
-    loopback to this machine's, says so, and the pod's uploads arrive under the URL the chart
-    rendered, unchanged."""
-    netns_required()
-    run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=1, nproc=1, overrides=CKPT + s3.overrides("x"), isolation="netns", timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    port = s3.endpoint.rsplit(":", 1)[1].rstrip("/")
-    assert (f"checkpoint.s3.endpoint_url={s3.endpoint} is this machine's loopback: each pod reaches it at the same "
-            f"address, through a relay of port {port} in the pod") in proc.stdout + proc.stderr
-    status = read_summary(run_dir)["s3"]
-    assert status["uploaded"] == [4, 8, 12] and status["failed"] == 0, status
-    assert complete_steps(s3, "x")[-1] == 12
-    assert_no_leftovers(run_dir)

@@ -52,8 +52,8 @@ def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
             forward, calls = model.forward, [0]
             def failing_forward(tokens):
                 calls[0] += 1
-                if os.environ["RANK"] == "3" and calls[0] == 3:
-                    raise RuntimeError("injected failure on rank 3 at step 3")
+                if os.environ["RANK"] == "1" and calls[0] == 3:
+                    raise RuntimeError("injected failure on rank 1 at step 3")
                 return forward(tokens)
             model.forward = failing_forward
             return model
@@ -61,11 +61,12 @@ def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
     run_dir = tmp_path / "run"
     # An exception is an infrastructure-type failure (retried by every layer); with no in-job
     # restarts and backoffLimit 0 (the job level spent at the first pod failure) the job fails.
-    proc = run_local(run_dir, nodes=2, nproc=2, pythonpath=[plugin_dir], extra=["--max-restarts=0",
+    # Two pods of one rank: the failing rank is pod 1's, not the store host's.
+    proc = run_local(run_dir, nodes=2, nproc=1, pythonpath=[plugin_dir], extra=["--max-restarts=0",
                      "--value=job.backoffLimit=0"], overrides=["train.steps=50", "model.factory=raising_model:build"])
     assert proc.returncode == 203, proc.stdout[-4000:]
     assert "job FAILED" in proc.stdout
-    assert "RuntimeError: injected failure on rank 3 at step 3" in proc.stdout.split("job FAILED", 1)[1]
+    assert "RuntimeError: injected failure on rank 1 at step 3" in proc.stdout.split("job FAILED", 1)[1]
     assert not (run_dir / "summary.json").exists()
     assert_no_leftovers(run_dir)
 
