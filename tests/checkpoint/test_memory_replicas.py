@@ -1,6 +1,7 @@
 """Memory replicas between real processes over gloo (``checkpoint.memory.replicas``): each rank's
-newest snapshot reaches the rank on the next pod whole, an overtaken one is skipped and said, and
-a start's exchange moves a replica back into its rank's own slot."""
+newest snapshot reaches the rank on the next pod whole, an overtaken one is skipped and said, a
+start's exchange moves a replica back into its rank's own slot, and a corrupt replica moved back
+is refused by its rank's load."""
 
 from __future__ import annotations
 
@@ -68,6 +69,26 @@ WORKER = textwrap.dedent('''
     out["exchange_error"] = exchange(group2, decision, rank, own, lambda s: replica_slots(root, s))
     restored = own.newest()
     out["own_after"] = [restored.step, float(own.read(restored)[0][0]), own.extra(restored).decode()]
+    # The same replacement again, but the replica rank 2 keeps has a flipped byte: it arrives, and
+    # its rank's load refuses it (the sender's checksums travel with it).
+    if rank == 2:
+        record = next(r for r in kept.records() if r.step == 6)
+        path = kept.dir / f"slot-{record.slot}.bin"
+        data = bytearray(path.read_bytes())
+        data[record.spans[0][0]] ^= 0x01
+        path.write_bytes(bytes(data))
+    if rank == 1:
+        own.remove()
+    dist.barrier()
+    group3 = dist.new_group(backend="gloo")
+    out["exchange_again_error"] = exchange(group3, decision, rank, own, lambda s: replica_slots(root, s))
+    if rank == 1:
+        from resilient_fsdp.checkpoint.memory.slots import SlotInvalid
+        try:
+            own.read(own.newest())
+            out["corrupt_replica"] = "loaded"
+        except SlotInvalid as exc:
+            out["corrupt_replica"] = exc.reason
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 ''')
@@ -97,5 +118,7 @@ def test_replicas_reach_the_next_pod_whole_and_come_back_to_a_replacement_pod(tm
         assert {json.dumps(o["decision"]) for o in outs} == {json.dumps([6, {"0": None, "1": 2, "2": None}])}
         assert [o["exchange_error"] for o in outs] == [None, None, None]
         assert outs[1]["own_after"] == [6, 106.0, "rank 1 step 6"]
+        assert [o["exchange_again_error"] for o in outs] == [None, None, None]
+        assert outs[1]["corrupt_replica"] == "tensor 0 fails its CRC32C (step 6)"
     finally:
         remove_job(SHM, job)
