@@ -33,8 +33,9 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
   three times the 99th percentile's budget, for a burst the failure model leaves out (a bad rack);
 * with ``--memory``, ``checkpoint.memory.interval_steps``: Daly's interval for the memory tier's
   stall and the MTBF of the failures it covers (``M / coverage``), in whole steps, at least one and
-  at most the durable interval; ``shm.sizeLimit``: two slots of a rank's shard per GPU of the pod
-  plus :data:`SHM_MARGIN_GIB` for NCCL; and the goodput with and without it
+  at most the durable interval; ``checkpoint.memory.replicas`` as given; ``shm.sizeLimit``: two
+  slots of a rank's shard per GPU of the pod, two more with replicas, plus :data:`SHM_MARGIN_GIB`
+  for NCCL; and the goodput with and without it
   (``model.expected_goodput_with_memory``).
 """
 
@@ -148,6 +149,8 @@ class MemoryInputs:
     coverage: float
     shard_gb: Optional[float]
     """One rank's share of the state (for ``shm.sizeLimit``); None without a model size."""
+    replicas: int = 1
+    """``checkpoint.memory.replicas``: 1 keeps the next pod's snapshots too (two more slots)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,8 @@ class Advice:
         """The chart values these settings map to."""
         values = self._values()
         if self.memory is not None:
-            values["trainer"]["checkpoint"]["memory"] = {"interval_steps": self.memory["interval_steps"]}
+            values["trainer"]["checkpoint"]["memory"] = {"interval_steps": self.memory["interval_steps"],
+                                                         "replicas": self.inputs.memory.replicas}
             if self.memory["shm_gib"] is not None:
                 values["shm"] = {"sizeLimit": f"{self.memory['shm_gib']}Gi"}
         return values
@@ -254,7 +258,8 @@ def _memory_advice(inputs: Inputs, interval_s: int, mtbf_s: float) -> dict:
     memory_interval = steps * inputs.step_s
     goodput = gm.expected_goodput_with_memory(interval_s, inputs.ckpt_stall_s, inputs.ckpt_write_s, inputs.restart_s,
                                               mtbf_s, memory_interval, m.stall_s, m.restart_s, m.coverage)
-    shm = (math.ceil(2 * m.shard_gb * 1e9 / 2**30 * inputs.gpus_per_node) + SHM_MARGIN_GIB
+    slots = 2 * (1 + m.replicas)  # two of its own per rank, and two of its peer's with replicas
+    shm = (math.ceil(slots * m.shard_gb * 1e9 / 2**30 * inputs.gpus_per_node) + SHM_MARGIN_GIB
            if m.shard_gb is not None else None)
     return {"daly_s": daly, "interval_s": memory_interval, "interval_steps": steps, "goodput": goodput.as_dict(),
             "shm_gib": shm}
@@ -318,6 +323,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-restart-s", type=float,
                    help="an in-job restart from memory (measured: bench recovery's in_job_memory row); "
                         "default: --restart-s")
+    p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
+                   help="checkpoint.memory.replicas: 1 (default) also keeps the next pod's snapshots, so a lost "
+                        "pod resumes from memory; its two slots count in shm.sizeLimit")
     p.add_argument("--memory-coverage", type=float, default=MEMORY_COVERAGE,
                    help=f"the share of failures the pods survive, restored from memory (default {MEMORY_COVERAGE:g}, "
                         "DLRover's published share)")
@@ -396,7 +404,8 @@ def _memory_inputs(args: argparse.Namespace, estimate: Optional[gc.Estimate], re
     # Without a measurement, a restart from memory costs what the in-job restart does: its load is
     # a small part of it (1.4 of 18.9 s in bench recovery's in-job runs), the gain is in lost work.
     restart = args.memory_restart_s if args.memory_restart_s is not None else restart_s
-    return MemoryInputs(stall_s=stall, restart_s=restart, coverage=args.memory_coverage, shard_gb=shard)
+    return MemoryInputs(stall_s=stall, restart_s=restart, coverage=args.memory_coverage, shard_gb=shard,
+                        replicas=args.memory_replicas)
 
 
 def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
@@ -445,7 +454,8 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
             ("goodput with memory", f"{gm_['productive']:.4f} (without: {g['productive']:.4f}): stalls "
                                     f"{gm_['checkpoint_stalls']:.4f}, lost work {gm_['lost_work']:.4f}, restarts "
                                     f"{gm_['restarts']:.4f}"),
-            ("shm.sizeLimit", f"{m['shm_gib']}Gi = 2 slots x shard x {i.gpus_per_node} GPUs + {SHM_MARGIN_GIB}Gi"
+            ("shm.sizeLimit", f"{m['shm_gib']}Gi = {2 * (1 + mi.replicas)} slots (own{' and a peer' if mi.replicas else ''}"
+                              f"'s) x shard x {i.gpus_per_node} GPUs + {SHM_MARGIN_GIB}Gi"
                               if m["shm_gib"] is not None else "n/a (no model size: pass --preset or --params)"),
         ]
     width = max(len(k) for k, _ in rows)
