@@ -129,6 +129,10 @@ RULES = {
     "irsa role without a created account": (
         ["serviceAccount.create=false", "serviceAccount.roleArn=arn:aws:iam::123456789012:role/r"], None,
         ["serviceAccount.roleArn", "serviceAccount.create=true"]),
+    "memory slots off the pod's memory": (
+        ["trainer.checkpoint.memory.interval_steps=2", "trainer.checkpoint.memory.dir=/fsx/slots"], None,
+        ["trainer.checkpoint.memory.dir=/fsx/slots is not under /dev/shm", "shm.sizeLimit",
+         "trainer.checkpoint.memory.dir=/dev/shm"]),
 }
 
 
