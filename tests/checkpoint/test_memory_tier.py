@@ -22,14 +22,15 @@ def job_of(run_dir: Path) -> str:
     return manifest["job"]
 
 
-def test_a_killed_rank_restores_from_its_own_memory_and_a_lost_pod_from_its_peers_replica_bitwise(
+def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_peers_replica_bitwise(
         tmp_path, reference_1x2):
     """Two pods of one rank, durable checkpoints every 4 steps, memory ones every 2, replicas on.
-    A kill after step 11: the in-job restart restores every rank from its own slot (step 10: one
-    step lost, not three); pod 1 lost after step 19 comes back with an empty /dev/shm, and its
-    rank's snapshot of step 18 comes back from pod 0, which kept its replica."""
+    Rank 0 killed after step 11: the in-job restart restores every rank from its own slot (step
+    10: one step lost, not three). Pod 0, the store host, lost after step 19: its replacement comes
+    back with an empty /dev/shm, and its rank's snapshot of step 18 comes back from pod 1, which
+    kept its replica."""
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["sigkill@12:rank=1", "node-loss@20:node=1"], reference_1x2, nodes=2, nproc=1,
+    summary = run_with_faults(run_dir, ["sigkill@12:rank=0", "node-loss@20:node=0"], reference_1x2, nodes=2, nproc=1,
                               overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=400)
     killed, lost = summary["recoveries"]
     assert (killed["resumed_from_step"], killed["lost_steps"]) == (10, 1), killed
