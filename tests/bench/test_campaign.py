@@ -89,6 +89,21 @@ def test_the_schedule_keeps_a_slot_for_a_kind_it_cannot_run_and_says_why():
         c.leg_bounds(12, 4)
 
 
+def test_a_fault_inside_the_writer_goes_to_the_first_periodic_save_of_its_slot():
+    """writer-* faults fire only while their step's checkpoint is written: at a step that is no
+    save they would never fire, and the ledger check would (rightly) fail."""
+    from resilient_fsdp.bench import campaign as c
+
+    bounds = {"main": (0, 16), "rewind": (12, 28), "shrink": (28, 32), "regrow": (32, 44)}
+    placed = c.place_faults(bounds, dict.fromkeys(c.LEGS, 4), ["writer-raise:rank=1"], 8, "netns", save_every=4)
+    specs = [(f.spec, f.skipped) for leg in c.LEGS for f in placed[leg]]
+    assert specs[:3] == [("writer-raise@4:rank=1", None), ("writer-raise@12:rank=1", None),
+                         ("writer-raise@16:rank=1", None)]  # the rewind leg's slot 14: the save at 16
+    assert all(int(spec.split("@")[1].split(":")[0]) % 4 == 0 for spec, _ in specs)
+    shrink = [f for f in placed["shrink"]]
+    assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer"
+
+
 def test_a_rewound_step_never_repeats_a_fault_the_ledger_already_holds():
     from resilient_fsdp.bench import campaign as c
 

@@ -164,8 +164,11 @@ def available(kind: str, isolation: str) -> Optional[str]:
 
 
 def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entries: list[str], every: int,
-                 isolation: str) -> dict[str, list[Fault]]:
-    """The faults of every leg: in each leg's new steps, one every ``every``, entries in turn."""
+                 isolation: str, save_every: int = 1) -> dict[str, list[Fault]]:
+    """The faults of every leg: in each leg's new steps, one every ``every``, entries in turn. A
+    fault inside the checkpoint writer (``when: write``) fires only while its step's checkpoint is
+    written, so it goes to the first periodic save (every ``save_every`` steps) at or after its
+    slot; a slot with no periodic save left in its leg is skipped, saying so."""
     placed: dict[str, list[Fault]] = {}
     taken: set[str] = set()
     slot = 0
@@ -181,11 +184,18 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
             if kind not in FAULT_KINDS:
                 raise ValueError(f"--kinds: {kind!r} is not a fault kind; the kinds are {', '.join(FAULT_KINDS)}")
             suffix = ":" + retarget(options, pods[leg]) if options else ""
+            writes = FAULT_KINDS[kind].when == "write"
+            stride = save_every if writes else 1
+            if writes:
+                step = -(-step // save_every) * save_every
             # The ledger keeps a fault once per job: a rewound step may not repeat an earlier spec.
             while f"{kind}@{step}{suffix}" in taken:
-                step += 1
+                step += stride
+            skipped = available(kind, isolation)
+            if writes and skipped is None and step >= stop:
+                skipped = f"no periodic save left in the {leg} leg for a fault inside the writer"
             taken.add(f"{kind}@{step}{suffix}")
-            placed[leg].append(Fault(leg, f"{kind}@{step}{suffix}", kind, step, available(kind, isolation)))
+            placed[leg].append(Fault(leg, f"{kind}@{step}{suffix}", kind, step, skipped))
     return placed
 
 
@@ -202,7 +212,7 @@ def plan(args: argparse.Namespace) -> list[Leg]:
     bounds = leg_bounds(args.steps, args.interval_steps)
     pods = {"main": args.nodes, "rewind": args.nodes, "shrink": max(1, args.nodes // 2), "regrow": args.nodes}
     entries = [e.strip() for e in args.kinds.split(",") if e.strip()]
-    faults = place_faults(bounds, pods, entries, args.fault_every_steps, args.isolation)
+    faults = place_faults(bounds, pods, entries, args.fault_every_steps, args.isolation, args.interval_steps)
     return [Leg(name, pods[name], *bounds[name], [f"train.stop_at_step={bounds[name][1]}"], faults[name])
             for name in LEGS]
 
