@@ -121,7 +121,7 @@ class StateStager:
         slots, nbytes = plan(local_tensors(sd))
         arena = Arena(nbytes, pin=self.pin)
         views = iter([arena.view(slot) for slot in slots])
-        self.buffers = _over(sd, views)
+        self.buffers = replace_tensors(sd, views)
         self.arena = arena
         self.key = key
         self.generation += 1
@@ -251,7 +251,7 @@ class StagingJob:
         return not self.thread.is_alive()
 
 
-def _over(sd: Any, views: Iterator[torch.Tensor]) -> Any:
+def replace_tensors(sd: Any, views: Iterator[torch.Tensor]) -> Any:
     """``sd``'s structure with its tensors replaced, in :func:`local_tensors`' order, by ``views``
     (a DTensor by a DTensor of the same layout around its view); ``None`` for every other value."""
     if isinstance(sd, DTensor):
@@ -259,9 +259,9 @@ def _over(sd: Any, views: Iterator[torch.Tensor]) -> Any:
     if isinstance(sd, torch.Tensor):
         return next(views)
     if isinstance(sd, dict):
-        return {k: _over(v, views) for k, v in sd.items()}
+        return {k: replace_tensors(v, views) for k, v in sd.items()}
     if isinstance(sd, (list, tuple)):
-        return type(sd)(_over(v, views) for v in sd)
+        return type(sd)(replace_tensors(v, views) for v in sd)
     return None
 
 

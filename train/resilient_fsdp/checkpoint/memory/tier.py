@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 import torch.distributed as dist
 
-from ..staging import StagingJob, _over, local_tensors, structure
+from ..staging import StagingJob, local_tensors, replace_tensors, structure
 from . import peers
 from .agreement import Decision, Report
 from .replicas import Replicator, exchange, replica_slots
@@ -98,7 +98,7 @@ class MemoryTier:
             if self.replicator is not None:
                 self.replicator.committed(pending["record"])
 
-        self._copy = StagingJob(sd, _over(sd, iter(views)), self.cuda, commit)
+        self._copy = StagingJob(sd, replace_tensors(sd, iter(views)), self.cuda, commit)
         pending["nbytes"] = sum(t.numel() * t.element_size() for t in tensors)
         pending["stall_s"] = time.perf_counter() - t0
         self.pending = pending
