@@ -42,6 +42,21 @@ def test_summary_counts_restarts_by_layer_and_goodput_from_the_files(tmp_path):
     assert s["productive_s"] == 8.0 and s["job_wall_s"] == 40.0 and s["goodput"] == pytest.approx(0.2)
 
 
+def test_a_job_relaunched_on_a_run_directory_counts_only_its_own_steps(tmp_path, monkeypatch):
+    """The earlier job's step records stay (up to the step this one resumed from) but were trained
+    before this job began: they are not this job's productive time, so goodput stays within 0..1."""
+    metrics = tmp_path / "metrics.jsonl"
+    _write_metrics(metrics, [
+        {"event": "start", "t": 100.0, "layer": "start"},
+        *({"event": "step", "step": s, "step_time_s": 5.0, "t": 100.0 + 5 * s} for s in range(1, 9)),
+        {"event": "start", "t": 200.0, "layer": "start"},   # the relaunch, resumed from step 8
+        *({"event": "step", "step": s, "step_time_s": 5.0, "t": 200.0 + 5 * (s - 8)} for s in range(9, 13)),
+    ])
+    monkeypatch.setenv("RESILIENT_FSDP_JOB_START", "195.0")
+    s = summarize(metrics, FaultLedger(tmp_path), now=230.0)
+    assert s["productive_s"] == 20.0 and s["job_wall_s"] == 35.0 and s["goodput"] == pytest.approx(20 / 35)
+
+
 def test_a_recovery_says_where_its_time_went():
     from resilient_fsdp.resilience.accounting import phases
 

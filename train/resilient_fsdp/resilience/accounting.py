@@ -11,7 +11,8 @@ with the layer that caused it, found by mechanism, not by fault kind:
 
 Recovery of an injected fault: from its ``t_fault`` to the first step completed after the
 restore; ``lost_steps`` = steps completed before the fault that had to be trained again.
-Goodput = time spent in steps that count (each final step once) / wall time since the job began.
+Goodput = time spent in steps that count (each final step once, trained since the job began) / wall
+time since the job began.
 """
 
 from __future__ import annotations
@@ -169,8 +170,11 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
     restarts = restart_counts(records)
     recoveries, went_on = ledger.recoveries(), ledger.went_on()
     faults = ledger.fired()
-    productive = sum(r["step_time_s"] for r in records if r.get("event") == "step")
     start = job_start_time(records)
+    # Steps of this job only: a run directory relaunched as a new job (a rewind, a resize) keeps
+    # the earlier job's step records up to the step it resumed from, trained before it began.
+    productive = sum(r["step_time_s"] for r in records if r.get("event") == "step"
+                     and (start is None or r.get("t", start) >= start))
     wall = now - start if start is not None else 0.0
     return {
         "faults_injected": [f["fault"] for f in faults],
