@@ -55,13 +55,14 @@ class MemoryTier:
         self.replicator: Optional[Replicator] = None
         self.group = None
         self.source = None
+        self.kept: Optional[MemorySlots] = None  # the replica slots of ``source`` this rank keeps
         if replicas:
             # Collective: every rank builds its checkpointer, and so its memory tier, at one point.
             self.group = dist.new_group(backend=dist.Backend.GLOO)
             holder = peers.replica_holder(rank, world_size, ranks_per_pod)
             self.source = peers.replica_source(rank, world_size, ranks_per_pod)
-            kept = replica_slots(self.root, self.source) if self.source is not None else None
-            self.replicator = Replicator(self.group, self.slots, kept, rank, holder, self.source, say)
+            self.kept = replica_slots(self.root, self.source) if self.source is not None else None
+            self.replicator = Replicator(self.group, self.slots, self.kept, rank, holder, self.source, say)
         self.cuda = torch.cuda.is_available()
         self._copy: Optional[StagingJob] = None
         self.pending: Optional[dict] = None
@@ -148,9 +149,7 @@ class MemoryTier:
         def steps(slots: MemorySlots) -> tuple[int, ...]:
             return tuple(sorted(r.step for r in slots.records() if r.world_size == self.world_size))
 
-        replicas = {}
-        if self.replicator is not None and self.source is not None:
-            replicas = {self.source: steps(replica_slots(self.root, self.source))}
+        replicas = {self.source: steps(self.kept)} if self.kept is not None else {}
         return Report(self.rank, steps(self.slots), replicas)
 
     def exchange(self, decision: Decision) -> Optional[str]:
@@ -185,8 +184,8 @@ class MemoryTier:
 
     def discard_newer_than(self, step: int) -> list[int]:
         removed = self.slots.discard_newer_than(step)
-        if self.source is not None:
-            replica_slots(self.root, self.source).discard_newer_than(step)
+        if self.kept is not None:
+            self.kept.discard_newer_than(step)
         return removed
 
     def newest_of(self, step: int) -> Optional[Record]:
@@ -202,8 +201,8 @@ class MemoryTier:
             self.replicator.close()
         if remove:
             self.slots.remove()
-            if self.source is not None:
-                replica_slots(self.root, self.source).remove()
+            if self.kept is not None:
+                self.kept.remove()
             for directory in (self.root, self.root.parent):  # once no rank's slots are left in them
                 try:
                     directory.rmdir()
