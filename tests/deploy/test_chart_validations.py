@@ -64,6 +64,15 @@ RULES = {
          "trainer.train.elastic_batch=exact"], None,
         ["trainer.train.elastic_batch=exact cannot keep the global batch of 128", "at 3 pods (24 ranks) of",
          "elastic.minNodes=2..elastic.maxNodes=4", "Set trainer.train.elastic_batch=nearest"]),
+    "shard group that does not divide the world": (
+        ["nodes=2", "trainer.dist.shard_group_size=24"], None,
+        ["trainer.dist.shard_group_size=24 does not divide the world size at 2 pods (16 ranks)",
+         "Set trainer.dist.shard_group_size to a divisor"]),
+    "elastic range the shard group cannot divide": (
+        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
+         "trainer.dist.shard_group_size=16"], None,
+        ["trainer.dist.shard_group_size=16 does not divide the world size at 3 pods (24 ranks)",
+         "narrow elastic.minNodes..elastic.maxNodes"]),
     "two storage choices": (
         FSX[1:], None,
         ["storage.fsx.subnetId is set but storage.type=existingClaim", "set storage.type=fsx"]),
@@ -238,6 +247,12 @@ def test_should_apply_the_operator_webhook_rules_when_validating_a_pytorchjob(br
     problems = validate.check_pytorchjob_webhook(_pytorchjob(docs))
     assert any(p.path == path and words in p.message for p in problems), problems
     assert validate.check_pytorchjob_webhook(_pytorchjob(_job_docs())) == []
+
+
+def test_should_render_hsdp_whose_shard_group_divides_every_world_of_the_elastic_range():
+    rendered = render("elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
+                      "trainer.dist.shard_group_size=8")
+    assert "shard_group_size: 8" in rendered.find("ConfigMap")["data"]["config.yaml"]
 
 
 def test_should_render_p5en_64node_whose_shrunk_worlds_train_at_the_nearest_global_batch():

@@ -12,14 +12,15 @@ from tests.support import _env
 from tests.train.probes import HERE as PROBES
 
 
-def hash_at(world: int) -> list[dict]:
+def hash_at(world: int, shard_group: int = 0) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, str(PROBES / "params_hash.py")], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=_env(extra={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "SHARD_GROUP": str(shard_group)}))
              for r in range(world)]
     out = []
     for p in procs:
@@ -38,3 +39,9 @@ def test_the_digest_is_the_same_at_every_world_size_and_every_rank_hashes_its_ow
     # largest parameter (gathering it to hash it would); only the 1-D ones are gathered whole.
     for r in one + three:
         assert r["allocated"] < largest / 4, r
+
+
+def test_hsdp_gives_the_same_digest_and_each_row_is_hashed_once():
+    one, hsdp = hash_at(1), hash_at(4, shard_group=2)  # 2 replicas of 2 shards each
+    assert {r["digest"] for r in hsdp} == {one[0]["digest"]}
+    assert {r["flipped"] for r in hsdp} == {one[0]["flipped"]}

@@ -1,7 +1,7 @@
 """params_sha256 at one world size: one rank of it (RANK, WORLD_SIZE, MASTER_* from the test).
 
-usage: python params_hash.py   (prints one JSON line: rank, digest, the digest with one bit of the
-                                largest parameter flipped, bytes allocated while hashing)
+usage: [SHARD_GROUP=N] python params_hash.py   (N: HSDP's shard group; prints one JSON line: rank,
+       digest, the digest with one bit of the largest parameter flipped, bytes allocated while hashing)
 
 The tiny model is sharded with FSDP2 and filled from full tensors that depend only on each
 parameter's name and shape, so every world size holds the same model. The bytes this rank
@@ -9,6 +9,7 @@ allocates while hashing are measured with torch's profiler (CPU allocations of e
 """
 
 import json
+import os
 import zlib
 
 import torch
@@ -28,7 +29,7 @@ def full_value(name: str, p: torch.Tensor) -> torch.Tensor:
 
 def main():
     info = distributed.init_distributed(DistConfig(device="cpu"))
-    mesh = distributed.build_mesh(info)
+    mesh = distributed.build_mesh(info, int(os.environ.get("SHARD_GROUP", "0")))
     with torch.device("meta"):
         model = build_model("tiny", None)
     parallelize.apply_fsdp(model, mesh, info.device)

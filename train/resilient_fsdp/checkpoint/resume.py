@@ -255,6 +255,15 @@ def check_compatible(ckpt: store.CheckpointInfo, identity: dict, world_size: int
             f"{m['world_size']}; it can only be resumed at that world size (this run has "
             f"{world_size}). Resume at {m['world_size']} ranks, or use async/sync checkpoints, "
             "which reshard")
+    # A one-file-per-rank checkpoint holds each rank's shards as that rank's mesh cut them.
+    written_group = m.get("shard_group_size", m["world_size"])
+    group = identity.get("shard_group_size", world_size)
+    if m["mode"] == "torch-async" and written_group != group:
+        raise ConfigError(
+            f"checkpoint {ckpt.path} was written by checkpoint.mode=torch-async with parameters sharded over "
+            f"{written_group} ranks; this run shards them over {group} (dist.shard_group_size). Set "
+            f"dist.shard_group_size={written_group if written_group != m['world_size'] else 0} to resume it, or "
+            "use async/sync checkpoints, which reshard")
 
 
 def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo) -> Optional[str]:

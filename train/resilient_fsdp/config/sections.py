@@ -102,6 +102,12 @@ class DistConfig:
     init_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout for creating the process group and for the first step (ranks start unevenly:
     imports, model build, checkpoint load); ``timeout_s`` applies after the first step."""
+    shard_group_size: int = Field(default=0, ge=0)
+    """Ranks each parameter is sharded over. 0 (or the world size): every rank (FSDP). A divisor
+    of the world size: HSDP, each parameter sharded within groups of this many consecutive ranks
+    (a pod's, or a few pods') and replicated across the groups. A checkpoint then holds each shard
+    once, so its commit and ``.metadata`` grow with the group, not the world; the price is the
+    group's share of the state on every GPU. Every world size the job runs at must be a multiple."""
 
 
 @dataclass(config=_STRICT)

@@ -112,10 +112,28 @@ def _store_ports(store: Optional[dist.Store]) -> list[int]:
     return [p for p in ports if p > 0]
 
 
-def build_mesh(info: DistInfo) -> DeviceMesh:
-    """A 1-D mesh over every rank: FSDP shards each parameter across the whole job."""
+def shard_group_size(world_size: int, requested: int) -> int:
+    """The ranks each parameter is sharded over (``dist.shard_group_size``; 0 = every rank)."""
+    if requested in (0, world_size):
+        return world_size
+    if world_size % requested:
+        multiples = f"{requested}, {2 * requested}, {3 * requested}, ..."
+        raise ConfigError(f"dist.shard_group_size={requested} does not divide the world size of {world_size} ranks: "
+                          f"run at a multiple of it ({multiples}), or set dist.shard_group_size to a divisor of "
+                          f"{world_size} (0 shards over every rank)")
+    return requested
+
+
+def build_mesh(info: DistInfo, shard_group: int = 0) -> DeviceMesh:
+    """FSDP's mesh: 1-D over every rank, or with ``shard_group`` (a divisor of the world size) the
+    2-D HSDP mesh (replicas x shard group), each shard group ``shard_group`` consecutive ranks, so
+    a group spans whole pods and its all-gathers stay on the pods' own links."""
+    size = shard_group_size(info.world_size, shard_group)
     with nvrx.recording_group_sockets(_store_ports(None)):
-        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+        if size == info.world_size:
+            return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+        return init_device_mesh(info.device.type, (info.world_size // size, size),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def shutdown(clean: bool = True) -> None:

@@ -11,7 +11,7 @@ from typing import Optional, TextIO
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..checkpoint.state import canonical_name
 
@@ -79,14 +79,22 @@ def _leaf_sum(name: str, param: torch.Tensor, rank: int) -> int:
 
 
 def _local_rows(param: DTensor) -> Optional[tuple[torch.Tensor, int]]:
-    """This rank's rows of a dim-0 sharded DTensor on a 1-D mesh and the global index of its first
-    (FSDP2's layout: ``torch.chunk`` sizes, trailing ranks possibly empty); None for another layout."""
-    mesh = param.device_mesh
-    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+    """This rank's rows of a dim-0 sharded DTensor and the global index of its first (FSDP2's
+    layout: ``torch.chunk`` sizes, trailing ranks possibly empty); None for another layout. On
+    HSDP's 2-D mesh (replicated, then sharded) only the first replica's ranks hash their rows, so
+    each row is counted once; the others hold none."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim == 1 and placements == (Shard(0),):
+        world, position = mesh.size(), mesh.get_local_rank()
+    elif mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
+        world, position = mesh.size(1), mesh.get_local_rank(1)
+        if mesh.get_local_rank(0) != 0:
+            return param.to_local()[:0], 0
+    else:
         return None
-    world, rows = mesh.size(), param.shape[0]
+    rows = param.shape[0]
     chunk = -(-rows // world)
-    first = min(rows, mesh.get_local_rank() * chunk)
+    first = min(rows, position * chunk)
     local = param.to_local()
     if local.shape[0] != min(chunk, rows - first):
         return None  # not torch.chunk's split: hash the gathered parameter instead

@@ -146,7 +146,7 @@ class Trainer:
 
     def build_model(self) -> None:
         cfg = self.cfg
-        mesh = distributed.build_mesh(self.info)
+        mesh = distributed.build_mesh(self.info, cfg.dist.shard_group_size)
         self.model = build_any_model(cfg)
         if cfg.model.activation_checkpointing:
             parallelize.apply_ac(self.model, cfg.model.blocks)
@@ -168,7 +168,8 @@ class Trainer:
         state = CheckpointState(self.model, self.optimizer, self.lr_scheduler, self.counters, self.data, info.rank,
                                 resilience=resources.monitor)
         identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
-                    "shape_digest": state.shape_digest()}
+                    "shape_digest": state.shape_digest(),
+                    "shard_group_size": distributed.shard_group_size(info.world_size, cfg.dist.shard_group_size)}
         self.grad_accum = cfg.train.grad_accum_steps  # a resume at another world size may change it
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir,
                                          RankGroup(info.rank, info.world_size, info.device), state, identity,
