@@ -56,12 +56,27 @@ def test_the_commit_gather_and_metadata_grow_linearly_with_the_world():
     one = len(pickle.dumps(commit_scale.rank_outcome(5, 8, names)))
     assert one > 100 * len(names) // 2  # a write result per tensor shard, not a summary
     small, large = commit_scale.measure(8, layers=2), commit_scale.measure(32, layers=2)
-    assert small["tensors_per_rank"] == large["tensors_per_rank"] == len(names)
+    assert small["tensors"] == large["tensors"] == len(names)
     per_rank = (small["gather_bytes_per_rank"], large["gather_bytes_per_rank"])
     assert abs(per_rank[1] - per_rank[0]) / per_rank[0] < 0.05, per_rank  # the same per rank: linear
     ratio = large["metadata_bytes"] / small["metadata_bytes"]
     assert 3.0 < ratio < 5.0, ratio  # 4x the ranks: about 4x the .metadata
     assert large["files"] == 32 * commit_scale.WRITER_THREADS
+
+
+def test_hsdp_commit_grows_with_the_shard_group_not_the_world():
+    names = commit_scale.fqns(layers=2)
+    fsdp = commit_scale.measure(32, layers=2)
+    small, large = commit_scale.measure(32, layers=2, shard_group=4), commit_scale.measure(128, layers=2, shard_group=4)
+    # Each shard written once: the .metadata of a 4-rank shard group at 32 and 128 ranks is the same
+    # size, and an eighth of FSDP's at 32; the gathered results shrink with it.
+    assert abs(large["metadata_bytes"] - small["metadata_bytes"]) / small["metadata_bytes"] < 0.05
+    assert 6.0 < fsdp["metadata_bytes"] / small["metadata_bytes"] < 10.0
+    assert fsdp["gather_bytes"] / small["gather_bytes"] > 4.0
+    results = [commit_scale.rank_outcome(r, 32, names, shard_group=4).results for r in range(32)]
+    written = [(w.index.fqn, tuple(w.index.offset)) for rs in results for w in rs]
+    assert len(written) == len(set(written)) == len(names) * 4  # every shard exactly once
+    assert large["files"] == 128 * commit_scale.WRITER_THREADS  # every rank still writes its files
 
 
 def test_object_collectives_use_gloo_and_follow_a_new_default_group(tmp_path):

@@ -92,6 +92,29 @@ def test_advisor_rejects_bad_input_naming_the_flag(capsys):
         _advice("--instance", "p5.48xlarge", "--nodes", "0", "--ckpt-stall-s", "1", "--ckpt-write-s", "60")
 
 
+def test_hsdp_commits_in_seconds_at_16384_gpus_and_the_advisor_suggests_the_group():
+    """2,048 p5 nodes, 70b: FSDP's commit is 16,384 x 250 kB x 2.05 / 5 MB/s = 1,679 s; the
+    fewest pods whose share of 70.55e9 x 16 B fits in 40 GB is 4 (32 GPUs: 35.3 GB), and HSDP over
+    them commits (32 x 250 kB x 2.05 + 16,384 x 500 B) / 5 MB/s = 4.9184 s."""
+    flags = ("--instance", "p5.48xlarge", "--nodes", "2048", "--preset", "70b", "--storage-size", "115200Gi",
+             "--deployment-type", "PERSISTENT_2", "--storage-throughput", "1000")
+    fsdp = _advice(*flags)
+    assert fsdp.inputs.estimate.commit_s == pytest.approx(1679.36, abs=0.01)
+    assert fsdp.inputs.suggested_shard_group == 32
+    assert "--shard-group-size 32" in adv.render_table(fsdp)
+    assert "shard_group_size" not in fsdp.values()["trainer"]["dist"]
+    hsdp = _advice(*flags, "--shard-group-size", "32")
+    assert hsdp.inputs.estimate.commit_s == pytest.approx(4.9184, abs=1e-4)
+    assert hsdp.inputs.estimate.shard_gb == pytest.approx(fsdp.inputs.estimate.state_gb / 32)
+    assert hsdp.values()["trainer"]["dist"]["shard_group_size"] == 32
+    assert hsdp.goodput["productive"] > 0.95 > 0.5 > fsdp.goodput["productive"]
+    assert hsdp.inputs.suggested_shard_group is None  # given: nothing to suggest
+    # A small job's commit is short: no suggestion.
+    assert _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "70b").inputs.suggested_shard_group is None
+    with pytest.raises(adv.AdviseError, match="--shard-group-size 12 does not divide the job's 16384 GPUs"):
+        _advice(*flags, "--shard-group-size", "12")
+
+
 def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage():
     """p5-16node by hand: 70,553,706,496 params x 12 B = 846.64 GB over 128 GPUs = 6.614 GB a shard;
     commit 128 ranks x 250 kB x 2.05 / 5 MB/s = 13.12 s; stall 6.614 / 53 + 0.5 + 13.12 = 13.7448 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB =

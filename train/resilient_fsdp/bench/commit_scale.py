@@ -10,6 +10,11 @@ AdamW's two moments of each; one file per writer thread) and measured: the pickl
 gather (what travels on the object group), rank 0's ``.metadata`` written by the code the engine
 uses (:func:`~resilient_fsdp.checkpoint.writer.dcp_plan.write_dcp_metadata`), and
 :func:`~resilient_fsdp.checkpoint.integrity.share` at that world.
+
+``--shard-group N`` measures HSDP (``dist.shard_group_size``): each tensor is cut into N shards,
+each replicated across the world / N groups, and DCP's plan has one replica write each shard
+(spread over the replicas, as its de-duplication does), so the results and ``.metadata`` are
+(tensors x N) while the per-rank file checksums stay (world).
 """
 
 from __future__ import annotations
@@ -45,15 +50,21 @@ def fqns(layers: int = LAYERS) -> list[str]:
     return [f"{kind}.{n}" for n in names for kind in ("model", "optim.exp_avg", "optim.exp_avg_sq")]
 
 
-def rank_outcome(rank: int, world: int, names: list[str], shard_rows: int = 1024) -> LocalOutcome:
-    """One rank's outcome: a write result per tensor shard it wrote, spread over its files."""
+def rank_outcome(rank: int, world: int, names: list[str], shard_rows: int = 1024,
+                 shard_group: int = 0) -> LocalOutcome:
+    """One rank's outcome: a write result per tensor shard it wrote, spread over its files. With
+    ``shard_group`` (HSDP), rank r holds shard r % group of every tensor and writes it only for
+    the tensors its replica r // group is given (one replica in world / group writes each)."""
+    group = shard_group or world
+    position, replica, replicas = rank % group, rank // group, world // group
     files = [f"__{rank}_{t}.distcp" for t in range(WRITER_THREADS)]
     offsets = [0] * WRITER_THREADS
     results = []
     length = shard_rows * 8192 * 2  # bf16 rows of 8192
-    for i, fqn in enumerate(names):
+    mine = [fqn for i, fqn in enumerate(names) if i % replicas == replica]
+    for i, fqn in enumerate(mine):
         t = i % WRITER_THREADS
-        results.append(WriteResult(index=MetadataIndex(fqn, torch.Size([rank * shard_rows, 0])),
+        results.append(WriteResult(index=MetadataIndex(fqn, torch.Size([position * shard_rows, 0])),
                                    size_in_bytes=length,
                                    storage_data=_StorageInfo(files[t], offsets[t], length)))
         offsets[t] += length
@@ -61,12 +72,13 @@ def rank_outcome(rank: int, world: int, names: list[str], shard_rows: int = 1024
     return LocalOutcome(rank=rank, results=results, checksums=checksums)
 
 
-def global_metadata(world: int, names: list[str], shard_rows: int = 1024) -> Metadata:
-    """The plan's metadata: every tensor in ``world`` row shards (what FSDP's DCP plan holds)."""
+def global_metadata(shards: int, names: list[str], shard_rows: int = 1024) -> Metadata:
+    """The plan's metadata: every tensor in ``shards`` row shards (what FSDP's DCP plan holds;
+    HSDP's holds its shard group's)."""
     props = TensorProperties(dtype=torch.bfloat16)
     chunks = [ChunkStorageMetadata(offsets=torch.Size([r * shard_rows, 0]), sizes=torch.Size([shard_rows, 8192]))
-              for r in range(world)]
-    md = {n: TensorStorageMetadata(properties=props, size=torch.Size([world * shard_rows, 8192]), chunks=chunks)
+              for r in range(shards)]
+    md = {n: TensorStorageMetadata(properties=props, size=torch.Size([shards * shard_rows, 8192]), chunks=chunks)
           for n in names}
     return Metadata(state_dict_metadata=md)
 
@@ -77,9 +89,11 @@ class _Save:
     plan: tuple
 
 
-def measure(world: int, layers: int = LAYERS) -> dict:
+def measure(world: int, layers: int = LAYERS, shard_group: int = 0) -> dict:
+    if shard_group and world % shard_group:
+        raise SystemExit(f"--shard-group {shard_group} does not divide --world {world}")
     names = fqns(layers)
-    outcomes = [rank_outcome(r, world, names) for r in range(world)]
+    outcomes = [rank_outcome(r, world, names, shard_group=shard_group) for r in range(world)]
     # Each rank pickles its own outcome (in parallel); rank 0 unpickles all of them (in turn).
     t = time.perf_counter()
     blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in outcomes]
@@ -91,7 +105,7 @@ def measure(world: int, layers: int = LAYERS) -> dict:
     del blobs
     with tempfile.TemporaryDirectory() as tmp:
         writer = FileSystemWriter(tmp)
-        save = _Save(plan=(writer, global_metadata(world, names), None))
+        save = _Save(plan=(writer, global_metadata(shard_group or world, names), None))
         t = time.perf_counter()
         dcp_plan.write_dcp_metadata(save, [o.results for o in outcomes], integrity.Recorder())
         finalize_s = time.perf_counter() - t
@@ -100,7 +114,7 @@ def measure(world: int, layers: int = LAYERS) -> dict:
     t = time.perf_counter()
     integrity.share(files, world, 0)
     share_s = time.perf_counter() - t
-    return {"world_size": world, "tensors_per_rank": len(names), "gather_bytes": sum(per_rank),
+    return {"world_size": world, "shard_group": shard_group or world, "tensors": len(names), "gather_bytes": sum(per_rank),
             "gather_bytes_per_rank": sum(per_rank) / world, "rank_pickle_s": pickle_s,
             "rank0_unpickle_s": unpickle_s, "metadata_bytes": metadata_bytes, "finalize_s": finalize_s,
             "rank0_s": unpickle_s + finalize_s, "rank0_mb_s": (sum(per_rank) + metadata_bytes) / 1e6 / max(
@@ -111,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m resilient_fsdp.bench.commit_scale", description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[1024], help="world sizes to measure")
     p.add_argument("--layers", type=int, default=LAYERS, help="transformer layers of the state (70b: 80)")
+    p.add_argument("--shard-group", type=int, default=0,
+                   help="HSDP's shard group (dist.shard_group_size); default: every rank (FSDP)")
     args = p.parse_args(argv)
     for world in args.world:
-        print(json.dumps(measure(world, args.layers)))
+        print(json.dumps(measure(world, args.layers, args.shard_group)))
 
 
 if __name__ == "__main__":

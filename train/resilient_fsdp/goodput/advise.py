@@ -90,6 +90,7 @@ JOBSET_RESTARTS = 2
 # The share of failures an in-job restart from memory recovers: DLRover's flash checkpoint reports
 # about 75% of faults recovered by a process restart on 1,536 H800s (docs/blogs/flash_checkpoint.md).
 MEMORY_COVERAGE = 0.75
+LONG_COMMIT_S = 30.0  # a commit longer than this gets a suggested HSDP shard group
 SHM_MARGIN_GIB = 8  # beside the slots: NCCL's and the staging arena's shared memory
 
 
@@ -140,6 +141,10 @@ class Inputs:
     """The checkpoint-cost estimate, when one was made."""
     memory: Optional["MemoryInputs"] = None
     """The memory tier's costs, with ``--memory``."""
+    shard_group: int = 0
+    """``dist.shard_group_size`` (``--shard-group-size``); 0: FSDP over every GPU."""
+    suggested_shard_group: Optional[int] = None
+    """The HSDP group the estimate suggests when FSDP's commit is long and none was given."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,8 @@ class Advice:
     def values(self) -> dict:
         """The chart values these settings map to."""
         values = self._values()
+        if self.inputs.shard_group:
+            values["trainer"]["dist"]["shard_group_size"] = self.inputs.shard_group
         if self.memory is not None:
             values["trainer"]["checkpoint"]["memory"] = {"interval_steps": self.memory["interval_steps"],
                                                          "replicas": self.inputs.memory.replicas}
@@ -316,6 +323,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-s", type=float, default=10.0, help="time of one training step (default 10)")
     p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
                    help=f"model build, sharding and rendezvous at start (default {DEFAULT_STARTUP_S:g})")
+    p.add_argument("--shard-group-size", type=int, default=0, metavar="GPUS",
+                   help="dist.shard_group_size: HSDP, each parameter sharded over this many GPUs (whole pods that "
+                        "divide the job) and replicated across the groups; default 0, FSDP over every GPU")
     p.add_argument("--memory", action="store_true",
                    help="also size the memory tier (checkpoint.memory): its interval, /dev/shm, the goodput gained")
     p.add_argument("--memory-stall-s", type=float, help="measured stall of one memory save; default: the copy of a "
@@ -349,6 +359,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
             costs[key] = getattr(args, key)
             sources[key] = f"given, --{key.replace('_', '-')}"
     gpus = args.gpus_per_node if args.gpus_per_node is not None else instance_gpus(args.instance)
+    group = _shard_group(args, gpus)
     missing = [k for k in ("ckpt_stall_s", "ckpt_write_s") if k not in costs]
     estimate = None
     if missing:
@@ -365,7 +376,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
             if throughput is None and args.deployment_type is None:
                 throughput = defaults["perUnitStorageThroughput"]
             volume = gc.storage(args.storage_size or defaults["size"], deployment, throughput)
-            estimate = gc.estimate(params, args.nodes * gpus, args.instance, volume)
+            estimate = gc.estimate(params, args.nodes * gpus, args.instance, volume, group)
         except gc.CostError as exc:
             raise AdviseError(str(exc)) from None
         for key, value in (("ckpt_stall_s", estimate.stall_s), ("ckpt_write_s", estimate.write_s)):
@@ -380,8 +391,11 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         source = gm.LLAMA3_SOURCE.format(gpu_hours=gm.llama3_gpu_mtbf_hours())
     memory = None
     if getattr(args, "memory", False):
-        memory = _memory_inputs(args, estimate, costs.get("restart_s", DEFAULT_RESTART_S), gpus)
-    return Inputs(memory=memory, instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
+        memory = _memory_inputs(args, estimate, costs.get("restart_s", DEFAULT_RESTART_S), gpus, group)
+    suggested = None
+    if estimate is not None and not group and estimate.commit_s > LONG_COMMIT_S:
+        suggested = gc.suggested_shard_group(estimate.params, estimate.gpus, gpus, args.instance)
+    return Inputs(memory=memory, shard_group=group, suggested_shard_group=suggested, instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
                   job_hours=args.job_hours, ckpt_stall_s=costs["ckpt_stall_s"], ckpt_write_s=costs["ckpt_write_s"],
                   restart_s=costs.get("restart_s", DEFAULT_RESTART_S), step_s=args.step_s,
                   startup_s=args.startup_s, mtbf_source=source,
@@ -389,12 +403,20 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
                   estimate=estimate)
 
 
+def _shard_group(args: argparse.Namespace, gpus_per_node: int) -> int:
+    group, world = getattr(args, "shard_group_size", 0) or 0, args.nodes * gpus_per_node
+    if group < 0 or (group and world % group):
+        raise AdviseError(f"--shard-group-size {group} does not divide the job's {world} GPUs: give a divisor of "
+                          f"{world} (whole pods: a multiple of {gpus_per_node}), or 0 for FSDP over every GPU")
+    return 0 if group == world else group
+
+
 def _memory_inputs(args: argparse.Namespace, estimate: Optional[gc.Estimate], restart_s: float,
-                   gpus: int) -> MemoryInputs:
+                   gpus: int, group: int = 0) -> MemoryInputs:
     shard = estimate.shard_gb if estimate is not None else None
     if shard is None:
         params = gc.params_of(args.preset, args.params)
-        shard = params * gc.BYTES_PER_PARAM / 1e9 / (args.nodes * gpus) if params else None
+        shard = params * gc.BYTES_PER_PARAM / 1e9 / (group or args.nodes * gpus) if params else None
     stall = args.memory_stall_s
     if stall is None:
         if shard is None:
@@ -422,6 +444,7 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
                              f"({source['restart_s']})"),
         *(("  estimate", line) for line in (i.estimate.explain() if i.estimate else [])),
         *((("  storage", slow),) if (slow := _slow_storage_note(a)) else ()),
+        *((("dist.shard_group_size", hsdp),) if (hsdp := _shard_group_note(a)) else ()),
         ("Young sqrt(2 delta M)", f"{a.young_s:,.0f} s"),
         ("Daly", f"{a.daly_s:,.0f} s"),
         ("checkpoint.interval_s", f"{a.interval_s} (Daly, rounded down, at most {MAX_INTERVAL_S}; never below W)"),
@@ -460,6 +483,21 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _shard_group_note(a: Advice) -> str:
+    """The shard group given, or the one suggested when FSDP's commit is long."""
+    i = a.inputs
+    if i.shard_group:
+        return f"{i.shard_group} (given: HSDP, {i.nodes * i.gpus_per_node // i.shard_group} replicas of the state)"
+    if i.suggested_shard_group is None:
+        return ""
+    e, group = i.estimate, i.suggested_shard_group
+    hsdp = gc.estimate(e.params, e.gpus, i.instance, e.storage, group)
+    return (f"0 (FSDP over all {e.gpus} GPUs: the commit is {e.commit_s:,.0f} s of the stall); HSDP over {group} GPUs "
+            f"({group // i.gpus_per_node} pods, the fewest whose share of the state fits in "
+            f"{gc.STATE_SHARE_OF_GPU:.0%} of a GPU) commits in {hsdp.commit_s:.3g} s, a stall of {hsdp.stall_s:.3g} s: "
+            f"--shard-group-size {group}")
 
 
 def _slow_storage_note(a: Advice) -> str:

@@ -12,7 +12,11 @@ measured costs are given:
   gathered and unpickled, and DCP's ``.metadata`` of the same entries (``METADATA_PER_RESULT_BYTE``
   of it per byte gathered) pickled, at ``RANK0_COMMIT_MB_S``: ``gpus x bytes per rank x (1 +
   ratio) / rate``, linear in the world (``python -m resilient_fsdp.bench.commit_scale`` measures
-  it for a 70b-like state);
+  it for a 70b-like state). Under HSDP (``dist.shard_group_size``) each shard is written once, by
+  one of its replicas, so the results and ``.metadata`` are the shard group's, not the world's,
+  and only each rank's file checksums (``COMMIT_FILE_BYTES_PER_RANK``) grow with the world;
+* the shard a GPU holds (copied at each save) is the state over the shard group (the world under
+  FSDP);
 * the background write ``W`` is the whole state at the file system's throughput, which FSx for
   Lustre gives per TiB of capacity: ``capacity (TiB) x per-unit throughput (MB/s/TiB)``.
 
@@ -38,6 +42,10 @@ Shallower models have fewer tensors and less; the estimate keeps the deep model'
 METADATA_PER_RESULT_BYTE = 1.05
 """Bytes of ``.metadata`` per byte of gathered write results (bench.commit_scale at 1,024 ranks:
 68.0 MB from 65.0 MB)."""
+COMMIT_FILE_BYTES_PER_RANK = 500
+"""What a rank hands rank 0 besides its write results: its files' checksums and the outcome's
+envelope (bench.commit_scale under HSDP: 23.1 MB gathered at 16,384 ranks, 16.0 MB at 1,024, for
+the same results)."""
 RANK0_COMMIT_MB_S = 5.0
 """Rank 0's rate through unpickling the gathered results and pickling ``.metadata`` (MB/s, one
 core): ``python -m resilient_fsdp.bench.commit_scale --world 256 1024 --layers 20`` measures
@@ -45,6 +53,15 @@ core): ``python -m resilient_fsdp.bench.commit_scale --world 256 1024 --layers 2
 small objects, so the rate is set by object count, not bytes)."""
 # Device-to-host copy rate per GPU (GB/s), measured: ~25 on PCIe Gen4 (A100, A10G, L4), ~53 on
 # PCIe Gen5 (H100, H200; B200 hosts link at Gen5 too). Keyed by instance family.
+# GPU memory (GB) per instance family: A100 40/80, A10G 24, L4 24, H100 80, H200 141, B200 180.
+GPU_MEMORY_GB = {"p4d": 40.0, "p4de": 80.0, "g5": 24.0, "g6": 24.0, "p5": 80.0, "p5e": 141.0, "p5en": 141.0,
+                 "p6-b200": 180.0}
+TRAINING_BYTES_PER_PARAM = 16
+"""What a GPU holds of each parameter in its shard while training: the state's 12 bytes and the
+fp32 gradient's 4."""
+STATE_SHARE_OF_GPU = 0.5
+"""The share of a GPU's memory the sharded training state may take; the rest is the gathered
+bf16 layers, activations and NCCL's buffers."""
 D2H_GB_S = {"p4d": 25.0, "p4de": 25.0, "g5": 25.0, "g6": 25.0, "p5": 53.0, "p5e": 53.0, "p5en": 53.0,
             "p6-b200": 53.0}
 HOST_COPY_GB_S = 25.0
@@ -90,6 +107,8 @@ class Estimate:
     write_s: float
     commit_s: float = 0.0
     """The commit's part of ``stall_s``."""
+    shard_group: int = 0
+    """GPUs each parameter is sharded over (``dist.shard_group_size``); 0: every GPU (FSDP)."""
 
     @property
     def state_gb(self) -> float:
@@ -97,14 +116,21 @@ class Estimate:
 
     @property
     def shard_gb(self) -> float:
-        return self.state_gb / self.gpus
+        return self.state_gb / (self.shard_group or self.gpus)
 
     def explain(self) -> list[str]:
         """The arithmetic, one line per cost, as the profiles' headers write it."""
         s = self.storage
+        if self.shard_group:
+            commit = (f"commit = ({self.shard_group} shards x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x "
+                      f"(1 + {METADATA_PER_RESULT_BYTE:g}) + {self.gpus} ranks x {COMMIT_FILE_BYTES_PER_RANK} B) / "
+                      f"{RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s (HSDP, dist.shard_group_size="
+                      f"{self.shard_group})")
+        else:
+            commit = (f"commit = {self.gpus} ranks x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x (1 + "
+                      f"{METADATA_PER_RESULT_BYTE:g}) / {RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s")
         return [f"state {self.params / 1e9:.1f}e9 params x {BYTES_PER_PARAM} B = {self.state_gb:,.0f} GB",
-                f"commit = {self.gpus} ranks x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x (1 + {METADATA_PER_RESULT_BYTE:g}) / "
-                f"{RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s",
+                commit,
                 f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s + commit = "
                 f"{self.stall_s:.3g} s",
                 f"write W = {self.state_gb:,.0f} GB / ({s.capacity_tib:.2f} TiB x {s.mb_s_per_tib:g} MB/s/TiB, "
@@ -171,14 +197,32 @@ def storage(size: str, deployment_type: str, mb_s_per_tib: Optional[float]) -> S
     return Storage(capacity_gib(size), rate, deployment_type)
 
 
-def estimate(params: int, gpus: int, instance: str, volume: Storage) -> Estimate:
-    """The stall and write time of one checkpoint of ``params`` parameters sharded over ``gpus``."""
+def estimate(params: int, gpus: int, instance: str, volume: Storage, shard_group: int = 0) -> Estimate:
+    """The stall and write time of one checkpoint of ``params`` parameters sharded over ``gpus``
+    (or, with ``shard_group``, over groups of that many GPUs: HSDP)."""
     rate = d2h_gb_s(instance)
     state_gb = params * BYTES_PER_PARAM / 1e9
-    commit = commit_s(gpus)
-    stall = state_gb / max(gpus, 1) / rate + STALL_FIXED_S + commit
+    group = 0 if shard_group in (0, gpus) else shard_group
+    commit = commit_s(gpus, group)
+    stall = state_gb / (group or max(gpus, 1)) / rate + STALL_FIXED_S + commit
     return Estimate(params=params, gpus=max(gpus, 1), d2h_gb_s=rate, storage=volume, stall_s=stall,
-                    write_s=state_gb / volume.gb_s, commit_s=commit)
+                    write_s=state_gb / volume.gb_s, commit_s=commit, shard_group=group)
+
+
+def suggested_shard_group(params: int, gpus: int, gpus_per_node: int, instance: str) -> Optional[int]:
+    """The smallest HSDP shard group, whole pods that divide the job, whose share of the training
+    state fits in :data:`STATE_SHARE_OF_GPU` of a GPU; None when FSDP over every GPU is the only
+    fit, or the instance's GPU memory is unknown."""
+    memory = GPU_MEMORY_GB.get(instance.split(".", 1)[0])
+    if memory is None:
+        return None
+    needed = params * TRAINING_BYTES_PER_PARAM / (STATE_SHARE_OF_GPU * memory * 1e9)
+    nodes = max(gpus // max(gpus_per_node, 1), 1)
+    for pods in range(1, nodes):
+        group = pods * gpus_per_node
+        if nodes % pods == 0 and group >= needed:
+            return group
+    return None
 
 
 MEMORY_STALL_FIXED_S = 0.02
@@ -192,6 +236,10 @@ def memory_stall_s(shard_gb: float, instance: str) -> float:
     return shard_gb / d2h_gb_s(instance) + MEMORY_STALL_FIXED_S
 
 
-def commit_s(gpus: int) -> float:
-    """Rank 0's commit of one checkpoint at a world of ``gpus`` ranks (linear in it)."""
-    return max(gpus, 1) * COMMIT_BYTES_PER_RANK * (1 + METADATA_PER_RESULT_BYTE) / (RANK0_COMMIT_MB_S * 1e6)
+def commit_s(gpus: int, shard_group: int = 0) -> float:
+    """Rank 0's commit of one checkpoint at a world of ``gpus`` ranks (linear in it), or under
+    HSDP with ``shard_group`` (linear in the group, plus each rank's file checksums)."""
+    if not shard_group or shard_group >= gpus:
+        return max(gpus, 1) * COMMIT_BYTES_PER_RANK * (1 + METADATA_PER_RESULT_BYTE) / (RANK0_COMMIT_MB_S * 1e6)
+    results = shard_group * COMMIT_BYTES_PER_RANK * (1 + METADATA_PER_RESULT_BYTE)
+    return (results + gpus * COMMIT_FILE_BYTES_PER_RANK) / (RANK0_COMMIT_MB_S * 1e6)
