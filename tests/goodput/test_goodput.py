@@ -359,6 +359,23 @@ def test_cheaper_recovery_layers_raise_goodput_at_scale():
     assert goodput["job"] < goodput["in-job"] < goodput["in-process"]
 
 
+@pytest.mark.parametrize("replicas", [0, 1])
+@pytest.mark.parametrize("nodes", [512, 2048])
+def test_the_memory_tier_simulated_agrees_with_its_closed_form_and_cuts_the_lost_work(nodes, replicas):
+    s = _scenario(nodes, memory_interval_s=20.0, memory_stall_s=0.05, memory_replicas=replicas)
+    memory = sim.simulate(s, sim.MEMORY_STRATEGY, runs=60, seed=1)
+    assert memory["goodput"] == pytest.approx(sim.analytic(s, sim.MEMORY_STRATEGY), rel=0.01)
+    in_job = sim.simulate(s, "in-job", runs=60, seed=1)
+    # With replicas every failure resumes from memory; without, the node failures (60%) do not.
+    assert memory["lost_work"] < in_job["lost_work"] / (4 if replicas else 1)
+    assert memory["checkpoint_stalls"] > in_job["checkpoint_stalls"]  # the snapshots' own stalls
+    assert memory["restarts"] == pytest.approx(in_job["restarts"], rel=0.1)  # the same layers recover
+    if replicas == 0:  # a lost node goes back to the durable checkpoint
+        with_replicas = sim.simulate(sim.Scenario(**{**s.__dict__, "memory_replicas": 1}), sim.MEMORY_STRATEGY,
+                                     runs=60, seed=1)
+        assert with_replicas["lost_work"] < memory["lost_work"]
+
+
 def test_simulate_command_writes_table_json_and_plot(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8,64", "--runs", "5",
@@ -367,6 +384,12 @@ def test_simulate_command_writes_table_json_and_plot(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["nodes"], r["strategy"]) for r in rows} == {(n, k) for n in (8, 64) for k in sim.STRATEGIES}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    memory = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "64", "--runs", "5",
+                             "--memory-stall-s", "0.5", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert memory.returncode == 0, memory.stderr
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {*sim.STRATEGIES, sim.MEMORY_STRATEGY} and sim.MEMORY_STRATEGY in memory.stdout
+    assert 0 < rows[sim.MEMORY_STRATEGY]["memory_interval_s"] < rows["in-job"]["interval_s"]
     bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--mix", "1,2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--mix" in bad.stderr

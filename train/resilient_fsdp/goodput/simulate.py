@@ -15,6 +15,14 @@ checkpoint; a failure during a recovery starts that recovery again.
 
 Training between failures follows ``model``: ``T`` seconds of training, a stall of
 ``delta``, and a background write that commits ``W`` seconds after the stall ends.
+
+With ``--memory-stall-s`` a fourth strategy, ``in-job+memory``, is ``in-job`` with the memory
+tier: a snapshot in the pods' memory every ``T_m`` seconds of training (stall ``delta_m``, no
+write time: its record follows the copy on the rank itself), ``T / T_m - 1`` of them per
+durable interval (the durable save takes the last). A ``transient`` or ``process`` failure
+resumes from the newest snapshot (the pods keep their memory); a ``node`` failure does too with
+``--memory-replicas 1`` (the peer pod's replica; the other pods stay up while the lost one is
+replaced), else from the durable checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ STRATEGIES = {
     "in-job": {"transient": "in_job", "process": "in_job", "node": "job"},
     "in-process": {"transient": "in_process", "process": "in_job", "node": "job"},
 }
+MEMORY_STRATEGY = "in-job+memory"
+"""``in-job`` with the memory tier; simulated when the scenario has a memory stall."""
 # At-scale recovery times (seconds), each from the failure to training again, checkpoint load
 # included. Stated assumptions, not measurements: in-process restart's own parts add to ~1.5 s
 # (NVRx docs) plus re-initialisation and the load; an in-job restart cycle is about a minute
@@ -74,35 +84,57 @@ class Scenario:
     write_s: float
     recovery_s: dict = field(default_factory=lambda: dict(DEFAULT_RECOVERY_S))
     mix: tuple = DEFAULT_MIX
+    memory_interval_s: float = 0.0
+    """``T_m``: training seconds between memory snapshots (0: no memory tier)."""
+    memory_stall_s: float = 0.0
+    memory_replicas: int = 1
 
     @property
     def mtbf_s(self) -> float:
         return self.node_mtbf_h * gm.HOUR / self.nodes
 
+    @property
+    def memory_saves(self) -> float:
+        """Memory snapshots per durable interval (the durable save takes the last slot)."""
+        return max(0.0, self.interval_s / self.memory_interval_s - 1.0) if self.memory_interval_s > 0 else 0.0
 
-def run_segment(duration: float, s: Scenario, ends_in_failure: bool) -> Tally:
-    """Training for ``duration`` seconds from a restored (committed) state."""
-    cycle = s.interval_s + s.stall_s
+    def from_memory(self, cls: str) -> bool:
+        """Whether a failure of class ``cls`` resumes from a memory snapshot."""
+        return self.memory_interval_s > 0 and (cls != "node" or self.memory_replicas > 0)
+
+
+def run_segment(duration: float, s: Scenario, ends_in_failure: bool, memory: bool = False,
+                from_memory: bool = False) -> Tally:
+    """Training for ``duration`` seconds from a restored (committed) state; with ``memory``, the
+    scenario's memory snapshots too, and a failure ``from_memory`` keeps the newest of them."""
+    stall = s.stall_s + (s.memory_saves * s.memory_stall_s if memory else 0.0)
+    cycle = s.interval_s + stall
     k = int(duration // cycle)
     rest = duration - k * cycle
     trained = k * s.interval_s + min(rest, s.interval_s)
-    stalled = k * s.stall_s + max(0.0, rest - s.interval_s)
+    stalled = k * stall + max(0.0, rest - s.interval_s)
     if not ends_in_failure:
         return Tally(productive=trained, stalls=stalled)
     # Checkpoint i (taken at i * cycle) is usable once its write ends, W later.
     committed = max(0, min(k, int((duration - s.write_s) // cycle))) if duration >= s.write_s else 0
     kept = committed * s.interval_s
+    if memory and from_memory:
+        kept = max(kept, (trained // s.memory_interval_s) * s.memory_interval_s)
     return Tally(productive=kept, stalls=stalled, lost=trained - kept, failures=1)
 
 
 def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator) -> Tally:
     """One job over the horizon; returns seconds spent per category."""
-    layers = STRATEGIES[strategy]
+    memory = strategy == MEMORY_STRATEGY
+    layers = STRATEGIES["in-job" if memory else strategy]
     horizon = s.horizon_h * gm.HOUR
     mix = np.asarray(s.mix, dtype=float) / sum(s.mix)
 
-    def recovery() -> float:
-        return s.recovery_s[layers[CLASSES[rng.choice(len(CLASSES), p=mix)]]]
+    def failure_class() -> str:
+        return CLASSES[rng.choice(len(CLASSES), p=mix)]
+
+    def recovery(cls: str) -> float:
+        return s.recovery_s[layers[cls]]
 
     total = Tally()
     t, recovering_until = 0.0, None
@@ -111,15 +143,17 @@ def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator) -> Tally:
         failure_at = t + rng.exponential(s.mtbf_s)
         if recovering_until is None:
             if failure_at >= horizon:
-                total.add(run_segment(horizon - t, s, ends_in_failure=False))
+                total.add(run_segment(horizon - t, s, ends_in_failure=False, memory=memory))
                 break
-            total.add(run_segment(failure_at - t, s, ends_in_failure=True))
-            t, recovering_until = failure_at, failure_at + recovery()
+            cls = failure_class()
+            total.add(run_segment(failure_at - t, s, ends_in_failure=True, memory=memory,
+                                  from_memory=s.from_memory(cls)))
+            t, recovering_until = failure_at, failure_at + recovery(cls)
         elif failure_at < min(recovering_until, horizon):
             # Failed again while recovering: the recovery starts over.
             total.restarts += failure_at - t
             total.failures += 1
-            t, recovering_until = failure_at, failure_at + recovery()
+            t, recovering_until = failure_at, failure_at + recovery(failure_class())
         else:
             end = min(recovering_until, horizon)
             total.restarts += end - t
@@ -139,11 +173,25 @@ def simulate(s: Scenario, strategy: str, runs: int, seed: int) -> dict:
 
 
 def analytic(s: Scenario, strategy: str) -> float:
-    """The closed-form expectation with the strategy's mean recovery time."""
-    layers = STRATEGIES[strategy]
+    """The closed-form expectation with the strategy's mean recovery time (with the memory tier:
+    ``model.expected_goodput_with_memory``, its coverage the share of failures it restores)."""
+    memory = strategy == MEMORY_STRATEGY
+    layers = STRATEGIES["in-job" if memory else strategy]
     mix = np.asarray(s.mix, dtype=float) / sum(s.mix)
-    mean_r = float(sum(p * s.recovery_s[layers[c]] for p, c in zip(mix, CLASSES)))
-    return gm.expected_goodput(s.interval_s, s.stall_s, s.write_s, mean_r, s.mtbf_s).productive
+    if not memory:
+        mean_r = float(sum(p * s.recovery_s[layers[c]] for p, c in zip(mix, CLASSES)))
+        return gm.expected_goodput(s.interval_s, s.stall_s, s.write_s, mean_r, s.mtbf_s).productive
+    covered = [(p, c) for p, c in zip(mix, CLASSES) if s.from_memory(c)]
+    others = [(p, c) for p, c in zip(mix, CLASSES) if not s.from_memory(c)]
+    coverage = float(sum(p for p, _ in covered))
+
+    def mean(pairs: list) -> float:
+        share = sum(p for p, _ in pairs)
+        return float(sum(p * s.recovery_s[layers[c]] for p, c in pairs) / share) if share > 0 else 0.0
+
+    return gm.expected_goodput_with_memory(s.interval_s, s.stall_s, s.write_s, mean(others), s.mtbf_s,
+                                           s.memory_interval_s, s.memory_stall_s, mean(covered),
+                                           coverage).productive
 
 
 def parse_recovery(text: str) -> dict:
@@ -180,6 +228,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recovery-from-bench", metavar="FILE", help="recovery times from `bench recovery` JSON")
     p.add_argument("--mix", default=",".join(f"{x:g}" for x in DEFAULT_MIX),
                    help="shares of transient,process,node failures (default 0.2,0.2,0.6)")
+    p.add_argument("--memory-stall-s", type=float,
+                   help=f"stall of one memory snapshot: adds the {MEMORY_STRATEGY} strategy (default: not simulated)")
+    p.add_argument("--memory-interval-s", type=float,
+                   help="training seconds between memory snapshots; default: Daly's for the memory stall and the "
+                        "MTBF of the failures it restores, at most the durable interval")
+    p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
+                   help="1 (default): a lost node resumes from its peer's replica; 0: from the durable checkpoint")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of goodput per size and strategy here")
     p.set_defaults(run=main)
@@ -203,26 +258,43 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
     for n in nodes:
         mtbf_s = node_mtbf * gm.HOUR / n
         interval = args.interval_s or max(gm.daly_interval(args.ckpt_stall_s, mtbf_s), args.ckpt_write_s)
-        out.append(Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
-                            stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix))
+        s = Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
+                     stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix)
+        stall = getattr(args, "memory_stall_s", None)
+        if stall is not None:
+            if stall < 0:
+                raise SystemExit("error: --memory-stall-s must not be negative")
+            s = Scenario(**{**s.__dict__, "memory_stall_s": stall, "memory_replicas": args.memory_replicas,
+                            "memory_interval_s": 1.0})  # from_memory needs an interval to say what it covers
+            coverage = sum(p for p, c in zip(mix, CLASSES) if s.from_memory(c)) / sum(mix)
+            memory_interval = args.memory_interval_s or gm.daly_interval(max(stall, 1e-3), mtbf_s / max(coverage, 1e-9))
+            if memory_interval <= 0:
+                raise SystemExit("error: --memory-interval-s must be positive")
+            s = Scenario(**{**s.__dict__, "memory_interval_s": min(memory_interval, interval)})
+        out.append(s)
     return out
+
+
+def strategies_of(s: Scenario) -> list[str]:
+    return [*STRATEGIES, *([MEMORY_STRATEGY] if s.memory_interval_s > 0 else [])]
 
 
 def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
     rows = []
     for s in scenarios:
-        for strategy in STRATEGIES:
+        for strategy in strategies_of(s):
             result = simulate(s, strategy, runs, seed)
             rows.append({"nodes": s.nodes, "strategy": strategy, "interval_s": s.interval_s,
+                         **({"memory_interval_s": s.memory_interval_s} if strategy == MEMORY_STRATEGY else {}),
                          "job_mtbf_h": s.mtbf_s / gm.HOUR, "analytic_goodput": analytic(s, strategy), **result})
     return rows
 
 
 def render_table(rows: list[dict]) -> str:
-    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<11} {'goodput':>8} {'analytic':>9} "
+    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<13} {'goodput':>8} {'analytic':>9} "
              f"{'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}"]
     for r in rows:
-        lines.append(f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<11} "
+        lines.append(f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<13} "
                      f"{r['goodput']:>8.4f} {r['analytic_goodput']:>9.4f} {r['checkpoint_stalls']:>7.4f} "
                      f"{r['lost_work']:>7.4f} {r['restarts']:>9.4f} {r['failures_per_run']:>9.1f}")
     return "\n".join(lines)
@@ -234,7 +306,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for strategy in STRATEGIES:
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
         points = sorted((r["nodes"], r["goodput"]) for r in rows if r["strategy"] == strategy)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=strategy)
     ax.set_xscale("log", base=2)
