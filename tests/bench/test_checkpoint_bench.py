@@ -3,9 +3,14 @@ exercised end to end by the GPU check's CPU rehearsal, tests/bench/test_gpu_chec
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from resilient_fsdp.bench.checkpoint_engines import core_times, page_faults
+from tests.support import _env
 
 
 def test_core_times_are_the_seconds_each_cpu_spent_per_state_since_a_reading():
@@ -27,3 +32,25 @@ def test_page_faults_count_the_pages_this_process_touches_first():
     for i in range(0, len(block), 4096):
         block[i] = 1
     assert page_faults() - before >= 8000
+
+
+def test_the_memory_save_is_measured_beside_the_async_one_and_leaves_nothing_in_dev_shm(tmp_path):
+    out = tmp_path / "bench.json"
+    before = {p.name for p in Path("/dev/shm").iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "bench", "checkpoint", "--preset", "tiny",
+                           "--modes", "async", "memory", "--saves", "2", "--idle-steps", "2",
+                           "--run-dir", str(tmp_path / "run"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    memory = r["memory"]
+    # The memory save: a copy into the slot and no commit on the training thread; the state's bytes.
+    assert memory["commit_s"] == 0.0 and memory["stall_s"] > 0 and memory["write_s"] > 0
+    state_bytes = r["params"] * 4 * 3  # fp32 weights and AdamW's two moments
+    assert state_bytes <= memory["bytes"] < 1.1 * state_bytes
+    target = r["targets"]["memory_stall_not_above_async"]
+    assert target["measured"] == memory["stall_s"] and target["async"] == r["async"]["stall_s"]
+    assert target["met"] == (memory["stall_s"] <= r["async"]["stall_s"])
+    assert "memory" in proc.stdout
+    left = {p.name for p in Path("/dev/shm").iterdir()} - before
+    assert not left, left  # the tier's job directory went with the benchmark

@@ -3,6 +3,9 @@ that measures each of them on the same trainer (:func:`measure`).
 
 - ``sync``, ``async``, ``torch-async``: the project's :class:`~..checkpoint.checkpointer.Checkpointer`
   with that engine (commit protocol, checksums, ``COMPLETE``);
+- ``memory``: the memory tier (:class:`~..checkpoint.memory.tier.MemoryTier`, no replicas) into
+  its two slots in ``/dev/shm``: the copy into the slot, awaited like the others, then the slot's
+  CRC32C and record on its helper thread; committed means its record is written;
 - ``dcp_process`` / ``dcp_thread``: torch DCP's own ``async_save`` in process / thread mode with its
   ``DefaultStager`` (shared memory, pinned on GPUs, staging in a background thread, non-blocking
   copies on GPUs) and cached save plans (``DefaultSavePlanner(enable_plan_caching=True)``), as
@@ -26,7 +29,7 @@ DCP_PEERS = ("dcp_process", "dcp_thread")
 # The first save of an engine may wait for its writer process to start (a niced interpreter
 # importing torch while training keeps every core busy: tens of seconds on two cores).
 COMMIT_TIMEOUT_S = 900
-ENGINES = ("sync", "async", "torch-async") + DCP_PEERS
+ENGINES = ("sync", "async", "torch-async", "memory") + DCP_PEERS
 
 
 class Saver:
@@ -75,6 +78,44 @@ class OurSaver(Saver):
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class MemorySaver(Saver):
+    """The memory tier's save, its slots in a job directory of its own under ``/dev/shm``."""
+
+    def __init__(self, trainer: Any, shm: Path = Path("/dev/shm")):
+        import uuid
+
+        from ..checkpoint.memory.tier import MemoryTier
+
+        group = trainer.checkpointer.group
+        self.state = trainer.checkpointer.state
+        self.tier = MemoryTier(1, shm, f"bench-{uuid.uuid4().hex[:8]}", group.rank, group.world_size)
+        self.t0, self.call_s, self.wait_s = 0.0, 0.0, 0.0
+        self.step: Optional[int] = None
+
+    def start(self, step: int) -> None:
+        self.t0 = time.perf_counter()
+        self.tier.save(step, self.state.state_dict())
+        self.call_s, self.wait_s, self.step = time.perf_counter() - self.t0, 0.0, step
+
+    def before_optimizer_step(self) -> float:
+        waited = self.tier.before_optimizer_step()
+        self.wait_s += waited
+        return waited
+
+    def poll(self) -> Optional[dict]:
+        self.before_optimizer_step()
+        for record in self.tier.poll():
+            if record["step"] == self.step:
+                if record["error"]:
+                    raise RuntimeError(f"memory: the save of step {self.step} failed: {record['error']}")
+                return {"write_s": time.perf_counter() - self.t0, "bytes": record["bytes"], "wait_s": self.wait_s,
+                        "call_s": self.call_s, "commit_s": 0.0}
+        return None
+
+    def close(self) -> None:
+        self.tier.close(remove=True)
 
 
 class DcpSaver(Saver):
@@ -164,6 +205,8 @@ def page_faults() -> int:
 
 
 def make_saver(trainer: Any, mode: str, root: Path) -> Saver:
+    if mode == "memory":
+        return MemorySaver(trainer)
     return DcpSaver(trainer, mode, root) if mode in DCP_PEERS else OurSaver(trainer, mode, root)
 
 
