@@ -172,3 +172,37 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_killed_process(tmp_path):
         slots.remove()  # unmaps it, so the tmpfs can go
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_dev_shm_too_small_for_the_pods_slots_turns_the_tier_off_once_and_takes_no_room(tmp_path):
+    """A 1 MiB tmpfs: two ranks a pod with 200 KiB states need 800 KiB of slots, which fits; three
+    need 1.2 MiB, so the first save says so (naming shm.sizeLimit and how much) and nothing is
+    reserved, leaving the room to the durable checkpoint."""
+    from resilient_fsdp.checkpoint.memory.tier import MemoryTier, shm_needed
+
+    assert shm_needed(100, ranks_per_pod=8, replicas=1, durable_copies=1) == 8 * 100 * 5
+    assert shm_needed(100, ranks_per_pod=8, replicas=0, durable_copies=0) == 8 * 100 * 2
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.fail(f"mounting a tmpfs needs root: {made.stderr.strip()}")
+    sd = {"w": torch.zeros(50 * 1024)}  # 200 KiB of float32
+    try:
+        fits = MemoryTier(1, mount, "fits", 0, 2, ranks_per_pod=2, durable_copies=1)
+        fits.save(1, sd)
+        fits.settle()
+        (done,) = fits.poll()
+        assert done["error"] is None and fits.off is None  # another tmpfs than /dev/shm: no staging beside it
+        fits.close(remove=True)
+        short = MemoryTier(1, mount, "short", 0, 3, ranks_per_pod=3, durable_copies=1)
+        short.save(1, sd)
+        (said,) = short.poll()
+        assert "the memory tier is off for this job" in said["error"] and "3 rank(s) need 1.17 MiB" in said["error"]
+        assert "raise shm.sizeLimit to at least 2Mi" in said["error"] and "Durable checkpoints go on" in said["error"]
+        assert not any(mount.rglob("slot-*")), list(mount.rglob("*"))
+        short.save(2, sd)  # off for the job: no second message, nothing written
+        assert short.poll() == [] and not any(mount.rglob("slot-*"))
+        short.close(remove=True)
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)

@@ -289,7 +289,8 @@ def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path
     assert m["daly_s"] == pytest.approx(gm.daly_interval(mi.stall_s, mtbf / 0.75))
     assert m["interval_steps"] == int(m["daly_s"] // 10) and 1 <= m["interval_steps"] <= a.interval_s // 10
     shard_gib = 70.6e9 * 12 / 4096 / 2**30
-    assert m["shm_gib"] == math.ceil(4 * shard_gib * 8) + adv.SHM_MARGIN_GIB  # own two and a peer's two
+    # Own two, a peer's two and the durable checkpoint's staging copy, for each of the 8 GPUs.
+    assert m["shm_gib"] == math.ceil(5 * shard_gib * 8) + adv.SHM_MARGIN_GIB
     assert m["goodput"]["productive"] > a.goodput["productive"]
     values = a.values()
     assert values["trainer"]["checkpoint"]["memory"] == {"interval_steps": m["interval_steps"], "replicas": 1}
@@ -301,7 +302,7 @@ def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path
     assert f"{m['shm_gib']}Gi" in json.dumps(pod)  # the chart takes the values as they are
     alone = _advice("--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--memory",
                     "--memory-replicas", "0").memory
-    assert alone["shm_gib"] == math.ceil(2 * shard_gib * 8) + adv.SHM_MARGIN_GIB
+    assert alone["shm_gib"] == math.ceil(3 * shard_gib * 8) + adv.SHM_MARGIN_GIB
     with pytest.raises(adv.AdviseError, match="--memory-coverage"):
         _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b", "--memory", "--memory-coverage", "1.5")
     assert "memory" not in _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b").values()["trainer"][

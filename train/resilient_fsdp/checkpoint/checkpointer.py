@@ -132,7 +132,8 @@ class Checkpointer:
         # Snapshots in the pod's memory between durable saves (checkpoint.memory; off at 0).
         self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, group.rank,
                                  group.world_size, cfg.memory.replicas, ranks_per_pod(group.world_size),
-                                 self._say_any_rank) if cfg.memory.interval_steps > 0 else None
+                                 self._say_any_rank, durable_copies=0 if cfg.mode == "sync" else 1) \
+            if cfg.memory.interval_steps > 0 else None
 
     def say(self, message: str) -> None:
         self.log.info(message)

@@ -34,8 +34,8 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
 * with ``--memory``, ``checkpoint.memory.interval_steps``: Daly's interval for the memory tier's
   stall and the MTBF of the failures it covers (``M / coverage``), in whole steps, at least one and
   at most the durable interval; ``checkpoint.memory.replicas`` as given; ``shm.sizeLimit``: two
-  slots of a rank's shard per GPU of the pod, two more with replicas, plus :data:`SHM_MARGIN_GIB`
-  for NCCL; and the goodput with and without it
+  slots of a rank's shard per GPU of the pod, two more with replicas, and the durable checkpoint's
+  staging copy of it, plus :data:`SHM_MARGIN_GIB` for NCCL; and the goodput with and without it
   (``model.expected_goodput_with_memory``).
 """
 
@@ -91,7 +91,8 @@ JOBSET_RESTARTS = 2
 # about 75% of faults recovered by a process restart on 1,536 H800s (docs/blogs/flash_checkpoint.md).
 MEMORY_COVERAGE = 0.75
 LONG_COMMIT_S = 30.0  # a commit longer than this gets a suggested HSDP shard group
-SHM_MARGIN_GIB = 8  # beside the slots: NCCL's and the staging arena's shared memory
+SHM_MARGIN_GIB = 8  # beside the slots and the staging copy: NCCL's shared memory, DataLoader workers
+DURABLE_STAGING_COPIES = 1  # the async checkpoint's staging copy of each rank's shard, in /dev/shm too
 
 
 class AdviseError(ValueError):
@@ -265,7 +266,9 @@ def _memory_advice(inputs: Inputs, interval_s: int, mtbf_s: float) -> dict:
     memory_interval = steps * inputs.step_s
     goodput = gm.expected_goodput_with_memory(interval_s, inputs.ckpt_stall_s, inputs.ckpt_write_s, inputs.restart_s,
                                               mtbf_s, memory_interval, m.stall_s, m.restart_s, m.coverage)
-    slots = 2 * (1 + m.replicas)  # two of its own per rank, and two of its peer's with replicas
+    # Two slots of its own per rank, two of its peer's with replicas, and the durable checkpoint's
+    # staging copy of its shard beside them (the async engines stage in shared memory too).
+    slots = 2 * (1 + m.replicas) + DURABLE_STAGING_COPIES
     shm = (math.ceil(slots * m.shard_gb * 1e9 / 2**30 * inputs.gpus_per_node) + SHM_MARGIN_GIB
            if m.shard_gb is not None else None)
     return {"daly_s": daly, "interval_s": memory_interval, "interval_steps": steps, "goodput": goodput.as_dict(),
@@ -477,8 +480,8 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
             ("goodput with memory", f"{gm_['productive']:.4f} (without: {g['productive']:.4f}): stalls "
                                     f"{gm_['checkpoint_stalls']:.4f}, lost work {gm_['lost_work']:.4f}, restarts "
                                     f"{gm_['restarts']:.4f}"),
-            ("shm.sizeLimit", f"{m['shm_gib']}Gi = {2 * (1 + mi.replicas)} slots (own{' and a peer' if mi.replicas else ''}"
-                              f"'s) x shard x {i.gpus_per_node} GPUs + {SHM_MARGIN_GIB}Gi"
+            ("shm.sizeLimit", f"{m['shm_gib']}Gi = ({2 * (1 + mi.replicas)} slots (own{' and a peer' if mi.replicas else ''}"
+                              f"'s) + the durable staging copy) x shard x {i.gpus_per_node} GPUs + {SHM_MARGIN_GIB}Gi"
                               if m["shm_gib"] is not None else "n/a (no model size: pass --preset or --params)"),
         ]
     width = max(len(k) for k, _ in rows)

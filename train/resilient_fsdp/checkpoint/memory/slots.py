@@ -147,6 +147,10 @@ class MemorySlots:
 
     # -- writing -----------------------------------------------------------------------------
 
+    def mapped(self) -> bool:
+        """Whether a slot is held mapped already (this process has saved or read one)."""
+        return bool(self._mapped)
+
     def next_slot(self) -> str:
         """The slot a save writes into: the one not holding the newest complete snapshot."""
         newest = self.newest()

@@ -19,12 +19,19 @@ durable checkpoint (the decision is :mod:`.agreement`'s, made in :mod:`..resume`
 handed to this rank's sender, which sends the newest to the rank on the next pod; a start whose
 newest step a replacement pod's ranks lack moves those replicas into their own slots first.
 
+**Room**: the pod's ``/dev/shm`` holds every rank's two slots (four with replicas) and, beside
+them, the durable checkpoint's staging copy of each rank's state (``async``, ``torch-async``).
+Before its first save a rank checks that the file system is large enough for all of that for
+every rank of its pod (:func:`shm_needed`); when it is not, the memory tier stays off for the
+job, said once, so that it never takes the room the durable checkpoint needs.
+
 **The end**: a job that ends (its last step trained, its last durable checkpoint committed)
 removes its slots; a failed attempt leaves them for the restart that follows.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from pathlib import Path
@@ -47,8 +54,13 @@ class MemoryTier:
     ``shm`` (``checkpoint.memory.dir``)."""
 
     def __init__(self, interval_steps: int, shm: Path, job: str, rank: int, world_size: int, replicas: int = 0,
-                 ranks_per_pod: int = 1, say: Callable[[str], None] = lambda _m: None):
+                 ranks_per_pod: int = 1, say: Callable[[str], None] = lambda _m: None, durable_copies: int = 0):
         self.interval_steps = interval_steps
+        self.shm, self.ranks_per_pod, self.replicas = Path(shm), ranks_per_pod, replicas
+        # Copies of the state the durable checkpoint stages in shared memory per rank (1 for the
+        # async engines, 0 for sync); they count where they share the slots' file system.
+        self.durable_copies = durable_copies
+        self.off: Optional[str] = None  # why the tier is off for this job, once found
         self.root = job_root(Path(shm), job)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.slots = MemorySlots(self.root, owner_name(rank))
@@ -77,12 +89,19 @@ class MemoryTier:
         """Start the memory checkpoint of ``step`` from ``sd`` (the state now); its copy runs until
         :meth:`before_optimizer_step`. ``batch``: the run's ``grad_accum_steps`` and global batch
         target now, restored with the state (at the same world size, so the same ones)."""
+        if self.off is not None:
+            return
         t0 = time.perf_counter()
         self.settle()
         tensors = local_tensors(sd)
         digest = structure_digest(structure(sd))
         slot = self.slots.next_slot()
         pending = {"step": step, "slot": slot, "t0": t0, "stall_s": 0.0, "staged": False}
+        if not self.slots.mapped():
+            self.off = self._short_of_room(sum(t.numel() * t.element_size() for t in tensors))
+            if self.off is not None:
+                self._finished.append(self._event(pending, error=self.off))
+                return
         try:
             spans, views = self.slots.open(slot, tensors)
             extra = pickle.dumps(_values(sd), protocol=pickle.HIGHEST_PROTOCOL)
@@ -103,6 +122,25 @@ class MemoryTier:
         pending["nbytes"] = sum(t.numel() * t.element_size() for t in tensors)
         pending["stall_s"] = time.perf_counter() - t0
         self.pending = pending
+
+    def _short_of_room(self, state_bytes: int) -> Optional[str]:
+        """Why ``checkpoint.memory.dir`` cannot hold this pod's slots beside the durable staging,
+        or None. Counted for every rank of the pod, each with a state the size of this one's."""
+        try:
+            fs = os.statvfs(self.shm)
+            durable = self.durable_copies if os.stat(self.shm).st_dev == os.stat("/dev/shm").st_dev else 0
+        except OSError as exc:
+            return f"checkpoint.memory.dir={str(self.shm)!r} is not usable ({exc.strerror or exc})"
+        size = fs.f_blocks * fs.f_frsize
+        need = shm_needed(state_bytes, self.ranks_per_pod, self.replicas, durable)
+        if need <= size:
+            return None
+        slots = 2 * (1 + self.replicas)
+        return (f"the memory tier is off for this job: {self.shm} holds {_size(size)}, and the pod's "
+                f"{self.ranks_per_pod} rank(s) need {_size(need)} ({slots} slots of {_size(state_bytes)} each"
+                f"{' and the durable checkpoint staging copy' if durable else ''}, per rank); raise shm.sizeLimit to "
+                f"at least {_quantity(need)} (resilient-fsdp advise --memory sizes it), or set "
+                "checkpoint.memory.interval_steps=0. Durable checkpoints go on")
 
     def before_optimizer_step(self) -> float:
         """Wait for the pending memory save's copy (rank-local); the seconds waited, its stall."""
@@ -208,6 +246,21 @@ class MemoryTier:
                     directory.rmdir()
                 except OSError:
                     break
+
+
+def shm_needed(state_bytes: int, ranks_per_pod: int, replicas: int, durable_copies: int) -> int:
+    """Bytes a pod's shared memory needs for its ranks' memory slots (two each, and a peer's two
+    with ``replicas``) and the durable checkpoint's staging (``durable_copies`` of each state)."""
+    return ranks_per_pod * state_bytes * (2 * (1 + replicas) + durable_copies)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _quantity(nbytes: float) -> str:
+    """``nbytes`` rounded up as a Kubernetes quantity (``Mi`` below a GiB, else ``Gi``)."""
+    return f"{-(-int(nbytes) // 2**20)}Mi" if nbytes < 2**30 else f"{-(-int(nbytes) // 2**30)}Gi"
 
 
 def _values(sd: Any) -> Any:
