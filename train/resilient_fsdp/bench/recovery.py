@@ -1,6 +1,7 @@
 """``resilient-fsdp bench recovery``: the same fault, recovered by each restart layer, in one run.
 
-A local job (``--nodes`` x ``--nproc-per-node`` ranks, the ``tiny`` preset) gets one injected
+A local job (``--nodes`` x ``--nproc-per-node`` ranks, the ``tiny`` preset unless ``--set`` says
+otherwise) gets one injected
 ``exception`` on the last rank at ``--fault-step``, ``--repeats`` times per layer:
 
 - ``in_process``: ``resilience.in_process.enabled=true``: every rank re-enters training in its process;
@@ -56,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint.memory.interval_steps of the in_job_memory layer (default 1)")
     p.add_argument("--repeats", type=int, default=5, help="runs per layer; median, min and max are reported")
     p.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layers to measure")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a trainer setting for every job (repeatable), e.g. --set model.preset=125m")
+    p.add_argument("--value", dest="values", action="append", default=[], metavar="KEY=VALUE",
+                   help="a chart value for every job (repeatable), e.g. --value shm.sizeLimit=4Gi")
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(bench=main)
 
@@ -76,11 +81,11 @@ def run_job(run_dir: Path, nodes: int, nproc: int, overrides: list[str], flags: 
 def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> dict:
     spec = f"exception@{args.fault_step}:rank={args.nodes * args.nproc_per_node - 1}"
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
-                 f"dist.timeout_s={args.timeout_s}", *COMMON,
+                 f"dist.timeout_s={args.timeout_s}", *COMMON, *getattr(args, "overrides", []),
                  f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}"]
     if layer == "in_job_memory":
         overrides.append(f"checkpoint.memory.interval_steps={args.memory_interval_steps}")
-    flags = [f"--inject={spec}"]
+    flags = [f"--inject={spec}", *(f"--value={v}" for v in getattr(args, "values", []))]
     if layer == "full_relaunch":
         flags += ["--max-restarts=0", "--max-node-restarts=0"]
     code = run_job(run_dir, args.nodes, args.nproc_per_node, overrides, flags, log)
@@ -138,14 +143,16 @@ def main(args: argparse.Namespace) -> int:
     log.write_text("")
     reference = root / "fault-free"
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
-                 f"dist.timeout_s={args.timeout_s}", *COMMON]
+                 f"dist.timeout_s={args.timeout_s}", *COMMON, *getattr(args, "overrides", [])]
     fresh_dir(reference)
-    if run_job(reference, args.nodes, args.nproc_per_node, overrides, [], log) != 0:
+    values = [f"--value={v}" for v in getattr(args, "values", [])]
+    if run_job(reference, args.nodes, args.nproc_per_node, overrides, values, log) != 0:
         raise RuntimeError(f"the fault-free reference run failed; see {log}")
     expected = json.loads((reference / "summary.json").read_text())["params_sha256"]
     results: dict = {"nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "steps": args.steps,
                      "fault": f"exception@{args.fault_step}", "checkpoint_interval_steps": args.interval_steps,
                      "dist_timeout_s": args.timeout_s, "cpu_count": os.cpu_count(), "repeats": args.repeats,
+                     "overrides": list(getattr(args, "overrides", [])), "values": list(getattr(args, "values", [])),
                      "loadavg_start": os.getloadavg()}
     layers = list(args.layers)
     for layer in layers:

@@ -46,6 +46,7 @@ from ..staging import StagingJob, local_tensors, replace_tensors, structure
 from . import peers
 from .agreement import Decision, Report
 from .replicas import Replicator, exchange, replica_slots
+from ..state import canonical_name
 from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name, structure_digest
 
 
@@ -208,13 +209,19 @@ class MemoryTier:
             values = pickle.loads(self.slots.extra(record))
         except SlotInvalid as exc:
             return str(exc)
+        allocated = not state.optimizer.state and allocate_optimizer_state(state.model, state.optimizer, values, views)
         sd = state.state_dict()
+        problem = None
         if record.digest != structure_digest(structure(sd)):
-            return (f"memory checkpoint {self.slots.dir} of step {step}: it holds a state of another structure "
-                    "(model, mesh or world size)")
+            problem = (f"memory checkpoint {self.slots.dir} of step {step}: it holds a state of another structure "
+                       "(model, mesh or world size)")
         live = local_tensors(sd)
-        if len(live) != len(views):
-            return f"memory checkpoint of step {step} holds {len(views)} tensors, the state {len(live)}"
+        if problem is None and len(live) != len(views):
+            problem = f"memory checkpoint of step {step} holds {len(views)} tensors, the state {len(live)}"
+        if problem is not None:
+            if allocated:
+                state.optimizer.state.clear()  # as it was: the durable load initialises it its own way
+            return problem
         for dst, src in zip(live, views):
             dst.copy_(src)
         state.load_state_dict(_with_values(sd, values))
@@ -263,10 +270,79 @@ def _quantity(nbytes: float) -> str:
     return f"{-(-int(nbytes) // 2**20)}Mi" if nbytes < 2**30 else f"{-(-int(nbytes) // 2**30)}Gi"
 
 
+class TensorPlace:
+    """Where a tensor was in a snapshot's non-tensor values (its bytes are in the slot)."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, values: Any,
+                             views: list[torch.Tensor]) -> bool:
+    """Give an optimizer without state (a new process's) empty tensors shaped as the snapshot's
+    ``optim.state``, so that taking the live state does not initialise it with a whole step on zero
+    gradients (torch's ``get_state_dict`` does that for an empty optimizer: allocating, zeroing and
+    updating every moment, most of a restore's time); the copy from the slot fills them. A tensor
+    shaped as its parameter's shard becomes a tensor like the parameter (a DTensor on its mesh),
+    any other (a step count) a plain one. False, and nothing changed, when a name is not a
+    parameter of ``model``."""
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    planned: dict = {}
+    # Deterministic mode fills new tensors (NaN): a whole pass over the moments' memory, and the
+    # copy from the slot overwrites every byte anyway.
+    fill, torch.utils.deterministic.fill_uninitialized_memory = torch.utils.deterministic.fill_uninitialized_memory, False
+    try:
+        ok = _plan_optimizer_state(params, values, views, planned)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    if not ok:
+        return False
+    optimizer.state.update(planned)
+    return bool(planned)
+
+
+def _plan_optimizer_state(params: dict, values: Any, views: list[torch.Tensor], planned: dict) -> bool:
+    for path, view in zip(_tensor_paths(values), views):
+        if len(path) != 4 or path[:2] != ("optim", "state"):
+            continue
+        param = params.get(path[2])
+        if param is None:
+            return False
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if view.shape == local.shape and view.dtype == local.dtype:
+            tensor = torch.empty_like(local)
+            if isinstance(param, DTensor):  # from its shard: DTensor's own empty_like costs ms a tensor
+                tensor = DTensor.from_local(tensor, param.device_mesh, param.placements, shape=param.shape,
+                                            stride=param.stride(), run_check=False)
+        else:
+            tensor = torch.empty(view.shape, dtype=view.dtype)
+        planned.setdefault(param, {})[path[3]] = tensor
+    return True
+
+
+def _tensor_paths(values: Any) -> list[tuple]:
+    """The path of every tensor place in ``values``, in :func:`local_tensors` order."""
+    out: list[tuple] = []
+
+    def walk(x: Any, path: tuple) -> None:
+        if isinstance(x, TensorPlace):
+            out.append(path)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, (*path, k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, (*path, i))
+
+    walk(values, ())
+    return out
+
+
 def _values(sd: Any) -> Any:
-    """``sd`` with every tensor taken out (None in its place): what a snapshot keeps beside them."""
+    """``sd`` with every tensor taken out (a :class:`TensorPlace` in its place): what a snapshot
+    keeps beside them."""
     if isinstance(sd, torch.Tensor):
-        return None
+        return TensorPlace()
     if isinstance(sd, dict):
         return {k: _values(v) for k, v in sd.items()}
     if isinstance(sd, (list, tuple)):
