@@ -15,6 +15,7 @@ import torch
 
 from resilient_fsdp.checkpoint.memory.slots import (MemorySlots, SlotInvalid, job_root, owner_name, remove_job,
                                                     slot_bytes, structure_digest)
+from resilient_fsdp.checkpoint.memory.tier import MemoryTier
 from resilient_fsdp.checkpoint.staging import structure
 from tests.support import REPO
 
@@ -101,6 +102,30 @@ def test_the_non_tensor_values_beside_the_tensors_are_checked_too(root):
     (root / owner_name(0) / "slot-a.extra").write_bytes(b"values of step 7")
     with pytest.raises(SlotInvalid, match="non-tensor values fail their CRC32C"):
         MemorySlots(root, owner_name(0)).extra(record)
+
+
+def test_a_newest_snapshot_failing_its_checksum_is_set_aside_when_reported_and_its_slot_written_next(root):
+    """What a start's report does with a flipped byte in the newest own snapshot: not reported
+    (the decision then takes its replica or an older step), set aside as ``.invalid`` beside the
+    bytes, said once, and the slot is where the next save goes, which removes the set-aside record."""
+    said: list[str] = []
+    tier = MemoryTier(2, root.parent.parent, root.name, rank=1, world_size=4, say=said.append)
+    save(tier.slots, state(1), 2)
+    newest = save(tier.slots, state(2), 4)
+    assert tier.report().own == (2, 4) and not said
+    path, offset = tier.slots.byte_of(newest)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert tier.report().own == (2,)
+    (message,) = said
+    assert f"slot-{newest.slot}.bin: tensor 0 fails its CRC32C (step 4)" in message and \
+        f"set aside as slot-{newest.slot}.invalid" in message
+    assert (tier.slots.dir / f"slot-{newest.slot}.invalid").exists()
+    assert tier.slots.next_slot() == newest.slot
+    save(tier.slots, state(3), 6)
+    assert not (tier.slots.dir / f"slot-{newest.slot}.invalid").exists()
+    assert tier.report().own == (2, 6) and len(said) == 1
 
 
 def test_a_record_whose_bytes_are_short_or_unreadable_is_no_snapshot(root):

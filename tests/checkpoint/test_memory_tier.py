@@ -1,7 +1,7 @@
 """The memory tier in real training runs (gloo on CPU): a killed rank's in-job restart restores
-every rank from its ``/dev/shm`` snapshot, a snapshot that fails its checks falls back to the
-durable checkpoint, each ending bitwise equal to the run without a fault, and nothing is left in
-``/dev/shm`` once the job ends."""
+every rank from its ``/dev/shm`` snapshot, a snapshot that fails its checks falls back to its
+replica on the next pod, a replica that fails them to the durable checkpoint, each ending bitwise
+equal to the run without a fault, and nothing is left in ``/dev/shm`` once the job ends."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from resilient_fsdp.checkpoint.memory.slots import job_root
-from tests.resilience.fault_jobs import run_with_faults
+from tests.resilience.fault_jobs import lane_run, run_with_faults
 from tests.support import read_events, read_losses, read_summary, run_trainer
 
 SHM = Path("/dev/shm")
@@ -46,7 +46,11 @@ def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_
 
 
 def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_stays_exact(tmp_path):
-    common = ["train.steps=16", "checkpoint.interval_steps=4", *MEMORY, "checkpoint.job_id=memory-fallback"]
+    """A world of one, killed after step 11, its snapshot of step 10 flipped: set aside when the
+    start reports, and the older snapshot (step 6) is older than the durable checkpoint of step 8
+    (sync saves: committed before step 9 runs), so the run resumes from step 8."""
+    common = ["train.steps=16", "checkpoint.interval_steps=4", "checkpoint.mode=sync", *MEMORY,
+              "checkpoint.job_id=memory-fallback"]
     reference = run_trainer(tmp_path / "reference", ["train.steps=16", "checkpoint.interval_steps=4"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -59,14 +63,14 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
         flipped = bytearray(data.read_bytes())
         flipped[record["spans"][0][0]] ^= 0x10
         data.write_bytes(bytes(flipped))
-        # The newest durable checkpoint the killed run committed (step 8's write may not have
-        # committed by step 11 on a busy machine: then step 4).
         durable = [r["step"] for r in read_events(run_dir, "checkpoint")][-1]
+        assert durable == 8
         resumed = run_trainer(run_dir, common)
         out = resumed.stdout + resumed.stderr
         assert resumed.returncode == 0, out[-3000:]
-        assert "memory checkpoint of step 10 not loaded" in out and "fails its CRC32C" in out, out[-3000:]
-        assert f"resumed from step {durable} (" in out and "resumed from memory" not in out
+        assert f"slot-{record['slot']}.bin: tensor 0 fails its CRC32C (step 10); set aside" in out, out[-3000:]
+        assert "memory checkpoints not used: memory holds only steps older than the durable checkpoint's (8)" in out
+        assert "resumed from step 8 (" in out and "resumed from memory" not in out
         summary = read_summary(run_dir)
         assert summary["resumed_from_step"] == durable
         assert summary["params_sha256"] == read_summary(tmp_path / "reference")["params_sha256"]
@@ -75,3 +79,29 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
     finally:
         shutil.rmtree(job_root(SHM, "memory-fallback"), ignore_errors=True)
 
+
+
+def test_a_corrupt_slot_comes_back_from_its_replica_and_a_corrupt_replica_from_the_durable_checkpoint(
+        tmp_path, reference_1x2, request):
+    """Two pods of one rank on the image's NVRx lane, replicas on. After step 11, a bit of rank 0's
+    snapshot of step 10 flips (its replica already on pod 1) and rank 0 is killed: the start sets
+    the slot aside and restores rank 0 from the replica pod 1 keeps, rank 1 from its own slot.
+    Before step 19 the replica of rank 0's step 18 flips on pod 1, and after step 19 rank 0's own
+    snapshot of step 18 flips and rank 0 is killed: the replica moved back fails its checksum at
+    the load, and every rank resumes from the durable checkpoint of step 16."""
+    run_dir = tmp_path / "run"
+    faults = ["memory-corrupt@12:rank=0", "sigkill@12:rank=0", "replica-corrupt@19:rank=1",
+              "memory-corrupt@20:rank=0", "sigkill@20:rank=0"]
+    summary = run_with_faults(run_dir, faults, reference_1x2, nodes=2, nproc=1,
+                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=400,
+                              **lane_run(request, "image"))
+    from_replica, from_durable = summary["recoveries"]
+    out = summary["_stdout"] + summary["_output"]
+    assert (from_replica["resumed_from_step"], from_replica["lost_steps"]) == (10, 1), from_replica
+    assert "rank-0/slot-" in out and "fails its CRC32C (step 10)" in out and ".invalid" in out, out[-4000:]
+    assert "resumed from memory: step 10 on every rank (step 10 from memory on every rank, 1 rank(s) from the " \
+           "replica a peer keeps)" in out, out[-4000:]
+    assert (from_durable["resumed_from_step"], from_durable["lost_steps"]) == (16, 3), from_durable
+    assert "memory checkpoint of step 18 not loaded" in out and "resuming from the durable checkpoint" in out
+    assert "resumed from memory: step 18" not in out
+    assert not job_root(SHM, job_of(run_dir)).exists()

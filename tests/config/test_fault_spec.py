@@ -37,3 +37,14 @@ def test_fault_specs_parse_and_bad_ones_name_the_fix():
         parse_faults(["node-loss@3:node=2"], world_size=4, nodes=2)
     with pytest.raises(ConfigError, match="resilience.inject"):
         load_config(None, ["resilience.inject=[hang@x]"])
+
+
+def test_a_memory_fault_without_the_memory_tier_or_its_replicas_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="memory-corrupt fault acts on memory checkpoints, and "
+                                          "checkpoint.memory.interval_steps is 0"):
+        load_config(None, ["resilience.inject=[memory-corrupt@4]"])
+    with pytest.raises(ConfigError, match="checkpoint.memory.replicas is 0; set it to 1"):
+        load_config(None, ["resilience.inject=[replica-corrupt@4:rank=1]", "checkpoint.memory.interval_steps=2"])
+    config = load_config(None, ["resilience.inject=[replica-corrupt@4:rank=1]", "checkpoint.memory.interval_steps=2",
+                                "checkpoint.memory.replicas=1"])
+    assert parse_faults(config.resilience.inject, world_size=2) == [FaultSpec("replica-corrupt", 4, 1)]

@@ -65,11 +65,19 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               _SAVE_FAILS + " at checkpoint.write_timeout_s", stops=False),
     FaultKind("writer-slow", "write", "the checkpoint writer finishes SECONDS later", "none: the write is late",
               takes_duration=True, stops=False),
+    FaultKind("memory-corrupt", "step", "a byte of the rank's newest memory checkpoint flips (after its replica "
+              "left), as a bad DIMM's would: its CRC32C fails at the next restore",
+              "none now; the next restore takes the replica a peer keeps, else the durable checkpoint", stops=False),
+    FaultKind("replica-corrupt", "step", "a byte of the newest replica the rank keeps (of its peer's memory "
+              "checkpoint) flips", "none now; a restore that needs it falls back to the durable checkpoint",
+              stops=False),
     FaultKind("slow-exit", "step", "the rank finishes training, then waits SECONDS (default 30) before it exits, "
               "as a slow teardown does: its node ends after the store host's", "none: the node still exits 0",
               takes_duration=True, stops=False),
 )}
 NODE_FAULT_KINDS = tuple(k.name for k in FAULT_KINDS.values() if k.by_cluster)
+# Kinds that act on the memory tier's snapshots (checkpoint.memory): refused without it.
+MEMORY_FAULT_KINDS = ("memory-corrupt", "replica-corrupt")
 _FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<options>(?::[^:]*)*)$")
 _FAULT_GRAMMAR = "KIND@STEP[:rank=R | :node=N][:for=SECONDS]"
 

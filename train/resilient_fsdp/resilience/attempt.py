@@ -27,7 +27,7 @@ import torch
 
 from ..config import ResilienceConfig, parse_faults
 from . import accounting
-from .faults import FaultInjector
+from .faults import CorruptibleMemory, FaultInjector
 from .inprocess import InProcessAttempt
 from .ledger import FaultLedger
 from .rank_monitor import ProgressMonitor
@@ -93,6 +93,10 @@ class Attempt(NoHooks):
         self.rank = rank
         self.injector = FaultInjector(parse_faults(self.cfg.inject, world_size), rank, self.ledger)
         self.layer = accounting.detect_layer(metrics_path, self.number, rank, device)
+
+    def memory_built(self, memory: Optional[CorruptibleMemory]) -> None:
+        """The checkpointer's memory tier (None: off), which the memory faults act on."""
+        self.injector.memory = memory
 
     def started(self) -> None:
         """Start-up is over (built and resumed): the ``init`` section closes."""

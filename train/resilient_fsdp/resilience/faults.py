@@ -34,12 +34,12 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import psutil
 
 from .. import atomic
-from ..config import NODE_FAULT_KINDS, ConfigError, FaultSpec
+from ..config import MEMORY_FAULT_KINDS, NODE_FAULT_KINDS, ConfigError, FaultSpec
 from .ledger import FaultLedger
 
 if TYPE_CHECKING:  # the node agent imports this module, without torch
@@ -211,6 +211,12 @@ def _signal(proc: psutil.Process, sig: int) -> None:
         pass
 
 
+class CorruptibleMemory(Protocol):
+    """What the memory faults need of the memory tier (``checkpoint.memory.tier.MemoryTier``)."""
+
+    def byte_to_corrupt(self, replica: bool) -> Optional[tuple[Path, int, int]]: ...
+
+
 class FaultInjector:
     """Fires this rank's faults at their steps, each at most once per job."""
 
@@ -222,6 +228,8 @@ class FaultInjector:
                      if (s.node is None and s.rank == rank) or (s.node == self.node and local_rank == 0)]
         self.rank, self.ledger, self.on_fire = rank, ledger, on_fire
         self.watch: Optional[SaveWatch] = None
+        # The memory tier the ``memory-corrupt`` and ``replica-corrupt`` faults act on, once built.
+        self.memory: Optional[CorruptibleMemory] = None
         self.partitions: list[tuple[FaultSpec, float]] = []  # fired here, (spec, t_fault)
 
     def at_step_start(self, step: int, completed_step: int) -> None:
@@ -310,6 +318,9 @@ class FaultInjector:
                 self.partitions.append((spec, record["t_fault"]))
                 return  # the cluster cuts the link; training goes on until it notices
             self._await_node_loss(spec, request)
+        if spec.kind in MEMORY_FAULT_KINDS:
+            self._flip_memory_byte(spec)
+            return
         if spec.kind == "slow-exit":
             _EXIT_DELAYS.append(spec.for_s if spec.for_s is not None else SLOW_EXIT_DEFAULT_S)
             return
@@ -329,6 +340,21 @@ class FaultInjector:
         if spec.kind in ("hang", "hang-in-collective"):
             while True:  # Python-level, so an in-process restart can interrupt it
                 time.sleep(0.05)
+
+    def _flip_memory_byte(self, spec: FaultSpec) -> None:
+        found = self.memory.byte_to_corrupt(replica=spec.kind == "replica-corrupt") if self.memory else None
+        if found is None:
+            print(f"[resilient-fsdp] rank {self.rank}: {spec}: no memory checkpoint to corrupt", file=sys.stderr,
+                  flush=True)
+            return
+        path, offset, step = found
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x10]))
+        print(f"[resilient-fsdp] rank {self.rank}: {spec}: flipped a bit of {path} (step {step}) at byte {offset}",
+              file=sys.stderr, flush=True)
 
     def _record(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None) -> dict:
         return {**asdict(spec), "fault": str(spec), "key": spec.key, "completed_step": completed_step,

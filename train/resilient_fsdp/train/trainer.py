@@ -180,6 +180,7 @@ class Trainer:
                                                 "micro_batch_size": cfg.data.micro_batch_size,
                                                 "global_batch_target": self.global_batch},
                                          elastic_batch=cfg.train.elastic_batch)
+        self.attempt.memory_built(self.checkpointer.memory)
         self.checkpointer.preflight()
 
     # -- training ---------------------------------------------------------------------------------

@@ -99,6 +99,15 @@ class Replicator:
             if newest is not None:
                 self.received.append(newest.step)
 
+    def wait_sent(self, step: int, timeout_s: float) -> bool:
+        """Wait until the snapshot of ``step`` has been sent, skipped or cannot be (a dead peer);
+        whether it was sent."""
+        deadline = time.monotonic() + timeout_s
+        while step not in self.sent and step not in self.skipped and not self.errors \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return step in self.sent
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is queued, say goodbye, and stop (the receiver when its source says goodbye)."""
         with self._cv:

@@ -162,8 +162,7 @@ class MemorySlots:
         page is touched once); returns the spans and the views to copy ``tensors`` into."""
         spans, nbytes = plan(tensors)
         self.dir.mkdir(parents=True, exist_ok=True)
-        record = self.dir / f"slot-{slot}.json"
-        record.unlink(missing_ok=True)
+        self._unrecord(slot)
         buffer = self._map(slot, nbytes)
         views = [buffer[s.offset: s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in spans]
         return spans, views
@@ -202,8 +201,13 @@ class MemorySlots:
         """Start writing ``slot`` as bytes (a replica arriving from its rank): its record removed,
         its file sized and mapped; the buffer to receive into."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / f"slot-{slot}.json").unlink(missing_ok=True)
+        self._unrecord(slot)
         return self._map(slot, nbytes)
+
+    def _unrecord(self, slot: str) -> None:
+        """``slot`` is about to be written: no record of what it held stands, valid or set aside."""
+        for suffix in (".json", ".invalid"):
+            (self.dir / f"slot-{slot}{suffix}").unlink(missing_ok=True)
 
     def commit_raw(self, slot: str, record: Record, extra: bytes) -> Record:
         """Complete ``slot`` with another slot's ``record`` (its checksums, unchanged: they are
@@ -279,6 +283,18 @@ class MemorySlots:
                 (self.dir / f"slot-{record.slot}.json").unlink(missing_ok=True)
                 removed.append(record.step)
         return removed
+
+    def set_aside(self, record: Record) -> Path:
+        """Take ``record``'s slot out of the snapshots (one that failed its checks): its record
+        moves to ``slot-<x>.invalid``, kept to be looked at, and the slot is the next one written."""
+        path = self.dir / f"slot-{record.slot}.json"
+        aside = path.with_suffix(".invalid")
+        path.replace(aside)
+        return aside
+
+    def byte_of(self, record: Record) -> tuple[Path, int]:
+        """The file and offset of ``record``'s first tensor byte (where an injected fault flips one)."""
+        return self._bin(record.slot), record.spans[0][0] if record.spans else 0
 
     # -- the end ------------------------------------------------------------------------------
 

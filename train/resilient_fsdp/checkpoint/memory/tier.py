@@ -12,8 +12,10 @@ thread; the next memory save waits for them (one in flight, two slots). A memory
 coincides with a durable one: at a step where both are due, the durable save is taken.
 
 **Restoring** (:meth:`MemoryTier.restore`): every rank copies its own slot into the live state,
-after the slot's checks; a rank whose slot fails them makes the whole start fall back to the
-durable checkpoint (the decision is :mod:`.agreement`'s, made in :mod:`..resume`).
+after the slot's checks. A rank checks its newest snapshot's checksums when it reports what it
+has (:meth:`MemoryTier.report`): one that fails is set aside, so the decision (:mod:`.agreement`'s,
+made in :mod:`..resume`) takes the replica a peer keeps of it; a slot that fails at the load (a
+replica moved in, the structure) makes the whole start fall back to the durable checkpoint.
 
 **Replicas** (``checkpoint.memory.replicas: 1``, :mod:`.replicas`): each committed snapshot is
 handed to this rank's sender, which sends the newest to the rank on the next pod; a start whose
@@ -62,6 +64,9 @@ class MemoryTier:
         # async engines, 0 for sync); they count where they share the slots' file system.
         self.durable_copies = durable_copies
         self.off: Optional[str] = None  # why the tier is off for this job, once found
+        self.say = say
+        # The newest own snapshot, its checksums checked when this start reported it, and its views.
+        self._checked: Optional[tuple[Record, list[torch.Tensor]]] = None
         self.root = job_root(Path(shm), job)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.slots = MemorySlots(self.root, owner_name(rank))
@@ -182,14 +187,25 @@ class MemoryTier:
     # -- restoring -------------------------------------------------------------------------------
 
     def report(self) -> Report:
-        """This rank's complete snapshots at this world size, and the replicas it keeps (their
-        structure is checked when one is loaded: taking the live state's structure here would
-        initialise an empty optimizer's state, which a fresh start must not have)."""
-        def steps(slots: MemorySlots) -> tuple[int, ...]:
-            return tuple(sorted(r.step for r in slots.records() if r.world_size == self.world_size))
-
-        replicas = {self.source: steps(self.kept)} if self.kept is not None else {}
-        return Report(self.rank, steps(self.slots), replicas)
+        """This rank's complete snapshots at this world size, and the replicas it keeps. The newest
+        own snapshot's checksums are checked here, once (the restore uses what was checked): one
+        that fails is set aside and not reported, so the decision takes the replica a peer keeps of
+        it, else an older step, else the durable checkpoint. The structure is checked when a
+        snapshot is loaded: taking the live state's structure here would initialise an empty
+        optimizer's state, which a fresh start must not have."""
+        own = [r for r in self.slots.records() if r.world_size == self.world_size]
+        self._checked = None
+        if own:
+            try:
+                self._checked = (own[0], self.slots.read(own[0]))
+            except SlotInvalid as exc:
+                aside = self.slots.set_aside(own[0])
+                self.say(f"rank {self.rank}: warning: {exc}; set aside as {aside.name}, the restore does without it")
+                own = own[1:]
+        replicas = {}
+        if self.kept is not None:
+            replicas[self.source] = tuple(sorted(r.step for r in self.kept.records() if r.world_size == self.world_size))
+        return Report(self.rank, tuple(sorted(r.step for r in own)), replicas)
 
     def exchange(self, decision: Decision) -> Optional[str]:
         """Collective: move the replicas ``decision`` needs into their ranks' own slots."""
@@ -205,7 +221,8 @@ class MemoryTier:
         if record is None:
             return f"rank {self.rank} has no memory checkpoint of step {step}"
         try:
-            views = self.slots.read(record)
+            checked = self._checked is not None and self._checked[0] == record
+            views = self._checked[1] if checked else self.slots.read(record)
             values = pickle.loads(self.slots.extra(record))
         except SlotInvalid as exc:
             return str(exc)
@@ -236,6 +253,28 @@ class MemoryTier:
     def newest_of(self, step: int) -> Optional[Record]:
         """This rank's snapshot of ``step``, if it has one."""
         return next((r for r in self.slots.records() if r.step == step), None)
+
+    def byte_to_corrupt(self, replica: bool, timeout_s: float = 30.0) -> Optional[tuple[Path, int, int]]:
+        """Where the ``memory-corrupt`` and ``replica-corrupt`` faults flip a byte: the file,
+        offset and step of this rank's newest snapshot, once its replica has left (so the flip is
+        in this copy alone), or, with ``replica``, of the newest replica this rank keeps, once the
+        replica of this rank's own newest step has arrived; None when there is none."""
+        self.settle()
+        own = self.slots.newest()
+        if not replica:
+            if own is None:
+                return None
+            if self.replicator is not None:
+                self.replicator.wait_sent(own.step, timeout_s)
+            return (*self.slots.byte_of(own), own.step)
+        if self.kept is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        kept = self.kept.newest()
+        while (kept is None or (own is not None and kept.step < own.step)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            kept = self.kept.newest()
+        return None if kept is None else (*self.kept.byte_of(kept), kept.step)
 
     def close(self, remove: bool) -> None:
         """Wait for the save in flight; ``remove``: the job has ended, its slots go."""
