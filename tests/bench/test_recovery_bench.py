@@ -42,3 +42,16 @@ def test_the_memory_save_stall_is_the_median_of_the_saves_after_the_first(tmp_pa
     assert memory_stall(metrics) == pytest.approx(0.02)  # the first (mapping the slot) and the failed one left out
     metrics.write_text(json.dumps({"event": "step", "step": 1}) + "\n")
     assert memory_stall(metrics) is None
+
+
+def test_the_replicas_time_is_the_median_of_rank_0s_sends_after_the_first(tmp_path):
+    from resilient_fsdp.bench.recovery import replica_time
+
+    records = [{"event": "memory_replica", "step": s, "send_s": t, "bytes": 10, "error": None}
+               for s, t in ((1, 0.9), (2, 0.04), (3, 0.06), (4, 0.05))]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records)
+                       + json.dumps({"event": "memory_checkpoint", "step": 5, "stall_s": 3.0}) + "\n")
+    assert replica_time(metrics) == pytest.approx(0.05)
+    metrics.write_text(json.dumps({"event": "memory_replica", "step": 1, "send_s": 0.9}) + "\n")
+    assert replica_time(metrics) is None

@@ -42,6 +42,9 @@ def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_
     saved = read_events(run_dir, "memory_checkpoint")
     assert {r["step"] for r in saved} >= {2, 6, 10, 14, 18} and not {r["step"] for r in saved} & {4, 8, 12, 16}
     assert all(r["error"] is None and r["bytes"] > 0 for r in saved)
+    replicated = read_events(run_dir, "memory_replica")  # rank 0's, each with the time its send took
+    assert replicated and all(r["to"] == 1 and r["bytes"] > 0 and r["send_s"] > 0 for r in replicated)
+    assert {r["step"] for r in replicated} <= {r["step"] for r in saved}
     assert not job_root(SHM, job_of(run_dir)).exists()
 
 

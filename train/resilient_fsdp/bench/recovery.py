@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="dist.timeout_s: how long gloo peers wait on the failed rank (default 2)")
     p.add_argument("--memory-interval-steps", type=int, default=1,
                    help="checkpoint.memory.interval_steps of the in_job_memory layer (default 1)")
+    p.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1),
+                   help="checkpoint.memory.replicas of the in_job_memory layer (default 0); with 1 the replica's "
+                        "time is reported")
     p.add_argument("--repeats", type=int, default=5, help="runs per layer; median, min and max are reported")
     p.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layers to measure")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -84,7 +87,8 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
                  f"dist.timeout_s={args.timeout_s}", *COMMON, *getattr(args, "overrides", []),
                  f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}"]
     if layer == "in_job_memory":
-        overrides.append(f"checkpoint.memory.interval_steps={args.memory_interval_steps}")
+        overrides += [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
+                      f"checkpoint.memory.replicas={getattr(args, 'memory_replicas', 0)}"]
     flags = [f"--inject={spec}", *(f"--value={v}" for v in getattr(args, "values", []))]
     if layer == "full_relaunch":
         flags += ["--max-restarts=0", "--max-node-restarts=0"]
@@ -100,6 +104,7 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     return {"recovery_s": recovery["recovery_s"], "lost_steps": recovery["lost_steps"],
             "layer_seen": recovery["layer"], "params_sha256": summary["params_sha256"],
             "phases_s": recovery.get("phases_s"), "memory_save_stall_s": memory_stall(run_dir / "metrics.jsonl"),
+            "memory_replica_s": replica_time(run_dir / "metrics.jsonl"),
             **save_stalls(run_dir / "metrics.jsonl", args.fault_step, args.steps)}
 
 
@@ -109,6 +114,14 @@ def memory_stall(metrics: Path) -> float | None:
     events = [json.loads(line) for line in metrics.read_text().splitlines() if '"memory_checkpoint"' in line]
     stalls = [e["stall_s"] for e in events[1:] if e.get("event") == "memory_checkpoint" and not e.get("error")]
     return statistics.median(stalls) if stalls else None
+
+
+def replica_time(metrics: Path) -> float | None:
+    """The median time rank 0's replicas took to reach the rank on the next pod (the first, which
+    maps and touches the peer's slot, left out), or None without replicas."""
+    events = [json.loads(line) for line in metrics.read_text().splitlines() if '"memory_replica"' in line]
+    times = [e["send_s"] for e in events if e.get("event") == "memory_replica"][1:]
+    return statistics.median(times) if times else None
 
 
 def save_stalls(metrics: Path, fault_step: int, final_step: int) -> dict:
@@ -175,6 +188,7 @@ def main(args: argparse.Namespace) -> int:
                           "lost_steps_median": statistics.median(s["lost_steps"] for s in samples),
                           "save_after_restart_over_normal_max": max(ratios) if ratios else None,
                           "memory_save_stall_s_median": _median_of(s["memory_save_stall_s"] for s in samples),
+                          "memory_replica_s_median": _median_of(s.get("memory_replica_s") for s in samples),
                           "phases_s_median": median_phases(samples), "samples": samples}
     results["layers"] = layers
     results["loadavg_end"] = os.getloadavg()
@@ -208,6 +222,11 @@ def format_table(results: dict) -> str:
     rows.append("where the time went (median s): " + "; ".join(
         f"{layer}: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in results[layer]["phases_s_median"].items())
         for layer in results["layers"]))
+    for layer in results["layers"]:
+        stall, replica = (results[layer].get(k) for k in ("memory_save_stall_s_median", "memory_replica_s_median"))
+        if stall is not None:
+            rows.append(f"{layer}: memory save stall {stall:.3f} s (median)"
+                        + (f", replica to the next pod {replica:.3f} s (median)" if replica is not None else ""))
     rows += [f"{name.replace('_', ' ')}: {value:.3f}" for name, value in results["ratios"].items()]
     return "\n".join(rows)
 

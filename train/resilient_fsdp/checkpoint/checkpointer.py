@@ -176,7 +176,8 @@ class Checkpointer:
         return time.perf_counter() - t0
 
     def _log_memory(self) -> None:
-        """Rank 0 records its memory saves; any rank says one that failed (training goes on)."""
+        """Rank 0 records its memory saves and replicas sent; any rank says a save that failed
+        (training goes on)."""
         if self.memory is None:
             return
         for record in self.memory.poll():

@@ -48,6 +48,8 @@ class Replicator:
         self.skipped: list[int] = []
         self.received: list[int] = []
         self.errors: list[str] = []
+        # Per replica sent: its step, bytes and the seconds its send took (the replica's time).
+        self.timings: list[dict] = []
         self._threads = []
         if holder is not None:
             self._threads.append(threading.Thread(target=self._send_loop, name="memory-replica-send", daemon=True))
@@ -76,7 +78,9 @@ class Replicator:
                 if record is None:  # closed, nothing left
                     break
             try:
+                t0 = time.perf_counter()
                 _send(self.group, self.holder, record, self.own)
+                self.timings.append({"step": record.step, "bytes": record.nbytes, "send_s": time.perf_counter() - t0})
                 self.sent.append(record.step)
             except Exception as exc:  # noqa: BLE001 - a dead peer; the restore falls back without it
                 self.errors.append(f"sending step {record.step} to rank {self.holder}: {exc}")

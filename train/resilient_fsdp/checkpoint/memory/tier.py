@@ -158,10 +158,15 @@ class MemoryTier:
         return waited
 
     def poll(self) -> list[dict]:
-        """The ``memory_checkpoint`` records of saves finished since the last call."""
+        """The ``memory_checkpoint`` records of saves finished since the last call, and the
+        ``memory_replica`` records of replicas sent since then (``send_s``: the replica's time)."""
         if self.pending is not None and self._copy is not None and self._copy.done():
             self._finish()
         done, self._finished = self._finished, []
+        if self.replicator is not None:
+            sent, self.replicator.timings = self.replicator.timings, []
+            done += [{"event": "memory_replica", "t": time.time(), "rank": self.rank, "to": self.replicator.holder,
+                      **timing, "error": None} for timing in sent]
         return done
 
     def settle(self) -> None:
