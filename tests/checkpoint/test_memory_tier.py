@@ -91,13 +91,14 @@ def test_a_corrupt_slot_comes_back_from_its_replica_and_a_corrupt_replica_from_t
     the slot aside and restores rank 0 from the replica pod 1 keeps, rank 1 from its own slot.
     Before step 19 the replica of rank 0's step 18 flips on pod 1, and after step 19 rank 0's own
     snapshot of step 18 flips and rank 0 is killed: the replica moved back fails its checksum at
-    the load, and every rank resumes from the durable checkpoint of step 16."""
+    the load, and every rank resumes from the durable checkpoint of step 16 (saved synchronously, so it is
+    committed whatever the machine's speed)."""
     run_dir = tmp_path / "run"
     faults = ["memory-corrupt@12:rank=0", "sigkill@12:rank=0", "replica-corrupt@19:rank=1",
               "memory-corrupt@20:rank=0", "sigkill@20:rank=0"]
     summary = run_with_faults(run_dir, faults, reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=400,
-                              **lane_run(request, "image"))
+                              overrides=[*MEMORY, "checkpoint.memory.replicas=1", "checkpoint.mode=sync"],
+                              timeout=400, **lane_run(request, "image"))
     from_replica, from_durable = summary["recoveries"]
     out = summary["_stdout"] + summary["_output"]
     assert (from_replica["resumed_from_step"], from_replica["lost_steps"]) == (10, 1), from_replica
