@@ -183,7 +183,7 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
     assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
     args = c["args"]
     # The agent's own flags, then ft_launcher's; the store connect wait follows the join timeout.
-    assert args[:11] == ["--rejoin-timeout=1800", "--metrics-port=9410", "--",
+    assert args[:12] == ["--rejoin-timeout=1800", "--metrics-port=9410", "--prewarm=true", "--",
                          "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
                          "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
                          "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500", "--rdzv-id=run1-resilient-fsdp",
@@ -198,6 +198,11 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
     assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 3)
     assert "elasticPolicy" not in job(rendered)["spec"]
     assert mount(rendered, "config")["mountPath"] == "/etc/resilient-fsdp"
+
+
+def test_should_let_ranks_import_their_own_when_prewarm_is_off():
+    args = container(render("trainer.resilience.launcher.prewarm=false"))["args"]
+    assert not any(a.startswith("--prewarm") for a in args) and "--" in args
 
 
 def test_should_render_master_only_when_job_has_one_pod():

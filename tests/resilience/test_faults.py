@@ -141,6 +141,10 @@ def test_every_kind_in_one_pod_is_recovered_by_in_job_restart(tmp_path, request,
                               timeout=600, **lane_run(request, lane))
     check_recoveries(summary, ["in_job"] * 4 + ["job"])
     check_landed_mid_write(summary["recoveries"][3])
+    # Every rank of every attempt was forked from the pod's pre-warmed server (on by default).
+    pod_log = (tmp_path / "run" / "logs" / "node0.log").read_text()
+    assert pod_log.count("pre-warmed server ready") == 2, pod_log[-3000:]  # one per ft_launcher run
+    assert "imports its own" not in pod_log and "imports its own" not in summary["_output"], pod_log[-3000:]
 
 
 @pytest.mark.timeout(660)

@@ -83,6 +83,10 @@ spec:
         # The run's Prometheus metrics, served by the agent (container port `metrics`).
         - --metrics-port={{ int $v.metrics.port }}
         {{- end }}
+        {{- if eq (include "resilient-fsdp.resilience" (set $r "key" "launcher.prewarm")) "true" }}
+        # New ranks are forked from a server in the pod that has imported the trainer.
+        - --prewarm=true
+        {{- end }}
         - --
         - --ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml
         - --nnodes={{ include "resilient-fsdp.nnodes" $ }}

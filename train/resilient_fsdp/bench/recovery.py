@@ -6,6 +6,8 @@ otherwise) gets one injected
 
 - ``in_process``: ``resilience.in_process.enabled=true``: every rank re-enters training in its process;
 - ``in_job``: in-process restart off: ``ft_launcher`` respawns the workers of every node;
+- ``in_job_cold``: the same without pre-warmed ranks (``resilience.launcher.prewarm=false``):
+  every new rank imports torch and the trainer itself;
 - ``in_job_memory``: the same, with memory checkpoints every ``--memory-interval-steps`` steps
   (``checkpoint.memory``): the new workers restore from the pod's ``/dev/shm``;
 - ``full_relaunch``: no restart allowed (``--max-restarts 0 --max-node-restarts 0``): the job
@@ -39,7 +41,7 @@ COMMON = ["resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detec
           "resilience.hang_detection.learn_timeouts=false", "resilience.in_process.soft_timeout_s=20",
           "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
           "resilience.in_process.barrier_timeout_s=120"]
-LAYERS = ("in_process", "in_job", "in_job_memory", "full_relaunch")
+LAYERS = ("in_process", "in_job", "in_job_cold", "in_job_memory", "full_relaunch")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +88,8 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
                  f"dist.timeout_s={args.timeout_s}", *COMMON, *getattr(args, "overrides", []),
                  f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}"]
+    if layer == "in_job_cold":
+        overrides.append("resilience.launcher.prewarm=false")
     if layer == "in_job_memory":
         overrides += [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
                       f"checkpoint.memory.replicas={getattr(args, 'memory_replicas', 0)}"]
@@ -194,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
     results["loadavg_end"] = os.getloadavg()
     relaunch = results.get("full_relaunch", {}).get("recovery_s_median")
     results["ratios"] = {f"{layer}_over_full_relaunch": results[layer]["recovery_s_median"] / relaunch
-                         for layer in ("in_process", "in_job", "in_job_memory") if layer in results and relaunch}
+                         for layer in ("in_process", "in_job", "in_job_cold", "in_job_memory") if layer in results and relaunch}
     print(format_table(results))
     write_results(results, args.out)
     return 0 if all(s["bitwise_equal_to_fault_free"] for layer in layers for s in results[layer]["samples"]) else 1

@@ -309,6 +309,10 @@ class LauncherConfig:
     workers_stop_timeout_s: float = Field(default=15.0, gt=0)
     """When restarting workers after a fault, how long ``ft_launcher`` waits between SIGTERM and
     SIGKILL (a rank stuck in a collective that cannot be aborted is killed after this)."""
+    prewarm: bool = True
+    """Fork each new rank from a server in the pod that has imported torch and the trainer, so an
+    in-job restart does not import them again on every rank (``resilience.prewarm``); false:
+    ``ft_launcher``'s workers import their own."""
 
 
 @dataclass(config=_STRICT)

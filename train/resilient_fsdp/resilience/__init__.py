@@ -13,6 +13,7 @@
 - ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;
 - ``exit_codes``: what a node's exit code means, and which layer retries it;
 - ``agent``: a node's main process (a pod's PID 1) around ``ft_launcher``;
+- ``prewarm``: every new rank forked from a server in the pod that has imported the trainer;
 - ``metrics_endpoint``: the agent's Prometheus endpoint, the run's records as metrics;
 - ``node_rank``: a node's index in the job, who hosts the rendezvous store, its node rank;
 - ``rejoin``: a node that another node's failure stopped joins again in its pod, bounded;

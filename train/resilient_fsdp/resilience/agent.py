@@ -51,7 +51,7 @@ from typing import Iterable, Optional
 
 import psutil
 
-from . import exit_codes, metrics_endpoint, node_rank
+from . import exit_codes, metrics_endpoint, node_rank, prewarm
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
@@ -146,24 +146,26 @@ class RankHelperSweeper:
     process that has it now is younger than they are (it cannot be their session leader).
     """
 
-    def __init__(self, launcher_pid: int):
-        self.launcher_pid = launcher_pid
+    def __init__(self, launcher_pid: int, prewarm_pid: Optional[int] = None):
+        # Ranks are the launcher's children, or the pre-warmed server's (its forks).
+        self.launcher_pid, self.prewarm_pid = launcher_pid, prewarm_pid
         self.ranks: set[int] = set()  # session ids of ranks seen, dead ones until their helpers are gone
         self.seen_ranks = False  # the launcher started ranks at some point
 
     def sweep(self) -> list[int]:
         """Learn the current ranks, reap dead children, kill dead ranks' helpers, forget dead
         ranks whose helpers are gone. Returns the pids killed."""
-        try:
-            for rank in psutil.Process(self.launcher_pid).children():
-                if _session(rank.pid) == rank.pid:
-                    self.ranks.add(rank.pid)
-                    self.seen_ranks = True
-        except psutil.NoSuchProcess:
-            pass
+        for parent in (self.launcher_pid, self.prewarm_pid):
+            try:
+                for rank in psutil.Process(parent).children() if parent is not None else ():
+                    if _session(rank.pid) == rank.pid:
+                        self.ranks.add(rank.pid)
+                        self.seen_ranks = True
+            except psutil.NoSuchProcess:
+                pass
         killed, helpers_left = [], set()
         for proc in psutil.Process().children():
-            if proc.pid == self.launcher_pid:
+            if proc.pid in (self.launcher_pid, self.prewarm_pid):
                 continue
             try:
                 if proc.status() == psutil.STATUS_ZOMBIE:
@@ -259,7 +261,9 @@ def _say(message: str) -> None:
 
 AGENT_FLAGS = {"--rejoin-timeout": "seconds a node that is not the store host keeps joining again after "
                                       "another node's failure (0: never; default 0)",
-               "--metrics-port": "port of the node's Prometheus metrics endpoint (0: none; default 0)"}
+               "--metrics-port": "port of the node's Prometheus metrics endpoint (0: none; default 0)",
+               "--prewarm": "true: ranks are forked from a server that has imported the trainer (resilience.prewarm; "
+                            "default false)"}
 
 
 def parse_agent_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
@@ -269,7 +273,11 @@ def parse_agent_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
     i = 0
     while i < len(argv) and argv[i].partition("=")[0] in AGENT_FLAGS:
         name, _, value = argv[i].partition("=")
-        if name == "--metrics-port":
+        if name == "--prewarm":
+            if value not in ("true", "false"):
+                raise ValueError(f"{argv[i]}: give {name}=true or {name}=false")
+            flags[name] = float(value == "true")
+        elif name == "--metrics-port":
             if not (value.isdigit() and int(value) <= 65535):
                 raise ValueError(f"{argv[i]}: give {name}=PORT, a whole number from 1 to 65535 (0: no metrics)")
             flags[name] = int(value)
@@ -355,7 +363,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     nproc = _nproc(args)
     try:
         while True:
-            returncode, lines, started = _run_launcher(args, env, launcher, received, fatal)
+            returncode, lines, started = _run_launcher(args, env, launcher, received, fatal,
+                                                       base + ".prewarm.sock" if flags.get("--prewarm") else None)
             reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
             code = exit_code(returncode, received[0] if received else None, lines, reason is not None)
             finished = nproc is not None and exit_codes.finished_ranks(done_dir) >= nproc
@@ -413,9 +422,14 @@ def start_metrics(port: int, args: list[str], index: Optional[int], env: dict[st
 
 
 def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subprocess.Popen],
-                  received: list[int], fatal: list[bool]) -> tuple[int, list[str], bool]:
+                  received: list[int], fatal: list[bool],
+                  prewarm_socket: Optional[str] = None) -> tuple[int, list[str], bool]:
     """One ``ft_launcher`` run to its end: (its return code, its last stderr lines, whether it
-    started ranks, i.e. a rendezvous of every node completed)."""
+    started ranks, i.e. a rendezvous of every node completed). With ``prewarm_socket``, beside a
+    pre-warmed server there that forks the ranks (:mod:`.prewarm`); it ends with the run."""
+    server = start_prewarm(prewarm_socket, args, env) if prewarm_socket else None
+    if server is not None:
+        env = {**env, prewarm.SOCKET_ENV: prewarm_socket}
     child = subprocess.Popen([*ft_launcher_executable(), *args], env=env, stderr=subprocess.PIPE)
     tail = _StderrTail(child.stderr)
     tail.start()
@@ -424,7 +438,7 @@ def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subp
         _send(child, received[-1])  # arrived while the launcher was being started
     if fatal:
         _send(child, signal.SIGTERM)
-    sweeper = RankHelperSweeper(child.pid)
+    sweeper = RankHelperSweeper(child.pid, server.pid if server is not None else None)
     while True:
         try:
             returncode = child.wait(timeout=SWEEP_INTERVAL_S)
@@ -434,6 +448,24 @@ def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subp
     kill_descendants(timeout=5.0)
     tail.join(timeout=5.0)
     return returncode, list(tail.lines), sweeper.seen_ranks
+
+
+def start_prewarm(path: str, args: list[str], env: dict[str, str]) -> Optional[subprocess.Popen]:
+    """The pre-warmed server for the ranks ``args`` (ft_launcher's) start, when they run the
+    trainer (``-m resilient_fsdp.train``); None for another entrypoint."""
+    try:
+        at = args.index("-m")
+    except ValueError:
+        return None
+    if at + 1 >= len(args) or args[at + 1] != prewarm.TRAINER_MODULE:
+        return None
+    # Ranks started before the server binds wait for it while this marker names a live server.
+    open(path + ".starting", "w").close()
+    server = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
+                               "--", *args[at + 2:]], env=env)
+    with open(path + ".starting", "w") as f:
+        f.write(str(server.pid))
+    return server
 
 
 def _send(child: subprocess.Popen, signum: int) -> None:

@@ -1,9 +1,18 @@
 """``python -m resilient_fsdp.train``: what every rank runs (see :mod:`.entrypoint`)."""
 
 import importlib.util
+import os
 import sys
 
-from ..resilience.nccl_env import apply_before_torch
+from ..resilience import prewarm
+
+if __name__ == "__main__" and prewarm.SOCKET_ENV in os.environ:
+    # The pod's pre-warmed server forks this rank; this process relays to it (resilience.prewarm).
+    handed = prewarm.run_as_client(sys.argv[1:])
+    if handed is not None:
+        sys.exit(handed)
+
+from ..resilience.nccl_env import apply_before_torch  # noqa: E402 (after the hand-over: it imports the config)
 
 # The restart layers' environment before torch loads: it reads TORCH_CPP_LOG_LEVEL only then.
 apply_before_torch(sys.argv[1:])
