@@ -18,7 +18,9 @@ def test_ft_config_carries_the_resilience_settings_for_every_nvrx_version():
     assert ft["rank_out_of_section_timeout"] == 600.0 and ft["rank_termination_signal"] == "SIGTERM"
     assert ft["rank_heartbeat_timeout"] is None and ft["enable_nic_monitor"] is False
     yaml.safe_dump(ft_config(cfg))  # plain YAML types only
-    assert ft_launcher_flags(cfg) == ["--max-restarts=5", "--workers-stop-timeout=4", "--term-timeout=600"]
+    assert ft["gpu_memory_poll_interval"] == 0.2
+    assert ft_launcher_flags(cfg) == ["--max-restarts=5", "--workers-stop-timeout=4", "--term-timeout=600",
+                                      "--monitor-interval=0.1"]
     # Both NVRx versions read these keys from the YAML file.
     from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
 

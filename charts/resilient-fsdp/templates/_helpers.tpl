@@ -208,6 +208,7 @@ fault_tolerance:
   safety_factor: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.safety_factor") }}
   rank_termination_signal: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.termination_signal") }}
   workload_check_interval: {{ include "resilient-fsdp.resilience" (set $r "key" "hang_detection.workload_check_interval_s") }}
+  gpu_memory_poll_interval: {{ include "resilient-fsdp.resilience" (set $r "key" "launcher.gpu_memory_poll_interval_s") }}
   # NVRx watches InfiniBand link counters through NVML; EFA and CPU-only nodes have none.
   enable_nic_monitor: false
 {{- end }}

@@ -104,6 +104,7 @@ spec:
         - --max-restarts={{ include "resilient-fsdp.resilience" (set $r "key" "launcher.max_restarts") }}
         - --workers-stop-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "launcher.workers_stop_timeout_s")) }}
         - --term-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "stop.timeout_s")) }}
+        - --monitor-interval={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "launcher.monitor_interval_s")) }}
         - -m
         - resilient_fsdp.train
         - --config=/etc/resilient-fsdp/config.yaml

@@ -309,6 +309,15 @@ class LauncherConfig:
     workers_stop_timeout_s: float = Field(default=15.0, gt=0)
     """When restarting workers after a fault, how long ``ft_launcher`` waits between SIGTERM and
     SIGKILL (a rank stuck in a collective that cannot be aborted is killed after this)."""
+    monitor_interval_s: float = Field(default=0.1, gt=0)
+    """How often ``ft_launcher`` looks at its workers (``--monitor-interval``): a rank's death is
+    seen within this, and every restart waits for it (NVRx 0.7's own default is 0.3 s; a look is
+    a ``waitpid`` per rank)."""
+    gpu_memory_poll_interval_s: float = Field(default=0.2, gt=0)
+    """Before it starts new workers on a GPU node, NVRx 0.7's ``ft_launcher`` waits for the dead
+    ranks' device memory to be freed, asking NVML this often (``gpu_memory_poll_interval``; NVRx's
+    default 2 s makes every in-job restart wait whole seconds for memory freed in a fraction of
+    one). NVRx 0.4 has no such wait and ignores the key."""
     prewarm: bool = True
     """Fork each new rank from a server in the pod that has imported torch and the trainer, so an
     in-job restart does not import them again on every rank (``resilience.prewarm``); false:

@@ -34,6 +34,7 @@ def ft_config(cfg: ResilienceConfig) -> dict:
         "safety_factor": hang.safety_factor,
         "rank_termination_signal": hang.termination_signal,
         "workload_check_interval": hang.workload_check_interval_s,
+        "gpu_memory_poll_interval": cfg.launcher.gpu_memory_poll_interval_s,
         # Watches InfiniBand link counters through NVML; EFA and CPU-only nodes have none.
         "enable_nic_monitor": False,
     }}
@@ -42,7 +43,8 @@ def ft_config(cfg: ResilienceConfig) -> dict:
 def ft_launcher_flags(cfg: ResilienceConfig) -> list[str]:
     """Launcher flags spelled the same in every supported NVRx version (torchrun's own)."""
     return [f"--max-restarts={cfg.launcher.max_restarts}",
-            f"--workers-stop-timeout={cfg.launcher.workers_stop_timeout_s:g}", f"--term-timeout={cfg.stop.timeout_s:g}"]
+            f"--workers-stop-timeout={cfg.launcher.workers_stop_timeout_s:g}", f"--term-timeout={cfg.stop.timeout_s:g}",
+            f"--monitor-interval={cfg.launcher.monitor_interval_s:g}"]
 
 
 def write_ft_config(path: Path, cfg: ResilienceConfig) -> Path:
