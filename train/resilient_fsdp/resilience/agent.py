@@ -459,10 +459,9 @@ def start_prewarm(path: str, args: list[str], env: dict[str, str]) -> Optional[s
         return None
     if at + 1 >= len(args) or args[at + 1] != prewarm.TRAINER_MODULE:
         return None
-    # Ranks started before the server binds wait for it while this marker names a live server.
-    open(path + ".starting", "w").close()
     server = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
                                "--", *args[at + 2:]], env=env)
+    # Written before ft_launcher starts: its ranks wait for the server while this marker names it alive.
     with open(path + ".starting", "w") as f:
         f.write(str(server.pid))
     return server
