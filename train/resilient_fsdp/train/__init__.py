@@ -1,6 +1,7 @@
 """What every rank runs: ``python -m resilient_fsdp.train [--config FILE] [--set k=v]...``.
 
 - ``entrypoint``: one rank's process: in-process restart around the attempts, exit codes;
+- ``process_exit``: the process's end without the interpreter's finalization;
 - ``arguments``: the command line and the configuration it resolves to (no torch import);
 - ``trainer``: the composition root and the loop (``Trainer``, its ``TrainCounters``);
 - ``resources``: what outlives an in-process restart (checkpoint engine, S3 uploader, monitor);

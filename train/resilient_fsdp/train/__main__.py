@@ -18,6 +18,7 @@ from ..resilience.nccl_env import apply_before_torch  # noqa: E402 (after the ha
 apply_before_torch(sys.argv[1:])
 
 from .entrypoint import main  # noqa: E402 (after the environment is set)
+from .process_exit import run_and_exit  # noqa: E402
 
 if __name__ == "__main__":
     # The processes multiprocessing spawns from a rank (NVRx's checkpoint writer and the manager
@@ -26,4 +27,5 @@ if __name__ == "__main__":
     # loaded there, every save waits seconds for it. Naming the entrypoint as the main module
     # gives them what they had when the trainer was a single module.
     __spec__ = importlib.util.find_spec("resilient_fsdp.train.entrypoint")
-    sys.exit(main())
+    # Without the interpreter's finalization: seconds of every restart (see .process_exit).
+    run_and_exit(main)
