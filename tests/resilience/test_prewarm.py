@@ -2,7 +2,7 @@
 trainer forks a rank for each client, which ends as its rank ends (exit code or signal), passes
 on the signals it gets, takes its rank with it when it is killed, and runs the rank itself when
 the server refuses or is not there. A trainer forked from the server trains bitwise like one
-started afresh."""
+started afresh, and finds every heavy module it uses already imported."""
 
 from __future__ import annotations
 
@@ -167,6 +167,44 @@ def test_a_trainer_forked_from_the_server_trains_bitwise_like_one_started_afresh
         server.terminate()
         _, err = server.communicate(timeout=30)
     assert "pre-warmed server ready" in err and server.returncode == 0, err[-3000:]
+
+
+# A trainer run in a process that first imported what the server preloads, as the server does;
+# prints the modules the run imported after that. Guarded: the writer process it spawns imports
+# this script again.
+AFTER_PRELOAD = textwrap.dedent('''
+    import importlib, json, os, sys
+    if __name__ == "__main__":
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
+        from resilient_fsdp.resilience import prewarm
+        for name in prewarm.PRELOAD:
+            importlib.import_module(name)
+        before = set(sys.modules)
+        from resilient_fsdp.train.entrypoint import main
+        try:
+            main(sys.argv[1:])
+        except SystemExit as exc:
+            assert exc.code in (0, None), exc.code
+        print("IMPORTED AFTER " + json.dumps(sorted(set(sys.modules) - before)), flush=True)
+''')
+# What a rank must find imported in the server: each costs a forked rank tenths of a second or more.
+HEAVY = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx", "torch.distributed", "torch.nn",
+         "torch.optim", "torch.testing", "numpy")
+
+
+def test_a_trainers_heavy_imports_are_all_made_by_the_server_before_it_forks(tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "after_preload.py"
+    script.write_text(AFTER_PRELOAD)
+    proc = subprocess.run([sys.executable, str(script), "--run-dir", str(run_dir), "--set", "train.steps=3",
+                           "--set", "checkpoint.interval_steps=2", "--set", "dist.timeout_s=60"],
+                          env=_env(mark=run_dir), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("IMPORTED AFTER "))
+    imported = json.loads(line.removeprefix("IMPORTED AFTER "))
+    late = [m for m in imported if any(m == h or m.startswith(h + ".") for h in HEAVY)]
+    assert late == [], f"add to prewarm.PRELOAD what imports these: {late}"
+    assert read_summary(run_dir)["final_step"] == 3
 
 
 def _wait_for(path: Path, timeout: float = 120) -> dict:

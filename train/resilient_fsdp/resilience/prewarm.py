@@ -45,9 +45,10 @@ SOCKET_ENV = "RESILIENT_FSDP_PREWARM_SOCKET"
 # The module ranks run (``python -m``): what the server runs in each fork.
 TRAINER_MODULE = "resilient_fsdp.train"
 # What the server imports before it accepts a rank: the trainer, and what a rank imports later
-# (the checkpoint writer's side, NVRx's rank monitor client and in-process restart).
+# (the checkpoint writer's side, NVRx's rank monitor client and in-process restart; torch._dynamo,
+# which FSDP2's hooks import at the first forward: 0.7 s per rank, started by no thread).
 PRELOAD = ("resilient_fsdp.train.entrypoint", "resilient_fsdp.checkpoint.writer.process",
-           "torch.distributed.checkpoint", "torch.distributed.fsdp")
+           "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo", "numpy.random")
 # Read by the interpreter, torch or NumPy when they are imported: a client whose value differs
 # from the server's runs the rank itself.
 IMPORT_TIME_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS",
