@@ -37,6 +37,11 @@ def main():
     atexit.register(lambda: print("atexit ran"))
     sys.stdout.write("buffered, no newline")  # flushed only at the end
     threading.Thread(target=late_writer, args=(sys.argv[1],)).start()  # not a daemon
+    # An idle pool's worker is not a daemon either; it leaves once threading's shutdown callback ran.
+    global POOL  # kept, as a client library keeps its pool
+    from concurrent.futures import ThreadPoolExecutor
+    POOL = ThreadPoolExecutor(1)
+    POOL.submit(lambda: None).result()
     {body}
 
 run_and_exit(main)

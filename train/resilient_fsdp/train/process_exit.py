@@ -7,7 +7,7 @@ four ranks of a 2-core node end together. The launcher sees a failed rank only o
 has ended, so that time is added to every in-job restart, and to the end of every run.
 
 :func:`run_and_exit` does what the interpreter does up to finalization, in its order (non-daemon
-threads joined, ``atexit`` handlers run, the standard streams flushed; an uncaught exception
+threads joined once threading's shutdown callbacks have run, ``atexit`` handlers run, the standard streams flushed; an uncaught exception
 printed by ``sys.excepthook``, the hook torch.distributed prefixes with the rank), then ends the
 process with ``os._exit``. Nothing the rank writes is lost: its files are closed by their owners
 before ``main`` returns, and the line-buffered metrics log is written through.
@@ -19,7 +19,7 @@ import atexit
 import os
 import sys
 import threading
-from typing import Callable, NoReturn, Optional, Union
+from typing import Callable, NoReturn, Union
 
 ExitCode = Union[int, str, None]
 
@@ -49,12 +49,12 @@ def exit_status(code: ExitCode) -> int:
     return 1
 
 
-def finish(status: int, join_timeout_s: Optional[float] = None) -> NoReturn:
+def finish(status: int) -> NoReturn:
     """What the interpreter does before finalizing, then the end of the process."""
-    main_thread = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main_thread and not thread.daemon:
-            thread.join(join_timeout_s)
+    # The interpreter's own first step of an exit: the callbacks threading runs at shutdown (an
+    # idle ThreadPoolExecutor's workers, boto's among them, leave only once theirs has run), then
+    # every non-daemon thread joined.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
