@@ -169,16 +169,14 @@ def test_a_trainer_forked_from_the_server_trains_bitwise_like_one_started_afresh
     assert "pre-warmed server ready" in err and server.returncode == 0, err[-3000:]
 
 
-# A trainer run in a process that first imported what the server preloads, as the server does;
+# A trainer run in a process that first made the server's preload (the server's own function);
 # prints the modules the run imported after that. Guarded: the writer process it spawns imports
 # this script again.
 AFTER_PRELOAD = textwrap.dedent('''
-    import importlib, json, os, sys
+    import json, sys
     if __name__ == "__main__":
-        os.environ["OPENBLAS_NUM_THREADS"] = "1"
         from resilient_fsdp.resilience import prewarm
-        for name in prewarm.PRELOAD:
-            importlib.import_module(name)
+        prewarm._preload(sys.argv[1:])
         before = set(sys.modules)
         from resilient_fsdp.train.entrypoint import main
         try:

@@ -2,15 +2,15 @@
 
 Once a rank has closed what it owns (the process group, the checkpoint writer, the uploads, the
 metrics log), what remains of a normal exit is the interpreter tearing down torch's modules and
-freeing every object one by one: about a second of CPU for one rank alone, and 2.5-3 s when the
+freeing every object one by one: about a second of CPU for one rank alone, and 2.3-2.9 s when the
 four ranks of a 2-core node end together. The launcher sees a failed rank only once its process
 has ended, so that time is added to every in-job restart, and to the end of every run.
 
-:func:`run_and_exit` does what the interpreter does up to finalization, in its order (non-daemon
-threads joined once threading's shutdown callbacks have run, ``atexit`` handlers run, the standard streams flushed; an uncaught exception
-printed by ``sys.excepthook``, the hook torch.distributed prefixes with the rank), then ends the
-process with ``os._exit``. Nothing the rank writes is lost: its files are closed by their owners
-before ``main`` returns, and the line-buffered metrics log is written through.
+:func:`run_and_exit` does what the interpreter does up to finalization, in its order (threading's
+shutdown callbacks, then the non-daemon threads joined; ``atexit`` handlers; the standard streams
+flushed; an uncaught exception printed by ``sys.excepthook``, the hook torch.distributed prefixes
+with the rank), then ends the process with ``os._exit``. Nothing the rank writes is lost: its
+files are closed by their owners before ``main`` returns, and the metrics log is line-buffered.
 """
 
 from __future__ import annotations
