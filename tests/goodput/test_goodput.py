@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
@@ -220,6 +221,7 @@ def test_profile_restart_settings_are_the_advisors(profile):
         for key, value in keys.items():
             assert values["trainer"]["resilience"][group][key] == value, f"{profile}: trainer.resilience.{group}.{key}"
     assert values["job"]["backoffLimit"] == expected["job"]["backoffLimit"]
+    assert values.get("spares", 0) == expected.get("spares", 0), f"{profile}: spares is not the advisor's"
     assert values["workload"]["jobSet"]["maxRestarts"] == expected["workload"]["jobSet"]["maxRestarts"], \
         f"{profile}: workload.jobSet.maxRestarts"
     assert values["trainer"]["dist"]["timeout_s"] == expected["trainer"]["dist"]["timeout_s"], \
@@ -394,6 +396,183 @@ def test_simulate_command_writes_table_json_and_plot(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--mix", "1,2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--mix" in bad.stderr
+
+
+# ---- hot spares -----------------------------------------------------------------------------
+
+P5_70B_HSDP = ("--instance", "p5.48xlarge", "--preset", "70b", "--storage-size", "115200Gi", "--deployment-type",
+               "PERSISTENT_2", "--storage-throughput", "1000", "--shard-group-size", "32")
+
+
+def test_spare_counts_are_poisson_tails_worked_by_hand():
+    # Poisson(0.5): P(X <= 2) = e^-0.5 (1 + 0.5 + 0.125) = 0.985612, P(X <= 3) adds 0.012636 -> 0.998248.
+    assert gm.p_no_spare(3, 0.5) == pytest.approx(0.014388, abs=1e-6)
+    assert gm.p_no_spare(4, 0.5) == pytest.approx(0.001752, abs=1e-6)
+    assert gm.spares_needed(0.5) == 4  # 3 leaves 1.4% of node losses without a spare, 4 leaves 0.18%
+    assert gm.p_no_spare(0, 0.5) == 1.0 and gm.p_no_spare(2, 0.0) == 0.0
+    assert gm.spares_needed(0.0) == 1  # at least one
+    # Large means do not underflow: Poisson(1,000)'s median is 1,000, so P(X >= 1,000) lies between
+    # 1/2 and 1/2 + P(X = 1,000).
+    at_mean = math.exp(1000 * math.log(1000) - 1000 - math.lgamma(1001))
+    assert 0.5 < gm.p_no_spare(1000, 1000.0) < 0.5 + at_mean
+    # m = 2,047 nodes x 0.6 / 5,695.7 h x 600 s / 3,600 = 0.03594.
+    m = gm.busy_spares_mean(2048, gm.node_mtbf_hours(8) * 3600, 0.6, 600)
+    assert m == pytest.approx(2047 * 0.6 / gm.node_mtbf_hours(8) / 6)
+    assert m == pytest.approx(0.03594, abs=1e-5)
+
+
+def test_advisor_recommends_more_spares_for_more_nodes_and_slower_replacements():
+    counts = {n: _advice(*P5_70B_HSDP, "--nodes", str(n), "--spares").spares["count"] for n in (64, 512, 2048, 8192)}
+    # m = 0.0090 at 512 nodes: P(X >= 1) = 0.0089, one spare; m = 0.0359 at 2,048: P(X >= 1) = 0.035, two.
+    assert counts[512] == 1 and counts[2048] == 2
+    assert list(counts.values()) == sorted(counts.values()) and counts[8192] > counts[512]
+    # At 64 nodes one spare would leave <= 1% of losses uncovered, but it idles 1/65 of the
+    # node-hours for less goodput than that: none is recommended, and the table says why.
+    small = _advice(*P5_70B_HSDP, "--nodes", "64", "--spares")
+    s = small.spares
+    assert counts[64] == 0 and s["recommended"] and s["goodput_per_paid_node_hour"] == pytest.approx(s["goodput_without"])
+    paid_one = _advice(*P5_70B_HSDP, "--nodes", "64", "--spares", "1").spares
+    assert paid_one["goodput"] > s["goodput_without"] > paid_one["goodput_per_paid_node_hour"]
+    assert "none recommended: 1 spare(s) would cost 1.54% of the node-hours" in adv.render_table(small)
+    # A replacement that takes an hour: m = 0.2156, P(X >= 2) = 1 - e^-m (1 + m) = 0.020, three.
+    slow = _advice(*P5_70B_HSDP, "--nodes", "2048", "--spares", "auto", "--replacement-s", "3600").spares
+    assert slow["count"] == 3 and slow["busy_mean"] == pytest.approx(0.2156, abs=1e-4)
+    assert slow["p_no_spare"] == pytest.approx(1 - math.exp(-0.2156) * (1 + 0.2156 + 0.2156 ** 2 / 2), abs=1e-4)
+    assert slow["p_no_spare"] <= adv.SPARE_MISS_TARGET < gm.p_no_spare(2, slow["busy_mean"])
+
+
+def test_advisor_reports_what_spares_cost_and_gain():
+    a = _advice(*P5_70B_HSDP, "--nodes", "2048", "--memory", "--spares")
+    s = a.spares
+    assert s["count"] == 2 and s["recommended"] and s["cost_share"] == pytest.approx(2 / 2050)
+    assert s["goodput"] > s["goodput_without"] and s["goodput_memory"] > s["goodput_memory_without"]
+    assert s["goodput_memory"] > s["goodput"]
+    assert s["goodput_per_paid_node_hour"] == pytest.approx(s["goodput_memory"] * 2048 / 2050)
+    # Without spares a node loss (60% of failures) waits the job-level restart: the durable
+    # figure is the closed form with a mean restart of 0.4 x 120 + 0.6 x 600 = 408 s.
+    durable = gm.expected_goodput(a.interval_s, a.inputs.ckpt_stall_s, a.inputs.ckpt_write_s, 408.0, a.job_mtbf_s)
+    assert s["goodput_without"] == pytest.approx(durable.productive)
+    # With them: 121 s when a spare takes it (not pod 0, one free), else 600 s.
+    taken = (1 - 1 / 2048) * (1 - s["p_no_spare"])
+    assert s["node_loss_recovery_s"] == pytest.approx(taken * 121 + (1 - taken) * 600)
+    table = adv.render_table(a)
+    assert "goodput per paid node-hour" in table and f"{s['goodput_per_paid_node_hour']:.4f}" in table
+    assert "P(Poisson(0.0359) >= 2)" in table and "0.10% of the node-hours paid" in table
+    given = _advice(*P5_70B_HSDP, "--nodes", "2048", "--spares", "1").spares
+    assert (given["count"], given["recommended"]) == (1, False) and given["p_no_spare"] > adv.SPARE_MISS_TARGET
+    with pytest.raises(adv.AdviseError, match="pod 0, which hosts the rendezvous store"):
+        _advice(*P5_70B_HSDP[:-2], "--nodes", "1", "--spares")
+    with pytest.raises(adv.AdviseError, match="--spares 'two'"):
+        _advice(*P5_70B_HSDP, "--nodes", "64", "--spares", "two")
+    with pytest.raises(adv.AdviseError, match="--node-loss-share"):
+        _advice(*P5_70B_HSDP, "--nodes", "64", "--spares", "--node-loss-share", "1.5")
+
+
+def test_advise_values_print_spares_at_the_top_level_and_nothing_changes_without_them():
+    args = ["--instance", "p5.48xlarge", "--nodes", "2048", "--ckpt-stall-s", "5.92", "--ckpt-write-s", "7.53"]
+    parser = argparse.ArgumentParser()
+    adv.add_parser(parser.add_subparsers())
+
+    def run(*extra: str) -> str:
+        out = io.StringIO()
+        assert adv.main(parser.parse_args(["advise", *args, *extra]), out=out) == 0
+        return out.getvalue()
+
+    snippet = run("--values", "--spares")
+    values = yaml.safe_load(snippet)
+    assert values["spares"] == 2 and list(values)[0] == "spares"
+    assert "--spares 2 --replacement-s 600" in snippet and "#   spares: busy spares ~ Poisson(m)" in snippet
+    plain_values = run("--values")
+    assert "spares" not in plain_values and "spares" not in yaml.safe_load(plain_values)
+    # The spare rows come after every row of the table without them, which they leave as it is.
+    plain, spared = run().splitlines(), run("--spares").splitlines()
+    assert not any("spare" in line for line in plain)
+    assert [" ".join(ln.split()) for ln in spared[:len(plain)]] == [" ".join(ln.split()) for ln in plain]
+    assert [re.split(r"\s{2,}", ln.strip())[0] for ln in spared[len(plain):]] == [
+        "spares", *["spares"] * 4, "goodput with spares", "goodput per paid node-hour"]
+    assert _advice(*args).spares is None
+
+
+def _without_spare_keys(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "p_no_spare"}
+
+
+@pytest.mark.parametrize("base, spared", list(zip(sim.SPARE_STRATEGIES.values(), sim.SPARE_STRATEGIES)))
+def test_simulated_spares_beat_none_on_node_losses_and_change_nothing_without_them(base, spared):
+    memory = dict(memory_interval_s=20.0, memory_stall_s=0.05)
+    nodes_heavy = _scenario(2048, spares=2, mix=(0.1, 0.1, 0.8), **memory)
+    without, with_spares = (sim.simulate(nodes_heavy, k, runs=30, seed=2) for k in (base, spared))
+    assert with_spares["goodput"] > without["goodput"] + 0.02
+    assert with_spares["restarts"] < without["restarts"] / 3
+    # No node losses: nothing for a spare to take, the same job to the second.
+    no_nodes = _scenario(2048, spares=2, mix=(0.5, 0.5, 0.0), **memory)
+    assert _without_spare_keys(sim.simulate(no_nodes, spared, runs=10, seed=2)) == sim.simulate(no_nodes, base, runs=10,
+                                                                                                seed=2)
+
+
+def test_a_lost_pod_0_is_a_job_level_restart_whatever_the_spares():
+    # One node: every node loss is pod 0's, and plenty of spares change nothing.
+    alone = _scenario(1, spares=4, mix=(0.0, 0.0, 1.0), node_mtbf_h=50.0)
+    result = sim.simulate(alone, "in-job+spares", runs=10, seed=4)
+    assert result["failures_per_run"] > 20  # enough node losses to have gained from a spare
+    assert _without_spare_keys(result) == sim.simulate(alone, "in-job", runs=10, seed=4)
+    # Four nodes: a quarter of the node losses are pod 0's and take no spare.
+    four = _scenario(4, spares=8, mix=(0.0, 0.0, 1.0), node_mtbf_h=10.0, horizon_h=4000, replacement_s=60.0)
+    tally = sim.simulate_run(four, "in-job+spares", np.random.default_rng(5))
+    assert tally.failures > 1000 and tally.spare_misses == 0
+    assert tally.spare_losses / tally.failures == pytest.approx(0.75, abs=0.04)
+
+
+@pytest.mark.parametrize("spares, replacement_s", [(1, 600.0), (2, 600.0), (1, 3600.0)])
+@pytest.mark.parametrize("nodes", [512, 2048])
+@pytest.mark.parametrize("strategy", list(sim.SPARE_STRATEGIES))
+def test_spares_simulated_agree_with_their_closed_form(strategy, nodes, spares, replacement_s):
+    s = _scenario(nodes, spares=spares, replacement_s=replacement_s, memory_interval_s=20.0, memory_stall_s=0.05)
+    result = sim.simulate(s, strategy, runs=60, seed=1)
+    assert result["goodput"] == pytest.approx(sim.analytic(s, strategy), rel=0.01)
+    # Losses that find no spare take none, so the share without one is Erlang's loss formula,
+    # which the Poisson tail bounds from above; for one spare, B = m / (1 + m).
+    m = s.busy_spares_mean
+    bound = gm.p_no_spare(spares, m)
+    erlang = m / (1 + m) if spares == 1 else m ** 2 / 2 / (1 + m + m ** 2 / 2)
+    assert result["p_no_spare"] == pytest.approx(erlang, abs=0.006)
+    assert erlang <= bound
+    if (spares, replacement_s, nodes) == (1, 3600.0, 2048):  # m = 0.216: B = 0.177, the tail 0.194
+        assert result["p_no_spare"] < bound - 0.01
+
+
+def test_simulate_command_adds_the_spare_strategies(tmp_path):
+    out = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "512,2048", "--runs", "3",
+                           "--memory-stall-s", "0.5", "--spares", "auto", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["nodes"], r["strategy"]) for r in rows} == {
+        (n, k) for n in (512, 2048) for k in (*sim.STRATEGIES, sim.MEMORY_STRATEGY, *sim.SPARE_STRATEGIES)}
+    spares = {r["nodes"]: r["spares"] for r in rows if r["strategy"] == "in-job+spares"}
+    assert spares == {512: 1, 2048: 2}  # the advisor's recommendation per size
+    assert all(r["replacement_s"] == 600 for r in rows if "spares" in r)
+    assert "in-job+memory+spares" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8", "--spares", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--spares" in bad.stderr
+
+
+def test_the_docs_spare_rows_are_the_simulations():
+    text = (REPO / "docs" / "goodput.md").read_text()
+    summary = (REPO / "docs" / "benchmarks.md").read_text()
+    for n in (512, 2048):
+        rows = json.loads((REPO / "docs" / "benchmarks" / f"simulate-spares-{n}.json").read_text())["rows"]
+        for r in rows:
+            if r["strategy"] in sim.SPARE_STRATEGIES:
+                line = next(ln for ln in text.splitlines()
+                            if ln.startswith(f"| {n} |") and f"| {r['strategy']} |" in ln)
+                assert f"{r['goodput']:.4f}" in line and f"| {r['spares']} |" in line, line
+    top = json.loads((REPO / "docs" / "benchmarks" / "simulate-spares-2048.json").read_text())["rows"]
+    best = next(r for r in top if r["strategy"] == "in-job+memory+spares")
+    row = next(ln for ln in summary.splitlines() if ln.startswith("| [simulated goodput, 70b at 2,048 nodes]"))
+    assert f"{best['goodput']:.3f}" in row
 
 
 # ---- the run report -------------------------------------------------------------------------

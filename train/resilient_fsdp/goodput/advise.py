@@ -36,7 +36,17 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
   at most the durable interval; ``checkpoint.memory.replicas`` as given; ``shm.sizeLimit``: two
   slots of a rank's shard per GPU of the pod, two more with replicas, and the durable checkpoint's
   staging copy of it, plus :data:`SHM_MARGIN_GIB` for NCCL; and the goodput with and without it
-  (``model.expected_goodput_with_memory``).
+  (``model.expected_goodput_with_memory``);
+* with ``--spares``, ``spares`` (the chart's, beside ``nodes``): standby pods that take a lost
+  node's rank within an in-job restart. Without a number, the fewest (at least one) for which a
+  node loss finds every spare busy at most :data:`SPARE_MISS_TARGET` of the time: busy spares are
+  Poisson with mean ``m`` = the rate of node losses a spare can take (pod 0's cannot: it hosts
+  the rendezvous store) x the time the lost pod's replacement takes to join
+  (``model.spares_needed``). Beside it: that probability, the spares' share of the node-hours paid
+  ``S / (N + S)``, and the goodput with and without them, where a node loss (``--node-loss-share``
+  of the failures) costs the job-level restart (``--job-restart-s``) instead of ``--restart-s``
+  unless a spare takes it (``model.node_loss_recovery_s``), and that goodput per paid node-hour
+  (``x N / (N + S)``).
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import yaml
 from ..config import DUMP_MARGIN_S
 from . import costs as gc
 from . import model as gm
+from .simulate import CLASSES, DEFAULT_MIX, DEFAULT_RECOVERY_S
 
 CHART_VALUES = Path(__file__).resolve().parents[3] / "charts" / "resilient-fsdp" / "values.yaml"
 SAFETY = 5.0  # margin over the measured duration a section timeout covers (NVRx's default factor)
@@ -93,6 +104,12 @@ MEMORY_COVERAGE = 0.75
 LONG_COMMIT_S = 30.0  # a commit longer than this gets a suggested HSDP shard group
 SHM_MARGIN_GIB = 8  # beside the slots and the staging copy: NCCL's shared memory, DataLoader workers
 DURABLE_STAGING_COPIES = 1  # the async checkpoint's staging copy of each rank's shard, in /dev/shm too
+SPARE_MISS_TARGET = 0.01
+"""The recommended spares leave at most this share of node losses without a free spare."""
+# The simulation's assumptions: the share of failures that take a node out, and the job-level
+# restart that waits for a replacement node to be scheduled and pull the image.
+NODE_LOSS_SHARE = DEFAULT_MIX[CLASSES.index("node")] / sum(DEFAULT_MIX)
+JOB_RESTART_S = DEFAULT_RECOVERY_S["job"]
 
 
 class AdviseError(ValueError):
@@ -146,6 +163,20 @@ class Inputs:
     """``dist.shard_group_size`` (``--shard-group-size``); 0: FSDP over every GPU."""
     suggested_shard_group: Optional[int] = None
     """The HSDP group the estimate suggests when FSDP's commit is long and none was given."""
+    spares: Optional["SpareInputs"] = None
+    """Hot spares, with ``--spares``."""
+
+
+@dataclass(frozen=True)
+class SpareInputs:
+    count: Optional[int]
+    """Spares given (``--spares S``); None: the recommended number (``--spares`` or ``--spares auto``)."""
+    replacement_s: float
+    """From a spare's taking a lost node's rank until the lost pod's replacement joins as a spare."""
+    job_restart_s: float
+    """A node loss no spare takes: a job-level restart, a replacement node scheduled and joining."""
+    node_loss_share: float
+    """The share of failures that take a node out."""
 
 
 @dataclass(frozen=True)
@@ -179,10 +210,20 @@ class Advice:
     memory: Optional[dict] = None
     """With ``--memory``: ``interval_s``, ``interval_steps``, ``goodput`` (its breakdown) and
     ``shm_gib`` (None without a model size)."""
+    spares: Optional[dict] = None
+    """With ``--spares``: ``count``, ``recommended`` (whether the advisor chose the count),
+    ``busy_mean`` (m), ``p_no_spare``, ``cost_share`` (S / (N + S)), ``replacement_s``,
+    ``job_restart_s``, ``node_loss_share``, ``node_loss_recovery_s`` (a node loss's mean recovery
+    with the spares), ``goodput`` / ``goodput_without`` (durable checkpoints, with and without
+    the spares), ``goodput_memory`` / ``goodput_memory_without`` (with ``--memory``, else None),
+    ``goodput_per_paid_node_hour`` (the best of those with spares x N / (N + S)), ``breakdown``
+    (that figure's) and ``explain`` (the arithmetic, one line each)."""
 
     def values(self) -> dict:
         """The chart values these settings map to."""
         values = self._values()
+        if self.spares is not None:
+            values = {"spares": self.spares["count"], **values}  # top level, beside the chart's nodes
         if self.inputs.shard_group:
             values["trainer"]["dist"]["shard_group_size"] = self.inputs.shard_group
         if self.memory is not None:
@@ -241,8 +282,10 @@ def advise(inputs: Inputs) -> Advice:
     # Start-up builds the model and loads the checkpoint, which reads as much as a save writes.
     init_timeout = max(INIT_TIMEOUT_FLOOR_S, SAFETY * (inputs.startup_s + inputs.ckpt_write_s))
     step_timeout = max(STEP_TIMEOUT_FLOOR_S, SAFETY * inputs.step_s)
+    memory = _memory_advice(inputs, interval, mtbf_s) if inputs.memory is not None else None
     return Advice(
-        memory=_memory_advice(inputs, interval, mtbf_s) if inputs.memory is not None else None,
+        memory=memory,
+        spares=_spare_advice(inputs, interval, mtbf_s, memory) if inputs.spares is not None else None,
         inputs=inputs, job_mtbf_s=mtbf_s, young_s=young, daly_s=daly, interval_s=interval,
         expected_failures=failures, goodput=breakdown.as_dict(), max_restarts=limit, backoff_limit=limit,
         jobset_max_restarts=JOBSET_RESTARTS,
@@ -273,6 +316,76 @@ def _memory_advice(inputs: Inputs, interval_s: int, mtbf_s: float) -> dict:
            if m.shard_gb is not None else None)
     return {"daly_s": daly, "interval_s": memory_interval, "interval_steps": steps, "goodput": goodput.as_dict(),
             "shm_gib": shm}
+
+
+def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Optional[dict]) -> dict:
+    """How many hot spares, how often a node loss finds none, what they cost and gain."""
+    sp, n = inputs.spares, inputs.nodes
+    if not 0 <= sp.node_loss_share <= 1:
+        raise AdviseError("--node-loss-share must be between 0 and 1 (the share of failures that take a node out)")
+    for name in ("replacement_s", "job_restart_s"):
+        if getattr(sp, name) < 0:
+            raise AdviseError(f"--{name.replace('_', '-')} must not be negative")
+    if sp.count is not None and sp.count < 0:
+        raise AdviseError(f"--spares {sp.count}: give 0 or more spare nodes, or leave the number out for the advisor's")
+    if n == 1 and sp.count != 0:
+        raise AdviseError("--spares with --nodes 1: the one node is pod 0, which hosts the rendezvous store, and its "
+                          "loss is a job-level restart whatever the spares; leave --spares out")
+    node_mtbf_s = inputs.node_mtbf_hours * gm.HOUR
+    busy = gm.busy_spares_mean(n, node_mtbf_s, sp.node_loss_share, sp.replacement_s)
+    r, rj, share = inputs.restart_s, sp.job_restart_s, sp.node_loss_share
+
+    def durable(add: float) -> gm.GoodputBreakdown:
+        return gm.expected_goodput(interval_s, inputs.ckpt_stall_s, inputs.ckpt_write_s, r + add, mtbf_s)
+
+    def with_memory(add: float) -> gm.GoodputBreakdown:
+        m = inputs.memory
+        return gm.expected_goodput_with_memory(interval_s, inputs.ckpt_stall_s, inputs.ckpt_write_s, r + add, mtbf_s,
+                                               memory["interval_s"], m.stall_s, m.restart_s + add, m.coverage)
+
+    def best(spares: int) -> gm.GoodputBreakdown:
+        # A node loss costs its own recovery instead of --restart-s: per failure, its share of the difference.
+        add = share * (gm.node_loss_recovery_s(n, spares, busy, r, rj) - r)
+        return with_memory(add) if memory is not None else durable(add)
+
+    count = gm.spares_needed(busy, SPARE_MISS_TARGET) if sp.count is None else sp.count
+    without = best(0).productive
+    # Recommended only where they pay: a spare idles a whole node, so below some size the
+    # node-hours it costs outweigh the restarts it saves.
+    unpaid = sp.count is None and best(count).productive * n / (n + count) < without
+    available = count
+    if unpaid:
+        count = 0
+    p_none = gm.p_no_spare(count, busy)
+    node_r = gm.node_loss_recovery_s(n, count, busy, r, rj)
+    extra, extra_without = share * (node_r - r), share * (rj - r)
+    chosen = best(count)
+    paid = chosen.productive * n / (n + count)
+    rate_h = max(n - 1, 0) * share / inputs.node_mtbf_hours
+    explain = [
+        f"node losses a spare can take: {n - 1} nodes (not pod 0, the store's host) x {share:.0%} of failures / "
+        f"node MTBF {inputs.node_mtbf_hours:,.0f} h = {rate_h:.3g} per hour",
+        f"busy spares ~ Poisson(m), m = {rate_h:.3g}/h x replacement {sp.replacement_s:g} s = {busy:.3g}; "
+        f"P(a node loss finds none of {available} free) = P(Poisson({busy:.3g}) >= {available}) = "
+        f"{gm.p_no_spare(available, busy):.2g}" + (f" (the fewest with <= {SPARE_MISS_TARGET:.0%})" if sp.count is None else ""),
+        f"a node loss: restart R {r:g} s + last call {gm.SPARE_JOIN_S:g} s when a spare takes it, else the "
+        f"job-level {rj:g} s: {node_r:.4g} s on average (without spares: {rj:g} s)",
+        f"cost: {count} idle of {n + count} nodes = {count / (n + count):.2%} of the node-hours paid; goodput per "
+        f"paid node-hour {chosen.productive:.4f} x {n} / {n + count} = {paid:.4f}",
+    ]
+    if unpaid:
+        spent = best(available)
+        explain.append(f"none recommended: {available} spare(s) would cost {available / (n + available):.2%} of the "
+                       f"node-hours for goodput {spent.productive:.4f} instead of {without:.4f}, "
+                       f"{spent.productive * n / (n + available):.4f} per paid node-hour; spares pay at larger sizes "
+                       "(or with a longer --replacement-s)")
+    return {"count": count, "recommended": sp.count is None, "busy_mean": busy, "p_no_spare": p_none,
+            "cost_share": count / (n + count), "replacement_s": sp.replacement_s, "job_restart_s": rj,
+            "node_loss_share": share, "node_loss_recovery_s": node_r,
+            "goodput": durable(extra).productive, "goodput_without": durable(extra_without).productive,
+            "goodput_memory": with_memory(extra).productive if memory is not None else None,
+            "goodput_memory_without": with_memory(extra_without).productive if memory is not None else None,
+            "goodput_per_paid_node_hour": paid, "breakdown": chosen.as_dict(), "explain": explain}
 
 
 def _whole(seconds: float) -> int:
@@ -342,6 +455,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-coverage", type=float, default=MEMORY_COVERAGE,
                    help=f"the share of failures the pods survive, restored from memory (default {MEMORY_COVERAGE:g}, "
                         "DLRover's published share)")
+    p.add_argument("--spares", nargs="?", const="auto", metavar="S",
+                   help="hot spares (the chart's spares): with no number or 'auto', the fewest for which a node loss "
+                        f"finds none free at most {SPARE_MISS_TARGET:.0%} of the time; with a number, that many. "
+                        "Shows the chance, the cost and the goodput with and without them")
+    p.add_argument("--replacement-s", type=float,
+                   help="with --spares: until a lost pod's replacement joins as a spare (default: --job-restart-s)")
+    p.add_argument("--job-restart-s", type=float, default=JOB_RESTART_S,
+                   help=f"with --spares: a node loss without a spare, a job-level restart that waits for a "
+                        f"replacement node (default {JOB_RESTART_S:g}, the simulation's)")
+    p.add_argument("--node-loss-share", type=float, default=NODE_LOSS_SHARE,
+                   help=f"with --spares: the share of failures that take a node out (default {NODE_LOSS_SHARE:g}, "
+                        "the simulation's)")
     p.add_argument("--from-bench", action="append", default=[], metavar="FILE",
                    help="take measured costs from `bench checkpoint` / `bench recovery` JSON (repeatable)")
     p.add_argument("--values", action="store_true", help="print a values snippet for the chart instead of the table")
@@ -398,12 +523,25 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     suggested = None
     if estimate is not None and not group and estimate.commit_s > LONG_COMMIT_S:
         suggested = gc.suggested_shard_group(estimate.params, estimate.gpus, gpus, args.instance)
-    return Inputs(memory=memory, shard_group=group, suggested_shard_group=suggested, instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
+    return Inputs(spares=_spare_inputs(args), memory=memory, shard_group=group, suggested_shard_group=suggested, instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
                   job_hours=args.job_hours, ckpt_stall_s=costs["ckpt_stall_s"], ckpt_write_s=costs["ckpt_write_s"],
                   restart_s=costs.get("restart_s", DEFAULT_RESTART_S), step_s=args.step_s,
                   startup_s=args.startup_s, mtbf_source=source,
                   cost_sources=tuple((k, sources[k]) for k in ("ckpt_stall_s", "ckpt_write_s", "restart_s")),
                   estimate=estimate)
+
+
+def _spare_inputs(args: argparse.Namespace) -> Optional[SpareInputs]:
+    text = getattr(args, "spares", None)
+    if text is None:
+        return None
+    if text != "auto" and not str(text).isdigit():
+        raise AdviseError(f"--spares {text!r}: give a whole number of spare nodes, or 'auto' (or no value) for the "
+                          "advisor's")
+    job_restart = getattr(args, "job_restart_s", JOB_RESTART_S)
+    replacement = args.replacement_s if getattr(args, "replacement_s", None) is not None else job_restart
+    return SpareInputs(count=None if text == "auto" else int(text), replacement_s=replacement,
+                       job_restart_s=job_restart, node_loss_share=getattr(args, "node_loss_share", NODE_LOSS_SHARE))
 
 
 def _shard_group(args: argparse.Namespace, gpus_per_node: int) -> int:
@@ -484,8 +622,32 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
                               f"'s) + the durable staging copy) x shard x {i.gpus_per_node} GPUs + {SHM_MARGIN_GIB}Gi"
                               if m["shm_gib"] is not None else "n/a (no model size: pass --preset or --params)"),
         ]
+    if a.spares is not None:
+        rows += _spare_rows(a)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _spare_rows(a: Advice) -> list[tuple[str, str]]:
+    s, n = a.spares, a.inputs.nodes
+    why = ("given" if not s["recommended"] else "none: at this size a spare costs more node-hours than it saves"
+           if not s["count"] else f"the fewest leaving <= {SPARE_MISS_TARGET:.0%} of node losses without one")
+    b = s["breakdown"]
+    rows = [
+        ("spares", f"{s['count']} ({why}; P(a node loss finds none free) = {s['p_no_spare']:.2g})"),
+        *(("  spares", line) for line in s["explain"]),
+        ("goodput with spares", f"{s['goodput']:.4f} (without: {s['goodput_without']:.4f}, node losses "
+                                f"{s['node_loss_share']:.0%} of failures at the job-level {s['job_restart_s']:g} s; "
+                                f"the expected goodput above charges every failure R {a.inputs.restart_s:g} s)"),
+    ]
+    if s["goodput_memory"] is not None:
+        rows.append(("goodput with memory and spares", f"{s['goodput_memory']:.4f} (without spares: "
+                                                       f"{s['goodput_memory_without']:.4f})"))
+    rows.append(("goodput per paid node-hour", f"{s['goodput_per_paid_node_hour']:.4f} (x {n} / {n + s['count']} "
+                                               f"nodes paid); the training nodes' time lost: stalls "
+                                               f"{b['checkpoint_stalls']:.4f}, lost work {b['lost_work']:.4f}, "
+                                               f"restarts {b['restarts']:.4f}"))
+    return rows
 
 
 def _shard_group_note(a: Advice) -> str:
@@ -518,7 +680,11 @@ def render_values(a: Advice, kind: str = "PyTorchJob") -> str:
     i = a.inputs
     header = (f"# resilient-fsdp advise --instance {i.instance} --nodes {i.nodes} --job-hours {i.job_hours:g} "
               f"--ckpt-stall-s {i.ckpt_stall_s:.3g} --ckpt-write-s {i.ckpt_write_s:.4g} --restart-s {i.restart_s:g} "
-              f"--step-s {i.step_s:g} --startup-s {i.startup_s:g}\n"
+              f"--step-s {i.step_s:g} --startup-s {i.startup_s:g}"
+              + (f" --spares {a.spares['count']} --replacement-s {a.spares['replacement_s']:g} --job-restart-s "
+                 f"{a.spares['job_restart_s']:g} --node-loss-share {a.spares['node_loss_share']:g}"
+                 if a.spares is not None else "") + "\n"
+              + "".join(f"#   spares: {line}\n" for line in (a.spares["explain"] if a.spares is not None else []))
               + "".join(f"#   estimated {line}\n" for line in (i.estimate.explain() if i.estimate else []))
               + f"# job.backoffLimit with workload.kind={kind}: {BACKOFF_LIMIT_MEANING[kind]}\n")
     return header + yaml.safe_dump(a.values(), sort_keys=False)

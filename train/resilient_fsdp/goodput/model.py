@@ -22,6 +22,14 @@ Checkpoint interval (seconds of training between saves), for a stall ``delta`` a
 
 Neither may go below ``W``: a save that starts while the previous one is still being written has
 to wait for it, which turns the background write into a stall.
+
+Hot spares (``S`` standby pods in the rendezvous) change what a lost node costs: a standby pod
+takes its rank inside an in-job restart, and the lost pod's replacement joins as a spare once it
+is scheduled, ``r`` seconds later. Spares are busy like the servers of an M/G/inf queue fed by the
+node losses a spare can take (every pod's but pod 0's, which hosts the rendezvous store): their
+number is Poisson with mean ``m = rate x r``, and a node loss finds one free with probability
+``P(Poisson(m) < S)``. Losses that find none do not take a spare, so this bounds the share of
+losses left without one from above (Erlang's loss formula gives it exactly).
 """
 
 from __future__ import annotations
@@ -136,3 +144,49 @@ def expected_goodput_with_memory(interval_s: float, delta_s: float, write_s: flo
         lost_work=failure_share * lost / (lost + restart),
         restarts=failure_share * restart / (lost + restart),
     )
+
+
+SPARE_JOIN_S = 1.0
+"""What a standby pod adds to an in-job restart when it takes a lost node's rank: NVRx's
+``last_call_timeout``, the rendezvous's wait for more agents once it has enough."""
+
+
+def busy_spares_mean(nodes: int, node_mtbf_s: float, node_loss_share: float, replacement_s: float) -> float:
+    """``m``: the mean number of spares waiting for their replacement, ``rate x r``, the rate being
+    that of the node losses a spare can take (``nodes - 1``: pod 0 hosts the rendezvous store, and
+    its loss is a job-level restart)."""
+    return max(nodes - 1, 0) * node_loss_share / node_mtbf_s * replacement_s
+
+
+def poisson_tail(k: int, mean: float) -> float:
+    """``P(X >= k)`` for ``X ~ Poisson(mean)``."""
+    if k <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    # Sum the k terms below k in log space (exp(-mean) underflows past ~745), then complement.
+    log_term, below = -mean, 0.0
+    for i in range(k):
+        if i:
+            log_term += math.log(mean / i)
+        below += math.exp(log_term)
+    return max(0.0, 1.0 - below)
+
+
+def p_no_spare(spares: int, busy_mean: float) -> float:
+    """The probability a node loss finds every one of ``spares`` busy: ``P(Poisson(m) >= S)``."""
+    return poisson_tail(spares, busy_mean)
+
+
+def spares_needed(busy_mean: float, max_p_no_spare: float = 0.01) -> int:
+    """The smallest ``S >= 1`` with ``P(Poisson(m) >= S) <= max_p_no_spare``."""
+    return max(1, poisson_quantile(busy_mean, 1.0 - max_p_no_spare) + 1)
+
+
+def node_loss_recovery_s(nodes: int, spares: int, busy_mean: float, in_job_s: float, job_s: float,
+                         join_s: float = SPARE_JOIN_S) -> float:
+    """A node loss's mean recovery with ``spares``: the in-job restart plus ``join_s`` when it is
+    not pod 0 (``1 - 1/nodes``) and a spare is free (``P(Poisson(m) < S)``), else the job-level
+    restart ``job_s``."""
+    taken = (1.0 - 1.0 / nodes) * (1.0 - p_no_spare(spares, busy_mean))
+    return taken * (in_job_s + join_s) + (1.0 - taken) * job_s

@@ -23,6 +23,14 @@ durable interval (the durable save takes the last). A ``transient`` or ``process
 resumes from the newest snapshot (the pods keep their memory); a ``node`` failure does too with
 ``--memory-replicas 1`` (the peer pod's replica; the other pods stay up while the lost one is
 replaced), else from the durable checkpoint.
+
+With ``--spares S`` (``auto``: the fewest for which at most 1% of node losses find none free,
+``model.spares_needed``) the in-job strategies run again with S hot spares, ``in-job+spares`` and
+``in-job+memory+spares``: a ``node`` failure of any pod but pod 0 (the rendezvous store's host,
+one node loss in ``nodes``) finds a standby pod free, takes it, and recovers at the in-job
+restart's cost plus ``model.SPARE_JOIN_S``; that spare is busy until its replacement joins,
+``--replacement-s`` later (default: the job-level recovery). With every spare busy, or pod 0
+lost, the node failure is a job-level restart as without spares.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -47,6 +56,8 @@ STRATEGIES = {
 }
 MEMORY_STRATEGY = "in-job+memory"
 """``in-job`` with the memory tier; simulated when the scenario has a memory stall."""
+SPARE_STRATEGIES = {"in-job+spares": "in-job", "in-job+memory+spares": MEMORY_STRATEGY}
+"""Each strategy with hot spares -> the same strategy without them; simulated with spares."""
 # At-scale recovery times (seconds), each from the failure to training again, checkpoint load
 # included. Stated assumptions, not measurements: in-process restart's own parts add to ~1.5 s
 # (NVRx docs) plus re-initialisation and the load; an in-job restart cycle is about a minute
@@ -65,6 +76,10 @@ class Tally:
     lost: float = 0.0
     restarts: float = 0.0
     failures: int = 0
+    spare_losses: int = 0
+    """Node losses a spare could take (pod 0's excepted), with spares."""
+    spare_misses: int = 0
+    """Those of them that found every spare busy."""
 
     def add(self, other: "Tally") -> None:
         self.productive += other.productive
@@ -72,6 +87,8 @@ class Tally:
         self.lost += other.lost
         self.restarts += other.restarts
         self.failures += other.failures
+        self.spare_losses += other.spare_losses
+        self.spare_misses += other.spare_misses
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,10 @@ class Scenario:
     """``T_m``: training seconds between memory snapshots (0: no memory tier)."""
     memory_stall_s: float = 0.0
     memory_replicas: int = 1
+    spares: int = 0
+    """Hot spares (standby pods) for the ``+spares`` strategies."""
+    replacement_s: float = DEFAULT_RECOVERY_S["job"]
+    """From a spare's taking a lost node's rank until the lost pod's replacement joins as a spare."""
 
     @property
     def mtbf_s(self) -> float:
@@ -101,6 +122,20 @@ class Scenario:
     def from_memory(self, cls: str) -> bool:
         """Whether a failure of class ``cls`` resumes from a memory snapshot."""
         return self.memory_interval_s > 0 and (cls != "node" or self.memory_replicas > 0)
+
+    @property
+    def node_loss_share(self) -> float:
+        return self.mix[CLASSES.index("node")] / sum(self.mix)
+
+    @property
+    def busy_spares_mean(self) -> float:
+        """``m``: spares waiting for a replacement, on average (``model.busy_spares_mean``)."""
+        return gm.busy_spares_mean(self.nodes, self.node_mtbf_h * gm.HOUR, self.node_loss_share, self.replacement_s)
+
+
+def base_strategy(strategy: str) -> str:
+    """The strategy without hot spares."""
+    return SPARE_STRATEGIES.get(strategy, strategy)
 
 
 def run_segment(duration: float, s: Scenario, ends_in_failure: bool, memory: bool = False,
@@ -123,20 +158,36 @@ def run_segment(duration: float, s: Scenario, ends_in_failure: bool, memory: boo
     return Tally(productive=kept, stalls=stalled, lost=trained - kept, failures=1)
 
 
-def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator) -> Tally:
-    """One job over the horizon; returns seconds spent per category."""
-    memory = strategy == MEMORY_STRATEGY
-    layers = STRATEGIES["in-job" if memory else strategy]
+def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator,
+                 spare_rng: Optional[np.random.Generator] = None) -> Tally:
+    """One job over the horizon; returns seconds spent per category. ``spare_rng`` draws which
+    pod a node loss takes (default ``rng``): a stream of its own leaves the failures drawn from
+    ``rng`` the same with spares as without."""
+    memory = base_strategy(strategy) == MEMORY_STRATEGY
+    layers = STRATEGIES["in-job" if memory else base_strategy(strategy)]
     horizon = s.horizon_h * gm.HOUR
     mix = np.asarray(s.mix, dtype=float) / sum(s.mix)
+    spare_rng = rng if spare_rng is None else spare_rng
+    # When each spare is free again: its replacement's arrival (all free at the start).
+    spare_free_at = [0.0] * (s.spares if strategy in SPARE_STRATEGIES else 0)
+    total = Tally()
 
     def failure_class() -> str:
         return CLASSES[rng.choice(len(CLASSES), p=mix)]
 
-    def recovery(cls: str) -> float:
-        return s.recovery_s[layers[cls]]
+    def recovery(cls: str, at: float) -> float:
+        if cls != "node" or not spare_free_at:
+            return s.recovery_s[layers[cls]]
+        if spare_rng.random() < 1.0 / s.nodes:
+            return s.recovery_s[layers[cls]]  # pod 0 hosts the rendezvous store: a job-level restart
+        total.spare_losses += 1
+        free = next((i for i, t_free in enumerate(spare_free_at) if t_free <= at), None)
+        if free is None:
+            total.spare_misses += 1
+            return s.recovery_s[layers[cls]]
+        spare_free_at[free] = at + s.replacement_s
+        return s.recovery_s["in_job"] + gm.SPARE_JOIN_S
 
-    total = Tally()
     t, recovering_until = 0.0, None
     while t < horizon:
         # Failures are memoryless: a fresh draw from every state change is exact.
@@ -148,12 +199,12 @@ def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator) -> Tally:
             cls = failure_class()
             total.add(run_segment(failure_at - t, s, ends_in_failure=True, memory=memory,
                                   from_memory=s.from_memory(cls)))
-            t, recovering_until = failure_at, failure_at + recovery(cls)
+            t, recovering_until = failure_at, failure_at + recovery(cls, failure_at)
         elif failure_at < min(recovering_until, horizon):
             # Failed again while recovering: the recovery starts over.
             total.restarts += failure_at - t
             total.failures += 1
-            t, recovering_until = failure_at, failure_at + recovery(failure_class())
+            t, recovering_until = failure_at, failure_at + recovery(failure_class(), failure_at)
         else:
             end = min(recovering_until, horizon)
             total.restarts += end - t
@@ -162,24 +213,38 @@ def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator) -> Tally:
 
 
 def simulate(s: Scenario, strategy: str, runs: int, seed: int) -> dict:
+    """``runs`` jobs of ``strategy``; the shares of wall time, failures per job and, with spares,
+    the share of node losses (pod 0's excepted) that found no spare free."""
     rng = np.random.default_rng(seed)
+    spare_rng = np.random.default_rng([seed, 1])
     total = Tally()
     for _ in range(runs):
-        total.add(simulate_run(s, strategy, rng))
+        total.add(simulate_run(s, strategy, rng, spare_rng))
     wall = runs * s.horizon_h * gm.HOUR
-    return {"goodput": total.productive / wall, "checkpoint_stalls": total.stalls / wall,
-            "lost_work": total.lost / wall, "restarts": total.restarts / wall,
-            "failures_per_run": total.failures / runs}
+    out = {"goodput": total.productive / wall, "checkpoint_stalls": total.stalls / wall,
+           "lost_work": total.lost / wall, "restarts": total.restarts / wall,
+           "failures_per_run": total.failures / runs}
+    if strategy in SPARE_STRATEGIES:
+        out["p_no_spare"] = total.spare_misses / total.spare_losses if total.spare_losses else 0.0
+    return out
 
 
 def analytic(s: Scenario, strategy: str) -> float:
     """The closed-form expectation with the strategy's mean recovery time (with the memory tier:
-    ``model.expected_goodput_with_memory``, its coverage the share of failures it restores)."""
-    memory = strategy == MEMORY_STRATEGY
-    layers = STRATEGIES["in-job" if memory else strategy]
+    ``model.expected_goodput_with_memory``, its coverage the share of failures it restores; with
+    spares, a node loss's mean recovery is ``model.node_loss_recovery_s``)."""
+    memory = base_strategy(strategy) == MEMORY_STRATEGY
+    layers = STRATEGIES["in-job" if memory else base_strategy(strategy)]
     mix = np.asarray(s.mix, dtype=float) / sum(s.mix)
+
+    def recovery(cls: str) -> float:
+        if cls == "node" and strategy in SPARE_STRATEGIES:
+            return gm.node_loss_recovery_s(s.nodes, s.spares, s.busy_spares_mean, s.recovery_s["in_job"],
+                                           s.recovery_s[layers[cls]])
+        return s.recovery_s[layers[cls]]
+
     if not memory:
-        mean_r = float(sum(p * s.recovery_s[layers[c]] for p, c in zip(mix, CLASSES)))
+        mean_r = float(sum(p * recovery(c) for p, c in zip(mix, CLASSES)))
         return gm.expected_goodput(s.interval_s, s.stall_s, s.write_s, mean_r, s.mtbf_s).productive
     covered = [(p, c) for p, c in zip(mix, CLASSES) if s.from_memory(c)]
     others = [(p, c) for p, c in zip(mix, CLASSES) if not s.from_memory(c)]
@@ -187,7 +252,7 @@ def analytic(s: Scenario, strategy: str) -> float:
 
     def mean(pairs: list) -> float:
         share = sum(p for p, _ in pairs)
-        return float(sum(p * s.recovery_s[layers[c]] for p, c in pairs) / share) if share > 0 else 0.0
+        return float(sum(p * recovery(c) for p, c in pairs) / share) if share > 0 else 0.0
 
     return gm.expected_goodput_with_memory(s.interval_s, s.stall_s, s.write_s, mean(others), s.mtbf_s,
                                            s.memory_interval_s, s.memory_stall_s, mean(covered),
@@ -235,6 +300,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "MTBF of the failures it restores, at most the durable interval")
     p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
                    help="1 (default): a lost node resumes from its peer's replica; 0: from the durable checkpoint")
+    p.add_argument("--spares", default="0", metavar="S",
+                   help="hot spares: adds the in-job strategies with S standby pods (in-job+spares, and "
+                        "in-job+memory+spares with --memory-stall-s); 'auto': the fewest for which at most 1%% of "
+                        "node losses find none free, per size (default 0: not simulated)")
+    p.add_argument("--replacement-s", type=float,
+                   help="from a spare's taking a lost node's rank until the replacement pod joins as a spare "
+                        "(default: the job-level recovery)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of goodput per size and strategy here")
     p.set_defaults(run=main)
@@ -254,12 +326,22 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
     if args.recovery_from_bench:
         recovery.update(recovery_from_bench(Path(args.recovery_from_bench)))
     node_mtbf = args.node_mtbf_hours or gm.node_mtbf_hours(args.gpus_per_node)
+    spares_arg = str(getattr(args, "spares", "0")).strip()
+    if spares_arg != "auto" and not spares_arg.isdigit():
+        raise SystemExit(f"error: --spares {spares_arg!r}: give a whole number of spare nodes (0 or more) or 'auto'")
+    replacement = getattr(args, "replacement_s", None)
+    replacement = recovery["job"] if replacement is None else replacement
+    if replacement < 0:
+        raise SystemExit("error: --replacement-s must not be negative")
     out = []
     for n in nodes:
         mtbf_s = node_mtbf * gm.HOUR / n
         interval = args.interval_s or max(gm.daly_interval(args.ckpt_stall_s, mtbf_s), args.ckpt_write_s)
         s = Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
-                     stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix)
+                     stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix,
+                     replacement_s=replacement)
+        spares = gm.spares_needed(s.busy_spares_mean) if spares_arg == "auto" else int(spares_arg)
+        s = Scenario(**{**s.__dict__, "spares": spares})
         stall = getattr(args, "memory_stall_s", None)
         if stall is not None:
             if stall < 0:
@@ -276,7 +358,11 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
 
 
 def strategies_of(s: Scenario) -> list[str]:
-    return [*STRATEGIES, *([MEMORY_STRATEGY] if s.memory_interval_s > 0 else [])]
+    """The strategies a scenario is simulated for: the memory tier's with a memory stall, and
+    their variants with spares when it has spares."""
+    plain = [*STRATEGIES, *([MEMORY_STRATEGY] if s.memory_interval_s > 0 else [])]
+    spared = [k for k, base in SPARE_STRATEGIES.items() if base in plain] if s.spares > 0 else []
+    return plain + spared
 
 
 def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
@@ -284,19 +370,26 @@ def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
     for s in scenarios:
         for strategy in strategies_of(s):
             result = simulate(s, strategy, runs, seed)
+            memory = base_strategy(strategy) == MEMORY_STRATEGY
+            spares = {"spares": s.spares, "replacement_s": s.replacement_s,
+                      "p_no_spare_analytic": gm.p_no_spare(s.spares, s.busy_spares_mean)}
             rows.append({"nodes": s.nodes, "strategy": strategy, "interval_s": s.interval_s,
-                         **({"memory_interval_s": s.memory_interval_s} if strategy == MEMORY_STRATEGY else {}),
+                         **({"memory_interval_s": s.memory_interval_s} if memory else {}),
+                         **(spares if strategy in SPARE_STRATEGIES else {}),
                          "job_mtbf_h": s.mtbf_s / gm.HOUR, "analytic_goodput": analytic(s, strategy), **result})
     return rows
 
 
 def render_table(rows: list[dict]) -> str:
-    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<13} {'goodput':>8} {'analytic':>9} "
-             f"{'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}"]
+    width = max([13, *(len(r["strategy"]) for r in rows)])
+    spares = any("spares" in r for r in rows)
+    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<{width}} {'goodput':>8} {'analytic':>9} "
+             f"{'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}" + ("  spares (no spare free)" if spares else "")]
     for r in rows:
-        lines.append(f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<13} "
+        lines.append(f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<{width}} "
                      f"{r['goodput']:>8.4f} {r['analytic_goodput']:>9.4f} {r['checkpoint_stalls']:>7.4f} "
-                     f"{r['lost_work']:>7.4f} {r['restarts']:>9.4f} {r['failures_per_run']:>9.1f}")
+                     f"{r['lost_work']:>7.4f} {r['restarts']:>9.4f} {r['failures_per_run']:>9.1f}"
+                     + (f"  {r['spares']} ({r['p_no_spare']:.2%})" if "spares" in r else ""))
     return "\n".join(lines)
 
 
