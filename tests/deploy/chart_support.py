@@ -39,9 +39,8 @@ def job(rendered: chart.Rendered) -> dict:
 
 
 def pod_spec(rendered: chart.Rendered, role: str = "Master") -> dict:
-    """A replica's pod spec; an elastic job has only Workers, so Master falls back to Worker there."""
-    specs = job(rendered)["spec"]["pytorchReplicaSpecs"]
-    return specs[role if role in specs or role != "Master" else "Worker"]["template"]["spec"]
+    """A replica's pod spec."""
+    return job(rendered)["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]
 
 
 def container(rendered: chart.Rendered, role: str = "Master") -> dict:

@@ -210,16 +210,17 @@ def test_should_render_master_only_when_job_has_one_pod():
     assert list(specs) == ["Master"]
 
 
-def test_should_rendezvous_on_worker_zero_with_min_max_nodes_when_elastic():
-    rendered = render("nodes=6", "elastic.enabled=true", "elastic.minNodes=4", "elastic.maxNodes=8",
-                      "trainer.resilience.launcher.max_restarts=5")
+def test_should_add_spare_workers_and_train_at_nodes_when_spares_are_set():
+    """Spares are more Workers of the same pod; --nnodes=nodes:nodes+spares, so NVRx 0.6+ trains at
+    `nodes` and keeps the rest standby; the Master still hosts the store."""
+    rendered = render("nodes=4", "spares=2")
     spec = job(rendered)["spec"]
-    assert list(spec["pytorchReplicaSpecs"]) == ["Worker"]
-    assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 6
-    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvHost": "resilient-fsdp-worker-0", "rdzvPort": 29400,
-                                     "minReplicas": 4, "maxReplicas": 8, "maxRestarts": 5}
-    args = container(rendered, "Worker")["args"]
-    assert "--nnodes=4:8" in args and "--rdzv-endpoint=resilient-fsdp-worker-0:29400" in args
+    assert (spec["pytorchReplicaSpecs"]["Master"]["replicas"], spec["pytorchReplicaSpecs"]["Worker"]["replicas"]) == (1, 5)
+    assert "elasticPolicy" not in spec
+    for role in ("Master", "Worker"):
+        args = container(rendered, role)["args"]
+        assert "--nnodes=4:6" in args and "--rdzv-endpoint=resilient-fsdp-master-0:29400" in args
+    assert "--nnodes=4" in container(render("nodes=4"))["args"]
 
 
 def test_should_share_one_pod_template_when_job_has_master_and_workers():
@@ -544,15 +545,11 @@ def test_should_refuse_helm_upgrade_naming_how_to_change_a_running_job():
     assert "storage.keepOnUninstall" in message
 
 
-def test_should_pass_each_elastic_workers_index_to_its_agent_when_elastic():
-    """An elastic PyTorchJob sets no PET_NODE_RANK: the chart passes the operator's replica-index
-    label, which the node agent reads for who hosts the store and the node rank."""
+def test_should_give_every_pod_spares_included_its_own_index_for_the_agent():
+    """The operator's PET_NODE_RANK is each pod's index, spares included: the node agent reads it for
+    who hosts the store (pod 0) and the infrastructure rank NVRx orders the nodes by."""
     from resilient_fsdp.local.manifests.pytorchjob import read_pytorchjob
     from resilient_fsdp.resilience.node_rank import node_index
 
-    rendered = render("nodes=3", "elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=3")
-    assert env(rendered, "Worker")["RESILIENT_FSDP_NODE_INDEX"] == {
-        "fieldRef": {"fieldPath": "metadata.labels['training.kubeflow.org/replica-index']"}}
-    pods = read_pytorchjob(job(rendered)).pods
+    pods = read_pytorchjob(job(render("nodes=2", "spares=1"))).pods
     assert [node_index(p.env) for p in pods] == [0, 1, 2]
-    assert "RESILIENT_FSDP_NODE_INDEX" not in env(render("nodes=3"))  # a Master's job sets PET_NODE_RANK

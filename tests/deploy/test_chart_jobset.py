@@ -64,11 +64,11 @@ def test_should_rendezvous_on_pod_zeros_stable_hostname_when_kind_is_jobset():
                                                              "protocol": "TCP"}
 
 
-def test_should_keep_elastic_membership_on_pod_zero_when_kind_is_jobset_and_elastic():
-    js = jobset("nodes=6", "elastic.enabled=true", "elastic.minNodes=4", "elastic.maxNodes=8")
+def test_should_run_spares_as_more_indexes_of_the_job_when_kind_is_jobset_and_spares_are_set():
+    js = jobset("nodes=6", "spares=2")
     args = pod(js)["spec"]["containers"][0]["args"]
-    assert "--nnodes=4:8" in args and "--rdzv-endpoint=resilient-fsdp-node-0-0.resilient-fsdp:29400" in args
-    assert node_job(js)["spec"]["parallelism"] == 6
+    assert "--nnodes=6:8" in args and "--rdzv-endpoint=resilient-fsdp-node-0-0.resilient-fsdp:29400" in args
+    assert (node_job(js)["spec"]["parallelism"], node_job(js)["spec"]["completions"]) == (8, 8)
 
 
 def test_should_run_the_same_pod_as_a_pytorchjob_when_kind_changes():

@@ -13,13 +13,7 @@ OBJECTS = {"PyTorchJob": {"PyTorchJob"}, "JobSet": {"JobSet"}, "TrainJob": {"Tra
 
 
 def kind_values(profile: str, kind: str) -> dict:
-    sets = [f"workload.kind={kind}"]
-    values = chart.load_values(profile_files(profile), sets)
-    if kind == "TrainJob" and values.get("elastic", {}).get("enabled"):
-        # Trainer has no elastic mode: an elastic profile runs as a TrainJob of a fixed size (the
-        # refusal itself is tested below).
-        values = chart.load_values(profile_files(profile), sets + ["elastic.enabled=false"])
-    return values
+    return chart.load_values(profile_files(profile), [f"workload.kind={kind}"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -40,11 +34,25 @@ def test_should_render_lint_and_validate_when_profile_runs_as_each_kind(profile,
     assert job_kinds == OBJECTS[kind]
 
 
-def test_should_refuse_the_elastic_profile_naming_the_fix_when_it_runs_as_a_trainjob():
-    with pytest.raises(chart.ChartError) as caught:
-        chart.render(chart.load_values(profile_files("p5en-64node"), ["workload.kind=TrainJob"]))
-    assert "elastic.enabled=true with workload.kind=TrainJob" in str(caught.value)
-    assert "set elastic.enabled=false" in str(caught.value)
+@pytest.mark.parametrize("kind", KINDS)
+def test_should_create_every_pod_spares_included_when_a_profile_with_a_spare_runs_as_each_kind(kind):
+    """The p5en-64node profile with one spare: each kind creates 65 pods, and every pod's launcher
+    trains at 64 (--nnodes=64:65)."""
+    docs = chart.render(chart.load_values(profile_files("p5en-64node"), [f"workload.kind={kind}", "spares=1"])).documents()
+    if kind == "PyTorchJob":
+        specs = next(d for d in docs if d["kind"] == "PyTorchJob")["spec"]["pytorchReplicaSpecs"]
+        pods = sum(r["replicas"] for r in specs.values())
+        template = specs["Worker"]["template"]
+    else:
+        owner = next(d for d in docs if d["kind"] == ("JobSet" if kind == "JobSet" else "TrainingRuntime"))
+        spec = owner["spec"] if kind == "JobSet" else owner["spec"]["template"]["spec"]
+        node_job = spec["replicatedJobs"][0]["template"]["spec"]
+        pods = node_job["parallelism"]
+        template = node_job["template"]
+        if kind == "TrainJob":
+            assert next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]["numNodes"] == 65
+    assert pods == 65
+    assert "--nnodes=64:65" in template["spec"]["containers"][0]["args"]
 
 
 def test_should_say_what_backoff_limit_really_does_when_pytorchjob_notes_are_printed():

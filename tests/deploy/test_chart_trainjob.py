@@ -96,8 +96,6 @@ def test_should_tell_how_to_follow_and_clean_up_when_notes_are_printed_for_a_tra
 
 
 @pytest.mark.parametrize("sets, fragments", [
-    (["elastic.enabled=true", "elastic.maxNodes=4"],
-     ["elastic.enabled=true", "no elastic mode", "kubeflow/trainer#3235", "set elastic.enabled=false"]),
     (["rendezvous.port=29500"], ["rendezvous.port=29500", "29400"]),
     (["pod.env[0].name=PET_NNODES", "pod.env[0].value=4"], ["pod.env[0] PET_NNODES", "remove it"]),
     (["job.ttlSecondsAfterFinished=60"], ["job.ttlSecondsAfterFinished", "no TTL"]),

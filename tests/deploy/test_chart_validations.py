@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.deploy.chart_support import crds, profile_files, render, render_error  # noqa: F401
-from resilient_fsdp.config import DataConfig, TrainConfig
 from resilient_fsdp.deploy import chart, validate
-from resilient_fsdp.train.global_batch import unserved
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
 
@@ -49,30 +47,13 @@ RULES = {
     "gpudirect rdma with efa off": (
         ["efa.enabled=false", "efa.gpuDirectRdma=true"], None,
         ["efa.gpuDirectRdma=true", "EFA is off"]),
-    "min nodes above max nodes": (
-        ["elastic.enabled=true", "elastic.minNodes=5", "elastic.maxNodes=4", "nodes=4"], None,
-        ["elastic.minNodes=5", "elastic.maxNodes=4"]),
-    "nodes outside the elastic range": (
-        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=6"], None,
-        ["nodes=6", "elastic.minNodes=2", "elastic.maxNodes=4"]),
-    "torch-async checkpoints with elastic": (
-        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
-         "trainer.checkpoint.mode=torch-async"], None,
-        ["trainer.checkpoint.mode=torch-async with elastic.enabled=true", "set trainer.checkpoint.mode=async"]),
-    "elastic range the exact batch cannot keep": (
-        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
-         "trainer.train.elastic_batch=exact"], None,
-        ["trainer.train.elastic_batch=exact cannot keep the global batch of 128", "at 3 pods (24 ranks) of",
-         "elastic.minNodes=2..elastic.maxNodes=4", "Set trainer.train.elastic_batch=nearest"]),
+    "spares beside a single node": (
+        ["nodes=1", "spares=1"], None,
+        ["spares=1 with nodes=1", "pod 0, which hosts the rendezvous store", "Set spares=0"]),
     "shard group that does not divide the world": (
         ["nodes=2", "trainer.dist.shard_group_size=24"], None,
-        ["trainer.dist.shard_group_size=24 does not divide the world size at 2 pods (16 ranks)",
-         "Set trainer.dist.shard_group_size to a divisor"]),
-    "elastic range the shard group cannot divide": (
-        ["elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
-         "trainer.dist.shard_group_size=16"], None,
-        ["trainer.dist.shard_group_size=16 does not divide the world size at 3 pods (24 ranks)",
-         "narrow elastic.minNodes..elastic.maxNodes"]),
+        ["trainer.dist.shard_group_size=24 does not divide the world size of nodes=2 x 8 ranks a pod = 16",
+         "Set trainer.dist.shard_group_size to a divisor of 16"]),
     "two storage choices": (
         FSX[1:], None,
         ["storage.fsx.subnetId is set but storage.type=existingClaim", "set storage.type=fsx"]),
@@ -174,7 +155,8 @@ SCHEMA = {
     "bad trainer value": ("trainer.model.preset=3b", ["trainer.model.preset"]),
     "bad enum": ("storage.type=nfs", ["storage.type"]),
     "below minimum": ("nodes=0", ["nodes"]),
-    "wrong type": ("elastic.enabled=yes", ["elastic.enabled"]),
+    "wrong type": ("spares=yes", ["spares"]),
+    "elastic membership": ("elastic.enabled=true", ["unknown key 'elastic'", "Set nodes (the pods that train) and spares"]),
     "latest tag": ("image.tag=latest", ["image.tag"]),
     "bad fault spec": ("chaos.inject={explode@5}", ["chaos.inject"]),
     "bad quantity": ("shm.sizeLimit=lots", ["shm.sizeLimit"]),
@@ -249,38 +231,8 @@ def test_should_apply_the_operator_webhook_rules_when_validating_a_pytorchjob(br
     assert validate.check_pytorchjob_webhook(_pytorchjob(_job_docs())) == []
 
 
-def test_should_render_hsdp_whose_shard_group_divides_every_world_of_the_elastic_range():
-    rendered = render("elastic.enabled=true", "elastic.minNodes=2", "elastic.maxNodes=4", "nodes=4",
-                      "trainer.dist.shard_group_size=8")
-    assert "shard_group_size: 8" in rendered.find("ConfigMap")["data"]["config.yaml"]
-
-
-def test_should_render_p5en_64node_whose_shrunk_worlds_train_at_the_nearest_global_batch():
-    """62-64 pods x 8 GPUs at 512 samples a step: 496 and 504 ranks cannot make 512, which
-    ``nearest`` (the default) serves and ``exact`` refuses, as the trainer would at their start."""
-    files = profile_files("p5en-64node")
-    assert render(files=files, base=[]).find("ConfigMap")
-    message = render_error("trainer.train.elastic_batch=exact", files=files, base=[])
-    assert unserved(512, [n * 8 for n in range(62, 65)], 1, "exact") == [496, 504]
-    assert "at 62 pods (496 ranks), 63 pods (504 ranks) of elastic.minNodes=62..elastic.maxNodes=64" in message
-
-
-@pytest.mark.parametrize("sets", [
-    ["elastic.minNodes=1", "elastic.maxNodes=6", "nodes=6", "trainer.train.grad_accum_steps=1"],
-    ["elastic.minNodes=3", "elastic.maxNodes=8", "nodes=5", "trainer.train.grad_accum_steps=3"],
-])
-def test_should_refuse_the_world_sizes_the_trainer_would_with_its_defaults_and_serve_them_all_with_nearest(sets):
-    # trainer.data.micro_batch_size unset: the chart must assume the trainer's default.
-    mb, rpn = DataConfig().micro_batch_size, 8
-    values = dict(s.split("=") for s in sets)
-    target = int(values["nodes"]) * rpn * mb * int(values["trainer.train.grad_accum_steps"])
-    pods = range(int(values["elastic.minNodes"]), int(values["elastic.maxNodes"]) + 1)
-    expected = [w // rpn for w in unserved(target, [n * rpn for n in pods], mb, "exact")]
-    assert expected, "the case must exercise the rule"
-    message = render_error("elastic.enabled=true", "trainer.train.elastic_batch=exact", *sets)
-    assert f"global batch of {target} samples per step" in message
-    assert f"trainer.data.micro_batch_size={mb}" in message
-    assert ", ".join(f"{n} pods ({n * rpn} ranks)" for n in expected) + " of elastic.minNodes" in message
-    # Unset, the key is the trainer's default, nearest, which serves every world size of the range.
-    assert TrainConfig().elastic_batch == "nearest"
-    assert render("elastic.enabled=true", *sets).find("ConfigMap")
+def test_should_render_hsdp_whose_shard_group_divides_the_world_whatever_the_spares():
+    """Spares never train beside the nodes: the world, and so the shard groups, are nodes x ranks a pod."""
+    rendered = render("nodes=4", "spares=1", "trainer.dist.shard_group_size=16")
+    assert "shard_group_size: 16" in rendered.find("ConfigMap")["data"]["config.yaml"]
+    assert "does not divide" in render_error("nodes=4", "spares=1", "trainer.dist.shard_group_size=40")

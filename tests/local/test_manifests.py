@@ -56,9 +56,28 @@ def test_no_hand_written_pod_command_is_left():
         assert not re.search(r'"--rdzv-endpoint=', text), path
 
 
-def test_elastic_jobs_get_the_elastic_variables_and_succeed_with_one_worker():
-    out = rendered("nodes=2", "elastic.enabled=true", "elastic.minNodes=1", "elastic.maxNodes=3")
+def test_spares_are_more_workers_whose_index_orders_them_after_the_training_pods():
+    out = rendered("nodes=2", "spares=1")
     workload = pods_of(out.documents())
+    assert [p.hostname for p in workload.pods] == ["job-resilient-fsdp-master-0", "job-resilient-fsdp-worker-0",
+                                                    "job-resilient-fsdp-worker-1"]
+    assert [p.env["PET_NODE_RANK"] for p in workload.pods] == ["0", "1", "2"]
+    assert all("--nnodes=2:3" in p.argv for p in workload.pods)
+    # The operator counts every replica; the explicit --nnodes is what ft_launcher follows.
+    assert workload.pods[2].env["PET_NNODES"] == "3"
+    assert workload.finished({"job-resilient-fsdp-master-0"})
+
+
+def test_an_elastic_pytorchjob_gets_the_elastic_variables_and_succeeds_with_one_worker():
+    """A manifest with an elasticPolicy (``--manifests``; the chart renders none): the operator's
+    PET_RDZV_* variables instead of MASTER_*, and success once any Worker succeeds."""
+    documents = rendered("nodes=2").documents()
+    doc = next(d for d in documents if d["kind"] == "PyTorchJob")
+    replicas = doc["spec"]["pytorchReplicaSpecs"]
+    replicas["Worker"]["replicas"] = 2
+    del replicas["Master"]
+    doc["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 3, "maxRestarts": 3}
+    workload = pods_of(documents)
     assert [p.hostname for p in workload.pods] == ["job-resilient-fsdp-worker-0", "job-resilient-fsdp-worker-1"]
     env = workload.pods[1].env
     assert env["PET_RDZV_ENDPOINT"] == "job-resilient-fsdp-worker-0:29400" and env["PET_NNODES"] == "1:3"

@@ -40,3 +40,81 @@ def test_a_node_that_is_not_the_store_host_joins_again_then_exits_when_no_store_
     joins = [line for line in agent if "joining again in this pod, not counted" in line]
     assert joins and "200: rendezvous-store-lost" in joins[0]
     assert any("no rendezvous completed within 4 s of the event" in line for line in agent)
+
+
+def _lonely_node(run_dir, rejoin_timeout: int, steps: int, lane: list | None = None, nnodes: str = "2"):
+    """Node 1 of a job whose store host never starts, training ``train.steps=steps`` in ``run_dir``."""
+    from tests.resilience.node import AGENT, free_port
+    from tests.support import run_guarded
+
+    cmd = [*AGENT, f"--rejoin-timeout={rejoin_timeout}", "--", f"--nnodes={nnodes}", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=lonely",
+           "--rdzv-conf=join_timeout=2,read_timeout=2,store_connect_wait_seconds=2", "--max-restarts=0",
+           "-m", "resilient_fsdp.train", "--set", f"run_dir={run_dir}", "--set", f"train.steps={steps}"]
+    proc = run_guarded(cmd, run_dir, lane, 120, {"JOB_COMPLETION_INDEX": "1"})
+    return proc, [line for line in proc.stderr.splitlines() if line.startswith("[resilient-fsdp agent]")]
+
+
+def _records(run_dir, *records: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_pod_that_lost_the_store_exits_0_when_the_run_directory_says_the_job_trained_every_step(tmp_path):
+    """Real processes: a hot spare (or a pod recreated after the last rendezvous) whose launcher
+    loses the store as the job ends reads the run directory: its last record is rank 0's finish at
+    train.steps, so the pod succeeds instead of joining again and being counted."""
+    run_dir = tmp_path / "run"
+    _records(run_dir, {"event": "start", "t": 1.0, "layer": "start"}, {"event": "step", "step": 5, "t": 2.0},
+             {"event": "finish", "step": 5, "t": 3.0})
+    proc, agent = _lonely_node(run_dir, rejoin_timeout=60, steps=5)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any("the job's training is complete" in line and "finish at step 5 of train.steps=5" in line
+               and "a standby pod" in line for line in agent), agent
+    assert not any("joining again" in line for line in agent)
+
+
+def test_a_pod_that_lost_the_store_joins_again_when_the_run_directory_holds_no_finish_at_the_last_step(tmp_path):
+    """The same node, with a finish short of train.steps (a graceful stop, or a job launched again
+    for more steps): the job is not done, so it joins again as before."""
+    run_dir = tmp_path / "run"
+    _records(run_dir, {"event": "start", "t": 1.0, "layer": "start"}, {"event": "finish", "step": 3, "t": 3.0})
+    proc, agent = _lonely_node(run_dir, rejoin_timeout=3, steps=5)
+    assert proc.returncode == 200, proc.stderr[-3000:]
+    assert any("joining again in this pod" in line for line in agent)
+    assert not any("training is complete" in line for line in agent)
+
+
+def test_training_complete_reads_only_a_last_finish_at_the_configured_steps(tmp_path):
+    from resilient_fsdp.resilience.agent import training_complete
+
+    run_dir = tmp_path / "run"
+    args = ["-m", "resilient_fsdp.train", "--set", f"run_dir={run_dir}", "--set", "train.steps=5"]
+    assert training_complete(args) is None  # no metrics.jsonl
+    _records(run_dir, {"event": "finish", "step": 5, "t": 3.0})
+    assert "finish at step 5 of train.steps=5" in training_complete(args)
+    # Launched again on the same run directory: its first attempt's start follows the finish.
+    _records(run_dir, {"event": "finish", "step": 5, "t": 3.0}, {"event": "start", "t": 4.0, "layer": "start"})
+    assert training_complete(args) is None
+    # A line torn by a crash mid-write is no finish.
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"event": "finish", "step": 5}) + '\n{"event": "fin')
+    assert training_complete(args) is None
+    assert training_complete(["-m", "some.other.module"]) is None
+
+
+def test_a_pod_asked_for_hot_spares_exits_2_naming_spares_under_an_nvrx_that_would_train_every_node(tmp_path):
+    """Real agent process on the pinned NVRx 0.4.1, whose torch elastic rendezvous would train at
+    every node that joins: --nnodes=2:3 is refused before any launcher starts (exit 2, never retried)."""
+    from resilient_fsdp.resilience.nvrx import hot_spares_unsupported, installed_version
+
+    assert installed_version() == "0.4.1"  # the pinned lane this test runs on
+    proc, agent = _lonely_node(tmp_path / "run", rejoin_timeout=0, steps=5, nnodes="2:3")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = agent[-1]
+    assert "--nnodes=2:3 asks for 1 hot spare pod(s) (the chart's spares=1)" in message
+    assert "NVRx 0.4.1 would train at every node that joins" in message and "set spares=0" in message
+    # NVRx 0.6 and newer keep the pods beyond the minimum standby: nothing to refuse.
+    args = ["--nnodes=2:3", "-m", "resilient_fsdp.train"]
+    assert hot_spares_unsupported(args, "0.7.0") is None and hot_spares_unsupported(args, "0.6.0") is None
+    assert hot_spares_unsupported(["--nnodes=2", "-m", "x"], "0.4.1") is None
+    assert hot_spares_unsupported(["--nnodes=2:2", "-m", "x"], "0.4.1") is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from resilient_fsdp.config import ConfigError, load_config
-from resilient_fsdp.train.global_batch import at_resume, choose, keeping_sizes, unserved
+from resilient_fsdp.train.global_batch import at_resume, choose, keeping_sizes
 
 
 @pytest.mark.parametrize("world, accum, batch", [(512, 1, 512), (504, 1, 504), (496, 1, 496), (256, 2, 512),
@@ -68,12 +68,7 @@ def test_a_resume_goes_back_to_the_runs_target_after_a_nearest_choice():
         at_resume(_manifest(496, 1, 1, target=512), 504, batch, "exact")
 
 
-def test_unserved_names_the_sizes_of_a_range_each_policy_cannot_serve():
-    worlds = [n * 8 for n in range(62, 65)]  # values/p5en-64node.yaml: 62..64 nodes x 8 GPUs
-    assert unserved(512, worlds, 1, "exact") == [496, 504]
-    assert unserved(512, worlds, 1, "nearest") == []
-    # Above the target's world, nearest still serves: one micro-batch a rank, a larger batch.
-    assert unserved(512, [520, 528], 1, "nearest") == []
+def test_nearest_serves_a_world_above_the_targets_with_one_micro_batch_a_rank():
     assert choose(512, 528, 1, "nearest").global_batch == 528
 
 

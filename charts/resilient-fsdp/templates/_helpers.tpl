@@ -80,9 +80,10 @@ app.kubernetes.io/part-of: resilient-fsdp
 {{- if gt (int (default 0 $inst.gpus)) 0 }}true{{ end }}
 {{- end }}
 
-{{/* The most pods the job can have: what decides whether EFA has inter-node traffic to carry. */}}
-{{- define "resilient-fsdp.maxNodes" -}}
-{{- if .Values.elastic.enabled }}{{ int .Values.elastic.maxNodes }}{{ else }}{{ int .Values.nodes }}{{ end }}
+{{/* Every pod of the job, training ones and hot spares: what the controller creates, and what
+decides whether EFA has inter-node traffic to carry (a spare trains once it takes a lost node's place). */}}
+{{- define "resilient-fsdp.pods" -}}
+{{- add (int .Values.nodes) (int .Values.spares) }}
 {{- end }}
 
 {{/* "true" when EFA is used: explicitly on, or auto on an EFA instance in a job of several pods. */}}
@@ -90,7 +91,7 @@ app.kubernetes.io/part-of: resilient-fsdp
 {{- $inst := include "resilient-fsdp.instance" . | fromJson }}
 {{- $mode := toString .Values.efa.enabled }}
 {{- if eq $mode "true" }}true
-{{- else if and (eq $mode "auto") (gt (int (default 0 $inst.efa)) 0) (gt (int (include "resilient-fsdp.maxNodes" .)) 1) }}true
+{{- else if and (eq $mode "auto") (gt (int (default 0 $inst.efa)) 0) (gt (int (include "resilient-fsdp.pods" .)) 1) }}true
 {{- end }}
 {{- end }}
 
@@ -119,7 +120,7 @@ app.kubernetes.io/part-of: resilient-fsdp
 
 {{/*
 The host whose ft_launcher agent serves the rendezvous store: the first pod of the job.
-- PyTorchJob: the Service the operator creates per pod, `<job>-master-0` (`<job>-worker-0` when elastic).
+- PyTorchJob: the Service the operator creates per pod, `<job>-master-0`.
 - JobSet and TrainJob: pod 0's stable hostname under the JobSet's headless Service,
   `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>` (jobset v0.12.0
   api/jobset/v1alpha2/jobset_types.go, Network); the subdomain defaults to the JobSet's name, and a
@@ -129,7 +130,7 @@ The host whose ft_launcher agent serves the rendezvous store: the first pod of t
 {{- define "resilient-fsdp.rdzvHost" -}}
 {{- $name := include "resilient-fsdp.fullname" . }}
 {{- if eq .Values.workload.kind "PyTorchJob" }}
-{{- $name }}-{{ if .Values.elastic.enabled }}worker{{ else }}master{{ end }}-0
+{{- $name }}-master-0
 {{- else }}
 {{- printf "%s-%s-0-0.%s" $name (include "resilient-fsdp.replicatedJob" .) $name }}
 {{- end }}
@@ -160,14 +161,15 @@ kueue.x-k8s.io/podset-group-name: {{ include "resilient-fsdp.fullname" . | quote
 {{- end }}
 {{- end }}
 
-{{/* The longest pod name a JobSet of this job makes: `<jobset>-node-0-<nodes-1>-<5 random>`. */}}
+{{/* The longest pod name a JobSet of this job makes: `<jobset>-node-0-<pods-1>-<5 random>`. */}}
 {{- define "resilient-fsdp.longestJobSetPodName" -}}
-{{- printf "%s-%s-0-%d-abcde" (include "resilient-fsdp.fullname" .) (include "resilient-fsdp.replicatedJob" .) (sub (int .Values.nodes) 1) }}
+{{- printf "%s-%s-0-%d-abcde" (include "resilient-fsdp.fullname" .) (include "resilient-fsdp.replicatedJob" .) (sub (int (include "resilient-fsdp.pods" .)) 1) }}
 {{- end }}
 
-{{/* `--nnodes`: a count, or min:max when elastic. */}}
+{{/* `--nnodes`: the training pods, or nodes:nodes+spares with hot spares (NVRx 0.6+ trains at the
+first number and keeps the rest standby). */}}
 {{- define "resilient-fsdp.nnodes" -}}
-{{- if .Values.elastic.enabled }}{{ int .Values.elastic.minNodes }}:{{ int .Values.elastic.maxNodes }}{{ else }}{{ int .Values.nodes }}{{ end }}
+{{- if gt (int .Values.spares) 0 }}{{ int .Values.nodes }}:{{ include "resilient-fsdp.pods" . }}{{ else }}{{ int .Values.nodes }}{{ end }}
 {{- end }}
 
 {{/* The trainer's run directory: the user's, or one per job on the shared volume. */}}

@@ -1,6 +1,6 @@
 {{/*
 The JobSet spec (jobset.x-k8s.io/v1alpha2, JobSet v0.12) of the JobSet kind and of the
-TrainingRuntime a TrainJob runs: one replicated Job `node` of `nodes` Indexed pods. Called with
+TrainingRuntime a TrainJob runs: one replicated Job `node` of `nodes` + `spares` Indexed pods. Called with
 (dict "ctx" $). The restart contract, in the order things happen:
 
 1. A pod whose trainer container exits 128-255 (the node wrapper's retryable codes: 143 after a
@@ -21,7 +21,7 @@ pkg/webhooks/jobset_webhook.go (defaults: Indexed, restartPolicy OnFailure when 
 {{- define "resilient-fsdp.jobSetSpec" -}}
 {{- $ := .ctx }}
 {{- $v := $.Values }}
-{{- $nodes := int $v.nodes }}
+{{- $pods := int (include "resilient-fsdp.pods" $) }}
 network:
   # Pod 0's hostname is the rendezvous endpoint; published before the pod is Ready, so agents
   # that start first can resolve it while it starts.
@@ -69,8 +69,8 @@ replicatedJobs:
       {{- end }}
       spec:
         completionMode: Indexed
-        completions: {{ $nodes }}
-        parallelism: {{ $nodes }}
+        completions: {{ $pods }}
+        parallelism: {{ $pods }}
         # Counted pod failures (exits 128-255 without a disruption) this Job absorbs, over all
         # its pods, before it fails with BackoffLimitExceeded. A job-wide count, not
         # backoffLimitPerIndex: the budget is for failures anywhere in the job (the advisor's

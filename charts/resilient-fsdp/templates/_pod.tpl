@@ -127,14 +127,6 @@ spec:
       env:
         - name: PYTHONUNBUFFERED
           value: "1"
-        {{- if and (eq $v.workload.kind "PyTorchJob") $v.elastic.enabled }}
-        # The pod's index, for who hosts the store and the node rank: an elastic PyTorchJob sets no
-        # PET_NODE_RANK (a Master's job does; an Indexed Job sets JOB_COMPLETION_INDEX).
-        - name: RESILIENT_FSDP_NODE_INDEX
-          valueFrom:
-            fieldRef:
-              fieldPath: metadata.labels['training.kubeflow.org/replica-index']
-        {{- end }}
         # The root file system is read-only: caches (torch, triton) go to the /tmp volume.
         - name: HOME
           value: /tmp

@@ -9,8 +9,8 @@ four legs, each one ``resilient-fsdp local`` launch, the way an operator drives 
 3. ``shrink``: relaunched with half the pods (the checkpoint reshards to the smaller world);
 4. ``regrow``: relaunched with every pod again, to ``--steps``.
 
-A JobSet has no elastic mode (the chart's elastic policy is the PyTorchJob's), so the world
-changes size the way a JobSet's does: a relaunch at another size from the newest checkpoint.
+A job's world is fixed (hot spares keep it), so the world changes size as an operator changes
+it: a relaunch at another size from the newest checkpoint.
 
 Faults: one every ``--fault-every-steps`` steps of each leg, taking ``--kinds`` in turn (the
 fault grammar of ``config.fault_spec``, ``KIND[:rank=R | :node=N][:for=SECONDS]``; R and N are

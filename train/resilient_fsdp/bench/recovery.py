@@ -11,7 +11,13 @@ otherwise) gets one injected
 - ``in_job_memory``: the same, with memory checkpoints every ``--memory-interval-steps`` steps
   (``checkpoint.memory``): the new workers restore from the pod's ``/dev/shm``;
 - ``full_relaunch``: no restart allowed (``--max-restarts 0 --max-node-restarts 0``): the job
-  fails and is launched again from its last checkpoint, which is what a plain torchrun job gets.
+  fails and is launched again from its last checkpoint, which is what a plain torchrun job gets;
+- ``node_loss``: the last rank's pod is lost (``node-loss``) instead of an exception; its
+  replacement starts ``--replacement-delay-s`` after the loss (a new node and its image pull), and
+  the job goes on once it has joined (a job-level restart of that pod);
+- ``node_loss_spare``: the same loss with one hot spare (``spares=1``): a standby pod takes the lost
+  pod's place within the in-job restart, and the replacement joins as the next spare. Hot spares
+  need NVRx 0.6 or newer on the path (the test lane's).
 
 ``recovery_s`` runs from the fault to the first step completed after the restore (for the
 relaunch it includes the failed job's shutdown and the new job's start); ``lost_steps`` counts
@@ -41,7 +47,8 @@ COMMON = ["resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detec
           "resilience.hang_detection.learn_timeouts=false", "resilience.in_process.soft_timeout_s=20",
           "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
           "resilience.in_process.barrier_timeout_s=120"]
-LAYERS = ("in_process", "in_job", "in_job_cold", "in_job_memory", "full_relaunch")
+LAYERS = ("in_process", "in_job", "in_job_cold", "in_job_memory", "full_relaunch", "node_loss", "node_loss_spare")
+DEFAULT_LAYERS = LAYERS[:5]  # the node-loss pair waits out the replacement delay: asked for by name
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +68,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint.memory.replicas of the in_job_memory layer (default 0); with 1 the replica's "
                         "time is reported")
     p.add_argument("--repeats", type=int, default=5, help="runs per layer; median, min and max are reported")
-    p.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layers to measure")
+    p.add_argument("--layers", nargs="+", default=list(DEFAULT_LAYERS), choices=list(LAYERS),
+                   help=f"layers to measure (default: {' '.join(DEFAULT_LAYERS)})")
+    p.add_argument("--replacement-delay-s", type=float, default=30.0,
+                   help="node_loss and node_loss_spare: seconds from the loss to the replacement pod's start "
+                        "(default 30; the goodput model's job-level restart assumes 600 on a cluster)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer setting for every job (repeatable), e.g. --set model.preset=125m")
     p.add_argument("--value", dest="values", action="append", default=[], metavar="KEY=VALUE",
@@ -84,7 +95,8 @@ def run_job(run_dir: Path, nodes: int, nproc: int, overrides: list[str], flags: 
 
 
 def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> dict:
-    spec = f"exception@{args.fault_step}:rank={args.nodes * args.nproc_per_node - 1}"
+    kind = "node-loss" if layer.startswith("node_loss") else "exception"
+    spec = f"{kind}@{args.fault_step}:rank={args.nodes * args.nproc_per_node - 1}"
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
                  f"dist.timeout_s={args.timeout_s}", *COMMON, *getattr(args, "overrides", []),
                  f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}"]
@@ -96,6 +108,10 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     flags = [f"--inject={spec}", *(f"--value={v}" for v in getattr(args, "values", []))]
     if layer == "full_relaunch":
         flags += ["--max-restarts=0", "--max-node-restarts=0"]
+    if kind == "node-loss":
+        flags.append(f"--replacement-delay={getattr(args, 'replacement_delay_s', 30.0):g}")
+    if layer == "node_loss_spare":
+        flags.append("--value=spares=1")
     code = run_job(run_dir, args.nodes, args.nproc_per_node, overrides, flags, log)
     if layer == "full_relaunch":
         if code == 0:
@@ -168,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
     expected = json.loads((reference / "summary.json").read_text())["params_sha256"]
     results: dict = {"nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "steps": args.steps,
                      "fault": f"exception@{args.fault_step}", "checkpoint_interval_steps": args.interval_steps,
+                     "replacement_delay_s": getattr(args, "replacement_delay_s", None),
                      "dist_timeout_s": args.timeout_s, "cpu_count": os.cpu_count(), "repeats": args.repeats,
                      "overrides": list(getattr(args, "overrides", [])), "values": list(getattr(args, "values", [])),
                      "loadavg_start": os.getloadavg()}
@@ -199,6 +216,12 @@ def main(args: argparse.Namespace) -> int:
     relaunch = results.get("full_relaunch", {}).get("recovery_s_median")
     results["ratios"] = {f"{layer}_over_full_relaunch": results[layer]["recovery_s_median"] / relaunch
                          for layer in ("in_process", "in_job", "in_job_cold", "in_job_memory") if layer in results and relaunch}
+    if "node_loss" in results and "node_loss_spare" in results:
+        results["ratios"]["node_loss_spare_over_node_loss"] = (results["node_loss_spare"]["recovery_s_median"]
+                                                               / results["node_loss"]["recovery_s_median"])
+    if "in_job" in results and "node_loss_spare" in results:
+        results["ratios"]["node_loss_spare_over_in_job"] = (results["node_loss_spare"]["recovery_s_median"]
+                                                            / results["in_job"]["recovery_s_median"])
     print(format_table(results))
     write_results(results, args.out)
     return 0 if all(s["bitwise_equal_to_fault_free"] for layer in layers for s in results[layer]["samples"]) else 1

@@ -179,6 +179,14 @@ def _detail(exc: Exception) -> str:
     return str(getattr(exc, "detail", None) or exc).strip()
 
 
+# Keys a values file may carry from other charts' vocabulary, with what this chart says instead.
+NOT_CHART_KEYS = {
+    "elastic": ("a job trains at a fixed world of `nodes` pods: NVRx 0.6 and newer (the image's) trains at the "
+                "first number of --nnodes=min:max and keeps the other pods standby. Set nodes (the pods that "
+                "train) and spares (standby pods that take a lost pod's place within an in-job restart); to "
+                "train at another size, launch again with another nodes (checkpoints reshard)"),
+}
+
 _SCHEMA_LINE = re.compile(r"^- at '(?P<path>[^']*)': (?P<what>.*)$")
 _ADDITIONAL = re.compile(r"additional propert(?:y|ies) (?P<names>.+) not allowed")
 
@@ -199,8 +207,8 @@ def explain_schema_error(detail: str) -> str:
                 if moved:
                     lines.append(f"unknown key '{full}': the key is trainer.{moved}")
                     continue
-                lines.append(f"unknown key '{full}': remove it (values.schema.json lists the valid keys of "
-                             f"{key or 'the top level'})")
+                lines.append(f"unknown key '{full}': " + (NOT_CHART_KEYS.get(full) or (
+                    f"remove it (values.schema.json lists the valid keys of {key or 'the top level'})")))
         else:
             lines.append(f"{key or '(top level)'}: {m['what']}{_text_for_a_number_hint(key, m['what'])}")
     if not lines:  # a report shape this parser does not know: show it whole

@@ -80,8 +80,18 @@ def header_block(line: str) -> list[str]:
         f"#     dist.timeout_s {a.dist_timeout_s} = step - {adv.DUMP_MARGIN_S:g} s (NCCL dumps before a kill);",
         f"#     expected goodput {g['productive']:.4f} (restart R {i.restart_s:g} s, step {i.step_s:g} s, "
         f"start-up {i.startup_s:g} s).",
+        *_spare_lines(a),
         line,
     ]
+
+
+def _spare_lines(a: adv.Advice) -> list[str]:
+    """With ``--spares`` on the advise line: the hot spares, their arithmetic and what they cost."""
+    s = a.spares
+    if s is None:
+        return []
+    return [f"#   hot spares -> spares {s['count']}:", *(f"#     {line};" for line in s["explain"][:-1]),
+            f"#     {s['explain'][-1]}."]
 
 
 def _scientific(x: float) -> str:
@@ -121,8 +131,7 @@ def profile_row(path: Path) -> str:
     instance = values["instanceType"]
     kind = values["instanceTypes"][instance]
     trainer = values.get("trainer", {})
-    pods = f"{values['elastic']['minNodes']}-{values['elastic']['maxNodes']} (elastic)" \
-        if values["elastic"]["enabled"] else str(values["nodes"])
+    pods = f"{values['nodes']} + {values['spares']} spare" if values["spares"] else str(values["nodes"])
     if kind["gpus"]:
         efa = values["efa"]["enabled"]
         efa_on = efa is True or (efa == "auto" and kind["efa"] > 0 and values["nodes"] > 1)

@@ -16,6 +16,8 @@ flag                           chart value
 ``--rdzv-port P``              ``rendezvous.port``
 ``--pod-start-delay I=S``      none: the local cluster starts pod ``I`` ``S`` seconds after the
                                others the first time (an image pull on a fresh node)
+``--replacement-delay S``      none: a lost pod's replacement starts ``S`` seconds after the loss
+                               (a new node provisioned, the image pulled)
 ``--value KEY=V``              any other chart value, as ``helm --set``
 ``--value-json KEY=JSON``      any other chart value, as ``helm --set-json``
 ``--nofile SOFT[:HARD]``       none: the ``nofile`` limit the container runtime gives each
@@ -49,7 +51,7 @@ from ..config import ConfigError, load_config, parse_faults, user_tree
 from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, load_values, render
 from ..resilience.accounting import JOB_START_ENV
 from ..resilience.agent import parse_agent_args
-from ..resilience.nvrx import QUIET_WARNINGS
+from ..resilience.nvrx import QUIET_WARNINGS, hot_spares_unsupported, installed_version
 from ..resilience.faults import REQUESTS_ENV
 from .cluster.fault_requests import requests_dir
 from .cluster.launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, free_port
@@ -84,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start pod INDEX (its place in the job; 0 hosts the rendezvous store) SECONDS after the "
                         "others, the first time only (recreations start at once): an image pull on a fresh node "
                         "(repeatable)")
+    p.add_argument("--replacement-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="start a lost pod's replacement (node-loss) SECONDS after the loss, as a new node is "
+                        "provisioned and pulls the image; a pod that exits on its own is recreated at once "
+                        "(default 0)")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
                    help="inject a fault once per job: the chaos drill (repeatable)")
     p.add_argument("--isolation", choices=ISOLATIONS,
@@ -197,6 +203,9 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag}={value}: must be at least 1")
+    replacement_delay = getattr(args, "replacement_delay", 0.0) or 0.0
+    if not math.isfinite(replacement_delay) or replacement_delay < 0:
+        raise ConfigError(f"--replacement-delay={replacement_delay:g}: give a number of seconds, 0 or more")
     for flag, value in (("--max-restarts", args.max_restarts), ("--max-pod-recreations", args.max_recreations)):
         if value is not None and value < 0:
             raise ConfigError(f"{flag}={value}: must be 0 or more")
@@ -227,6 +236,15 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
         documents, text = rendered.documents(), rendered.text()
     workload = pods_of(documents)
     delays = start_delays(delay_flags, len(workload.pods))
+    try:
+        launcher_args = parse_agent_args(list(workload.pods[0].args))[1]
+    except ValueError:
+        launcher_args = []  # the agent names a bad flag of its own when the pod starts
+    # The pods run this interpreter with its path: refuse spares its NVRx would train with.
+    refused = hot_spares_unsupported(launcher_args, installed_version())
+    if refused:
+        raise ConfigError(f"{refused} (resilient-fsdp local: the NVRx on this Python's path; the test lane "
+                          "./scripts/test prepares has the image's, see docs/local-runs.md)")
     # The trainer configuration the pods will load, checked as the trainer checks it.
     maps = [d for d in documents if d.get("kind") == "ConfigMap"]
     cfg_text = (maps[0].get("data") or {}).get("config.yaml", "") if maps else ""
@@ -253,7 +271,7 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     (run_dir / "cluster").mkdir(exist_ok=True)
     (run_dir / "cluster" / "manifests.yaml").write_text(text)
     job = LocalJob(workload=workload, run_dir=run_dir, max_recreations=args.max_recreations, verbose=args.verbose,
-                   start_delays=delays)
+                   start_delays=delays, replacement_delay_s=replacement_delay)
     job.extra_env = {JOB_START_ENV: repr(time.time())}
     job.nofile = nofile_limit(getattr(args, "nofile", None))
     job.host_ports = host_ports

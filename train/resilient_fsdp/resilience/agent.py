@@ -18,7 +18,13 @@ and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
 - ``ft_launcher`` failed otherwise (in-job restarts spent after infrastructure-type failures,
   lost peers, a join timeout): :data:`.exit_codes.INFRASTRUCTURE`;
 - 0 when training finished, also when every rank of the node finished and only ft_launcher's
-  shutdown failed (the store host went first).
+  shutdown failed (the store host went first), or when the launcher lost the store and the run
+  directory says the job trained all its steps (:func:`training_complete`: a hot spare has no
+  ranks of its own to say so).
+
+With ``--nnodes=N:M`` (``spares`` in the chart) the pods beyond N wait as hot spares, which NVRx
+0.6 or newer keeps standby; under an older NVRx the node exits 2 before it starts the launcher
+(:func:`.nvrx.hot_spares_unsupported`).
 
 On the last two kinds of failure a node that does not host the store joins again in its pod
 (``--rejoin-timeout``, :mod:`.rejoin`): the failure was caused by another node, and one event
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -51,7 +58,7 @@ from typing import Iterable, Optional
 
 import psutil
 
-from . import exit_codes, metrics_endpoint, node_rank, prewarm
+from . import exit_codes, metrics_endpoint, node_rank, nvrx, prewarm
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
@@ -227,14 +234,15 @@ def _descendants(proc: psutil.Process) -> list:
         return []
 
 
-def check_launcher_args(args: list[str]) -> Optional[str]:
-    """A configuration error in the launcher's arguments that would fail every attempt alike."""
+def check_launcher_args(args: list[str], nvrx_version: Optional[str] = None) -> Optional[str]:
+    """A configuration error in the launcher's arguments that would fail every attempt alike;
+    ``nvrx_version``: the NVRx that runs them (default: the installed one)."""
     for arg in args:
         if arg.startswith("--ft-cfg-path="):
             path = arg.split("=", 1)[1]
             if not os.path.isfile(path):
                 return f"--ft-cfg-path={path}: no such file (the chart's ConfigMap writes it; is it mounted?)"
-    return None
+    return nvrx.hot_spares_unsupported(args, nvrx_version or nvrx.installed_version())
 
 
 def _remove(path: str) -> None:
@@ -361,16 +369,23 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"{'hosts' if store_host else 'joins'} the rendezvous store")
     rejoin = Rejoin(store_host, flags.get("--rejoin-timeout", 0.0))
     nproc = _nproc(args)
+    trained = False  # a launcher of this pod started ranks (a hot spare's may never)
     try:
         while True:
             returncode, lines, started = _run_launcher(args, env, launcher, received, fatal,
                                                        base + ".prewarm.sock" if flags.get("--prewarm") else None)
+            trained = trained or started
             reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
             code = exit_code(returncode, received[0] if received else None, lines, reason is not None)
             finished = nproc is not None and exit_codes.finished_ranks(done_dir) >= nproc
             if code != 0 and finished and reason is None and not received:
                 _say(f"every rank of this node finished training; ft_launcher's shutdown exited {returncode} "
                      "(the store host may have gone first): exiting 0")
+                return 0
+            complete = training_complete(args) if code in REJOINED_CODES and reason is None and not received else None
+            if complete:
+                _say(f"the job's training is complete ({complete}); ft_launcher exited {returncode} "
+                     f"({'a standby pod; ' if not started else ''}the store host went first): exiting 0")
                 return 0
             again = None if (reason is not None or received) else rejoin.decide(code, started)
             if again is None:
@@ -405,7 +420,35 @@ def main(argv: Optional[list[str]] = None) -> int:
         elif code != 0:
             _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
             _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
+        elif not trained:
+            _say("this pod stood by as a hot spare until the job ended: its launcher started no ranks; exiting 0")
     return code
+
+
+def training_complete(args: list[str]) -> Optional[str]:
+    """Whether the job that ``args`` (ft_launcher's) run has trained all its steps, by its run
+    directory: the last record of ``metrics.jsonl`` is the ``finish`` that rank 0 writes once the
+    final checkpoint is committed, at ``train.steps``. A hot spare, or a pod recreated after the last
+    rendezvous, has no ranks of its own to tell it; it asks when its launcher lost the store (which
+    the store host's pod takes with it when the job ends). A job launched again on the same run
+    directory writes its ``start`` after that ``finish`` at its first attempt. Returns what was
+    read, or None (not complete, or not readable)."""
+    try:
+        cfg = metrics_endpoint.trainer_config(args)
+        path = Path(cfg.run_dir) / "metrics.jsonl"
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - _TAIL_BYTES))
+            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        last = json.loads(lines[-1]) if lines else {}
+    except (metrics_endpoint.MetricsError, OSError, ValueError):
+        return None
+    step = last.get("step") if isinstance(last, dict) and last.get("event") == "finish" else None
+    if isinstance(step, int) and step >= cfg.train.steps:
+        return f"{path} ends with its finish at step {step} of train.steps={cfg.train.steps}"
+    return None
+
+
+_TAIL_BYTES = 1 << 16  # a finish record is the file's last line, far shorter than this
 
 
 def start_metrics(port: int, args: list[str], index: Optional[int], env: dict[str, str]) -> None:

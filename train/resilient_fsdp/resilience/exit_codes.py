@@ -83,8 +83,9 @@ NON_FINITE_LOSS = 202
 
 # What each kind's controller does with a row's ending: (PyTorchJob, JobSet and TrainJob).
 BUDGET = {
-    "done": ("the pod succeeds; the job is done when the Master is (elastic: any Worker)",
-             "the pod completes its index; the JobSet is done when every index is"),
+    "done": ("the pod succeeds; the job is done when the Master is",
+             "the pod completes its index; the JobSet is done when every index is (a hot spare's too: it exits 0 "
+             "when the job ends)"),
     "fails": ("the job fails at once (`restartPolicy: ExitCode`: 1-127 are permanent)",
               "the `FailJob` rule fails the Job, and `fatalExitCode` the JobSet, at once"),
     "counted": ("the pod is recreated (`ExitCode` retries 128-255; `job.backoffLimit` does not bound "
@@ -97,11 +98,15 @@ BUDGET = {
 TABLE: tuple[Row, ...] = (
     Row("done", str(SUCCESS), "success",
         "training finished: every rank exited 0, or every rank of the node finished training and only "
-        "`ft_launcher`'s own shutdown failed (the store host exited first)", "-", "done", range(0, 1)),
+        "`ft_launcher`'s own shutdown failed (the store host exited first), or the launcher lost the store "
+        "and the run directory says the job trained every step (a hot spare, which has no ranks to say so)",
+        "-", "done", range(0, 1)),
     Row("configuration", str(CONFIG), "configuration",
         "`ConfigError` (a bad key or value, missing data, a model or checkpoint that does not fit, a "
         "missing `checkpoint.resume_from`, another job's lease), a non-finite loss at a step the job already "
-        "restarted for (the message names the step and the ranks each time), bad trainer or launcher flags",
+        "restarted for (the message names the step and the ranks each time), bad trainer or launcher flags, "
+        "hot spares (`--nnodes=N:M`, the chart's `spares`) under an NVRx older than 0.6, which would train "
+        "at every node that joins",
         "none: in-process restart re-raises it at once; the rank marks its node, whose agent stops "
         "`ft_launcher` before it restarts the rank", "fails", range(CONFIG, CONFIG + 1)),
     Row("nvrx-no-restart", str(NVRX_NO_RESTART), "configuration",

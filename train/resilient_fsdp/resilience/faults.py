@@ -9,8 +9,8 @@ the rank's loss of the step, while a checkpoint is written, or inside the checkp
 does what the kind names.
 
 The target is ``rank=R`` (default rank 0) or ``node=N``: the lowest rank of node (pod) N, its local
-rank 0. A node's index is ``RESILIENT_FSDP_NODE`` (set by ``resilient-fsdp local``), else the
-operator's ``PET_NODE_RANK``, else torchelastic's ``GROUP_RANK``.
+rank 0. A node's index is its pod's (:func:`node_index`): the operator's ``PET_NODE_RANK``, an
+Indexed Job's ``JOB_COMPLETION_INDEX``, else torchelastic's ``GROUP_RANK``.
 
 **Executors.** ``node-loss`` and ``partition`` act on a pod, which a rank cannot do to itself on
 every platform. When ``RESILIENT_FSDP_FAULT_REQUESTS`` names a directory (the one-machine cluster
@@ -41,6 +41,7 @@ import psutil
 from .. import atomic
 from ..config import MEMORY_FAULT_KINDS, NODE_FAULT_KINDS, ConfigError, FaultSpec
 from .ledger import FaultLedger
+from .node_rank import INDEX_SOURCES
 
 if TYPE_CHECKING:  # the node agent imports this module, without torch
     import torch
@@ -62,8 +63,11 @@ class InjectedFault(RuntimeError):
 
 
 def node_index() -> int:
-    """This rank's node (pod) index: ``RESILIENT_FSDP_NODE``, ``PET_NODE_RANK``, ``GROUP_RANK``, else 0."""
-    for name in (NODE_INDEX_ENV, "PET_NODE_RANK", "GROUP_RANK"):
+    """This rank's node (pod) index: ``RESILIENT_FSDP_NODE``, then the pod's index as its controller
+    says it (:data:`.node_rank.INDEX_SOURCES`), then ``GROUP_RANK``, else 0. The pod's index, not
+    the node rank: with hot spares a pod's node rank is whatever place it took, and ``node=N``
+    names the pod (the one a ``node-loss`` takes down)."""
+    for name in (NODE_INDEX_ENV, *INDEX_SOURCES, "GROUP_RANK"):
         raw = os.environ.get(name, "")
         if raw.isdigit():
             return int(raw)

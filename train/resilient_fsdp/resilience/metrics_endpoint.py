@@ -30,7 +30,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-from ..config import ConfigError
+from ..config import Config, ConfigError
 from . import accounting
 from .ledger import FaultLedger
 
@@ -78,6 +78,12 @@ class MetricsError(Exception):
 def trainer_run_dir(launcher_args: list[str]) -> Path:
     """The run directory of the trainer that ``ft_launcher`` starts (``-m resilient_fsdp.train
     ARGS``), resolved as the trainer resolves its configuration."""
+    return Path(trainer_config(launcher_args).run_dir)
+
+
+def trainer_config(launcher_args: list[str]) -> Config:
+    """The configuration of the trainer that ``ft_launcher`` starts, resolved as the trainer does;
+    :class:`MetricsError` says why when it cannot be."""
     from ..train.arguments import parse_args, resolve_config
 
     starts = [i for i in range(len(launcher_args) - 1)
@@ -90,7 +96,7 @@ def trainer_run_dir(launcher_args: list[str]) -> Path:
     except SystemExit:
         raise MetricsError("the trainer's arguments do not parse (the ranks report why)") from None
     try:
-        return Path(resolve_config(args).run_dir)
+        return resolve_config(args)
     except ConfigError as exc:
         raise MetricsError(f"the trainer's configuration does not load (the ranks report it): {exc}") from None
 

@@ -28,6 +28,10 @@
   On 0.4 the same hook keeps pod 0's ``ft_launcher``, the store host, from waiting out
   ``exit_barrier_timeout`` (300 s) for the other nodes to leave a rendezvous they stay in when
   its ranks failed or were stopped; 0.7 leaves without that wait.
+- **Hot spares need NVRx 0.6 or newer.** From 0.6, ``ft_launcher --nnodes=N:M`` trains at exactly N
+  nodes and keeps the other pods standby until a node is lost (its own barrier rendezvous, which
+  orders nodes by ``GROUP_RANK``); before 0.6 the same flag is torch elastic membership, a world of
+  every node that joins. :func:`hot_spares_unsupported` names that mismatch before a job starts.
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
@@ -37,6 +41,7 @@ The checkpointing side has its own folder, :mod:`resilient_fsdp.checkpoint.write
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import socket
 import sys
@@ -47,6 +52,8 @@ from typing import Callable, Iterable, Iterator, Optional
 NVRX_MODULES = ("nvidia_resiliency_ext.inprocess", "nvidia_resiliency_ext.fault_tolerance.launcher")
 RDZV_STORE_IN_NODE = "--rdzv-conf=is_host=true"
 QUIET_WARNINGS = "ignore:The pynvml package is deprecated:FutureWarning"
+# The first NVRx whose ft_launcher keeps the nodes beyond --nnodes' minimum as standby spares.
+STANDBY_SINCE = (0, 6)
 
 
 # (fd, local address, remote address) of every TCP connection the process groups made.
@@ -238,6 +245,41 @@ def _compose(original, kept: list):
     if compose is None:
         from nvidia_resiliency_ext.inprocess.compose import Compose as compose
     return compose(*kept)
+
+
+def installed_version() -> Optional[str]:
+    """The NVRx version this interpreter imports (the first on its path), or None without one."""
+    try:
+        return importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = [int("".join(c for c in p if c.isdigit()) or 0) for p in version.split(".")[:2]]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def hot_spares_unsupported(launcher_args: list[str], version: Optional[str]) -> Optional[str]:
+    """Why ``launcher_args`` (ft_launcher's) cannot run with NVRx ``version``: an ``--nnodes=N:M``
+    range asks for M - N hot spares, which only NVRx 0.6 or newer keeps standby; None when they can."""
+    nnodes = next((a.split("=", 1)[1] for a in launcher_args[:_trainer_start(launcher_args)]
+                   if a.startswith("--nnodes=")), "")
+    low, sep, high = nnodes.partition(":")
+    if not sep or not (low.isdigit() and high.isdigit()) or int(low) >= int(high) or version is None:
+        return None
+    if _major_minor(version) >= STANDBY_SINCE:
+        return None
+    spares = int(high) - int(low)
+    return (f"--nnodes={nnodes} asks for {spares} hot spare pod(s) (the chart's spares={spares}), which NVRx "
+            f"{STANDBY_SINCE[0]}.{STANDBY_SINCE[1]} or newer keeps standby while {low} nodes train; this pod's NVRx "
+            f"{version} would train at every node that joins, a world of up to {high} nodes. Run the image's NVRx "
+            f"(constraints-image.txt), or set spares=0")
+
+
+def _trainer_start(args: list[str]) -> int:
+    """Where the training module's arguments begin (``-m MODULE``): ft_launcher's flags are before it."""
+    return args.index("-m") if "-m" in args else len(args)
 
 
 def keep_rendezvous_open(launcher_module) -> str:

@@ -16,20 +16,13 @@ configuration instead (so ``train.grad_accum_steps`` can be changed between runs
 elastic training); one trained off its target (after a ``nearest`` choice) goes back towards it,
 e.g. when the lost nodes return.
 
-For a planned range of world sizes (the chart's ``elastic.minNodes..maxNodes``), :func:`unserved`
-names the sizes the policy cannot serve: with ``exact`` those whose ranks x micro-batch do not
-divide the target; ``nearest`` serves every size, since accum >= 1 always exists. Its batch is
-within half of ranks x micro-batch of the target, or ranks x micro-batch itself at a world whose
-ranks x micro-batch exceed the target (above the chart's ``nodes``: one micro-batch a rank, a larger
-batch).
-
 Pure functions: no torch, so ``resilient-fsdp`` commands and tests use them without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 from ..config import ConfigError
 
@@ -108,9 +101,3 @@ def at_resume(manifest: dict, world_size: int, batch: dict, policy: str) -> Opti
              if trained == target else f"the run's target; the checkpoint was trained at {trained}")
     return choose(target, world_size, micro_batch=mb, policy=policy, where=where)
 
-
-def unserved(target: int, world_sizes: Iterable[int], micro_batch: int, policy: str) -> list[int]:
-    """The world sizes of a planned range that ``policy`` cannot serve at ``target`` (see above)."""
-    if policy == "exact":
-        return [w for w in world_sizes if target % (w * micro_batch)]
-    return []

@@ -4,8 +4,8 @@ Rank ``r`` sends its memory checkpoint to rank ``(r + J) mod W`` and keeps the r
 ``(r - J) mod W``, with ``J`` the ranks per pod and ``W`` the world: the same local rank on the
 next pod, so a rank and its replica never share a pod, whatever the number of pods (two or more).
 NVRx's clique rule (cliques ``n, n+J, ...`` of the replication factor, ``W mod (J x F) = 0``) gives
-the same pairs on an even number of pods; the ring also serves an odd one, which an elastic shrink
-(64 pods to 63) makes. One lost pod loses its ranks' own slots and the replicas it kept of the pod
+the same pairs on an even number of pods; the ring also serves an odd one (a job relaunched on 63
+pods of 64). One lost pod loses its ranks' own slots and the replicas it kept of the pod
 before it; the next pod keeps its ranks' replicas and the pod before keeps its own slots, so every
 rank's newest snapshot survives. Two neighbouring pods lost at once leave the first one's ranks to
 the durable checkpoint.

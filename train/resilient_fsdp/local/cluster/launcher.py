@@ -65,6 +65,9 @@ class LocalJob:
     start_delays: dict[int, float] = field(default_factory=dict)
     """Pod index -> seconds its first start waits after the other pods' (``--pod-start-delay``: an
     image pull on a fresh node); recreations start at once."""
+    replacement_delay_s: float = 0.0
+    """Seconds between a lost pod (``node-loss``) and its replacement's start (``--replacement-delay``:
+    a new node provisioned and the image pulled); a pod that exited on its own is recreated at once."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every pod's environment by the local cluster (documented in docs/local-runs.md)."""
     notes: list[str] = field(default_factory=list)
@@ -166,7 +169,7 @@ class LocalLauncher:
         self.recreations = 0
         self.gave_up = "the controller ended the job"  # why the job level stopped retrying
         self.lost: set[str] = set()  # pods whose processes the fault executor killed
-        self.pending: dict[str, float] = {}  # pods not started yet: hostname -> when (monotonic)
+        self.pending: dict[str, tuple[float, str]] = {}  # pods not started yet: hostname -> (when, why)
         self.started = time.monotonic()
         self.executor = FaultExecutor(job.run_dir, runtime, job.workload, self.say, self.lost)
 
@@ -223,7 +226,7 @@ class LocalLauncher:
             for pod in workload.pods:
                 delay = job.start_delays.get(pod.index)
                 if delay is not None:
-                    self.pending[pod.hostname] = now + delay
+                    self.pending[pod.hostname] = (now + delay, f"{delay:g} s after the others (--pod-start-delay)")
                     self.say(f"{pod.hostname} (pod {pod.index}) starts {delay:g} s after the others "
                              "(--pod-start-delay: as an image pull on a fresh node delays it)")
             return self._watch()
@@ -264,7 +267,14 @@ class LocalLauncher:
                     self.recreations += 1
                     self.say(f"{pod.hostname} {why}: {reason} (recreation {self.recreations})")
                     self.runtime.kill(pod)  # whatever the old pod left, gone with it
-                    self.start_pod(pod)
+                    delay = self.job.replacement_delay_s if lost else 0.0
+                    if delay > 0:
+                        del self.procs[pod.hostname]
+                        self.pending[pod.hostname] = (time.monotonic() + delay, f"{delay:g} s after the loss "
+                                                      "(--replacement-delay: a new node and its image pull)")
+                        self.say(f"{pod.hostname}'s replacement starts in {delay:g} s (--replacement-delay)")
+                    else:
+                        self.start_pod(pod)
                     continue
                 elif action == "restart":
                     self.recreations += 1
@@ -299,12 +309,11 @@ class LocalLauncher:
     def _start_due(self) -> None:
         """Start the delayed pods whose time has come."""
         now = time.monotonic()
-        for hostname, due in list(self.pending.items()):
+        for hostname, (due, why) in list(self.pending.items()):
             if now >= due:
                 del self.pending[hostname]
                 pod = self.job.workload.pod(hostname)
-                self.say(f"starting {hostname} (pod {pod.index}), {self.job.start_delays[pod.index]:g} s after the "
-                         "others (--pod-start-delay)")
+                self.say(f"starting {hostname} (pod {pod.index}), {why}")
                 self.start_pod(pod)
 
     def restart_all(self) -> None:
