@@ -32,6 +32,12 @@
   nodes and keeps the other pods standby until a node is lost (its own barrier rendezvous, which
   orders nodes by ``GROUP_RANK``); before 0.6 the same flag is torch elastic membership, a world of
   every node that joins. :func:`hot_spares_unsupported` names that mismatch before a job starts.
+- **No fixed one-second waits in an in-job restart.** NVRx 0.7 sleeps a whole second after it
+  signals the stopped workers' process groups, a second per look while a node waits for the next
+  rendezvous round (the look that finds it open included), and its store host looks at who joined
+  once a second; 0.4's rendezvous sleeps a second between looks at the store:
+  :func:`quicken_restart_polls` makes each a poll of :data:`RESTART_POLL_S` (with the same
+  one-second grace before SIGKILL), in the ``ft_launcher`` the node agent runs.
 - **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
   dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
 
@@ -42,7 +48,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import os
+import signal
 import socket
 import sys
 from typing import Callable, Iterable, Iterator, Optional
@@ -309,11 +317,125 @@ def keep_rendezvous_open(launcher_module) -> str:
     return ""
 
 
+# How often an in-job restart looks again where NVRx 0.7 waits whole seconds (below).
+RESTART_POLL_S = 0.1
+# How long a stopped worker's process group has after SIGTERM before SIGKILL (NVRx 0.7's wait).
+GROUP_TERM_GRACE_S = 1.0
+
+
+def quicken_restart_polls(launcher_module) -> list[str]:
+    """Turn NVRx's fixed one-second waits in every in-job restart into polls; returns what was
+    changed. On 0.4 that is its rendezvous's one-second sleep between looks at the store
+    (:func:`_quicken_dynamic_rendezvous`); on 0.7:
+
+    - After it stops the workers, 0.7's launcher sends SIGTERM to their process groups, sleeps a
+      whole second, then sends SIGKILL (``utils.terminate_mp_processes``): here the groups get
+      the same second, but the restart goes on as soon as none of their processes is left.
+    - A node that restarts, or a spare, waits for the next rendezvous round in a loop that sleeps
+      a second per look, also after the look that found the round open (the barrier's step 0):
+      here it looks every :data:`RESTART_POLL_S`. A waiting node's look is one store read.
+    - The store host closes a round after looking at who joined, at most once a second below
+      2,000 nodes (``_compute_step2_poll_interval``), so a node joining just after a look waits
+      for the next: here the look is every :data:`RESTART_POLL_S` up to 200 nodes, growing with
+      the nodes as NVRx's does above (min_nodes / 2,000 s: a look reads one key per node).
+    """
+    changed = []
+    terminate = getattr(launcher_module, "terminate_mp_processes", None)
+    if terminate is not None and list(inspect.signature(terminate).parameters) == ["allowed_pgids"]:  # 0.7's
+        launcher_module.terminate_mp_processes = terminate_process_groups
+        changed.append("terminate_mp_processes")
+    try:
+        from nvidia_resiliency_ext.fault_tolerance import ft_rendezvous_barrier as barrier
+    except ImportError:  # NVRx 0.4: its copy of torch's dynamic rendezvous
+        return changed + _quicken_dynamic_rendezvous()
+    state = getattr(barrier, "_RendezvousBarrierState", None)
+    if state is not None and hasattr(state, "_compute_step2_poll_interval"):
+        state._compute_step2_poll_interval = staticmethod(step2_poll_interval)
+        barrier.time = _QuickerSecondPolls(barrier.time)
+        changed += ["_compute_step2_poll_interval", "step 0's poll"]
+    return changed
+
+
+def _quicken_dynamic_rendezvous() -> list[str]:
+    """NVRx 0.4's rendezvous (torch's dynamic one, copied into NVRx) sleeps a second between
+    looks at the store's state while it waits for the other nodes: a look every
+    :data:`RESTART_POLL_S` instead. 0.4 is the local lane (the image runs 0.7), jobs of a few pods."""
+    try:
+        from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as dynamic
+    except ImportError:
+        return []
+    delay = getattr(dynamic, "_delay", None)
+    if delay is None or getattr(delay, "quickened", False):
+        return []
+
+    def quickened(seconds):
+        delay(RESTART_POLL_S if seconds == 1 else seconds)
+
+    quickened.quickened = True
+    dynamic._delay = quickened
+    return ["_ft_rendezvous._delay"]
+
+
+def step2_poll_interval(min_nodes: int, segment_check_interval: float) -> float:
+    """How often the store host looks at who joined a round (see :func:`quicken_restart_polls`)."""
+    return max(RESTART_POLL_S, min(segment_check_interval, min_nodes / 2000.0))
+
+
+class _QuickerSecondPolls:
+    """The ``time`` module as NVRx 0.7's barrier rendezvous sees it: its one-second sleeps (the
+    step 0 polls; its other waits are tenths already) take :data:`RESTART_POLL_S`. NVRx counts
+    those looks as seconds in two debug-level log lines, which then read ten times too high."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def sleep(self, seconds: float) -> None:
+        self._real.sleep(RESTART_POLL_S if seconds == 1.0 else seconds)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def terminate_process_groups(allowed_pgids, grace_s: float = GROUP_TERM_GRACE_S) -> None:
+    """SIGTERM every process group of ``allowed_pgids`` (the stopped workers'), wait until none
+    has a live process or ``grace_s`` has passed, then SIGKILL what is left: NVRx 0.7's
+    ``terminate_mp_processes`` without its fixed wait. Best effort, as NVRx's."""
+    import time
+
+    pgids = set(allowed_pgids)
+    if not pgids or 1 in pgids:  # as NVRx: process group 1 (init's) is never a worker's to end
+        return
+    for pgid in pgids:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive_in(pgids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pgid in pgids:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _alive_in(pgids: set[int]) -> bool:
+    """Whether a process of ``pgids`` is still running (a zombie only waits to be reaped)."""
+    import psutil
+
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) in pgids:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
+
+
 def ft_launcher_main(argv: list[str]) -> None:
-    """``ft_launcher`` with :func:`keep_rendezvous_open` applied; exits with its exit code."""
+    """``ft_launcher`` with :func:`keep_rendezvous_open` and :func:`quicken_restart_polls` applied;
+    exits with its exit code."""
     from nvidia_resiliency_ext.fault_tolerance import launcher
 
     keep_rendezvous_open(launcher)
+    quicken_restart_polls(launcher)
     sys.argv = ["ft_launcher", *argv]
     launcher.main()
 
