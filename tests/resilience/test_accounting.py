@@ -85,3 +85,41 @@ def test_the_trainers_marks_put_the_phases_in_the_recovery_record(tmp_path):
     assert record["recovery_s"] == 7.25
     assert sum(record["phases_s"].values()) == pytest.approx(record["recovery_s"])
     assert record["phases_s"]["group_s"] == 0.5 and record["phases_s"]["first_step_s"] == 0.25
+
+
+def test_a_ranks_process_start_is_stamped_by_the_process_ft_launcher_started_and_kept_by_a_forked_rank(tmp_path):
+    """``python -m resilient_fsdp.train`` stamps when its process began (the recovery's new-process
+    phase starts there; the kernel's start time is whole seconds off). A rank forked by the
+    pre-warmed server runs the same ``__main__`` with its client's environment, stamp included,
+    and keeps it; a client (the server's socket in its environment) stamps its own."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from resilient_fsdp.resilience import accounting, prewarm
+
+    # The trainer's process ends with os._exit after its atexit handlers: the stamp is printed by one.
+    probe = ("import atexit, os, runpy, sys\nsys.argv = ['resilient_fsdp.train', '--describe-config']\n"
+             f"atexit.register(lambda: print('stamp', os.environ.get({prewarm.PROCESS_START_ENV!r}), flush=True))\n"
+             "runpy.run_module('resilient_fsdp.train', run_name='__main__')\n")
+
+    def stamp(extra: dict) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in (prewarm.PROCESS_START_ENV, prewarm.SOCKET_ENV)}
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("stamp ")]
+        return line.split()[1]
+
+    before = time.time()
+    fresh = float(stamp({}))
+    assert before <= fresh <= time.time()
+    assert stamp({prewarm.PROCESS_START_ENV: "5.0"}) == "5.0"  # a forked rank keeps its client's
+    client = float(stamp({prewarm.PROCESS_START_ENV: "5.0", prewarm.SOCKET_ENV: str(tmp_path / "no-server.sock")}))
+    assert client > before  # a client stamps its own, whatever its parent left
+    os.environ[prewarm.PROCESS_START_ENV] = "12.5"
+    try:
+        assert accounting._process_start() == 12.5
+    finally:
+        del os.environ[prewarm.PROCESS_START_ENV]

@@ -28,6 +28,7 @@ import psutil
 from ..config import FAULT_KINDS
 from .faults import NODE_START_ENV
 from .ledger import FaultLedger
+from .prewarm import PROCESS_START_ENV
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +67,16 @@ def node_start_time() -> float:
 
 
 def _process_start() -> Optional[float]:
+    """When this rank's process started, on the clock ``t_fault`` is read from: the stamp the
+    trainer's ``__main__`` leaves in :data:`PROCESS_START_ENV` (the process ``ft_launcher``
+    started, also when the pre-warmed server forked the rank for it), else the kernel's start
+    time, which is whole seconds off (its boot time is counted in whole seconds)."""
+    raw = os.environ.get(PROCESS_START_ENV)
+    if raw:
+        try:
+            return float(raw)
+        except ValueError:
+            pass
     try:
         return psutil.Process().create_time()
     except psutil.Error:

@@ -44,6 +44,9 @@ from typing import Optional
 SOCKET_ENV = "RESILIENT_FSDP_PREWARM_SOCKET"
 # The module ranks run (``python -m``): what the server runs in each fork.
 TRAINER_MODULE = "resilient_fsdp.train"
+# When the process ft_launcher started for a rank began, on the wall clock (train/__main__.py stamps
+# it; a forked rank keeps its client's): the start of a restart's new-process phase (accounting).
+PROCESS_START_ENV = "RESILIENT_FSDP_PROCESS_START"
 # What the server imports before it accepts a rank: the trainer, and what a rank imports later
 # (the checkpoint writer's side, NVRx's rank monitor client and in-process restart; torch._dynamo,
 # which FSDP2's hooks import at the first forward: 0.7 s per rank, started by no thread).

@@ -3,8 +3,15 @@
 import importlib.util
 import os
 import sys
+import time
 
 from ..resilience import prewarm
+
+# When this rank's process began, for the recovery's phases (resilience.accounting): stamped by the
+# process ft_launcher started, and kept by the rank the pre-warmed server forks for it (its
+# environment is that process's, without the server's socket).
+if __name__ == "__main__" and (prewarm.PROCESS_START_ENV not in os.environ or prewarm.SOCKET_ENV in os.environ):
+    os.environ[prewarm.PROCESS_START_ENV] = repr(time.time())
 
 if __name__ == "__main__" and prewarm.SOCKET_ENV in os.environ:
     # The pod's pre-warmed server forks this rank; this process relays to it (resilience.prewarm).
