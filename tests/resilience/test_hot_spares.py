@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.checkpoint.test_memory_tier import MEMORY
 from tests.resilience.fault_jobs import lane_run, run_with_faults
 from tests.support import netns_required, read_events
@@ -50,6 +52,7 @@ def test_a_lost_pods_rank_goes_to_the_hot_spare_within_an_in_job_restart_and_its
     assert "[resilient-fsdp agent] this pod stood by" not in (run_dir / "logs" / f"node{spare}.log").read_text()
 
 
+@pytest.mark.extended  # a minute of the CI tier's margin; the spare takeover above stays in that tier
 def test_more_live_agents_than_max_nodes_stand_by_and_the_job_trains_on(tmp_path, request):
     """NVRx 0.6.0 closed the rendezvous for good when more agents were alive than ``--nnodes``' maximum
     (NVRx#348), which two incarnations of one pod would make. On the image's NVRx the surplus agent
