@@ -26,15 +26,7 @@ def test_a_node_that_is_not_the_store_host_joins_again_then_exits_when_no_store_
     """Real processes: node 1 of a two-node job whose store host never starts. Its launcher's
     connect wait (read_timeout) ends; the agent starts it again in the pod, not counted, until the
     rejoin window ends; then the node exits retryably, so the job level counts it."""
-    from tests.resilience.node import AGENT, free_port
-    from tests.support import run_guarded
-
-    cmd = [*AGENT, "--rejoin-timeout=4", "--", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=lonely",
-           "--rdzv-conf=join_timeout=2,read_timeout=2,store_connect_wait_seconds=2", "--max-restarts=0",
-           "-m", "resilient_fsdp.train", "--describe-config"]
-    proc = run_guarded(cmd, tmp_path, None, 120, {"JOB_COMPLETION_INDEX": "1"})
-    agent = [line for line in proc.stderr.splitlines() if line.startswith("[resilient-fsdp agent]")]
+    proc, agent = _lonely_node(tmp_path, rejoin_timeout=4, steps=5)
     assert proc.returncode == 200, proc.stderr[-3000:]
     assert agent[0] == "[resilient-fsdp agent] node 1 of the job (GROUP_RANK=1); joins the rendezvous store"
     joins = [line for line in agent if "joining again in this pod, not counted" in line]

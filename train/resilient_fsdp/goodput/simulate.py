@@ -39,7 +39,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -341,7 +341,7 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
                      stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix,
                      replacement_s=replacement)
         spares = gm.spares_needed(s.busy_spares_mean) if spares_arg == "auto" else int(spares_arg)
-        s = Scenario(**{**s.__dict__, "spares": spares})
+        s = replace(s, spares=spares)
         stall = getattr(args, "memory_stall_s", None)
         if stall is not None:
             if stall < 0:
