@@ -155,11 +155,12 @@ def test_a_trainer_forked_from_the_server_trains_bitwise_like_one_started_afresh
     path = str(tmp_path / "trainer.sock")
     server = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
                                "--"], env=_env(), stderr=subprocess.PIPE, text=True)  # the trainer's environment
+    Path(f"{path}.starting").write_text(str(server.pid))  # as the agent does: the rank waits for the server
     try:
         steps = ["train.steps=4", "checkpoint.interval_steps=2"]
         forked = run_trainer(tmp_path / "forked", steps, env={prewarm.SOCKET_ENV: path})
         assert forked.returncode == 0, forked.stderr[-3000:]
-        assert "imports its own" not in forked.stderr
+        assert "imports its own" not in forked.stderr, forked.stderr[-3000:]
         fresh = run_trainer(tmp_path / "fresh", steps)
         assert fresh.returncode == 0, fresh.stderr[-3000:]
         assert read_summary(tmp_path / "forked")["params_sha256"] == read_summary(tmp_path / "fresh")["params_sha256"]

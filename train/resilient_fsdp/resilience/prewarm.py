@@ -13,7 +13,10 @@ arguments, then ``resilient_fsdp.train`` run as ``__main__``. The client stays t
 ``ft_launcher`` knows: it relays the signals it gets to the rank and ends as the rank ended (its
 exit code, or killed by the same signal). When the client goes first (``ft_launcher`` kills its
 process group), the server kills the rank's. The server binds its socket before it imports, so a
-rank that starts early waits for the imports instead of doing them itself.
+rank that starts early waits for the imports instead of doing them itself. After the imports,
+before its first rank, the server forks the pod's checkpoint-writer fork server
+(:mod:`resilient_fsdp.checkpoint.writer.fork_server`), under the same fork-safety checks, so
+every rank's writer is forked already imported too.
 
 **Fork safety**, what holds in the server whenever it forks, checked before each fork
 (:func:`refusal`): one OS thread (from ``/proc/self/task``; NumPy's OpenBLAS would start a pool
@@ -175,6 +178,7 @@ def serve(path: str, trainer_argv: list[str], module: str = TRAINER_MODULE) -> i
     _preload(trainer_argv)
     os.unlink(starting)
     _say(f"pre-warmed server ready at {path}: {', '.join(PRELOAD)} imported in {time.perf_counter() - t0:.2f} s")
+    _start_writer_fork_server(listener)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
@@ -249,17 +253,37 @@ def refusal(request: dict, environ: Optional[dict] = None) -> Optional[str]:
     environ = os.environ if environ is None else environ
     if request.get("executable") != sys.executable:
         return f"the client runs {request.get('executable')}, the server {sys.executable}"
+    unsafe = _unsafe_to_fork()
+    if unsafe is not None:
+        return unsafe
+    env = request.get("env", {})
+    differ = sorted(k for k in _import_time_vars(request) if (env.get(k) or "") != (environ.get(k) or ""))
+    if differ:
+        return f"{', '.join(differ)} differ between the rank's environment and the server's"
+    return None
+
+
+def _unsafe_to_fork() -> Optional[str]:
+    """Why this process must not fork now (see the module's opening), or None."""
     threads = _threads()
     if threads != 1:
         return f"the server has {threads} threads (a fork keeps only one)"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "the server has a CUDA context"
-    env = request.get("env", {})
-    differ = sorted(k for k in _import_time_vars(request) if (env.get(k) or "") != (environ.get(k) or ""))
-    if differ:
-        return f"{', '.join(differ)} differ between the rank's environment and the server's"
     return None
+
+
+def _start_writer_fork_server(listener: socket.socket) -> None:
+    """Fork the pod's checkpoint-writer fork server (:mod:`resilient_fsdp.checkpoint.writer.fork_server`)
+    from this process, imported and not yet serving, under the same conditions as a rank."""
+    from ..checkpoint.writer import fork_server
+
+    unsafe = _unsafe_to_fork()
+    if unsafe is not None:
+        _say(f"no checkpoint-writer fork server: {unsafe}; ranks spawn their writers")
+        return
+    fork_server.start(close_fds=(listener.fileno(),))
 
 
 def become_rank(request: dict, fds: list[int], module: str = TRAINER_MODULE) -> int:

@@ -4,6 +4,8 @@ adaptation to NVRx's async checkpointing.
 - ``process``: :class:`~.process.WriterProcess`, the rank's writer (NVRx's persistent worker),
   started in the background, replaced when it dies or hangs; the NVRx adaptations (CPU-only
   torch, 0.4 / 0.7);
+- ``fork_server``: the pod's fork server every rank's writer is forked from, already imported,
+  under a pre-warmed server;
 - ``worker``: what runs inside the writer: the write functions, wrapped (failures recorded,
   files hashed, the CPU shim, injected writer faults);
 - ``dcp_plan``: the ``async`` engine's DCP planning with a plan cache, its write buckets over the

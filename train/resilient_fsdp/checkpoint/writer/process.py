@@ -24,10 +24,12 @@ its ``AsyncCallsQueue``, and every adaptation this project makes to NVRx's async
 2. **Version differences** between the pinned 0.4.1 (the newest release for glibc < 2.39) and the
    0.7.x the image ships: detected by feature (constructor parameters), not by version strings.
 
-3. **No waiting on the worker.** The persistent worker is started at process start, from a
-   helper thread with lowered CPU and I/O priority (inherited by the worker and every thread or
-   process it starts) and SIGTERM blocked (inherited too: a launcher's SIGTERM to the process
-   group does not cut a graceful stop's final write; the worker is ended by :func:`close_queue`).
+3. **No waiting on the worker.** The persistent worker is started at process start: forked by
+   the pod's writer fork server where the rank was forked by a pre-warmed server
+   (:mod:`.fork_server`: imported already, ready in milliseconds), else spawned from a helper
+   thread. Either way it runs with lowered CPU and I/O priority (inherited by every thread or
+   process it starts) and SIGTERM blocked (a launcher's SIGTERM to the process group does not cut
+   a graceful stop's final write; the worker is ended by :func:`close_queue`).
    Requests carry no staging function, so scheduling one never waits for the worker to take it,
    and the staged tensors travel once, as one shared-memory arena (:mod:`.handoff`). Requests are
    pickled before they are queued: one that cannot be fails its save at once, naming what could
@@ -60,7 +62,7 @@ import time
 from functools import partial
 from typing import Any, Callable, Optional
 
-from . import handoff
+from . import fork_server, handoff
 from .report import SaveReport
 from .worker import take_request, writer_started
 
@@ -127,10 +129,12 @@ def _start_worker(calls_queue: Any, rank: int, refused: Callable[[str], None]) -
     """Start the queue's persistent worker now, in the background, instead of at the first save.
 
     A spawned interpreter that imports torch takes seconds; at the first save it would be stall.
-    The worker is started from a helper thread whose CPU and I/O priority are lowered first (the
-    worker, and the threads and processes it starts per write, inherit both) and whose SIGTERM is
-    blocked (inherited across exec: NVRx 0.7's SIGTERM handler never runs; the resource tracker
-    is started before, since its start unblocks SIGTERM in the calling thread). Its first request
+    Where the pod has a writer fork server (:mod:`.fork_server`), the worker is forked from it,
+    already imported, and its first request hands it what it would have inherited. Otherwise it
+    is spawned from a helper thread whose CPU and I/O priority are lowered first (the worker, and
+    the threads and processes it starts per write, inherit both) and whose SIGTERM is blocked
+    (inherited across exec: NVRx 0.7's SIGTERM handler never runs; the resource tracker is
+    started before, since its start unblocks SIGTERM in the calling thread). Its first request
     hides the GPUs from it and makes it exit when this process is gone
     (:func:`.worker.writer_started`); the next poll drains that request's completion. Whatever
     the queue's feeder thread fails to send is passed to ``refused``. Join the thread before using
@@ -145,10 +149,13 @@ def _start_worker(calls_queue: Any, rank: int, refused: Callable[[str], None]) -
             lower_this_thread()
             resource_tracker.ensure_running()
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            context = fork_server.writer_context()
+            fork_server.start_writers_in(context)
             caller = calls_queue._get_async_caller()
             caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
             _report_feeder_errors(caller.queue, refused)
-            calls_queue.schedule_async_request(AsyncRequest(writer_started, (os.getpid(), rank), []))
+            given = fork_server.inheritance() if context is not None else None
+            calls_queue.schedule_async_request(AsyncRequest(writer_started, (os.getpid(), rank, given), []))
         except BaseException as exc:  # noqa: BLE001 - the next save reports it (WriterProcess.usable)
             thread.error = f"the checkpoint writer process could not be started: {type(exc).__name__}: {exc}"
 
@@ -221,7 +228,7 @@ def _close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0)
     """
     proc = _worker_process(calls_queue)
     if proc is None or not proc.is_alive():
-        if proc is not None:
+        if proc is not None and proc.pid is not None:  # started (a start can fail)
             proc.join(timeout=1)
         _forget_worker(calls_queue)
         return

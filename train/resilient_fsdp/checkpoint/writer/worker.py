@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ import torch
 
 from ... import atomic
 from ...train import open_files
-from . import handoff
+from . import fork_server, handoff
 from .report import SaveReport
 
 # Worker threads: the writer serialises and checksums; it needs no intra-op thread pool competing
@@ -37,16 +38,20 @@ def _noop(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
-# How often the writer checks that the trainer that started it is still alive.
+# How often the writer checks that its trainer is still alive, where it cannot be told (no pidfd).
 PARENT_CHECK_S = 1.0
 # Nobody waits for this code (the trainer is gone); it tells a subreaper's log why the writer ended.
 ORPHANED_EXIT_CODE = 75
 
 
-def writer_started(trainer_pid: int, rank: int) -> None:
-    """The writer's first call, before anything in it touches CUDA: hide the GPUs, raise the
-    open-files limit (:mod:`resilient_fsdp.train.open_files`; inherited from the trainer, so this says
-    something only when the trainer did not raise it) and exit once the trainer is gone."""
+def writer_started(trainer_pid: int, rank: int, given: Optional[fork_server.Inheritance] = None) -> None:
+    """The writer's first call, before anything in it touches CUDA: take what a spawned writer
+    would have inherited from its trainer (``given``: the writer was forked by the pod's fork
+    server, :mod:`.fork_server`), hide the GPUs, raise the open-files limit
+    (:mod:`resilient_fsdp.train.open_files`; inherited from the trainer, so this says something
+    only when the trainer did not raise it) and exit once the trainer is gone."""
+    if given is not None:
+        fork_server.take(given)
     hide_gpus()
     limit, first = open_files.raise_soft_limit()
     if first and limit.soft != limit.before:
@@ -69,21 +74,44 @@ def hide_gpus() -> None:
 
 
 def exit_when_orphaned(trainer_pid: int) -> None:
-    """From now on this process (the writer) exits as soon as ``trainer_pid``, its parent, is gone.
+    """From now on this process (the writer) exits as soon as ``trainer_pid`` is gone.
 
     The writer blocks SIGTERM so that it can finish a graceful stop's final checkpoint, and waits
     on its request queue forever; a trainer killed outright (SIGKILL, OOM) would leave it behind
     outside a pod, holding its staging memory. Nothing it still writes could be committed, since
     only the trainers commit: it exits at once, leaving an incomplete checkpoint that is never
-    loaded. Polling the parent id (not ``PR_SET_PDEATHSIG``): the signal follows the thread that
-    started the writer, a helper thread that ends long before the trainer does.
+    loaded. The trainer is watched through a pidfd, which becomes readable when it ends: the
+    trainer is the writer's parent when spawned, not when forked by the pod's fork server, and
+    ``PR_SET_PDEATHSIG`` would follow the thread that started the writer, a helper thread that
+    ends long before the trainer does. Where pidfds are refused (a kernel before 5.3, a seccomp
+    profile), the trainer's pid is polled.
     """
+    try:
+        pidfd: Optional[int] = os.pidfd_open(trainer_pid)
+    except ProcessLookupError:
+        os._exit(ORPHANED_EXIT_CODE)
+    except (OSError, AttributeError):
+        pidfd = None
+
     def watch() -> None:
-        while os.getppid() == trainer_pid:
-            time.sleep(PARENT_CHECK_S)
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while _exists(trainer_pid):
+                time.sleep(PARENT_CHECK_S)
         os._exit(ORPHANED_EXIT_CODE)
 
     threading.Thread(target=watch, name="checkpoint-writer-orphan-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 @contextlib.contextmanager
