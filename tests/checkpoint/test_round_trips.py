@@ -55,6 +55,32 @@ def test_a_cached_plan_writes_checkpoints_that_load_bitwise_and_a_changed_struct
     assert_no_leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("lane", [pytest.param("pinned", marks=pytest.mark.extended), "image"])
+def test_a_ranks_next_process_saves_with_the_plan_its_pod_kept_and_only_with_its_own(tmp_path, request, lane):
+    """A validated plan is kept in the pod's memory for the rank's next process (an in-job
+    restart), whose first save then skips planning and loads bitwise. A kept plan of another
+    structure, of another rank or unreadable is not used, and the job's end removes it."""
+    pythonpath = [REPO] + ([] if lane == "pinned" else [request.getfixturevalue("nvrx_lane")])
+    kept = tmp_path / "shm" / "plans" / "rank-0.pickle"
+
+    def process(name: str, rank: int, rows: str, end: str = "abort") -> dict:
+        proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / name), str(kept),
+                            str(rank), rows, end], tmp_path, pythonpath, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert all(s["bitwise"] for s in report["saves"]) and not report["notes"], report
+        return report
+
+    assert [s["vote"] for s in process("first", 0, "8,8,8")["saves"]] == [0, 1, 2]  # fresh, keep, cached
+    assert kept.exists()  # validated at the second save, kept for the next process (which fails)
+    assert [s["vote"] for s in process("restarted", 0, "8,8")["saves"]] == [2, 2]
+    assert [s["vote"] for s in process("other-rank", 1, "8")["saves"]] == [0]
+    assert [s["vote"] for s in process("other-shape", 0, "10,10")["saves"]] == [0, 1]
+    kept.write_bytes(kept.read_bytes()[:40])  # torn
+    assert [s["vote"] for s in process("torn", 0, "8,8,8", end="end")["saves"]] == [0, 1, 2]
+    assert not kept.exists() and not kept.parent.exists()  # the job ended
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")

@@ -1,13 +1,17 @@
 """The ``async`` engine's plan cache, in one process (a world of one), run by test_round_trips.py
 against each NVRx lane.
 
-usage: python plan_cache.py RUN_DIR
+usage: python plan_cache.py RUN_DIR [KEPT RANK ROWS,ROWS,... end|abort]
 
 Saves a small state of DTensors and non-tensor items with the engine itself, step after step:
 unchanged (the cache is validated, then used without planning), then with an added key, then with
 a changed shape. Each save is loaded back with DCP into a fresh state of the shape saved and
 compared bit for bit. Prints one JSON line: per save, the agreed plan vote, whether it loaded
 bitwise and whether the staging buffers travelled to the writer with it.
+
+With ``KEPT``, the engine keeps its validated plan in that file for the rank's next process and
+starts from the one kept there: each run of the probe is one process of a rank, its saves of
+the given numbers of rows.
 """
 
 import json
@@ -82,22 +86,31 @@ def save(engine, sd, root, step):
     return vote, equal(expected, got)
 
 
-def main(root):
+def main(root, kept=None, rank=0, rows=None, end="end"):
+    """``kept``: the file the engine keeps its validated plan in for the next process, as ``rank``;
+    ``rows``: one save per item, of that many rows (otherwise the fixed sequence above); ``end``:
+    ``end`` (the job ended: the kept plan goes) or ``abort`` (the process fails: it stays)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     engine = AsyncEngine(0, thread_count=2)
-    engine.attach(1)
+    engine.attach(1, rank, Path(kept) if kept else None)
     report = []
     try:
-        plan = [dict()] * 4 + [dict(extra_key=True)] * 3 + [dict(extra_key=True, rows=10)] * 3
+        plan = ([dict()] * 4 + [dict(extra_key=True)] * 3 + [dict(extra_key=True, rows=10)] * 3 if rows is None
+                else [dict(rows=r) for r in rows])
         for step, kwargs in enumerate(plan, start=1):
             vote, ok = save(engine, make_state(mesh, step, **kwargs), root, step)
             report.append({"step": step, "vote": vote, "bitwise": ok, "buffers_sent": SENT[-1]})
     finally:
-        engine.close()
+        if end == "end":
+            engine.job_ended()
+        engine.close(abort=end != "end")
         dist.destroy_process_group()
-    print(json.dumps({"nvrx_version": NVRX_VERSION, "saves": report}))
+    print(json.dumps({"nvrx_version": NVRX_VERSION, "saves": report, "notes": engine.take_notes()}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2:  # RUN_DIR KEPT RANK ROWS,ROWS,... end|abort
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(r) for r in sys.argv[4].split(",")], sys.argv[5])
+    else:
+        main(sys.argv[1])

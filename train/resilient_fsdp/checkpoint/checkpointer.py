@@ -40,6 +40,7 @@ from . import failures
 from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
 from .lease import Lease, job_id
+from .memory.slots import job_root, remove_empty_job_root
 from .memory.tier import MemoryTier
 from .s3 import client as s3_client
 from .s3.uploader import Uploader
@@ -146,7 +147,8 @@ class Checkpointer:
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = self._engine_factory()
-            self._engine.attach(self.group.world_size)  # a new attempt: plans are made afresh
+            # A new attempt: it starts from the save plan the pod kept for this rank, if any.
+            self._engine.attach(self.group.world_size, self.group.rank, kept_plan_file(self.cfg, self.job, self.group.rank))
         return self._engine
 
     # -- what the loop calls -----------------------------------------------------------------------
@@ -601,12 +603,17 @@ class Checkpointer:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+        # A failed attempt leaves the rank's slots and kept plan to the restart that follows; an
+        # ended job removes them, then the job's folder in the pod's memory once empty.
+        if not abort and self._engine is not None:
+            self._engine.job_ended()
         if self.memory is not None:
-            # A failed attempt leaves its slots to the restart that follows; an ended job removes them.
             if not abort:
                 self.memory.settle()
                 self._log_memory()
             self.memory.close(remove=not abort)
+        elif not abort:
+            remove_empty_job_root(Path(self.cfg.memory.dir), self.job)
         if self._engine is None:
             return
         if self.owns_engine:
@@ -615,3 +622,12 @@ class Checkpointer:
             # A write still running gets checkpoint.write_timeout_s (at most 2 minutes) to finish;
             # a hung one (abandoned at its deadline) is not waited for at all.
             self._engine.drain(timeout_s=min(120.0, self.cfg.write_timeout_s))
+
+
+def kept_plan_file(cfg: CheckpointConfig, job: str, rank: int) -> Optional[Path]:
+    """Where the pod keeps ``rank``'s validated save plan for the rank's next process: beside the
+    memory tier's slots (``checkpoint.memory.dir``, the pod's memory), under the job. None for a
+    process that is its own job (``standalone-``: no restart of it would find the plan)."""
+    if job.startswith("standalone-"):
+        return None
+    return job_root(Path(cfg.memory.dir), job) / "plans" / f"rank-{rank}.pickle"

@@ -73,8 +73,9 @@ class Engine:
         # write, so it is not waited for again and the engine is replaced, not reused.
         self.hung = False
 
-    def attach(self, world_size: int) -> None:
-        """A new attempt (a new checkpointer, process group, model) starts using this engine."""
+    def attach(self, world_size: int, rank: int, kept_plan: Optional[Path] = None) -> None:
+        """A new attempt (a new checkpointer, process group, model) starts using this engine as
+        ``rank``; ``kept_plan``: where the pod keeps this rank's save plan between processes."""
 
     def warm(self, sd: dict) -> None:
         """Get ready, in the background, for saves of ``sd``'s structure (staging buffers)."""
@@ -130,6 +131,9 @@ class Engine:
 
     def close(self, abort: bool = False) -> None:
         pass
+
+    def job_ended(self) -> None:
+        """The job has ended: what the engine kept for a next process of the rank goes."""
 
     def take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []
@@ -269,9 +273,9 @@ class AsyncEngine(StagedEngine):
         self.save: Optional[dcp_plan.DcpSave] = None
         self.collected: Optional[dcp_plan.DcpSave] = None
 
-    def attach(self, world_size: int) -> None:
+    def attach(self, world_size: int, rank: int, kept_plan: Optional[Path] = None) -> None:
         self.world_size = world_size
-        self.plans.forget()  # a new process group: plans are made again
+        self.plans.attach(kept_plan, rank)  # the plan the pod kept for this rank, if any
 
     def vote(self, sd: dict) -> int:
         self.voted_key = (structure(sd), self.world_size)
@@ -300,6 +304,9 @@ class AsyncEngine(StagedEngine):
                 raise RuntimeError(unavailable)
             self.save = dcp_plan.schedule_dcp_save(self.writer, planned or plan_now(), self.registry, token, report,
                                                    fault)
+            note = self.plans.keep()  # once validated: for this rank's next process (off the loop)
+            if note:
+                self.notes.append(note)
 
         self.job = self.stager.start_copy(sd, schedule)
 
@@ -328,6 +335,9 @@ class AsyncEngine(StagedEngine):
     def forget(self) -> None:
         super().forget()
         self.save, self.collected = None, None
+
+    def job_ended(self) -> None:
+        self.plans.remove_kept()
 
 
 class TorchAsyncEngine(StagedEngine):

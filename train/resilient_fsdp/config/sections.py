@@ -187,7 +187,8 @@ class MemoryConfig:
     complete snapshot); ``/dev/shm`` must hold both (``shm.sizeLimit``). A step where the durable
     save is due takes that one instead."""
     dir: str = "/dev/shm"
-    """Where the slots live: the pod's memory-backed ``emptyDir`` (it outlives an in-job restart,
+    """Where the slots live, and each rank's validated save plan for its next process (kept with
+    the memory tier off too): the pod's memory-backed ``emptyDir`` (it outlives an in-job restart,
     not the pod). Removed when the job ends."""
     replicas: int = Field(default=0, ge=0, le=1)
     """1: each rank's newest snapshot is also kept by a rank on another pod (the same local rank

@@ -352,3 +352,13 @@ def job_root(shm: Path, job: str) -> Path:
 
 def remove_job(shm: Path, job: str) -> None:
     shutil.rmtree(job_root(shm, job), ignore_errors=True)
+
+
+def remove_empty_job_root(shm: Path, job: str) -> None:
+    """The job's folder and the one above it, each once empty (another rank's files may remain)."""
+    root = job_root(shm, job)
+    for directory in (root, root.parent):
+        try:
+            directory.rmdir()
+        except OSError:
+            break

@@ -49,7 +49,7 @@ from . import peers
 from .agreement import Decision, Report
 from .replicas import Replicator, exchange, replica_slots
 from ..state import canonical_name
-from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name, structure_digest
+from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name, remove_empty_job_root, structure_digest
 
 
 class MemoryTier:
@@ -292,11 +292,7 @@ class MemoryTier:
             self.slots.remove()
             if self.kept is not None:
                 self.kept.remove()
-            for directory in (self.root, self.root.parent):  # once no rank's slots are left in them
-                try:
-                    directory.rmdir()
-                except OSError:
-                    break
+            remove_empty_job_root(self.shm, self.job)  # once no rank's files are left in it
 
 
 def shm_needed(state_bytes: int, ranks_per_pod: int, replicas: int, durable_copies: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,17 +36,29 @@ from .worker import cpu_shim, worker_write_staged
 
 
 class PlanCache:
-    """NVRx's ``CheckpointMetadataCache`` for one state structure, world size and attempt.
+    """NVRx's ``CheckpointMetadataCache`` for one state structure and world size.
 
     A save plans with the cache only when every rank's cache is :meth:`valid_for` its state (the
     checkpointer agrees on it in one collective); otherwise every rank starts a fresh cache. NVRx
     validates a cache at its second save (the plans match) and from the third on skips planning
     and every collective of it.
+
+    **Kept for the rank's next process** (``kept``: a file in the pod's memory). A validated cache
+    is plain data (the rank's local and central ``SavePlan``, the coordinator's global
+    ``Metadata``), so it is written there once; a new process of the same rank (an in-job or
+    in-process restart) starts from it, and its first save skips planning when every rank kept one
+    for the same structure and world size. A plan depends on the state's structure, the world size
+    and the rank alone, never on the pod or process group; a file of another rank, a torn or
+    unreadable one is not taken. A new pod (a lost node's) keeps none: then every rank plans.
     """
 
-    def __init__(self) -> None:
+    FORMAT = 1
+
+    def __init__(self, kept: Optional[Path] = None, rank: int = 0) -> None:
         self.cache: Any = None
         self.key: Optional[tuple] = None
+        self.kept, self.rank = kept, rank
+        self.kept_key: Optional[tuple] = None  # the key of the cache in ``kept``
 
     def valid_for(self, key: tuple) -> bool:
         return self.cache is not None and self.key == key
@@ -64,6 +77,54 @@ class PlanCache:
 
     def forget(self) -> None:
         self.cache, self.key = None, None
+
+    def attach(self, kept: Optional[Path], rank: int) -> None:
+        """A new attempt as ``rank``: start from the cache the pod kept for that rank, if any."""
+        self.forget()
+        self.kept, self.rank, self.kept_key = kept, rank, None
+        if kept is None:
+            return
+        try:
+            with open(kept, "rb") as f:
+                record = pickle.load(f)
+            if record["format"] != self.FORMAT or record["rank"] != rank:
+                return
+            self.cache, self.key = record["cache"], record["key"]
+            self.kept_key = self.key
+        except Exception:  # noqa: BLE001 - none kept, or not readable: this process plans
+            self.forget()
+
+    def keep(self) -> Optional[str]:
+        """Write a validated cache not yet kept to ``kept`` (atomically); why not, on failure."""
+        if self.kept is None or not self.validated() or self.kept_key == self.key:
+            return None
+        try:
+            self.kept.parent.mkdir(parents=True, exist_ok=True)
+            data = pickle.dumps({"format": self.FORMAT, "rank": self.rank, "key": self.key, "cache": self.cache},
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            tmp = self.kept.with_name(f"{self.kept.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, self.kept)
+        except OSError as exc:
+            self.kept_key = self.key  # said once; the next process plans
+            return f"rank {self.rank}: the save plan could not be kept for the next process in {self.kept} ({exc})"
+        self.kept_key = self.key
+        return None
+
+    def remove_kept(self) -> None:
+        """The job has ended: the kept plan goes, and its folder once no rank's plan is left in it."""
+        if self.kept is None:
+            return
+        try:
+            self.kept.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+        try:
+            self.kept.parent.rmdir()
+        except OSError:
+            pass
 
 
 @dataclass
