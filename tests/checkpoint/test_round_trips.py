@@ -81,6 +81,37 @@ def test_a_ranks_next_process_saves_with_the_plan_its_pod_kept_and_only_with_its
     assert not kept.exists() and not kept.parent.exists()  # the job ended
 
 
+def _metadata(chunks: int):
+    """A DCP ``Metadata`` of one tensor cut into ``chunks`` chunks."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    parts = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 4])) for i in range(chunks)]
+    return Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([chunks, 4]), parts)})
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_a_plan_whose_global_metadata_would_hold_the_coordinator_for_seconds_is_not_kept(tmp_path, over):
+    from resilient_fsdp.checkpoint.writer.dcp_plan import PlanCache
+
+    kept = tmp_path / "rank-0.pickle"
+    plans = PlanCache()
+    plans.attach(kept, 0)
+    cache = plans.use(("structure", 1024), keep=False)  # NVRx's own CheckpointMetadataCache
+    cache.validated_cache_reuse = True
+    cache.cached_global_metadata = _metadata(PlanCache.KEEP_MAX_CHUNKS + (1 if over else 0))
+    note = plans.keep()
+    if over:
+        assert note and "not kept for the next process" in note and "100,001 chunks" in note
+        assert not kept.exists() and plans.keep() is None  # said once
+        return
+    assert note is None and kept.exists()
+    restarted = PlanCache()
+    restarted.attach(kept, 0)
+    assert restarted.valid_for(("structure", 1024)) and restarted.validated()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
