@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from resilient_fsdp.checkpoint.writer.process import WRITER_NICE
+from resilient_fsdp.checkpoint.writer.priority import WRITER_NICE
 from resilient_fsdp.resilience import prewarm
 from tests.support import REPO, _env
 

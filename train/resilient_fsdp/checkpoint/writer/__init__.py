@@ -6,6 +6,7 @@ adaptation to NVRx's async checkpointing.
   torch, 0.4 / 0.7);
 - ``fork_server``: the pod's fork server every rank's writer is forked from, already imported,
   under a pre-warmed server;
+- ``priority``: the writer's CPU and I/O priority, below training's;
 - ``worker``: what runs inside the writer: the write functions, wrapped (failures recorded,
   files hashed, the CPU shim, injected writer faults);
 - ``dcp_plan``: the ``async`` engine's DCP planning with a plan cache, its write buckets over the

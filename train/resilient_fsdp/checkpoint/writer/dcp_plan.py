@@ -28,6 +28,7 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from ... import atomic
 from .. import integrity
 from . import handoff
 from .process import WriterProcess
@@ -115,9 +116,7 @@ class PlanCache:
             self.kept.parent.mkdir(parents=True, exist_ok=True)
             data = pickle.dumps({"format": self.FORMAT, "rank": self.rank, "key": self.key, "cache": self.cache},
                                 protocol=pickle.HIGHEST_PROTOCOL)
-            tmp = self.kept.with_name(f"{self.kept.name}.tmp-{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, self.kept)
+            atomic.write_bytes(self.kept, data)
         except OSError as exc:
             self.kept_key = self.key  # said once; the next process plans
             return f"rank {self.rank}: the save plan could not be kept for the next process in {self.kept} ({exc})"

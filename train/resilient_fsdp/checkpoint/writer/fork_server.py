@@ -12,9 +12,8 @@ library's "alive" pipe), so a restarted rank finds it running.
 
 **How a rank uses it.** Ranks are forks of the server, so each inherits the standard library's
 record of the fork server (its address and the "alive" pipe). :func:`writer_context` gives a rank
-the ``forkserver`` context while that fork server is alive; :func:`start_writers_in` makes NVRx's
-persistent worker start in it (NVRx asks its module's name ``mp``, ``torch.multiprocessing``, for
-``get_context('spawn')``; that name is replaced in the rank, nowhere else). The standard library
+the ``forkserver`` context while that fork server is alive, which :mod:`.process` makes NVRx's
+persistent worker start in. The standard library
 checks that a fork server is alive with ``waitpid``, which only its parent (the server) may call:
 in a rank that check is made on the process itself (:func:`_adopt`).
 
@@ -43,6 +42,8 @@ import sys
 from dataclasses import dataclass
 from multiprocessing import connection, forkserver, resource_tracker
 from typing import Any, Optional
+
+from .priority import lower_this_thread
 
 # The pod's fork server: its pid, and the pid of the pre-warmed server that forked it. Set in the
 # server; inherited by its forks, the ranks.
@@ -93,8 +94,6 @@ def start(close_fds: tuple[int, ...] = ()) -> Optional[int]:
 def _serve(listener_fd: int, alive_r: int) -> None:
     """The fork server's life: writer priority and blocked SIGTERM for every writer it forks,
     then the standard library's fork server loop (nothing more to import: preload is empty)."""
-    from .process import lower_this_thread
-
     lower_this_thread()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     forkserver.main(listener_fd, alive_r, [])
@@ -137,28 +136,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
     except OSError:
         return False
-
-
-class _WritersIn:
-    """``torch.multiprocessing`` as NVRx's async checkpointing sees it: ``get_context('spawn')``,
-    which NVRx asks for its persistent worker and its queues, is ``context``."""
-
-    def __init__(self, base: Any, context: Any):
-        self._base, self._context = base, context
-
-    def get_context(self, method: Optional[str] = None) -> Any:
-        return self._context if method == "spawn" else self._base.get_context(method)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._base, name)
-
-
-def start_writers_in(context: Optional[Any]) -> None:
-    """NVRx's next persistent workers start in ``context`` (None: spawned, as NVRx does)."""
-    import torch.multiprocessing
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import core
-
-    core.mp = torch.multiprocessing if context is None else _WritersIn(torch.multiprocessing, context)
 
 
 @dataclass

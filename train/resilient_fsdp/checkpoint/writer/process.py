@@ -63,16 +63,13 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 from . import fork_server, handoff
+from .priority import lower_this_thread
 from .report import SaveReport
 from .worker import take_request, writer_started
 
 NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
 # What checkpointing imports of NVRx, for reports of what a machine can import.
 NVRX_MODULES = ("nvidia_resiliency_ext.checkpointing.async_ckpt.core",)
-# The writer yields to training: its CPU niceness and I/O priority (best effort, lowest level:
-# it yields to training's I/O but is never starved the way the idle class can be on a busy disk).
-WRITER_NICE = 10
-WRITER_IO_LEVEL = 7
 
 
 
@@ -93,7 +90,7 @@ def make_calls_queue() -> Any:
     if _accepts(AsyncCallsQueue, "cpu_shm_mode"):
         kwargs["cpu_shm_mode"] = True  # 0.7+: skip the worker's CUDA device setup (on GPUs too)
     if _accepts(AsyncCallsQueue, "cpu_priority"):
-        kwargs["cpu_priority"] = None  # 0.7+: the worker inherits WRITER_NICE from its starter
+        kwargs["cpu_priority"] = None  # 0.7+: the worker inherits the writer priority (.priority)
     return AsyncCallsQueue(**kwargs)
 
 
@@ -108,21 +105,28 @@ def make_torch_async_checkpoint() -> Any:
     return ckpt
 
 
-def lower_this_thread() -> None:
-    """This thread's CPU niceness to :data:`WRITER_NICE` and I/O priority to best effort, lowest
-    level: what a process or thread started from it inherits. Best effort: a failure is ignored."""
-    import psutil
+class _WritersIn:
+    """``torch.multiprocessing`` as NVRx's async checkpointing sees it: ``get_context('spawn')``,
+    which NVRx asks for its persistent worker and its queues, is ``context``."""
 
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
-    except OSError:
-        pass
-    try:
-        psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, WRITER_IO_LEVEL)
-    except (psutil.Error, OSError, AttributeError, ValueError):
-        pass
+    def __init__(self, base: Any, context: Any):
+        self._base, self._context = base, context
+
+    def get_context(self, method: Optional[str] = None) -> Any:
+        return self._context if method == "spawn" else self._base.get_context(method)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+def _start_writers_in(context: Optional[Any]) -> None:
+    """NVRx's next persistent workers start in ``context`` (None: spawned, as NVRx does). NVRx
+    asks its module's name ``mp`` (``torch.multiprocessing``) for ``get_context('spawn')``, for
+    its worker and its queues; that name is replaced, in this process only."""
+    import torch.multiprocessing
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import core
+
+    core.mp = torch.multiprocessing if context is None else _WritersIn(torch.multiprocessing, context)
 
 
 def _start_worker(calls_queue: Any, rank: int, refused: Callable[[str], None]) -> threading.Thread:
@@ -150,7 +154,7 @@ def _start_worker(calls_queue: Any, rank: int, refused: Callable[[str], None]) -
             resource_tracker.ensure_running()
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             context = fork_server.writer_context()
-            fork_server.start_writers_in(context)
+            _start_writers_in(context)
             caller = calls_queue._get_async_caller()
             caller.rank = rank  # NVRx would ask torch.distributed, which may not be initialised yet
             _report_feeder_errors(caller.queue, refused)
