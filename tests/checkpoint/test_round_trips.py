@@ -112,6 +112,40 @@ def test_a_plan_whose_global_metadata_would_hold_the_coordinator_for_seconds_is_
     assert restarted.valid_for(("structure", 1024)) and restarted.validated()
 
 
+@pytest.mark.parametrize("tampered", ["others-can-write", "folder-others-can-write", "another-owner", "symlink"])
+def test_a_kept_plan_another_user_could_have_written_is_not_unpickled(tmp_path, tampered):
+    """Outside a pod ``/dev/shm`` is shared by every user, and unpickling runs code: a kept plan
+    is taken only from a file this user owns, in a folder it owns, that no one else can write."""
+    import os
+
+    from resilient_fsdp.checkpoint.writer.dcp_plan import PlanCache
+
+    kept = tmp_path / "plans" / "rank-0.pickle"
+    plans = PlanCache()
+    plans.attach(kept, 0)
+    cache = plans.use(("structure", 4), keep=False)
+    cache.validated_cache_reuse = True
+    assert plans.keep() is None and kept.exists()
+    untouched = PlanCache()
+    untouched.attach(kept, 0)
+    assert untouched.valid_for(("structure", 4))  # the check below is what refuses it
+    if tampered == "others-can-write":
+        kept.chmod(0o666)
+    elif tampered == "folder-others-can-write":
+        kept.parent.chmod(0o777)
+    elif tampered == "another-owner":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")  # CI and this machine run as root
+        os.chown(kept, 65534, 65534)
+    else:
+        real = kept.with_name("elsewhere.pickle")
+        kept.rename(real)
+        kept.symlink_to(real)
+    restarted = PlanCache()
+    restarted.attach(kept, 0)
+    assert not restarted.valid_for(("structure", 4)) and restarted.cache is None
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")

@@ -50,7 +50,8 @@ class PlanCache:
     in-process restart) starts from it, and its first save skips planning when every rank kept one
     for the same structure and world size. A plan depends on the state's structure, the world size
     and the rank alone, never on the pod or process group; a file of another rank, a torn or
-    unreadable one is not taken. A new pod (a lost node's) keeps none: then every rank plans.
+    unreadable one is not taken, nor one another user could have written (unpickling runs code;
+    outside a pod ``/dev/shm`` is every user's). A new pod (a lost node's) keeps none: then every rank plans.
 
     The coordinator's global metadata is the size of ``.metadata`` and pickles at its rate (about
     8 MB/s, object by object: 68 MB for 20 of 70b's layers at 1,024 ranks); a pickle holds the
@@ -93,7 +94,9 @@ class PlanCache:
         if kept is None:
             return
         try:
-            with open(kept, "rb") as f:
+            with open(kept, "rb", opener=_open_no_follow) as f:
+                if not _ours(os.fstat(f.fileno())) or not _ours(os.stat(kept.parent)):
+                    return  # a pickle runs code: only one this user wrote, in a folder only it writes to
                 record = pickle.load(f)
             if record["format"] != self.FORMAT or record["rank"] != rank:
                 return
@@ -113,7 +116,7 @@ class PlanCache:
                     f"{chunks:,} chunks (more than {self.KEEP_MAX_CHUNKS:,}, about a second of pickling); "
                     "a restarted rank plans its first save")
         try:
-            self.kept.parent.mkdir(parents=True, exist_ok=True)
+            self.kept.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             data = pickle.dumps({"format": self.FORMAT, "rank": self.rank, "key": self.key, "cache": self.cache},
                                 protocol=pickle.HIGHEST_PROTOCOL)
             atomic.write_bytes(self.kept, data)
@@ -137,6 +140,16 @@ class PlanCache:
             self.kept.parent.rmdir()
         except OSError:
             pass
+
+
+def _open_no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _ours(st: os.stat_result) -> bool:
+    """Owned by this user and writable by no one else (``/dev/shm`` is shared by every user of a
+    machine outside a pod)."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def metadata_chunks(metadata: Any) -> int:
