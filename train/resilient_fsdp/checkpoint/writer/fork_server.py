@@ -13,9 +13,9 @@ library's "alive" pipe), so a restarted rank finds it running.
 **How a rank uses it.** Ranks are forks of the server, so each inherits the standard library's
 record of the fork server (its address and the "alive" pipe). :func:`writer_context` gives a rank
 the ``forkserver`` context while that fork server is alive, which :mod:`.process` makes NVRx's
-persistent worker start in. The standard library
-checks that a fork server is alive with ``waitpid``, which only its parent (the server) may call:
-in a rank that check is made on the process itself (:func:`_adopt`).
+persistent worker start in. The standard library checks that a fork server is alive with
+``waitpid``, which only its parent (the server) may call: in a rank that check is made on the
+process itself (:func:`_adopt`).
 
 **What a forked writer keeps of a spawned one.** Its first request (:func:`.worker.writer_started`)
 hands it the rank's environment, umask and standard streams (:func:`inheritance`), which a spawned
@@ -24,7 +24,7 @@ the fork server, and inherited by every writer; it exits when its rank is gone, 
 pidfd (its parent is the fork server, not the rank).
 
 **Fork safety.** The fork server is forked from the pre-warmed server under the same conditions as
-a rank (one thread, no CUDA context, no process group: :func:`.prewarm.refusal` is checked first),
+a rank (one thread, no CUDA context, no process group: the pre-warmed server checks them first),
 and it never starts a thread itself, so every writer is the fork of a one-thread process that has
 never touched a GPU. A writer hides the GPUs before anything in it could initialise CUDA.
 
