@@ -22,7 +22,7 @@ def test_the_image_nvrxs_restart_waits_end_when_their_condition_does(nvrx07_lane
     # nodes, then NVRx's growth with the nodes (capped by its segment check interval).
     assert result["step2_interval_nvrx"] == 1.0
     assert result["step2_interval"] == {"2": 0.1, "200": 0.1, "2000": 1.0, "4000": 2.0, "20000": 5.0}
-    assert result["step0_look_s"] < 0.5  # the barrier's one-second look, now a tenth
+    assert result["step0_look_s"] < 0.5  # the barrier's one-second look, made a tenth
     # A worker group that ends on SIGTERM is gone well inside NVRx's fixed second...
     exits = result["terminate_exits_on_term"]
     assert exits["s"] < 0.6 and exits["returncode"] == -15, exits
