@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resilient_fsdp.resilience.node_rank import (NodeIndexError, launcher_env, node_index, rdzv_conf,
+from resilient_fsdp.resilience.node_rank import (NodeIndexError, launcher_env, node_index, rdzv_conf, rdzv_endpoint,
                                                  with_store_host)
 
 ARGS = ["--nnodes=4", "--rdzv-conf=join_timeout=900,read_timeout=900", "-m", "resilient_fsdp.train",
@@ -41,3 +41,14 @@ def test_group_rank_is_the_index_unless_set():
     assert launcher_env({"A": "1"}, 7) == {"A": "1", "GROUP_RANK": "7"}
     assert launcher_env({"GROUP_RANK": "2"}, 7)["GROUP_RANK"] == "2"
     assert "GROUP_RANK" not in launcher_env({}, None)
+
+
+@pytest.mark.parametrize("args, endpoint", [
+    (["--rdzv-endpoint=pod-0.job:29400", *ARGS], ("pod-0.job", 29400)),
+    (["--rdzv_endpoint", "10.0.0.2:29500", *ARGS], ("10.0.0.2", 29500)),
+    (["--rdzv-endpoint=[fd00::1]:29400", *ARGS], ("fd00::1", 29400)),
+    (["--rdzv-endpoint=pod-0.job", *ARGS], None),  # no port: NVRx's default applies, not watched
+    ([*ARGS, "--rdzv-endpoint=trainer:1"], None),  # the trainer's flag, not the launcher's
+])
+def test_the_rendezvous_endpoint_is_read_from_the_launchers_flags(args, endpoint):
+    assert rdzv_endpoint(args) == endpoint

@@ -62,7 +62,7 @@ from . import exit_codes, metrics_endpoint, node_rank, nvrx, prewarm
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
-from .rejoin import PAUSE_S, REJOINED_CODES, Rejoin
+from .rejoin import REJOINED_CODES, Rejoin, await_store
 
 def ft_launcher_executable() -> list[str]:
     """``ft_launcher`` of this interpreter's NVRx, leaving the rendezvous open when this node fails
@@ -391,7 +391,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if again is None:
                 break
             _say(again)
-            time.sleep(PAUSE_S)
+            _say(await_store(node_rank.rdzv_endpoint(args), stopped=lambda: bool(received),
+                             window_s=rejoin.remaining_s()))
             if received:  # stopped while no launcher ran: nothing to checkpoint
                 code = 128 + received[0]
                 break

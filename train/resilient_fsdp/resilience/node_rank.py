@@ -56,6 +56,26 @@ def rdzv_conf(args: list[str]) -> dict[str, str]:
     return pairs
 
 
+def rdzv_endpoint(args: list[str]) -> Optional[tuple[str, int]]:
+    """The host and port of ``--rdzv-endpoint`` (or ``--rdzv_endpoint``, either as ``=VALUE`` or
+    as the next argument) among ft_launcher's flags; None when absent or without a port.
+    An IPv6 address comes in brackets: ``[fd00::1]:29400``."""
+    launcher = _launcher_part(args)
+    value = None
+    for i, arg in enumerate(launcher):
+        for flag in ("--rdzv-endpoint", "--rdzv_endpoint"):
+            if arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            elif arg == flag and i + 1 < len(launcher):
+                value = launcher[i + 1]
+    if not value:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
 def with_store_host(args: list[str], is_host: bool) -> list[str]:
     """``args`` with ``is_host`` in its ``--rdzv-conf`` (added to the first, or as a new flag
     before the training module), unless one already says."""

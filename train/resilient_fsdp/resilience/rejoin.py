@@ -14,12 +14,21 @@ once, on one pod, and a store host that is recreated brings a fresh store (a fre
 budget). It is bounded: a node that has not rejoined a completed rendezvous within
 ``timeout_s`` of the event exits with its code, so a job whose store never returns still fails.
 
+Between the ending and the next start the node waits for the store, not for a fixed time
+(:func:`await_store`): first until the old store no longer answers (NVRx 0.7's store host keeps
+it open 3 s after its launcher ends, so that peers read its final state), then until the
+replacement's store listens. A launcher started earlier would join the old store and end again,
+or, on NVRx 0.7, find no store and probe again only every 2-3 s; one started later adds the wait
+to the restart.
+
 A node that reports its own configuration-type failure, one stopped by a signal, and one whose
 launcher was killed exit as before: :class:`Rejoin` only ever turns "exit" into "join again".
 """
 
 from __future__ import annotations
 
+import random
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -28,7 +37,60 @@ from . import exit_codes
 
 # What a node that is not the store host joins again after: failures another node causes.
 REJOINED_CODES = (exit_codes.RENDEZVOUS_LOST, exit_codes.INFRASTRUCTURE)
-PAUSE_S = 5.0  # between one ending and the next start: the store host's pod is being replaced
+# Longest wait for the old store to close: longer than NVRx 0.7's 3 s grace after its launcher
+# ends. Also the whole wait when the endpoint is unknown.
+GONE_LIMIT_S = 5.0
+# Longest wait for the replacement's store to listen; past it the launcher starts anyway and
+# waits in its own way (NVRx 0.7: ``store_connect_wait_seconds``; older: its connect timeout).
+UP_LIMIT_S = 60.0
+# Between probes, with up to half again at random: at 1,000 nodes about 4,000 connects a second
+# reach the store host while its pod is replaced, each a TCP open and close.
+PROBE_INTERVAL_S = 0.2
+PROBE_TIMEOUT_S = 1.0
+
+
+def store_listens(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` now. A name that does not
+    resolve (the old pod's DNS record is gone, the new one not yet published) is not listening."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:  # refused, unreachable, unresolvable, timed out
+        return False
+
+
+def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool] = lambda: False,
+                window_s: float = UP_LIMIT_S, probe: Callable[[str, int], bool] = store_listens,
+                clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> str:
+    """Wait until the store at ``endpoint`` has closed and then listens again (the store host's
+    replacement), each within its limit and all within ``window_s`` (what is left of the rejoin
+    window), or until ``stopped()`` (the node got a signal); says what it waited for. Without an
+    endpoint, waits :data:`GONE_LIMIT_S`."""
+    start = clock()
+    if endpoint is None:
+        while not stopped() and clock() - start < min(GONE_LIMIT_S, window_s):
+            sleep(PROBE_INTERVAL_S)
+        return f"no --rdzv-endpoint to watch: waited {clock() - start:.1f} s"
+    host, port = endpoint
+
+    def wait(listening: bool, limit_s: float) -> Optional[float]:
+        began = clock()
+        while probe(host, port) != listening:
+            if stopped() or clock() - began >= limit_s or clock() - start >= window_s:
+                return None
+            sleep(PROBE_INTERVAL_S * (1 + random.random() / 2))
+        return clock() - start
+
+    closed = wait(False, GONE_LIMIT_S)
+    opened = wait(True, UP_LIMIT_S)
+    if stopped():
+        return f"stopped while waiting for the store at {host}:{port}"
+    where = f"{host}:{port}"
+    first = (f"the old store at {where} closed after {closed:.1f} s" if closed is not None
+             else f"the store at {where} still answered after {GONE_LIMIT_S:g} s")
+    second = (f"a store listened after {opened:.1f} s" if opened is not None
+              else f"none listened within {min(UP_LIMIT_S, window_s):g} s; starting anyway")
+    return f"{first}; {second}"
 
 
 @dataclass
@@ -64,6 +126,10 @@ class Rejoin:
         return (f"ft_launcher ended ({ending}), which another node's failure causes; "
                 f"joining again in this pod, not counted by the job level ({waited:.0f} of "
                 f"{self.timeout_s:.0f} s since the event; join {self.count})")
+
+    def remaining_s(self) -> float:
+        """What is left of the current event's window."""
+        return max(0.0, self.timeout_s - (self.clock() - self.since)) if self.since is not None else self.timeout_s
 
     def gave_up(self) -> str:
         return (f"no rendezvous completed within {self.timeout_s:.0f} s of the event "
