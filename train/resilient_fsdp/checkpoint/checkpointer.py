@@ -153,15 +153,26 @@ class Checkpointer:
 
     # -- what the loop calls -----------------------------------------------------------------------
 
-    def after_step(self, step: int) -> float:
+    def votes(self) -> list[float]:
+        """What this rank says before the step's loss all-reduce sums it over the ranks, for
+        :meth:`after_step` to agree on without a collective of its own: whether
+        ``checkpoint.interval_s`` has passed since the last save, and whether this rank still
+        writes the pending checkpoint."""
+        elapsed = self.cfg.interval_s > 0 and time.monotonic() - self.last_save_time >= self.cfg.interval_s
+        writing = self.pending is not None and not self.engine.local_status()[0]
+        return [1.0 if elapsed else 0.0, 1.0 if writing else 0.0]
+
+    def after_step(self, step: int, agreed: Optional[list[float]] = None) -> float:
         """After step ``step``: commit a write that finished, start a save if one is due, log what
-        was committed and what S3 did; the seconds it took. Collective."""
+        was committed and what S3 did; the seconds it took. Collective. ``agreed``: every rank's
+        :meth:`votes` of this step, summed; without it the ranks agree in collectives here."""
         t0 = time.perf_counter()
+        time_due, writing = agreed if agreed is not None else (None, None)
         self.hooks.start_section("checkpoint")
-        committed = self._periodic(self.poll)
+        committed = self._periodic(lambda: self.poll(agreed_writing=writing))
         self._log(committed)
         learn = committed is not None  # only calls that saved or committed teach its timeout
-        if self.due(step):
+        if self.due(step, agreed_time=time_due):
             if self.pending is not None:
                 # The save would wait for the previous write: that wait has the drain budget.
                 self.hooks.end_section("checkpoint", learn=learn)
@@ -347,15 +358,18 @@ class Checkpointer:
         return done.step
 
     # -- saving --
-    def due(self, step: int) -> bool:
+    def due(self, step: int, agreed_time: Optional[float] = None) -> bool:
+        """Whether a save of ``step`` is due; ``agreed_time``: the ranks' summed votes that
+        ``checkpoint.interval_s`` has passed (:meth:`votes`), else they agree here."""
         if step == self.last_saved_step:
             return False
         by_steps = self.cfg.interval_steps > 0 and step % self.cfg.interval_steps == 0
         if self.cfg.interval_s > 0:
             # Ranks' clocks disagree slightly: agree, so every rank saves at the same step.
-            elapsed = time.monotonic() - self.last_save_time
-            by_time = self.group.max(1.0 if elapsed >= self.cfg.interval_s else 0.0) > 0
-            return by_steps or by_time
+            if agreed_time is None:
+                elapsed = time.monotonic() - self.last_save_time
+                agreed_time = self.group.max(1.0 if elapsed >= self.cfg.interval_s else 0.0)
+            return by_steps or agreed_time > 0
         return by_steps
 
     def save(self, step: int) -> Optional[dict]:
@@ -420,10 +434,11 @@ class Checkpointer:
         self.pending["stall_s"] += waited
         return waited + memory
 
-    def poll(self, block: bool = False, charge: bool = True) -> Optional[dict]:
+    def poll(self, block: bool = False, charge: bool = True, agreed_writing: Optional[float] = None) -> Optional[dict]:
         """Collect and commit the pending checkpoint once every rank's write finished; with
         ``block``, wait for that up to ``checkpoint.write_timeout_s``, and with ``charge`` count
-        that wait as the pending checkpoint's stall.
+        that wait as the pending checkpoint's stall. ``agreed_writing`` (without ``block``): the
+        ranks' summed votes that they still write (:meth:`votes`), else they agree here.
 
         Returns the checkpoint's record when it was committed by this call.
         """
@@ -437,8 +452,11 @@ class Checkpointer:
             if done:
                 self.hooks.save_written(self.pending["step"])
             late = block and time.perf_counter() - t_wait > self.cfg.write_timeout_s
-            # Agree, in one collective: is any rank still writing, has any rank run out of time.
-            writing, out_of_time = self.group.max_of(0.0 if done else 1.0, 1.0 if late else 0.0)
+            if agreed_writing is not None and not block:
+                writing, out_of_time = agreed_writing, 0.0
+            else:
+                # Agree, in one collective: is any rank still writing, has any rank run out of time.
+                writing, out_of_time = self.group.max_of(0.0 if done else 1.0, 1.0 if late else 0.0)
             all_done, any_late = writing == 0.0, out_of_time > 0
             if all_done or any_late or not block:
                 break

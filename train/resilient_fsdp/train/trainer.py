@@ -224,13 +224,18 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        stop = torch.tensor(1.0 if self.resources.stop.requested else 0.0, device=self.info.device)
+        # The stop flag and the checkpointer's votes ride on the loss all-reduce (summed): one
+        # collective a step, which the checkpointer would otherwise add to agree on its own.
+        flags = torch.tensor([1.0 if self.resources.stop.requested else 0.0, *self.checkpointer.votes()],
+                             device=self.info.device)
         self.attempt.before_collective(self.counters.step + 1, local_loss)
         self.local_loss = local_loss  # which rank's loss it was, should the global one be non-finite
         # gloo has no AVG reduction: sum and divide.
-        reduced = torch.stack([local_loss, stop])
+        reduced = torch.cat([local_loss.reshape(1), flags])
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
-        return reduced[0].item() / (accum * self.info.world_size), reduced[1].item() > 0
+        values = reduced.tolist()
+        self.checkpoint_votes = values[2:]
+        return values[0] / (accum * self.info.world_size), values[1] > 0
 
     def train(self) -> dict:
         attempt, ckpt = self.attempt, self.checkpointer
@@ -257,7 +262,7 @@ class Trainer:
             if not math.isfinite(loss):  # one restart, as a suspected hardware fault; the same step again fails
                 non_finite.stop(step, loss, self.local_loss / self.grad_accum, self.info.rank, self.attempt.ledger,
                                 self.log_event)
-            ckpt_s = ckpt.after_step(step)
+            ckpt_s = ckpt.after_step(step, agreed=self.checkpoint_votes)
             self.metrics.step({"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
                                "ckpt_s": ckpt_s, "tokens": self.tokens_per_step, "global_batch": self.global_batch,
                                "lr": lr, "t": time.time()})
