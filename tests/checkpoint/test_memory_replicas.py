@@ -122,3 +122,49 @@ def test_replicas_reach_the_next_pod_whole_and_come_back_to_a_replacement_pod(tm
         assert outs[1]["corrupt_replica"] == "tensor 0 fails its CRC32C (step 6)"
     finally:
         remove_job(SHM, job)
+
+
+ABORTING = textwrap.dedent('''
+    import os, sys, time, torch
+    import torch.distributed as dist
+    from pathlib import Path
+    from resilient_fsdp.checkpoint.memory.replicas import Replicator, replica_slots
+    from resilient_fsdp.checkpoint.memory.slots import MemorySlots, owner_name
+
+    rank, root, marker = int(os.environ["RANK"]), Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = dist.new_group(backend="gloo")
+    peer = 1 - rank
+    rep = Replicator(group, MemorySlots(root, owner_name(rank)), replica_slots(root, peer), rank, peer, peer,
+                     lambda _: None)
+    if rank == 1:  # its attempt failed: it closes without waiting, and its process exits
+        rep.close(wait=False)
+        marker.write_text("closed")
+        os._exit(0)
+    # Rank 0, on the other pod, is still training: it has not closed, so it has sent no goodbye.
+    deadline = time.monotonic() + 20
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("peer closed while this rank still ran" if marker.exists() else "peer still waiting", flush=True)
+    rep.close(timeout_s=5)
+    os._exit(0)
+''')
+
+
+def test_a_failed_rank_leaves_without_waiting_for_its_peers_goodbye(tmp_path):
+    """Two real processes: rank 1's attempt fails while rank 0 (another pod) goes on. Waiting for
+    rank 0's goodbye would hold rank 1's exit, which is how the launchers learn of the failure,
+    for the replicator's 30 s; an aborting close returns at once."""
+    job = f"replicas-abort-{os.getpid()}-{tmp_path.name[-12:]}"
+    root = job_root(SHM, job)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", ABORTING, str(root), str(tmp_path / "closed")],
+                                  env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+        assert outs[0][0].strip() == "peer closed while this rank still ran", outs[0]
+    finally:
+        remove_job(SHM, job)

@@ -629,7 +629,7 @@ class Checkpointer:
             if not abort:
                 self.memory.settle()
                 self._log_memory()
-            self.memory.close(remove=not abort)
+            self.memory.close(remove=not abort, abort=abort)
         elif not abort:
             remove_empty_job_root(Path(self.cfg.memory.dir), self.job)
         if self._engine is None:

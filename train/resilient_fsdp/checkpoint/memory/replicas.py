@@ -112,11 +112,19 @@ class Replicator:
             time.sleep(0.02)
         return step in self.sent
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Send what is queued, say goodbye, and stop (the receiver when its source says goodbye)."""
+    def close(self, timeout_s: float = 30.0, wait: bool = True) -> None:
+        """Send what is queued, say goodbye, and stop (the receiver when its source says goodbye).
+
+        ``wait=False`` (a failed attempt) returns at once and leaves the daemon threads to the
+        process's exit: the receiver would wait for its source's goodbye, and that source, on
+        another pod, goes on training until this rank's exit tells the launchers of the failure,
+        so waiting would hold the restart for ``timeout_s``. A replica cut off halfway is never
+        recorded (its record is written once every byte is in)."""
         with self._cv:
             self._closed = True
             self._cv.notify()
+        if not wait:
+            return
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -281,13 +281,14 @@ class MemoryTier:
             kept = self.kept.newest()
         return None if kept is None else (*self.kept.byte_of(kept), kept.step)
 
-    def close(self, remove: bool) -> None:
-        """Wait for the save in flight; ``remove``: the job has ended, its slots go."""
+    def close(self, remove: bool, abort: bool = False) -> None:
+        """Wait for the save in flight; ``remove``: the job has ended, its slots go. ``abort``:
+        the attempt failed, and the replicas are not waited for (see :meth:`.Replicator.close`)."""
         if self._copy is not None:
             self._copy.join()
         self.pending, self._copy = None, None
         if self.replicator is not None:
-            self.replicator.close()
+            self.replicator.close(wait=not abort)
         if remove:
             self.slots.remove()
             if self.kept is not None:
