@@ -10,6 +10,7 @@ allocates while hashing are measured with torch's profiler (CPU allocations of e
 
 import json
 import os
+import sys
 import zlib
 
 import torch
@@ -52,6 +53,10 @@ def main():
                       "model_bytes": model_bytes,
                       "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters())}))
     distributed.shutdown()
+    # Exit as a rank does (train/process_exit.py), without the interpreter's finalization: the
+    # profiler's threads torn down there can abort the process after its work is done.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,11 @@ class Saver:
     def before_optimizer_step(self) -> float:
         return 0.0
 
+    def votes(self) -> list[float]:
+        """What ``train_step`` adds to its all-reduce for the checkpointer (``Checkpointer.votes``):
+        nothing due, nothing written, since the measuring loop starts and polls the saves."""
+        return [0.0, 0.0]
+
     def poll(self) -> Optional[dict]:
         """The save's figures once committed (``write_s``, ``bytes``, ``wait_s``), else None."""
         raise NotImplementedError

@@ -8,7 +8,9 @@
 
 Reported: the soak job's goodput (``summary.json``: time in steps that count / wall time since
 launch), every fault with the layer that recovered it and its recovery time, and whether the final
-parameters equal the fault-free run's bit for bit.
+parameters equal the fault-free run's bit for bit. ``--memory-interval-steps`` (and
+``--memory-replicas``) turn the memory tier on in both jobs; then the restarts restored from the
+pods' memory are counted too.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-every-s", type=float, default=60.0, help="one fault this often (default 60)")
     p.add_argument("--kinds", default=DEFAULT_KINDS, help="comma-separated fault kinds, used in turn")
     p.add_argument("--checkpoint-interval-s", type=float, default=5.0, help="checkpoint.interval_s")
+    p.add_argument("--checkpoint-interval-steps", type=int, default=0,
+                   help="checkpoint.interval_steps (default 0: the durable checkpoints follow --checkpoint-interval-s "
+                        "alone, not the dev-cpu values' 20 steps)")
     p.add_argument("--timeout-s", type=float, default=2.0, help="dist.timeout_s (see bench recovery)")
     p.add_argument("--in-process", action="store_true", help="also turn in-process restart on")
+    p.add_argument("--memory-interval-steps", type=int, default=0,
+                   help="checkpoint.memory.interval_steps: the memory tier's interval (default 0: off)")
+    p.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1), help="checkpoint.memory.replicas")
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(bench=main)
 
@@ -55,13 +63,22 @@ def step_rate(run_dir: Path) -> float:
     return (len(steps) - 1) / (steps[-1]["t"] - steps[0]["t"])
 
 
+def restores_from_memory(run_dir: Path) -> int:
+    """Restarts whose ranks loaded the pods' memory snapshots: rank 0 says each in its node's log."""
+    return sum(log.read_text(errors="replace").count("] resumed from memory: ")
+               for log in (run_dir / "logs").glob("node*.log"))
+
+
 def main(args: argparse.Namespace) -> int:
     root = Path(args.run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     log = root / "bench.log"
     log.write_text("")
-    base = [f"dist.timeout_s={args.timeout_s}", f"checkpoint.interval_s={args.checkpoint_interval_s}", *COMMON,
-            *(IN_PROCESS if args.in_process else [])]
+    memory = [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
+              f"checkpoint.memory.replicas={args.memory_replicas}"]
+    base = [f"dist.timeout_s={args.timeout_s}", f"checkpoint.interval_s={args.checkpoint_interval_s}",
+            f"checkpoint.interval_steps={args.checkpoint_interval_steps}", *COMMON,
+            *(IN_PROCESS if args.in_process else []), *memory]
     world = args.nodes * args.nproc_per_node
 
     calibration = root / "calibration"
@@ -104,8 +121,10 @@ def main(args: argparse.Namespace) -> int:
         "recovery_s_median_by_kind": {k: statistics.median(v) for k, v in sorted(by_kind.items())},
         "lost_steps_total": sum(r["lost_steps"] for r in summary["recoveries"]),
         "bitwise_equal_to_fault_free": summary["params_sha256"] == reference["params_sha256"],
-        "checkpoint_interval_s": args.checkpoint_interval_s, "dist_timeout_s": args.timeout_s,
-        "in_process": args.in_process,
+        "checkpoint_interval_s": args.checkpoint_interval_s,
+        "checkpoint_interval_steps": args.checkpoint_interval_steps, "dist_timeout_s": args.timeout_s,
+        "in_process": args.in_process, "memory_interval_steps": args.memory_interval_steps,
+        "memory_replicas": args.memory_replicas, "restores_from_memory": restores_from_memory(soak),
     }
     print(f"goodput {results['goodput']:.3f} (fault-free run: {results['fault_free_goodput']:.3f}) over "
           f"{results['job_wall_s']:.0f} s; {results['faults_recovered']}/{len(faults)} faults recovered; "
