@@ -158,9 +158,12 @@ class Checkpointer:
         :meth:`after_step` to agree on without a collective of its own: whether
         ``checkpoint.interval_s`` has passed since the last save, and whether this rank still
         writes the pending checkpoint."""
-        elapsed = self.cfg.interval_s > 0 and time.monotonic() - self.last_save_time >= self.cfg.interval_s
         writing = self.pending is not None and not self.engine.local_status()[0]
-        return [1.0 if elapsed else 0.0, 1.0 if writing else 0.0]
+        return [1.0 if self._interval_passed() else 0.0, 1.0 if writing else 0.0]
+
+    def _interval_passed(self) -> bool:
+        """``checkpoint.interval_s`` has passed since the last save, by this rank's clock."""
+        return self.cfg.interval_s > 0 and time.monotonic() - self.last_save_time >= self.cfg.interval_s
 
     def after_step(self, step: int, agreed: Optional[list[float]] = None) -> float:
         """After step ``step``: commit a write that finished, start a save if one is due, log what
@@ -367,8 +370,7 @@ class Checkpointer:
         if self.cfg.interval_s > 0:
             # Ranks' clocks disagree slightly: agree, so every rank saves at the same step.
             if agreed_time is None:
-                elapsed = time.monotonic() - self.last_save_time
-                agreed_time = self.group.max(1.0 if elapsed >= self.cfg.interval_s else 0.0)
+                agreed_time = self.group.max(1.0 if self._interval_passed() else 0.0)
             return by_steps or agreed_time > 0
         return by_steps
 
