@@ -146,8 +146,9 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
         return None
     saved = (memory.newest_of(decision.step).meta or {}).get("batch") or {}
     accum = saved.get("grad_accum_steps")
+    phases = ", ".join(f"{name} {s:.2f} s" for name, s in memory.restore_phases.items())
     say(f"resumed from memory: step {decision.step} on every rank ({decision.why}) in "
-        f"{time.perf_counter() - t0:.2f} s")
+        f"{time.perf_counter() - t0:.2f} s (rank {group.rank}: {phases})")
     return Resumed(decision.step, str(memory.slots.dir),
                    accum if accum is not None and accum != batch.get("grad_accum_steps") else None,
                    global_batch_target=saved.get("global_batch_target"), from_memory=True)

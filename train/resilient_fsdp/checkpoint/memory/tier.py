@@ -67,6 +67,8 @@ class MemoryTier:
         self.say = say
         # The newest own snapshot, its checksums checked when this start reported it, and its views.
         self._checked: Optional[tuple[Record, list[torch.Tensor]]] = None
+        # Seconds of this start's restore by phase (report's checks, then the restore's), said with it.
+        self.restore_phases: dict[str, float] = {}
         self.root = job_root(Path(shm), job)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.slots = MemorySlots(self.root, owner_name(rank))
@@ -198,8 +200,10 @@ class MemoryTier:
         it, else an older step, else the durable checkpoint. The structure is checked when a
         snapshot is loaded: taking the live state's structure here would initialise an empty
         optimizer's state, which a fresh start must not have."""
+        t0 = time.perf_counter()
         own = [r for r in self.slots.records() if r.world_size == self.world_size]
         self._checked = None
+        self.restore_phases = {}
         if own:
             try:
                 self._checked = (own[0], self.slots.read(own[0]))
@@ -210,6 +214,7 @@ class MemoryTier:
         replicas = {}
         if self.kept is not None:
             replicas[self.source] = tuple(sorted(r.step for r in self.kept.records() if r.world_size == self.world_size))
+        self.restore_phases["checks"] = time.perf_counter() - t0
         return Report(self.rank, tuple(sorted(r.step for r in own)), replicas)
 
     def exchange(self, decision: Decision) -> Optional[str]:
@@ -225,14 +230,25 @@ class MemoryTier:
         record = self.newest_of(step)
         if record is None:
             return f"rank {self.rank} has no memory checkpoint of step {step}"
+        phases, t = self.restore_phases, time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - t
+            t = now
+
         try:
             checked = self._checked is not None and self._checked[0] == record
             views = self._checked[1] if checked else self.slots.read(record)
             values = pickle.loads(self.slots.extra(record))
         except SlotInvalid as exc:
             return str(exc)
+        phase("checks")
         allocated = not state.optimizer.state and allocate_optimizer_state(state.model, state.optimizer, values, views)
+        phase("allocation")
         sd = state.state_dict()
+        phase("state_dict")
         problem = None
         if record.digest != structure_digest(structure(sd)):
             problem = (f"memory checkpoint {self.slots.dir} of step {step}: it holds a state of another structure "
@@ -246,7 +262,9 @@ class MemoryTier:
             return problem
         for dst, src in zip(live, views):
             dst.copy_(src)
+        phase("copy")
         state.load_state_dict(_with_values(sd, values))
+        phase("load_state_dict")
         return None
 
     def discard_newer_than(self, step: int) -> list[int]:
