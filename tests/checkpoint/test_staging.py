@@ -1,5 +1,7 @@
 """Staging in a real trainer: the buffers allocated after a process's first step and only if it
-will save; a wait for the previous write counted once, as the new save's stall."""
+will save; a wait for the previous write counted once, as the new save's stall; staging jobs on
+helper threads kept between saves, none queued behind a hung hand-off; the walks over a state
+stepping over a sequence of scalars whole (Python's random state) with the same result."""
 
 from __future__ import annotations
 
@@ -21,3 +23,56 @@ def test_a_process_allocates_its_staging_buffers_after_its_first_step_and_only_i
     assert report["saves_allocating"] and not report["never_allocating"], report
     assert report["committed"] and report["allocations"] == 1, report
     assert_no_leftovers(tmp_path)
+
+
+def test_a_sequence_of_scalars_is_walked_whole_and_gives_what_a_walk_of_each_would():
+    import random
+
+    import torch
+
+    from resilient_fsdp.checkpoint.memory.tier import _values
+    from resilient_fsdp.checkpoint.staging import local_tensors, replace_tensors, structure
+
+    py_state = random.getstate()  # (3, a tuple of 625 ints, None): in every state a save takes
+    t = torch.arange(4.0)
+    sd = {"rng": {"python": py_state}, "mixed": [1, t, (2.5, "x")], "model": {"w": t}}
+    places = structure(sd)
+    assert ("/rng/python/1", "tuple", 625) in places
+    assert [p for p in places if p[0].startswith("/rng/python/1/")] == \
+        [(f"/rng/python/1/{i}", "object") for i in range(625)]
+    assert ("/mixed/1", "tensor", (4,), torch.float32) in places and ("/mixed/2/1", "object") in places
+    assert [x.data_ptr() for x in local_tensors(sd)] == [t.data_ptr(), t.data_ptr()]
+    views = [torch.zeros(4), torch.ones(4)]
+    replaced = replace_tensors(sd, iter(views))
+    assert replaced["rng"]["python"][1] == (None,) * 625 and replaced["mixed"][2] == (None, None)
+    assert replaced["mixed"][1] is views[0] and replaced["model"]["w"] is views[1]
+    kept = _values(sd)
+    assert kept["rng"]["python"] == py_state and kept["mixed"][0] == 1 and kept["mixed"][2] == (2.5, "x")
+
+
+def test_a_staging_job_reuses_an_idle_helper_thread_and_never_waits_behind_a_hung_hand_off():
+    import threading
+
+    import torch
+
+    from resilient_fsdp.checkpoint.staging import StagingJob
+
+    sd = {"w": torch.arange(8.0), "rest": [torch.ones(3), 5]}
+
+    def buffers() -> dict:
+        return {"w": torch.zeros(8), "rest": [torch.zeros(3), None]}
+
+    released = threading.Event()
+    first = buffers()
+    hung = StagingJob(sd, first, False, lambda: released.wait(30))  # a writer that does not answer
+    hung.wait()
+    assert torch.equal(first["w"], sd["w"]) and not hung.done()
+    second = buffers()
+    StagingJob(sd, second, False, None).join()  # a replacement engine's save: not queued behind it
+    assert torch.equal(second["rest"][0], sd["rest"][0])
+    released.set()
+    hung.join()
+    ran_on: list[threading.Thread] = []
+    for _ in range(5):  # saves one after another run on the idle threads, start none
+        StagingJob(sd, buffers(), False, lambda: ran_on.append(threading.current_thread())).join()
+    assert len(ran_on) == 5 and len(set(ran_on)) <= 2, ran_on

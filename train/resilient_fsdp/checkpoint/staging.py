@@ -12,6 +12,9 @@ optimizer's stream waits for it on the device, not the host.
 from __future__ import annotations
 
 import copy
+import itertools
+import os
+import queue
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -21,6 +24,16 @@ from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.tensor import DTensor
 
 from .arena import Arena, plan
+
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def scalars_only(seq: Any) -> bool:
+    """Whether ``seq`` (a list or tuple) holds scalars alone, found without a Python loop: the
+    walks below step over such a sequence whole (Python's random state is a tuple of 625 ints, in
+    every state taken)."""
+    return set(map(type, seq)) <= _SCALARS
+
 
 def structure(sd: Any, key: str = "") -> tuple:
     """What the buffers and a save plan depend on: every value's place, every tensor's kind, (local)
@@ -43,6 +56,9 @@ def _structure(sd: Any, key: str, out: list) -> None:
             _structure(v, f"{key}/{k}", out)
     elif isinstance(sd, (list, tuple)):
         out.append((key, type(sd).__name__, len(sd)))
+        if scalars_only(sd):
+            out.extend((f"{key}/{i}", "object") for i in range(len(sd)))
+            return
         for i, v in enumerate(sd):
             _structure(v, f"{key}/{i}", out)
     else:
@@ -61,7 +77,7 @@ def local_tensors(sd: Any) -> list[torch.Tensor]:
         elif isinstance(x, dict):
             for v in x.values():
                 walk(v)
-        elif isinstance(x, (list, tuple)):
+        elif isinstance(x, (list, tuple)) and not scalars_only(x):
             for v in x:
                 walk(v)
 
@@ -170,6 +186,43 @@ class StateStager:
         self.arena, self.buffers, self.key = None, None, ()
 
 
+class _Helpers:
+    """Daemon threads that run staging jobs, kept between saves: a save's copy starts without a new
+    thread's start-up (``Thread.start`` waits for the thread to take the GIL: about a millisecond
+    on an idle core, several on a busy one, at every save). A job never waits behind another (one
+    still running, a hand-off to a hung writer among them): with no idle thread, a new one starts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[queue.SimpleQueue] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            inbox = self.idle.pop() if self.idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(inbox,), name="checkpoint-staging", daemon=True).start()
+        inbox.put(job)
+
+    def _loop(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            inbox.get()()
+            with self.lock:
+                self.idle.append(inbox)
+
+
+_helpers = _Helpers()
+
+
+def _forget_helpers() -> None:
+    """A forked child has none of its parent's threads (and maybe a lock held by one of them)."""
+    global _helpers
+    _helpers = _Helpers()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
+
+
 class StagingJob:
     """One background copy into the staging buffers, then an optional follow-up, on a helper thread.
 
@@ -195,11 +248,16 @@ class StagingJob:
             self._device = torch.cuda.current_device()  # a new thread starts on device 0
             self._ready_event = torch.cuda.Event()
             self._ready_event.record()
-        self.thread = threading.Thread(target=self._run, args=(sd, buffers, then), name="checkpoint-staging",
-                                       daemon=True)
-        self.thread.start()
+        self.finished = threading.Event()  # the copy and the follow-up are over
+        _helpers.submit(lambda: self._run(sd, buffers, then))
 
     def _run(self, sd: Any, buffers: Any, then: Optional[Callable[[], None]]) -> None:
+        try:
+            self._copy_then(sd, buffers, then)
+        finally:
+            self.finished.set()
+
+    def _copy_then(self, sd: Any, buffers: Any, then: Optional[Callable[[], None]]) -> None:
         if self.error is not None:
             self.copied.set()
             return
@@ -245,10 +303,10 @@ class StagingJob:
         return time.perf_counter() - t0
 
     def join(self) -> None:
-        self.thread.join()
+        self.finished.wait()
 
     def done(self) -> bool:
-        return not self.thread.is_alive()
+        return self.finished.is_set()
 
 
 def replace_tensors(sd: Any, views: Iterator[torch.Tensor]) -> Any:
@@ -261,6 +319,8 @@ def replace_tensors(sd: Any, views: Iterator[torch.Tensor]) -> Any:
     if isinstance(sd, dict):
         return {k: replace_tensors(v, views) for k, v in sd.items()}
     if isinstance(sd, (list, tuple)):
+        if scalars_only(sd):
+            return type(sd)(itertools.repeat(None, len(sd)))
         return type(sd)(replace_tensors(v, views) for v in sd)
     return None
 

@@ -108,6 +108,9 @@ class MemorySlots:
     def __init__(self, root: Path, owner: str):
         self.dir = Path(root) / owner
         self._mapped: dict[str, tuple[int, torch.Tensor]] = {}
+        # Records parsed, by slot, with the identity of the file they were read from: a save asks
+        # for the newest at every snapshot, and a record is only ever replaced by a rename.
+        self._parsed: dict[str, tuple[tuple[int, int, int], Record]] = {}
 
     # -- what is there -----------------------------------------------------------------------
 
@@ -129,7 +132,14 @@ class MemorySlots:
     def _record(self, slot: str) -> Record:
         path = self.dir / f"slot-{slot}.json"
         try:
-            record = Record.from_json(json.loads(path.read_text()))
+            st = path.stat()
+            identity = (st.st_ino, st.st_mtime_ns, st.st_size)
+            parsed = self._parsed.get(slot)
+            if parsed is not None and parsed[0] == identity:
+                record = parsed[1]
+            else:
+                record = Record.from_json(json.loads(path.read_text()))
+                self._parsed[slot] = (identity, record)
         except FileNotFoundError:
             raise SlotInvalid(path, "no complete snapshot") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:

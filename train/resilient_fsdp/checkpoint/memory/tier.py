@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 import torch.distributed as dist
 
-from ..staging import StagingJob, local_tensors, replace_tensors, structure
+from ..staging import StagingJob, local_tensors, replace_tensors, scalars_only, structure
 from . import peers
 from .agreement import Decision, Report
 from .replicas import Replicator, exchange, replica_slots
@@ -405,7 +405,7 @@ def _values(sd: Any) -> Any:
     if isinstance(sd, dict):
         return {k: _values(v) for k, v in sd.items()}
     if isinstance(sd, (list, tuple)):
-        return type(sd)(_values(v) for v in sd)
+        return type(sd)(sd if scalars_only(sd) else (_values(v) for v in sd))
     return sd
 
 
