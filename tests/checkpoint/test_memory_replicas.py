@@ -1,6 +1,6 @@
 """Memory replicas between real processes over gloo (``checkpoint.memory.replicas``): each rank's
-newest snapshot reaches the rank on the next pod whole, an overtaken one is skipped and said, a
-start's exchange moves a replica back into its rank's own slot, and a corrupt replica moved back
+newest snapshot reaches the rank on the next pod whole over a group that connects a pair only when
+it first talks, an overtaken one is skipped and said, a start's exchange moves a replica back into its rank's own slot, and a corrupt replica moved back
 is refused by its rank's load."""
 
 from __future__ import annotations
@@ -23,12 +23,23 @@ WORKER = textwrap.dedent('''
     import torch.distributed as dist
     from pathlib import Path
     from resilient_fsdp.checkpoint.memory.agreement import Report, decide
-    from resilient_fsdp.checkpoint.memory.replicas import Replicator, exchange, replica_slots
+    from resilient_fsdp.checkpoint.memory.replicas import Replicator, exchange, pairs_group, replica_slots
     from resilient_fsdp.checkpoint.memory.slots import MemorySlots, owner_name
+
+    def sockets():
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except FileNotFoundError:  # the listing's own descriptor, closed by now
+                pass
+        return sum(link.startswith("socket:") for link in links)
 
     rank, world, root = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path(sys.argv[1])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    group = dist.new_group(backend="gloo")
+    before = sockets()
+    group = pairs_group()
+    made = sockets() - before
     own = MemorySlots(root, owner_name(rank))
     source, holder = (rank - 1) % world, (rank + 1) % world   # one rank per pod
     said = []
@@ -55,12 +66,13 @@ WORKER = textwrap.dedent('''
     views = kept.read(newest)               # every checksum, as a load checks them
     out = {"rank": rank, "replica_of": source, "replica_step": newest.step, "replica_rank": newest.rank,
            "value": float(views[0][0]), "extra": kept.extra(newest).decode(), "sent": rep.sent,
-           "skipped": rep.skipped, "said": said, "errors": rep.errors}
+           "skipped": rep.skipped, "said": said, "errors": rep.errors, "sockets_made": made,
+           "lazy_env_left": os.environ.get("TORCH_GLOO_LAZY_INIT")}
     # A replacement pod for rank 1: its own slots are gone; the start's decision and exchange.
     if rank == 1:
         own.remove()
     dist.barrier()
-    group2 = dist.new_group(backend="gloo")
+    group2 = pairs_group()
     reports = [None] * world
     mine = Report(rank, tuple(r.step for r in own.records()), {source: tuple(r.step for r in kept.records())})
     dist.all_gather_object(reports, mine)
@@ -80,7 +92,7 @@ WORKER = textwrap.dedent('''
     if rank == 1:
         own.remove()
     dist.barrier()
-    group3 = dist.new_group(backend="gloo")
+    group3 = pairs_group()
     out["exchange_again_error"] = exchange(group3, decision, rank, own, lambda s: replica_slots(root, s))
     if rank == 1:
         from resilient_fsdp.checkpoint.memory.slots import SlotInvalid
@@ -114,6 +126,9 @@ def test_replicas_reach_the_next_pod_whole_and_come_back_to_a_replacement_pod(tm
             assert o["value"] == source * 100 + 6 and o["extra"] == f"rank {source} step 6", o
             assert o["errors"] == [] and o["sent"][0] == 2 and o["sent"][-1] == 6, o
             assert all(f"step {s} not replicated" in " ".join(o["said"]) for s in o["skipped"]), o
+            # An eager gloo group opens a socket to each other rank at once (and one to listen):
+            # three here. The replicas' group only listens until a pair first talks.
+            assert o["sockets_made"] < 2 and o["lazy_env_left"] is None, o
         # Rank 1's pod was replaced: step 6 for it comes from rank 2, which kept its replica.
         assert {json.dumps(o["decision"]) for o in outs} == {json.dumps([6, {"0": None, "1": 2, "2": None}])}
         assert [o["exchange_error"] for o in outs] == [None, None, None]

@@ -18,6 +18,7 @@ its own slot.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Callable, Optional
@@ -128,6 +129,25 @@ class Replicator:
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+def pairs_group() -> dist.ProcessGroup:
+    """Collective: the gloo group replicas travel over. Its connections are made lazily, on a
+    pair's first message: a rank talks to its holder and its source alone (and, at a start, the
+    pairs an exchange moves), where an eager gloo group connects every rank to every other (a
+    socket per rank of the world, 16,383 at 2,048 nodes x 8, made at every start)."""
+    before = os.environ.get(_LAZY)
+    os.environ[_LAZY] = "1"  # read by ProcessGroupGloo's constructor
+    try:
+        return dist.new_group(backend=dist.Backend.GLOO)
+    finally:
+        if before is None:
+            os.environ.pop(_LAZY, None)
+        else:
+            os.environ[_LAZY] = before
+
+
+_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
 def _send_lengths(group: dist.ProcessGroup, dst: int, header: int, extra: int, tags=STREAM) -> None:

@@ -42,12 +42,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-import torch.distributed as dist
-
 from ..staging import StagingJob, local_tensors, replace_tensors, scalars_only, structure
 from . import peers
 from .agreement import Decision, Report
-from .replicas import Replicator, exchange, replica_slots
+from .replicas import Replicator, exchange, pairs_group, replica_slots
 from ..state import canonical_name
 from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name, remove_empty_job_root, structure_digest
 
@@ -78,7 +76,7 @@ class MemoryTier:
         self.kept: Optional[MemorySlots] = None  # the replica slots of ``source`` this rank keeps
         if replicas:
             # Collective: every rank builds its checkpointer, and so its memory tier, at one point.
-            self.group = dist.new_group(backend=dist.Backend.GLOO)
+            self.group = pairs_group()
             holder = peers.replica_holder(rank, world_size, ranks_per_pod)
             self.source = peers.replica_source(rank, world_size, ranks_per_pod)
             self.kept = replica_slots(self.root, self.source) if self.source is not None else None
