@@ -226,6 +226,11 @@ def test_profile_restart_settings_are_the_advisors(profile):
         f"{profile}: workload.jobSet.maxRestarts"
     assert values["trainer"]["dist"]["timeout_s"] == expected["trainer"]["dist"]["timeout_s"], \
         f"{profile}: trainer.dist.timeout_s"
+    # The memory tier is on in every profile, at the advisor's interval, with /dev/shm to hold it.
+    assert values["trainer"]["checkpoint"]["memory"] == expected["trainer"]["checkpoint"]["memory"], \
+        f"{profile}: trainer.checkpoint.memory"
+    assert values["trainer"]["checkpoint"]["memory"]["interval_steps"] > 0
+    assert values["shm"]["sizeLimit"] == expected["shm"]["sizeLimit"], f"{profile}: shm.sizeLimit"
 
 
 @pytest.mark.parametrize("profile", ADVISED_PROFILES)

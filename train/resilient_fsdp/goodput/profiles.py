@@ -80,9 +80,25 @@ def header_block(line: str) -> list[str]:
         f"#     dist.timeout_s {a.dist_timeout_s} = step - {adv.DUMP_MARGIN_S:g} s (NCCL dumps before a kill);",
         f"#     expected goodput {g['productive']:.4f} (restart R {i.restart_s:g} s, step {i.step_s:g} s, "
         f"start-up {i.startup_s:g} s).",
+        *_memory_lines(a),
         *_spare_lines(a),
         line,
     ]
+
+
+def _memory_lines(a: adv.Advice) -> list[str]:
+    """With ``--memory`` on the advise line: the memory tier's interval and ``/dev/shm``."""
+    m, mi = a.memory, a.inputs.memory
+    if m is None:
+        return []
+    slots = 2 * (1 + mi.replicas)
+    shm = (f"shm.sizeLimit {m['shm_gib']}Gi = ({slots} slots + the durable staging copy) x shard "
+           f"{mi.shard_gb:.3g} GB x {a.inputs.gpus_per_node} ranks + {adv.SHM_MARGIN_GIB}Gi"
+           if m["shm_gib"] is not None else "shm.sizeLimit: no model size to size it")
+    return [f"#   memory tier: stall {mi.stall_s:.3g} s, covering {mi.coverage:.0%} of failures -> Daly "
+            f"{m['daly_s']:,.0f} s -> checkpoint.memory.interval_steps {m['interval_steps']} "
+            f"(whole steps, at most the durable interval), replicas {mi.replicas};",
+            f"#     {shm}; expected goodput {m['goodput']['productive']:.4f}."]
 
 
 def _spare_lines(a: adv.Advice) -> list[str]:
