@@ -2,15 +2,21 @@
 
 1. A short fault-free calibration run measures the step rate of the job on this machine.
 2. The soak job: enough steps for ``--duration-s`` of training (in-process restart on with
-   ``--in-process``) and one fault every ``--fault-every-s`` (at the step the rate predicts), cycling through
-   ``--kinds`` on the non-zero ranks.
+   ``--in-process``) and one fault in every ``--fault-every-s`` window, at a moment of it drawn with
+   ``--seed`` (between a tenth and nine tenths of the window, at the step the rate predicts), cycling
+   through ``--kinds`` on the non-zero ranks. Faults at a fixed point of each window would meet every
+   checkpoint interval that divides the window at the same phase each time (the worst, or the best).
 3. The same job without faults.
 
 Reported: the soak job's goodput (``summary.json``: time in steps that count / wall time since
 launch), every fault with the layer that recovered it and its recovery time, and whether the final
-parameters equal the fault-free run's bit for bit. ``--memory-interval-steps`` (and
-``--memory-replicas``) turn the memory tier on in both jobs; then the restarts restored from the
-pods' memory are counted too.
+parameters equal the fault-free run's bit for bit, and the restarts restored from the pods' memory.
+
+Both jobs checkpoint as the chart's defaults do, at intervals for a fault a minute: the memory tier
+on with replicas, a snapshot every ``--memory-interval-steps`` (8: Daly's interval for a memory
+save's ~9 ms stall and a 60 s MTBF, sqrt(2 x 0.009 x 60) = 1.0 s, 9 steps of ~0.11 s, rounded
+down), and a durable checkpoint every ``--checkpoint-interval-s``; ``--memory-interval-steps 0``
+measures the durable checkpoints alone.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 from pathlib import Path
 
@@ -43,15 +50,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration-s", type=float, default=600.0, help="training time to soak (default 600)")
     p.add_argument("--fault-every-s", type=float, default=60.0, help="one fault this often (default 60)")
     p.add_argument("--kinds", default=DEFAULT_KINDS, help="comma-separated fault kinds, used in turn")
+    p.add_argument("--seed", type=int, default=0, help="draws each fault's moment within its window (default 0)")
     p.add_argument("--checkpoint-interval-s", type=float, default=5.0, help="checkpoint.interval_s")
     p.add_argument("--checkpoint-interval-steps", type=int, default=0,
                    help="checkpoint.interval_steps (default 0: the durable checkpoints follow --checkpoint-interval-s "
                         "alone, not the dev-cpu values' 20 steps)")
     p.add_argument("--timeout-s", type=float, default=2.0, help="dist.timeout_s (see bench recovery)")
     p.add_argument("--in-process", action="store_true", help="also turn in-process restart on")
-    p.add_argument("--memory-interval-steps", type=int, default=0,
-                   help="checkpoint.memory.interval_steps: the memory tier's interval (default 0: off)")
-    p.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1), help="checkpoint.memory.replicas")
+    p.add_argument("--memory-interval-steps", type=int, default=8,
+                   help="checkpoint.memory.interval_steps: the memory tier's interval (default 8; 0: off)")
+    p.add_argument("--memory-replicas", type=int, default=1, choices=(0, 1),
+                   help="checkpoint.memory.replicas (default 1)")
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(bench=main)
 
@@ -89,8 +98,9 @@ def main(args: argparse.Namespace) -> int:
     steps = int(args.duration_s * rate)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     n_faults = int(args.duration_s // args.fault_every_s)
-    faults = [f"{kinds[i % len(kinds)]}@{int((i + 0.5) * args.fault_every_s * rate)}:rank={1 + i % (world - 1)}"
-              for i in range(n_faults)]
+    draw = random.Random(args.seed)
+    faults = [f"{kinds[i % len(kinds)]}@{int((i + draw.uniform(0.1, 0.9)) * args.fault_every_s * rate)}"
+              f":rank={1 + i % (world - 1)}" for i in range(n_faults)]
     print(f"step rate {rate:.2f} steps/s -> {steps} steps; faults: {', '.join(faults)}", flush=True)
 
     soak = root / "soak"
@@ -114,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         by_kind.setdefault(f"{r['kind']} ({r['layer']})", []).append(r["recovery_s"])
     results = {
         "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "cpu_count": os.cpu_count(),
-        "steps": steps, "step_rate_per_s": rate, "faults": faults,
+        "steps": steps, "step_rate_per_s": rate, "faults": faults, "seed": args.seed,
         "faults_recovered": len(summary["recoveries"]), "restarts": summary["restarts"],
         "goodput": summary["goodput"], "fault_free_goodput": reference["goodput"],
         "job_wall_s": summary["job_wall_s"], "fault_free_wall_s": reference["job_wall_s"],
