@@ -19,9 +19,6 @@ usage: python engine.py RUN_DIR SCENARIO MODE
   subreaper, so it can reap the writer and see when it exits.
 - ``back-to-back``: a save made while the previous write is still running (slowed by 3 s) waits
   for it; that wait is the new save's stall (its ``previous_s``), counted once.
-- ``commit-in-flight``: the step's poll hands a finished write's commit to rank 0's commit thread
-  and returns at once; a failed attempt closing while that (slowed) commit runs lets it finish,
-  so the checkpoint is committed before the lease is released and a next start looks at it.
 - ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
   the failed attempt closes without waiting for it again, and the next attempt (an in-process
   restart) gets a new engine that commits.
@@ -250,37 +247,6 @@ def back_to_back(run_dir, mode):
             "previous_s": {s: r["save_call_parts_s"]["previous_s"] for s, r in records.items()}}
 
 
-def commit_in_flight(run_dir, mode):
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false"])
-    resources = ProcessResources(cfg)
-    trainer = Trainer(cfg, resources)
-    ckpt = trainer.checkpointer
-    commit = ckpt._commit
-
-    def slow_commit(*args):
-        time.sleep(2.0)
-        return commit(*args)
-
-    ckpt._commit = slow_commit
-    step(trainer)
-    ckpt.save(1)
-    polls = []
-    while not (ckpt.pending is not None and ckpt.pending.get("committing")):
-        t0 = time.monotonic()
-        ckpt.poll()  # without votes: a world of one agrees in its own collectives
-        polls.append(time.monotonic() - t0)
-        time.sleep(0.01)
-    in_flight = ckpt._commit_running()
-    t0 = time.monotonic()
-    trainer.close(failed=True)
-    close_s = time.monotonic() - t0
-    committed = [c.step for c in store.scan(cfg.checkpoint_dir)[0]]
-    distributed.shutdown(clean=False)
-    resources.close(False)
-    return {"handoff_poll_s": polls[-1], "in_flight": in_flight, "close_s": close_s, "committed": committed}
-
-
 def warm(run_dir, mode):
     """``Checkpointer.prepare`` after the first step: the staging buffers are allocated in the
     background for a job that will save, and the first save fills them (no second allocation);
@@ -308,5 +274,5 @@ if __name__ == "__main__":
     run_dir, scenario, mode = sys.argv[1:4]
     report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
               "warm": warm, "orphan": orphan, "orphan-child": orphan_child,
-              "back-to-back": back_to_back, "commit-in-flight": commit_in_flight}[scenario](run_dir, mode)
+              "back-to-back": back_to_back}[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

@@ -11,10 +11,7 @@ engine (:mod:`.engines`); :meth:`~Checkpointer.poll` agrees across ranks that ev
 finished, gathers every rank's outcome to rank 0, which writes the metadata and commits through
 :mod:`.store` (nothing is visible until every rank's data and the metadata are written), and
 broadcasts the result: every rank returns the same record or raises the same
-:class:`CheckpointError`. Between steps rank 0 commits on a thread of its own while training goes
-on, and the ranks learn the outcome at the first step after it finished (rank 0's vote on the
-step's loss all-reduce); a wait for the write (the next save, the end) commits on the training
-thread. :meth:`~Checkpointer.resume` is :mod:`.resume`'s: rank 0 decides, every
+:class:`CheckpointError`. :meth:`~Checkpointer.resume` is :mod:`.resume`'s: rank 0 decides, every
 rank verifies its share of the files and loads.
 
 A periodic save that fails (:class:`~.failures.SaveFailed`) is reported and training goes on, up
@@ -26,9 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import pickle
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -70,34 +65,15 @@ class SilentLog:
         pass
 
 
-def _add_broadcast(record: dict, broadcast_s: float, charge: bool, on_thread_s: Optional[float] = None) -> None:
+def _add_broadcast(record: dict, broadcast_s: float, charge: bool) -> None:
     """Complete a committed record on every rank: the broadcast's time (this rank's) joins
     ``commit_s``, and the commit joins ``stall_s`` where it is charged to this checkpoint (a
-    commit waited for by the next save is that save's ``previous_s`` instead). A commit made on
-    rank 0's commit thread (``on_thread_s``: what the training thread spent on it, the gather and
-    the broadcast) charges only that."""
+    commit waited for by the next save is that save's ``previous_s`` instead)."""
     parts = dict(record["commit_parts_s"], broadcast_s=broadcast_s)
     record["commit_parts_s"] = parts
     record["commit_s"] = sum(parts.values())
-    record["commit_background"] = on_thread_s is not None
     if charge:
-        record["stall_s"] += record["commit_s"] if on_thread_s is None else on_thread_s
-
-
-def _in_daemon_thread(name: str, fn: Callable, *args) -> concurrent.futures.Future:
-    """``fn(*args)`` on a daemon thread: a commit hung on the volume never holds up the exit of a
-    failed rank, which is how the launcher learns of the failure."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
+        record["stall_s"] += record["commit_s"]
 
 
 def ranks_per_pod(world_size: int) -> int:
@@ -151,8 +127,6 @@ class Checkpointer:
         # Rank 0 applies retention off the training thread; its messages are said by this one.
         self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") \
             if group.is_coordinator else None
-        # Rank 0's commit in flight on a thread of its own (:meth:`poll`).
-        self._commit_future: Optional[concurrent.futures.Future] = None
         self._retention_said: list[str] = []
         self._retention_events: list[dict] = []  # metrics.jsonl records of the retention thread
         self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
@@ -182,16 +156,10 @@ class Checkpointer:
     def votes(self) -> list[float]:
         """What this rank says before the step's loss all-reduce sums it over the ranks, for
         :meth:`after_step` to agree on without a collective of its own: whether
-        ``checkpoint.interval_s`` has passed since the last save, whether this rank still
-        writes the pending checkpoint, and (rank 0) whether its commit is still running."""
-        committing = self.pending is not None and self.pending.get("committing", False)
-        writing = self.pending is not None and not committing and not self.engine.local_status()[0]
-        return [1.0 if self._interval_passed() else 0.0, 1.0 if writing else 0.0,
-                1.0 if self._commit_running() else 0.0]
-
-    def _commit_running(self) -> bool:
-        """Rank 0: its commit thread is still on the pending checkpoint (False on other ranks)."""
-        return self._commit_future is not None and not self._commit_future.done()
+        ``checkpoint.interval_s`` has passed since the last save, and whether this rank still
+        writes the pending checkpoint."""
+        writing = self.pending is not None and not self.engine.local_status()[0]
+        return [1.0 if self._interval_passed() else 0.0, 1.0 if writing else 0.0]
 
     def _interval_passed(self) -> bool:
         """``checkpoint.interval_s`` has passed since the last save, by this rank's clock."""
@@ -202,9 +170,9 @@ class Checkpointer:
         was committed and what S3 did; the seconds it took. Collective. ``agreed``: every rank's
         :meth:`votes` of this step, summed; without it the ranks agree in collectives here."""
         t0 = time.perf_counter()
-        time_due, writing, committing = agreed if agreed is not None else (None, None, None)
+        time_due, writing = agreed if agreed is not None else (None, None)
         self.hooks.start_section("checkpoint")
-        committed = self._periodic(lambda: self.poll(agreed_writing=writing, agreed_committing=committing))
+        committed = self._periodic(lambda: self.poll(agreed_writing=writing))
         self._log(committed)
         learn = committed is not None  # only calls that saved or committed teach its timeout
         if self.due(step, agreed_time=time_due):
@@ -468,24 +436,17 @@ class Checkpointer:
         self.pending["stall_s"] += waited
         return waited + memory
 
-    def poll(self, block: bool = False, charge: bool = True, agreed_writing: Optional[float] = None,
-             agreed_committing: Optional[float] = None) -> Optional[dict]:
+    def poll(self, block: bool = False, charge: bool = True, agreed_writing: Optional[float] = None) -> Optional[dict]:
         """Collect and commit the pending checkpoint once every rank's write finished; with
         ``block``, wait for that up to ``checkpoint.write_timeout_s``, and with ``charge`` count
-        that wait as the pending checkpoint's stall. ``agreed_writing`` / ``agreed_committing``
-        (without ``block``): the ranks' summed votes (:meth:`votes`) that they still write and
-        that rank 0 still commits, else they agree here.
+        that wait as the pending checkpoint's stall. ``agreed_writing`` (without ``block``): the
+        ranks' summed votes that they still write (:meth:`votes`), else they agree here.
 
-        Without ``block`` rank 0 commits on its commit thread and a later call returns the
-        record, at the first step after the commit finished; with it, the commit (or the rest
-        of one in flight) is waited for here. Returns the checkpoint's record when this call
-        completed its commit.
+        Returns the checkpoint's record when it was committed by this call.
         """
         self._say_retention()
         if self.pending is None:
             return None
-        if self.pending.get("committing"):
-            return self._committed(block, charge, agreed_committing)
         self.before_optimizer_step()
         t_wait = time.perf_counter()
         while True:
@@ -506,65 +467,33 @@ class Checkpointer:
             self.pending["stall_s"] += time.perf_counter() - t_wait
         if not (all_done or any_late):
             return None
+        pending, self.pending = self.pending, None
         if not all_done:
-            pending, self.pending = self.pending, None
             self.engine.abandon()
             raise SaveFailed(f"checkpoint of step {pending['step']} failed: its write did not finish within "
                              f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
                              f"incomplete at {pending['dir']} and will not be loaded", failures.TIMEOUT,
                              step=pending["step"])
+        # The commit runs on the training thread: its time (rank 0's gather, metadata, manifest and
+        # rename, then the broadcast) is this checkpoint's commit_s and, when charged, stall.
         t_gather = time.perf_counter()
-        # Each rank pickles its own outcome: rank 0's training thread receives bytes, and the
-        # unpickling (at scale most of a commit's work, tens of MB of small objects) is the commit's.
-        outcomes = self.group.gather(pickle.dumps(self.engine.collect(), protocol=pickle.HIGHEST_PROTOCOL))
+        outcomes = self.group.gather(self.engine.collect())
         gather_s = time.perf_counter() - t_gather
-        if block:
-            # The commit runs on the training thread: its time (rank 0's gather, metadata, manifest
-            # and rename, then the broadcast) is this checkpoint's commit_s and, when charged, stall.
-            pending, self.pending = self.pending, None
-            result = self._commit(pending, outcomes, gather_s) if self.group.is_coordinator else (None, None)
-            return self._learn_commit(result, charge)
-        # Between steps rank 0 commits on its commit thread while training goes on; every rank
-        # learns the outcome at the first step after it finished (:meth:`votes`).
-        self.pending.update(committing=True, gather_s=gather_s)
-        if self.group.is_coordinator:
-            self._commit_future = _in_daemon_thread("checkpoint-commit", self._commit, dict(self.pending), outcomes,
-                                                    gather_s)
-        return None
-
-    def _committed(self, block: bool, charge: bool, agreed_committing: Optional[float]) -> Optional[dict]:
-        """The pending checkpoint's commit on rank 0's commit thread: its record once every rank
-        learned it finished (``block``: waited for here), else None."""
-        if not block:
-            running = agreed_committing if agreed_committing is not None else \
-                self.group.max(1.0 if self._commit_running() else 0.0)
-            if running > 0:
-                return None
-        t0 = time.perf_counter()
-        future, self._commit_future = self._commit_future, None
-        result = future.result() if future is not None else (None, None)
-        pending, self.pending = self.pending, None
-        return self._learn_commit(result, charge, on_thread_s=pending["gather_s"] + time.perf_counter() - t0)
-
-    def _learn_commit(self, result: tuple, charge: bool, on_thread_s: Optional[float] = None) -> dict:
-        """Every rank: rank 0's commit outcome ``result``, broadcast; raises its failure."""
+        record, error = self._commit(pending, outcomes, gather_s) if self.group.is_coordinator else (None, None)
         t_broadcast = time.perf_counter()
-        record, error = self.group.broadcast(result)
+        record, error = self.group.broadcast((record, error))
         if error:
             raise error.error()
-        broadcast_s = time.perf_counter() - t_broadcast
-        _add_broadcast(record, broadcast_s, charge, None if on_thread_s is None else on_thread_s + broadcast_s)
+        _add_broadcast(record, time.perf_counter() - t_broadcast, charge)
         self._after_commit(record)
         return {k: v for k, v in record.items() if k != "manifest"}
 
-    def _commit(self, pending: dict, gathered: list[bytes],
+    def _commit(self, pending: dict, outcomes: list[LocalOutcome],
                 gather_s: float = 0.0) -> tuple[Optional[dict], Optional[Failure]]:
         """Rank 0: check every rank's outcome, write the metadata, commit; (record, None) or
-        (None, the failure every rank raises). ``gathered``: every rank's pickled outcome;
-        ``gather_s``: how long gathering them took."""
+        (None, the failure every rank raises). ``gather_s``: how long gathering ``outcomes`` took."""
         t0 = time.perf_counter()
         step, where = pending["step"], pending["dir"]
-        outcomes: list[LocalOutcome] = [pickle.loads(b) for b in gathered]
         failed = [o for o in outcomes if o.error]
         if failed:
             first = next((o for o in failed if failures.is_volume_full(o.error)), failed[0])
@@ -688,19 +617,6 @@ class Checkpointer:
         then drained for the next in-process attempt if ``drain``; without one the process exits
         and closes the engine, and waiting for its write would only delay that exit, which is how
         ``ft_launcher`` learns of the failure."""
-        if self._commit_future is not None:
-            # A commit in flight on rank 0 is let finish (every write is whole; the commit is
-            # atomic), up to checkpoint.write_timeout_s: before the lease is released, and before
-            # an in-process restart's start sweeps torn directories, this one among them.
-            try:
-                self._commit_future.result(timeout=self.cfg.write_timeout_s)
-            except concurrent.futures.TimeoutError:
-                self.say(f"the commit of checkpoint step {self.pending['step'] if self.pending else '?'} did not "
-                         f"finish within checkpoint.write_timeout_s={self.cfg.write_timeout_s:g}; it is left "
-                         "incomplete and will not be loaded")
-            except Exception:  # noqa: BLE001 - a commit that failed leaves its directory incomplete, never loaded
-                pass
-            self._commit_future = None
         if self._retention is not None:
             self._retention.shutdown(wait=True)
             self._say_retention()
