@@ -13,10 +13,10 @@ launch), every fault with the layer that recovered it and its recovery time, and
 parameters equal the fault-free run's bit for bit, and the restarts restored from the pods' memory.
 
 Both jobs checkpoint as the chart's defaults do, at intervals for a fault a minute: the memory tier
-on with replicas, a snapshot every ``--memory-interval-steps`` (8: Daly's interval for a memory
-save's ~9 ms stall and a 60 s MTBF, sqrt(2 x 0.009 x 60) = 1.0 s, 9 steps of ~0.11 s, rounded
-down), and a durable checkpoint every ``--checkpoint-interval-s``; ``--memory-interval-steps 0``
-measures the durable checkpoints alone.
+on with replicas, a snapshot every ``--memory-interval-steps`` (8: about Daly's interval for the
+few milliseconds a memory save costs the training thread, its stall and taking the state, at a
+60 s MTBF: sqrt(2 x 0.006 x 60) = 0.85 s, 8 steps at ~9 steps/s), and a durable checkpoint every
+``--checkpoint-interval-s``; ``--memory-interval-steps 0`` measures the durable checkpoints alone.
 """
 
 from __future__ import annotations
