@@ -302,6 +302,27 @@ def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path
     values = a.values()
     assert values["trainer"]["checkpoint"]["memory"] == {"interval_steps": m["interval_steps"], "replicas": 1}
     assert values["shm"] == {"sizeLimit": f"{m['shm_gib']}Gi"}
+    # The durable checkpoint serves the quarter of failures the tier leaves to it: Daly's for
+    # M / 0.25 (here above the cap), in the values; the durable-only interval stays beside it.
+    assert m["durable_daly_s"] == pytest.approx(gm.daly_interval(a.inputs.ckpt_stall_s, mtbf / 0.25))
+    assert m["durable_interval_s"] == adv.MAX_INTERVAL_S < m["durable_daly_s"]
+    assert values["trainer"]["checkpoint"]["interval_s"] == m["durable_interval_s"]
+    assert a._values()["trainer"]["checkpoint"]["interval_s"] == a.interval_s
+    # Under the cap (HSDP at 2,048 nodes): rounded down to a minute, twice the durable-only one,
+    # and it pays in the advisor's own model, the quarter's longer lost work and all.
+    h = _advice(*P5_70B_HSDP, "--nodes", "2048", "--memory")
+    hm, hmi = h.memory, h.inputs.memory
+    assert hm["durable_interval_s"] == int(hm["durable_daly_s"] // 60) * 60 == 660 and h.interval_s == 340
+    assert h.values()["trainer"]["checkpoint"]["interval_s"] == 660
+    at_durable_only = gm.expected_goodput_with_memory(h.interval_s, h.inputs.ckpt_stall_s, h.inputs.ckpt_write_s,
+                                                      h.inputs.restart_s, h.job_mtbf_s, hm["interval_s"], hmi.stall_s,
+                                                      hmi.restart_s, hmi.coverage)
+    assert hm["goodput"]["productive"] > at_durable_only.productive + 0.002
+    assert "checkpoint.interval_s with it     660 (Daly" in adv.render_table(h)
+    # Every failure covered: nothing sets it but the cap.
+    every = _advice("--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--memory",
+                    "--memory-coverage", "1").memory
+    assert every["durable_interval_s"] == adv.MAX_INTERVAL_S
     snippet = tmp_path / "advised.yaml"
     snippet.write_text(yaml.safe_dump(values))
     pod = render(load_values([str(VALUES_DIR / "p5-4node.yaml"), str(VALUES_DIR / "examples" / "my-cluster.yaml"),
@@ -398,6 +419,20 @@ def test_simulate_command_writes_table_json_and_plot(tmp_path):
     rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {*sim.STRATEGIES, sim.MEMORY_STRATEGY} and sim.MEMORY_STRATEGY in memory.stdout
     assert 0 < rows[sim.MEMORY_STRATEGY]["memory_interval_s"] < rows["in-job"]["interval_s"]
+    assert rows[sim.MEMORY_STRATEGY]["interval_s"] == rows["in-job"]["interval_s"]
+    # The memory strategies' own durable interval; the others keep Daly's.
+    longer = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "64", "--runs", "5",
+                             "--memory-stall-s", "0.5", "--memory-durable-interval-s", "3000", "--spares", "1",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert longer.returncode == 0, longer.stderr
+    longer_rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {k: r["interval_s"] for k, r in longer_rows.items()} == {
+        **{k: rows["in-job"]["interval_s"] for k in (*sim.STRATEGIES, "in-job+spares")},
+        sim.MEMORY_STRATEGY: 3000, "in-job+memory+spares": 3000}
+    short = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "64", "--runs", "1",
+                            "--memory-stall-s", "0.5", "--memory-durable-interval-s", "30"],
+                           capture_output=True, text=True, timeout=120)
+    assert short.returncode != 0 and "--memory-durable-interval-s 30 is shorter than the write" in short.stderr
     bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--mix", "1,2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--mix" in bad.stderr

@@ -31,7 +31,10 @@ Outputs, with the rule behind each (see ``model`` for the formulas):
 * ``workload.jobSet.maxRestarts``: :data:`JOBSET_RESTARTS` whole restarts once the Job's budget is
   spent, each with a fresh one: (1 + maxRestarts) x (1 + backoffLimit) counted failures in all,
   three times the 99th percentile's budget, for a burst the failure model leaves out (a bad rack);
-* with ``--memory``, ``checkpoint.memory.interval_steps``: Daly's interval for the memory tier's
+* with ``--memory``, ``checkpoint.interval_s`` is sized for the failures the memory tier leaves to
+  the durable checkpoint: Daly's interval for the durable stall and their MTBF
+  (``M / (1 - coverage)``), rounded, capped and floored as above (the durable-only interval beside
+  it); ``checkpoint.memory.interval_steps``: Daly's interval for the memory tier's
   stall and the MTBF of the failures it covers (``M / coverage``), in whole steps, at least one and
   at most the durable interval; ``checkpoint.memory.replicas`` as given; ``shm.sizeLimit``: two
   slots of a rank's shard per GPU of the pod, two more with replicas, and the durable checkpoint's
@@ -208,8 +211,10 @@ class Advice:
     out_of_section_timeout_s: int
     dist_timeout_s: int
     memory: Optional[dict] = None
-    """With ``--memory``: ``interval_s``, ``interval_steps``, ``goodput`` (its breakdown) and
-    ``shm_gib`` (None without a model size)."""
+    """With ``--memory``: ``durable_daly_s`` and ``durable_interval_s`` (``checkpoint.interval_s``
+    with the memory tier: Daly's for the failures it does not cover), ``daly_s``, ``interval_s``,
+    ``interval_steps`` (the memory tier's), ``goodput`` (its breakdown) and ``shm_gib`` (None
+    without a model size)."""
     spares: Optional[dict] = None
     """With ``--spares``: ``count``, ``recommended`` (whether the advisor chose the count),
     ``busy_mean`` (m), ``p_no_spare``, ``cost_share`` (S / (N + S)), ``replacement_s``,
@@ -227,6 +232,7 @@ class Advice:
         if self.inputs.shard_group:
             values["trainer"]["dist"]["shard_group_size"] = self.inputs.shard_group
         if self.memory is not None:
+            values["trainer"]["checkpoint"]["interval_s"] = self.memory["durable_interval_s"]
             values["trainer"]["checkpoint"]["memory"] = {"interval_steps": self.memory["interval_steps"],
                                                          "replicas": self.inputs.memory.replicas}
             if self.memory["shm_gib"] is not None:
@@ -272,7 +278,7 @@ def advise(inputs: Inputs) -> Advice:
     mtbf_s = inputs.node_mtbf_hours * gm.HOUR / inputs.nodes
     stall = max(inputs.ckpt_stall_s, 1e-3)  # a zero stall would make every interval zero
     young, daly = gm.young_interval(stall, mtbf_s), gm.daly_interval(stall, mtbf_s)
-    interval = max(min(round_interval(daly), MAX_INTERVAL_S), math.ceil(inputs.ckpt_write_s))
+    interval = durable_interval(daly, inputs.ckpt_write_s)
     failures = inputs.job_hours * gm.HOUR / mtbf_s
     breakdown = gm.expected_goodput(interval, inputs.ckpt_stall_s, inputs.ckpt_write_s, inputs.restart_s, mtbf_s)
     limit = max(RESTART_LIMIT_FLOOR, gm.poisson_quantile(failures, RESTART_QUANTILE))
@@ -298,11 +304,26 @@ def advise(inputs: Inputs) -> Advice:
     )
 
 
-def _memory_advice(inputs: Inputs, interval_s: int, mtbf_s: float) -> dict:
-    """The memory tier's interval, the pod's ``/dev/shm`` for it, and the goodput it gives."""
+def durable_interval(daly_s: float, write_s: float) -> int:
+    """``checkpoint.interval_s`` for Daly's interval: rounded down, at most :data:`MAX_INTERVAL_S`,
+    never below the write time (a save never queues behind the previous write)."""
+    return max(round_interval(min(daly_s, MAX_INTERVAL_S)), math.ceil(write_s))
+
+
+def _memory_advice(inputs: Inputs, durable_only_s: int, mtbf_s: float) -> dict:
+    """The durable interval with the memory tier, the tier's own interval, the pod's
+    ``/dev/shm`` for it, and the goodput it gives.
+
+    A covered failure resumes from memory, so the durable checkpoint serves only the others, one
+    every ``M / (1 - coverage)``: Daly's interval for that MTBF, as the durable-only interval
+    (``durable_only_s``) is for ``M`` (the multi-level checkpointing rule; all covered: the cap).
+    """
     m = inputs.memory
     if not 0 < m.coverage <= 1:
         raise AdviseError("--memory-coverage must be above 0 and at most 1 (the share of failures the pods survive)")
+    durable_daly = gm.daly_interval(max(inputs.ckpt_stall_s, 1e-3), mtbf_s / (1.0 - m.coverage)) \
+        if m.coverage < 1 else math.inf
+    interval_s = max(durable_interval(durable_daly, inputs.ckpt_write_s), durable_only_s)
     stall = max(m.stall_s, 1e-3)
     daly = gm.daly_interval(stall, mtbf_s / m.coverage)
     steps = max(1, min(int(daly // inputs.step_s), max(1, int(interval_s // inputs.step_s))))
@@ -314,8 +335,8 @@ def _memory_advice(inputs: Inputs, interval_s: int, mtbf_s: float) -> dict:
     slots = 2 * (1 + m.replicas) + DURABLE_STAGING_COPIES
     shm = (math.ceil(slots * m.shard_gb * 1e9 / 2**30 * inputs.gpus_per_node) + SHM_MARGIN_GIB
            if m.shard_gb is not None else None)
-    return {"daly_s": daly, "interval_s": memory_interval, "interval_steps": steps, "goodput": goodput.as_dict(),
-            "shm_gib": shm}
+    return {"durable_daly_s": durable_daly, "durable_interval_s": interval_s, "daly_s": daly,
+            "interval_s": memory_interval, "interval_steps": steps, "goodput": goodput.as_dict(), "shm_gib": shm}
 
 
 def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Optional[dict]) -> dict:
@@ -340,7 +361,8 @@ def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Option
 
     def with_memory(add: float) -> gm.GoodputBreakdown:
         m = inputs.memory
-        return gm.expected_goodput_with_memory(interval_s, inputs.ckpt_stall_s, inputs.ckpt_write_s, r + add, mtbf_s,
+        return gm.expected_goodput_with_memory(memory["durable_interval_s"], inputs.ckpt_stall_s, inputs.ckpt_write_s,
+                                               r + add, mtbf_s,
                                                memory["interval_s"], m.stall_s, m.restart_s + add, m.coverage)
 
     def best(spares: int) -> gm.GoodputBreakdown:
@@ -612,6 +634,10 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
         rows += [
             ("memory tier costs", f"stall {mi.stall_s:.3g} s, restart from memory {mi.restart_s:.3g} s, covering "
                                   f"{mi.coverage:.0%} of failures"),
+            ("checkpoint.interval_s with it", f"{m['durable_interval_s']} (Daly for delta and the failures it leaves to "
+                                              f"the durable checkpoint, M / (1 - coverage): {m['durable_daly_s']:,.0f} s, "
+                                              f"rounded down, at most {MAX_INTERVAL_S}; never below the durable-only "
+                                              f"{a.interval_s})"),
             ("checkpoint.memory.interval_steps", f"{m['interval_steps']} ({m['interval_s']:g} s; Daly for the memory "
                                                  f"stall and M / coverage: {m['daly_s']:,.0f} s, in whole steps, at "
                                                  "most the durable interval)"),

@@ -95,8 +95,11 @@ def _memory_lines(a: adv.Advice) -> list[str]:
     shm = (f"shm.sizeLimit {m['shm_gib']}Gi = ({slots} slots + the durable staging copy) x shard "
            f"{mi.shard_gb:.3g} GB x {a.inputs.gpus_per_node} ranks + {adv.SHM_MARGIN_GIB}Gi"
            if m["shm_gib"] is not None else "shm.sizeLimit: no model size to size it")
-    return [f"#   memory tier: stall {mi.stall_s:.3g} s, covering {mi.coverage:.0%} of failures -> Daly "
-            f"{m['daly_s']:,.0f} s -> checkpoint.memory.interval_steps {m['interval_steps']} "
+    return [f"#   memory tier, covering {mi.coverage:.0%} of failures: the durable checkpoint serves the rest, "
+            f"M / (1 - coverage) -> Daly",
+            f"#     {m['durable_daly_s']:,.0f} s -> checkpoint.interval_s {m['durable_interval_s']} (rounded as above); its "
+            f"stall {mi.stall_s:.3g} s and M / coverage -> Daly",
+            f"#     {m['daly_s']:,.0f} s -> checkpoint.memory.interval_steps {m['interval_steps']} "
             f"(whole steps, at most the durable interval), replicas {mi.replicas};",
             f"#     {shm}; expected goodput {m['goodput']['productive']:.4f}."]
 

@@ -105,6 +105,8 @@ class Scenario:
     """``T_m``: training seconds between memory snapshots (0: no memory tier)."""
     memory_stall_s: float = 0.0
     memory_replicas: int = 1
+    memory_durable_interval_s: float = 0.0
+    """The durable interval of the memory strategies (0: ``interval_s``, as the others)."""
     spares: int = 0
     """Hot spares (standby pods) for the ``+spares`` strategies."""
     replacement_s: float = DEFAULT_RECOVERY_S["job"]
@@ -118,6 +120,10 @@ class Scenario:
     def memory_saves(self) -> float:
         """Memory snapshots per durable interval (the durable save takes the last slot)."""
         return max(0.0, self.interval_s / self.memory_interval_s - 1.0) if self.memory_interval_s > 0 else 0.0
+
+    def with_memory_durable_interval(self) -> "Scenario":
+        """This scenario as the memory strategies run it: their own durable interval, if set."""
+        return replace(self, interval_s=self.memory_durable_interval_s) if self.memory_durable_interval_s > 0 else self
 
     def from_memory(self, cls: str) -> bool:
         """Whether a failure of class ``cls`` resumes from a memory snapshot."""
@@ -298,6 +304,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-interval-s", type=float,
                    help="training seconds between memory snapshots; default: Daly's for the memory stall and the "
                         "MTBF of the failures it restores, at most the durable interval")
+    p.add_argument("--memory-durable-interval-s", type=float,
+                   help="the memory strategies' durable checkpoint interval (default: the others'); `advise "
+                        "--memory` gives Daly's for the failures the memory tier leaves to the durable checkpoint")
     p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
                    help="1 (default): a lost node resumes from its peer's replica; 0: from the durable checkpoint")
     p.add_argument("--spares", default="0", metavar="S",
@@ -352,7 +361,12 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
             memory_interval = args.memory_interval_s or gm.daly_interval(max(stall, 1e-3), mtbf_s / max(coverage, 1e-9))
             if memory_interval <= 0:
                 raise SystemExit("error: --memory-interval-s must be positive")
-            s = Scenario(**{**s.__dict__, "memory_interval_s": min(memory_interval, interval)})
+            durable = getattr(args, "memory_durable_interval_s", None) or interval
+            if durable < args.ckpt_write_s:
+                raise SystemExit(f"error: --memory-durable-interval-s {durable:g} is shorter than the write "
+                                 f"(--ckpt-write-s {args.ckpt_write_s:g}): saves would queue behind writes")
+            s = Scenario(**{**s.__dict__, "memory_interval_s": min(memory_interval, durable),
+                            "memory_durable_interval_s": durable})
         out.append(s)
     return out
 
@@ -367,10 +381,11 @@ def strategies_of(s: Scenario) -> list[str]:
 
 def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
     rows = []
-    for s in scenarios:
-        for strategy in strategies_of(s):
-            result = simulate(s, strategy, runs, seed)
+    for scenario in scenarios:
+        for strategy in strategies_of(scenario):
             memory = base_strategy(strategy) == MEMORY_STRATEGY
+            s = scenario.with_memory_durable_interval() if memory else scenario
+            result = simulate(s, strategy, runs, seed)
             spares = {"spares": s.spares, "replacement_s": s.replacement_s,
                       "p_no_spare_analytic": gm.p_no_spare(s.spares, s.busy_spares_mean)}
             rows.append({"nodes": s.nodes, "strategy": strategy, "interval_s": s.interval_s,
