@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import FAKE_AWS, S3Sandbox, netns_leftovers
+from tests.support import FAKE_AWS, S3Sandbox, kill_marked, netns_leftovers
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,6 +18,14 @@ def no_local_pods_left_behind():
     yield
     leaked = netns_leftovers()
     assert not leaked, f"local pods left behind by the test session: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def no_test_processes_outlive_their_test():
+    """After each test, whatever it started is gone: a test ended by its time limit (whose own
+    guards and checks never ran) would otherwise leave its job running into the next tests."""
+    yield
+    kill_marked()
 
 
 # ---- the fault tests' fault-free references: one job per topology, shared by every test that

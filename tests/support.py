@@ -32,6 +32,8 @@ def lane_path(request, lane: str) -> list[Path]:
 
 
 MARK = "RESILIENT_FSDP_TEST_RUN"
+# Every run directory a process was started for in the running test (:func:`kill_marked`).
+MARKED: set[Path] = set()
 
 
 def _env(pythonpath: list[Path] | None = None, mark: Path | None = None, extra: dict | None = None) -> dict:
@@ -41,6 +43,7 @@ def _env(pythonpath: list[Path] | None = None, mark: Path | None = None, extra: 
         # Inherited by every descendant (agents, ranks, NVRx's spawned helpers), so a leftover
         # process can be found by its environment even after it was re-parented.
         env[MARK] = str(mark)
+        MARKED.add(Path(mark))
     paths = [str(p) for p in (pythonpath or [])] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTHONWARNINGS"] = "ignore:The pynvml package is deprecated:FutureWarning"
@@ -127,6 +130,21 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def kill_marked() -> list[int]:
+    """Kill what is left of every process started for the running test's run directories (a test
+    that pytest-timeout ended before its own guard fired leaves them running); their pids."""
+    killed = []
+    for run_dir in list(MARKED):
+        for p in processes_of(run_dir):
+            try:
+                p.kill()
+                killed.append(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+    MARKED.clear()
+    return killed
 
 
 def assert_no_leftovers(run_dir: Path, wait_s: float = 5.0) -> None:
