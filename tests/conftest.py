@@ -88,7 +88,8 @@ def s3_server(tmp_path_factory):
 
     server = LocalS3Server(tmp_path_factory.mktemp("s3-server") / "server.log")
     yield server
-    os.kill(server.proc.pid, signal.SIGCONT)  # a stopped process would ignore SIGTERM
+    if server.proc.poll() is None:
+        os.kill(server.proc.pid, signal.SIGCONT)  # a stopped process would ignore SIGTERM
     server.stop()
 
 

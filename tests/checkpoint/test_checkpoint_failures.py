@@ -243,3 +243,17 @@ def test_a_write_that_never_finishes_fails_at_the_deadline_and_the_next_save_get
     committed = [r["step"] for r in read_events(tmp_path, "checkpoint")]
     assert committed == [8] or [r["step"] for r in failed] == [4, 8], (committed, failed)
     assert_no_leftovers(tmp_path)
+
+
+def test_a_failed_attempt_lets_rank_0s_commit_in_flight_finish_before_it_closes(tmp_path):
+    report = run_probe("engine.py", tmp_path, "commit-in-flight", "async")
+    assert report["in_flight"] and report["handoff_poll_s"] < 1.0, report  # the poll did not wait for it
+    assert report["close_s"] > 1.0 and report["committed"] == [1], report
+    assert report["commit_pid"] not in (0, report["rank_pid"]), report  # in a process of its own
+
+
+def test_a_commit_process_that_dies_fails_that_save_and_the_next_commits(tmp_path):
+    report = run_probe("engine.py", tmp_path, "commit-process-dies", "async")
+    assert (report["streak_before"], report["streak_after"]) == (0, 1), report
+    assert report["committed"] == [2], report  # step 1's stays incomplete, never loaded
+    assert_no_leftovers(tmp_path)

@@ -1,6 +1,7 @@
 """The checkpointer's per-step agreement rides on the loss all-reduce: two real ranks (gloo,
 spawned processes) whose clocks disagree on ``checkpoint.interval_s`` still save at the same
-step, and a step with nothing to save or commit adds no collective of its own."""
+step, rank 0's commit in its own process is learned at the step after it finished, and a step
+with nothing to save or commit adds no collective of its own."""
 
 from __future__ import annotations
 
@@ -70,9 +71,14 @@ def test_ranks_whose_clocks_disagree_save_together_without_a_collective_a_step(t
     assert [s["step"] for s in steps] == list(range(1, 401))
     assert steps[0]["agreed"][0] == 1.0 and steps[0]["saved"]  # one rank's vote is enough
     assert not any(s["saved"] for s in steps[1:])  # the hour has not passed again
-    # The write is committed at the first step at which no rank voted that it still writes.
+    # The write is handed to rank 0's commit process at the first step at which no rank voted
+    # that it still writes, and learned committed at the first step after it at which rank 0
+    # voted that its commit no longer runs.
+    handoff = next(i for i, s in enumerate(steps) if i > 0 and s["agreed"][1] == 0.0)
+    assert all(s["agreed"][1] > 0 for s in steps[1:handoff]), steps[:handoff + 1]
     commit = next(i for i, s in enumerate(steps) if s["committed"])
-    assert steps[commit]["agreed"][1] == 0.0 and all(s["agreed"][1] > 0 for s in steps[1:commit]), steps[:commit + 1]
+    assert commit > handoff and steps[commit]["agreed"][2] == 0.0, steps[:commit + 1]
+    assert all(s["agreed"][2] > 0 for s in steps[handoff + 1:commit]), steps[:commit + 1]
     assert [e["step"] for e in read_events(tmp_path, "checkpoint")] == [1]
     # Every other step adds no all-reduce of the checkpointer's own.
     assert all(s["all_reduces"] == 0 for i, s in enumerate(steps) if i not in (0, commit)), steps

@@ -108,7 +108,7 @@ def test_hsdp_commits_in_seconds_at_16384_gpus_and_the_advisor_suggests_the_grou
     assert hsdp.inputs.estimate.commit_s == pytest.approx(4.9184, abs=1e-4)
     assert hsdp.inputs.estimate.shard_gb == pytest.approx(fsdp.inputs.estimate.state_gb / 32)
     assert hsdp.values()["trainer"]["dist"]["shard_group_size"] == 32
-    assert hsdp.goodput["productive"] > 0.95 > 0.5 > fsdp.goodput["productive"]
+    assert hsdp.goodput["productive"] > 0.95 > fsdp.goodput["productive"]
     assert hsdp.inputs.suggested_shard_group is None  # given: nothing to suggest
     # A small job's commit is short: no suggestion.
     assert _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "70b").inputs.suggested_shard_group is None
@@ -118,17 +118,18 @@ def test_hsdp_commits_in_seconds_at_16384_gpus_and_the_advisor_suggests_the_grou
 
 def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage():
     """p5-16node by hand: 70,553,706,496 params x 12 B = 846.64 GB over 128 GPUs = 6.614 GB a shard;
-    commit 128 ranks x 250 kB x 2.05 / 5 MB/s = 13.12 s; stall 6.614 / 53 + 0.5 + 13.12 = 13.7448 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB =
-    7.031 GB/s) = 120.41 s."""
+    commit 128 ranks x 250 kB x 2.05 / 5 MB/s = 13.12 s, in rank 0's commit process; stall 6.614 / 53
+    + 0.5 = 0.6248 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB = 7.031 GB/s) = 120.41 s,
+    then the commit: 133.53 s."""
     a = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--preset", "70b", "--storage-size", "14400Gi",
                 "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
-    assert a.inputs.ckpt_stall_s == pytest.approx(13.7448, abs=1e-4)
+    assert a.inputs.ckpt_stall_s == pytest.approx(0.6248, abs=1e-4)
     assert a.inputs.estimate.commit_s == pytest.approx(13.12, abs=1e-9)
     # The commit grows with the world: twice the ranks, twice the commit.
     wide = _advice("--instance", "p5.48xlarge", "--nodes", "32", "--preset", "70b", "--storage-size", "14400Gi",
                    "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
     assert wide.inputs.estimate.commit_s == pytest.approx(2 * a.inputs.estimate.commit_s)
-    assert a.inputs.ckpt_write_s == pytest.approx(120.41, abs=0.01)
+    assert a.inputs.ckpt_write_s == pytest.approx(133.53, abs=0.01)
     assert dict(a.inputs.cost_sources) == {"ckpt_stall_s": "estimated", "ckpt_write_s": "estimated",
                                            "restart_s": "default"}
     # --params is the same model by its count; SCRATCH_2 has one throughput, 200 MB/s/TiB.
@@ -137,8 +138,9 @@ def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage()
     assert same.inputs.ckpt_write_s == a.inputs.ckpt_write_s
     scratch = _advice("--instance", "g5.12xlarge", "--nodes", "1", "--preset", "1b", "--storage-size", "1200Gi",
                       "--deployment-type", "SCRATCH_2")
-    assert scratch.inputs.ckpt_write_s == pytest.approx(1_100_048_384 * 12 / (1200 / 1024 * 200e6))
-    assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5 + 4 * 250e3 * 2.05 / 5e6)
+    assert scratch.inputs.ckpt_write_s == pytest.approx(1_100_048_384 * 12 / (1200 / 1024 * 200e6)
+                                                        + 4 * 250e3 * 2.05 / 5e6)
+    assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5)
 
 
 def test_advisor_lets_each_measured_cost_replace_its_estimate(tmp_path):
@@ -253,7 +255,7 @@ def test_the_docs_table_of_profiles_is_the_profiles():
     assert lines[start:end + 1] == profiles.profile_table(), \
         "docs/eks-helm.md's profile table is stale: python -m resilient_fsdp.goodput.profiles"
     p5 = next(line for line in lines[start:end] if line.startswith("| `p5-16node`"))
-    assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 3,600 s | 4 / 4 / 2 |" in p5  # read off the profile
+    assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 2,520 s | 4 / 4 / 2 |" in p5  # read off the profile
 
 
 def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):
@@ -303,22 +305,28 @@ def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path
     assert values["trainer"]["checkpoint"]["memory"] == {"interval_steps": m["interval_steps"], "replicas": 1}
     assert values["shm"] == {"sizeLimit": f"{m['shm_gib']}Gi"}
     # The durable checkpoint serves the quarter of failures the tier leaves to it: Daly's for
-    # M / 0.25 (here above the cap), in the values; the durable-only interval stays beside it.
+    # M / 0.25, in the values; the durable-only interval stays beside it.
     assert m["durable_daly_s"] == pytest.approx(gm.daly_interval(a.inputs.ckpt_stall_s, mtbf / 0.25))
-    assert m["durable_interval_s"] == adv.MAX_INTERVAL_S < m["durable_daly_s"]
+    assert m["durable_interval_s"] == adv.durable_interval(m["durable_daly_s"], a.inputs.ckpt_write_s)
+    assert m["durable_interval_s"] >= a.interval_s
     assert values["trainer"]["checkpoint"]["interval_s"] == m["durable_interval_s"]
     assert a._values()["trainer"]["checkpoint"]["interval_s"] == a.interval_s
-    # Under the cap (HSDP at 2,048 nodes): rounded down to a minute, twice the durable-only one,
-    # and it pays in the advisor's own model, the quarter's longer lost work and all.
+    # HSDP at 2,048 nodes: rounded down to ten seconds below ten minutes, twice the durable-only one.
     h = _advice(*P5_70B_HSDP, "--nodes", "2048", "--memory")
-    hm, hmi = h.memory, h.inputs.memory
-    assert hm["durable_interval_s"] == int(hm["durable_daly_s"] // 60) * 60 == 660 and h.interval_s == 340
-    assert h.values()["trainer"]["checkpoint"]["interval_s"] == 660
-    at_durable_only = gm.expected_goodput_with_memory(h.interval_s, h.inputs.ckpt_stall_s, h.inputs.ckpt_write_s,
-                                                      h.inputs.restart_s, h.job_mtbf_s, hm["interval_s"], hmi.stall_s,
-                                                      hmi.restart_s, hmi.coverage)
-    assert hm["goodput"]["productive"] > at_durable_only.productive + 0.002
-    assert "checkpoint.interval_s with it     660 (Daly" in adv.render_table(h)
+    hm = h.memory
+    assert hm["durable_interval_s"] == int(hm["durable_daly_s"] // 10) * 10 == 280 and h.interval_s == 140
+    assert h.values()["trainer"]["checkpoint"]["interval_s"] == 280
+    assert "checkpoint.interval_s with it     280 (Daly" in adv.render_table(h)
+    # With a stall of seconds (a commit on the training thread) it pays in the advisor's own
+    # model, the quarter's longer lost work and all: 660 s instead of 340 s.
+    slow = _advice("--instance", "p5.48xlarge", "--nodes", "2048", "--ckpt-stall-s", "5.92", "--ckpt-write-s", "7.53",
+                   "--memory", "--memory-stall-s", "0.52")
+    sm, smi = slow.memory, slow.inputs.memory
+    assert (slow.interval_s, sm["durable_interval_s"]) == (340, 660)
+    at_durable_only = gm.expected_goodput_with_memory(slow.interval_s, 5.92, 7.53, slow.inputs.restart_s,
+                                                      slow.job_mtbf_s, sm["interval_s"], 0.52, smi.restart_s,
+                                                      smi.coverage)
+    assert sm["goodput"]["productive"] > at_durable_only.productive + 0.002
     # Every failure covered: nothing sets it but the cap.
     every = _advice("--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--memory",
                     "--memory-coverage", "1").memory

@@ -19,6 +19,11 @@ usage: python engine.py RUN_DIR SCENARIO MODE
   subreaper, so it can reap the writer and see when it exits.
 - ``back-to-back``: a save made while the previous write is still running (slowed by 3 s) waits
   for it; that wait is the new save's stall (its ``previous_s``), counted once.
+- ``commit-in-flight``: the step's poll hands a finished write's commit to rank 0's commit
+  process and returns at once; a failed attempt closing while that (slowed) commit runs lets it
+  finish, so the checkpoint is committed before the lease is released and a next start looks at it.
+- ``commit-process-dies``: the commit process is killed in a commit: a failed save, counted, the
+  checkpoint left incomplete; the next save commits in a new commit process.
 - ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
   the failed attempt closes without waiting for it again, and the next attempt (an in-process
   restart) gets a new engine that commits.
@@ -35,7 +40,7 @@ import time
 import psutil
 
 from round_trip import equal, snapshot
-from resilient_fsdp.checkpoint import store
+from resilient_fsdp.checkpoint import commit, store
 from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.resume import load
 from resilient_fsdp.config import load_config
@@ -247,6 +252,76 @@ def back_to_back(run_dir, mode):
             "previous_s": {s: r["save_call_parts_s"]["previous_s"] for s, r in records.items()}}
 
 
+def slow_commit(job):
+    """:func:`commit.run`, two seconds late (run in rank 0's commit process)."""
+    time.sleep(2.0)
+    return commit.run(job)
+
+
+def handed_off(trainer, step_no):
+    """Save ``step_no`` and poll until its commit is handed to the commit process; each poll's time."""
+    ckpt = trainer.checkpointer
+    step(trainer)
+    ckpt.save(step_no)
+    polls = []
+    while not (ckpt.pending is not None and ckpt.pending.get("committing")):
+        t0 = time.monotonic()
+        ckpt.poll()  # without votes: a world of one agrees in its own collectives
+        polls.append(time.monotonic() - t0)
+        time.sleep(0.01)
+    return polls
+
+
+def commit_in_flight(run_dir, mode):
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false"])
+    resources = ProcessResources(cfg)
+    trainer = Trainer(cfg, resources)
+    ckpt = trainer.checkpointer
+    ckpt._commits = commit.CommitProcess(slow_commit)
+    polls = handed_off(trainer, 1)
+    in_flight = ckpt._commit_running()
+    future = ckpt._commit_future
+    t0 = time.monotonic()
+    trainer.close(failed=True)
+    close_s = time.monotonic() - t0
+    committed = [c.step for c in store.scan(cfg.checkpoint_dir)[0]]
+    distributed.shutdown(clean=False)
+    resources.close(False)
+    return {"handoff_poll_s": polls[-1], "in_flight": in_flight, "close_s": close_s, "committed": committed,
+            "commit_pid": future.result().pid, "rank_pid": os.getpid()}
+
+
+def commit_process_dies(run_dir, mode):
+    """The commit process is killed while it commits step 1: the ranks learn a failed save (the
+    checkpoint stays incomplete) and go on; step 2 commits in a new commit process."""
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false"])
+    resources = ProcessResources(cfg)
+    trainer = Trainer(cfg, resources)
+    ckpt = trainer.checkpointer
+    ckpt._commits = commit.CommitProcess(slow_commit)
+    handed_off(trainer, 1)
+    time.sleep(0.5)  # the process has started and is in the slowed commit
+    (victim,) = [p for p in psutil.Process().children(recursive=True) if p.pid in ckpt._commits._pool._processes]
+    victim.kill()
+    while ckpt._commit_running():
+        time.sleep(0.01)
+    failed = ckpt.streak.count
+    ckpt._periodic(ckpt.poll)  # learns the failure, counts it, goes on (as after_step does)
+    streak = ckpt.streak.count
+    ckpt._commits.fn = commit.run
+    handed_off(trainer, 2)
+    while ckpt.pending is not None:
+        ckpt.poll()
+        time.sleep(0.01)
+    committed = [c.step for c in store.scan(cfg.checkpoint_dir)[0]]
+    trainer.close(failed=False)
+    distributed.shutdown()
+    resources.close(False)
+    return {"streak_before": failed, "streak_after": streak, "committed": committed}
+
+
 def warm(run_dir, mode):
     """``Checkpointer.prepare`` after the first step: the staging buffers are allocated in the
     background for a job that will save, and the first save fills them (no second allocation);
@@ -274,5 +349,6 @@ if __name__ == "__main__":
     run_dir, scenario, mode = sys.argv[1:4]
     report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
               "warm": warm, "orphan": orphan, "orphan-child": orphan_child,
-              "back-to-back": back_to_back}[scenario](run_dir, mode)
+              "back-to-back": back_to_back, "commit-in-flight": commit_in_flight,
+              "commit-process-dies": commit_process_dies}[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from resilient_fsdp.checkpoint.writer import handoff
+from resilient_fsdp.checkpoint.writer import dcp_plan, handoff
 from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.engines import AsyncEngine
 
@@ -78,7 +78,8 @@ def save(engine, sd, root, step):
     outcome = engine.collect()
     if outcome.error:
         raise RuntimeError(outcome.error)
-    engine.finish([outcome])
+    _key, metadata = engine.commit_metadata()  # what the coordinator's commit writes .metadata from
+    dcp_plan.write_metadata(path, metadata, [outcome.results])
     loaded = {"model": {n: torch.zeros_like(t) for n, t in sd["model"].items()}, "step": 0, "note": ""}
     dcp.load(loaded, checkpoint_id=str(path))
     got = {"model": {n: t.to_local() for n, t in loaded["model"].items()}, "step": loaded["step"],

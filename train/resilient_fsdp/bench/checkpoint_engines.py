@@ -43,8 +43,9 @@ class Saver:
 
     def votes(self) -> list[float]:
         """What ``train_step`` adds to its all-reduce for the checkpointer (``Checkpointer.votes``):
-        nothing due, nothing written, since the measuring loop starts and polls the saves."""
-        return [0.0, 0.0]
+        nothing due, nothing written, nothing committing, since the measuring loop starts and polls
+        the saves."""
+        return [0.0, 0.0, 0.0]
 
     def poll(self) -> Optional[dict]:
         """The save's figures once committed (``write_s``, ``bytes``, ``wait_s``), else None."""

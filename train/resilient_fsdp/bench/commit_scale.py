@@ -8,7 +8,7 @@ tensor, so the write results are (tensors x world) and so is ``.metadata``. Here
 built for a 70b-like state (FSDP: each rank holds a shard of each of about 720 parameters, plus
 AdamW's two moments of each; one file per writer thread) and measured: the pickled size of the
 gather (what travels on the object group), rank 0's ``.metadata`` written by the code the engine
-uses (:func:`~resilient_fsdp.checkpoint.writer.dcp_plan.write_dcp_metadata`), and
+uses (:func:`~resilient_fsdp.checkpoint.writer.dcp_plan.write_metadata`), and
 :func:`~resilient_fsdp.checkpoint.integrity.share` at that world.
 
 ``--shard-group N`` measures HSDP (``dist.shard_group_size``): each tensor is cut into N shards,
@@ -24,11 +24,10 @@ import json
 import pickle
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                     TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.storage import WriteResult
@@ -83,12 +82,6 @@ def global_metadata(shards: int, names: list[str], shard_rows: int = 1024) -> Me
     return Metadata(state_dict_metadata=md)
 
 
-@dataclass
-class _Save:
-    """What :func:`dcp_plan.write_dcp_metadata` reads of a save: its planned writer and metadata."""
-    plan: tuple
-
-
 def measure(world: int, layers: int = LAYERS, shard_group: int = 0) -> dict:
     if shard_group and world % shard_group:
         raise SystemExit(f"--shard-group {shard_group} does not divide --world {world}")
@@ -104,10 +97,9 @@ def measure(world: int, layers: int = LAYERS, shard_group: int = 0) -> dict:
     per_rank = [len(b) for b in blobs]
     del blobs
     with tempfile.TemporaryDirectory() as tmp:
-        writer = FileSystemWriter(tmp)
-        save = _Save(plan=(writer, global_metadata(shard_group or world, names), None))
+        metadata = global_metadata(shard_group or world, names)
         t = time.perf_counter()
-        dcp_plan.write_dcp_metadata(save, [o.results for o in outcomes], integrity.Recorder())
+        dcp_plan.write_metadata(Path(tmp), metadata, [o.results for o in outcomes])
         finalize_s = time.perf_counter() - t
         metadata_bytes = (Path(tmp) / ".metadata").stat().st_size
     files = {n: e for o in outcomes for n, e in o.checksums.items()}

@@ -11,7 +11,10 @@ engine (:mod:`.engines`); :meth:`~Checkpointer.poll` agrees across ranks that ev
 finished, gathers every rank's outcome to rank 0, which writes the metadata and commits through
 :mod:`.store` (nothing is visible until every rank's data and the metadata are written), and
 broadcasts the result: every rank returns the same record or raises the same
-:class:`CheckpointError`. :meth:`~Checkpointer.resume` is :mod:`.resume`'s: rank 0 decides, every
+:class:`CheckpointError`. Between steps rank 0 commits in a process of its own (:mod:`.commit`)
+while training goes on, and the ranks learn the outcome at the first step after it finished
+(rank 0's vote on the step's loss all-reduce); a wait for the write (the next save, the end)
+commits on the training thread. :meth:`~Checkpointer.resume` is :mod:`.resume`'s: rank 0 decides, every
 rank verifies its share of the files and loads.
 
 A periodic save that fails (:class:`~.failures.SaveFailed`) is reported and training goes on, up
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import pickle
 import sys
 import time
 import uuid
@@ -34,8 +38,8 @@ import torch
 from ..config import CheckpointConfig, ConfigError
 from ..resilience.attempt import NoHooks
 from .shared_volume import not_writable_message
-from . import resume as resume_, store
-from .engines import NVRX_VERSION, Engine, LocalOutcome, build_engine
+from . import commit, resume as resume_, store
+from .engines import NVRX_VERSION, Engine, build_engine
 from . import failures
 from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
@@ -65,15 +69,18 @@ class SilentLog:
         pass
 
 
-def _add_broadcast(record: dict, broadcast_s: float, charge: bool) -> None:
+def _add_broadcast(record: dict, broadcast_s: float, charge: bool, on_thread_s: Optional[float] = None) -> None:
     """Complete a committed record on every rank: the broadcast's time (this rank's) joins
     ``commit_s``, and the commit joins ``stall_s`` where it is charged to this checkpoint (a
-    commit waited for by the next save is that save's ``previous_s`` instead)."""
+    commit waited for by the next save is that save's ``previous_s`` instead). A commit made in
+    rank 0's commit process (``on_thread_s``: what the training thread spent on it, the gather and
+    the broadcast) charges only that."""
     parts = dict(record["commit_parts_s"], broadcast_s=broadcast_s)
     record["commit_parts_s"] = parts
     record["commit_s"] = sum(parts.values())
+    record["commit_background"] = on_thread_s is not None
     if charge:
-        record["stall_s"] += record["commit_s"]
+        record["stall_s"] += record["commit_s"] if on_thread_s is None else on_thread_s
 
 
 def ranks_per_pod(world_size: int) -> int:
@@ -127,6 +134,9 @@ class Checkpointer:
         # Rank 0 applies retention off the training thread; its messages are said by this one.
         self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") \
             if group.is_coordinator else None
+        # Rank 0's commits between steps run in a process of its own (:mod:`.commit`); the one in flight.
+        self._commits = commit.CommitProcess() if group.is_coordinator else None
+        self._commit_future: Optional[concurrent.futures.Future] = None
         self._retention_said: list[str] = []
         self._retention_events: list[dict] = []  # metrics.jsonl records of the retention thread
         self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
@@ -156,10 +166,16 @@ class Checkpointer:
     def votes(self) -> list[float]:
         """What this rank says before the step's loss all-reduce sums it over the ranks, for
         :meth:`after_step` to agree on without a collective of its own: whether
-        ``checkpoint.interval_s`` has passed since the last save, and whether this rank still
-        writes the pending checkpoint."""
-        writing = self.pending is not None and not self.engine.local_status()[0]
-        return [1.0 if self._interval_passed() else 0.0, 1.0 if writing else 0.0]
+        ``checkpoint.interval_s`` has passed since the last save, whether this rank still
+        writes the pending checkpoint, and (rank 0) whether its commit is still running."""
+        committing = self.pending is not None and self.pending.get("committing", False)
+        writing = self.pending is not None and not committing and not self.engine.local_status()[0]
+        return [1.0 if self._interval_passed() else 0.0, 1.0 if writing else 0.0,
+                1.0 if self._commit_running() else 0.0]
+
+    def _commit_running(self) -> bool:
+        """Rank 0: its commit process is still on the pending checkpoint (False on other ranks)."""
+        return self._commit_future is not None and not self._commit_future.done()
 
     def _interval_passed(self) -> bool:
         """``checkpoint.interval_s`` has passed since the last save, by this rank's clock."""
@@ -170,9 +186,9 @@ class Checkpointer:
         was committed and what S3 did; the seconds it took. Collective. ``agreed``: every rank's
         :meth:`votes` of this step, summed; without it the ranks agree in collectives here."""
         t0 = time.perf_counter()
-        time_due, writing = agreed if agreed is not None else (None, None)
+        time_due, writing, committing = agreed if agreed is not None else (None, None, None)
         self.hooks.start_section("checkpoint")
-        committed = self._periodic(lambda: self.poll(agreed_writing=writing))
+        committed = self._periodic(lambda: self.poll(agreed_writing=writing, agreed_committing=committing))
         self._log(committed)
         learn = committed is not None  # only calls that saved or committed teach its timeout
         if self.due(step, agreed_time=time_due):
@@ -417,7 +433,8 @@ class Checkpointer:
         # the write (planning, which is collective unless a cached plan is used).
         parts = {"previous_s": t_state - t0, "state_s": t_agree - t_state, "agree_s": t_start - t_agree,
                  "start_s": t_end - t_start}
-        self.pending = {"step": step, "dir": partial_dir, "t0": t0, "stall_s": call, "save_call_s": call,
+        self.pending = {"step": step, "dir": partial_dir, "t0": t0, "t0_unix": time.time() - (time.perf_counter() - t0),
+                        "stall_s": call, "save_call_s": call,
                         "save_call_parts_s": parts, "staging_wait_s": 0.0, "staged": False}
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
@@ -436,17 +453,24 @@ class Checkpointer:
         self.pending["stall_s"] += waited
         return waited + memory
 
-    def poll(self, block: bool = False, charge: bool = True, agreed_writing: Optional[float] = None) -> Optional[dict]:
+    def poll(self, block: bool = False, charge: bool = True, agreed_writing: Optional[float] = None,
+             agreed_committing: Optional[float] = None) -> Optional[dict]:
         """Collect and commit the pending checkpoint once every rank's write finished; with
         ``block``, wait for that up to ``checkpoint.write_timeout_s``, and with ``charge`` count
-        that wait as the pending checkpoint's stall. ``agreed_writing`` (without ``block``): the
-        ranks' summed votes that they still write (:meth:`votes`), else they agree here.
+        that wait as the pending checkpoint's stall. ``agreed_writing`` / ``agreed_committing``
+        (without ``block``): the ranks' summed votes (:meth:`votes`) that they still write and
+        that rank 0 still commits, else they agree here.
 
-        Returns the checkpoint's record when it was committed by this call.
+        Without ``block`` rank 0 commits in its commit process and a later call returns the
+        record, at the first step after the commit finished; with it, the commit (or the rest
+        of one in flight) is waited for here. Returns the checkpoint's record when this call
+        completed its commit.
         """
         self._say_retention()
         if self.pending is None:
             return None
+        if self.pending.get("committing"):
+            return self._committed(block, charge, agreed_committing)
         self.before_optimizer_step()
         t_wait = time.perf_counter()
         while True:
@@ -467,74 +491,104 @@ class Checkpointer:
             self.pending["stall_s"] += time.perf_counter() - t_wait
         if not (all_done or any_late):
             return None
-        pending, self.pending = self.pending, None
         if not all_done:
+            pending, self.pending = self.pending, None
             self.engine.abandon()
             raise SaveFailed(f"checkpoint of step {pending['step']} failed: its write did not finish within "
                              f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
                              f"incomplete at {pending['dir']} and will not be loaded", failures.TIMEOUT,
                              step=pending["step"])
-        # The commit runs on the training thread: its time (rank 0's gather, metadata, manifest and
-        # rename, then the broadcast) is this checkpoint's commit_s and, when charged, stall.
         t_gather = time.perf_counter()
-        outcomes = self.group.gather(self.engine.collect())
+        # Each rank pickles its own outcome: rank 0's training thread receives bytes, and the
+        # unpickling (at scale most of a commit's work, tens of MB of small objects) is the commit's.
+        outcomes = self.group.gather(pickle.dumps(self.engine.collect(), protocol=pickle.HIGHEST_PROTOCOL))
         gather_s = time.perf_counter() - t_gather
-        record, error = self._commit(pending, outcomes, gather_s) if self.group.is_coordinator else (None, None)
+        job = self._commit_job(self.pending, outcomes) if self.group.is_coordinator else None
+        if block:
+            # The commit runs on the training thread: its time (rank 0's gather, metadata, manifest
+            # and rename, then the broadcast) is this checkpoint's commit_s and, when charged, stall.
+            pending, self.pending = self.pending, None
+            result = self._commit_outcome(pending, commit.run(job), gather_s) if job is not None else (None, None)
+            return self._learn_commit(result, charge)
+        # Between steps rank 0 commits in its commit process while training goes on; every rank
+        # learns the outcome at the first step after it finished (:meth:`votes`).
+        self.pending.update(committing=True, gather_s=gather_s)
+        if job is not None:
+            self._commit_future = self._commits.submit(job)
+        return None
+
+    def _committed(self, block: bool, charge: bool, agreed_committing: Optional[float]) -> Optional[dict]:
+        """The pending checkpoint's commit in rank 0's commit process: its record once every rank
+        learned it finished (``block``: waited for here), else None."""
+        if not block:
+            running = agreed_committing if agreed_committing is not None else \
+                self.group.max(1.0 if self._commit_running() else 0.0)
+            if running > 0:
+                return None
+        t0 = time.perf_counter()
+        future, self._commit_future = self._commit_future, None
+        pending, self.pending = self.pending, None
+        result = self._commit_outcome(pending, self._commits.result(future), pending["gather_s"]) \
+            if future is not None else (None, None)
+        return self._learn_commit(result, charge, on_thread_s=pending["gather_s"] + time.perf_counter() - t0)
+
+    def _learn_commit(self, result: tuple, charge: bool, on_thread_s: Optional[float] = None) -> dict:
+        """Every rank: rank 0's commit outcome ``result``, broadcast; raises its failure."""
         t_broadcast = time.perf_counter()
-        record, error = self.group.broadcast((record, error))
+        record, error = self.group.broadcast(result)
         if error:
             raise error.error()
-        _add_broadcast(record, time.perf_counter() - t_broadcast, charge)
+        broadcast_s = time.perf_counter() - t_broadcast
+        _add_broadcast(record, broadcast_s, charge, None if on_thread_s is None else on_thread_s + broadcast_s)
         self._after_commit(record)
         return {k: v for k, v in record.items() if k != "manifest"}
 
-    def _commit(self, pending: dict, outcomes: list[LocalOutcome],
-                gather_s: float = 0.0) -> tuple[Optional[dict], Optional[Failure]]:
-        """Rank 0: check every rank's outcome, write the metadata, commit; (record, None) or
-        (None, the failure every rank raises). ``gather_s``: how long gathering ``outcomes`` took."""
-        t0 = time.perf_counter()
-        step, where = pending["step"], pending["dir"]
-        failed = [o for o in outcomes if o.error]
-        if failed:
-            first = next((o for o in failed if failures.is_volume_full(o.error)), failed[0])
-            others = f"; {len(failed) - 1} other rank(s) failed too" if len(failed) > 1 else ""
-            message = (f"checkpoint of step {step} failed (rank {first.rank}: {first.error.strip()}{others}); it "
-                       f"stays incomplete at {where} and will not be loaded; the previous checkpoint is intact")
-            return None, self._failure(message, failures.WRITER, step, first.error)
+    def _commit_job(self, pending: dict, gathered: list[bytes]) -> commit.CommitJob:
+        """Rank 0: the commit of ``pending`` (:mod:`.commit`), from every rank's pickled outcome."""
+        job = commit.CommitJob(
+            step=pending["step"], where=str(pending["dir"]), gathered=gathered, started_unix=pending["t0_unix"],
+            manifest={**self.identity, "step": pending["step"], "mode": self.engine.mode,
+                      "world_size": self.group.world_size, **self.batch, "nvrx_version": NVRX_VERSION,
+                      "torch_version": torch.__version__, "job": self.job},
+            lease_path=str(self.lease.path) if self.lease is not None else None,
+            lease_holder=self.lease.holder if self.lease is not None else None)
         try:
-            checksums = {}
-            for o in outcomes:
-                checksums.update({n: {**e, "writer": o.rank} for n, e in o.checksums.items()})
-            t_finish = time.perf_counter()
-            checksums.update({n: {**e, "writer": 0} for n, e in self.engine.finish(outcomes).items()})
-            t_finished = time.perf_counter()
-            lost = self.lease.check() if self.lease is not None else None
-            if lost:
-                return None, Failure(lost, failures.LEASE, step, fatal=True)
-            nbytes = sum(e["bytes"] for e in checksums.values())
-            write_s = time.perf_counter() - pending["t0"]
-            manifest = {**self.identity, "step": step, "mode": self.engine.mode,
-                        "world_size": self.group.world_size, **self.batch, "bytes": nbytes, "write_s": write_s,
-                        "created_unix": time.time(), "nvrx_version": NVRX_VERSION,
-                        "torch_version": torch.__version__, "job": self.job, "checksums": checksums}
-            t_manifest = time.perf_counter()
-            final = store.commit(where, manifest)
-            t_end = time.perf_counter()
-        except (Exception, BaseException) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return None, self._failure(f"checkpoint of step {step} failed while finalizing: {type(exc).__name__}: "
-                                       f"{exc}; it stays incomplete at {where}", failures.FINALIZE, step, exc)
+            keyed = self.engine.commit_metadata()
+        except Exception as exc:  # noqa: BLE001 - the commit reports it as its failure
+            job.error = f"{type(exc).__name__}: {exc}"
+            keyed = None
+        if keyed is not None:
+            job.metadata_key, job.metadata = keyed
+        return job
+
+    def _commit_outcome(self, pending: dict, result: commit.CommitResult,
+                        gather_s: float) -> tuple[Optional[dict], Optional[Failure]]:
+        """Rank 0: ``result`` of the commit of ``pending`` as (record, None) or (None, the failure
+        every rank raises). ``gather_s``: how long gathering every rank's outcome took."""
+        step, where = pending["step"], pending["dir"]
+        if result.failed:
+            rank, error = next(((r, e) for r, e in result.failed if failures.is_volume_full(e)), result.failed[0])
+            others = f"; {len(result.failed) - 1} other rank(s) failed too" if len(result.failed) > 1 else ""
+            message = (f"checkpoint of step {step} failed (rank {rank}: {error.strip()}{others}); it "
+                       f"stays incomplete at {where} and will not be loaded; the previous checkpoint is intact")
+            return None, self._failure(message, failures.WRITER, step, error)
+        if result.lease_lost:
+            if self.lease is not None:
+                self.lease.lost = result.lease_lost
+            return None, Failure(result.lease_lost, failures.LEASE, step, fatal=True)
+        if result.error:
+            return None, self._failure(f"checkpoint of step {step} failed while finalizing: {result.error}; it stays "
+                                       f"incomplete at {where}", failures.FINALIZE, step, result.error)
         # Where the commit's time went: gathering every rank's outcome, the engine's metadata
-        # (DCP's .metadata, pickled), the manifest and the rename, and the rest (checksums, lease).
-        finalize_s, manifest_s = t_finished - t_finish, t_end - t_manifest
-        commit_parts = {"gather_s": gather_s, "finalize_s": finalize_s, "manifest_s": manifest_s,
-                        "other_s": max(0.0, (t_end - t0) - finalize_s - manifest_s), "broadcast_s": 0.0}
+        # (DCP's .metadata, pickled), the manifest and the rename, and the rest (outcomes, lease).
+        commit_parts = {"gather_s": gather_s, "finalize_s": result.finalize_s, "manifest_s": result.manifest_s,
+                        "other_s": max(0.0, result.total_s - result.finalize_s - result.manifest_s),
+                        "broadcast_s": 0.0}
         return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"],
                 "save_call_s": pending["save_call_s"], "save_call_parts_s": pending["save_call_parts_s"],
-                "staging_wait_s": pending["staging_wait_s"], "write_s": write_s,
+                "staging_wait_s": pending["staging_wait_s"], "write_s": result.write_s,
                 "commit_s": sum(commit_parts.values()), "commit_parts_s": commit_parts,
-                "bytes": nbytes, "path": str(final), "manifest": manifest}, None
+                "bytes": result.nbytes, "path": result.path, "manifest": result.manifest}, None
 
     def _mkdir_failure(self, step: int, exc: OSError) -> Failure:
         return self._failure(f"checkpoint of step {step} failed: cannot create a checkpoint directory under "
@@ -617,6 +671,20 @@ class Checkpointer:
         then drained for the next in-process attempt if ``drain``; without one the process exits
         and closes the engine, and waiting for its write would only delay that exit, which is how
         ``ft_launcher`` learns of the failure."""
+        if self._commit_future is not None:
+            # A commit in flight in rank 0's commit process is let finish (every write is whole;
+            # the commit is atomic), up to checkpoint.write_timeout_s: before the lease is released,
+            # and before an in-process restart's start sweeps torn directories, this one among them.
+            try:
+                self._commits.result(self._commit_future, timeout=self.cfg.write_timeout_s)
+            except concurrent.futures.TimeoutError:
+                self.say(f"the commit of checkpoint step {self.pending['step'] if self.pending else '?'} did not "
+                         f"finish within checkpoint.write_timeout_s={self.cfg.write_timeout_s:g}; it is left "
+                         "incomplete and will not be loaded")
+                self._commits.close(kill=True)
+            self._commit_future = None
+        if self._commits is not None:
+            self._commits.close()
         if self._retention is not None:
             self._retention.shutdown(wait=True)
             self._say_retention()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -105,10 +106,11 @@ class Engine:
         """After every rank's write finished: this rank's outcome. Never raises."""
         return LocalOutcome(self.rank)
 
-    def finish(self, outcomes: list[LocalOutcome]) -> dict[str, dict]:
-        """Coordinator, every rank's outcome in hand and none failed: write what only it writes
-        (DCP's ``.metadata``) and return the checksums of those files. May raise."""
-        return {}
+    def commit_metadata(self) -> Optional[tuple[str, Any]]:
+        """Coordinator, after :meth:`collect`: what its commit makes the engine's own file from
+        (DCP's global metadata, for ``.metadata``) and a key that stays the same while the plan
+        does, so it is sent to the commit process once; None: the engine writes no file of its own."""
+        return None
 
     def drain(self, timeout_s: float = 120.0) -> None:
         """Rank-local: let a write left by a failed attempt finish, so an in-process restart can
@@ -272,6 +274,7 @@ class AsyncEngine(StagedEngine):
         self.voted_key: Optional[tuple] = None
         self.save: Optional[dcp_plan.DcpSave] = None
         self.collected: Optional[dcp_plan.DcpSave] = None
+        self._metadata_key: tuple[str, Any] = ("", None)  # the key of the plan metadata last committed
 
     def attach(self, world_size: int, rank: int, kept_plan: Optional[Path] = None) -> None:
         self.world_size = world_size
@@ -328,9 +331,14 @@ class AsyncEngine(StagedEngine):
         self.collected = None if error else save
         return LocalOutcome(self.rank, error, None if error else results, sums)
 
-    def finish(self, outcomes: list[LocalOutcome]) -> dict[str, dict]:
+    def commit_metadata(self) -> Optional[tuple[str, Any]]:
         save, self.collected = self.collected, None
-        return dcp_plan.write_dcp_metadata(save, [o.results or [] for o in outcomes], integrity.Recorder())
+        metadata = save.plan[1] if save is not None else None
+        if metadata is None:
+            raise RuntimeError("no global metadata was planned for this save on the coordinator")
+        if self._metadata_key[1] is not metadata:  # a validated plan cache gives the same object
+            self._metadata_key = (uuid.uuid4().hex, metadata)
+        return self._metadata_key
 
     def forget(self) -> None:
         super().forget()

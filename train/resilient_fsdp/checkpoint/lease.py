@@ -55,6 +55,20 @@ def _process_start(pid: int) -> Optional[float]:
         return None
 
 
+def taken_over(path: Path, holder: str) -> Optional[str]:
+    """Why the lease at ``path`` is no longer ``holder``'s (its commits stop), or None while it is.
+    By value, so that rank 0's commit process checks it too."""
+    try:
+        current = json.loads(path.read_text())
+    except (OSError, ValueError):
+        current = None
+    current = current if isinstance(current, dict) else {}
+    if current.get("holder") == holder:
+        return None
+    return (f"the lease on {path.parent} was taken over by job {current.get('job')!r} (host "
+            f"{current.get('host')}); this job no longer commits checkpoints there")
+
+
 class Lease:
     """Rank 0's hold on one checkpoint directory."""
 
@@ -118,12 +132,8 @@ class Lease:
 
     def check(self) -> Optional[str]:
         """None while this job holds the lease; otherwise why it no longer does (commits stop)."""
-        if self.lost:
-            return self.lost
-        current = self.read()
-        if current is None or current.get("holder") != self.holder:
-            self.lost = (f"the lease on {self.root} was taken over by job {(current or {}).get('job')!r} (host "
-                         f"{(current or {}).get('host')}); this job no longer commits checkpoints there")
+        if not self.lost:
+            self.lost = taken_over(self.path, self.holder)
         return self.lost
 
     def _renew(self) -> None:

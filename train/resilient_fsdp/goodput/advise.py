@@ -685,9 +685,9 @@ def _shard_group_note(a: Advice) -> str:
         return ""
     e, group = i.estimate, i.suggested_shard_group
     hsdp = gc.estimate(e.params, e.gpus, i.instance, e.storage, group)
-    return (f"0 (FSDP over all {e.gpus} GPUs: the commit is {e.commit_s:,.0f} s of the stall); HSDP over {group} GPUs "
-            f"({group // i.gpus_per_node} pods, the fewest whose share of the state fits in "
-            f"{gc.STATE_SHARE_OF_GPU:.0%} of a GPU) commits in {hsdp.commit_s:.3g} s, a stall of {hsdp.stall_s:.3g} s: "
+    return (f"0 (FSDP over all {e.gpus} GPUs: rank 0's commit takes {e.commit_s:,.0f} s before each checkpoint is "
+            f"durable); HSDP over {group} GPUs ({group // i.gpus_per_node} pods, the fewest whose share of the state "
+            f"fits in {gc.STATE_SHARE_OF_GPU:.0%} of a GPU) commits in {hsdp.commit_s:.3g} s: "
             f"--shard-group-size {group}")
 
 

@@ -7,18 +7,21 @@ measured costs are given:
 * the state is ``BYTES_PER_PARAM`` bytes per parameter (fp32 weights and AdamW's two moments);
 * the stall ``delta`` is one GPU's shard copied to host memory at the GPU's device-to-host rate,
   plus ``STALL_FIXED_S`` for what every save does besides copying (plan, agree, hand off);
-* the commit, on rank 0 in the step loop and so also stall: every rank's DCP write results
+* the commit, in rank 0's commit process while training goes on, so not stall (every rank's
+  outcome reaches rank 0 pickled, as bytes, and the training thread only moves them) but part of
+  the time until the checkpoint is durable, ``W``: every rank's DCP write results
   (``COMMIT_BYTES_PER_RANK``: one per tensor shard, and every rank holds a shard of every tensor)
-  gathered and unpickled, and DCP's ``.metadata`` of the same entries (``METADATA_PER_RESULT_BYTE``
-  of it per byte gathered) pickled, at ``RANK0_COMMIT_MB_S``: ``gpus x bytes per rank x (1 +
-  ratio) / rate``, linear in the world (``python -m resilient_fsdp.bench.commit_scale`` measures
+  unpickled, and DCP's ``.metadata`` of the same entries (``METADATA_PER_RESULT_BYTE`` of it per
+  byte gathered) pickled, at ``RANK0_COMMIT_MB_S``: ``gpus x bytes per rank x (1 + ratio) /
+  rate``, linear in the world (``python -m resilient_fsdp.bench.commit_scale`` measures
   it for a 70b-like state). Under HSDP (``dist.shard_group_size``) each shard is written once, by
   one of its replicas, so the results and ``.metadata`` are the shard group's, not the world's,
   and only each rank's file checksums (``COMMIT_FILE_BYTES_PER_RANK``) grow with the world;
 * the shard a GPU holds (copied at each save) is the state over the shard group (the world under
   FSDP);
 * the background write ``W`` is the whole state at the file system's throughput, which FSx for
-  Lustre gives per TiB of capacity: ``capacity (TiB) x per-unit throughput (MB/s/TiB)``.
+  Lustre gives per TiB of capacity (``capacity (TiB) x per-unit throughput (MB/s/TiB)``), then the
+  commit.
 
 Measured figures (``bench checkpoint``, ``scripts/gpu-check``) replace these estimates.
 """
@@ -106,7 +109,7 @@ class Estimate:
     stall_s: float
     write_s: float
     commit_s: float = 0.0
-    """The commit's part of ``stall_s``."""
+    """The commit's part of ``write_s`` (in rank 0's commit process, after every rank's write)."""
     shard_group: int = 0
     """GPUs each parameter is sharded over (``dist.shard_group_size``); 0: every GPU (FSDP)."""
 
@@ -131,10 +134,10 @@ class Estimate:
                       f"{METADATA_PER_RESULT_BYTE:g}) / {RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s")
         return [f"state {self.params / 1e9:.1f}e9 params x {BYTES_PER_PARAM} B = {self.state_gb:,.0f} GB",
                 commit,
-                f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s + commit = "
-                f"{self.stall_s:.3g} s",
+                f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s = "
+                f"{self.stall_s:.3g} s (the commit runs in rank 0's commit process)",
                 f"write W = {self.state_gb:,.0f} GB / ({s.capacity_tib:.2f} TiB x {s.mb_s_per_tib:g} MB/s/TiB, "
-                f"{s.deployment_type}) = {self.write_s:.0f} s"]
+                f"{s.deployment_type}) + commit = {self.write_s:.0f} s"]
 
 
 def capacity_for(state_gb: float, seconds: float, mb_s_per_tib: float) -> int:
@@ -204,9 +207,9 @@ def estimate(params: int, gpus: int, instance: str, volume: Storage, shard_group
     state_gb = params * BYTES_PER_PARAM / 1e9
     group = 0 if shard_group in (0, gpus) else shard_group
     commit = commit_s(gpus, group)
-    stall = state_gb / (group or max(gpus, 1)) / rate + STALL_FIXED_S + commit
+    stall = state_gb / (group or max(gpus, 1)) / rate + STALL_FIXED_S
     return Estimate(params=params, gpus=max(gpus, 1), d2h_gb_s=rate, storage=volume, stall_s=stall,
-                    write_s=state_gb / volume.gb_s, commit_s=commit, shard_group=group)
+                    write_s=state_gb / volume.gb_s + commit, commit_s=commit, shard_group=group)
 
 
 def suggested_shard_group(params: int, gpus: int, gpus_per_node: int, instance: str) -> Optional[int]:

@@ -267,13 +267,17 @@ def _retrieve(storage_writer: Any) -> tuple[Optional[list], Optional[str]]:
     return list(results), None
 
 
-def write_dcp_metadata(save: DcpSave, all_results: list[list], recorder: integrity.Recorder) -> dict[str, dict]:
-    """Coordinator: write ``.metadata`` from every rank's write results (hashed while written);
-    returns its checksum. Raises on failure (the caller agrees on it with the other ranks)."""
-    storage_writer, global_metadata, _ = save.plan
-    storage_writer.fs = integrity.HashingFileSystem(recorder)
+def write_metadata(path: Path, metadata: Any, all_results: list[list]) -> dict[str, dict]:
+    """Coordinator (or its commit process): write DCP's ``.metadata`` into ``path`` from the plan's
+    global ``metadata`` and every rank's write results, with torch's ``FileSystemWriter.finish``
+    (what NVRx's writer does too), hashed while written; returns its checksum. Raises on failure."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    recorder = integrity.Recorder()
+    writer = FileSystemWriter(str(path))
+    writer.fs = integrity.HashingFileSystem(recorder)
     with cpu_shim():
-        storage_writer.finish(global_metadata, all_results)
+        writer.finish(metadata, all_results)
     return recorder.take(renames={".metadata.tmp": ".metadata"})
 
 
