@@ -272,13 +272,19 @@ def handed_off(trainer, step_no):
     return polls
 
 
-def commit_in_flight(run_dir, mode):
+def slow_commit_trainer(run_dir, mode):
+    """(config, resources, trainer) whose rank 0 commits with :func:`slow_commit`."""
     cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
                              "checkpoint.save_final=false"])
     resources = ProcessResources(cfg)
     trainer = Trainer(cfg, resources)
+    trainer.checkpointer._commits = commit.CommitProcess(slow_commit)
+    return cfg, resources, trainer
+
+
+def commit_in_flight(run_dir, mode):
+    cfg, resources, trainer = slow_commit_trainer(run_dir, mode)
     ckpt = trainer.checkpointer
-    ckpt._commits = commit.CommitProcess(slow_commit)
     polls = handed_off(trainer, 1)
     in_flight = ckpt._commit_running()
     future = ckpt._commit_future
@@ -295,12 +301,8 @@ def commit_in_flight(run_dir, mode):
 def commit_process_dies(run_dir, mode):
     """The commit process is killed while it commits step 1: the ranks learn a failed save (the
     checkpoint stays incomplete) and go on; step 2 commits in a new commit process."""
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false"])
-    resources = ProcessResources(cfg)
-    trainer = Trainer(cfg, resources)
+    cfg, resources, trainer = slow_commit_trainer(run_dir, mode)
     ckpt = trainer.checkpointer
-    ckpt._commits = commit.CommitProcess(slow_commit)
     handed_off(trainer, 1)
     time.sleep(0.5)  # the process has started and is in the slowed commit
     (victim,) = [p for p in psutil.Process().children(recursive=True) if p.pid in ckpt._commits._pool._processes]

@@ -2,6 +2,8 @@
 
 - ``checkpointer``: what the loop calls (after each step, at the end): save on schedule, poll,
   agree, finalize, commit, log; resume;
+- ``commit``: rank 0's commit of a checkpoint (outcomes, ``.metadata``, lease, manifest, rename)
+  and the process of its own it runs in between steps;
 - ``failures``: a failed save's cause, the streak of them that ends a job, a full volume's message;
 - ``group``: the ranks a checkpoint is written by and the collectives the checkpointer uses;
 - ``state``: what a checkpoint holds for one rank (model, optimizer, schedule, counters, sampler,
