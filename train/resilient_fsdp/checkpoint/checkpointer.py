@@ -515,6 +515,11 @@ class Checkpointer:
         self.pending.update(committing=True, gather_s=gather_s)
         if job is not None:
             self._commit_future = self._commits.submit(job)
+            if self._commits.unavailable:
+                self.say(f"warning: rank 0's commit process could not be started ({self._commits.unavailable}); "
+                         f"checkpoint step {job.step} was committed on the training thread, and the next commit "
+                         "tries a new process")
+                self._commits.unavailable = None
         return None
 
     def _committed(self, block: bool, charge: bool, agreed_committing: Optional[float]) -> Optional[dict]:

@@ -152,6 +152,7 @@ class CommitProcess:
 
     def __init__(self, fn: Callable[[CommitJob], CommitResult] = run) -> None:
         self.fn = fn  # what the process runs per job (:func:`run`; a module-level function)
+        self.unavailable: Optional[str] = None  # why the last job was committed on the calling thread
         self._pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self._held: Optional[str] = None  # the plan metadata key the process holds
 
@@ -159,7 +160,24 @@ class CommitProcess:
         return metadata_key is not None and self._pool is not None and self._held == metadata_key
 
     def submit(self, job: CommitJob) -> concurrent.futures.Future:
-        """Hand ``job`` over (its metadata is sent only when the process lacks it); never waits."""
+        """Hand ``job`` over (its metadata is sent only when the process lacks it); never waits.
+
+        A process found dead between commits (its pool broken) is replaced once; where no process
+        can be started at all, the job is committed here, on the calling thread, and
+        :attr:`unavailable` says why (the caller says it)."""
+        metadata, error = job.metadata, None
+        for _ in range(2):
+            try:
+                return self._submit(job)
+            except Exception as exc:  # noqa: BLE001 - a broken pool, or no process could start
+                self.close(kill=True)
+                job.metadata, error = metadata, exc
+        self.unavailable = f"{type(error).__name__}: {error}"
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(self.fn(job))
+        return future
+
+    def _submit(self, job: CommitJob) -> concurrent.futures.Future:
         if self._pool is None:
             forked = fork_server.writer_context()
             given = fork_server.inheritance() if forked is not None else None
