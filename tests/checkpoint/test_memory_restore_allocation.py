@@ -5,29 +5,19 @@ the saved optimizer bit for bit; a snapshot naming a parameter the model lacks c
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from resilient_fsdp.checkpoint.memory.tier import TensorPlace, _values, allocate_optimizer_state
+from resilient_fsdp.checkpoint.memory.tier import allocate_optimizer_state
+from resilient_fsdp.checkpoint.memory.values import TensorPlace, without_tensors
 from resilient_fsdp.checkpoint.staging import local_tensors
-
-
-def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    for _ in range(3):
-        model(torch.randn(5, 8)).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, optimizer
+from tests.checkpoint.memory_support import trained
 
 
 def test_the_moments_are_allocated_in_the_snapshots_shapes_and_the_copy_makes_them_equal():
     model, optimizer = trained()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     saved = {"model": model_sd, "optim": optim_sd}
-    values, views = _values(saved), [t.clone() for t in local_tensors(saved)]
+    values, views = without_tensors(saved), [t.clone() for t in local_tensors(saved)]
     assert isinstance(values["optim"]["state"]["0.weight"]["exp_avg"], TensorPlace)
 
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
@@ -53,5 +43,5 @@ def test_a_snapshot_of_another_model_allocates_nothing():
     model_sd, optim_sd = get_state_dict(model, optimizer)
     saved = {"model": model_sd, "optim": {**optim_sd, "state": {"other.weight": optim_sd["state"]["0.weight"]}}}
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    assert not allocate_optimizer_state(model, fresh, _values(saved), local_tensors(saved))
+    assert not allocate_optimizer_state(model, fresh, without_tensors(saved), local_tensors(saved))
     assert not fresh.state

@@ -23,13 +23,9 @@ SHM = Path("/dev/shm")
 
 
 @pytest.fixture
-def root(tmp_path):
+def root(shm_job):
     """A job's root on this machine's tmpfs, as in a pod's memory-backed /dev/shm."""
-    if not SHM.is_dir():
-        pytest.fail("/dev/shm is missing: the memory tier's tests need a tmpfs there")
-    job = f"test-{tmp_path.name[-20:]}-{id(tmp_path) & 0xffff:x}"
-    yield job_root(SHM, job)
-    remove_job(SHM, job)
+    return job_root(SHM, shm_job)
 
 
 def state(seed: int) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ def test_a_sequence_of_scalars_is_walked_whole_and_gives_what_a_walk_of_each_wou
 
     import torch
 
-    from resilient_fsdp.checkpoint.memory.tier import _values
+    from resilient_fsdp.checkpoint.memory.values import without_tensors
     from resilient_fsdp.checkpoint.staging import local_tensors, replace_tensors, structure
 
     py_state = random.getstate()  # (3, a tuple of 625 ints, None): in every state a save takes
@@ -46,7 +46,7 @@ def test_a_sequence_of_scalars_is_walked_whole_and_gives_what_a_walk_of_each_wou
     replaced = replace_tensors(sd, iter(views))
     assert replaced["rng"]["python"][1] == (None,) * 625 and replaced["mixed"][2] == (None, None)
     assert replaced["mixed"][1] is views[0] and replaced["model"]["w"] is views[1]
-    kept = _values(sd)
+    kept = without_tensors(sd)
     assert kept["rng"]["python"] == py_state and kept["mixed"][0] == 1 and kept["mixed"][2] == (2.5, "x")
 
 

@@ -45,6 +45,7 @@ from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
 from .lease import Lease, job_id
 from .memory.slots import job_root, remove_empty_job_root
+from .memory.prefetch import Prefetch
 from .memory.tier import MemoryTier
 from .s3 import client as s3_client
 from .s3.uploader import Uploader
@@ -101,13 +102,15 @@ class Checkpointer:
     the marker. ``batch``: this run's ``grad_accum_steps``, ``micro_batch_size`` and
     ``global_batch_target``, recorded so that a resume at another world size chooses its
     :attr:`grad_accum_steps` by the ``elastic_batch`` policy (``train.elastic_batch``).
+    ``memory_prefetch``: this start's read-ahead of its newest memory snapshot
+    (:mod:`.memory.prefetch`), started before the model was built.
     """
 
     def __init__(self, cfg: CheckpointConfig, root: Path, group: RankGroup, state: CheckpointState,
                  identity: dict, log: Optional[RunLog] = None, hooks: Optional[NoHooks] = None,
                  engine_factory: Optional[Callable[[], Engine]] = None,
                  uploader: Optional[Uploader] = None, batch: Optional[dict] = None,
-                 elastic_batch: str = "nearest"):
+                 elastic_batch: str = "nearest", memory_prefetch: Optional[Prefetch] = None):
         self.cfg, self.root, self.group, self.state = cfg, root, group, state
         self.log = log or SilentLog()
         # The attempt's resilience hooks: hang-detection sections, the drain budget, fault injection.
@@ -143,7 +146,8 @@ class Checkpointer:
         # Snapshots in the pod's memory between durable saves (checkpoint.memory; off at 0).
         self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, group.rank,
                                  group.world_size, cfg.memory.replicas, ranks_per_pod(group.world_size),
-                                 self._say_any_rank, durable_copies=0 if cfg.mode == "sync" else 1) \
+                                 self._say_any_rank, durable_copies=0 if cfg.mode == "sync" else 1,
+                                 prefetch=memory_prefetch) \
             if cfg.memory.interval_steps > 0 else None
 
     def say(self, message: str) -> None:

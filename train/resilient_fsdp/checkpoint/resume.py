@@ -87,11 +87,13 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     (the memory tier), every rank's snapshots are weighed against the durable choice first."""
     decide_here = (lambda: decide(cfg, root, job, say)) if group.is_coordinator else (lambda: None)
     plan = _raise_if_error(group.broadcast(decide_here()))
-    if memory is not None and cfg.resume and not plan.get("pinned"):
-        durable = (plan.get("candidate") or plan.get("s3") or {}).get("step")
-        done = from_memory(group, memory, state, durable, batch, say)
-        if done is not None:
-            return done
+    if memory is not None:
+        if cfg.resume and not plan.get("pinned"):
+            durable = (plan.get("candidate") or plan.get("s3") or {}).get("step")
+            done = from_memory(group, memory, state, durable, batch, say)
+            if done is not None:
+                return done
+        memory.release()  # what the memory tier read and did not load frees its room for this load
     restored = None
     if plan.get("s3"):
         restored = s3_restore.restore_collectively(group, cfg, plan["s3"], say)
@@ -147,8 +149,9 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
     saved = (memory.newest_of(decision.step).meta or {}).get("batch") or {}
     accum = saved.get("grad_accum_steps")
     phases = ", ".join(f"{name} {s:.2f} s" for name, s in memory.restore_phases.items())
+    ahead = "" if memory.read_ahead_s is None else f"; read ahead beside the build in {memory.read_ahead_s:.2f} s"
     say(f"resumed from memory: step {decision.step} on every rank ({decision.why}) in "
-        f"{time.perf_counter() - t0:.2f} s (rank {group.rank}: {phases})")
+        f"{time.perf_counter() - t0:.2f} s (rank {group.rank}: {phases}{ahead})")
     return Resumed(decision.step, str(memory.slots.dir),
                    accum if accum is not None and accum != batch.get("grad_accum_steps") else None,
                    global_batch_target=saved.get("global_batch_target"), from_memory=True)

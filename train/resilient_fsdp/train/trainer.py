@@ -31,6 +31,7 @@ from torch import nn
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.group import RankGroup
+from ..checkpoint.memory import prefetch
 from ..checkpoint.state import CheckpointState
 from ..checkpoint.writer.process import NVRX_VERSION
 from ..config import Config, dump_yaml
@@ -109,6 +110,8 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.attempt = Attempt(cfg.resilience, self.run_dir, resources.monitor, in_process)
         self.build_process_group()  # 1. device, process group, the attempt's layer and faults
+        # Reads this rank's newest memory snapshot while the next steps build (memory.prefetch).
+        self.memory_prefetch = prefetch.start(cfg.checkpoint, self.info.rank, self.info.world_size, self.info.device)
         self.build_data()           # 2. data first: it checks files and factories before any allocation
         self.build_model()          # 3. mesh, model on meta, AC, FSDP2 per block then root, materialised
         self.build_optimizer()      # 4. optimizer and schedule
@@ -179,7 +182,7 @@ class Trainer:
                                          batch={"grad_accum_steps": self.grad_accum,
                                                 "micro_batch_size": cfg.data.micro_batch_size,
                                                 "global_batch_target": self.global_batch},
-                                         elastic_batch=cfg.train.elastic_batch)
+                                         elastic_batch=cfg.train.elastic_batch, memory_prefetch=self.memory_prefetch)
         self.attempt.memory_built(self.checkpointer.memory)
         self.checkpointer.preflight()
 

@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Container, Iterable, Optional
 
 import crc32c
 import torch
@@ -43,6 +43,7 @@ from ..arena import plan
 
 SLOTS = ("a", "b")
 FORMAT = 1
+CHUNK = 4 << 20  # bytes checksummed and copied at a time: fits in a core's share of the cache
 
 
 class SlotInvalid(Exception):
@@ -233,9 +234,12 @@ class MemorySlots:
         """``record``'s slot as bytes, unchecked (a replica's receiver checks them when it loads)."""
         return self._map_existing(record)
 
-    def read(self, record: Record, digest: Optional[str] = None) -> list[torch.Tensor]:
+    def read(self, record: Record, digest: Optional[str] = None, moved: Container[int] = (),
+             device: Optional[torch.device] = None) -> list[torch.Tensor]:
         """The tensors of ``record``'s slot, checked: the digest (when given) and every CRC32C.
-        Views of the mapped file, no copy; raises :class:`SlotInvalid`."""
+        Views of the mapped file, no copy, except the tensors whose index is in ``moved``: each is
+        copied, a chunk at a time right after the chunk's checksum (so each byte is read from
+        memory once), into new memory of its own on ``device``. Raises :class:`SlotInvalid`."""
         where = self._bin(record.slot)
         if digest is not None and record.digest != digest:
             raise SlotInvalid(where, "it holds a state of another structure (model, mesh or world size)")
@@ -248,9 +252,14 @@ class MemorySlots:
             span = Span(offset, _dtype(dtype), shape)
             if offset + span.nbytes > buffer.numel():
                 raise SlotInvalid(where, f"tensor {i} lies past the end of the file")
-            if crc32c.crc32c(_bytes(buffer, span)) != crc:
+            saved = buffer[offset: offset + span.nbytes]
+            if i in moved:
+                saved, actual = _checked_copy(saved, device or torch.device("cpu"))
+            else:
+                actual = crc32c.crc32c(memoryview(saved.numpy()))
+            if actual != crc:
                 raise SlotInvalid(where, f"tensor {i} fails its CRC32C (step {record.step})")
-            out.append(buffer[offset: offset + span.nbytes].view(span.dtype).view(span.shape))
+            out.append(saved.view(span.dtype).view(span.shape))
         return out
 
     def extra(self, record: Record) -> bytes:
@@ -332,6 +341,19 @@ def _reserve(path: Path, nbytes: int) -> None:
                                         "or lower the ranks per pod") from None
         raise
     os.close(fd)
+
+
+def _checked_copy(source: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``source`` (bytes) copied into new memory on ``device``, and its CRC32C, taken a chunk at
+    a time while the chunk is in the cache. The new memory is uninitialised before the copy (no
+    deterministic fill: the copy writes every byte)."""
+    copy = torch.empty(0, dtype=torch.uint8, device=device).set_(torch.UntypedStorage(source.numel(), device=device))
+    crc = 0
+    for start in range(0, source.numel(), CHUNK):
+        chunk = source[start: start + CHUNK]
+        crc = crc32c.crc32c(memoryview(chunk.numpy()), value=crc)
+        copy[start: start + CHUNK].copy_(chunk)
+    return copy, crc
 
 
 def _bytes(buffer: torch.Tensor, span: Span) -> memoryview:

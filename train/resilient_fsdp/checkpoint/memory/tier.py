@@ -16,6 +16,9 @@ after the slot's checks. A rank checks its newest snapshot's checksums when it r
 has (:meth:`MemoryTier.report`): one that fails is set aside, so the decision (:mod:`.agreement`'s,
 made in :mod:`..resume`) takes the replica a peer keeps of it; a slot that fails at the load (a
 replica moved in, the structure) makes the whole start fall back to the durable checkpoint.
+A new process's report takes its read-ahead (:mod:`.prefetch`) when it read that snapshot: the
+checks are done, and the restore adopts its copies of the optimizer state instead of filling new
+memory.
 
 **Replicas** (``checkpoint.memory.replicas: 1``, :mod:`.replicas`): each committed snapshot is
 handed to this rank's sender, which sends the newest to the rank on the next pod; a start whose
@@ -37,17 +40,21 @@ import os
 import pickle
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Container, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..staging import StagingJob, local_tensors, replace_tensors, scalars_only, structure
+from ..staging import StagingJob, local_tensors, replace_tensors, structure
 from . import peers
 from .agreement import Decision, Report
 from .replicas import Replicator, exchange, pairs_group, replica_slots
 from ..state import canonical_name
 from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name, remove_empty_job_root, structure_digest
+from .values import tensor_paths, with_values, without_tensors
+
+if TYPE_CHECKING:
+    from .prefetch import Prefetch, ReadAhead
 
 
 class MemoryTier:
@@ -55,7 +62,8 @@ class MemoryTier:
     ``shm`` (``checkpoint.memory.dir``)."""
 
     def __init__(self, interval_steps: int, shm: Path, job: str, rank: int, world_size: int, replicas: int = 0,
-                 ranks_per_pod: int = 1, say: Callable[[str], None] = lambda _m: None, durable_copies: int = 0):
+                 ranks_per_pod: int = 1, say: Callable[[str], None] = lambda _m: None, durable_copies: int = 0,
+                 prefetch: Optional[Prefetch] = None):
         self.interval_steps = interval_steps
         self.shm, self.ranks_per_pod, self.replicas = Path(shm), ranks_per_pod, replicas
         # Copies of the state the durable checkpoint stages in shared memory per rank (1 for the
@@ -65,8 +73,13 @@ class MemoryTier:
         self.say = say
         # The newest own snapshot, its checksums checked when this start reported it, and its views.
         self._checked: Optional[tuple[Record, list[torch.Tensor]]] = None
+        # This start's read-ahead of that snapshot (:mod:`.prefetch`), until the restore takes it.
+        self.prefetch = prefetch
+        self._ahead: Optional[ReadAhead] = None
         # Seconds of this start's restore by phase (report's checks, then the restore's), said with it.
         self.restore_phases: dict[str, float] = {}
+        # How long the read-ahead this start's restore uses took, beside the build (None: none).
+        self.read_ahead_s: Optional[float] = None
         self.root = job_root(Path(shm), job)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.slots = MemorySlots(self.root, owner_name(rank))
@@ -110,7 +123,7 @@ class MemoryTier:
                 return
         try:
             spans, views = self.slots.open(slot, tensors)
-            extra = pickle.dumps(_values(sd), protocol=pickle.HIGHEST_PROTOCOL)
+            extra = pickle.dumps(without_tensors(sd), protocol=pickle.HIGHEST_PROTOCOL)
         except (OSError, RuntimeError, pickle.PicklingError) as exc:
             self._finished.append(self._event(pending, error=f"{type(exc).__name__}: {exc}"))
             return
@@ -200,15 +213,23 @@ class MemoryTier:
         optimizer's state, which a fresh start must not have."""
         t0 = time.perf_counter()
         own = [r for r in self.slots.records() if r.world_size == self.world_size]
-        self._checked = None
+        self._checked = self._ahead = None
         self.restore_phases = {}
+        prefetch, self.prefetch = self.prefetch, None  # one read-ahead, for this start's first report
         if own:
             try:
-                self._checked = (own[0], self.slots.read(own[0]))
+                self._ahead = prefetch.take(own[0]) if prefetch is not None else None
+                if prefetch is not None and prefetch.error:
+                    self.say(f"rank {self.rank}: the read-ahead of its memory checkpoint failed ({prefetch.error}); "
+                             "the restore reads the slot")
+                self._checked = (own[0], self._ahead.views if self._ahead is not None else self.slots.read(own[0]))
             except SlotInvalid as exc:
                 aside = self.slots.set_aside(own[0])
                 self.say(f"rank {self.rank}: warning: {exc}; set aside as {aside.name}, the restore does without it")
                 own = own[1:]
+        elif prefetch is not None:
+            prefetch.drop()
+        self.read_ahead_s = self._ahead.seconds if self._ahead is not None else None
         replicas = {}
         if self.kept is not None:
             replicas[self.source] = tuple(sorted(r.step for r in self.kept.records() if r.world_size == self.world_size))
@@ -237,13 +258,22 @@ class MemoryTier:
             t = now
 
         try:
-            checked = self._checked is not None and self._checked[0] == record
+            return self._restore(state, record, phase)
+        finally:
+            self.release()
+
+    def _restore(self, state: Any, record: Record, phase: Callable[[str], None]) -> Optional[str]:
+        step = record.step
+        checked = self._checked is not None and self._checked[0] == record
+        ahead = self._ahead if checked else None
+        try:
             views = self._checked[1] if checked else self.slots.read(record)
-            values = pickle.loads(self.slots.extra(record))
+            values = ahead.values if ahead is not None else pickle.loads(self.slots.extra(record))
         except SlotInvalid as exc:
             return str(exc)
         phase("checks")
-        allocated = not state.optimizer.state and allocate_optimizer_state(state.model, state.optimizer, values, views)
+        allocated = not state.optimizer.state and allocate_optimizer_state(
+            state.model, state.optimizer, values, views, adopt=ahead.moved if ahead is not None else frozenset())
         phase("allocation")
         sd = state.state_dict()
         phase("state_dict")
@@ -259,11 +289,20 @@ class MemoryTier:
                 state.optimizer.state.clear()  # as it was: the durable load initialises it its own way
             return problem
         for dst, src in zip(live, views):
-            dst.copy_(src)
+            if dst.data_ptr() != src.data_ptr():  # an adopted read-ahead copy is the live tensor itself
+                dst.copy_(src)
         phase("copy")
-        state.load_state_dict(_with_values(sd, values))
+        state.load_state_dict(with_values(sd, values))
         phase("load_state_dict")
         return None
+
+    def release(self) -> None:
+        """Free what this start read of its snapshots and did not load (a read-ahead, checked
+        views): the durable checkpoint's load must not find that memory taken."""
+        if self.prefetch is not None:
+            self.prefetch.drop()
+            self.prefetch = None
+        self._checked = self._ahead = None
 
     def discard_newer_than(self, step: int) -> list[int]:
         removed = self.slots.discard_newer_than(step)
@@ -327,21 +366,16 @@ def _quantity(nbytes: float) -> str:
     return f"{-(-int(nbytes) // 2**20)}Mi" if nbytes < 2**30 else f"{-(-int(nbytes) // 2**30)}Gi"
 
 
-class TensorPlace:
-    """Where a tensor was in a snapshot's non-tensor values (its bytes are in the slot)."""
-
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
 def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, values: Any,
-                             views: list[torch.Tensor]) -> bool:
+                             views: list[torch.Tensor], adopt: Container[int] = frozenset()) -> bool:
     """Give an optimizer without state (a new process's) empty tensors shaped as the snapshot's
     ``optim.state``, so that taking the live state does not initialise it with a whole step on zero
     gradients (torch's ``get_state_dict`` does that for an empty optimizer: allocating, zeroing and
     updating every moment, most of a restore's time); the copy from the slot fills them. A tensor
     shaped as its parameter's shard becomes a tensor like the parameter (a DTensor on its mesh),
-    any other (a step count) a plain one. False, and nothing changed, when a name is not a
+    any other (a step count) a plain one. A tensor whose index is in ``adopt`` (a read-ahead's
+    copy, in memory of its own) is taken as it is, already filled, where it lies on the
+    parameter's device in its shard's shape. False, and nothing changed, when a name is not a
     parameter of ``model``."""
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     planned: dict = {}
@@ -349,7 +383,7 @@ def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     # copy from the slot overwrites every byte anyway.
     fill, torch.utils.deterministic.fill_uninitialized_memory = torch.utils.deterministic.fill_uninitialized_memory, False
     try:
-        ok = _plan_optimizer_state(params, values, views, planned)
+        ok = _plan_optimizer_state(params, values, views, planned, adopt)
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill
     if not ok:
@@ -358,8 +392,9 @@ def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     return bool(planned)
 
 
-def _plan_optimizer_state(params: dict, values: Any, views: list[torch.Tensor], planned: dict) -> bool:
-    for path, view in zip(_tensor_paths(values), views):
+def _plan_optimizer_state(params: dict, values: Any, views: list[torch.Tensor], planned: dict,
+                          adopt: Container[int]) -> bool:
+    for i, (path, view) in enumerate(zip(tensor_paths(values), views)):
         if len(path) != 4 or path[:2] != ("optim", "state"):
             continue
         param = params.get(path[2])
@@ -367,7 +402,8 @@ def _plan_optimizer_state(params: dict, values: Any, views: list[torch.Tensor], 
             return False
         local = param._local_tensor if isinstance(param, DTensor) else param
         if view.shape == local.shape and view.dtype == local.dtype:
-            tensor = torch.empty_like(local)
+            adopted = i in adopt and view.device == local.device and local.is_contiguous()
+            tensor = view if adopted else torch.empty_like(local)
             if isinstance(param, DTensor):  # from its shard: DTensor's own empty_like costs ms a tensor
                 tensor = DTensor.from_local(tensor, param.device_mesh, param.placements, shape=param.shape,
                                             stride=param.stride(), run_check=False)
@@ -375,44 +411,3 @@ def _plan_optimizer_state(params: dict, values: Any, views: list[torch.Tensor], 
             tensor = torch.empty(view.shape, dtype=view.dtype)
         planned.setdefault(param, {})[path[3]] = tensor
     return True
-
-
-def _tensor_paths(values: Any) -> list[tuple]:
-    """The path of every tensor place in ``values``, in :func:`local_tensors` order."""
-    out: list[tuple] = []
-
-    def walk(x: Any, path: tuple) -> None:
-        if isinstance(x, TensorPlace):
-            out.append(path)
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, (*path, k))
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, (*path, i))
-
-    walk(values, ())
-    return out
-
-
-def _values(sd: Any) -> Any:
-    """``sd`` with every tensor taken out (a :class:`TensorPlace` in its place): what a snapshot
-    keeps beside them."""
-    if isinstance(sd, torch.Tensor):
-        return TensorPlace()
-    if isinstance(sd, dict):
-        return {k: _values(v) for k, v in sd.items()}
-    if isinstance(sd, (list, tuple)):
-        return type(sd)(sd if scalars_only(sd) else (_values(v) for v in sd))
-    return sd
-
-
-def _with_values(live: Any, values: Any) -> Any:
-    """``live``'s tensors (restored in place) with the snapshot's non-tensor ``values``."""
-    if isinstance(live, (torch.Tensor, DTensor)):
-        return live
-    if isinstance(live, dict):
-        return {k: _with_values(v, values[k]) for k, v in live.items()}
-    if isinstance(live, (list, tuple)):
-        return type(live)(_with_values(v, s) for v, s in zip(live, values))
-    return values
