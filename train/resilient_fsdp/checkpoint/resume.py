@@ -140,7 +140,8 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
                 "resuming from the durable checkpoint")
             return None
     error = memory.restore(state, decision.step)
-    errors = [e for e in group.all_gather(error) if e]
+    outcomes = group.all_gather((error, memory.restore_phases, memory.read_ahead_s))
+    errors = [e for e, _, _ in outcomes if e]
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         say(f"warning: memory checkpoint of step {decision.step} not loaded: {errors[0]}{more}; resuming from the "
@@ -148,13 +149,21 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
         return None
     saved = (memory.newest_of(decision.step).meta or {}).get("batch") or {}
     accum = saved.get("grad_accum_steps")
-    phases = ", ".join(f"{name} {s:.2f} s" for name, s in memory.restore_phases.items())
-    ahead = "" if memory.read_ahead_s is None else f"; read ahead beside the build in {memory.read_ahead_s:.2f} s"
+    slowest = max(range(len(outcomes)), key=lambda r: sum(outcomes[r][1].values()))
+    where = f"rank {group.rank}: {_phases(*outcomes[group.rank][1:])}"
+    if slowest != group.rank:
+        where += f"; the slowest, rank {slowest}: {_phases(*outcomes[slowest][1:])}"
     say(f"resumed from memory: step {decision.step} on every rank ({decision.why}) in "
-        f"{time.perf_counter() - t0:.2f} s (rank {group.rank}: {phases}{ahead})")
+        f"{time.perf_counter() - t0:.2f} s ({where})")
     return Resumed(decision.step, str(memory.slots.dir),
                    accum if accum is not None and accum != batch.get("grad_accum_steps") else None,
                    global_batch_target=saved.get("global_batch_target"), from_memory=True)
+
+
+def _phases(phases: dict, read_ahead_s: Optional[float]) -> str:
+    """A rank's restore from memory by phase, and its read-ahead beside the build."""
+    said = ", ".join(f"{name} {s:.2f} s" for name, s in phases.items())
+    return said if read_ahead_s is None else f"{said}, read ahead beside the build in {read_ahead_s:.2f} s"
 
 
 def _raise_if_error(plan: dict) -> dict:

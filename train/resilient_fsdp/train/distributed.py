@@ -64,31 +64,38 @@ def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None) -> Dis
     keys: an earlier attempt's would join a rendezvous that already happened).
     """
     standalone = "MASTER_ADDR" not in os.environ  # every launcher sets it
-    if standalone:
-        # A world of one, so `python -m resilient_fsdp.train` works without a launcher. Its store
-        # lives in memory: no port to pick, so nothing to collide with.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    device = select_device(cfg, local_rank)
+    info = identity(cfg)
+    device = info.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = dist.get_default_backend_for_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=max(cfg.timeout_s, cfg.init_timeout_s))
         if standalone:
             where = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         elif store is not None:
-            where = {"store": store, "rank": rank, "world_size": world_size}
+            where = {"store": store, "rank": info.rank, "world_size": info.world_size}
         else:
             where = {}
         with nvrx.recording_group_sockets(_store_ports(store)):
-            dist.init_process_group(backend=backend, timeout=timeout,
+            dist.init_process_group(backend=info.backend, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None, **where)
             # The checkpoint package's object collectives run on gloo (see checkpoint.group); made
             # here, with the default group, so its connections are recorded and aborted with it.
             open_object_group(timeout)
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+    return info
+
+
+def identity(cfg: DistConfig) -> DistInfo:
+    """This process's rank, world size and device as its launcher set them, known before the
+    process group forms (a world of one without a launcher)."""
+    if "MASTER_ADDR" not in os.environ:  # every launcher sets it
+        # A world of one, so `python -m resilient_fsdp.train` works without a launcher. Its store
+        # lives in memory: no port to pick, so nothing to collide with.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = select_device(cfg, local_rank)
+    return DistInfo(rank=_env_int("RANK", 0), local_rank=local_rank, world_size=_env_int("WORLD_SIZE", 1),
+                    device=device, backend=dist.get_default_backend_for_device(device))
 
 
 def use_steady_timeout(cfg: DistConfig) -> None:

@@ -110,8 +110,6 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.attempt = Attempt(cfg.resilience, self.run_dir, resources.monitor, in_process)
         self.build_process_group()  # 1. device, process group, the attempt's layer and faults
-        # Reads this rank's newest memory snapshot while the next steps build (memory.prefetch).
-        self.memory_prefetch = prefetch.start(cfg.checkpoint, self.info.rank, self.info.world_size, self.info.device)
         self.build_data()           # 2. data first: it checks files and factories before any allocation
         self.build_model()          # 3. mesh, model on meta, AC, FSDP2 per block then root, materialised
         self.build_optimizer()      # 4. optimizer and schedule
@@ -126,6 +124,10 @@ class Trainer:
         if cfg.train.deterministic:
             # Must be set before the first cuBLAS call for deterministic GEMMs on GPUs.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        me = distributed.identity(cfg.dist)
+        # Reads this rank's newest memory snapshot while the group forms and the model is built
+        # (checkpoint.memory.prefetch).
+        self.memory_prefetch = prefetch.start(cfg.checkpoint, me.rank, me.world_size, me.device)
         self.info = distributed.init_distributed(cfg.dist, self.attempt.store)
         self.attempt.mark("group")
         self.is_rank0 = self.info.rank == 0
