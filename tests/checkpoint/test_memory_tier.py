@@ -38,8 +38,10 @@ def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_
     assert (lost["resumed_from_step"], lost["lost_steps"]) == (18, 1), lost
     out = summary["_stdout"]
     assert "resumed from memory: step 10 on every rank (step 10 from memory on every rank)" in out, summary["_output"]
-    # The new process read its slot ahead while it built the model, and the restore took that.
-    assert re.search(r"resumed from memory: step 10 .*, read ahead beside the build in \d", out), summary["_output"]
+    # The new process read its slot ahead while it built the model, and the restore took that;
+    # the log says the load's CPU time beside its phases.
+    assert re.search(r"resumed from memory: step 10 .* \(the load \d+\.\d\d s on the CPU\), read ahead beside "
+                     r"the build in \d", out), summary["_output"]
     assert "resumed from memory: step 18 on every rank (step 18 from memory on every rank, 1 rank(s) from the " \
            "replica a peer keeps)" in out, summary["_output"]
     saved = read_events(run_dir, "memory_checkpoint")

@@ -140,8 +140,8 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
                 "resuming from the durable checkpoint")
             return None
     error = memory.restore(state, decision.step)
-    outcomes = group.all_gather((error, memory.restore_phases, memory.read_ahead_s))
-    errors = [e for e, _, _ in outcomes if e]
+    outcomes = group.all_gather((error, memory.restore_phases, memory.restore_cpu_s, memory.read_ahead_s))
+    errors = [e for e, *_ in outcomes if e]
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         say(f"warning: memory checkpoint of step {decision.step} not loaded: {errors[0]}{more}; resuming from the "
@@ -160,9 +160,12 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
                    global_batch_target=saved.get("global_batch_target"), from_memory=True)
 
 
-def _phases(phases: dict, read_ahead_s: Optional[float]) -> str:
-    """A rank's restore from memory by phase, and its read-ahead beside the build."""
+def _phases(phases: dict, cpu_s: Optional[float], read_ahead_s: Optional[float]) -> str:
+    """A rank's restore from memory by phase, the CPU time of its load (a load slower than that
+    waited for the CPU) and its read-ahead beside the build."""
     said = ", ".join(f"{name} {s:.2f} s" for name, s in phases.items())
+    if cpu_s is not None:
+        said += f" (the load {cpu_s:.2f} s on the CPU)"
     return said if read_ahead_s is None else f"{said}, read ahead beside the build in {read_ahead_s:.2f} s"
 
 

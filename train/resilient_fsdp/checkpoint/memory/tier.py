@@ -80,6 +80,8 @@ class MemoryTier:
         self.restore_phases: dict[str, float] = {}
         # How long the read-ahead this start's restore uses took, beside the build (None: none).
         self.read_ahead_s: Optional[float] = None
+        # The CPU time the restore's phases took on the training thread (None: no restore yet).
+        self.restore_cpu_s: Optional[float] = None
         self.root = job_root(Path(shm), job)
         self.job, self.rank, self.world_size = job, rank, world_size
         self.slots = MemorySlots(self.root, owner_name(rank))
@@ -249,7 +251,7 @@ class MemoryTier:
         record = self.newest_of(step)
         if record is None:
             return f"rank {self.rank} has no memory checkpoint of step {step}"
-        phases, t = self.restore_phases, time.perf_counter()
+        phases, t, cpu = self.restore_phases, time.perf_counter(), time.thread_time()
 
         def phase(name: str) -> None:
             nonlocal t
@@ -260,6 +262,8 @@ class MemoryTier:
         try:
             return self._restore(state, record, phase)
         finally:
+            # Beside the phases' wall time: a restore slower than its CPU time waited for the CPU.
+            self.restore_cpu_s = time.thread_time() - cpu
             self.release()
 
     def _restore(self, state: Any, record: Record, phase: Callable[[str], None]) -> Optional[str]:
