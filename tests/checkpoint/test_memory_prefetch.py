@@ -2,7 +2,8 @@
 real tmpfs with a real optimizer: the moments are checked and copied into memory of their own,
 which the restore adopts as the optimizer's state, bit for bit; a corrupt moment found by the
 read-ahead sets the snapshot aside as the report's own check does; a read-ahead of another
-snapshot, or one that failed, is not used, and what it read is freed."""
+snapshot, or one that failed, is not used, and what it read is freed, before a restore of
+another step allocates its own."""
 
 from __future__ import annotations
 
@@ -145,3 +146,34 @@ def test_a_read_ahead_starts_only_where_a_start_may_restore_from_memory(shm_job)
     assert isinstance(started, Prefetch) and started.slots.dir == job_root(SHM, shm_job) / owner_name(0)
     started.drop()
     assert started.error is None
+
+
+def test_a_restore_of_another_step_frees_the_read_ahead_before_it_allocates(shm_job):
+    """The decision may take an older step than the one read ahead (a peer lacks the newest):
+    the read-ahead's copies of the newest are freed before that restore allocates moments of
+    its own, so the two never take memory at once."""
+    model, optimizer = trained()
+    slots = MemorySlots(job_root(SHM, shm_job), owner_name(0))
+    snapshot(slots, model, optimizer, step=2)
+    snapshot(slots, model, optimizer, step=4)
+    read_ahead = Prefetch(MemorySlots(job_root(SHM, shm_job), owner_name(0)), 1, torch.device("cpu"))
+    tier = MemoryTier(2, SHM, shm_job, 0, 1, prefetch=read_ahead)
+    assert tier.report().own == (2, 4) and tier._ahead is not None
+    copy = weakref.ref(tier._ahead.views[sorted(tier._ahead.moved)[0]])
+    alive_after_allocation = []
+
+    class State:  # a CheckpointState's surface; the restore calls state_dict() right after allocating
+        def __init__(self):
+            self.model, self.optimizer = model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+        def state_dict(self):
+            gc.collect()
+            alive_after_allocation.append(copy() is not None)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            return {"model": model_sd, "optim": optim_sd}
+
+        def load_state_dict(self, sd):
+            raise AssertionError("a state of another structure must not be loaded")
+
+    assert tier.restore(State(), 2) is not None  # the fake state's structure differs: not loaded
+    assert alive_after_allocation == [False]

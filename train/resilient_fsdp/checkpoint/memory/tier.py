@@ -270,6 +270,10 @@ class MemoryTier:
         step = record.step
         checked = self._checked is not None and self._checked[0] == record
         ahead = self._ahead if checked else None
+        if not checked:
+            # Another step (a replica moved in, an older one): what was read of the newest goes
+            # before this one's moments are allocated, so the two never hold memory together.
+            self._checked = self._ahead = None
         try:
             views = self._checked[1] if checked else self.slots.read(record)
             values = ahead.values if ahead is not None else pickle.loads(self.slots.extra(record))
