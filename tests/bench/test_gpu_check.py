@@ -77,11 +77,16 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
         assert r["equal_to_fault_free"] is True, r  # bitwise equal to exact_resume's straight run
         assert r["not_exercised"]
     assert "needs CUDA" in sections["in_process"]["results"]["skipped"]["nccl_abort"]
-    assert sections["in_job"]["results"]["restarts"]["in_job"] == 1
+    in_job = sections["in_job"]["results"]
+    assert in_job["restarts"]["in_job"] == 1
+    # The restart restored from the pod's memory, its optimizer state read ahead during the build.
+    assert in_job["restored_from_memory"] and in_job["lost_steps"] <= 1, in_job
+    assert "read ahead beside the build" in in_job["memory_restore"] and in_job["load_s"] > 0
 
     md = (out / "gpu-check.md").read_text()
     assert "| 1. steps/s and MFU | ok |" in md and "MFU n/a" in md
     assert "| 5. exact resume | ok | bitwise: parameters and every loss equal" in md
+    assert "from memory yes, load phase" in md
     assert "skipped mfu: not applicable on CPU" in md and "skipped nccl_abort: needs CUDA" in md
     log = (out / "gpu-check.log").read_text()
     assert "===== section in_job: in_job-runs.log" in log and "===== section in_process: in_process-runs.log" in log

@@ -71,6 +71,7 @@ def _recovery_results(s: Section, summary: dict) -> None:
     (rec,) = recoveries
     reference = _reference(s)
     r.update({"recovery_s": round(rec["recovery_s"], 3), "lost_steps": rec["lost_steps"], "layer_seen": rec["layer"],
+              "load_s": (rec.get("phases_s") or {}).get("load_s"),
               "resumed_from_step": rec["resumed_from_step"], "restarts": summary.get("restarts"),
               "final_step": summary["final_step"], "params_sha256": summary["params_sha256"],
               "equal_to_fault_free": (summary["params_sha256"] == reference) if reference else None})
@@ -109,16 +110,29 @@ def section_in_process(s: Section) -> None:
         r["exercised"].append("NCCL communicator abort (ProcessGroupNCCL.abort) and re-creation on the GPU")
 
 
+def memory_restore_line(logs: Path) -> Optional[str]:
+    """What the restarted rank's log says of its restore from memory, or None when it restored
+    from elsewhere."""
+    for log in sorted(logs.rglob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "resumed from memory:" in line:
+                return line[line.index("resumed from memory:"):]
+    return None
+
+
 IN_JOB_MANIFESTS = "gpu-check-in-job.yaml"
 """The in-job section's job rendered ahead (``scripts/gpu-wheels``) for a GPU machine without the
 chart extra: it travels beside the wheels."""
 
 
 def in_job_flags(s_plan, cpu: bool, run_overrides: list[str]) -> list[str]:
-    """``resilient-fsdp local`` flags of the in-job section: one pod of one rank, a SIGKILL of rank 0."""
+    """``resilient-fsdp local`` flags of the in-job section: one pod of one rank, a SIGKILL of rank 0,
+    memory checkpoints every step (the restart restores from the pod's memory)."""
     from ..recovery import COMMON
 
-    overrides = [o for o in run_overrides + COMMON + ["resilience.in_process.enabled=false"] if not o.startswith("run_dir=")]
+    memory = ["checkpoint.memory.interval_steps=1", "checkpoint.memory.replicas=0"]
+    overrides = [o for o in run_overrides + COMMON + ["resilience.in_process.enabled=false", *memory]
+                 if not o.startswith("run_dir=")]
     # values/dev-cpu.yaml's pod, on a one-GPU-per-rank instance type when on a GPU (the chart refuses
     # dist.device=cuda on instanceType=cpu); the trainer settings stay the other sections'.
     gpu = [] if cpu else ["--value=instanceType=g5.12xlarge"]
@@ -152,11 +166,16 @@ def section_in_job(s: Section) -> None:
     _recovery_results(s, json.loads((s.dir / "summary.json").read_text()))
     if r["layer_seen"] != "in_job":
         raise RuntimeError(f"the fault was recovered by the {r['layer_seen']} layer, not in-job")
+    restored = memory_restore_line(s.dir / "logs")
+    r["restored_from_memory"] = restored is not None
+    if restored is not None:
+        r["memory_restore"] = restored  # each phase of the load, its CPU time and the read-ahead's
     r["exercised"] = [f"the chart's pod command: the node agent (resilient_fsdp.resilience.agent) around ft_launcher "
                       f"(NVRx {NVRX_VERSION}), hosting the rendezvous store as pod 0 does, with "
                       + ("CPU (gloo)" if s.cpu else "CUDA (NCCL)") + " workers", "the rank's death detected, the "
-                      "node's workers respawned after a new rendezvous, training resumed from the newest committed "
-                      "async checkpoint"]
+                      "node's workers respawned after a new rendezvous, training resumed from the pod's memory "
+                      "checkpoint, its optimizer state read ahead onto the "
+                      + ("CPU" if s.cpu else "GPU") + " while the new process built its model"]
     r["not_exercised"] = ["several pods (one machine, one GPU): the local cluster's tests run them on CPU",
                           "hang detection by section timeouts (a crash only)"]
 
