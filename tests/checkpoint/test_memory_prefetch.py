@@ -137,7 +137,8 @@ def test_a_failed_read_ahead_leaves_the_restore_to_read_the_slot(shm_job):
 
 def test_a_read_ahead_starts_only_where_a_start_may_restore_from_memory(shm_job):
     def cfg(*overrides):
-        return load_config(None, [f"checkpoint.memory.dir={SHM}", f"checkpoint.job_id={shm_job}", *overrides]).checkpoint
+        sets = [f"checkpoint.memory.dir={SHM}", f"checkpoint.job_id={shm_job}", *overrides]
+        return load_config(None, sets).checkpoint
 
     assert prefetch.start(cfg("checkpoint.memory.interval_steps=0"), 0, 1, torch.device("cpu")) is None
     assert prefetch.start(cfg("checkpoint.memory.interval_steps=2", "checkpoint.resume=false"), 0, 1,

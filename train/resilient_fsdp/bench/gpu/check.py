@@ -265,7 +265,8 @@ def _measured(name: str, r: dict) -> tuple[str, str, str]:
     if name in ("in_process", "in_job"):
         eq = r.get("equal_to_fault_free")
         memory = "" if "restored_from_memory" not in r else (
-            f"from memory {'yes' if r['restored_from_memory'] else 'NO'}, load phase {_fmt(r.get('load_s'), '.2f')} s, ")
+            f"from memory {'yes' if r['restored_from_memory'] else 'NO'}, "
+            f"load phase {_fmt(r.get('load_s'), '.2f')} s, ")
         return (f"recovery {_fmt(r.get('recovery_s'), '.2f')} s, {_fmt(r.get('lost_steps'))} step(s) redone, {memory}"
                 f"layer {r.get('layer_seen', 'n/a')}, final parameters "
                 + ({True: "bitwise equal to", False: "DIFFERENT from", None: "not compared with"}[eq])
