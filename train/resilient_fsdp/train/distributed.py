@@ -57,14 +57,16 @@ def uses_nccl(cfg: DistConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
-def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None) -> DistInfo:
+def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None,
+                     info: Optional[DistInfo] = None) -> DistInfo:
     """Join (or, without a launcher, create) the default process group.
 
     ``store``: under in-process restart, the attempt's own key space (each attempt needs fresh
-    keys: an earlier attempt's would join a rendezvous that already happened).
+    keys: an earlier attempt's would join a rendezvous that already happened). ``info``: this
+    process's :func:`identity`, when the caller took it already.
     """
     standalone = "MASTER_ADDR" not in os.environ  # every launcher sets it
-    info = identity(cfg)
+    info = info or identity(cfg)
     device = info.device
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -128,7 +128,7 @@ class Trainer:
         # Reads this rank's newest memory snapshot while the group forms and the model is built
         # (checkpoint.memory.prefetch).
         self.memory_prefetch = prefetch.start(cfg.checkpoint, me.rank, me.world_size, me.device)
-        self.info = distributed.init_distributed(cfg.dist, self.attempt.store)
+        self.info = distributed.init_distributed(cfg.dist, self.attempt.store, me)
         self.attempt.mark("group")
         self.is_rank0 = self.info.rank == 0
         # Python's and NumPy's generators (datasets and user code draw from them): seeded per rank,
