@@ -49,7 +49,7 @@ def test_a_jobset_survives_two_store_host_losses_and_a_late_pod_0_counting_nothi
         hosts = "hosts" if index == 0 else "joins"
         # The node rank and the store host come from the pod's index, not from name matching.
         assert f"[resilient-fsdp agent] node {index} of the job (GROUP_RANK={index}); {hosts} the rendezvous store" in log
-        ranks = set(re.findall(r"\] rank (\d+) of 4: node (\d+), local rank 0, host (\S+)", log))
+        ranks = set(re.findall(r"\] rank (\d+) of 4: node (\d+), local rank 0, \d+ CPU threads?, host (\S+)", log))
         assert ranks == {(str(index), str(index), f"resilient-fsdp-node-0-{index}")}, ranks
         joins = re.findall(r"ft_launcher ended \(200: rendezvous-store-lost\), which another node's failure causes; "
                            r"joining again in this pod, not counted", log)

@@ -35,6 +35,10 @@ def test_two_nodes_by_two_ranks_completes_with_a_valid_summary(tmp_path):
     assert step10 and f"step     10 | loss {step10[1]} |" in (REPO / "README.md").read_text()
     assert "job finished: every pod exited 0" in proc.stdout
     assert "2 pod(s) x 2 rank(s): PyTorchJob resilient-fsdp" in proc.stdout
+    # Two ranks a pod, each forked from the pod's pre-warmed server: one intra-op thread each, as
+    # ft_launcher sets for a node of several ranks, not one per core.
+    assert set(re.findall(r"\] rank (\d) of 4: node \d, local rank \d, 1 CPU thread, host", proc.stdout)) == set("0123")
+    assert "this rank imports its own" not in proc.stdout + proc.stderr
     # Pod 0's agent hosts the rendezvous store, as the Master pod does on the cluster.
     assert "hosts the TCP store" in (run_dir / "logs" / "node0.log").read_text()
     assert "hosts the TCP store" not in (run_dir / "logs" / "node1.log").read_text()

@@ -26,6 +26,10 @@ PROBE = textwrap.dedent('''
     import json, os, signal, subprocess, sys, time
     what = sys.argv[1]
     out = sys.argv[2] if len(sys.argv) > 2 else None
+    if what == "threads":  # torch is imported already (the server's preload)
+        import torch
+        print(json.dumps({"threads": torch.get_num_threads(), "env": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+        sys.exit(0)
     if what == "report":
         print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
                           "socket": os.environ.get("RESILIENT_FSDP_PREWARM_SOCKET"), "argv": sys.argv[1:],
@@ -51,11 +55,13 @@ CLIENT = ("import sys; from resilient_fsdp.resilience import prewarm; r = prewar
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A pre-warmed server whose forks run the probe (it imports the trainer as the pod's does)."""
+    """A pre-warmed server whose forks run the probe (it imports the trainer as the pod's does), in
+    the environment the node agent gives it for two ranks a node."""
     tmp = tmp_path_factory.mktemp("prewarm")
     (tmp / "probe_rank.py").write_text(PROBE)
     path = str(tmp / "prewarm.sock")
-    env = {**_env(), "PYTHONPATH": f"{tmp}:{REPO / 'train'}"}
+    env = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}
+    env = prewarm.with_launcher_threads({**env, "PYTHONPATH": f"{tmp}:{REPO / 'train'}"}, nproc_per_node=2)
     proc = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
                              "--module=probe_rank", "--"], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60  # bound before the imports: a client then waits for them
@@ -117,6 +123,32 @@ def test_a_client_whose_import_time_environment_differs_runs_the_rank_itself_say
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 99, err
     assert "PYTHONPATH differ between the rank's environment and the server's; this rank imports its own" in err
+
+
+def test_a_forked_rank_runs_the_intra_op_threads_ft_launcher_gives_a_node_of_several_ranks(server):
+    """ft_launcher gives each rank ``OMP_NUM_THREADS=1`` when a node runs several; OpenMP reads it
+    when torch loads, in the server, so the server must have imported torch with it too."""
+    assert prewarm.with_launcher_threads({}, 2) == {"OMP_NUM_THREADS": "1"}
+    assert server["env"]["OMP_NUM_THREADS"] == "1"
+    proc = client(server, "threads")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert json.loads(out) == {"threads": 1, "env": "1"}
+
+
+def test_the_agent_leaves_a_set_thread_count_and_a_node_of_one_rank_alone():
+    assert prewarm.with_launcher_threads({"OMP_NUM_THREADS": "4"}, 8) == {"OMP_NUM_THREADS": "4"}
+    assert prewarm.with_launcher_threads({}, 1) == {}
+    assert prewarm.with_launcher_threads({}, None) == {}  # --nproc-per-node=auto: the server refuses instead
+
+
+def test_a_client_whose_thread_count_differs_from_the_servers_runs_the_rank_itself_saying_why(server):
+    """A fork keeps the server's OpenMP thread count whatever its environment says: a rank asking for
+    another one imports its own torch, which reads it."""
+    proc = client(server, "threads", env={"OMP_NUM_THREADS": "2"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 99, err
+    assert "OMP_NUM_THREADS differ between the rank's environment and the server's" in err
 
 
 def test_without_a_server_the_client_runs_the_rank_itself(tmp_path, server):

@@ -33,7 +33,9 @@ ft_launcher's after it.
 
 It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
 the node, and since when), pins who hosts the store and the node rank to the pod's index
-(:mod:`.node_rank`) and, as a child subreaper, reaps whatever the node leaves behind.
+(:mod:`.node_rank`), sets the ``OMP_NUM_THREADS`` ft_launcher would set for its ranks before either
+it or the pre-warmed server starts (:func:`.prewarm.with_launcher_threads`) and, as a child
+subreaper, reaps whatever the node leaves behind.
 ``ft_launcher``'s stderr passes through it, so the ending can be read. With ``--metrics-port`` it
 serves the run's metrics to Prometheus from a daemon thread (:mod:`.metrics_endpoint`); an
 endpoint it cannot serve is said once and training goes on without it.
@@ -317,7 +319,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _termination_message(str(exc))
         return exit_codes.CONFIG
     become_subreaper()
-    env = node_rank.launcher_env(os.environ, index)
+    nproc = _nproc(args)
+    env = prewarm.with_launcher_threads(node_rank.launcher_env(os.environ, index), nproc)
     env[NODE_PID_ENV] = str(os.getpid())
     env[NODE_START_ENV] = repr(time.time())
     if index is not None:
@@ -368,7 +371,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"node {index} of the job (GROUP_RANK={env['GROUP_RANK']}); "
              f"{'hosts' if store_host else 'joins'} the rendezvous store")
     rejoin = Rejoin(store_host, flags.get("--rejoin-timeout", 0.0))
-    nproc = _nproc(args)
     trained = False  # a launcher of this pod started ranks (a hot spare's may never)
     try:
         while True:

@@ -26,8 +26,10 @@ touches a device; ``torch.cuda.is_initialized()`` is checked), no process group,
 files but its own sockets and pipe (closed in the fork). Variables read when torch and the
 trainer are imported (:data:`IMPORT_TIME_VARS`, and those the restart layers set before torch,
 ``nccl_env.layer_env``) must be the same in the client's environment as in the server's, and so
-must the interpreter. When any of this does not hold, or the server is not there, the client runs
-the rank itself, as without a server, and says why.
+must the interpreter. ``OMP_NUM_THREADS`` is one of them: the agent sets the ``1`` ft_launcher
+gives the ranks of a node that runs several before it starts either (:func:`with_launcher_threads`),
+so a forked rank runs one intra-op thread, not one per core. When any of this does not hold, or
+the server is not there, the client runs the rank itself, as without a server, and says why.
 """
 
 from __future__ import annotations
@@ -56,9 +58,12 @@ PROCESS_START_ENV = "RESILIENT_FSDP_PROCESS_START"
 PRELOAD = ("resilient_fsdp.train.entrypoint", "resilient_fsdp.checkpoint.writer.process",
            "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo", "numpy.random")
 # Read by the interpreter, torch or NumPy when they are imported: a client whose value differs
-# from the server's runs the rank itself.
+# from the server's runs the rank itself. OpenMP and MKL take their thread counts when torch loads
+# them, so a fork keeps the server's whatever the rank's environment says.
 IMPORT_TIME_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS",
-                    "TORCH_SHOW_CPP_STACKTRACES", "LD_PRELOAD", "LD_LIBRARY_PATH")
+                    "TORCH_SHOW_CPP_STACKTRACES", "LD_PRELOAD", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# What ft_launcher (as torchrun) sets for its ranks when a node runs several and it is unset.
+LAUNCHER_OMP_NUM_THREADS = "1"
 # Signals the client passes on to its rank (ft_launcher stops workers with SIGTERM, then SIGKILL).
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # How long a client waits for a server still importing before it runs the rank itself.
@@ -67,6 +72,18 @@ _HEADER = struct.Struct("!I")
 
 
 # -- the client (the process ft_launcher started) ---------------------------------------------------
+
+def with_launcher_threads(env: dict[str, str], nproc_per_node: Optional[int]) -> dict[str, str]:
+    """``env`` with the ``OMP_NUM_THREADS`` ft_launcher gives its ranks: ``1`` when a node runs
+    several ranks and the variable is unset, so that they do not each start a thread per core. The
+    node agent gives the result to ft_launcher and to the pre-warmed server alike, so the server
+    imports torch with the ranks' thread count (an :data:`IMPORT_TIME_VARS` entry). With
+    ``nproc_per_node`` unknown (``auto``) nothing is set: the server then refuses ranks whose count
+    ft_launcher set, and they import their own."""
+    if "OMP_NUM_THREADS" in env or nproc_per_node is None or nproc_per_node <= 1:
+        return env
+    return {**env, "OMP_NUM_THREADS": LAUNCHER_OMP_NUM_THREADS}
+
 
 def run_as_client(argv: list[str]) -> Optional[int]:
     """Hand this rank to the pod's server when :data:`SOCKET_ENV` names one: the rank's exit

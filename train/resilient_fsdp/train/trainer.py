@@ -319,9 +319,12 @@ class Trainer:
                                 "world_size": info.world_size})
         model_name = cfg.model.factory or f"preset {cfg.model.preset}"
         how = "" if layer == "start" else f" | restarted ({layer.replace('_', '-')})"
-        # Every rank says where it runs: which pod holds which ranks, as the node ranks ordered them.
+        # Every rank says where it runs: which pod holds which ranks, as the node ranks ordered them,
+        # and how many threads its CPU work runs on (OMP_NUM_THREADS, taken when torch was loaded).
+        threads = torch.get_num_threads()
         print(f"[resilient-fsdp] rank {info.rank} of {info.world_size}: node {os.environ.get('GROUP_RANK', '?')}, "
-              f"local rank {info.local_rank}, host {socket.gethostname()}", file=sys.stderr, flush=True)
+              f"local rank {info.local_rank}, {threads} CPU thread{'' if threads == 1 else 's'}, "
+              f"host {socket.gethostname()}", file=sys.stderr, flush=True)
         self.metrics.info(
             f"world size {info.world_size} ({info.device.type}, {info.backend}) | model {model_name}: "
             f"{self.num_params:,} parameters | {self.tokens_per_step:,} tokens/step | NVRx "
