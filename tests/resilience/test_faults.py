@@ -162,6 +162,9 @@ def test_every_kind_in_one_pod_is_recovered_by_in_process_restart(tmp_path, requ
     check_recoveries(summary, ["in_process", "in_process", "in_job", "in_process", "in_job", "job"])
     (nan,) = summary["non_finite_losses"]
     assert (nan["step"], nan["outcome"], [(r["rank"], r["node"]) for r in nan["ranks"]]) == (8, "restart", [(1, 0)])
+    # The in-process layer's variables do not keep its ranks from being forked pre-warmed.
+    pod_log = (tmp_path / "run" / "logs" / "node0.log").read_text()
+    assert "imports its own" not in pod_log and "imports its own" not in summary["_output"], pod_log[-3000:]
 
 
 @pytest.mark.extended

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient_fsdp.resilience import prewarm
+from resilient_fsdp.resilience import nccl_env, prewarm
 from tests.support import REPO, _env, read_summary, run_trainer
 
 # The rank a test server forks: what it does is its first argument.
@@ -57,20 +57,25 @@ CLIENT = ("import sys; from resilient_fsdp.resilience import prewarm; r = prewar
 def server(tmp_path_factory):
     """A pre-warmed server whose forks run the probe (it imports the trainer as the pod's does), in
     the environment the node agent gives it for two ranks a node."""
-    tmp = tmp_path_factory.mktemp("prewarm")
+    started = start_server(tmp_path_factory.mktemp("prewarm"))
+    yield started
+    started["proc"].terminate()
+    started["proc"].wait(timeout=30)
+
+
+def start_server(tmp: Path, trainer_args: tuple[str, ...] = ()) -> dict:
+    """A probe server for ranks started with ``trainer_args`` (the pod's ``--config``, ``--set``)."""
     (tmp / "probe_rank.py").write_text(PROBE)
     path = str(tmp / "prewarm.sock")
     env = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}
     env = prewarm.with_launcher_threads({**env, "PYTHONPATH": f"{tmp}:{REPO / 'train'}"}, nproc_per_node=2)
     proc = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
-                             "--module=probe_rank", "--"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--module=probe_rank", "--", *trainer_args], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60  # bound before the imports: a client then waits for them
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert os.path.exists(path), "the server never bound its socket"
-    yield {"path": path, "env": env, "tmp": tmp, "proc": proc}
-    proc.terminate()
-    proc.wait(timeout=30)
+    return {"path": path, "env": env, "tmp": tmp, "proc": proc}
 
 
 def client(server, *args, env=None, **kwargs) -> subprocess.Popen:
@@ -151,6 +156,26 @@ def test_a_client_whose_thread_count_differs_from_the_servers_runs_the_rank_itse
     assert "OMP_NUM_THREADS differ between the rank's environment and the server's" in err
 
 
+def test_a_rank_with_in_process_restart_is_forked_from_a_server_that_set_the_layers_variables(tmp_path):
+    """The in-process layer's variables (TORCH_CPP_LOG_LEVEL among them, read when torch loads) are
+    set by the server before its imports and by a rank only after the hand-over: the server
+    compares the rank's environment as the rank would hold it at its torch import."""
+    in_process = ("--set", "resilience.in_process.enabled=true")
+    layer: dict[str, str] = {}
+    nccl_env.apply_before_torch(["threads", *in_process], layer)
+    assert layer["TORCH_CPP_LOG_LEVEL"] == "error"  # the layer sets variables, so the check below can fail
+    started = start_server(tmp_path, in_process)
+    try:
+        proc = client(started, "threads", *in_process)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err  # forked: 99 is a client that ran the rank itself
+        assert "did not fork this rank" not in err
+        assert json.loads(out)["threads"] == 1
+    finally:
+        started["proc"].terminate()
+        started["proc"].wait(timeout=30)
+
+
 def test_without_a_server_the_client_runs_the_rank_itself(tmp_path, server):
     proc = client(server, "report", env={prewarm.SOCKET_ENV: str(tmp_path / "none.sock")})
     _, err = proc.communicate(timeout=60)
@@ -208,7 +233,7 @@ def test_a_trainer_forked_from_the_server_trains_bitwise_like_one_started_afresh
 AFTER_PRELOAD = textwrap.dedent('''
     import json, sys
     if __name__ == "__main__":
-        from resilient_fsdp.resilience import prewarm
+        from resilient_fsdp.resilience import nccl_env, prewarm
         prewarm._preload(sys.argv[1:])
         before = set(sys.modules)
         from resilient_fsdp.train.entrypoint import main

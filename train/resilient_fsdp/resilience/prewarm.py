@@ -25,8 +25,9 @@ single-threaded, the trainer's compute is torch's); no CUDA context (the server 
 touches a device; ``torch.cuda.is_initialized()`` is checked), no process group, no NCCL, no open
 files but its own sockets and pipe (closed in the fork). Variables read when torch and the
 trainer are imported (:data:`IMPORT_TIME_VARS`, and those the restart layers set before torch,
-``nccl_env.layer_env``) must be the same in the client's environment as in the server's, and so
-must the interpreter. ``OMP_NUM_THREADS`` is one of them: the agent sets the ``1`` ft_launcher
+``nccl_env.layer_env``, which the server sets before its imports and a rank after the hand-over)
+must be the same for the rank, as it will hold them, as in the server's environment, and so must
+the interpreter. ``OMP_NUM_THREADS`` is one of them: the agent sets the ``1`` ft_launcher
 gives the ranks of a node that runs several before it starts either (:func:`with_launcher_threads`),
 so a forked rank runs one intra-op thread, not one per core. When any of this does not hold, or
 the server is not there, the client runs the rank itself, as without a server, and says why.
@@ -273,8 +274,8 @@ def refusal(request: dict, environ: Optional[dict] = None) -> Optional[str]:
     unsafe = _unsafe_to_fork()
     if unsafe is not None:
         return unsafe
-    env = request.get("env", {})
-    differ = sorted(k for k in _import_time_vars(request) if (env.get(k) or "") != (environ.get(k) or ""))
+    env = _import_time_env(request)
+    differ = sorted(k for k in env if (env[k] or "") != (environ.get(k) or ""))
     if differ:
         return f"{', '.join(differ)} differ between the rank's environment and the server's"
     return None
@@ -348,13 +349,18 @@ def _preload(trainer_argv: list[str]) -> None:
             os.environ["OPENBLAS_NUM_THREADS"] = blas
 
 
-def _import_time_vars(request: dict) -> set[str]:
-    """:data:`IMPORT_TIME_VARS` and what the restart layers set before torch for the rank's arguments."""
+def _import_time_env(request: dict) -> dict[str, Optional[str]]:
+    """The rank's value of each :data:`IMPORT_TIME_VARS` entry and of what the restart layers set
+    before torch for its arguments, as it would hold them when it imports torch: the client hands
+    over before it applies the layers' variables (``train/__main__``), which the server applied
+    before its imports."""
     from .nccl_env import apply_before_torch
 
+    env = {k: request.get("env", {}).get(k) for k in IMPORT_TIME_VARS}
     layer: dict[str, str] = {}
     apply_before_torch(list(request.get("argv", [])), layer)
-    return set(IMPORT_TIME_VARS) | set(layer)
+    env.update(layer)
+    return env
 
 
 def _reap(ranks: dict[int, socket.socket], clients: dict, sel: selectors.BaseSelector) -> None:
