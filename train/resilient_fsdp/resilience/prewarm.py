@@ -72,7 +72,7 @@ CONNECT_WAIT_S = 120.0
 _HEADER = struct.Struct("!I")
 
 
-# -- the client (the process ft_launcher started) ---------------------------------------------------
+# -- what the node agent gives ft_launcher and the server alike ---------------------------------------
 
 def with_launcher_threads(env: dict[str, str], nproc_per_node: Optional[int]) -> dict[str, str]:
     """``env`` with the ``OMP_NUM_THREADS`` ft_launcher gives its ranks: ``1`` when a node runs
@@ -85,6 +85,8 @@ def with_launcher_threads(env: dict[str, str], nproc_per_node: Optional[int]) ->
         return env
     return {**env, "OMP_NUM_THREADS": LAUNCHER_OMP_NUM_THREADS}
 
+
+# -- the client (the process ft_launcher started) ---------------------------------------------------
 
 def run_as_client(argv: list[str]) -> Optional[int]:
     """Hand this rank to the pod's server when :data:`SOCKET_ENV` names one: the rank's exit
