@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.probes import run_probe
-from resilient_fsdp.checkpoint import store
-from tests.support import (LANES, assert_no_leftovers, lane_path, read_events, read_losses, read_summary,
-                           run_local, run_trainer)
+from resilient_fsdp.checkpoint import integrity, store
+from tests.resilience.node import attempts
+from tests.support import (LANES, assert_no_leftovers, lane_path, netns_required, read_events, read_losses,
+                           read_summary, run_local, run_trainer)
 
 
 def test_a_writer_killed_mid_save_is_reported_training_commits_the_next_and_the_torn_write_is_swept(tmp_path):
@@ -72,7 +73,7 @@ def test_saves_that_keep_failing_end_the_job_at_max_consecutive_failures_naming_
     # part-way (EFBIG); the second failure in a row ends the job.
     proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=3", "checkpoint.max_consecutive_failures=2"],
                        file_size_limit=256 * 1024, timeout=300)
-    assert proc.returncode != 0
+    assert proc.returncode == 2  # retried by no layer: the next attempt's saves would fail alike
     assert "checkpoint of step 3 failed" in proc.stdout and "training goes on" in proc.stdout, proc.stdout[-3000:]
     assert "2 checkpoint save(s) in a row failed (checkpoint.max_consecutive_failures=2)" in proc.stderr
     assert "checkpoint of step 6 failed" in proc.stderr and "File too large" in proc.stderr, proc.stderr[-3000:]
@@ -99,9 +100,9 @@ def test_a_full_checkpoint_volume_says_so_and_keeps_the_committed_checkpoint(tmp
         kept = store.read_manifest(volume / "step_00000004") if committed else None
     finally:
         subprocess.run(["umount", str(volume)], check=True)
-    assert proc.returncode != 0
+    assert proc.returncode == 2  # the final save failed: retried by no layer
     err = proc.stderr
-    assert "the checkpoint volume is full" in err and "MB free" in err, err[-3000:]
+    assert "the checkpoint volume is full" in err and "MB free" in err and " bytes)" in err, err[-3000:]
     assert "a checkpoint needs about" in err and "checkpoint.keep_last (now 1" in err
     assert "Committed checkpoints are never deleted to make room" in err
     # Step 8's failure is reported and training goes on; step 12's save is the final one: it fails the job.
@@ -110,6 +111,42 @@ def test_a_full_checkpoint_volume_says_so_and_keeps_the_committed_checkpoint(tmp
     assert causes == [(8, "volume_full"), (12, "volume_full")], causes
     assert committed == ["step_00000004"] and kept is not None and kept["step"] == 4
     assert_no_leftovers(tmp_path / "run")
+
+
+@pytest.mark.timeout(300)
+def test_a_full_volume_ends_a_two_pod_job_at_once_naming_it_and_keeps_the_committed_checkpoint(tmp_path):
+    """2 pods x 2 ranks under ft_launcher, checkpoint.dir a 3 MB tmpfs that holds one checkpoint
+    (2.2 MB at world size 4), not two: the saves of steps 8 and 12 fail on ENOSPC, the second ends
+    the job with exit 2 on every node, with no in-job restart and no pod recreated, the message
+    naming the volume, its path and free bytes; the checkpoint of step 4 stays complete."""
+    netns_required()
+    run_dir = tmp_path / "run"
+    volume = run_dir / "checkpoints"
+    volume.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(volume)], capture_output=True,
+                             text=True)
+    assert mounted.returncode == 0, f"this test mounts a tmpfs and needs root: {mounted.stderr}"
+    try:
+        proc = run_local(run_dir, nodes=2, nproc=2, timeout=240,
+                         overrides=["train.steps=16", "checkpoint.interval_steps=4", "checkpoint.max_consecutive_failures=2",
+                                    "resilience.launcher.max_restarts=3"])
+        kept = store.read_manifest(volume / "step_00000004")
+        problems = integrity.verify(volume / "step_00000004", kept["checksums"], sorted(kept["checksums"])) if kept else None
+        committed = sorted(p.name for p in volume.glob("step_????????"))
+    finally:
+        subprocess.run(["umount", str(volume)], check=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-5000:]
+    assert "exited with code 2: not retried" in proc.stdout and "recreating" not in proc.stdout, out[-4000:]
+    assert "2 checkpoint save(s) in a row failed (checkpoint.max_consecutive_failures=2)" in proc.stdout
+    assert "the checkpoint volume is full (checkpoint.dir='/fsx/checkpoints'" in proc.stdout
+    assert " bytes); a checkpoint needs about" in proc.stdout
+    for node in ("node0", "node1"):
+        assert attempts(run_dir / "logs" / node) == ["attempt_0"], node  # no restart at all
+    causes = [(r["step"], r["cause"], r["fatal"]) for r in read_events(run_dir, "checkpoint_failed")]
+    assert causes == [(8, "volume_full", False), (12, "volume_full", True)], causes
+    assert committed == ["step_00000004"] and kept["step"] == 4 and problems == [], problems
+    assert_no_leftovers(run_dir)
 
 
 def test_unwritable_checkpoint_dir_is_a_config_error(tmp_path):

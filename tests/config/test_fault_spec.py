@@ -16,7 +16,7 @@ def test_fault_specs_parse_and_bad_ones_name_the_fix():
     assert partition == FaultSpec("partition", 28, node=1, for_s=20.0)
     assert str(partition) == "partition@28:node=1:for=20" and partition.key == "partition@28-node1"
     assert str(parse_fault("hang-in-collective@36:rank=2")) == "hang-in-collective@36:rank=2"
-    with pytest.raises(ConfigError, match="unknown fault kind 'segfault'; choose one of exception, hang"):
+    with pytest.raises(ConfigError, match="unknown fault kind 'segfault'; choose one of exception, exception-repeat, hang"):
         parse_fault("segfault@3")
     with pytest.raises(ConfigError, match=r"expected KIND@STEP\[:rank=R \| :node=N\]\[:for=SECONDS\], e.g. "
                                           "sigkill@20:rank=1"):

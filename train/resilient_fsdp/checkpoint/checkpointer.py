@@ -223,13 +223,16 @@ class Checkpointer:
                 self._say_any_rank(f"rank {self.group.rank}: warning: memory checkpoint of step {record['step']} "
                                    f"failed ({record['error']}); the previous one stays, training goes on")
 
-    def finish(self, step: int, save: bool) -> None:
-        """The end of training (``save``: ``checkpoint.save_final``) or a graceful stop (``save``):
-        a committed checkpoint of ``step`` unless it has one, and every write waited for. Collective.
+    def finish(self, step: int, save: bool, stopping: bool = False) -> None:
+        """The end of training (``save``: ``checkpoint.save_final``) or a graceful stop (``save``,
+        ``stopping``): a committed checkpoint of ``step`` unless it has one, and every write waited
+        for. Collective.
 
         A save of an earlier step still in flight counts as a periodic one (its failure is one
         more in the streak). With ``save``, the checkpoint of ``step`` failing raises: the caller
-        promised it, and no later save will make up for it."""
+        promised it, and no later save will make up for it. At the end of training that is
+        permanent (the job fails, exit 2); in a graceful stop it is not (the restart resumes from the
+        newest committed checkpoint and trains the steps again)."""
         with self.hooks.draining():
             if self.pending is not None and not (save and self.pending["step"] == step):
                 self._log(self._periodic(self.wait))
@@ -239,7 +242,7 @@ class Checkpointer:
                         self._log(self.save(step))
                     self._log(self.wait())
                 except SaveFailed as exc:
-                    self._save_failed(exc, final=True)
+                    self._save_failed(exc, final=True, stopping=stopping)
         self._report_uploads()
 
     def _periodic(self, call: Callable[[], Optional[dict]]) -> Optional[dict]:
@@ -250,18 +253,19 @@ class Checkpointer:
             self._save_failed(exc)
             return None
 
-    def _save_failed(self, exc: SaveFailed, final: bool = False) -> None:
+    def _save_failed(self, exc: SaveFailed, final: bool = False, stopping: bool = False) -> None:
         """A save failed on every rank: report it and go on, or raise the job's end (a lost lease,
-        ``final``, the streak at ``checkpoint.max_consecutive_failures``). Every rank gets here with
-        the same failure, so every rank takes the same branch."""
+        ``final``, the streak at ``checkpoint.max_consecutive_failures``; permanent unless
+        ``stopping``, a graceful stop's). Every rank gets here with the same failure, so every rank
+        takes the same branch."""
         self._replace_hung_engine()
         end: Optional[SaveFailed] = None
         if final:
             self.streak.count += 1
             newest = f"step {self.last_committed_step}" if self.last_committed_step is not None else "none"
-            end = SaveFailed(f"{exc}. The checkpoint that ends this run (checkpoint.save_final, or a graceful stop's) "
-                             f"was not committed; the newest committed checkpoint: {newest}", exc.cause, exc.step,
-                             fatal=True)
+            what = "a graceful stop's checkpoint" if stopping else "the checkpoint that ends this run (checkpoint.save_final)"
+            end = SaveFailed(f"{exc}. {what[0].upper() + what[1:]} was not committed; the newest committed checkpoint: "
+                             f"{newest}", exc.cause, exc.step, fatal=True, permanent=not stopping)
         else:
             try:
                 self.streak.failed(exc)

@@ -29,11 +29,16 @@ _ENOSPC_TEXT = ("No space left on device", f"[Errno {errno.ENOSPC}]")
 
 class SaveFailed(CheckpointError):
     """A save that failed on every rank, with its ``cause`` (one of the names above). ``fatal``:
-    no later save can succeed either (the lease is lost), so the job ends now."""
+    it ends the attempt (the lease is lost, ``checkpoint.max_consecutive_failures`` saves failed in
+    a row, or the save that ends the run failed). ``permanent``: no restart fixes it either, so no
+    layer retries it (:func:`resilient_fsdp.resilience.exit_codes.is_configuration_failure`): every
+    fatal failure but a graceful stop's, whose restart resumes from the newest committed checkpoint."""
 
-    def __init__(self, message: str, cause: str, step: Optional[int] = None, fatal: bool = False):
+    def __init__(self, message: str, cause: str, step: Optional[int] = None, fatal: bool = False,
+                 permanent: Optional[bool] = None):
         super().__init__(message)
         self.cause, self.step, self.fatal = cause, step, fatal
+        self.permanent = fatal if permanent is None else permanent
 
 
 @dataclass
@@ -67,7 +72,8 @@ def short_of_space(root: Path, needed_bytes: Optional[int]) -> bool:
 def volume_full_message(root: Path, needed_bytes: Optional[int], keep_last: int) -> str:
     """What to tell a user whose checkpoint volume is full: how full, what a checkpoint needs, the fix."""
     try:
-        free = f"{shutil.disk_usage(root).free / 1e6:.1f} MB free"
+        free_bytes = shutil.disk_usage(root).free
+        free = f"{free_bytes / 1e6:.1f} MB free ({free_bytes:,} bytes)"
     except OSError:
         free = "free space unknown"
     need = f"a checkpoint needs about {needed_bytes / 1e6:.1f} MB (the newest committed one)" \

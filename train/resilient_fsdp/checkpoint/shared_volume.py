@@ -33,14 +33,24 @@ def not_writable_message(key: str, path: Path, exc: OSError) -> str:
             f"{writable_fix(path)} (docs/eks-helm.md)")
 
 
+# Set by the chart when the pod's init container prepared the shared volume (storage.prepare).
+PREPARED_ENV = "RESILIENT_FSDP_STORAGE_PREPARED"
+
+
 def writable_fix(directory: Path) -> str:
     """The fixes, in the chart's values: prepare the directory, or run as its owner. The trainer and
-    ``helm test`` (:mod:`resilient_fsdp.deploy.release_check`) both say this."""
+    ``helm test`` (:mod:`resilient_fsdp.deploy.release_check`) both say this. Where the pod's init
+    container already tried (``storage.prepare`` on), what it could not do is in its log."""
     uid, gid = os.getuid(), os.getgid()
     try:
         owner = f" (its owner, {directory.stat().st_uid})"
     except OSError:
         owner = ""
+    if os.environ.get(PREPARED_ENV) == "true":
+        return (f"storage.prepare is on and its init container could not make it so (`kubectl logs POD -c "
+                f"prepare-storage` says what it could not do: a file system that squashes root, a directory another "
+                f"UID owns, a read-only volume): chown {uid}:{gid} the directory on the file system yourself, or run "
+                f"the pods as its owner (pod.securityContext.runAsUser/runAsGroup{owner})")
     return (f"set storage.prepare=true (an init container creates the run and checkpoint directories and gives "
             f"them to uid {uid}, gid {gid}; a new FSx file system's root belongs to root and its CSI driver skips "
             f"fsGroup on a ReadWriteMany volume), or chown {uid}:{gid} the directory on the file system yourself, "

@@ -43,6 +43,9 @@ class FaultKind:
 _SAVE_FAILS = "none: the save fails on every rank and training goes on"
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("exception", "step", "the step raises", "in-process, else in-job"),
+    FaultKind("exception-repeat", "step", "as exception, each time the step runs: a deterministic bug, as a model's "
+              "forward that always raises there", "none: after its one restart the job fails (exit 2) naming the "
+              "failure and the step", once_per_job=False),
     FaultKind("hang", "step", "the rank stops making progress (sleeps forever)", "in-process, else in-job"),
     FaultKind("hang-in-collective", "collective", "the rank stops just before the step's loss all-reduce; its "
               "peers block inside it", "in-process, else in-job"),

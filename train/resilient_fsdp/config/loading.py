@@ -211,6 +211,7 @@ def _check_across_keys(config: Config) -> None:
         if spec.kind == "replica-corrupt" and memory.replicas == 0:
             raise ConfigError(f"resilience.inject {text!r}: a replica-corrupt fault acts on the replicas ranks keep, "
                               "and checkpoint.memory.replicas is 0; set it to 1")
+    check_data_source(config)
     check_s3_config(config.checkpoint.s3)
     check_restore_fits_init(config)
     if config.dist.device == "cuda":  # "auto": checked by the trainer once it sees a GPU
@@ -251,6 +252,18 @@ def check_collective_timeouts(config: Config) -> None:
             f"dist.timeout_s={d.timeout_s:g} must exceed resilience.in_process.hard_timeout_s="
             f"{r.in_process.hard_timeout_s:g}: NCCL's watchdog would end the process before in-process restart "
             "can recover it (NVRx's requirement)")
+
+
+def check_data_source(config: Config) -> None:
+    """What the data needs besides itself: a token file's path, and sequences the model takes. The
+    chart applies the same rules at render (``templates/validations.yaml``)."""
+    data, model = config.data, config.model
+    if data.source == "tokens" and not data.factory and not data.path:
+        raise ConfigError("data.source=tokens needs data.path: set data.path to the .bin token file on the shared "
+                          "volume (or data.source=synthetic)")
+    if model.max_seq_len is not None and data.seq_len > model.max_seq_len:
+        raise ConfigError(f"data.seq_len={data.seq_len} is above model.max_seq_len={model.max_seq_len}, the longest "
+                          f"sequence the model takes: set data.seq_len={model.max_seq_len} or less")
 
 
 def check_restore_fits_init(config: Config) -> None:

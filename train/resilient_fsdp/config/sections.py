@@ -30,6 +30,11 @@ class ModelConfig:
     """Recompute each transformer block's activations in backward: less memory, ~30% more compute.
     The RNG state is replayed for the recompute (dropout draws the same masks) unless the model
     class sets ``recompute_needs_rng = False``."""
+    max_seq_len: Optional[int] = Field(default=None, gt=0)
+    """The longest sequence the model takes; a longer ``data.seq_len`` is refused when the
+    configuration is loaded (and by the chart at render, before GPU nodes are held). Unset: what the
+    model declares, checked once it is built (a ``model.factory`` module's ``max_seq_len``
+    attribute; the built-in presets take any length). Set it to what a factory's model declares."""
     blocks: Optional[str] = None
     """Attribute (a dotted path, e.g. ``transformer.h``) of a ``model.factory`` model that holds its
     repeated blocks (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``): each is sharded

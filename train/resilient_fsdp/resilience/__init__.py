@@ -9,10 +9,13 @@
 - ``nccl_env``: the NCCL and torch variables each restart layer needs, and where hang dumps go;
 - ``faults``: fault injection (the kinds are :data:`resilient_fsdp.config.FAULT_KINDS`);
 - ``ledger``: fired faults and their recoveries, once per job, on shared storage;
+- ``deterministic``: the same failure at the same place after a restart is retried by no layer;
 - ``non_finite``: a non-finite loss: one in-job restart as a suspected hardware fault, then exit 2;
 - ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;
 - ``exit_codes``: what a node's exit code means, and which layer retries it;
 - ``agent``: a node's main process (a pod's PID 1) around ``ft_launcher``;
+- ``pod_failures``: the job's pod failures counted by its pods, the bound a PyTorchJob lacks;
+- ``node_taint``: the node a failed health check names, tainted so the next pod goes elsewhere;
 - ``prewarm``: every new rank forked from a server in the pod that has imported the trainer;
 - ``metrics_endpoint``: the agent's Prometheus endpoint, the run's records as metrics;
 - ``node_rank``: a node's index in the job, who hosts the rendezvous store, its node rank;

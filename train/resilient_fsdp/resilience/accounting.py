@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -83,8 +84,9 @@ def _process_start() -> Optional[float]:
         return None
 
 
-def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.device) -> str:
-    """Collective: the layer that caused this attempt (see the module docstring)."""
+def agree_attempt(metrics_path: Path, iteration: int, rank: int, device: torch.device) -> tuple[str, str]:
+    """Collective: the layer that caused this attempt (see the module docstring), and the attempt's
+    id, rank 0's, the same on every rank (the failures an attempt records are told apart by it)."""
     # torch only here: the node agent reads restarts and goodput from this module without it.
     import torch
     import torch.distributed as dist
@@ -103,7 +105,7 @@ def detect_layer(metrics_path: Path, iteration: int, rank: int, device: torch.de
             layer = "job"
         else:
             layer = "in_job"
-    box = [layer]
+    box = [(layer, f"{int(time.time())}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -9,6 +9,8 @@ pods). :class:`Attempt` holds
   ``drain`` sections, the learned timeouts;
 - the in-process restart's progress ping (:mod:`.inprocess`), once per step and while draining;
 - fault injection (:mod:`.faults`) and the once-per-job ledger (:mod:`.ledger`);
+- the place it has reached, by which a failure that ends it is judged (:mod:`.deterministic`:
+  the same failure at the same place after a restart is retried by no layer);
 - which layer caused the attempt, where its start-up time went (its marks), and the recoveries
   it closes after its first step (:mod:`.accounting`).
 
@@ -19,6 +21,8 @@ pods). :class:`Attempt` holds
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -26,8 +30,9 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..config import ResilienceConfig, parse_faults
-from . import accounting
-from .faults import CorruptibleMemory, FaultInjector
+from . import accounting, deterministic
+from .exit_codes import is_configuration_failure
+from .faults import CorruptibleMemory, FaultInjector, node_index
 from .inprocess import InProcessAttempt
 from .ledger import FaultLedger
 from .rank_monitor import ProgressMonitor
@@ -78,6 +83,9 @@ class Attempt(NoHooks):
         self.injector: Optional[FaultInjector] = None
         self.layer = "start"
         self.rank = 0
+        self.id: Optional[str] = None  # agreed once the process group exists (joined)
+        self.position = deterministic.START
+        self.failures = deterministic.FailureRecords(run_dir)
         # Wall-clock marks, for where a recovery's time went (accounting.phases).
         self.marks = {"attempt": time.time()}
         monitor.reset()  # whatever a failed attempt left open
@@ -92,7 +100,7 @@ class Attempt(NoHooks):
         the attempt."""
         self.rank = rank
         self.injector = FaultInjector(parse_faults(self.cfg.inject, world_size), rank, self.ledger)
-        self.layer = accounting.detect_layer(metrics_path, self.number, rank, device)
+        self.layer, self.id = accounting.agree_attempt(metrics_path, self.number, rank, device)
 
     def memory_built(self, memory: Optional[CorruptibleMemory]) -> None:
         """The checkpointer's memory tier (None: off), which the memory faults act on."""
@@ -107,11 +115,31 @@ class Attempt(NoHooks):
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Step ``step`` runs in the block: its section, its faults, the progress ping after it."""
+        self.position = f"step {step}"
         self.monitor.start("step")
         self.injector.at_step_start(step, step - 1)
         yield
         self.monitor.end("step")
+        self.position = f"after step {step}"  # its checkpoint, its records, until the next step
         self._ping()
+
+    @contextlib.contextmanager
+    def judging_failures(self) -> Iterator[None]:
+        """An exception that leaves the block ends the attempt: it is judged where the attempt
+        stands (:func:`.deterministic.judge`), and leaves as :class:`.deterministic.RepeatedFailure`
+        when an earlier attempt failed the same way there. Before the process group exists
+        (no attempt id yet) nothing is judged: that is the rendezvous' and the network's."""
+        try:
+            yield
+        except Exception as exc:
+            if self.id is None or is_configuration_failure(exc):
+                raise
+            said = deterministic.judge(exc, self.position, self.id, self.failures,
+                                       {"rank": self.rank, "node": node_index(), "layer": self.layer,
+                                        "local_rank": int(os.environ.get("LOCAL_RANK", "0"))})
+            if said:
+                print(f"[resilient-fsdp] rank {self.rank}: {said}", file=sys.stderr, flush=True)
+            raise
 
     def before_collective(self, step: int, local_loss: torch.Tensor) -> None:
         """Step ``step`` is about to enter its loss all-reduce with this rank's ``local_loss``

@@ -5,12 +5,15 @@ The job-level restart policy sees only a pod's exit code: a PyTorchJob under
 chart's JobSet rules do the same (``podFailurePolicy``). So the classification is:
 
 - **configuration-type** failures (a retry cannot fix them: a bad key or value, missing data, a
-  model or checkpoint that does not fit, another job's lease, a non-finite loss at a step the job
-  already restarted for, bad flags) are
+  model or checkpoint that does not fit, another job's lease, the same failure at the same place
+  after a restart that replayed it (:mod:`.deterministic`; a non-finite loss at a step the job
+  already restarted for among them), a checkpoint failure that ends the job, bad flags) are
   retried by no layer: in-process restart re-raises them at once, the node stops ``ft_launcher``
-  before it restarts the rank, and the pod exits 2, which fails the job with the reason;
+  before it restarts the rank, and the pod exits 2, which fails the job with the reason; so does a
+  PyTorchJob's node past ``job.backoffLimit`` pod failures in a row without progress
+  (:mod:`.pod_failures`), the bound its operator does not apply;
 - **infrastructure-type** failures (signals, hangs, lost peers or rendezvous store, CUDA/NCCL
-  errors, anything unknown) are retried by every layer in turn; when the in-job restarts are spent
+  errors, an exception's first time at its place) are retried by every layer in turn; when the in-job restarts are spent
   the pod exits :data:`INFRASTRUCTURE` (128 + ``EX_TEMPFAIL``), which the job level retries; a
   node that lost its rendezvous store exits :data:`RENDEZVOUS_LOST`, also retried. A node that
   does not host the store joins again in its pod after either (:mod:`.rejoin`), so one event is
@@ -38,6 +41,7 @@ from typing import Optional
 
 from .. import atomic
 from ..config import ConfigError
+from .deterministic import RepeatedFailure
 from .faults import NODE_PID_ENV
 
 # Codes the job-level policy retries (PyTorchJob `restartPolicy: ExitCode`, the JobSet rules).
@@ -60,6 +64,8 @@ class Row:
     ``none`` (no pod exit: nothing is counted)."""
     codes: range = range(0)
     """The exit codes of the row, for the check against the rendered rules."""
+    decides: str = ""
+    """Which rule puts an ending in this row: the code that reads it, and from what."""
 
     def pytorchjob(self) -> str:
         return BUDGET[self.budget][0]
@@ -88,10 +94,13 @@ BUDGET = {
              "when the job ends)"),
     "fails": ("the job fails at once (`restartPolicy: ExitCode`: 1-127 are permanent)",
               "the `FailJob` rule fails the Job, and `fatalExitCode` the JobSet, at once"),
-    "counted": ("the pod is recreated (`ExitCode` retries 128-255; `job.backoffLimit` does not bound "
-                "recreations there)",
+    "counted": ("the pod is recreated (`ExitCode` retries 128-255); the operator counts nothing, the agents do: "
+                "past `job.backoffLimit` failures in a row without progress the node exits 2 instead",
                 "counted against `job.backoffLimit` (not when the pod has `DisruptionTarget`: evicted, "
                 "preempted, drained); past it the JobSet restarts whole, up to `workload.jobSet.maxRestarts`"),
+    "stop": ("the pod is recreated (`ExitCode` retries 128-255); a stop is no failure: nothing counts it",
+             "counted against `job.backoffLimit` unless the pod has `DisruptionTarget` (an eviction, a preemption, "
+             "a drain has it); past it the JobSet restarts whole, up to `workload.jobSet.maxRestarts`"),
     "none": ("nothing: no pod exits", "nothing is counted: no pod exits"),
 }
 
@@ -100,59 +109,78 @@ TABLE: tuple[Row, ...] = (
         "training finished: every rank exited 0, or every rank of the node finished training and only "
         "`ft_launcher`'s own shutdown failed (the store host exited first), or the launcher lost the store "
         "and the run directory says the job trained every step (a hot spare, which has no ranks to say so)",
-        "-", "done", range(0, 1)),
+        "-", "done", range(0, 1),
+        "`ft_launcher`'s return code 0, the ranks' finish marks (`exit_codes.finished_ranks`), the run "
+        "directory's last record (`agent.training_complete`)"),
     Row("configuration", str(CONFIG), "configuration",
-        "`ConfigError` (a bad key or value, missing data, a model or checkpoint that does not fit, a "
-        "missing `checkpoint.resume_from`, another job's lease), a non-finite loss at a step the job already "
-        "restarted for (the message names the step and the ranks each time), bad trainer or launcher flags, "
-        "hot spares (`--nnodes=N:M`, the chart's `spares`) under an NVRx older than 0.6, which would train "
-        "at every node that joins",
+        "a failure no restart can fix: `ConfigError` (a bad key or value, missing data, a model or checkpoint "
+        "that does not fit, a missing `checkpoint.resume_from`, another job's lease, a run or checkpoint directory "
+        "the pod's user cannot write); the same failure at the same place after a restart that replayed it (an "
+        "exception in the user's `forward` at step 1 twice, a non-finite loss at a step the job already restarted "
+        "for: the message names the failure, the place and the ranks, the traceback is in the rank's log); a "
+        "checkpoint failure that ends the job (`checkpoint.max_consecutive_failures` saves in a row, the final save, "
+        "a lost lease; a full volume named with its path and free bytes); under a PyTorchJob, more than "
+        "`job.backoffLimit` pod failures in a row without progress; bad trainer or launcher flags; hot spares "
+        "(`--nnodes=N:M`, the chart's `spares`) under an NVRx older than 0.6, which would train at every node that "
+        "joins",
         "none: in-process restart re-raises it at once; the rank marks its node, whose agent stops "
-        "`ft_launcher` before it restarts the rank", "fails", range(CONFIG, CONFIG + 1)),
+        "`ft_launcher` before it restarts the rank", "fails", range(CONFIG, CONFIG + 1),
+        "the exception's class (`exit_codes.is_configuration_failure`): `ConfigError`, "
+        "`deterministic.RepeatedFailure` (`deterministic.judge`: the failure's signature and place against the "
+        "run directory's records), a checkpoint `SaveFailed` marked permanent; the agent's own checks "
+        "(its flags, `pod_failures.judge`)"),
     Row("nvrx-no-restart", str(NVRX_NO_RESTART), "configuration",
         "NVRx 0.7's `ft_launcher` decided that restarting cannot help (its failure attribution said "
         "stop, or no progress across restarts; this project's flags enable neither)",
-        "none", "fails", range(NVRX_NO_RESTART, NVRX_NO_RESTART + 1)),
+        "none", "fails", range(NVRX_NO_RESTART, NVRX_NO_RESTART + 1), "NVRx's `ft_launcher` itself"),
     Row("stopped", "128 + N (143 for SIGTERM)", "stop",
         "the node was asked to stop (eviction, spot reclaim, scale-down: SIGTERM or SIGINT); its ranks "
         "committed a checkpoint of the current step",
-        "job level: the pod is recreated and the job resumes from that checkpoint", "counted", range(129, 193)),
+        "job level: the pod is recreated and the job resumes from that checkpoint", "stop", range(129, 193),
+        "the signal the agent received"),
     Row("killed", "128 + N (137 for SIGKILL)", "infrastructure",
         "`ft_launcher` itself was killed by signal N (the OOM killer, a node going down)",
-        "job level: the pod is recreated", "counted", range(129, 193)),
+        "job level: the pod is recreated", "counted", range(129, 193),
+        "`ft_launcher`'s return code (negative: the signal that killed it)"),
     Row("joined-again", "- (no exit)", "infrastructure",
         "a node that does not host the store saw its `ft_launcher` end with 200 or 203 below, which "
         "another node's failure causes (the store host lost, the job-wide in-job restarts spent by a "
         "peer's fault, a peer that did not join in time)",
         "the node agent: it starts `ft_launcher` again in the same pod, which joins the store pod 0 "
         "hosts, for up to `rendezvous.rejoinTimeoutSeconds` from the event; then it exits with the code",
-        "none"),
+        "none", range(0), "`rejoin.Rejoin.decide`: not the store host, within `rendezvous.rejoinTimeoutSeconds`"),
     Row("rendezvous-store-lost", str(RENDEZVOUS_LOST), "infrastructure",
         "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost) and no "
         "store came back within `rendezvous.rejoinTimeoutSeconds`",
-        "job level: the pod is recreated", "counted", range(RENDEZVOUS_LOST, RENDEZVOUS_LOST + 1)),
+        "job level: the pod is recreated", "counted", range(RENDEZVOUS_LOST, RENDEZVOUS_LOST + 1),
+        "`ft_launcher`'s own error lines (`agent.rendezvous_store_lost`)"),
     Row("unhealthy-node", str(UNHEALTHY_NODE), "infrastructure",
         "NVRx's node health checks found this node unhealthy before a rendezvous (NVRx 0.7: its GPU, NIC "
         "link, storage or external node-health check failed, or a rank asked to exclude the node; 0.4.1: "
         "its GPU check): `ft_launcher` raised `UnhealthyNodeException` and exited 1. The node does not "
-        "join again in its pod: cordon it, or let node auto-repair replace it (docs/faults-and-restarts.md)",
-        "job level: the pod is recreated (elsewhere once the node is cordoned or marked unhealthy)", "counted",
-        range(UNHEALTHY_NODE, UNHEALTHY_NODE + 1)),
+        "join again in its pod; with `pod.taintUnhealthyNode.enabled` its agent taints it `NoSchedule` first, "
+        "else cordon it or let node auto-repair replace it (docs/faults-and-restarts.md)",
+        "job level: the pod is recreated, elsewhere once the node is tainted, cordoned or marked unhealthy",
+        "counted", range(UNHEALTHY_NODE, UNHEALTHY_NODE + 1),
+        "`ft_launcher`'s own error lines (`agent.node_unhealthy`)"),
     Row("non-finite-loss", f"{NON_FINITE_LOSS} (the rank's)", "infrastructure",
         "the job's loss was non-finite (NaN, inf) at a step for the first time: a suspected hardware fault. "
         "Every rank exits 202; the ranks whose own loss was non-finite, their node and host are recorded in "
         "`<run_dir>/faults/non-finite/` and logged",
         "in-job (not in-process: it would keep the same processes and CUDA state): every rank restarts from "
         "the last checkpoint; job level once the in-job restarts are spent (the node exits 203; a trainer "
-        "that is the pod's own process exits 202)", "counted", range(NON_FINITE_LOSS, NON_FINITE_LOSS + 1)),
+        "that is the pod's own process exits 202)", "counted", range(NON_FINITE_LOSS, NON_FINITE_LOSS + 1),
+        "the loss all-reduce (`non_finite.stop`): its first time at a step; the same step again is the 2 row"),
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
-        "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, any other exception; its "
-        "in-job restarts (`resilience.launcher.max_restarts`, job-wide on NVRx 0.7) are spent. Only the "
-        "store host's pod exits with it at once: one count per event, and its replacement hosts a new "
+        "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, an exception's first time at a "
+        "place; its in-job restarts (`resilience.launcher.max_restarts`, job-wide on NVRx 0.7) are spent. Only "
+        "the store host's pod exits with it at once: one count per event, and its replacement hosts a new "
         "store with a fresh in-job budget",
         "in-process (exceptions, hangs), then in-job, then job level (128 + `EX_TEMPFAIL`)", "counted",
-        range(INFRASTRUCTURE, INFRASTRUCTURE + 1)),
+        range(INFRASTRUCTURE, INFRASTRUCTURE + 1),
+        "what is left: a failure no earlier row claims (an exception is judged first, `deterministic.judge`: a "
+        "communication or storage error every time, any other the first time at its place)"),
 )
 
 
@@ -161,8 +189,12 @@ def row(name: str) -> Row:
 
 
 def is_configuration_failure(exc: BaseException) -> bool:
-    """A failure that no restart can fix (the ``configuration`` row): never retried."""
-    return isinstance(exc, (ConfigError, FloatingPointError))
+    """A failure that no restart can fix (the ``configuration`` row): never retried. A bad
+    configuration (:class:`ConfigError`), the same failure at the same place after a restart
+    (:class:`.deterministic.RepeatedFailure`, a repeated non-finite loss among them), and an error
+    that says so itself with ``permanent = True`` (a checkpoint failure that ends the job:
+    ``checkpoint.failures.SaveFailed``)."""
+    return isinstance(exc, (ConfigError, FloatingPointError, RepeatedFailure)) or getattr(exc, "permanent", False) is True
 
 
 def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False,
@@ -207,12 +239,18 @@ def describe_code(code: int) -> str:
 
 def markdown_table() -> str:
     """:data:`TABLE` as the Markdown table ``docs/faults-and-restarts.md`` shows."""
-    lines = ["| node exit code | kind | what happened | retried by | PyTorchJob | JobSet and TrainJob |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| node exit code | kind | what happened | which rule decides | retried by | PyTorchJob | JobSet and TrainJob |",
+             "|---|---|---|---|---|---|---|"]
     for r in TABLE:
-        lines.append(f"| {r.code} | {r.kind} | {r.what} | {r.retried_by} | {r.pytorchjob()} | {r.jobset()} |")
+        lines.append(f"| {r.code} | {r.kind} | {r.what} | {r.decides} | {r.retried_by} | {r.pytorchjob()} | "
+                     f"{r.jobset()} |")
     return "\n".join(lines)
 
+
+# Where a node writes why it ended, which Kubernetes shows in the pod's status (the container's
+# terminationMessagePath); set elsewhere (the local cluster) to a file of the run directory.
+TERMINATION_LOG_ENV = "RESILIENT_FSDP_TERMINATION_LOG"
+TERMINATION_LOG = "/dev/termination-log"
 
 # ---- a rank tells its node that its failure must not be retried ---------------------------------
 

@@ -1,6 +1,6 @@
 """Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``, fired once per job (a kind the
-table marks otherwise, ``nan-loss-repeat``, each time its step runs), for tests, demos and cluster
-drills.
+table marks otherwise, ``nan-loss-repeat`` and ``exception-repeat``, each time its step runs), for
+tests, demos and cluster drills.
 
 The kinds, where each fires and which layer is expected to recover, are one table,
 :data:`resilient_fsdp.config.FAULT_KINDS` (``resilient-fsdp config --describe`` lists it): the
@@ -307,7 +307,7 @@ class FaultInjector:
             record["request"] = str(request)
         elif spec.kind == "partition":
             raise ConfigError(_partition_refusal(spec))
-        if not self.ledger.claim(spec, record):
+        if not self.ledger.claim(spec, record) and spec.kind_info.once_per_job:
             return
         print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} (after step {completed_step})"
               + (f": {details['note']}" if details and "note" in details else ""), file=sys.stderr, flush=True)
@@ -328,7 +328,7 @@ class FaultInjector:
         if spec.kind == "slow-exit":
             _EXIT_DELAYS.append(spec.for_s if spec.for_s is not None else SLOW_EXIT_DEFAULT_S)
             return
-        if spec.kind == "exception":
+        if spec.kind in ("exception", "exception-repeat"):
             raise InjectedFault(f"injected fault {spec}: an exception at step {spec.step} on rank {self.rank}")
         if spec.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -19,6 +19,18 @@ from .. import atomic
 from ..config import FaultSpec
 
 
+def json_records(directory: Path, order: str = "t") -> list[dict]:
+    """Every record of ``directory`` (a JSON file each), by its ``order`` field; a file torn by a
+    crash mid-write, or gone meanwhile, is passed over."""
+    records = []
+    for path in directory.glob("*.json") if directory.is_dir() else []:
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: r.get(order, 0.0))
+
+
 class FaultLedger:
     """Fired faults and their recoveries, one JSON file each, on storage every rank shares."""
 
@@ -89,10 +101,4 @@ class FaultLedger:
 
     def non_finite(self) -> list[dict]:
         """Every non-finite loss recorded in this run directory, oldest first."""
-        records = []
-        for path in self.non_finite_dir.glob("*.json") if self.non_finite_dir.is_dir() else []:
-            try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-        return sorted(records, key=lambda r: r["t"])
+        return json_records(self.non_finite_dir)

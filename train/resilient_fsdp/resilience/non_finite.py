@@ -1,5 +1,6 @@
 """A non-finite loss: one restart from the last checkpoint, as a suspected hardware fault; the
-same step non-finite again fails the job.
+same step non-finite again fails the job. This is the deterministic-failure rule
+(:mod:`.deterministic`) with the loss as the failure and the step as the place.
 
 On hundreds of GPUs a loss that turns NaN or infinite is as likely a GPU computing wrong values
 (silent data corruption) as a learning rate or data problem, and a restart tells the two apart:
@@ -33,6 +34,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
+from .deterministic import RepeatedFailure, earlier
 from .faults import node_index
 from .ledger import FaultLedger
 
@@ -46,9 +48,9 @@ class NonFiniteLoss(BaseException):
     passes it on."""
 
 
-class RepeatedNonFiniteLoss(FloatingPointError):
-    """A non-finite loss at a step where the job already restarted for one: configuration-type
-    (:func:`.exit_codes.is_configuration_failure`), so that no layer retries it."""
+class RepeatedNonFiniteLoss(RepeatedFailure, FloatingPointError):
+    """A non-finite loss at a step where the job already restarted for one: a repeated failure,
+    configuration-type (:func:`.exit_codes.is_configuration_failure`), so that no layer retries it."""
 
 
 def describe_ranks(ranks: list[dict]) -> str:
@@ -66,11 +68,7 @@ def non_finite_ranks(entries: list[dict]) -> list[dict]:
 def earlier_at_step(records: list[dict], step: int) -> list[dict]:
     """The records of ``records`` (oldest first) at ``step`` since the last one that failed the
     job: non-empty means the job already restarted for a non-finite loss at this step."""
-    since = 0
-    for i, record in enumerate(records):
-        if record.get("outcome") == "failed":
-            since = i + 1
-    return [r for r in records[since:] if r["step"] == step]
+    return earlier([{**r, "where": f"step {r['step']}"} for r in records], f"step {step}", None)
 
 
 def repeated_message(step: int, loss: float, earlier: list[dict], now: list[dict]) -> str:

@@ -8,6 +8,7 @@
 - ``open_files``: the process's open-files limit, raised to the hard limit at start;
 - ``model``: the built-in decoder-only transformer;
 - ``presets``: its size presets' shapes and parameter counts (importable without torch);
+- ``state_fit``: whether a training state fits its GPUs, the rule the chart applies too (no torch import);
 - ``parallelize``: FSDP2 sharding and activation checkpointing;
 - ``data``: token datasets and the resumable distributed sampler;
 - ``global_batch``: the global batch at another world size (``train.elastic_batch``; no torch import);

@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ..checkpoint.shared_volume import require_writable
-from ..config import Config, ConfigError, check_collective_timeouts, describe
+from ..config import Config, check_collective_timeouts, describe
 from ..resilience import exit_codes, faults, nccl_env
+from ..resilience.deterministic import RepeatedFailure
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
 from ..resilience.non_finite import NonFiniteLoss
@@ -97,12 +99,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         faults.delay_exit()
     except NotRetried as exc:
         return configuration_failure(exc.error)
-    except (ConfigError, FloatingPointError) as exc:
-        return configuration_failure(exc)
     except NonFiniteLoss as exc:
         return non_finite_loss(exc)
     except StopRequested as stop:
         return stop.exit_code
+    except Exception as exc:
+        if exit_codes.is_configuration_failure(exc):
+            return configuration_failure(exc)
+        raise
     finally:
         stop_helper_processes()
     return 0
@@ -115,6 +119,10 @@ def configuration_failure(exc: BaseException) -> int:
     get_error_handler().record_exception(exc)
     rank = os.environ.get("RANK", "0")
     message = f"error (rank {rank}): {exc}"
+    if isinstance(exc, RepeatedFailure) and exc.__cause__ is not None:
+        # The failure itself, as this attempt met it: where in the user's or the trainer's code.
+        print(f"error (rank {rank}): the repeated failure's traceback:\n"
+              + "".join(traceback.format_exception(exc.__cause__)).rstrip(), file=sys.stderr, flush=True)
     print(message, file=sys.stderr, flush=True)
     exit_codes.report_configuration_failure(message)
     return exit_codes.CONFIG

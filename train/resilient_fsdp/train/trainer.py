@@ -34,12 +34,12 @@ from ..checkpoint.group import RankGroup
 from ..checkpoint.memory import prefetch
 from ..checkpoint.state import CheckpointState
 from ..checkpoint.writer.process import NVRX_VERSION
-from ..config import Config, dump_yaml
+from ..config import Config, ConfigError, dump_yaml
 from ..resilience import accounting, non_finite
 from ..resilience.attempt import Attempt
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt
-from . import distributed, parallelize
+from . import distributed, parallelize, state_fit
 from .data import BatchLoader, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256
@@ -109,11 +109,13 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.t_start = time.perf_counter()
         self.attempt = Attempt(cfg.resilience, self.run_dir, resources.monitor, in_process)
-        self.build_process_group()  # 1. device, process group, the attempt's layer and faults
-        self.build_data()           # 2. data first: it checks files and factories before any allocation
-        self.build_model()          # 3. mesh, model on meta, AC, FSDP2 per block then root, materialised
-        self.build_optimizer()      # 4. optimizer and schedule
-        self.build_checkpointer()   # 5. everything a resumed run needs, and what it must match
+        # A failure from here on ends the attempt: judged, so that the same one again is not retried.
+        with self.attempt.judging_failures():
+            self.build_process_group()  # 1. device, process group, the attempt's layer and faults
+            self.build_data()           # 2. data first: it checks files and factories before any allocation
+            self.build_model()          # 3. mesh, model on meta, AC, FSDP2 per block then root, materialised
+            self.build_optimizer()      # 4. optimizer and schedule
+            self.build_checkpointer()   # 5. everything a resumed run needs, and what it must match
         self.step_times: list[float] = []
         self.last_loss = float("nan")
 
@@ -153,11 +155,31 @@ class Trainer:
         cfg = self.cfg
         mesh = distributed.build_mesh(self.info, cfg.dist.shard_group_size)
         self.model = build_any_model(cfg)
+        self.check_model_takes_the_job()  # on meta still: refused before anything is allocated
         if cfg.model.activation_checkpointing:
             parallelize.apply_ac(self.model, cfg.model.blocks)
         parallelize.apply_fsdp(self.model, mesh, self.info.device, cfg.model.blocks)
         parallelize.materialize(self.model, self.info.device, cfg.seed)
         self.num_params = count_params(self.model)
+
+    def check_model_takes_the_job(self) -> None:
+        """The sequences the model declares it takes, and, on a GPU, whether its training state fits
+        (:mod:`.state_fit`, the chart's rule at render): refused with the keys that fix them."""
+        cfg, info = self.cfg, self.info
+        name = f"model.factory={cfg.model.factory}" if cfg.model.factory else f"model.preset={cfg.model.preset}"
+        declared = getattr(self.model, "max_seq_len", None)
+        if isinstance(declared, int) and cfg.data.seq_len > declared:
+            raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the {declared} positions {name} takes (its "
+                              f"max_seq_len): set data.seq_len={declared} or less, and model.max_seq_len={declared} so "
+                              "that the chart refuses a longer one at render")
+        if info.device.type == "cuda":
+            group = distributed.shard_group_size(info.world_size, cfg.dist.shard_group_size)
+            memory = torch.cuda.get_device_properties(info.device).total_memory
+            why = state_fit.refusal(count_params(self.model), group, memory, name,
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                    f"this GPU ({torch.cuda.get_device_name(info.device)})")
+            if why:
+                raise ConfigError(why)
 
     def build_optimizer(self) -> None:
         # foreach=False keeps CPU numerics independent of grouping.
@@ -243,41 +265,42 @@ class Trainer:
         return values[0] / (accum * self.info.world_size), values[1] > 0
 
     def train(self) -> dict:
-        attempt, ckpt = self.attempt, self.checkpointer
-        attempt.mark("built")
-        ckpt.resume()
-        attempt.mark("resumed")
-        self.grad_accum = ckpt.grad_accum_steps or self.grad_accum
-        self.log_start()
-        attempt.started()
-        self.model.train()
-        resumed_step = self.counters.step
-        last = min(self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps)
-        while self.counters.step < last:
-            step = self.counters.step + 1
-            lr = self.optimizer.param_groups[0]["lr"]
-            with attempt.step(step):
-                t0 = time.perf_counter()
-                loss, stop = self.train_step()
-                step_time = time.perf_counter() - t0
-            self.counters.step = step
-            self.counters.tokens_seen += self.tokens_per_step
-            self.step_times.append(step_time)
-            self.last_loss = loss
-            if not math.isfinite(loss):  # one restart, as a suspected hardware fault; the same step again fails
-                non_finite.stop(step, loss, self.local_loss / self.grad_accum, self.info.rank, self.attempt.ledger,
-                                self.log_event)
-            ckpt_s = ckpt.after_step(step, agreed=self.checkpoint_votes)
-            self.metrics.step({"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
-                               "ckpt_s": ckpt_s, "tokens": self.tokens_per_step, "global_batch": self.global_batch,
-                               "lr": lr, "t": time.time()})
-            if len(self.step_times) == 1:
-                self.after_first_step(resumed_step)
-            self.log_learned(attempt.maybe_learn())
-            if stop:
-                self.stop_gracefully()
-        ckpt.finish(self.counters.step, save=self.cfg.checkpoint.save_final)
-        return self.finish()
+        with self.attempt.judging_failures():
+            attempt, ckpt = self.attempt, self.checkpointer
+            attempt.mark("built")
+            ckpt.resume()
+            attempt.mark("resumed")
+            self.grad_accum = ckpt.grad_accum_steps or self.grad_accum
+            self.log_start()
+            attempt.started()
+            self.model.train()
+            resumed_step = self.counters.step
+            last = min(self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps)
+            while self.counters.step < last:
+                step = self.counters.step + 1
+                lr = self.optimizer.param_groups[0]["lr"]
+                with attempt.step(step):
+                    t0 = time.perf_counter()
+                    loss, stop = self.train_step()
+                    step_time = time.perf_counter() - t0
+                self.counters.step = step
+                self.counters.tokens_seen += self.tokens_per_step
+                self.step_times.append(step_time)
+                self.last_loss = loss
+                if not math.isfinite(loss):  # one restart, as a suspected hardware fault; the same step again fails
+                    non_finite.stop(step, loss, self.local_loss / self.grad_accum, self.info.rank, self.attempt.ledger,
+                                    self.log_event)
+                ckpt_s = ckpt.after_step(step, agreed=self.checkpoint_votes)
+                self.metrics.step({"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
+                                   "ckpt_s": ckpt_s, "tokens": self.tokens_per_step, "global_batch": self.global_batch,
+                                   "lr": lr, "t": time.time()})
+                if len(self.step_times) == 1:
+                    self.after_first_step(resumed_step)
+                self.log_learned(attempt.maybe_learn())
+                if stop:
+                    self.stop_gracefully()
+            ckpt.finish(self.counters.step, save=self.cfg.checkpoint.save_final)
+            return self.finish()
 
     def after_first_step(self, resumed_step: int) -> None:
         """The attempt is training: its recoveries are closed, collectives get their steady
@@ -288,7 +311,7 @@ class Trainer:
 
     def stop_gracefully(self) -> None:
         """Commit a checkpoint of this step, then leave with the retryable stop code."""
-        self.checkpointer.finish(self.counters.step, save=True)
+        self.checkpointer.finish(self.counters.step, save=True, stopping=True)
         code = self.cfg.resilience.stop.exit_code
         self.log_event({"event": "stop", "t": time.time(), "step": self.counters.step, "exit_code": code},
                        f"stop requested (SIGTERM): checkpoint of step {self.counters.step} committed; exiting with "
