@@ -50,17 +50,18 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import psutil
 
-from . import exit_codes, metrics_endpoint, node_rank, nvrx, prewarm
+from . import exit_codes, metrics_endpoint, node_rank, node_taint, nvrx, pod_failures, prewarm
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
@@ -111,6 +112,30 @@ def node_unhealthy(returncode: int, agent_lines: Iterable[str]) -> bool:
     if returncode != 1:
         return False
     return any(_UNHEALTHY.search(line) for line in agent_lines if not _RANK_LINE.match(line))
+
+
+def unhealthy_reason(agent_lines: Iterable[str]) -> str:
+    """What NVRx said of the unhealthy node (``UnhealthyNodeException: ...``), for the pod's message
+    and the node's taint."""
+    for line in reversed(list(agent_lines)):
+        if _RANK_LINE.match(line):
+            continue
+        m = re.search(r"UnhealthyNodeException:?\s*(.*)", line)
+        if m:
+            return m[1].strip() or "NVRx node health check failed"
+    return "NVRx node health check failed"
+
+
+def taint_unhealthy_node(key: Optional[str], reason: str) -> Optional[str]:
+    """Taint this pod's node ``key``:NoSchedule (:mod:`.node_taint`) when asked to (``key``); what
+    was done, or None (not asked, or it could not be done: said, and the node exits all the same)."""
+    if not key:
+        return None
+    try:
+        return node_taint.taint_node(key, reason)
+    except node_taint.TaintError as exc:
+        _say(f"could not taint this node {key}:NoSchedule: {exc}")
+        return None
 
 
 def exit_code(returncode: int, stop_signal: Optional[int], agent_lines: Iterable[str] = (),
@@ -256,7 +281,7 @@ def _remove(path: str) -> None:
 
 def _termination_message(text: str) -> None:
     """Kubernetes shows ``/dev/termination-log`` in the pod's status; it exists only in a pod."""
-    path = os.environ.get("RESILIENT_FSDP_TERMINATION_LOG", "/dev/termination-log")
+    path = os.environ.get(exit_codes.TERMINATION_LOG_ENV, exit_codes.TERMINATION_LOG)
     if os.path.isfile(path):
         try:
             with open(path, "w") as f:
@@ -271,15 +296,21 @@ def _say(message: str) -> None:
 
 AGENT_FLAGS = {"--rejoin-timeout": "seconds a node that is not the store host keeps joining again after "
                                       "another node's failure (0: never; default 0)",
+               "--taint-unhealthy-node": "taint key: a node NVRx finds unhealthy (exit 201) is tainted KEY=<reason>:"
+                                         "NoSchedule before the node exits, so the job's next pod goes elsewhere "
+                                         "(needs get and patch on nodes; default: no taint)",
+               "--max-pod-failures": "the job's pod failures in a row without progress after which a node exits 2 "
+                                     "instead of a retried code (the PyTorchJob's job.backoffLimit, which its "
+                                     "operator does not apply; default: no bound)",
                "--metrics-port": "port of the node's Prometheus metrics endpoint (0: none; default 0)",
                "--prewarm": "true: ranks are forked from a server that has imported the trainer (resilience.prewarm; "
                             "default false)"}
 
 
-def parse_agent_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
+def parse_agent_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     """The agent's own leading flags (:data:`AGENT_FLAGS`, ended by ``--``) and ft_launcher's
     arguments (the rest)."""
-    flags: dict[str, float] = {}
+    flags: dict[str, Any] = {}
     i = 0
     while i < len(argv) and argv[i].partition("=")[0] in AGENT_FLAGS:
         name, _, value = argv[i].partition("=")
@@ -287,6 +318,14 @@ def parse_agent_args(argv: list[str]) -> tuple[dict[str, float], list[str]]:
             if value not in ("true", "false"):
                 raise ValueError(f"{argv[i]}: give {name}=true or {name}=false")
             flags[name] = float(value == "true")
+        elif name == "--max-pod-failures":
+            if not value.isdigit():
+                raise ValueError(f"{argv[i]}: give {name}=N, a whole number 0 or more")
+            flags[name] = int(value)
+        elif name == "--taint-unhealthy-node":
+            if not re.fullmatch(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", value):
+                raise ValueError(f"{argv[i]}: give {name}=KEY, a taint key such as resilient-fsdp.io/unhealthy-node")
+            flags[name] = value
         elif name == "--metrics-port":
             if not (value.isdigit() and int(value) <= 65535):
                 raise ValueError(f"{argv[i]}: give {name}=PORT, a whole number from 1 to 65535 (0: no metrics)")
@@ -412,11 +451,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not store_host and code in REJOINED_CODES and rejoin.timeout_s > 0:
             _say(rejoin.gave_up())
         if code == exit_codes.UNHEALTHY_NODE:
-            _say(f"NVRx's node health checks found this node unhealthy; ft_launcher exited {returncode}; exiting "
-                 f"{exit_codes.describe_code(code)}: cordon the node (kubectl cordon) or let node auto-repair "
-                 "replace it, so that the recreated pod lands elsewhere")
-            _termination_message(f"unhealthy node (NVRx node health check); node exit code "
-                                 f"{exit_codes.describe_code(code)}")
+            why = unhealthy_reason(lines)
+            done = taint_unhealthy_node(flags.get("--taint-unhealthy-node"), why)
+            _say(f"NVRx's node health checks found this node unhealthy ({why}); ft_launcher exited {returncode}; "
+                 f"exiting {exit_codes.describe_code(code)}: "
+                 + (f"{done}, so that the recreated pod lands elsewhere" if done else
+                    "cordon the node (kubectl cordon) or let node auto-repair replace it, so that the recreated pod "
+                    "lands elsewhere (pod.taintUnhealthyNode.enabled does it from here)"))
+            _termination_message(f"unhealthy node (NVRx node health check: {why}); node exit code "
+                                 f"{exit_codes.describe_code(code)}" + (f"; {done}" if done else ""))
         elif code == RENDEZVOUS_LOST_EXIT_CODE:
             _say(f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
                  f"exiting {exit_codes.describe_code(code)}")
@@ -425,7 +468,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
         elif not trained:
             _say("this pod stood by as a hot spare until the job ended: its launcher started no ranks; exiting 0")
+        if code in exit_codes.RETRIED and "--max-pod-failures" in flags:
+            bounded = bound_pod_failures(args, int(flags["--max-pod-failures"]), code, index)
+            if bounded is not None:
+                _say(f"{bounded}; exiting {exit_codes.CONFIG}")
+                _termination_message(bounded)
+                code = exit_codes.CONFIG
     return code
+
+
+def bound_pod_failures(args: list[str], limit: int, code: int, index: Optional[int]) -> Optional[str]:
+    """This node is about to exit ``code``, which the job level retries: count it among the job's
+    pod failures (:mod:`.pod_failures`); why the job must end instead, or None."""
+    try:
+        run_dir = metrics_endpoint.trainer_run_dir(args)
+    except metrics_endpoint.MetricsError:
+        return None
+    return pod_failures.judge(run_dir, limit, code, socket.gethostname(), index)
 
 
 def training_complete(args: list[str]) -> Optional[str]:

@@ -186,16 +186,33 @@ class LocalLauncher:
         # error files where find_root_cause looks: torchrun flags by their PET_ variables, as
         # pods take them, so the rendered command stays as it is.
         extra.update(PET_TEE="3", PET_LOG_DIR=self.runtime.pod_path(log_dir / f"node{pod.index}"))
+        # The container's termination message, as the kubelet keeps /dev/termination-log: the agent
+        # writes why the node ended there, and a failed job's summary shows it.
+        message = self.termination_log(pod)
+        message.write_text("")
+        extra[exit_codes.TERMINATION_LOG_ENV] = self.runtime.pod_path(message)
         if self.runtime.mode == "netns" and pod.security.uid:
             # The local cluster's own log directory, which a pod's user must be able to fill.
             (log_dir / f"node{pod.index}").mkdir(exist_ok=True)
             os.chown(log_dir / f"node{pod.index}", pod.security.uid, pod.security.gid or 0)
+            os.chown(message, pod.security.uid, pod.security.gid or 0)
         proc = self.runtime.start(pod, extra)
         self.procs[pod.hostname] = proc
         fwd = _Forwarder(pod.index, proc.stdout, log_dir / f"node{pod.index}.log", self.out, self.lock,
                          self.job.verbose, lambda line: self.runtime.to_host(pod, line))
         fwd.start()
         self.forwarders.append(fwd)
+
+    def termination_log(self, pod: PodSpec) -> Path:
+        return self.job.run_dir / "logs" / f"node{pod.index}.termination-log"
+
+    def termination_message(self, hostname: str) -> str:
+        pod = next((p for p in self.job.workload.pods if p.hostname == hostname), None)
+        try:
+            text = self.termination_log(pod).read_text().strip() if pod is not None else ""
+        except OSError:
+            return ""
+        return self.runtime.to_host(pod, text) if text else ""
 
     def run(self) -> int:
         job, workload = self.job, self.job.workload
@@ -355,6 +372,9 @@ class LocalLauncher:
             self.say(f"  full traceback: {cause['path']}")
         else:
             self.say(f"job FAILED: {what}; see {job.run_dir / 'logs'}")
+        message = self.termination_message(hostname) if hostname else ""
+        if message:
+            self.say(f"  {hostname}'s termination message: {message}")
         self.say(f"  {self.spent_layers(code)}")
         faults = FaultLedger(job.run_dir).fired()
         if faults:
