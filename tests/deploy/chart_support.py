@@ -13,8 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 VALUES_DIR = REPO / "values"
 MY_CLUSTER = VALUES_DIR / "examples" / "my-cluster.yaml"
 PROFILES = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
-# The smallest values that render: a user's existing claim, nothing else.
-BASE = ["storage.existingClaim=ckpt"]
+# The smallest values that render on the chart's default GPU instance type: a user's existing
+# claim and the registry the nodes pull from (the local default name is refused on GPUs).
+REGISTRY = "123456789012.dkr.ecr.us-west-2.amazonaws.com/resilient-fsdp"
+IMAGE = [f"image.repository={REGISTRY}"]
+BASE = ["storage.existingClaim=ckpt", *IMAGE]
 
 
 def profile_files(name: str) -> list[Path]:

@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from tests.deploy.chart_support import (MY_CLUSTER, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
+from tests.deploy.chart_support import (IMAGE, MY_CLUSTER, REGISTRY, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
                            mount, pod_spec, profile_files, render, volume)
 from resilient_fsdp.deploy import chart, validate
 from resilient_fsdp.config import Config, load_config, to_dict
@@ -101,7 +101,8 @@ def test_should_take_a_number_in_exponent_notation_when_given_with_set_json():
 @pytest.mark.parametrize("instance_type", sorted(t for t in INSTANCE_TYPES if t != "cpu"))
 def test_should_request_gpus_efa_and_hugepages_of_the_instance_when_instance_type_is_set(instance_type):
     spec = INSTANCE_TYPES[instance_type]
-    rendered = render(f"instanceType={instance_type}", "nodes=2")
+    # 1b: the 8b default's training state fits in no single-GPU instance type's two GPUs.
+    rendered = render(f"instanceType={instance_type}", "nodes=2", "trainer.model.preset=1b")
     c, e = container(rendered), env(rendered)
     requests, limits = c["resources"]["requests"], c["resources"]["limits"]
     assert requests == limits
@@ -183,7 +184,7 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
     assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
     args = c["args"]
     # The agent's own flags, then ft_launcher's; the store connect wait follows the join timeout.
-    assert args[:12] == ["--rejoin-timeout=1800", "--metrics-port=9410", "--prewarm=true", "--",
+    assert args[:13] == ["--rejoin-timeout=1800", "--max-pod-failures=3", "--metrics-port=9410", "--prewarm=true", "--",
                          "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
                          "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
                          "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500", "--rdzv-id=run1-resilient-fsdp",
@@ -269,7 +270,7 @@ def test_should_mount_the_existing_claim_at_checkpoint_dir_when_storage_is_exist
 def test_should_create_fsx_storage_class_and_rwx_claim_when_storage_is_fsx():
     rendered = render("storage.type=fsx", "storage.fsx.subnetId=subnet-0abc",
                       "storage.fsx.securityGroupIds={sg-01,sg-02}",
-                      "storage.fsx.perUnitStorageThroughput=500", "storage.size=2400Gi", base=[], namespace="ml")
+                      "storage.fsx.perUnitStorageThroughput=500", "storage.size=2400Gi", base=IMAGE, namespace="ml")
     sc, pvc = rendered.find("StorageClass"), rendered.find("PersistentVolumeClaim")
     assert sc["provisioner"] == "fsx.csi.aws.com"
     assert sc["parameters"] == {"subnetId": "subnet-0abc", "securityGroupIds": "sg-01,sg-02",
@@ -285,7 +286,7 @@ def test_should_create_fsx_storage_class_and_rwx_claim_when_storage_is_fsx():
 
 def test_should_claim_from_a_named_class_when_fsx_storage_class_is_not_created():
     rendered = render("storage.type=fsx", "storage.fsx.createStorageClass=false", "storage.fsx.storageClassName=fsx-sc",
-                      base=[])
+                      base=IMAGE)
     assert rendered.find("PersistentVolumeClaim")["spec"]["storageClassName"] == "fsx-sc"
     assert not [d for d in rendered.documents() if d["kind"] == "StorageClass"]
 
@@ -293,7 +294,7 @@ def test_should_claim_from_a_named_class_when_fsx_storage_class_is_not_created()
 def test_should_bind_a_static_fsx_volume_when_storage_is_fsx_static():
     rendered = render("storage.type=fsxStatic", "storage.fsxStatic.volumeHandle=fs-0123abcd",
                       "storage.fsxStatic.dnsname=fs-0123abcd.fsx.us-west-2.amazonaws.com",
-                      "storage.fsxStatic.mountname=abcdefgh", base=[])
+                      "storage.fsxStatic.mountname=abcdefgh", base=IMAGE)
     pv, pvc = rendered.find("PersistentVolume"), rendered.find("PersistentVolumeClaim")
     assert pv["spec"]["csi"] == {"driver": "fsx.csi.aws.com", "volumeHandle": "fs-0123abcd",
                                  "volumeAttributes": {"dnsname": "fs-0123abcd.fsx.us-west-2.amazonaws.com",
@@ -304,7 +305,7 @@ def test_should_bind_a_static_fsx_volume_when_storage_is_fsx_static():
 
 
 def test_should_put_the_run_on_an_empty_dir_when_storage_is_empty_dir_and_one_pod():
-    rendered = render("storage.type=emptyDir", "nodes=1", base=[])
+    rendered = render("storage.type=emptyDir", "nodes=1", base=IMAGE)
     assert volume(rendered, "shared")["emptyDir"] == {"sizeLimit": "50Gi"}
 
 
@@ -336,7 +337,7 @@ def test_should_pass_job_policy_through_when_set():
 
 
 def test_should_pass_scheduling_settings_through_when_set():
-    values = {"storage": {"existingClaim": "ckpt"}, "pod": {
+    values = {"storage": {"existingClaim": "ckpt"}, "image": {"repository": REGISTRY}, "pod": {
         "nodeSelector": {"pool": "train"}, "priorityClassName": "high", "avoidUnhealthyNodes": False,
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
@@ -371,7 +372,7 @@ def test_should_use_a_named_service_account_when_creation_is_off():
 
 
 def test_should_reference_secrets_and_pass_env_through_when_secret_env_is_set():
-    values = {"storage": {"existingClaim": "ckpt"}, "pod": {
+    values = {"storage": {"existingClaim": "ckpt"}, "image": {"repository": REGISTRY}, "pod": {
         "secretEnv": {"HF_TOKEN": {"secretName": "hf", "key": "token"}},
         "env": [{"name": "LOGLEVEL", "value": "INFO"},
                 {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "key"}}}],

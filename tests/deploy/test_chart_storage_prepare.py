@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.chart_support import pod_spec, profile_files, render, render_error
+from tests.deploy.chart_support import IMAGE, pod_spec, profile_files, render, render_error
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
 STATIC = ["storage.type=fsxStatic", "storage.fsxStatic.volumeHandle=fs-0123abcd",
@@ -21,12 +21,12 @@ def init_containers(rendered) -> list[dict]:
                                       (["storage.existingClaim=ckpt", "storage.prepare=true"], True),
                                       (FSX + ["storage.prepare=false"], False)])
 def test_should_prepare_a_new_or_static_fsx_when_storage_prepare_is_auto_or_forced(sets, on):
-    assert [c["name"] for c in init_containers(render(*sets, base=[]))] == (["prepare-storage"] if on else [])
+    assert [c["name"] for c in init_containers(render(*sets, base=IMAGE))] == (["prepare-storage"] if on else [])
 
 
 def test_should_own_only_the_run_and_checkpoint_directories_with_chown_alone_when_preparing():
     rendered = render(*FSX, "pod.securityContext.runAsUser=2000", "pod.securityContext.runAsGroup=3000",
-                      "trainer.checkpoint.dir=/fsx/ckpt/a", base=[], release="r")
+                      "trainer.checkpoint.dir=/fsx/ckpt/a", base=IMAGE, release="r")
     (init,) = init_containers(rendered)
     assert init["args"] == ["/fsx/runs/r-resilient-fsdp", "/fsx/ckpt/a", "2000:3000"]
     script = init["command"][2]
@@ -47,6 +47,30 @@ def test_should_refuse_a_storage_prepare_that_is_not_auto_true_or_false():
 def test_should_prepare_the_volume_when_a_gpu_profile_provisions_a_new_fsx(name):
     """The profiles' new FSx gets the init container by default; test_chart validates every
     profile's documents (the init container with them) against the Kubernetes schemas."""
-    rendered = render(files=profile_files(name), base=[])
+    rendered = render(files=profile_files(name), base=IMAGE)
     assert rendered.find("StorageClass")["provisioner"] == "fsx.csi.aws.com"
     assert [c["name"] for c in init_containers(rendered)] == ["prepare-storage"]
+
+
+def test_should_never_fail_the_pod_when_the_volume_cannot_be_prepared():
+    """What the script cannot do is permanent (a root-squashed file system): it says so and exits
+    0, since a failed init container is retried for ever (a PyTorchJob reads the missing `pytorch`
+    exit code as 0xbeef) or spends a JobSet's budget at once; the trainer's own check fails the job
+    with exit 2 (tests/local/test_pod_security.py runs it)."""
+    (init,) = init_containers(render(*FSX, base=IMAGE))
+    script = init["command"][2]
+    assert "exit 1" not in script and script.rstrip().endswith("exit 0")
+    assert "prepare-storage: $*; the trainer checks the directories and says how to fix them" in script
+    env = {e["name"]: e.get("value") for e in pod_spec(render(*FSX, base=IMAGE))["containers"][0]["env"]}
+    assert env["RESILIENT_FSDP_STORAGE_PREPARED"] == "true"
+
+
+def test_should_prepare_the_volume_in_the_release_check_pod_too():
+    """`helm test` on a fresh FSx: its pod prepares the directories as the training pods do, so its
+    writability check sees what they will see."""
+    rendered = render(*FSX, base=IMAGE)
+    check = rendered.find("Pod")
+    assert [c["name"] for c in check["spec"]["initContainers"]] == ["prepare-storage"]
+    assert check["spec"]["initContainers"] == init_containers(rendered)
+    assert {"name": "RESILIENT_FSDP_STORAGE_PREPARED", "value": "true"} in check["spec"]["containers"][0]["env"]
+    assert "initContainers" not in render(*FSX, "storage.prepare=false", base=IMAGE).find("Pod")["spec"]

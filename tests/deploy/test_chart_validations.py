@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.chart_support import crds, profile_files, render, render_error  # noqa: F401
+from tests.deploy.chart_support import IMAGE, crds, profile_files, render, render_error  # noqa: F401
 from resilient_fsdp.deploy import chart, validate
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
@@ -114,7 +114,7 @@ RULES = {
         ["pod.env[0].name=AWS_SECRET_ACCESS_KEY", "pod.env[0].value=abc"], None,
         ["pod.env[0] AWS_SECRET_ACCESS_KEY", "pod.secretEnv.AWS_SECRET_ACCESS_KEY", "secretKeyRef"]),
     "fsx size off the capacity steps": (
-        FSX + ["storage.size=3600Gi"], [],
+        FSX + ["storage.size=3600Gi"], IMAGE,
         ["storage.size=3600Gi", "PERSISTENT_2", "a multiple of 2400Gi", "set storage.size"]),
     "irsa role without a created account": (
         ["serviceAccount.create=false", "serviceAccount.roleArn=arn:aws:iam::123456789012:role/r"], None,
@@ -137,7 +137,7 @@ def test_should_fail_naming_the_key_when_values_break_a_cross_key_rule(case):
 
 @pytest.mark.parametrize("size", ["1200Gi", "2400Gi", "4800Gi", "14400Gi"])
 def test_should_take_each_fsx_capacity_step_when_storage_is_fsx(size):
-    assert render(*FSX, f"storage.size={size}", base=[]).find("PersistentVolumeClaim")
+    assert render(*FSX, f"storage.size={size}", base=IMAGE).find("PersistentVolumeClaim")
 
 
 def test_should_fail_naming_the_release_when_job_name_is_not_dns_1035():

@@ -346,7 +346,7 @@ def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path
 
 
 @pytest.mark.parametrize("kind, words", [
-    ("PyTorchJob", ["not a bound", "kubeflow/trainer#2045", "0 fails the job at the first pod failure"]),
+    ("PyTorchJob", ["in a row without a step trained past", "pods' agents count", "kubeflow/trainer#2045"]),
     ("JobSet", ["the Job absorbs", "workload.jobSet.maxRestarts"]),
     ("TrainJob", ["as JobSet", "TrainingRuntime"]),
 ])
@@ -361,6 +361,22 @@ def test_advise_says_what_backoff_limit_does_under_each_workload_kind(kind, word
     header = next(line for line in snippet.getvalue().splitlines() if line.startswith("# job.backoffLimit"))
     for w in words:
         assert w in row and w in header, (w, row, header)
+    # Only the keys that act under the kind: a PyTorchJob has no JobSet to restart.
+    values = yaml.safe_load(snippet.getvalue())
+    assert values["job"]["backoffLimit"] >= 1
+    if kind == "PyTorchJob":
+        assert "workload" not in values
+    else:
+        assert values["workload"]["kind"] == kind and values["workload"]["jobSet"]["maxRestarts"] >= 1
+
+
+def test_advise_help_prints_without_a_traceback(capsys):
+    from resilient_fsdp.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["advise", "--help"])
+    assert done.value.code == 0
+    assert "free at most 1% of the time" in capsys.readouterr().out
 
 
 # ---- the simulation -------------------------------------------------------------------------

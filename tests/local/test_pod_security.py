@@ -174,6 +174,30 @@ def test_prepare_storage_passes_when_another_pod_takes_the_volume_root_mid_scrip
     assert (run_dir.stat().st_uid, run_dir.stat().st_mode & 0o777) == (10001, 0o700)
 
 
+def test_prepare_storage_that_cannot_prepare_passes_and_the_trainer_names_its_log(tmp_path):
+    """A file system that squashes root, whose root another UID owns (played by the init container
+    running as root with no capability at all, on a 0755 volume of UID 20000): the init container
+    cannot give the run directory to the pod's user, says so, and exits 0, so no controller retries
+    it for ever; the trainer's own check then refuses the start, pointing at that log."""
+    workload = pods_of(rendered("storage.prepare=true").documents())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o755)
+    os.chown(run_dir, 20000, 20000)
+    pod = workload.pods[0]
+    (init,) = pod.init_containers
+    init.security = security_of({"securityContext": {"runAsUser": 0, "runAsGroup": 0}},
+                                {"securityContext": {"capabilities": {"drop": ["ALL"]}}}, "squashed root")
+    check = "from pathlib import Path; from resilient_fsdp.checkpoint.shared_volume import require_writable; " \
+            "require_writable(Path('/fsx/checkpoints'), 'checkpoint.dir')"
+    code, out = start(workload, run_dir, [sys.executable, "-c", check])
+    assert "prepare-storage: could not give /fsx to 10001:10001" in out, out
+    assert "init container prepare-storage exited" not in out  # it passed: the trainer container ran
+    assert code == 1 and "ConfigError: checkpoint.dir='/fsx/checkpoints' is not writable by uid 10001" in out, out
+    assert "storage.prepare is on and its init container could not make it so" in out
+    assert "kubectl logs POD -c prepare-storage" in out
+    assert run_dir.stat().st_uid == 20000  # nothing was changed
+
+
 def test_loopback_runs_init_containers_before_the_command_and_stops_at_a_failing_one(tmp_path):
     """Loopback (no namespaces, no security context): the init containers still run first, in
     order, with the mount path in their arguments rewritten to the run directory, and a failing one

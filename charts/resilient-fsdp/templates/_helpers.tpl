@@ -260,3 +260,15 @@ ft_config.yaml: |
 {{- define "resilient-fsdp.configMapName" -}}
 {{- printf "%s-config-%s" (include "resilient-fsdp.fullname" .) (include "resilient-fsdp.configData" . | sha256sum | trunc 10) }}
 {{- end }}
+
+{{/*
+A trainer key (`section.key`) as the pods' trainer reads it: the user's `trainer` value, else the
+trainer's own default (_trainer_facts.tpl), as JSON `{"v": value}` (`fromJson` takes objects only).
+*/}}
+{{- define "resilient-fsdp.trainerValue" -}}
+{{- $parts := splitList "." .key }}
+{{- $section := get (.ctx.Values.trainer | default dict) (index $parts 0) | default dict }}
+{{- $defaults := (include "resilient-fsdp.trainerFacts" . | fromJson).defaults }}
+{{- if hasKey $section (index $parts 1) }}{{ dict "v" (get $section (index $parts 1)) | toJson }}
+{{- else }}{{ dict "v" (get $defaults .key) | toJson }}{{ end }}
+{{- end }}

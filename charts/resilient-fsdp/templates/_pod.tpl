@@ -36,7 +36,8 @@ spec:
   restartPolicy: Never
   {{- end }}
   serviceAccountName: {{ include "resilient-fsdp.serviceAccountName" $ }}
-  automountServiceAccountToken: {{ $v.serviceAccount.automountToken }}
+  # The agent's token for tainting its node (pod.taintUnhealthyNode), else the chart's setting.
+  automountServiceAccountToken: {{ or $v.serviceAccount.automountToken $v.pod.taintUnhealthyNode.enabled }}
   terminationGracePeriodSeconds: {{ include "resilient-fsdp.terminationGrace" $ }}
   {{- with $v.pod.priorityClassName }}
   priorityClassName: {{ . }}
@@ -79,6 +80,16 @@ spec:
         # The node agent's own flag: a node other than the store host joins again in its pod when
         # another node's failure ends its launcher (one event counts once, on the store host's pod).
         - --rejoin-timeout={{ int $v.rendezvous.rejoinTimeoutSeconds }}
+        {{- if and (eq $v.workload.kind "PyTorchJob") (gt (int $v.job.backoffLimit) 0) }}
+        # The operator recreates pods that exit 128-255 for ever (its backoffLimit of 1 or more
+        # counts nothing; 0 it applies itself): the agents count the job's pod failures in the run
+        # directory and end the job (exit 2) after more than job.backoffLimit in a row without progress.
+        - --max-pod-failures={{ int $v.job.backoffLimit }}
+        {{- end }}
+        {{- if $v.pod.taintUnhealthyNode.enabled }}
+        # A node NVRx finds unhealthy is tainted before the pod exits 201 (its NODE_NAME below).
+        - --taint-unhealthy-node={{ $v.pod.taintUnhealthyNode.key }}
+        {{- end }}
         {{- if $v.metrics.enabled }}
         # The run's Prometheus metrics, served by the agent (container port `metrics`).
         - --metrics-port={{ int $v.metrics.port }}
@@ -130,6 +141,18 @@ spec:
         # The root file system is read-only: caches (torch, triton) go to the /tmp volume.
         - name: HOME
           value: /tmp
+        {{- if include "resilient-fsdp.prepareStorageOn" $ }}
+        # Its init container prepared the shared volume: a directory the trainer still cannot
+        # write is one it could not, and the trainer's message points at its log.
+        - name: RESILIENT_FSDP_STORAGE_PREPARED
+          value: "true"
+        {{- end }}
+        {{- if $v.pod.taintUnhealthyNode.enabled }}
+        - name: NODE_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: spec.nodeName
+        {{- end }}
         {{- if $gpu }}
         - name: NCCL_DEBUG
           value: {{ $v.nccl.debug | quote }}
@@ -286,7 +309,11 @@ expressions in a term ANDed, so every term must carry them).
 storage.prepare: an init container that makes the run and checkpoint directories the pod user's
 on a volume whose root is root's and where the CSI driver skips fsGroup (FSx on RWX). Only those
 two directories change owner, not what is in them; root with CHOWN alone, inside Pod Security
-baseline.
+baseline. It always exits 0: what it cannot do (a root-squashed file system, a root another UID
+owns) is permanent, and a failed init container is retried for ever (a PyTorchJob reads the
+missing `pytorch` exit code as 0xbeef, which it recreates) or spends a JobSet's budget at once.
+It says what it could not do, and the trainer's own check of the directories fails the job with
+exit 2 and the fix. The `helm test` pod runs it too.
 */}}
 {{- define "resilient-fsdp.prepareStorage" -}}
 {{- if include "resilient-fsdp.prepareStorageOn" . }}
@@ -304,7 +331,7 @@ initContainers:
     command:
       - sh
       - -c
-      - 'mkdir -p -- "$1" || exit 1; mkdir -p -- "$2" 2>/dev/null; if [ -d "$2" ]; then chown -- "$3" "$2" 2>/dev/null || [ ! -d "$2" ] || chown -- "$3" "$2" || exit 1; fi; chown -- "$3" "$1"'
+      - 'say() { echo "prepare-storage: $*; the trainer checks the directories and says how to fix them" >&2; }; if ! mkdir -p -- "$1"; then say "could not create $1"; exit 0; fi; mkdir -p -- "$2" 2>/dev/null; if [ -d "$2" ]; then chown -- "$3" "$2" 2>/dev/null || [ ! -d "$2" ] || chown -- "$3" "$2" || say "could not give $2 to $3"; fi; chown -- "$3" "$1" || say "could not give $1 to $3"; exit 0'
       - prepare-storage
     args:
       - {{ include "resilient-fsdp.runDir" . | quote }}

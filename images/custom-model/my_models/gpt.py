@@ -39,6 +39,10 @@ class Block(nn.Module):
 
 
 class SmallGPT(nn.Module):
+    # The trainer refuses a data.seq_len above it before anything is allocated; the values file
+    # says the same (model.max_seq_len), so that the chart refuses it at render.
+    max_seq_len = MAX_SEQ_LEN
+
     def __init__(self, vocab_size: int, dim: int = DIM, n_layers: int = N_LAYERS, n_heads: int = N_HEADS):
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim)

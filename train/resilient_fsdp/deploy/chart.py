@@ -379,15 +379,64 @@ def update_resilience_defaults(chart: Optional[str | Path] = None) -> Path:
     return path
 
 
+# ---- what the chart's rules know of the trainer --------------------------------------------------
+
+FACTS_TEMPLATE = "_trainer_facts.tpl"
+# The trainer keys the chart's rules read (templates/validations.yaml), with the trainer's defaults
+# for a user who leaves them out.
+FACT_KEYS = ("model.preset", "model.factory", "model.vocab_size", "model.max_seq_len", "data.source", "data.path",
+             "data.factory", "data.seq_len", "dist.device", "dist.timeout_s", "dist.init_timeout_s",
+             "dist.shard_group_size")
+
+
+def trainer_facts() -> dict:
+    """What the chart's cross-key rules need of the trainer, from the trainer itself: the defaults
+    of :data:`FACT_KEYS`, each built-in preset's size (parameters besides the embeddings, width,
+    vocabulary: the embedding and the output projection are ``vocab x width`` each), and the limits
+    the chart and the trainer both apply (:mod:`resilient_fsdp.train.state_fit`,
+    :data:`resilient_fsdp.config.DUMP_MARGIN_S`)."""
+    from ..config import DUMP_MARGIN_S, Config, to_dict
+    from ..train import state_fit
+    from ..train.presets import PRESETS, parameter_count
+
+    config = to_dict(Config())
+    defaults = {}
+    for key in FACT_KEYS:
+        section, name = key.split(".")
+        defaults[key] = config[section][name]
+    presets = {name: {"params_besides_embeddings": parameter_count(args) - 2 * args.vocab_size * args.dim,
+                      "dim": args.dim, "vocab_size": args.vocab_size} for name, args in PRESETS.items()}
+    return {"defaults": defaults, "presets": presets, "dump_margin_s": DUMP_MARGIN_S,
+            "training_bytes_per_param": state_fit.TRAINING_BYTES_PER_PARAM,
+            "max_state_percent": state_fit.MAX_STATE_PERCENT}
+
+
+def trainer_facts_template() -> str:
+    """``templates/_trainer_facts.tpl``: :func:`trainer_facts` as a named template of JSON."""
+    return ("{{/*\nWhat the chart's rules (validations.yaml) know of the trainer: its defaults for the keys they\n"
+            "read, the built-in presets' sizes, and the limits both apply. Generated from resilient_fsdp\n"
+            "(python -m resilient_fsdp.deploy.chart --update-schema); a test keeps it current.\n*/}}\n"
+            "{{- define \"resilient-fsdp.trainerFacts\" -}}\n"
+            f"{json.dumps(trainer_facts(), sort_keys=True)}\n"
+            "{{- end }}\n")
+
+
+def update_trainer_facts(chart: Optional[str | Path] = None) -> Path:
+    path = chart_dir(chart) / "templates" / FACTS_TEMPLATE
+    path.write_text(trainer_facts_template())
+    return path
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.deploy.chart")
     parser.add_argument("--update-schema", action="store_true",
-                        help="rewrite the trainer part of values.schema.json, and the trainer.resilience defaults "
-                             "of values.yaml, from resilient_fsdp.config")
+                        help="rewrite the trainer part of values.schema.json, the trainer.resilience defaults "
+                             "of values.yaml and templates/_trainer_facts.tpl, from resilient_fsdp.config")
     args = parser.parse_args(argv)
     if args.update_schema:
         print(f"updated {update_schema_file()}")
         print(f"updated {update_resilience_defaults()}")
+        print(f"updated {update_trainer_facts()}")
         return 0
     parser.print_help()
     return 2

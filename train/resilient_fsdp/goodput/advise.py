@@ -85,12 +85,15 @@ DEFAULT_STARTUP_S = 60.0  # building and sharding the model and joining the rend
 # v1.9.4 recreates a pod that exits 128-255 under restartPolicy ExitCode, and its backoff check
 # (pkg/controller.v1/common/job.go with a FakeWorkQueue whose NumRequeues is always 0;
 # pkg/core/job.go, which adds up restarts of Running pods only) fires only for a limit of 0
-# (kubeflow/trainer#2045). JobSet and TrainJob: the Job counts pod failures its podFailurePolicy
-# does not ignore (kubernetes batch/v1), and the chart restarts the whole JobSet when it is spent.
+# (kubeflow/trainer#2045), so the pods' agents apply it (resilience/pod_failures.py). JobSet and
+# TrainJob: the Job counts pod failures its podFailurePolicy does not ignore (kubernetes batch/v1),
+# and the chart restarts the whole JobSet when it is spent.
 BACKOFF_LIMIT_MEANING = {
-    "PyTorchJob": "not a bound under restartPolicy ExitCode (training-operator v1.9.4, kubeflow/trainer#2045): "
-                  "0 fails the job at the first pod failure, >= 1 never stops recreating pods that exit 128-255; "
-                  "only an exit of 1-127 or job.activeDeadlineSeconds ends the job. A budget that counts: --kind JobSet",
+    "PyTorchJob": "pod failures (exits 128-255 other than a graceful stop's, one at most per event) in a row "
+                  "without a step trained past the furthest the earlier ones reached, which the pods' agents count: "
+                  "one more ends the job (exit 2). The operator itself (training-operator v1.9.4, "
+                  "kubeflow/trainer#2045) recreates such pods for ever, and workload.jobSet.maxRestarts does "
+                  "nothing here",
     "JobSet": "pod failures (exits 128-255, evictions excepted) the Job absorbs, one at most per event (the "
               "other nodes join again in their pods); one more restarts the whole JobSet with a fresh budget, "
               "up to workload.jobSet.maxRestarts times",
@@ -479,7 +482,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "DLRover's published share)")
     p.add_argument("--spares", nargs="?", const="auto", metavar="S",
                    help="hot spares (the chart's spares): with no number or 'auto', the fewest for which a node loss "
-                        f"finds none free at most {SPARE_MISS_TARGET:.0%} of the time; with a number, that many. "
+                        f"finds none free at most {SPARE_MISS_TARGET:.0%}% of the time; with a number, that many. "
                         "Shows the chance, the cost and the goodput with and without them")
     p.add_argument("--replacement-s", type=float,
                    help="with --spares: until a lost pod's replacement joins as a spare (default: --job-restart-s)")
@@ -702,6 +705,16 @@ def _slow_storage_note(a: Advice) -> str:
             "--storage-throughput)")
 
 
+def values_for_kind(values: dict, kind: str) -> dict:
+    """``values`` (every key the advisor derives) with only the keys that act under ``kind``: a
+    PyTorchJob has no JobSet to restart (``workload.jobSet``); another kind is named, so that the
+    snippet selects it."""
+    out = {k: v for k, v in values.items() if k != "workload"}
+    if kind != "PyTorchJob":
+        out["workload"] = {"kind": kind, **values.get("workload", {})}
+    return out
+
+
 def render_values(a: Advice, kind: str = "PyTorchJob") -> str:
     i = a.inputs
     header = (f"# resilient-fsdp advise --instance {i.instance} --nodes {i.nodes} --job-hours {i.job_hours:g} "
@@ -713,7 +726,7 @@ def render_values(a: Advice, kind: str = "PyTorchJob") -> str:
               + "".join(f"#   spares: {line}\n" for line in (a.spares["explain"] if a.spares is not None else []))
               + "".join(f"#   estimated {line}\n" for line in (i.estimate.explain() if i.estimate else []))
               + f"# job.backoffLimit with workload.kind={kind}: {BACKOFF_LIMIT_MEANING[kind]}\n")
-    return header + yaml.safe_dump(a.values(), sort_keys=False)
+    return header + yaml.safe_dump(values_for_kind(a.values(), kind), sort_keys=False)
 
 
 def main(args: argparse.Namespace, out=None) -> int:

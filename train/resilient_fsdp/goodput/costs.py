@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..train.presets import PRESETS, parameter_count
+from ..train.state_fit import TRAINING_BYTES_PER_PARAM
 
 BYTES_PER_PARAM = 12
 """fp32 master weights + two AdamW moments (8B parameters: ~96 GB; 70B: ~847 GB)."""
@@ -59,12 +60,11 @@ small objects, so the rate is set by object count, not bytes)."""
 # GPU memory (GB) per instance family: A100 40/80, A10G 24, L4 24, H100 80, H200 141, B200 180.
 GPU_MEMORY_GB = {"p4d": 40.0, "p4de": 80.0, "g5": 24.0, "g6": 24.0, "p5": 80.0, "p5e": 141.0, "p5en": 141.0,
                  "p6-b200": 180.0}
-TRAINING_BYTES_PER_PARAM = 16
-"""What a GPU holds of each parameter in its shard while training: the state's 12 bytes and the
-fp32 gradient's 4."""
 STATE_SHARE_OF_GPU = 0.5
-"""The share of a GPU's memory the sharded training state may take; the rest is the gathered
-bf16 layers, activations and NCCL's buffers."""
+"""The share of a GPU's memory the advisor plans the sharded training state to take when it
+suggests a shard group, leaving room for the gathered bf16 layers, activations and NCCL's buffers.
+A plan, not a limit: the chart and the trainer refuse a state only above
+``train.state_fit.MAX_STATE_PERCENT``."""
 D2H_GB_S = {"p4d": 25.0, "p4de": 25.0, "g5": 25.0, "g6": 25.0, "p5": 53.0, "p5e": 53.0, "p5en": 53.0,
             "p6-b200": 53.0}
 HOST_COPY_GB_S = 25.0
