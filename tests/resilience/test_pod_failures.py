@@ -104,6 +104,9 @@ def test_pods_that_keep_failing_at_the_same_step_end_a_pytorchjob_past_its_backo
     assert_no_leftovers(run_dir)
 
 
+# Extended tier: in CI the row's rule is test_a_failure_past_the_furthest_starts_a_new_row's, and the
+# progress it reads (metrics.jsonl's last step) test_progress_is_the_last_step_recorded's.
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_pods_that_fail_but_train_further_each_time_are_never_ended_by_the_bound(tmp_path, plugin_dir):
     """job.backoffLimit=1, yet three pod lives: each failure comes two steps past the last, so

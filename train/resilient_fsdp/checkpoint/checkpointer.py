@@ -18,8 +18,9 @@ commits on the training thread. :meth:`~Checkpointer.resume` is :mod:`.resume`'s
 rank verifies its share of the files and loads.
 
 A periodic save that fails (:class:`~.failures.SaveFailed`) is reported and training goes on, up
-to ``checkpoint.max_consecutive_failures`` in a row (:mod:`.failures`); the final save and a
-graceful stop's fail the job, as a lost lease does.
+to ``checkpoint.max_consecutive_failures`` in a row (:mod:`.failures`); the final save fails the
+job, as a lost lease does, all three permanently (exit 2, retried by no layer); a graceful stop's
+failed save fails the attempt, which the restart resumes from the newest committed checkpoint.
 """
 
 from __future__ import annotations

@@ -14,13 +14,18 @@ and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
 - ``ft_launcher`` lost the rendezvous store (its host, pod 0's agent, died with its pod):
   :data:`.exit_codes.RENDEZVOUS_LOST` (see :func:`rendezvous_store_lost`);
 - NVRx's node health checks found the node unhealthy: :data:`.exit_codes.UNHEALTHY_NODE`
-  (see :func:`node_unhealthy`);
+  (see :func:`node_unhealthy`), its node tainted first with ``--taint-unhealthy-node``
+  (:mod:`.node_taint`);
 - ``ft_launcher`` failed otherwise (in-job restarts spent after infrastructure-type failures,
   lost peers, a join timeout): :data:`.exit_codes.INFRASTRUCTURE`;
 - 0 when training finished, also when every rank of the node finished and only ft_launcher's
   shutdown failed (the store host went first), or when the launcher lost the store and the run
   directory says the job trained all its steps (:func:`training_complete`: a hot spare has no
   ranks of its own to say so).
+
+With ``--max-pod-failures=N`` (a PyTorchJob's ``job.backoffLimit``, which its operator does not
+apply) a code the job level retries is first counted among the job's pod failures
+(:mod:`.pod_failures`): past N in a row without progress the node exits 2 instead.
 
 With ``--nnodes=N:M`` (``spares`` in the chart) the pods beyond N wait as hot spares, which NVRx
 0.6 or newer keeps standby; under an older NVRx the node exits 2 before it starts the launcher
