@@ -20,6 +20,10 @@ RULES = {
     "image repository empty": (
         ["image.repository="], None,
         ["image.repository", "set it"]),
+    "the local image name on a gpu instance type": (
+        ["image.repository=resilient-fsdp"], None,
+        ["image.repository=resilient-fsdp is the chart's default for a local cluster", "instanceType=p5.48xlarge has GPUs",
+         "pull resilient-fsdp:0.1.0 from Docker Hub", "Set image.repository to the registry the nodes pull from"]),
     "gpus per node above the instance": (
         ["gpusPerNode=16"], None,
         ["gpusPerNode=16", "8 GPUs", "p5.48xlarge", "set gpusPerNode to 8"]),
@@ -236,3 +240,11 @@ def test_should_render_hsdp_whose_shard_group_divides_the_world_whatever_the_spa
     rendered = render("nodes=4", "spares=1", "trainer.dist.shard_group_size=16")
     assert "shard_group_size: 16" in rendered.find("ConfigMap")["data"]["config.yaml"]
     assert "does not divide" in render_error("nodes=4", "spares=1", "trainer.dist.shard_group_size=40")
+
+
+def test_should_take_the_local_image_name_where_the_nodes_have_no_gpus():
+    """kind or minikube with the image loaded by name: the default repository is what they need."""
+    rendered = render("instanceType=cpu", "image.repository=resilient-fsdp")
+    pytorchjob = rendered.find("PyTorchJob")
+    image = pytorchjob["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["image"]
+    assert image == "resilient-fsdp:0.1.0"
