@@ -264,9 +264,9 @@ class Checkpointer:
         if final:
             self.streak.count += 1
             newest = f"step {self.last_committed_step}" if self.last_committed_step is not None else "none"
-            what = "a graceful stop's checkpoint" if stopping else "the checkpoint that ends this run (checkpoint.save_final)"
-            end = SaveFailed(f"{exc}. {what[0].upper() + what[1:]} was not committed; the newest committed checkpoint: "
-                             f"{newest}", exc.cause, exc.step, fatal=True, permanent=not stopping)
+            what = "A graceful stop's checkpoint" if stopping else "The checkpoint that ends this run (checkpoint.save_final)"
+            end = SaveFailed(f"{exc}. {what} was not committed; the newest committed checkpoint: {newest}", exc.cause,
+                             exc.step, fatal=True, permanent=not stopping)
         else:
             try:
                 self.streak.failed(exc)

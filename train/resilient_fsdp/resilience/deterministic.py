@@ -151,6 +151,10 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def transient_reason(exc: BaseException) -> Optional[str]:
     """Why ``exc`` (or what caused it) is a communication or storage failure, which keeps every
     retry; None when it is judged by the rule."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # torch without distributed: nothing raises it
+        DistError = ()
     for e in _chain(exc):
         module = type(e).__module__ or ""
         if module.split(".")[0] in _TRANSIENT_MODULES:
@@ -159,12 +163,8 @@ def transient_reason(exc: BaseException) -> Optional[str]:
             return f"{type(e).__name__}: a lost connection or a timeout"
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return f"{errno.errorcode.get(e.errno, e.errno)}: an I/O or network error that may pass"
-        try:
-            import torch.distributed as dist
-            if isinstance(e, dist.DistError):
-                return f"{type(e).__name__}: a collective or the rendezvous store failed"
-        except ImportError:
-            pass
+        if isinstance(e, DistError):
+            return f"{type(e).__name__}: a collective or the rendezvous store failed"
         if isinstance(e, RuntimeError) and _COMMUNICATION.search(str(e)):
             return "a collective's or the process group's error (a peer failed, or its connection did)"
     return None
