@@ -210,3 +210,17 @@ def test_under_in_process_restart_the_same_failure_ends_after_one_in_process_res
 
 def test_the_records_live_beside_the_fault_ledger(tmp_path):
     assert FailureRecords(tmp_path).dir == tmp_path / "faults" / deterministic.RECORDS
+
+
+def test_a_thousand_ranks_failing_alike_keep_one_record_and_a_torn_one_is_passed_over(tmp_path):
+    """1,000 ranks of one attempt meet the same bug: one file (the first rank's), said once; a
+    record torn by a crash mid-write (a rank killed halfway through writing it) judges nothing."""
+    records = FailureRecords(tmp_path)
+    records.dir.mkdir(parents=True)
+    (records.dir / "0123456789abcdef-step-1-torn-restart.json").write_text('{"where": "step 1", "dig')
+    exc = _raised(ValueError("sequence of 4096 tokens; this model handles up to 2048"))
+    said = [judge(exc, "step 1", "a1", records, {"rank": r, "node": r // 8}) for r in range(1000)]
+    assert sum(1 for s in said if s) == 1
+    assert len(list(records.dir.glob("*.json"))) == 2 and len(records.read()) == 1
+    with pytest.raises(RepeatedFailure, match="on rank 0 "):
+        judge(exc, "step 1", "a2", records, {"rank": 999, "node": 124})
