@@ -3,9 +3,10 @@
 
 PIP_VERSION=26.3
 
-# What an install with each extra also holds (pyproject.toml: `test` includes `chart` and
-# `report`; every extra includes the base), so a venv set up for the tests runs the demo as is.
-declare -A EXTRAS_COVER=([test]="chart report base" [chart]="base" [report]="base")
+# What an install with each extra also holds (pyproject.toml: `test` includes `chart`, `report`,
+# `hf` and `data`, `local` is `chart` and `hf`; every extra includes the base), so a venv set up
+# for the tests runs the demo as is.
+declare -A EXTRAS_COVER=([test]="local chart report hf data base" [local]="chart hf base" [chart]="base" [report]="base")
 
 ensure_venv() {  # usage: ensure_venv EXTRAS   (e.g. "", "chart" or "test")
   local extras="$1" python="${PYTHON:-python3}" spec="."

@@ -12,8 +12,10 @@ import math
 import re
 import sys
 
+import pytest
 import yaml
 
+from tests.deploy.chart_support import IMAGE, PROFILES, config_map, profile_files, render, render_error
 from tests.support import assert_no_leftovers, read_summary, run_local, run_trainer
 from tests.deploy.image_support import REPO
 from resilient_fsdp.deploy import chart
@@ -65,6 +67,30 @@ def test_the_package_trains_through_model_factory_in_a_local_run(tmp_path):
     assert_no_leftovers(run_dir)
 
 
+@pytest.mark.parametrize("profile", [p for p in PROFILES if p != "dev-cpu"])
+def test_the_example_renders_on_every_gpu_profile_within_its_sequence_limit(profile):
+    """Every GPU profile, then the cluster's file, then the example's values: the chart renders it,
+    and the sequences the pods train are within what the model declares."""
+    rendered = render(files=profile_files(profile) + [VALUES], base=IMAGE)
+    config = config_map(rendered, "config.yaml")
+    assert config["model"]["factory"] == FACTORY
+    assert config["data"]["seq_len"] <= config["model"]["max_seq_len"] == _declared_max_seq_len()
+    longer = render_error(f"trainer.data.seq_len={config['model']['max_seq_len'] + 1}",
+                          files=profile_files(profile) + [VALUES], base=IMAGE)
+    assert "is above trainer.model.max_seq_len" in longer
+
+
+def _declared_max_seq_len() -> int:
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        gpt = importlib.import_module("my_models.gpt")
+        return gpt.build_model(ModelConfig(factory=FACTORY, vocab_size=4096)).max_seq_len
+    finally:
+        sys.path.remove(str(EXAMPLE))
+        sys.modules.pop("my_models.gpt", None)
+        sys.modules.pop("my_models", None)
+
+
 def test_a_missing_vocabulary_size_is_a_configuration_error(tmp_path):
     out = run_trainer(tmp_path / "run", overrides=[f"model.factory={FACTORY}", "train.steps=2"],
                       pythonpath=[EXAMPLE])
@@ -74,7 +100,16 @@ def test_a_missing_vocabulary_size_is_a_configuration_error(tmp_path):
 
 def test_dockerfile_starts_from_the_trainer_image_and_adds_only_the_package():
     text = (EXAMPLE / "Dockerfile").read_text()
-    assert dockerfile_args(EXAMPLE / "Dockerfile") == {"TRAINER_IMAGE": f"resilient-fsdp:{project_version()}"}
+    assert dockerfile_args(EXAMPLE / "Dockerfile") == {"TRAINER_IMAGE": f"resilient-fsdp:{project_version()}",
+                                                       "EXTRA_PIP_PACKAGES": "", "TRAINER_UID": "10001"}
+    # Extra packages install as root, under the trainer image's constraints, and the user is restored.
+    trainer_uid = dockerfile_args(REPO / "images/trainer/Dockerfile")["TRAINER_UID"]
+    assert trainer_uid == "10001"
+    steps = re.findall(r"^(USER .*|RUN .*|COPY .*)$", text, re.M)
+    assert steps[:3] == ["USER 0:0", "RUN if [ -n \"${EXTRA_PIP_PACKAGES}\" ]; then \\", "USER ${TRAINER_UID}:${TRAINER_UID}"]
+    assert "--constraint /opt/resilient-fsdp/deps/constraints.txt" in text
+    assert re.search(r"^WORKDIR /opt/resilient-fsdp$", (REPO / "images/trainer/Dockerfile").read_text(), re.M)
+    assert "image_deps.py plan --project . --out deps" in (REPO / "images/trainer/Dockerfile").read_text()
     assert re.search(r"^FROM \$\{TRAINER_IMAGE\} AS custom-model$", text, re.M)
     assert "COPY my_models/ /opt/resilient-fsdp/models/my_models/" in text
     # That directory is on the trainer image's sys.path, and the build imports the same factory.

@@ -88,8 +88,13 @@ def installed() -> dict[str, tuple[str, str]]:
     return found
 
 
+# Extras the image installs besides ``[project].dependencies``: ``hf`` builds model.hf_config models.
+IMAGE_EXTRAS = ("hf",)
+
+
 def project_requirements(pyproject: Path) -> list[str]:
-    """``[project].dependencies`` of ``pyproject.toml``: what the trainer needs at run time."""
+    """``[project].dependencies`` of ``pyproject.toml`` and the extras in :data:`IMAGE_EXTRAS`:
+    what the trainer needs at run time."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: the image has 3.12, this path is for odd hosts only
@@ -98,6 +103,11 @@ def project_requirements(pyproject: Path) -> list[str]:
     deps = data.get("project", {}).get("dependencies")
     if not isinstance(deps, list) or not deps:
         raise DepsError(f"{pyproject}: no [project].dependencies list")
+    extras = data.get("project", {}).get("optional-dependencies", {})
+    for name in IMAGE_EXTRAS:
+        if not isinstance(extras.get(name), list):
+            raise DepsError(f"{pyproject}: no [project.optional-dependencies].{name} list (the image installs it)")
+        deps = deps + [d for d in extras[name] if d not in deps]
     return [str(d) for d in deps]
 
 
