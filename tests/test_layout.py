@@ -22,8 +22,8 @@ from tests.support import REPO
 
 PACKAGE = REPO / "train" / "resilient_fsdp"
 # What runs in a pod, and what it may never import.
-POD_SIDE = ("resilient_fsdp.config", "resilient_fsdp.atomic", "resilient_fsdp.train", "resilient_fsdp.checkpoint",
-            "resilient_fsdp.resilience")
+POD_SIDE = ("resilient_fsdp.config", "resilient_fsdp.atomic", "resilient_fsdp.train", "resilient_fsdp.data",
+            "resilient_fsdp.hf", "resilient_fsdp.checkpoint", "resilient_fsdp.resilience")
 NOT_IN_PODS = ("resilient_fsdp.local", "resilient_fsdp.deploy", "resilient_fsdp.bench", "resilient_fsdp.goodput",
                "resilient_fsdp.cli")
 # The only modules that import nvidia_resiliency_ext or adapt to it, each named for what it wraps.
@@ -38,7 +38,7 @@ NVRX_INTERNALS = {"cpu_shm_mode", "no_dist", "restart_health_check", "_async_cal
 FILE_COMMIT_CALLS = {("os", "replace"), ("os", "rename"), ("os", "fsync"), ("os", "link"), ("shutil", "move")}
 TOP_LEVEL = {"__init__", "atomic", "cli"}
 # The top-level packages: the pod side, then the workstation side.
-PACKAGES = {"config", "train", "checkpoint", "resilience", "local", "deploy", "bench", "goodput"}
+PACKAGES = {"config", "train", "data", "hf", "checkpoint", "resilience", "local", "deploy", "bench", "goodput"}
 
 
 @cache

@@ -280,7 +280,11 @@ def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):
         (local / "step_00000006" / "__0_0.distcp").read_bytes()
     assert cli_main(["checkpoints", "pull", "--step", "5", "--dir", str(tmp_path / "new"), *base]) == 1
     assert "no complete step 5" in capsys.readouterr().err
-    assert cli_main(["checkpoints", "list", "--dir", str(local)]) == 2
+    # Without an S3 URI, the local checkpoints alone (push and pull still need one).
+    assert cli_main(["checkpoints", "list", "--dir", str(local)]) == 0
+    listed = capsys.readouterr().out
+    assert "S3:" not in listed and [ln.split()[0] for ln in listed.splitlines()[2:]] == ["3", "6"]
+    assert cli_main(["checkpoints", "push", "--dir", str(local)]) == 2
     assert "checkpoint.s3.uri is not set" in capsys.readouterr().err
 
 

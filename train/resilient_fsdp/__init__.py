@@ -8,6 +8,10 @@ The folders are the architecture; each package's own docstring lists its modules
 - ``cli``: the ``resilient-fsdp`` command (argument parsing and dispatch only).
 - ``train/``: what every rank runs (``python -m resilient_fsdp.train``): the trainer, model,
   FSDP2 sharding, data, process group, metrics.
+- ``data/``: training data: ``resilient-fsdp data prepare`` (text through a tokenizer into a token
+  file), the prepared directory's format, an ``s3://`` ``data.path`` copied once to the volume.
+- ``hf/``: Hugging Face models: one built from a ``config.json``, pretrained safetensors in, and
+  ``checkpoints export`` (the trained model out).
 - ``checkpoint/``: the checkpointer the loop calls, what a checkpoint holds, the engines and the
   writer process (every adaptation to NVRx's async checkpointing), commit and retention, resume,
   the S3 tier, ``resilient-fsdp checkpoints``.
@@ -19,7 +23,7 @@ The folders are the architecture; each package's own docstring lists its modules
 - ``bench/``: the benchmarks and the GPU check.
 - ``goodput/``: the goodput model, ``advise``, ``simulate`` and ``report``.
 
-The pod side (``config``, ``atomic``, ``train``, ``checkpoint``, ``resilience``) imports nothing
+The pod side (``config``, ``atomic``, ``train``, ``data``, ``hf``, ``checkpoint``, ``resilience``) imports nothing
 from ``local``, ``deploy``, ``bench`` or ``goodput``; ``tests/test_layout.py`` keeps this and the
 other layout rules true.
 

@@ -8,7 +8,9 @@
 - ``resilient-fsdp bench soak``: a fault a minute for ten minutes: goodput and exactness.
 - ``resilient-fsdp bench campaign``: a long mixed schedule of faults, rewinds and resizes: what stays bounded.
 - ``resilient-fsdp bench s3``: S3 upload and download throughput, managed transfer vs one stream.
-- ``resilient-fsdp checkpoints list|pull|push``: local and S3 checkpoints, for operators.
+- ``resilient-fsdp data prepare``: text through a tokenizer into the token file a job trains on.
+- ``resilient-fsdp checkpoints list|verify|export|pull|push``: local and S3 checkpoints, for
+  operators, and the trained model out as a Hugging Face directory.
 - ``resilient-fsdp render``: the Helm chart's manifests for some values files (no helm binary).
 - ``resilient-fsdp validate``: render, lint, and check them against the Kubernetes and CRD schemas.
 - ``resilient-fsdp advise``: checkpoint interval, timeouts and restart limits for a cluster size.
@@ -67,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_checkpoints(sub, _add_config_args)
 
+    from .data.commands import add_parser as add_data_parser
+
+    add_data_parser(sub)
+
     config = sub.add_parser("config", help="print the resolved configuration")
     config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
     _add_config_args(config)
@@ -118,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
                "bench": lambda a: a.bench(a), "checkpoints": cmd_checkpoints,
-               "render": lambda a: a.run(a), "validate": lambda a: a.run(a),
+               "data": lambda a: a.run(a), "render": lambda a: a.run(a), "validate": lambda a: a.run(a),
                "advise": lambda a: a.run(a), "report": lambda a: a.run(a), "simulate": lambda a: a.run(a)}[args.command]
     try:
         return handler(args)

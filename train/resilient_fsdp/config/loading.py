@@ -259,8 +259,16 @@ def check_data_source(config: Config) -> None:
     chart applies the same rules at render (``templates/validations.yaml``)."""
     data, model = config.data, config.model
     if data.source == "tokens" and not data.factory and not data.path:
-        raise ConfigError("data.source=tokens needs data.path: set data.path to the .bin token file on the shared "
-                          "volume (or data.source=synthetic)")
+        raise ConfigError("data.source=tokens needs data.path: set data.path to the directory `resilient-fsdp data "
+                          "prepare` wrote, on the shared volume or under s3:// (or data.source=synthetic)")
+    if data.path and data.path.startswith("s3://"):
+        split_s3_uri(data.path, "data.path")
+    if model.hf_config and model.factory:
+        raise ConfigError(f"model.hf_config={model.hf_config!r} and model.factory={model.factory!r} both name the "
+                          "model: keep one")
+    if model.hf_config and model.vocab_size is not None:
+        raise ConfigError(f"model.vocab_size={model.vocab_size} does not apply with model.hf_config (its config.json's "
+                          "vocab_size is the model's): remove model.vocab_size")
     if model.max_seq_len is not None and data.seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len={data.seq_len} is above model.max_seq_len={model.max_seq_len}, the longest "
                           f"sequence the model takes: set data.seq_len={model.max_seq_len} or less")

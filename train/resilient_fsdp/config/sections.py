@@ -38,8 +38,19 @@ class ModelConfig:
     blocks: Optional[str] = None
     """Attribute (a dotted path, e.g. ``transformer.h``) of a ``model.factory`` model that holds its
     repeated blocks (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``): each is sharded
-    by FSDP on its own and wrapped by activation checkpointing. Unset: ``layers``; a model with
-    neither is refused."""
+    by FSDP on its own and wrapped by activation checkpointing. Unset: ``layers`` (a
+    ``model.hf_config`` model: its decoder layers); a model with neither is refused."""
+    hf_config: Optional[str] = None
+    """A Hugging Face causal LM's ``config.json``, or a local directory holding one (Llama,
+    Mistral, Qwen, ...): ``transformers`` builds that model instead of the built-in one, on the
+    meta device, and FSDP shards its decoder layers. Nothing is downloaded: the file is on the
+    shared volume or in the image. ``model.preset`` and ``model.vocab_size`` do not apply; the
+    configuration's ``max_position_embeddings`` is the longest ``data.seq_len`` it takes."""
+    init_from: Optional[str] = None
+    """A directory of safetensors weights to start from (a Hugging Face model's, or what
+    ``resilient-fsdp checkpoints export`` wrote), read at a fresh start only: a resume loads its
+    checkpoint instead. Each rank reads just its shards (torch DCP's Hugging Face reader). The
+    built-in model reads Llama's parameter names."""
 
 
 @dataclass(config=_STRICT)
@@ -47,9 +58,15 @@ class DataConfig:
     source: Literal["synthetic", "tokens"] = "synthetic"
     """``synthetic``: a deterministic, learnable token stream; ``tokens``: a memory-mapped token file."""
     path: Optional[str] = None
-    """Token file for ``source=tokens``: a flat ``.bin`` array of token ids."""
+    """Data for ``source=tokens``: the directory ``resilient-fsdp data prepare`` wrote (or its
+    ``tokens.bin``), an ``s3://bucket/prefix`` holding one (copied once to ``data.cache_dir``), or
+    a flat ``.bin`` array of token ids of ``data.token_dtype``."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
-    """Element type of the token file (uint16 for vocabularies up to 65,536)."""
+    """Element type of a flat ``.bin`` without ``data prepare``'s metadata (uint16 for
+    vocabularies up to 65,536); a prepared directory records its own."""
+    cache_dir: Optional[str] = None
+    """Where an ``s3://`` ``data.path`` is copied: once, by global rank 0, checksum-verified, then
+    reused by every restart and by later jobs that name the same data. Unset: ``<run_dir>/data``."""
     seq_len: int = Field(default=64, gt=0)
     """Tokens per training sequence."""
     micro_batch_size: int = Field(default=4, gt=0)

@@ -9,12 +9,13 @@ the samples that come next.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
 
 from ..config import ConfigError, DataConfig
+from ..data import token_files
 from .factories import call_factory
 
 
@@ -42,13 +43,18 @@ class SyntheticTokens:
 
 
 class TokenFile:
-    """Non-overlapping windows of ``seq_len + 1`` tokens from a flat, memory-mapped ``.bin`` file."""
+    """Non-overlapping windows of ``seq_len + 1`` tokens from a flat, memory-mapped token file: a
+    directory ``data prepare`` wrote (its metadata gives the dtype and the vocabulary, checked
+    against the model's) or a bare ``.bin`` of ``dtype``."""
 
-    def __init__(self, path: str | Path, dtype: str, seq_len: int):
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"data.path={str(path)!r}: no such file; set data.path to a .bin token file")
-        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    def __init__(self, path: str | Path, dtype: str, seq_len: int, vocab_size: Optional[int] = None,
+                 model_name: str = "the model"):
+        bin_path, self.meta = token_files.resolve(str(path))
+        if self.meta is not None:
+            dtype = self.meta.dtype
+            if vocab_size is not None:
+                token_files.check_vocab(self.meta, vocab_size, model_name)
+        self.tokens = np.memmap(bin_path, dtype=np.dtype(dtype), mode="r")
         self.seq_len = seq_len
         # Windows share their boundary token: window i's last target is window i+1's first input.
         self.length = (len(self.tokens) - 1) // seq_len
@@ -66,8 +72,10 @@ class TokenFile:
         return torch.from_numpy(window)
 
 
-def build_dataset(cfg: DataConfig, vocab_size: int, seed: int) -> TokenDataset:
-    """The dataset for ``cfg``: a custom factory, the token file, or the synthetic stream."""
+def build_dataset(cfg: DataConfig, vocab_size: int, seed: int, local_path: Optional[str] = None,
+                  model_name: str = "the model") -> TokenDataset:
+    """The dataset for ``cfg``: a custom factory, the token file (at ``local_path`` when
+    ``data.path`` is remote and was copied), or the synthetic stream."""
     if cfg.factory:
         ds = call_factory(cfg.factory, "data.factory", object, cfg, vocab_size)
         missing = [m for m in ("__len__", "__getitem__") if not hasattr(ds, m)]
@@ -78,7 +86,7 @@ def build_dataset(cfg: DataConfig, vocab_size: int, seed: int) -> TokenDataset:
     if cfg.source == "tokens":
         if not cfg.path:
             raise ConfigError("data.source=tokens needs data.path: set data.path to a .bin token file")
-        return TokenFile(cfg.path, cfg.token_dtype, cfg.seq_len)
+        return TokenFile(local_path or cfg.path, cfg.token_dtype, cfg.seq_len, vocab_size, model_name)
     return SyntheticTokens(vocab_size, cfg.seq_len, seed)
 
 

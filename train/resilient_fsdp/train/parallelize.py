@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -89,14 +89,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, device: torch.device, attr: O
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate the (sharded) parameters on ``device`` and initialise them deterministically."""
+def materialize(model: nn.Module, device: torch.device, seed: int,
+                init: Optional[Callable[[nn.Module], None]] = None) -> None:
+    """Allocate the (sharded) parameters on ``device`` and initialise them deterministically:
+    ``init(model)`` when given, else the model's ``init_weights()``, else each module's
+    ``reset_parameters()``."""
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         # On a CPU mesh each rank draws its shard from the same seeded generator: deterministic
         # for a given world size, which is all a CPU run needs; torch warns about it regardless.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        if init is not None:
+            init(model)
+            return
         if hasattr(model, "init_weights"):
             model.init_weights()
             return

@@ -34,13 +34,19 @@ from ..checkpoint.group import RankGroup
 from ..checkpoint.memory import prefetch
 from ..checkpoint.state import CheckpointState
 from ..checkpoint.writer.process import NVRX_VERSION
+from .. import atomic
 from ..config import Config, ConfigError, dump_yaml
+from ..data import remote_copy, token_files
+from ..hf import export as hf_export
+from ..hf import model as hf_model
+from ..hf import names as hf_names
+from ..hf import weights as hf_weights
 from ..resilience import accounting, non_finite
 from ..resilience.attempt import Attempt
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt
 from . import distributed, parallelize, state_fit
-from .data import BatchLoader, build_dataset
+from .data import BatchLoader, TokenFile, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256
 from .model import build_model, count_params, preset_args
@@ -62,14 +68,26 @@ class TrainCounters:
 
 
 def vocab_size_of(cfg: Config) -> int:
+    if cfg.model.hf_config:
+        return int(hf_model.load_config(cfg.model.hf_config).vocab_size)
     return cfg.model.vocab_size or preset_args(cfg.model.preset).vocab_size
 
 
+def model_name_of(cfg: Config) -> str:
+    m = cfg.model
+    if m.factory:
+        return f"model.factory={m.factory}"
+    return f"model.hf_config={m.hf_config}" if m.hf_config else f"model.preset={m.preset}"
+
+
 def build_any_model(cfg: Config) -> nn.Module:
-    """The built-in transformer, or ``model.factory``'s module; always on the meta device."""
+    """The built-in transformer, a ``model.hf_config`` causal LM, or ``model.factory``'s module;
+    always on the meta device."""
     with torch.device("meta"):
         if cfg.model.factory:
             return call_factory(cfg.model.factory, "model.factory", nn.Module, cfg.model)
+        if cfg.model.hf_config:
+            return hf_model.build(cfg.model.hf_config)
         return build_model(cfg.model.preset, cfg.model.vocab_size)
 
 
@@ -148,7 +166,14 @@ class Trainer:
     def build_data(self) -> None:
         cfg = self.cfg
         vocab = vocab_size_of(cfg)
-        dataset = build_dataset(cfg.data, vocab, cfg.seed)
+        local = None
+        if cfg.data.source == "tokens" and not cfg.data.factory and (cfg.data.path or "").startswith("s3://"):
+            cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
+            local = str(remote_copy.local_copy(cfg.data.path, cache, cfg.checkpoint.s3, self.info.rank,
+                                               say=lambda m: print(f"[resilient-fsdp] {m}", file=sys.stderr,
+                                                                   flush=True)))
+        dataset = build_dataset(cfg.data, vocab, cfg.seed, local, model_name_of(cfg))
+        self.data_dir = Path(local or cfg.data.path) if isinstance(dataset, TokenFile) and dataset.meta else None
         self.data = BatchLoader(dataset, cfg.data, vocab, cfg.seed, self.info.rank, self.info.world_size)
 
     def build_model(self) -> None:
@@ -156,17 +181,19 @@ class Trainer:
         mesh = distributed.build_mesh(self.info, cfg.dist.shard_group_size)
         self.model = build_any_model(cfg)
         self.check_model_takes_the_job()  # on meta still: refused before anything is allocated
+        blocks = cfg.model.blocks or getattr(self.model, "hf_blocks", None)
         if cfg.model.activation_checkpointing:
-            parallelize.apply_ac(self.model, cfg.model.blocks)
-        parallelize.apply_fsdp(self.model, mesh, self.info.device, cfg.model.blocks)
-        parallelize.materialize(self.model, self.info.device, cfg.seed)
+            parallelize.apply_ac(self.model, blocks)
+        parallelize.apply_fsdp(self.model, mesh, self.info.device, blocks)
+        parallelize.materialize(self.model, self.info.device, cfg.seed,
+                                init=hf_model.init_weights if cfg.model.hf_config else None)
         self.num_params = count_params(self.model)
 
     def check_model_takes_the_job(self) -> None:
         """The sequences the model declares it takes, and, on a GPU, whether its training state fits
         (:mod:`.state_fit`, the chart's rule at render): refused with the keys that fix them."""
         cfg, info = self.cfg, self.info
-        name = f"model.factory={cfg.model.factory}" if cfg.model.factory else f"model.preset={cfg.model.preset}"
+        name = model_name_of(cfg)
         declared = getattr(self.model, "max_seq_len", None)
         if isinstance(declared, int) and cfg.data.seq_len > declared:
             raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the {declared} positions {name} takes (its "
@@ -194,7 +221,7 @@ class Trainer:
         cfg, info, resources = self.cfg, self.info, self.resources
         state = CheckpointState(self.model, self.optimizer, self.lr_scheduler, self.counters, self.data, info.rank,
                                 resilience=resources.monitor)
-        identity = {"model": cfg.model.factory or cfg.model.preset, "num_params": self.num_params,
+        identity = {"model": cfg.model.factory or cfg.model.hf_config or cfg.model.preset, "num_params": self.num_params,
                     "shape_digest": state.shape_digest(),
                     "shard_group_size": distributed.shard_group_size(info.world_size, cfg.dist.shard_group_size)}
         self.grad_accum = cfg.train.grad_accum_steps  # a resume at another world size may change it
@@ -228,6 +255,7 @@ class Trainer:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs)
+        logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
         (loss / self.grad_accum).backward()
         return loss.detach()
@@ -269,6 +297,8 @@ class Trainer:
             attempt, ckpt = self.attempt, self.checkpointer
             attempt.mark("built")
             ckpt.resume()
+            if self.cfg.model.init_from and ckpt.resumed_from is None and self.counters.step == 0:
+                self.load_pretrained()
             attempt.mark("resumed")
             self.grad_accum = ckpt.grad_accum_steps or self.grad_accum
             self.log_start()
@@ -302,6 +332,31 @@ class Trainer:
             ckpt.finish(self.counters.step, save=self.cfg.checkpoint.save_final)
             return self.finish()
 
+    def load_pretrained(self) -> None:
+        """``model.init_from``'s weights, at a fresh start (nothing resumed)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        rename = (lambda n: n) if cfg.model.factory or cfg.model.hf_config else hf_names.to_hf
+        count = hf_weights.load_pretrained(self.model, cfg.model.init_from, rename)
+        self.metrics.info(f"model.init_from: {count} tensors from {cfg.model.init_from} in "
+                          f"{time.perf_counter() - t0:.1f} s")
+
+    def keep_model_files(self) -> None:
+        """What ``checkpoints export`` needs besides the checkpoint, in ``<run_dir>/model/``: a
+        ``model.hf_config`` model's ``config.json``, the prepared data's tokenizer and metadata."""
+        cfg, dest = self.cfg, self.run_dir / hf_export.MODEL_DIR
+        files = {}
+        if cfg.model.hf_config:
+            files["config.json"] = hf_model.config_file(cfg.model.hf_config)
+        if self.data_dir is not None and self.data_dir.is_dir():
+            files[token_files.META] = self.data_dir / token_files.META
+            tokenizer = self.data_dir / token_files.TOKENIZER_DIR
+            for f in sorted(tokenizer.iterdir()) if tokenizer.is_dir() else []:
+                files[f"{token_files.TOKENIZER_DIR}/{f.name}"] = f
+        for name, source in files.items():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_bytes(dest / name, source.read_bytes())
+
     def after_first_step(self, resumed_step: int) -> None:
         """The attempt is training: its recoveries are closed, collectives get their steady
         timeout, and the checkpointer prepares its buffers for the state as it now is."""
@@ -330,6 +385,7 @@ class Trainer:
         layer = self.attempt.layer
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+            self.keep_model_files()
             # Steps past the one we resume from will be trained again: drop their records so the
             # step and checkpoint lines describe a single timeline. Lifecycle events stay.
             if self.metrics.path.exists():
@@ -340,7 +396,7 @@ class Trainer:
                                 "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                                 "resumed_from_step": resumed if self.checkpointer.resumed_from else None,
                                 "world_size": info.world_size})
-        model_name = cfg.model.factory or f"preset {cfg.model.preset}"
+        model_name = cfg.model.factory or cfg.model.hf_config or f"preset {cfg.model.preset}"
         how = "" if layer == "start" else f" | restarted ({layer.replace('_', '-')})"
         # Every rank says where it runs: which pod holds which ranks, as the node ranks ordered them,
         # and how many threads its CPU work runs on (OMP_NUM_THREADS, taken when torch was loaded).
