@@ -29,6 +29,20 @@ def test_flags_become_chart_values(tmp_path):
     assert loop["storage"]["mountPath"] == str(tmp_path) and 1024 <= loop["rendezvous"]["port"] <= 65535
 
 
+def test_paths_under_the_volume_name_the_same_files_where_it_is_mounted_elsewhere(tmp_path):
+    """Loopback renders the shared volume at the run directory: a path the user wrote under the
+    chart's mount path (/fsx) follows it; other paths and look-alikes do not."""
+    args = argparse.Namespace(values_files=[], chart_values=[], chart_values_json=[], config=None,
+                              overrides=["data.path=/fsx/data/text", "model.hf_config=/fsx", "model.init_from=/fsxy/w",
+                                         "checkpoint.dir=/data/ckpt"], nodes=1, nproc_per_node=1, max_restarts=None,
+                              inject=[], rdzv_port=None)
+    loop = local_job.chart_values(args, tmp_path, "loopback", mount_path=str(tmp_path))["trainer"]
+    assert loop["data"]["path"] == f"{tmp_path}/data/text" and loop["model"]["hf_config"] == str(tmp_path)
+    assert loop["model"]["init_from"] == "/fsxy/w" and loop["checkpoint"]["dir"] == "/data/ckpt"
+    netns = local_job.chart_values(args, tmp_path, "netns")["trainer"]
+    assert netns["data"]["path"] == "/fsx/data/text"
+
+
 def test_the_rendered_manifests_are_kept_with_the_run(tmp_path, capsys):
     """``local`` writes what it rendered beside the run, and refuses a partition it cannot make."""
     args = argparse.Namespace(values_files=[], chart_values=[], chart_values_json=[], config=None,

@@ -58,6 +58,7 @@ from .cluster.launcher import DEFAULT_MAX_RECREATIONS, LocalJob, LocalLauncher, 
 from .manifests.kinds import pods_of
 from .manifests.security import nofile_limit
 from .manifests.spec import WorkloadError
+from .runtime.paths import replace_paths
 
 DEFAULT_VALUES = REPO_ROOT / "values" / "dev-cpu.yaml"
 LOCAL_CLAIM = "local-run-dir"
@@ -141,16 +142,33 @@ def trainer_values(config_file: Optional[str], overrides: list[str]) -> dict:
     return user_tree(config_file, overrides)
 
 
+def _under_mount(tree: object, declared: str, mount: str) -> object:
+    """``tree`` with every string that is ``declared`` or a path under it moved under ``mount``."""
+    if isinstance(tree, dict):
+        return {k: _under_mount(v, declared, mount) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_under_mount(v, declared, mount) for v in tree]
+    if isinstance(tree, str):
+        return replace_paths(tree, [(declared.rstrip("/"), mount)], "^")
+    return tree
+
+
 def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_path: Optional[str] = None) -> dict:
     """The values the local job renders with (see the module's table)."""
     files = args.values_files or [DEFAULT_VALUES]
     values = load_values(files, args.chart_values, args.chart_values_json)
-    mount = mount_path or values.get("storage", {}).get("mountPath") or "/fsx"
+    declared = values.get("storage", {}).get("mountPath") or "/fsx"
+    mount = mount_path or declared
     prepare = (values.get("storage") or {}).get("prepare", isolation == "netns")
+    trainer = trainer_values(args.config, args.overrides)
+    if mount != declared:
+        # Paths the user wrote under the volume's mount path (data.path=/fsx/data/text) name the
+        # same files when the volume is rendered at another path (loopback: the run directory).
+        trainer = _under_mount(trainer, declared, mount)
     forced: dict = {
         "storage": {"type": "existingClaim", "existingClaim": LOCAL_CLAIM, "mountPath": mount,
                     "fsx": {"subnetId": ""}, "fsxStatic": {"volumeHandle": ""}, "prepare": prepare},
-        "trainer": deep_merge(trainer_values(args.config, args.overrides), {"run_dir": mount}),
+        "trainer": deep_merge(trainer, {"run_dir": mount}),
     }
     if args.nodes is not None:
         forced["nodes"] = args.nodes
