@@ -84,6 +84,12 @@ def test_an_s3_prefix_is_read_over_http(corpus, tmp_path, s3):
     assert out.returncode == 0, out.stderr
     meta = token_files.read_meta(tmp_path / "data" / token_files.META)
     assert meta.sources == [s3.uri("raw/part-0.jsonl")] and meta.num_documents == len(docs)
+    missing = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "data", "prepare", "--input",
+                              "s3://no-such-bucket-here/raw", "--tokenizer", str(tokenizer), "--out",
+                              str(tmp_path / "other"), "--endpoint-url", s3.endpoint],
+                             capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert missing.returncode == 1 and "error: NoSuchBucket" in missing.stderr
+    assert "Traceback" not in missing.stderr and not (tmp_path / "other" / "tokens.json").exists()
 
 
 def test_a_run_that_fails_midway_leaves_no_token_file_and_the_next_clears_its_scratch(corpus, tmp_path):

@@ -74,6 +74,10 @@ def test_a_prefix_without_prepared_data_names_the_upload(tmp_path, s3):
     with pytest.raises(ConfigError, match=r"no tokens.json there \(NoSuchKey\); upload the directory .* aws s3 cp "
                                           r"--recursive DIR s3://.*/nothing/"):
         remote_copy.local_copy(s3.uri("nothing"), tmp_path, S3Config(endpoint_url=s3.endpoint), 0, say=print)
+    with pytest.raises(ConfigError, match=r"data.path='s3://no-such-bucket-here/x': no tokens.json there "
+                                          r"\(NoSuchBucket\)"):
+        remote_copy.local_copy("s3://no-such-bucket-here/x", tmp_path, S3Config(endpoint_url=s3.endpoint), 0,
+                               say=print)
 
 
 def test_a_job_trains_on_an_s3_data_path(prepared, tmp_path, s3):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -28,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import S3Config
+    from ..config import ConfigError, S3Config
     from .prepare import prepare
 
     def client():
@@ -36,6 +37,14 @@ def run(args: argparse.Namespace) -> int:
 
         return make_client(S3Config(endpoint_url=args.endpoint_url, region=args.region))
 
-    prepare(args.input, args.tokenizer, Path(args.out), text_field=args.text_field, eos_token=args.eos_token,
-            client_factory=client)
+    try:
+        prepare(args.input, args.tokenizer, Path(args.out), text_field=args.text_field, eos_token=args.eos_token,
+                client_factory=client)
+    except ConfigError:
+        raise
+    except Exception as exc:  # S3 and file errors: one line naming what failed (S3's error code)
+        from ..checkpoint.s3.client import describe_error
+
+        print(f"error: {describe_error(exc)}", file=sys.stderr)
+        return 1
     return 0

@@ -49,15 +49,23 @@ def local_copy(uri: str, cache_root: Path, s3: S3Config, rank: int, say: Callabl
 
 
 def _remote_meta(client: Any, bucket: str, key: str, uri: str) -> TokenMeta:
-    from botocore.exceptions import ClientError
+    """The bucket's ``tokens.json``. What no retry fixes (no such object, no credentials, access
+    denied) is a configuration error naming the fix; an unreachable endpoint stays retryable."""
+    from botocore.exceptions import ClientError, NoCredentialsError
 
     try:
         raw = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except NoCredentialsError as exc:
+        raise ConfigError(f"{KEY}={uri!r}: boto3 found no credentials in its default chain: give the job's "
+                          "ServiceAccount an IAM role (EKS Pod Identity or IRSA)") from exc
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         if code in ("NoSuchKey", "404", "NoSuchBucket"):
             raise ConfigError(f"{KEY}={uri!r}: no {META} there ({code}); upload the directory `resilient-fsdp data "
                               f"prepare` wrote, e.g. aws s3 cp --recursive DIR {uri.rstrip('/')}/") from exc
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise ConfigError(f"{KEY}={uri!r}: access denied ({code}); grant the job's role s3:ListBucket on bucket "
+                              f"{bucket!r} and s3:GetObject on the prefix") from exc
         raise
     fields = set(TokenMeta.__dataclass_fields__)
     return TokenMeta(**{k: v for k, v in json.loads(raw).items() if k in fields})

@@ -9,7 +9,8 @@ several, the ``config.json`` and the tokenizer files the run trained with. What 
 - a ``model.hf_config`` model: its own architecture and names, its ``config.json``;
 - a custom factory's model: its state dict under its own names, no ``config.json``.
 
-The directory appears whole or not at all: it is written beside its final name and renamed.
+The directory appears whole or not at all: it is written beside its final name
+(``<out>.partial-<id>``, which the next export to ``<out>`` removes if a kill left it) and renamed.
 An existing directory is never replaced.
 """
 
@@ -35,12 +36,27 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The model's tensors in a DCP checkpoint: name (without the ``model.`` section) -> (shape, dtype)."""
+def _reader(path: Path):
+    """A DCP reader of ``path`` that unpickles ``.metadata`` once for every group it reads (at a
+    thousand ranks the file holds every rank's chunks: hundreds of MB)."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    class MetadataOnce(FileSystemReader):
+        _metadata = None
+
+        def read_metadata(self, *args, **kwargs):
+            if self._metadata is None:
+                self._metadata = super().read_metadata(*args, **kwargs)
+            return self._metadata
+
+    return MetadataOnce(str(path))
+
+
+def model_tensors(reader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's tensors in a DCP checkpoint: name (without the ``model.`` section) -> (shape, dtype)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = reader.read_metadata()
     return {key[len("model."):]: (tuple(meta.size), meta.properties.dtype)
             for key, meta in metadata.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
@@ -90,7 +106,8 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
         raise ConfigError(f"--out {out} exists and is not empty; name a new directory (nothing there is replaced)")
     if hf_config is not None:
         cfg.model.hf_config = str(hf_config)
-    tensors = model_tensors(ckpt.path)
+    reader = _reader(ckpt.path)
+    tensors = model_tensors(reader)
     if not tensors:
         raise ConfigError(f"{ckpt.path} holds no model tensors")
     rename, config, left_out = plan(cfg, run_dir, sorted(tensors))
@@ -102,6 +119,8 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
         raise ConfigError(f"{ckpt.path}: parameter {exc} is not one of the built-in model's; was the run's "
                           "model.factory or model.hf_config left out of its config.yaml?") from exc
     groups = _groups(names, tensors, target, max_shard_bytes)
+    for stale in out.parent.glob(f"{out.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a killed export's scratch directory: never a model
     partial = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
     partial.mkdir(parents=True)
     try:
@@ -112,7 +131,7 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
             state = {"model": {n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in group}}
             with warnings.catch_warnings():  # no process group: torch says it assumes one process, as it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(state, checkpoint_id=str(ckpt.path))
+                dcp.load(state, storage_reader=reader)
             out_tensors = {renamed[n]: (t.to(target) if target else t).contiguous() for n, t in state["model"].items()}
             save_file(out_tensors, str(partial / fname), metadata={"format": "pt"})
             total += sum(t.numel() * t.element_size() for t in out_tensors.values())
