@@ -136,6 +136,7 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
             save_file(out_tensors, str(partial / fname), metadata={"format": "pt"})
             total += sum(t.numel() * t.element_size() for t in out_tensors.values())
             index.update({name: fname for name in out_tensors})
+            del state, out_tensors  # before the next group is allocated: one group in memory at a time
         if len(groups) > 1:
             (partial / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
