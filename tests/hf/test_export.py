@@ -5,10 +5,11 @@ tokens is below the first step's. Then the operator's view of the same run direc
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,16 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from resilient_fsdp.checkpoint import store
+from resilient_fsdp.cli import main as cli_main
 from tests.data.corpus import documents, train_tokenizer, write_jsonl
-from tests.support import REPO, assert_no_leftovers, read_losses, run_local
+from tests.support import assert_no_leftovers, read_losses, run_local
 
 STEPS = 30
 SEQ = 64
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    """The command in this process (``resilient-fsdp data prepare`` runs as a process of its own in
+    ``tests/data``): its exit status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from resilient_fsdp.config import ConfigError
+from resilient_fsdp.config import ConfigError, load_config
+from resilient_fsdp.hf import model as hf_model
 from resilient_fsdp.hf import names
 from resilient_fsdp.hf.weights import load_pretrained
 from resilient_fsdp.train.data import SyntheticTokens
@@ -152,8 +153,14 @@ def test_weights_the_pods_user_cannot_read_are_refused_naming_the_file_and_the_f
 
 
 def test_hf_config_mistakes_name_the_key(tmp_path):
-    out = run_trainer(tmp_path / "run", [f"model.hf_config={tmp_path / 'missing'}", "train.steps=1"])
-    assert out.returncode == 2
-    assert f"model.hf_config='{tmp_path / 'missing'}': no config.json there" in out.stderr
-    both = run_trainer(tmp_path / "run", [f"model.hf_config={tmp_path}", "model.factory=x:y", "train.steps=1"])
-    assert both.returncode == 2 and "both name the model: keep one" in both.stderr
+    with pytest.raises(ConfigError, match=f"model.hf_config='{tmp_path / 'missing'}': no config.json there; set "
+                                          "model.hf_config to a model's config.json or to a local directory"):
+        hf_model.build(str(tmp_path / "missing"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"is not a readable JSON file"):
+        hf_model.build(str(tmp_path / "bad"))
+    with pytest.raises(ConfigError, match="both name the model: keep one"):
+        load_config(None, [f"model.hf_config={tmp_path}", "model.factory=x:y"])
+    with pytest.raises(ConfigError, match="model.vocab_size=300 does not apply with model.hf_config"):
+        load_config(None, [f"model.hf_config={tmp_path}", "model.vocab_size=300"])
