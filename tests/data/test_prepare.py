@@ -49,9 +49,11 @@ def test_prepare_writes_each_document_between_separators_with_its_metadata(corpu
     assert meta.crc32c == file_crc32c(tmp_path / "data" / token_files.TOKENS)
     assert meta.eos_id == 2 and meta.bos_id == 1 and meta.vocab_size == 300
     assert (tmp_path / "data" / "tokenizer" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
-    # The trainer reads the directory with the dtype it records, in windows of seq_len + 1.
-    ds = TokenFile(tmp_path / "data", "uint32", seq_len=16, vocab_size=300)
-    assert ds[1].tolist() == tokens[16:33].tolist()
+    # The trainer reads the directory (or its tokens.bin) with the dtype it records, in windows of
+    # seq_len + 1, and finds the tokenizer beside it either way.
+    for named in (tmp_path / "data", tmp_path / "data" / token_files.TOKENS):
+        ds = TokenFile(named, "uint32", seq_len=16, vocab_size=300)
+        assert ds[1].tolist() == tokens[16:33].tolist() and ds.directory == tmp_path / "data"
 
 
 def test_jsonl_gzip_text_and_parquet_give_the_same_tokens(corpus, tmp_path):
@@ -106,6 +108,18 @@ def test_a_run_that_fails_midway_leaves_no_token_file_and_the_next_clears_its_sc
         TokenFile(tmp_path / "data", "uint16", 16)
     prepare([str(text)], str(tokenizer), tmp_path / "data", progress=False)
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["tokenizer", "tokens.bin", "tokens.json"]
+
+
+def test_an_s3_destination_is_refused_with_the_upload_to_run(corpus, tmp_path, capsys):
+    from resilient_fsdp.cli import main as cli_main
+
+    docs, text, tokenizer = corpus
+    code = cli_main(["data", "prepare", "--input", str(text), "--tokenizer", str(tokenizer), "--out",
+                     "s3://my-bucket/data/text"])
+    assert code == 2
+    assert ("data prepare writes a local directory; write it there, then upload it (aws s3 cp --recursive DIR "
+            "s3://my-bucket/data/text/) and set data.path=s3://my-bucket/data/text") in capsys.readouterr().err
+    assert not (REPO / "s3:").exists()
 
 
 def test_prepared_data_is_never_overwritten(corpus, tmp_path):

@@ -19,7 +19,7 @@ from resilient_fsdp.hf import names
 from resilient_fsdp.hf.weights import load_pretrained
 from resilient_fsdp.train.data import SyntheticTokens
 from resilient_fsdp.train.model import build_model
-from tests.support import read_events, read_losses, read_summary, run_local, run_trainer
+from tests.support import LANES, lane_path, read_events, read_losses, read_summary, run_local, run_trainer
 
 # The tiny preset's shapes as a Llama: the built-in model and transformers' read the same weights.
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -49,14 +49,15 @@ def first_batch_loss(model_dir, ranks: int, micro_batch: int = 4, seq_len: int =
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
-def test_an_hf_llama_trains_on_two_pods_and_resumes_bitwise_from_its_pretrained_start(tmp_path):
+@pytest.mark.parametrize("lane", LANES)
+def test_an_hf_llama_trains_on_two_pods_and_resumes_bitwise_from_its_pretrained_start(tmp_path, request, lane):
     """2 pods x 1 rank, activation checkpointing on; rank 1 killed after step 7 resumes from step 4
     (the checkpoint, not model.init_from again) and ends bitwise equal to the run without a fault."""
     runs = {}
     for name, inject in (("clean", []), ("faulted", ["--inject", "sigkill@7:rank=1"])):
         run_dir = tmp_path / name
         llama_dir(run_dir / "llama")
-        out = run_local(run_dir, nodes=2, nproc=1, extra=inject, overrides=[
+        out = run_local(run_dir, nodes=2, nproc=1, extra=inject, pythonpath=lane_path(request, lane), overrides=[
             "model.hf_config=/fsx/llama", "model.init_from=/fsx/llama", "model.activation_checkpointing=true",
             "train.steps=12", "checkpoint.interval_steps=4"])
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

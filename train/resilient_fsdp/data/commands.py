@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
 
         return make_client(S3Config(endpoint_url=args.endpoint_url, region=args.region))
 
+    if args.out.startswith("s3://"):
+        raise ConfigError(f"--out {args.out}: data prepare writes a local directory; write it there, then upload it "
+                          f"(aws s3 cp --recursive DIR {args.out.rstrip('/')}/) and set data.path={args.out}")
     try:
         prepare(args.input, args.tokenizer, Path(args.out), text_field=args.text_field, eos_token=args.eos_token,
                 client_factory=client)

@@ -50,6 +50,7 @@ class TokenFile:
     def __init__(self, path: str | Path, dtype: str, seq_len: int, vocab_size: Optional[int] = None,
                  model_name: str = "the model"):
         bin_path, self.meta = token_files.resolve(str(path))
+        self.directory = bin_path.parent  # what data prepare wrote: the metadata and tokenizer/ beside the tokens
         if self.meta is not None:
             dtype = self.meta.dtype
             if vocab_size is not None:

@@ -173,7 +173,7 @@ class Trainer:
                                                say=lambda m: print(f"[resilient-fsdp] {m}", file=sys.stderr,
                                                                    flush=True)))
         dataset = build_dataset(cfg.data, vocab, cfg.seed, local, model_name_of(cfg))
-        self.data_dir = Path(local or cfg.data.path) if isinstance(dataset, TokenFile) and dataset.meta else None
+        self.data_dir = dataset.directory if isinstance(dataset, TokenFile) and dataset.meta else None
         self.data = BatchLoader(dataset, cfg.data, vocab, cfg.seed, self.info.rank, self.info.world_size)
 
     def build_model(self) -> None:
