@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import yaml
 
+from resilient_fsdp.train.data import TokenFile
 from tests.support import assert_no_leftovers, read_events, read_losses, read_summary, run_local, run_trainer, write_module
 
 STEPS = 40
@@ -77,15 +78,18 @@ def test_activation_checkpointing_and_grad_accumulation_keep_the_numbers(tmp_pat
 
 
 def test_memory_mapped_token_file(tmp_path):
+    """A flat .bin without data prepare's metadata is read as data.token_dtype, in windows of
+    seq_len + 1 that share their boundary token (jobs train on prepared data in tests/data, tests/hf)."""
     rng = np.random.default_rng(0)
     path = tmp_path / "tokens.bin"
-    rng.integers(0, 300, size=20_000, dtype=np.uint32).tofile(path)
-    proc = run_trainer(tmp_path / "run", ["train.steps=3", "data.source=tokens", f"data.path={path}",
-                                          "data.token_dtype=uint32", "model.vocab_size=300"])
-    assert proc.returncode == 0, proc.stderr
-    assert read_summary(tmp_path / "run")["final_step"] == 3
+    tokens = rng.integers(0, 300, size=20_000, dtype=np.uint32)
+    tokens.tofile(path)
+    ds = TokenFile(path, "uint32", seq_len=64, vocab_size=300)
+    assert len(ds) == (20_000 - 1) // 64 and ds.meta is None
+    assert ds[3].tolist() == tokens[192:257].tolist() and ds[3][0] == ds[2][-1]
 
 
+@pytest.mark.extended  # the same path as images/custom-model's local run (tests/deploy), another model
 def test_custom_model_factory_is_used(tmp_path, plugin_dir):
     write_module(plugin_dir, "tiny_mlp_lm", """
         import torch
