@@ -26,12 +26,12 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def llama_dir(path, seed: int = 3, **overrides):
+def llama_dir(path, seed: int = 3, dtype: torch.dtype = torch.float32, **overrides):
     """A randomly initialised Llama saved as transformers saves a pretrained one."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).to(dtype).save_pretrained(path)
     for f in path.iterdir():
         f.chmod(0o644)  # save_pretrained writes weights owner-only; the pods run as another user
     return path
@@ -43,7 +43,7 @@ def first_batch_loss(model_dir, ranks: int, micro_batch: int = 4, seq_len: int =
 
     ds = SyntheticTokens(256, seq_len, seed=0)
     batch = torch.stack([ds[i] for i in range(ranks * micro_batch)])
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # the trainer's parameters
     with torch.no_grad():
         logits = model(batch[:, :-1]).logits
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
@@ -83,13 +83,14 @@ def test_the_built_in_preset_starts_from_a_llama_checkpoint_of_its_shape(tmp_pat
 
 def test_a_tied_output_projection_is_loaded_trained_and_exported_once(tmp_path):
     """tie_word_embeddings (Llama 3.2 1B, small Qwens): the files hold the embedding only; it stays
-    one parameter through FSDP and the export leaves lm_head.weight to the tie."""
+    one parameter through FSDP and the export leaves lm_head.weight to the tie. The weights are
+    bf16, as published checkpoints are: read into the float32 parameters."""
     import subprocess
     import sys
 
     from transformers import AutoModelForCausalLM
 
-    source = llama_dir(tmp_path / "llama", tie_word_embeddings=True)
+    source = llama_dir(tmp_path / "llama", dtype=torch.bfloat16, tie_word_embeddings=True)
     run_dir = tmp_path / "run"
     out = run_trainer(run_dir, [f"model.hf_config={source}", f"model.init_from={source}", "train.steps=3"])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -101,6 +102,7 @@ def test_a_tied_output_projection_is_loaded_trained_and_exported_once(tmp_path):
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.dtype == torch.float32  # what training kept, not the bf16 the source's config.json names
 
 
 def test_the_built_in_names_map_to_llama_and_back():

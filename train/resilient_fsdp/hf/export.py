@@ -141,8 +141,10 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
             (partial / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
         if config is not None:
-            if target is not None:
-                config = {**config, "torch_dtype": dtype, "dtype": dtype}
+            # The dtype the weights were written in (a model's config.json may name its published
+            # weights' bf16 while training kept float32): what from_pretrained loads them as.
+            written = dtype or str(tensors[names[0]][1]).removeprefix("torch.")
+            config = {**config, "torch_dtype": written, "dtype": written}
             (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copied = _copy_tokenizer(tokenizer or run_dir / MODEL_DIR / "tokenizer", partial)
         for f in partial.iterdir():
