@@ -91,3 +91,28 @@ def test_a_job_trains_on_an_s3_data_path(prepared, tmp_path, s3):
     assert (run_dir / "data" / s3.bucket / "data/text" / token_files.META).is_file()
     assert (run_dir / "model" / "tokenizer" / "tokenizer.json").read_bytes() == \
         (first / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+def test_a_cache_directory_the_pods_user_cannot_create_names_the_key(prepared, s3, request):
+    """As the chart's UID 10001 under a root-owned directory (a new FSx file system's root)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    first, _ = prepared
+    upload(s3, first, "data/text")
+    root = Path(tempfile.mkdtemp(prefix="resilient-fsdp-fsx-"))  # pytest's tmp_path is root-only (0700)
+    root.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    code = ("from resilient_fsdp.config import S3Config\n"
+            "from resilient_fsdp.data import remote_copy\n"
+            f"remote_copy.local_copy({s3.uri('data/text')!r}, __import__('pathlib').Path({str(root / 'cache')!r}), "
+            f"S3Config(endpoint_url={s3.endpoint!r}), 0, say=print)\n")
+    out = subprocess.run(["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60, cwd="/", env=dict(os.environ))
+    assert out.returncode != 0
+    assert f"data.cache_dir: cannot create {root / 'cache' / s3.bucket / 'data'} as uid 10001" in out.stderr
+    assert "leave data.cache_dir unset" in out.stderr

@@ -14,6 +14,7 @@ The copy runs at start, inside the init hang-detection section: its timeout
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import uuid
@@ -87,7 +88,14 @@ def _wait(target: Path, remote: TokenMeta, uri: str, say: Callable[[str], None],
 
 
 def _copy(client: Any, loc: Any, remote: TokenMeta, target: Path, uri: str, say: Callable[[str], None]) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except PermissionError as exc:
+        # A new FSx file system's root belongs to root; the chart's storage preparation makes only
+        # the run directory the pods' own.
+        raise ConfigError(f"data.cache_dir: cannot create {target.parent} as uid {os.getuid()} ({exc.strerror}): "
+                          "leave data.cache_dir unset (<run_dir>/data, which the chart prepares for the pods' "
+                          "user) or make that directory writable by the pods' user or fsGroup") from exc
     for stale in target.parent.glob(f"{target.name}.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)  # a copy a killed rank 0 left: this module's own scratch
     partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex[:8]}")
