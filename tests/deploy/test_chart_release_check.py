@@ -65,3 +65,19 @@ def test_should_reject_a_bad_quantity_naming_the_key_when_resources_are_set():
     from tests.deploy.chart_support import render_error
 
     assert "releaseCheck.resources.memory" in render_error("releaseCheck.resources.memory=lots")
+
+
+def test_should_check_the_trainers_input_paths_the_values_set():
+    """data.path only when the job trains on a token file (not a factory's dataset), the Hugging Face
+    config and weights whenever they are set; none by default."""
+    def inputs(*sets):
+        (c,) = check_pod(render(*sets))["spec"]["containers"]
+        return [a for a in c["args"] if a.startswith("--input=")]
+
+    assert inputs() == []
+    assert inputs("trainer.data.source=tokens", "trainer.data.path=/fsx/data/text",
+                  "trainer.model.hf_config=/fsx/models/llama", "trainer.model.init_from=/fsx/models/llama") == [
+        "--input=data.path=/fsx/data/text", "--input=model.hf_config=/fsx/models/llama",
+        "--input=model.init_from=/fsx/models/llama"]
+    assert inputs("trainer.data.path=/fsx/data/text") == []  # source synthetic: the path is not read
+    assert inputs("trainer.data.source=tokens", "trainer.data.path=/fsx/d", "trainer.data.factory=my.data:build") == []

@@ -10,11 +10,16 @@ checked only on a cluster, by `helm test` itself.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from resilient_fsdp.deploy import release_check as rc
+from tests.support import REPO
 
 
 def test_should_write_read_and_remove_a_probe_when_checkpoint_dir_is_on_the_volume(tmp_path):
@@ -141,3 +146,55 @@ def test_should_pass_memlock_when_unlimited_and_skip_it_without_efa():
     assert not finite.ok and "8192 KiB (hard unlimited)" in finite.detail
     skipped = rc.check_memlock(False, limits=lambda _: (0, 0))
     assert skipped.ok and "skipped" in skipped.detail
+
+
+def _world_readable_dir():
+    """A directory another user can enter (pytest's tmp_path is root-only, 0700)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="resilient-fsdp-inputs-"))
+    root.chmod(0o755)
+    return root, lambda: shutil.rmtree(root, ignore_errors=True)
+
+
+def test_should_find_each_trainer_input_readable_by_the_pods_user_or_name_the_fix(request):
+    """As the chart's UID 10001: prepared data, a model's config and weights written 0600 by their
+    owner (as transformers' save_pretrained writes them), a missing path, and S3 left to the trainer."""
+    root, cleanup = _world_readable_dir()
+    request.addfinalizer(cleanup)
+    os.chown(root, 10001, 10001)  # the volume the chart's storage preparation gives the pods
+    data, model = root / "data", root / "llama"
+    data.mkdir()
+    model.mkdir()
+    for f in (data / "tokens.bin", data / "tokens.json", model / "config.json", model / "model.safetensors"):
+        f.write_bytes(b"{}")
+        f.chmod(0o644)
+    (model / "model.safetensors").chmod(0o600)
+    args = [f"--shared-dir={root}", f"--check-dir={root}", "--rdzv-host=localhost", "--rdzv-timeout=0",
+            f"--input=data.path={data}", f"--input=model.hf_config={model}", f"--input=model.init_from={model}",
+            f"--input=model.init_from={root / 'absent'}", "--input=data.path=s3://bucket/data/text"]
+    proc = subprocess.run(["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", sys.executable, "-m",
+                           "resilient_fsdp.deploy.release_check", *args], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"ok   input data.path: {data}: 2 file(s) readable by uid 10001" in proc.stdout
+    assert any(line.startswith("ok   input model.hf_config") for line in proc.stdout.splitlines())
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAIL input model.init_from")]
+    assert len(failed) == 2, proc.stdout
+    assert f"{model / 'model.safetensors'} cannot be read by uid 10001 (mode -rw-------, owner 0:0)" in failed[0]
+    assert "chmod a+r" in failed[0]
+    assert f"{root / 'absent'} does not exist in this pod (uid 10001)" in failed[1]
+    assert "s3://bucket/data/text: in S3, checked by the trainer at start" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "release check: 8 ok, 2 failed (input model.init_from, input model.init_from)"
+
+
+def test_should_refuse_an_input_it_does_not_know(capsys):
+    with pytest.raises(SystemExit):
+        rc.build_parser().parse_args(["--shared-dir=/x", "--rdzv-host=h", "--input=data.factory=x"])
+    assert "expected KEY=PATH with KEY one of data.path, model.hf_config, model.init_from" in capsys.readouterr().err
+
+
+def test_should_say_a_directory_that_is_not_what_the_key_names(tmp_path):
+    result = rc.check_input("model.init_from", str(tmp_path))
+    assert not result.ok and "holds no *.safetensors: not the weights; set trainer.model.init_from" in result.detail

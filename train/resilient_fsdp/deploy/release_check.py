@@ -21,6 +21,12 @@ code is 1 when any failed:
   container runtime's to give (containerd's ``LimitMEMLOCK``), and no pod setting raises it.
 - **rendezvous host**: the name every agent passes to ``--rdzv-endpoint`` resolves. It resolves
   once the job's first pod exists, so the check keeps trying for ``--rdzv-timeout`` seconds.
+- **inputs** (``--input KEY=PATH``, one per trainer path the values set): the prepared data of
+  ``data.path`` (``tokens.bin`` and ``tokens.json``, or a flat ``.bin``), the ``config.json`` of
+  ``model.hf_config`` and the safetensors files of ``model.init_from`` exist and this user can read
+  them. ``transformers`` writes weights owner-only (0600) and the pods run as another user, so a
+  copy that works for whoever made it can fail every rank at start. An ``s3://`` ``data.path`` is
+  the trainer's to check (its bucket's access is the pods' role's).
 
 Standard library, ``resilient_fsdp.atomic`` and the trainer's own shared-volume message
 (:mod:`resilient_fsdp.checkpoint.shared_volume`, torch-free) only: it runs in the trainer image
@@ -34,6 +40,7 @@ import os
 import re
 import resource
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -170,6 +177,43 @@ def check_rendezvous_host(host: str, port: int, timeout_s: float, interval_s: fl
                                f"rendezvous.joinTimeoutSeconds and fail")
 
 
+# What each trainer path must hold: (what to call it, the files to find in a directory).
+INPUTS = {
+    "data.path": ("prepared data", ("tokens.bin", "tokens.json")),
+    "model.hf_config": ("the model's config", ("config.json",)),
+    "model.init_from": ("the weights", ("*.safetensors",)),
+}
+
+
+def check_input(key: str, value: str) -> Result:
+    """``value`` (trainer key ``key``) exists and this process's user can read what it names."""
+    name = f"input {key}"
+    if value.startswith("s3://"):
+        return Result(name, True, f"{value}: in S3, checked by the trainer at start")
+    what, wanted = INPUTS[key]
+    path = Path(value)
+    if path.is_dir():
+        files = [f for pattern in wanted for f in sorted(path.glob(pattern))]
+        missing = [p for p in wanted if not any(path.glob(p))]
+        if missing:
+            return Result(name, False, f"{value} holds no {', '.join(missing)}: not {what}; set trainer.{key} to "
+                                       "where it is on the shared volume (or in the image)")
+    elif path.is_file():
+        files = [path]
+    else:
+        return Result(name, False, f"{value} does not exist in this pod (uid {os.getuid()}): put {what} on the "
+                                   f"shared volume at that path, or set trainer.{key} to where it is")
+    unreadable = [f for f in files if not os.access(f, os.R_OK)]
+    if unreadable:
+        f = unreadable[0]
+        st = f.stat()
+        return Result(name, False, f"{f} cannot be read by uid {os.getuid()} (mode {stat.filemode(st.st_mode)}, "
+                                   f"owner {st.st_uid}:{st.st_gid}){' and more' if len(unreadable) > 1 else ''}: "
+                                   "make it readable by the pods' user or group (chmod a+r, or the pods' fsGroup "
+                                   "and g+r)")
+    return Result(name, True, f"{value}: {len(files)} file(s) readable by uid {os.getuid()}")
+
+
 def run_checks(args: argparse.Namespace) -> list[Result]:
     dev = Path(args.dev_dir)
     return [
@@ -178,7 +222,7 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
         check_devices("EFA", args.efa, dev / "infiniband", r"uverbs[0-9]+", "EFA device plugin"),
         check_memlock(args.memlock),
         check_rendezvous_host(args.rdzv_host, args.rdzv_port, args.rdzv_timeout),
-    ]
+    ] + [check_input(*spec.split("=", 1)) for spec in args.inputs]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,7 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memlock", action="store_true", help="check that the locked-memory limit is unlimited "
                                                           "(the training pods use EFA)")
     p.add_argument("--dev-dir", default="/dev", help="where device nodes appear (default /dev)")
+    p.add_argument("--input", dest="inputs", action="append", default=[], metavar="KEY=PATH",
+                   type=_input_spec, help=f"a trainer path to find readable ({', '.join(INPUTS)}; repeatable)")
     return p
+
+
+def _input_spec(text: str) -> str:
+    key, sep, value = text.partition("=")
+    if not sep or key not in INPUTS or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=PATH with KEY one of {', '.join(INPUTS)}")
+    return text
 
 
 def main(argv: Optional[list[str]] = None) -> int:
