@@ -44,6 +44,10 @@ def test_on_this_machine_the_missing_cuda_nccl_and_efa_are_named_and_the_fsdp_st
     assert got["nccl"][0] == "FAIL" and "has no NCCL backend" in got["nccl"][1]
     assert got["libfabric"][0] == "FAIL" and "libfabric.so.1 not found" in got["libfabric"][1]
     assert got["aws-ofi-nccl"][0] == "FAIL" and "libnccl-net-ofi.so" in got["aws-ofi-nccl"][1]
+    assert got["nccl-tuner"] == ("FAIL", "/opt/amazon/ofi-nccl/lib/libnccl-ofi-tuner.so (the chart's "
+                                 "efa.ncclTunerPlugin) is not in the image: NCCL would keep its own algorithm "
+                                 "choices on EFA; set efa.ncclTunerPlugin to where this aws-ofi-nccl puts its tuner, "
+                                 "or to an empty string")
     assert got["nvrx"] == ("ok", f"nvidia-resiliency-ext {NVRX_HERE}")
     assert got["trainer"][0] == "ok"
     assert got["gpu"][0] == "skip" and got["efa-device"][0] == "skip" and got["memlock"][0] == "skip"
@@ -56,7 +60,8 @@ def test_on_this_machine_the_missing_cuda_nccl_and_efa_are_named_and_the_fsdp_st
 def test_build_mode_skips_the_node_checks_and_compares_versions():
     out = check_image("--build", "--expect-nvrx", "0.7.0")
     got = lines(out)
-    assert set(got) == {"torch", "cuda", "nccl", "nvrx", "trainer", "ft_launcher", "libfabric", "aws-ofi-nccl"}
+    assert set(got) == {"torch", "cuda", "nccl", "nvrx", "trainer", "ft_launcher", "libfabric", "aws-ofi-nccl",
+                        "nccl-tuner"}
     assert got["nvrx"] == ("FAIL", f"nvidia-resiliency-ext {NVRX_HERE}, pinned 0.7.0 (NVRX_VERSION)")
     assert out.returncode == 1 and out.stdout.rstrip().endswith("(build-time checks)")
 
@@ -111,3 +116,18 @@ def test_memlock_must_be_unlimited_only_where_the_node_has_efa():
     assert bad.status == "FAIL" and "8192 KiB" in bad.detail and "LimitMEMLOCK=infinity" in bad.detail
     good = image_check.check_memlock(Pins(), devices=["rdmap16s27"], limits=unlimited)
     assert good.status == "ok" and "rdmap16s27" in good.detail
+
+
+def test_the_tuner_checked_is_the_one_the_chart_names_and_another_found_is_offered(tmp_path):
+    import yaml
+
+    from resilient_fsdp.deploy.image_check import NCCL_TUNER_PLUGIN, check_nccl_tuner
+
+    values = yaml.safe_load((REPO / "charts/resilient-fsdp/values.yaml").read_text())
+    assert values["efa"]["ncclTunerPlugin"] == str(NCCL_TUNER_PLUGIN)
+    (tmp_path / "libnccl-net-ofi-tuner.so").write_bytes(b"")
+    result = check_nccl_tuner(None, tmp_path / "libnccl-ofi-tuner.so")
+    assert result.status == "FAIL"
+    assert f"{tmp_path} has libnccl-net-ofi-tuner.so: set efa.ncclTunerPlugin to it" in result.detail
+    (tmp_path / "libnccl-ofi-tuner.so").write_bytes(b"")
+    assert check_nccl_tuner(None, tmp_path / "libnccl-ofi-tuner.so").status == "ok"

@@ -4,7 +4,8 @@ Two depths, one list of checks:
 
 - ``--build`` (the last step of ``docker build``, no GPU): torch is a CUDA build at the pinned
   torch, CUDA and NCCL versions, NVRx is at its pin, the trainer imports, ``ft_launcher`` is on
-  PATH, and the EFA libraries (libfabric, the aws-ofi-nccl plugin) are where NCCL finds them. It
+  PATH, and the EFA libraries (libfabric, the aws-ofi-nccl plugin and its tuner, which the chart
+  names in ``NCCL_TUNER_PLUGIN``) are where NCCL finds them. It
   then records the pins in the image, so the run-time check compares against the same numbers.
 - default (inside the image on a GPU node, e.g. nightly): the same, then a GPU is visible,
   ``fi_info -p efa`` finds the EFA provider and the locked-memory limit is unlimited where the
@@ -41,6 +42,10 @@ PINS_FILE = Path("/opt/resilient-fsdp/pins.json")
 # The EFA installer's locations (libfabric and the aws-ofi-nccl plugin NCCL loads).
 EFA_LIB_DIRS = (Path("/opt/amazon/efa/lib"), Path("/opt/amazon/efa/lib64"))
 OFI_NCCL_LIB_DIRS = (Path("/opt/amazon/ofi-nccl/lib"),)
+# aws-ofi-nccl's tuner, which the chart's EFA pods name in NCCL_TUNER_PLUGIN (efa.ncclTunerPlugin's
+# default; tests/deploy/test_image_check.py keeps the two equal). NCCL only warns when the file is
+# missing and keeps its own algorithm choices, so nothing else would notice.
+NCCL_TUNER_PLUGIN = Path("/opt/amazon/ofi-nccl/lib/libnccl-ofi-tuner.so")
 # Launcher variables a pod carries; the one-process step must not try to join the job with them.
 LAUNCHER_ENV = re.compile(r"^(MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE|GROUP_RANK|PET_.*|TORCHELASTIC_.*)$")
 
@@ -179,6 +184,16 @@ def check_ofi_nccl(_pins: Pins) -> Result:
     return Result("aws-ofi-nccl", "ok", f"{lib} (NCCL_NET_PLUGIN={suffix or 'unset'})")
 
 
+def check_nccl_tuner(_pins: Pins, path: Path = NCCL_TUNER_PLUGIN) -> Result:
+    if not path.is_file():
+        found = sorted(p.name for p in path.parent.glob("*tuner*.so")) if path.parent.is_dir() else []
+        return Result("nccl-tuner", "FAIL", f"{path} (the chart's efa.ncclTunerPlugin) is not in the image"
+                      + (f"; {path.parent} has {', '.join(found)}: set efa.ncclTunerPlugin to it" if found else
+                         ": NCCL would keep its own algorithm choices on EFA; set efa.ncclTunerPlugin to where this "
+                         "aws-ofi-nccl puts its tuner, or to an empty string"))
+    return Result("nccl-tuner", "ok", str(path))
+
+
 def efa_devices() -> list[str]:
     """EFA devices the kernel exposes to this container (the device plugin mounts them)."""
     root = Path("/sys/class/infiniband")
@@ -278,7 +293,7 @@ def check_fsdp_step(_pins: Pins, cpu_ok: bool = False, steps: int = 3) -> Result
 
 def run_checks(pins: Pins, build: bool, cpu_ok: bool) -> list[Result]:
     static: list[Callable[[Pins], Result]] = [check_torch, check_cuda, check_nccl, check_nvrx, check_trainer,
-                                              check_ft_launcher, check_libfabric, check_ofi_nccl]
+                                              check_ft_launcher, check_libfabric, check_ofi_nccl, check_nccl_tuner]
     results = []
     for check in static:
         try:
