@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.deploy.chart_support import (IMAGE, MY_CLUSTER, REGISTRY, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
-                           mount, pod_spec, profile_files, render, volume)
+                           mount, pod_spec, profile_files, render, render_error, volume)
 from resilient_fsdp.deploy import chart, validate
 from resilient_fsdp.config import Config, load_config, to_dict
 from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
@@ -282,6 +282,47 @@ def test_should_create_fsx_storage_class_and_rwx_claim_when_storage_is_fsx():
     assert pvc["spec"]["resources"]["requests"]["storage"] == "2400Gi"
     assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert volume(rendered, "shared")["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+
+
+FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
+
+
+def test_should_give_an_efa_file_system_the_metadata_configuration_and_lustre_version_fsx_needs():
+    """FSx creates an EFA-enabled file system only with a metadata configuration and Lustre 2.15."""
+    def params(*sets):
+        return render(*FSX, *sets, base=IMAGE).find("StorageClass")["parameters"]
+
+    efa = params("storage.fsx.efaEnabled=true")
+    assert (efa["efaEnabled"], efa["metadataConfigurationMode"], efa["fileSystemTypeVersion"]) == ("true", "AUTOMATIC",
+                                                                                                   "2.15")
+    assert "metadataIops" not in efa
+    provisioned = params("storage.fsx.efaEnabled=true", "storage.fsx.metadataConfigurationMode=USER_PROVISIONED",
+                         "storage.fsx.metadataIops=6000", "storage.fsx.fileSystemTypeVersion=2.16")
+    assert (provisioned["metadataConfigurationMode"], provisioned["metadataIops"],
+            provisioned["fileSystemTypeVersion"]) == ("USER_PROVISIONED", "6000", "2.16")
+    plain = params()
+    assert not {"efaEnabled", "metadataConfigurationMode", "metadataIops", "fileSystemTypeVersion"} & set(plain)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["storage.fsx.efaEnabled=true", "storage.fsx.fileSystemTypeVersion=2.12"],
+     "storage.fsx.efaEnabled=true needs Lustre 2.15 or newer, and storage.fsx.fileSystemTypeVersion=2.12"),
+    (["storage.fsx.metadataConfigurationMode=USER_PROVISIONED"],
+     "storage.fsx.metadataConfigurationMode=USER_PROVISIONED needs storage.fsx.metadataIops"),
+    (["storage.fsx.metadataIops=3000"],
+     "storage.fsx.metadataIops=3000 applies only with storage.fsx.metadataConfigurationMode=USER_PROVISIONED"),
+    (["storage.fsx.deploymentType=SCRATCH_2", "storage.fsx.metadataConfigurationMode=AUTOMATIC"],
+     "storage.fsx.metadataConfigurationMode=AUTOMATIC needs storage.fsx.deploymentType=PERSISTENT_2 (it is "
+     "SCRATCH_2): remove it"),
+])
+def test_should_refuse_a_metadata_configuration_fsx_would_refuse_naming_the_key(sets, message):
+    assert message in render_error(*FSX, *sets, base=IMAGE)
+
+
+def test_should_change_volume_ownership_only_when_the_root_does_not_match_on_every_profile():
+    for profile in PROFILES:
+        rendered = render(files=profile_files(profile), base=IMAGE if profile != "dev-cpu" else [])
+        assert pod_spec(rendered)["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch", profile
 
 
 def test_should_claim_from_a_named_class_when_fsx_storage_class_is_not_created():
