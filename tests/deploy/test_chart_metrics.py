@@ -52,6 +52,14 @@ def test_should_admit_the_scraper_to_the_metrics_port_only_when_network_policy_i
     for sets in (["metrics.scrapers=null"], ["metrics.enabled=false"]):
         (only,) = render(*sets).find("NetworkPolicy")["spec"]["ingress"]
         assert only == own
+    # An Amazon Managed Service for Prometheus collector scrapes from its subnets: CIDRs beside the
+    # default scraper, without restating it.
+    managed = render("metrics.scraperCIDRs={10.0.16.0/20,10.0.32.0/20}").find("NetworkPolicy")["spec"]["ingress"][1]
+    assert managed["from"] == scraper["from"] + [{"ipBlock": {"cidr": "10.0.16.0/20"}},
+                                                 {"ipBlock": {"cidr": "10.0.32.0/20"}}]
+    alone = render("metrics.scrapers=null", "metrics.scraperCIDRs={10.0.16.0/20}").find("NetworkPolicy")
+    assert alone["spec"]["ingress"][1]["from"] == [{"ipBlock": {"cidr": "10.0.16.0/20"}}]
+    assert "metrics.scraperCIDRs" in render_error("metrics.scraperCIDRs={sg-0123}")
 
 
 def test_should_render_a_pod_monitor_of_the_jobs_pods_when_enabled():
