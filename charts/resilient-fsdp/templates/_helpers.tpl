@@ -272,3 +272,12 @@ trainer's own default (_trainer_facts.tpl), as JSON `{"v": value}` (`fromJson` t
 {{- if hasKey $section (index $parts 1) }}{{ dict "v" (get $section (index $parts 1)) | toJson }}
 {{- else }}{{ dict "v" (get $defaults .key) | toJson }}{{ end }}
 {{- end }}
+
+{{- /* The label the GitOps admission policy compares (gitops.admissionPolicy): a digest of every
+value the job was rendered with. Re-rendering the same values gives the same label; any other
+value, another one. */ -}}
+{{- define "resilient-fsdp.valuesHashLabel" -}}
+{{- if .Values.gitops.admissionPolicy.enabled }}
+resilient-fsdp.io/values-hash: {{ toJson .Values | sha256sum | trunc 16 | quote }}
+{{- end }}
+{{- end }}
