@@ -83,10 +83,12 @@ def test_should_reject_a_bad_placement_value_naming_the_key(bad, key):
     assert key in render_error(bad)
 
 
-def test_should_block_voluntary_evictions_of_the_training_pods_only_when_the_budget_is_on(crds):
+def test_should_let_a_drain_through_one_training_pod_at_a_time_only_when_the_budget_is_on(crds):
+    """One at a time: each eviction is a graceful stop with a checkpoint (the `sigterm` fault's jobs),
+    and a drain before an AWS-initiated termination is not held until the instance dies."""
     rendered = render()
     pdb = rendered.find("PodDisruptionBudget")
-    assert pdb["spec"]["maxUnavailable"] == 0
+    assert pdb["spec"]["maxUnavailable"] == 1
     selector = pdb["spec"]["selector"]
     assert selector["matchExpressions"] == [{"key": "app.kubernetes.io/component", "operator": "In",
                                              "values": ["master", "worker", "node"]}]
@@ -100,6 +102,7 @@ def test_should_block_voluntary_evictions_of_the_training_pods_only_when_the_bud
     assert validate.validate_documents([pdb], crds) == []
     assert render("podDisruptionBudget.maxUnavailable=25%").find("PodDisruptionBudget")["spec"]["maxUnavailable"] \
         == "25%"
+    assert render("podDisruptionBudget.maxUnavailable=0").find("PodDisruptionBudget")["spec"]["maxUnavailable"] == 0
     assert "PodDisruptionBudget" not in {d["kind"] for d in render("podDisruptionBudget.enabled=false").documents()}
 
 

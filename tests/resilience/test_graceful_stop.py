@@ -57,3 +57,27 @@ def test_sigterm_commits_a_checkpoint_exits_143_and_the_job_resumes_bitwise(tmp_
     assert summary["params_sha256"] == sha
     assert read_losses(run_dir) == losses
     assert_no_leftovers(run_dir)
+
+
+def test_a_drain_the_chart_budget_lets_through_is_a_graceful_stop_with_a_checkpoint(tmp_path):
+    """The chart's default PodDisruptionBudget admits one eviction of a running 2-pod job (none is
+    unavailable before the drain); the eviction reaches the pod as the kubelet's SIGTERM (the
+    ``sigterm`` fault), which commits the step it stopped at, and the job resumes from it: a drain
+    before an AWS-initiated termination loses no work past that checkpoint."""
+    from resilient_fsdp.deploy import chart
+    from tests.support import REPO, run_local
+
+    values = chart.load_values([REPO / "values/dev-cpu.yaml"], ["nodes=2", "storage.type=existingClaim",
+                                                                  "storage.existingClaim=local"])
+    budget = chart.render(values).find("PodDisruptionBudget")  # the budget resilient-fsdp local renders
+    assert int(budget["spec"]["maxUnavailable"]) - 0 >= 1  # disruptionsAllowed with every pod ready
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=2, nproc=1, overrides=RUN, extra=["--inject", "sigterm@6:node=1"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    (recovery,) = summary["recoveries"]
+    assert recovery["kind"] == "sigterm" and recovery["lost_steps"] == 0, recovery
+    assert recovery["resumed_from_step"] == recovery["fault_step"] + 1, recovery
+    assert (run_dir / "checkpoints" / f"step_{recovery['resumed_from_step']:08d}").is_dir()
+    assert summary["final_step"] == 12
+    assert_no_leftovers(run_dir)
