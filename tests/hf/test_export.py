@@ -83,6 +83,10 @@ def test_list_and_verify_read_a_run_directory_without_s3(trained):
     assert "step_" not in listed.stderr and f"local: {trained / 'checkpoints'}" in listed.stdout
     rows = [line.split() for line in listed.stdout.splitlines() if line.strip().split()[0].isdigit()]
     assert [(r[0], r[1], r[6]) for r in rows] == [("15", "committed", "2"), (str(STEPS), "committed", "2")]
+    for action in ("list", "verify", "export"):  # a mistyped run directory is a usage error, not "no checkpoint"
+        wrong = cli("checkpoints", action, "--run-dir", str(trained) + "-typo", *(["--out", "x"] if action == "export"
+                                                                                  else []))
+        assert wrong.returncode == 2 and f"--run-dir {trained}-typo: no such directory" in wrong.stderr, action
     verified = cli("checkpoints", "verify", "--run-dir", str(trained))
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "step 15: ok" in verified.stdout and f"step {STEPS}: ok" in verified.stdout

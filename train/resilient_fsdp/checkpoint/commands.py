@@ -78,6 +78,9 @@ def add_parser(sub: argparse._SubParsersAction, add_config_args: Callable[[argpa
 def _config(args: argparse.Namespace, need_s3: bool = True) -> Config:
     overrides = list(args.overrides)
     run_dir = getattr(args, "run_dir", None)
+    if run_dir is not None and not Path(run_dir).is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: no such directory; pass a run directory (its checkpoints/ and "
+                          "config.yaml) or a directory of step_N checkpoints")
     if run_dir is not None:
         saved = Path(run_dir) / "config.yaml"
         if args.config is None and saved.is_file():

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .. import atomic
 from ..config import ConfigError, S3Config
-from .token_files import META, TokenMeta, read_meta
+from .token_files import META, TokenMeta, meta_from_json, read_meta
 
 KEY = "data.path"
 WAIT_REPORT_S = 60.0
@@ -54,6 +54,8 @@ def _remote_meta(client: Any, bucket: str, key: str, uri: str) -> TokenMeta:
     denied) is a configuration error naming the fix; an unreachable endpoint stays retryable."""
     from botocore.exceptions import ClientError, NoCredentialsError
 
+    from ..checkpoint.s3.client import DENIED
+
     try:
         raw = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except NoCredentialsError as exc:
@@ -64,12 +66,14 @@ def _remote_meta(client: Any, bucket: str, key: str, uri: str) -> TokenMeta:
         if code in ("NoSuchKey", "404", "NoSuchBucket"):
             raise ConfigError(f"{KEY}={uri!r}: no {META} there ({code}); upload the directory `resilient-fsdp data "
                               f"prepare` wrote, e.g. aws s3 cp --recursive DIR {uri.rstrip('/')}/") from exc
-        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        if code in DENIED:
             raise ConfigError(f"{KEY}={uri!r}: access denied ({code}); grant the job's role s3:ListBucket on bucket "
                               f"{bucket!r} and s3:GetObject on the prefix") from exc
         raise
-    fields = set(TokenMeta.__dataclass_fields__)
-    return TokenMeta(**{k: v for k, v in json.loads(raw).items() if k in fields})
+    try:
+        return meta_from_json(json.loads(raw), f"{KEY}={uri!r}: its {META}")
+    except ValueError as exc:  # not JSON
+        raise ConfigError(f"{KEY}={uri!r}: its {META} is not JSON ({exc}); upload data prepare's directory again") from exc
 
 
 def _matches(target: Path, remote: TokenMeta) -> bool:

@@ -60,11 +60,17 @@ def read_meta(path: Path) -> Optional[TokenMeta]:
         return None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: unreadable data metadata ({exc}); run `resilient-fsdp data prepare` again") from exc
+    return meta_from_json(raw, str(path))
+
+
+def meta_from_json(raw: object, where: str) -> TokenMeta:
+    """``tokens.json``'s fields (fields a newer writer added are ignored); ``where`` names it in the
+    error when it is not data prepare's metadata."""
     known = set(TokenMeta.__dataclass_fields__)
     try:
-        return TokenMeta(**{k: v for k, v in raw.items() if k in known})
-    except TypeError as exc:
-        raise ConfigError(f"{path}: not data prepare's metadata ({exc})") from exc
+        return TokenMeta(**{k: v for k, v in dict(raw).items() if k in known})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: not data prepare's metadata ({exc})") from exc
 
 
 def resolve(path: str, key: str = "data.path") -> tuple[Path, Optional[TokenMeta]]:

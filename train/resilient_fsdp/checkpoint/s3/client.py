@@ -55,6 +55,10 @@ def transfer_config(cfg: S3Config, limit_bandwidth: bool = False) -> Any:
                           preferred_transfer_client="classic")
 
 
+# S3 error codes no retry fixes: the caller's identity may not do what it asked.
+DENIED = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
+
+
 def describe_error(exc: BaseException) -> str:
     """One line for logs and ``summary.json``: the S3 error code when there is one."""
     response = getattr(exc, "response", None)
@@ -90,7 +94,7 @@ def check_access(cfg: S3Config) -> Optional[str]:
         if code in ("404", "NoSuchBucket"):
             return (f"checkpoint.s3.uri={cfg.uri!r}: bucket {loc.bucket!r} does not exist{where}; create it "
                     "(the job never creates buckets) or fix the uri")
-        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        if code in DENIED:
             return (f"checkpoint.s3.uri={cfg.uri!r}: access to bucket {loc.bucket!r} denied{where} ({code}); grant "
                     "the job's role s3:ListBucket on the bucket and s3:GetObject, s3:PutObject, s3:DeleteObject "
                     "on the prefix")
