@@ -191,7 +191,12 @@ def test_checkpoint_figures_are_reported(uninterrupted):
             assert commit["gather_s"] + commit["broadcast_s"] < e["stall_s"]
         else:
             assert e["commit_s"] < e["stall_s"]
-    assert not events[-1]["commit_background"] and any(e["commit_background"] for e in events[:-1]), events
+    # The final save's commit is waited for. An earlier one is made in rank 0's commit process when
+    # every write finished between steps, else in line by the next save's wait (charged to its own
+    # stall, as checked above): which one is timing (a write here takes about as long as the four
+    # steps before the next save). The hand-off itself is probed step by step in
+    # test_checkpoint_failures.py (commit-in-flight).
+    assert not events[-1]["commit_background"], events
     summary = read_summary(uninterrupted)
     assert [c["step"] for c in summary["checkpoints"]] == [4, 8, 12, 16]
     assert summary["checkpoint_stall_s"] == pytest.approx(sum(e["stall_s"] for e in events))
