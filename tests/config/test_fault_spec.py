@@ -25,8 +25,10 @@ def test_fault_specs_parse_and_bad_ones_name_the_fix():
         parse_fault("hang@0")
     with pytest.raises(ConfigError, match="give rank=R or node=N, not both"):
         parse_fault("node-loss@3:rank=1:node=0")
-    with pytest.raises(ConfigError, match="for=SECONDS applies to partition, writer-slow, slow-exit only"):
+    with pytest.raises(ConfigError, match="for=SECONDS applies to partition, node-freeze, writer-slow, slow-exit only"):
         parse_fault("node-loss@3:node=0:for=5")
+    with pytest.raises(ConfigError, match="node-freeze needs :for=SECONDS, when the frozen node is deleted"):
+        parse_fault("node-freeze@3:node=1")
     with pytest.raises(ConfigError, match="for= must be a number of seconds above 0"):
         parse_fault("partition@3:for=-1")
     with pytest.raises(ConfigError, match="unknown option 'nodes=1'"):

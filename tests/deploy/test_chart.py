@@ -183,12 +183,13 @@ def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fi
     c = container(rendered)
     assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
     args = c["args"]
-    # The agent's own flags, then ft_launcher's; the store connect wait follows the join timeout.
-    assert args[:13] == ["--rejoin-timeout=1800", "--max-pod-failures=3", "--metrics-port=9410", "--prewarm=true", "--",
+    # The agent's own flags, then ft_launcher's; the store connect wait follows the join timeout,
+    # the store's read timeout and the agent's give-up time are the store timeout.
+    assert args[:14] == ["--rejoin-timeout=1800", "--store-timeout=60", "--max-pod-failures=3", "--metrics-port=9410", "--prewarm=true", "--",
                          "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
                          "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
                          "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500", "--rdzv-id=run1-resilient-fsdp",
-                         "--rdzv-conf=join_timeout=900,read_timeout=900,store_connect_wait_seconds=900",
+                         "--rdzv-conf=join_timeout=900,read_timeout=60,store_connect_wait_seconds=900",
                          "--max-restarts=7"]
     assert "--workers-stop-timeout=20" in args and "--term-timeout=300" in args
     trainer = args[args.index("-m"):]
@@ -385,9 +386,23 @@ def test_should_pass_scheduling_settings_through_when_set():
             {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}}}
     spec = pod_spec(chart.render(values))
     assert spec["nodeSelector"] == {"pool": "train", "node.kubernetes.io/instance-type": "p5.48xlarge"}
-    assert spec["tolerations"] == values["pod"]["tolerations"]
+    # The user's tolerations first, then the short eviction from a node that stopped reporting.
+    unreachable = [{"key": f"node.kubernetes.io/{k}", "operator": "Exists", "effect": "NoExecute",
+                    "tolerationSeconds": 60} for k in ("unreachable", "not-ready")]
+    assert spec["tolerations"] == values["pod"]["tolerations"] + unreachable
     assert spec["affinity"] == values["pod"]["affinity"]
     assert spec["priorityClassName"] == "high"
+
+
+def test_should_evict_from_a_node_that_stopped_reporting_after_the_set_time_unless_the_user_tolerates_it():
+    assert [t["tolerationSeconds"] for t in pod_spec(render("pod.unreachableTolerationSeconds=20"))["tolerations"]] \
+        == [20, 20]
+    assert "tolerations" not in pod_spec(render("pod.unreachableTolerationSeconds=null"))
+    own = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 900}
+    spec = pod_spec(chart.render({"storage": {"existingClaim": "c"}, "image": {"repository": REGISTRY},
+                                  "pod": {"tolerations": [own]}}))
+    assert spec["tolerations"] == [own, {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+                                         "effect": "NoExecute", "tolerationSeconds": 60}]
 
 
 def test_should_annotate_do_not_disrupt_when_enabled():

@@ -51,6 +51,9 @@ def test_the_rendered_manifests_are_kept_with_the_run(tmp_path, capsys):
                               max_recreations=3, verbose=False)
     with pytest.raises(Exception, match="partition faults need --isolation netns"):
         local_job.prepare(args)
+    args.inject = ["partition@2:node=1", "node-freeze@3:node=1:for=30"]
+    with pytest.raises(Exception, match="node-freeze and partition faults need --isolation netns"):
+        local_job.prepare(args)
     args.inject = []
     job, isolation, _ = local_job.prepare(args)
     assert isolation == "loopback" and len(job.workload.pods) == 2

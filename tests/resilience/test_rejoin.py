@@ -7,7 +7,8 @@ import threading
 import time
 
 from resilient_fsdp.resilience import exit_codes
-from resilient_fsdp.resilience.rejoin import (GONE_LIMIT_S, PROBE_INTERVAL_S, UP_LIMIT_S, Rejoin, await_store,
+from resilient_fsdp.resilience.rejoin import (GONE_LIMIT_S, PROBE_INTERVAL_S, UP_LIMIT_S, Rejoin, await_first_store,
+                                              await_store,
                                               store_listens)
 
 
@@ -117,3 +118,49 @@ def test_a_real_store_port_closing_and_reopening_releases_the_wait():
     new.close()
     assert events[0] == "reopened" and "closed after" in events[1] and "a store listened after" in events[1]
     assert not store_listens("127.0.0.1", port)
+
+
+def test_a_first_launcher_waits_for_a_store_that_listens_late_and_gives_up_at_the_connect_wait():
+    """A node that is not the store host starts before pod 0: its first launcher waits for a real
+    socket to listen (so that read_timeout can stay an operation's timeout), bounded."""
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    said: list = []
+    waiter = threading.Thread(target=lambda: said.append(await_first_store(("127.0.0.1", port), 30)))
+    waiter.start()
+    time.sleep(1.5)
+    assert not said  # nothing listens yet
+    store = socket.create_server(("127.0.0.1", port))
+    waiter.join(timeout=10)
+    store.close()
+    assert said and said[0].startswith(f"the store at 127.0.0.1:{port} listens (waited ")
+    t0 = time.monotonic()
+    assert "within 1 s; starting the launcher anyway" in await_first_store(("127.0.0.1", port), 1)
+    assert 1 <= time.monotonic() - t0 < 5
+    assert await_first_store(None, 30) is None and await_first_store(("127.0.0.1", port), 0) is None
+
+
+def test_the_store_watch_gives_up_a_store_that_accepts_nothing_for_its_limit_and_not_one_that_answers():
+    """Real sockets on loopback: a store that listens is never given up; once it stops accepting
+    connections, the watch says so after its limit, and only then."""
+    from resilient_fsdp.resilience.store_watch import StoreWatch
+
+    store = socket.create_server(("127.0.0.1", 0))
+    port = store.getsockname()[1]
+    watch = StoreWatch(("127.0.0.1", port), limit_s=1.0, interval_s=0.1)
+    said: list[str] = []
+    watch.on_lost = said.append
+    watch.start()
+    time.sleep(2.0)
+    assert watch.lost is None and not said  # it answers: more than the limit passed, nothing given up
+    store.close()
+    t0 = time.monotonic()
+    watch.join(timeout=10)
+    assert 0.9 <= time.monotonic() - t0 < 5
+    assert said == [watch.lost] and f"store at 127.0.0.1:{port} accepted no connection for 1 s" in watch.lost
+    quiet = StoreWatch(("127.0.0.1", port), limit_s=0.5, interval_s=0.1)
+    quiet.start()
+    quiet.stop()  # stopped (the launcher ended first): never reports
+    quiet.join(timeout=5)
+    assert quiet.lost is None

@@ -56,7 +56,25 @@ spec:
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $v.pod.tolerations }}
+  {{- $tolerations := list }}
+  {{- $given := list }}
+  {{- range $v.pod.tolerations }}
+  {{- $tolerations = append $tolerations . }}
+  {{- $given = append $given (.key | default "") }}
+  {{- end }}
+  {{- if not (kindIs "invalid" $v.pod.unreachableTolerationSeconds) }}
+  {{- /* A node that stops reporting is tainted unreachable (not-ready when its kubelet says so):
+  its pod is evicted after this long instead of Kubernetes' 300 s, so it carries DisruptionTarget
+  (its failure not counted) and is replaced as soon as the node is deleted or tainted
+  out-of-service. The job has stalled on that node long before. A toleration of the same key in
+  pod.tolerations wins. */}}
+  {{- range list "node.kubernetes.io/unreachable" "node.kubernetes.io/not-ready" }}
+  {{- if not (has . $given) }}
+  {{- $tolerations = append $tolerations (dict "key" . "operator" "Exists" "effect" "NoExecute" "tolerationSeconds" (int $v.pod.unreachableTolerationSeconds)) }}
+  {{- end }}
+  {{- end }}
+  {{- end }}
+  {{- with $tolerations }}
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -80,6 +98,9 @@ spec:
         # The node agent's own flag: a node other than the store host joins again in its pod when
         # another node's failure ends its launcher (one event counts once, on the store host's pod).
         - --rejoin-timeout={{ int $v.rendezvous.rejoinTimeoutSeconds }}
+        # A store host gone without closing its connections (its node hung or cut off) is given up
+        # after this long without accepting a connection, not after TCP's retransmissions (~15 min).
+        - --store-timeout={{ int $v.rendezvous.storeTimeoutSeconds }}
         {{- if and (eq $v.workload.kind "PyTorchJob") (gt (int $v.job.backoffLimit) 0) }}
         # The operator recreates pods that exit 128-255 for ever (its backoffLimit of 1 or more
         # counts nothing; 0 it applies itself): the agents count the job's pod failures in the run
@@ -106,11 +127,12 @@ spec:
         - --rdzv-backend=c10d
         - --rdzv-endpoint={{ include "resilient-fsdp.rdzvHost" $ }}:{{ int $v.rendezvous.port }}
         - --rdzv-id={{ include "resilient-fsdp.fullname" $ }}
-        # The store client's connect wait (read_timeout; NVRx 0.7 probes for store_connect_wait_seconds
-        # first) follows the join timeout: pods that start apart (an image pull, pod 0 replaced) still
-        # meet. The agent adds is_host from the pod's index.
+        # Pods that start apart (an image pull, pod 0 replaced) still meet: a node waits up to the
+        # join timeout for the store to listen (store_connect_wait_seconds; the agent waits for
+        # NVRx versions without it). read_timeout, the store client's wait for a key, is what an
+        # operation takes, not the join's. The agent adds is_host from the pod's index.
         {{- $join := int $v.rendezvous.joinTimeoutSeconds }}
-        - --rdzv-conf=join_timeout={{ $join }},read_timeout={{ $join }},store_connect_wait_seconds={{ $join }}
+        - --rdzv-conf=join_timeout={{ $join }},read_timeout={{ int $v.rendezvous.storeTimeoutSeconds }},store_connect_wait_seconds={{ $join }}
         # In-job restart, as resilience.ft_launcher_flags spells it.
         - --max-restarts={{ include "resilient-fsdp.resilience" (set $r "key" "launcher.max_restarts") }}
         - --workers-stop-timeout={{ include "resilient-fsdp.g" (include "resilient-fsdp.resilience" (set $r "key" "launcher.workers_stop_timeout_s")) }}

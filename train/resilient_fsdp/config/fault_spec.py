@@ -61,6 +61,11 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               by_cluster=True),
     FaultKind("partition", "step", "its node's network goes down (for good, or for SECONDS)",
               "job level, or none when it heals in time", by_cluster=True, takes_duration=True),
+    FaultKind("node-freeze", "step", "its node stops reporting, as after a kernel hang or a wedged network driver: "
+              "its link goes down and every process of its pod stops, closing no connection; the pod stays until "
+              "the node is deleted for:SECONDS later (node auto-repair, the out-of-service taint)",
+              "in-job with a hot spare (pod 0: job level once its node is deleted)", by_cluster=True,
+              takes_duration=True),
     FaultKind("writer-exit", "write", "the checkpoint writer dies after writing the data, before the save "
               "is finalized", _SAVE_FAILS + " (a new writer takes the next save)", stops=False),
     FaultKind("writer-raise", "write", "the checkpoint writer's write fails", _SAVE_FAILS, stops=False),
@@ -81,6 +86,8 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
 NODE_FAULT_KINDS = tuple(k.name for k in FAULT_KINDS.values() if k.by_cluster)
 # Kinds that act on the memory tier's snapshots (checkpoint.memory): refused without it.
 MEMORY_FAULT_KINDS = ("memory-corrupt", "replica-corrupt")
+# Kinds that take a pod's network link down: only a cluster that reads requests can (netns pods).
+CUT_OFF_KINDS = ("partition", "node-freeze")
 _FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<options>(?::[^:]*)*)$")
 _FAULT_GRAMMAR = "KIND@STEP[:rank=R | :node=N][:for=SECONDS]"
 
@@ -156,6 +163,9 @@ def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
             raise ConfigError(f"{key} {text!r}: for= must be a number of seconds above 0")
     elif kind.name == "writer-slow":
         raise ConfigError(f"{key} {text!r}: writer-slow needs :for=SECONDS, how much later the write finishes")
+    elif kind.name == "node-freeze":
+        raise ConfigError(f"{key} {text!r}: node-freeze needs :for=SECONDS, when the frozen node is deleted (as node "
+                          "auto-repair or the out-of-service taint does) and its pod replaced")
     node = int(options["node"]) if "node" in options else None
     return FaultSpec(m["kind"], step, int(options.get("rank", 0)), node, for_s)
 

@@ -47,7 +47,7 @@ from typing import Optional
 
 import yaml
 
-from ..config import ConfigError, load_config, parse_faults, user_tree
+from ..config import CUT_OFF_KINDS, ConfigError, load_config, parse_faults, user_tree
 from ..deploy.chart import DEFAULT_RELEASE, REPO_ROOT, chart_dir, deep_merge, load_values, render
 from ..resilience.accounting import JOB_START_ENV
 from ..resilience.agent import parse_agent_args
@@ -276,9 +276,10 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     chaos = [a.split("=", 1)[1] for a in workload.pods[0].argv if a.startswith("--inject=")]
     specs = parse_faults(list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc,
                          nodes=len(workload.pods))
-    if isolation == "loopback" and any(s.kind == "partition" for s in specs):
-        raise ConfigError("partition faults need --isolation netns (root): on loopback no pod has a network link "
-                          "of its own to cut")
+    cut_off = sorted({s.kind for s in specs if s.kind in CUT_OFF_KINDS})
+    if isolation == "loopback" and cut_off:
+        raise ConfigError(f"{' and '.join(cut_off)} faults need --isolation netns (root): on loopback no pod has a "
+                          "network link of its own to cut")
     endpoint = cfg.checkpoint.s3.endpoint_url if cfg.checkpoint.s3.uri else None
     host_ports = []
     if isolation == "netns" and endpoint and _is_loopback(endpoint):

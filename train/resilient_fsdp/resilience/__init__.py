@@ -20,5 +20,6 @@
 - ``metrics_endpoint``: the agent's Prometheus endpoint, the run's records as metrics;
 - ``node_rank``: a node's index in the job, who hosts the rendezvous store, its node rank;
 - ``rejoin``: a node that another node's failure stopped joins again in its pod, bounded;
+- ``store_watch``: a store host gone without closing its connections, given up in a minute;
 - ``processes``: process-tree helpers the agent shares with the local launcher.
 """

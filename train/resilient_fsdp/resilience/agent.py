@@ -70,7 +70,8 @@ from . import exit_codes, metrics_endpoint, node_rank, node_taint, nvrx, pod_fai
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
-from .rejoin import REJOINED_CODES, Rejoin, await_store
+from .rejoin import REJOINED_CODES, Rejoin, await_first_store, await_store
+from .store_watch import StoreWatch
 
 def ft_launcher_executable() -> list[str]:
     """``ft_launcher`` of this interpreter's NVRx, leaving the rendezvous open when this node fails
@@ -308,6 +309,9 @@ AGENT_FLAGS = {"--rejoin-timeout": "seconds a node that is not the store host ke
                                      "instead of a retried code (the PyTorchJob's job.backoffLimit, which its "
                                      "operator does not apply; default: no bound)",
                "--metrics-port": "port of the node's Prometheus metrics endpoint (0: none; default 0)",
+               "--store-timeout": "seconds the rendezvous store may accept no connection before a node that is not "
+                                  "its host ends its launcher and joins again (a store host gone without closing "
+                                  "its connections; 0: never; default 0)",
                "--prewarm": "true: ranks are forked from a server that has imported the trainer (resilience.prewarm; "
                             "default false)"}
 
@@ -344,6 +348,14 @@ def parse_agent_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     if i < len(argv) and argv[i] == "--":
         i += 1
     return flags, argv[i:]
+
+
+def _seconds(text: Optional[str]) -> float:
+    """A ``--rdzv-conf`` duration in seconds; 0 when absent or not a number."""
+    try:
+        return max(0.0, float(text)) if text else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _nproc(args: list[str]) -> Optional[int]:
@@ -415,14 +427,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"node {index} of the job (GROUP_RANK={env['GROUP_RANK']}); "
              f"{'hosts' if store_host else 'joins'} the rendezvous store")
     rejoin = Rejoin(store_host, flags.get("--rejoin-timeout", 0.0))
+    if not store_host:
+        conf = node_rank.rdzv_conf(args)
+        said = await_first_store(node_rank.rdzv_endpoint(args), _seconds(conf.get("store_connect_wait_seconds"))
+                                 or _seconds(conf.get("join_timeout")), stopped=lambda: bool(received))
+        if said:
+            _say(said)
     trained = False  # a launcher of this pod started ranks (a hot spare's may never)
     try:
         while True:
+            endpoint = node_rank.rdzv_endpoint(args)
+            watch = StoreWatch(endpoint, flags["--store-timeout"]) \
+                if not store_host and endpoint is not None and flags.get("--store-timeout") else None
             returncode, lines, started = _run_launcher(args, env, launcher, received, fatal,
-                                                       base + ".prewarm.sock" if flags.get("--prewarm") else None)
+                                                       base + ".prewarm.sock" if flags.get("--prewarm") else None, watch)
             trained = trained or started
             reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
             code = exit_code(returncode, received[0] if received else None, lines, reason is not None)
+            if watch is not None and watch.lost and reason is None and not received:
+                code = exit_codes.RENDEZVOUS_LOST
             finished = nproc is not None and exit_codes.finished_ranks(done_dir) >= nproc
             if code != 0 and finished and reason is None and not received:
                 _say(f"every rank of this node finished training; ft_launcher's shutdown exited {returncode} "
@@ -532,11 +555,13 @@ def start_metrics(port: int, args: list[str], index: Optional[int], env: dict[st
 
 
 def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subprocess.Popen],
-                  received: list[int], fatal: list[bool],
-                  prewarm_socket: Optional[str] = None) -> tuple[int, list[str], bool]:
+                  received: list[int], fatal: list[bool], prewarm_socket: Optional[str] = None,
+                  watch: Optional[StoreWatch] = None) -> tuple[int, list[str], bool]:
     """One ``ft_launcher`` run to its end: (its return code, its last stderr lines, whether it
     started ranks, i.e. a rendezvous of every node completed). With ``prewarm_socket``, beside a
-    pre-warmed server there that forks the ranks (:mod:`.prewarm`); it ends with the run."""
+    pre-warmed server there that forks the ranks (:mod:`.prewarm`); it ends with the run. With
+    ``watch`` (a node that is not the store host), a store that stopped answering ends it
+    (:mod:`.store_watch`): its ranks and the launcher are killed, and ``watch.lost`` says why."""
     server = start_prewarm(prewarm_socket, args, env) if prewarm_socket else None
     if server is not None:
         env = {**env, prewarm.SOCKET_ENV: prewarm_socket}
@@ -549,12 +574,21 @@ def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subp
     if fatal:
         _send(child, signal.SIGTERM)
     sweeper = RankHelperSweeper(child.pid, server.pid if server is not None else None)
+    if watch is not None:
+        watch.start()
     while True:
         try:
             returncode = child.wait(timeout=SWEEP_INTERVAL_S)
             break
         except subprocess.TimeoutExpired:
             sweeper.sweep()
+            if watch is not None and watch.lost:
+                _say(watch.lost)
+                # Its ranks wait on peers through the lost host, its store client on the host:
+                # nothing here can end on its own in time.
+                kill_descendants(timeout=5.0)
+    if watch is not None:
+        watch.stop()
     kill_descendants(timeout=5.0)
     tail.join(timeout=5.0)
     return returncode, list(tail.lines), sweeper.seen_ranks

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 import psutil
 
 from .. import atomic
-from ..config import MEMORY_FAULT_KINDS, NODE_FAULT_KINDS, ConfigError, FaultSpec
+from ..config import CUT_OFF_KINDS, MEMORY_FAULT_KINDS, NODE_FAULT_KINDS, ConfigError, FaultSpec
 from .ledger import FaultLedger
 from .node_rank import INDEX_SOURCES
 
@@ -137,12 +137,12 @@ def check_executable(specs: list[FaultSpec]) -> None:
     """Refuse, before training, a fault nothing here can execute: a ``partition`` needs a cluster
     that reads requests (``RESILIENT_FSDP_FAULT_REQUESTS``)."""
     for spec in specs:
-        if spec.kind == "partition" and requests_dir() is None:
+        if spec.kind in CUT_OFF_KINDS and requests_dir() is None:
             raise ConfigError(_partition_refusal(spec))
 
 
 def _partition_refusal(spec: FaultSpec) -> str:
-    return (f"resilience.inject {str(spec)!r}: a partition takes a pod's network link down, which a rank cannot do "
+    return (f"resilience.inject {str(spec)!r}: a {spec.kind} takes a pod's network link down, which a rank cannot do "
             f"to its own pod; it runs where a cluster executes fault requests ({REQUESTS_ENV} is set in every pod "
             "by `resilient-fsdp local`'s network-namespace cluster). Here it is not set: use node-loss, or cut the "
             "network with the cluster's own tools")
@@ -305,7 +305,7 @@ class FaultInjector:
         if spec.kind in NODE_FAULT_KINDS and requests_dir() is not None:
             request = requests_dir() / f"{spec.kind}-step{spec.step}-node{self.node}.json"
             record["request"] = str(request)
-        elif spec.kind == "partition":
+        elif spec.kind in CUT_OFF_KINDS:
             raise ConfigError(_partition_refusal(spec))
         if not self.ledger.claim(spec, record) and spec.kind_info.once_per_job:
             return
@@ -334,7 +334,7 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.kind == "sigkill-during-save":
             kill_rank_and_helpers(helpers)
-        if spec.kind == "node-loss":
+        if spec.kind in ("node-loss", "node-freeze"):  # past the wait: nothing executed the request
             kill_node()
         if spec.kind == "sigterm":
             # What the kubelet does to a pod it evicts: SIGTERM to the container's main process,

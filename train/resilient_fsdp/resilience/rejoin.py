@@ -93,6 +93,31 @@ def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool]
     return f"{first}; {second}"
 
 
+def await_first_store(endpoint: Optional[tuple[str, int]], limit_s: float, stopped: Callable[[], bool] = lambda: False,
+                      probe: Callable[[str, int], bool] = store_listens, clock: Callable[[], float] = time.monotonic,
+                      sleep: Callable[[float], None] = time.sleep) -> Optional[str]:
+    """Before a node that is not the store host starts its first launcher: wait, up to ``limit_s``
+    (``store_connect_wait_seconds``, else ``join_timeout``), until the store listens; says what it
+    waited for, None when there was nothing to wait for.
+
+    Pods start minutes apart (an image pull, pod 0 scheduled last). NVRx 0.7 probes for the store
+    itself, but 0.4.1's store client spends ``read_timeout`` connecting, and ``read_timeout`` is
+    also every store operation's timeout: the wait lives here so that ``read_timeout`` can stay what
+    an operation takes, and a store host that vanishes is noticed in that time, not the join's."""
+    if endpoint is None or limit_s <= 0:
+        return None
+    host, port = endpoint
+    start = clock()
+    while not probe(host, port):
+        if stopped():
+            return f"stopped while waiting for the store at {host}:{port}"
+        if clock() - start >= limit_s:
+            return f"no store listened at {host}:{port} within {limit_s:g} s; starting the launcher anyway"
+        sleep(PROBE_INTERVAL_S * (1 + random.random() / 2))
+    waited = clock() - start
+    return f"the store at {host}:{port} listens (waited {waited:.1f} s)" if waited >= 1 else None
+
+
 @dataclass
 class Rejoin:
     """Decides, after each ``ft_launcher`` ending, whether the node joins again or exits."""

@@ -9,7 +9,12 @@ folder, and :class:`FaultExecutor` carries each request out:
 
 - ``node-loss``: every process of pod N is killed at once (``Runtime.kill``); the workload
   controller then sees the pod fail and recreates it with the same name;
-- ``partition``: pod N's link goes down, for ``for_s`` seconds or for good (netns only).
+- ``partition``: pod N's link goes down, for ``for_s`` seconds or for good (netns only);
+- ``node-freeze``: pod N's node stops reporting: its link goes down and every process in it is
+  stopped, closing no connection, and the pod stays as it is (a real controller sees it running,
+  then Terminating). After ``for_s`` seconds its node is deleted (node auto-repair, or the
+  ``node.kubernetes.io/out-of-service`` taint): its processes are killed and, as after a
+  ``node-loss``, the workload controller recreates it (netns only).
 
 A request carried out is renamed ``<name>.done``; one that could not be is renamed ``<name>.failed``
 with the reason printed. Whether a fault fires at all, once per job, is the trainer's ledger.
@@ -18,6 +23,7 @@ with the reason printed. Whether a fault fires at all, once per job, is the trai
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -76,9 +82,28 @@ class FaultExecutor:
             pids = self.runtime.kill(pod)
             self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) lost, "
                      f"{len(pids)} process(es) killed at once")
+        elif kind == "node-freeze":
+            seconds = float(request["for_s"])
+            pids = self.runtime.freeze(pod)
+            self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) stopped reporting: "
+                     f"link down, {len(pids)} process(es) stopped; its node is deleted in {seconds:g} s")
+            timer = threading.Timer(seconds, self._delete_frozen, (pod, node))
+            timer.daemon = True
+            timer.start()
         else:
             seconds = request.get("for_s")
             self.runtime.partition(pod, seconds)
             self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) cut off from the "
                      f"other pods " + (f"for {seconds:g} s" if seconds else "for good"))
         return {**request, "executed_at": t0, "pod": pod.hostname}
+
+    def _delete_frozen(self, pod, node: int) -> None:
+        """A frozen pod's node is deleted: the controller sees the pod fail and recreates it."""
+        self.lost.add(pod.hostname)
+        try:
+            pids = self.runtime.delete_frozen(pod)
+        except (WorkloadError, OSError, KeyError) as exc:  # the run is being torn down
+            self.say(f"node{node} ({pod.hostname}): deleting its frozen node failed: {exc}")
+            return
+        self.say(f"node{node} ({pod.hostname}): its node was deleted (auto-repair, out-of-service taint); "
+                 f"{len(pids)} stopped process(es) killed")

@@ -20,6 +20,7 @@ the shared claim (PVC)        the run directory, bind-mounted        the run dir
 node loss                     every process in the pod's namespace   every process carrying the
                                                                      pod's mark in its environment
 partition                     the pod's veth goes down               refused
+node freeze                   veth down, every process SIGSTOPped    refused
 ============================  =====================================  ===============================
 
 The image is this machine's Python environment: ``python`` is this interpreter, ``PYTHONPATH``
@@ -191,6 +192,15 @@ class Runtime:
         raise NotImplementedError
 
     def partition(self, pod: PodSpec, seconds: Optional[float]) -> None:
+        raise NotImplementedError
+
+    def freeze(self, pod: PodSpec) -> list[int]:
+        """The pod's node stops reporting: link down, every process stopped; the pids."""
+        raise NotImplementedError
+
+    def delete_frozen(self, pod: PodSpec) -> list[int]:
+        """The frozen pod's node is deleted: its processes killed, its link back for the pod's
+        replacement (the same address, as the local cluster recreates a pod); the pids."""
         raise NotImplementedError
 
     def close(self) -> None:

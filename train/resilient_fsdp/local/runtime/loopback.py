@@ -145,6 +145,12 @@ class LoopbackRuntime(Runtime):
     def partition(self, pod: PodSpec, seconds: Optional[float]) -> None:
         raise WorkloadError("a partition needs --isolation netns: on loopback no pod has a network link of its own")
 
+    def freeze(self, pod: PodSpec) -> list[int]:
+        raise WorkloadError("a node freeze needs --isolation netns: on loopback no pod has a network link of its own")
+
+    def delete_frozen(self, pod: PodSpec) -> list[int]:
+        raise WorkloadError("a node freeze needs --isolation netns")
+
     def close(self) -> None:
         for pod in self.workload.pods:
             self.kill(pod)

@@ -114,6 +114,15 @@ class NetnsRuntime(Runtime):
         else:
             handle.partition(True)
 
+    def freeze(self, pod: PodSpec) -> list[int]:
+        return self.network.pods[pod.hostname].freeze()
+
+    def delete_frozen(self, pod: PodSpec) -> list[int]:
+        handle = self.network.pods[pod.hostname]
+        pids = handle.kill_all()
+        handle.partition(False)
+        return pids
+
     def close(self) -> None:
         self.network.close()
 

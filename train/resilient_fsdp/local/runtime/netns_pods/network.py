@@ -198,6 +198,12 @@ class NetnsPod:
             proc.poll()
         return pids
 
+    def freeze(self) -> list[int]:
+        """Stop the pod as a node that stops reporting does: its link down, every process stopped
+        (SIGSTOP), no connection closed; return the pids stopped. ``kill_all`` ends it."""
+        self.partition(True)
+        return plumbing.stop_netns_processes([self.netns])
+
     @property
     def partitioned(self) -> bool:
         return self._partitioned

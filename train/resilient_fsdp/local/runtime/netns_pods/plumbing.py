@@ -264,6 +264,18 @@ def _signal_all(pids: Iterable[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+def stop_netns_processes(names: Iterable[str], timeout: float = 5.0) -> list[int]:
+    """SIGSTOP every process in the namespaces ``names``, repeated until a scan finds no new pid (a
+    process forked meanwhile is stopped too); return the pids stopped."""
+    names = list(names)
+    deadline = time.monotonic() + timeout
+    signalled: set[int] = set()
+    while (new := set(pids_in_netns(names)) - signalled) and time.monotonic() < deadline:
+        _signal_all(new, signal.SIGSTOP)
+        signalled |= new
+    return sorted(signalled)
+
+
 def kill_netns_processes(names: Iterable[str], sig: int = signal.SIGKILL, timeout: float = 5.0) -> list[int]:
     """Signal every process in the namespaces ``names``; return the pids signalled.
 
@@ -277,10 +289,7 @@ def kill_netns_processes(names: Iterable[str], sig: int = signal.SIGKILL, timeou
         _signal_all(pids, sig)
         return pids
     deadline = time.monotonic() + timeout
-    signalled: set[int] = set()
-    while (new := set(pids_in_netns(names)) - signalled) and time.monotonic() < deadline:
-        _signal_all(new, signal.SIGSTOP)
-        signalled |= new
+    signalled = set(stop_netns_processes(names, timeout))
     while pids := pids_in_netns(names):
         _signal_all(pids, signal.SIGKILL)
         signalled.update(pids)
