@@ -167,6 +167,37 @@ def test_a_lease_names_its_job_refuses_another_and_is_taken_over_after_a_crash(t
     taker.release()
 
 
+def test_a_new_install_of_the_job_waits_for_the_old_ones_live_lease_and_a_restart_of_either_takes_it_over(
+        tmp_path, monkeypatch):
+    """The install is RESILIENT_FSDP_INSTALL_ID (the chart's JobSet UID): an earlier install that
+    still lives is waited for, never written beside; a restart of the same install, or a lease
+    without an install (a job before the chart passed one), is taken over as before."""
+    from resilient_fsdp.checkpoint.lease import INSTALL_ENV, Lease
+    from resilient_fsdp.config import ConfigError
+
+    said = []
+    monkeypatch.setenv(INSTALL_ENV, "11111111-old")
+    old = Lease(tmp_path, "release", said.append)
+    old.acquire()
+    monkeypatch.setenv(INSTALL_ENV, "22222222-new")
+    new = Lease(tmp_path, "release", said.append)
+    waiting = new.try_acquire()
+    assert waiting.startswith("waiting for the earlier install 11111111 of job 'release' (host ") and \
+        "its process is running on this host" in waiting
+    assert old.check() is None  # nothing was written: the old install still holds it
+    with pytest.raises(ConfigError, match=r"still held by the earlier install 11111111 of job 'release'.* after 7 s "
+                                          r"\(checkpoint.lease_wait_s\).*jobset-uid=11111111-old"):
+        raise ConfigError(new.refusal_after_wait(7.0))
+    with pytest.raises(ConfigError, match="in use by job 'release'"):
+        Lease(tmp_path, "other-job", said.append).try_acquire()  # another job is refused, not waited for
+    old.release()  # the old install committed its final checkpoint and exited
+    assert new.try_acquire() is None and new.check() is None
+    restart = Lease(tmp_path, "release", said.append)  # the new install restarted: takes it over at once
+    assert restart.try_acquire() is None and "from an earlier run of this job" in said[-1]
+    restart.release()
+    new.release()
+
+
 def test_the_sweep_removes_torn_writes_a_commit_reached_and_at_a_start_all_but_never_user_data(tmp_path):
     for step in (4, 8):
         store.commit(_partial(tmp_path, step), {"step": step})

@@ -53,6 +53,11 @@ def test_should_create_every_pod_spares_included_when_a_profile_with_a_spare_run
             assert next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]["numNodes"] == 65
     assert pods == 65
     assert "--nnodes=64:65" in template["spec"]["containers"][0]["args"]
+    # A JobSet's pods (a TrainJob's too) name their install by its UID, for the rendezvous id and
+    # the lease; a PyTorchJob's pods have no such label to read.
+    install = [e for e in template["spec"]["containers"][0]["env"] if e["name"] == "RESILIENT_FSDP_INSTALL_ID"]
+    assert install == ([] if kind == "PyTorchJob" else [{"name": "RESILIENT_FSDP_INSTALL_ID", "valueFrom": {
+        "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"}}}])
 
 
 def test_should_say_what_backoff_limit_really_does_when_pytorchjob_notes_are_printed():

@@ -52,3 +52,18 @@ def test_group_rank_is_the_index_unless_set():
 ])
 def test_the_rendezvous_endpoint_is_read_from_the_launchers_flags(args, endpoint):
     assert rdzv_endpoint(args) == endpoint
+
+
+def test_the_rendezvous_id_names_the_install_and_the_job_keeps_the_id_as_given():
+    from resilient_fsdp.resilience.node_rank import INSTALL_ENV, JOB_ENV, with_install
+
+    args = ["--nnodes=4", "--rdzv-id=run1-resilient-fsdp", "-m", "resilient_fsdp.train", "--rdzv-id=trainer-arg"]
+    out, env = with_install(args, {INSTALL_ENV: "5f0c7a2e-93aa-4b7e-8c1d-0123456789ab", "PATH": "/bin"})
+    assert out == ["--nnodes=4", "--rdzv-id=run1-resilient-fsdp-5f0c7a2e", "-m", "resilient_fsdp.train",
+                   "--rdzv-id=trainer-arg"]  # the trainer's own arguments are not the launcher's
+    assert env[JOB_ENV] == "run1-resilient-fsdp" and env["PATH"] == "/bin"
+    spaced, _ = with_install(["--rdzv_id", "job", "-m", "x"], {INSTALL_ENV: "abcdef0123"})
+    assert spaced == ["--rdzv_id", "job-abcdef01", "-m", "x"]
+    # No install (a PyTorchJob, a node run by hand): nothing changes.
+    assert with_install(args, {}) == (args, {})
+    assert with_install(args, {INSTALL_ENV: " "})[0] == args

@@ -175,6 +175,16 @@ spec:
             fieldRef:
               fieldPath: spec.nodeName
         {{- end }}
+        {{- if ne $v.workload.kind "PyTorchJob" }}
+        # This install of the release: the JobSet's UID (a TrainJob's JobSet too), the same for
+        # every pod and every restart, new with every install. The agent adds it to the rendezvous
+        # id, so the pods of a new install never join the store of an old one still terminating,
+        # and the trainer's lease waits for that old one to release the checkpoint directory.
+        - name: RESILIENT_FSDP_INSTALL_ID
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['jobset.sigs.k8s.io/jobset-uid']
+        {{- end }}
         {{- if $gpu }}
         - name: NCCL_DEBUG
           value: {{ $v.nccl.debug | quote }}

@@ -53,6 +53,13 @@ from .s3.uploader import Uploader
 from .state import CheckpointState
 
 
+# While an earlier install holds the lease: how often rank 0 looks again (each look a collective),
+# and how often it says so.
+LEASE_WAIT = "lease-wait"
+LEASE_POLL_S = 2.0
+LEASE_SAY_S = 30.0
+
+
 class RunLog(Protocol):
     """Where the checkpointer reports: progress lines and ``metrics.jsonl`` records (rank 0's)."""
 
@@ -327,8 +334,8 @@ class Checkpointer:
                 probe.unlink()
             except OSError as exc:
                 error = not_writable_message("checkpoint.dir", self.root, exc)
-            if error is None:
-                error = self._take_lease()
+        error = self._take_lease(error)
+        if self.group.is_coordinator:
             if error is None:
                 for path in store.recover(self.root):
                     self.say(f"completed the commit of {path} that a crash had cut short")
@@ -341,14 +348,37 @@ class Checkpointer:
         if error:
             raise ConfigError(error)
 
-    def _take_lease(self) -> Optional[str]:
-        self.lease = Lease(self.root, self.job, self.say)
-        try:
-            self.lease.acquire()
-        except ConfigError as exc:
-            self.lease = None
-            return str(exc)
-        return None
+    def _take_lease(self, error: Optional[str]) -> Optional[str]:
+        """Rank 0 takes the lease (``error``: rank 0's, from before); collective. While an earlier
+        install of the job holds it, rank 0 polls, and every rank learns each poll's outcome in a
+        short collective of its own, so that no collective waits out the whole of
+        ``checkpoint.lease_wait_s``. Returns rank 0's error, on every rank."""
+        lease = Lease(self.root, self.job, self.say) if self.group.is_coordinator and error is None else None
+        start = time.monotonic()
+        said = -LEASE_SAY_S
+        while True:
+            state = error
+            if lease is not None:
+                try:
+                    waiting = lease.try_acquire()
+                except ConfigError as exc:
+                    state = str(exc)
+                else:
+                    waited = time.monotonic() - start
+                    if waiting is not None and waited >= self.cfg.lease_wait_s:
+                        state = lease.refusal_after_wait(waited)
+                    elif waiting is not None:
+                        if waited - said >= LEASE_SAY_S:
+                            self.say(f"{waiting} ({waited:.0f} of {self.cfg.lease_wait_s:g} s)")
+                            said = waited
+                        state = LEASE_WAIT
+            state = self.group.broadcast(state)
+            if state != LEASE_WAIT:
+                break
+            time.sleep(LEASE_POLL_S)
+        if state is None and lease is not None:
+            self.lease = lease
+        return state
 
     def _check_s3(self) -> Optional[str]:
         """A bucket that is missing or forbidden stops the job now; an unreachable one does not

@@ -4,12 +4,18 @@ Rank 0 takes ``<checkpoint.dir>/LEASE`` at start (before it recovers, resumes or
 anything), renews it from a background thread every :data:`RENEW_S` seconds, checks it before
 every commit and releases it at exit. The file names the job, the host and the process.
 
-**The job** is ``checkpoint.job_id`` when set, else the launcher's ``TORCHELASTIC_RUN_ID``: the
-rendezvous id that ``ft_launcher`` and ``torchrun`` give every rank of every restart of a job
-(``--rdzv-id``: the Helm release's name in the chart; ``local-<id>`` for one ``resilient-fsdp
-local`` invocation, kept across its node restarts). A trainer started without a launcher is a
-job of its own (host and process id). Every restart of the same job, at any layer, takes the
+**The job** is ``checkpoint.job_id`` when set, else the rendezvous id as the chart gives it
+(``RESILIENT_FSDP_JOB_ID``, set by the node agent, which adds the install's id to the
+launcher's), else the launcher's ``TORCHELASTIC_RUN_ID``: the id that ``ft_launcher`` and
+``torchrun`` give every rank of every restart of a job (``--rdzv-id``: ``<release>-resilient-fsdp``
+in the chart and in ``resilient-fsdp local``). A trainer started without a launcher is a job of
+its own (host and process id). Every restart of the same job, at any layer, takes the
 lease over from its earlier run, whatever state that run left it in.
+
+**An earlier install of the same job** (a release uninstalled and installed again, its old pods
+still stopping: ``RESILIENT_FSDP_INSTALL_ID`` differs) is waited for while it is live, up to
+``checkpoint.lease_wait_s``, saying whom it waits for: it is committing its final checkpoint,
+which this install then resumes from. Past that bound the start is refused, naming it.
 
 **Another job's lease** refuses the start, naming that job, while it is live: its process runs (on
 this host), or it was renewed within :data:`TTL_S` seconds (another host). A lease whose holder
@@ -34,6 +40,10 @@ from .. import atomic
 from ..config import CheckpointConfig, ConfigError
 
 LEASE = "LEASE"
+# Set by the node agent (resilient_fsdp.resilience.node_rank): the job's id as the chart gives it,
+# and this install of it.
+JOB_ENV = "RESILIENT_FSDP_JOB_ID"
+INSTALL_ENV = "RESILIENT_FSDP_INSTALL_ID"
 TTL_S = 120.0  # a lease not renewed for this long, held on another host, is stale
 RENEW_S = 30.0
 
@@ -42,7 +52,7 @@ def job_id(cfg: CheckpointConfig) -> str:
     """This job's identity (see the module docstring)."""
     if cfg.job_id:
         return cfg.job_id
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = os.environ.get(JOB_ENV) or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return run_id
     return f"standalone-{socket.gethostname()}-{os.getpid()}"
@@ -74,6 +84,7 @@ class Lease:
 
     def __init__(self, root: Path, job: str, say: Callable[[str], None]):
         self.root, self.job, self.say = root, job, say
+        self.install = os.environ.get(INSTALL_ENV, "").strip() or None
         self.path = root / LEASE
         self.holder = uuid.uuid4().hex
         self.lost: Optional[str] = None
@@ -81,7 +92,8 @@ class Lease:
         self._thread: Optional[threading.Thread] = None
 
     def _record(self) -> dict:
-        return {"job": self.job, "holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
+        return {"job": self.job, "install": self.install, "holder": self.holder, "host": socket.gethostname(),
+                "pid": os.getpid(),
                 "pid_start": _process_start(os.getpid()), "renewed_unix": time.time(), "ttl_s": TTL_S}
 
     def read(self) -> Optional[dict]:
@@ -92,12 +104,24 @@ class Lease:
             return None
 
     def acquire(self) -> None:
-        """Take the lease, or raise a ConfigError naming the job that holds it."""
+        """Take the lease, or raise a ConfigError naming the job that holds it (one waited for
+        is refused as well: :meth:`try_acquire` waits)."""
+        waiting = self.try_acquire()
+        if waiting is not None:
+            raise ConfigError(self.refusal_after_wait(0.0))
+
+    def try_acquire(self) -> Optional[str]:
+        """Take the lease and return None; or, while an earlier install of this job holds it, take
+        nothing and return whom this waits for; or raise a ConfigError naming the job that holds it."""
         current = self.read()
         if current is not None and current.get("holder") != self.holder:
             reason = self._live(current)
             if reason and current.get("job") != self.job:
                 raise ConfigError(self._refusal(current, reason))
+            if reason and self.install and current.get("install") and current["install"] != self.install:
+                return (f"waiting for the earlier install {current['install'][:8]} of job {self.job!r} (host "
+                        f"{current.get('host')}, pid {current.get('pid')}; {reason}) to release the lease on "
+                        f"{self.root}: it is stopping, and its final checkpoint is the one this install resumes from")
             who = "an earlier run of this job" if current.get("job") == self.job else f"job {current.get('job')!r}"
             self.say(f"taking over the lease on {self.root} from {who} (host {current.get('host')}, pid "
                      f"{current.get('pid')}{'' if current.get('job') == self.job else ': ' + self._stale(current)})")
@@ -108,6 +132,15 @@ class Lease:
             raise ConfigError(self._refusal(mine or {}, "it took the lease at the same moment"))
         self._thread = threading.Thread(target=self._renew, name="checkpoint-lease", daemon=True)
         self._thread.start()
+        return None
+
+    def refusal_after_wait(self, waited_s: float) -> str:
+        current = self.read() or {}
+        return (f"checkpoint.dir={str(self.root)!r} is still held by the earlier install {str(current.get('install'))[:8]} "
+                f"of job {self.job!r} (host {current.get('host')}, pid {current.get('pid')}) after {waited_s:.0f} s "
+                f"(checkpoint.lease_wait_s): its pods are still running. Delete them (kubectl get pods -A -l "
+                f"jobset.sigs.k8s.io/jobset-uid={current.get('install')}) or raise checkpoint.lease_wait_s; two installs "
+                "must not write one checkpoint directory")
 
     def _live(self, lease: dict) -> Optional[str]:
         """Why ``lease``'s holder counts as alive, or None when it is stale."""

@@ -214,6 +214,7 @@ def _check_across_keys(config: Config) -> None:
     check_data_source(config)
     check_s3_config(config.checkpoint.s3)
     check_restore_fits_init(config)
+    check_lease_wait_fits_init(config)
     if config.dist.device == "cuda":  # "auto": checked by the trainer once it sees a GPU
         check_collective_timeouts(config)
 
@@ -288,6 +289,18 @@ def check_restore_fits_init(config: Config) -> None:
             f"init section, and ft_launcher would kill a rank still restoring as hung; lower "
             f"checkpoint.s3.restore_timeout_s, raise resilience.hang_detection.init_timeout_s, or set "
             f"checkpoint.s3.restore=false")
+
+
+def check_lease_wait_fits_init(config: Config) -> None:
+    """The wait for an earlier install's lease is part of start-up, inside the init hang-detection
+    section: a wait allowed longer would be killed by ft_launcher as a hang."""
+    ckpt, hang = config.checkpoint, config.resilience.hang_detection
+    if hang.init_timeout_s is not None and not ckpt.lease_wait_s < hang.init_timeout_s:
+        raise ConfigError(
+            f"checkpoint.lease_wait_s={ckpt.lease_wait_s:g} must be less than "
+            f"resilience.hang_detection.init_timeout_s={hang.init_timeout_s:g}: the wait for an earlier install to "
+            "release checkpoint.dir is part of start-up, which ft_launcher would kill as hung; lower "
+            "checkpoint.lease_wait_s or raise resilience.hang_detection.init_timeout_s")
 
 
 def check_s3_config(cfg: S3Config) -> None:

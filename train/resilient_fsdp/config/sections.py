@@ -263,7 +263,14 @@ class CheckpointConfig:
     job_id: Optional[str] = None
     """Who writes ``dir``: two jobs may not write one directory (a lease names the holder).
     Unset: the launcher's rendezvous id (``TORCHELASTIC_RUN_ID``, the same for every restart of a
-    job), else the process (a trainer without a launcher)."""
+    job; in the chart the release's, whatever its install), else the process (a trainer without a
+    launcher)."""
+    lease_wait_s: float = Field(default=240.0, ge=0)
+    """How long a new install of the job waits for an earlier one, still stopping, to release
+    ``dir`` (its pods commit their final checkpoint first) before the start is refused. Below
+    ``resilience.hang_detection.init_timeout_s``: the wait is part of start-up. New GPU pods
+    rarely start before the old ones have left their nodes; raise it with ``stop.timeout_s`` where
+    a final checkpoint takes minutes."""
     s3: S3Config = dataclasses.field(default_factory=S3Config)
     """The S3 tier: durable copies of committed checkpoints, restore on a fresh cluster."""
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)

@@ -381,6 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env[NODE_START_ENV] = repr(time.time())
     if index is not None:
         args = node_rank.with_store_host(args, index == 0)
+    args, env = node_rank.with_install(args, env)
     store_host = index in (None, 0) or node_rank.rdzv_conf(args).get("is_host", "").lower() in ("1", "true", "yes")
     base = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}")
     stop_file, fatal_file, done_dir = base + ".stopping", base + ".fatal", Path(base + ".done")

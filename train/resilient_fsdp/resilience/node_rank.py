@@ -11,6 +11,8 @@ reads :func:`node_index` and pins two decisions to it, which NVRx otherwise make
   lookup compared by address), separately in three places; under a JobSet the endpoint
   ``<pod>.<subdomain>`` matches only through cluster DNS, so a record published late means that
   nobody hosts;
+- **the rendezvous id**: ``--rdzv-id`` gets this install's id (:func:`with_install`), so a new
+  install's pods never join an old install's store while its pods terminate;
 - **the node rank**: ``GROUP_RANK`` (NVRx 0.7's infrastructure rank); without it NVRx orders nodes
   by their FQDN as a string, so in a 16-pod job pods 10..15 would take node ranks 2..7, against
   the order topology-aware placement used.
@@ -23,6 +25,10 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 NODE_INDEX_ENV = "RESILIENT_FSDP_NODE_INDEX"
+# This install of the job (the chart passes its JobSet's UID), and the job's own id, set by the
+# agent for the trainer (:func:`with_install`).
+INSTALL_ENV = "RESILIENT_FSDP_INSTALL_ID"
+JOB_ENV = "RESILIENT_FSDP_JOB_ID"
 # In the order they are read: the operator's node rank, the Indexed Job's index, the chart's.
 INDEX_SOURCES = ("PET_NODE_RANK", "JOB_COMPLETION_INDEX", NODE_INDEX_ENV)
 
@@ -90,6 +96,30 @@ def with_store_host(args: list[str], is_host: bool) -> list[str]:
             return out
     out.insert(end, f"--rdzv-conf={flag}")
     return out
+
+
+def with_install(args: list[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``args`` whose ``--rdzv-id`` names this install (``<id>-<first 8 of INSTALL_ENV>``), and
+    ``env`` with :data:`JOB_ENV` = the id as given, the job the trainer's lease names: a new
+    install of a release is the same job (its checkpoints, its ``resume_from`` record) but never
+    joins an old install's rendezvous store. Unchanged without :data:`INSTALL_ENV` or an id."""
+    install = env.get(INSTALL_ENV, "").strip()
+    out, extra = list(args), dict(env)
+    end = len(_launcher_part(args))
+    for i in range(end):
+        for flag in ("--rdzv-id", "--rdzv_id"):
+            if out[i].startswith(flag + "="):
+                given = out[i].split("=", 1)[1]
+                at = i
+            elif out[i] == flag and i + 1 < end:
+                given, at = out[i + 1], i + 1
+            else:
+                continue
+            if install and given:
+                out[at] = f"{given}-{install[:8]}" if at == i + 1 else f"{flag}={given}-{install[:8]}"
+                extra.setdefault(JOB_ENV, given)
+            return out, extra
+    return out, extra
 
 
 def _launcher_part(args: list[str]) -> list[str]:

@@ -22,6 +22,7 @@ After JobSet v0.12.0 (``jobset.x-k8s.io/v1alpha2``) and the batch/v1 Job control
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -126,6 +127,7 @@ def read_jobset(doc: dict) -> Workload:
                            max_restarts=int((policy or {}).get("maxRestarts", 0)))
     pods = []
     completions = int(job_spec.get("completions", job_spec.get("parallelism", 1)))
+    uid = str(uuid.uuid4())  # the JobSet object's: one per install (per local run)
     for j in range(int(rjob.get("replicas", 1))):
         job = f"{name}-{rjob['name']}-{j}"
         for p in range(completions):
@@ -133,7 +135,8 @@ def read_jobset(doc: dict) -> Workload:
             # The Indexed Job's annotation and the JobSet's labels on each pod.
             fields = {"metadata.name": hostname, "metadata.namespace": namespace,
                       "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(p),
-                      "metadata.labels['jobset.sigs.k8s.io/job-index']": str(j)}
+                      "metadata.labels['jobset.sigs.k8s.io/job-index']": str(j),
+                      "metadata.labels['jobset.sigs.k8s.io/jobset-uid']": uid}
             env = container_env(c, f"JobSet {name} {rjob['name']}", fields)
             env.pop("JOB_COMPLETION_INDEX", None)
             env["JOB_COMPLETION_INDEX"] = str(p)
