@@ -29,8 +29,9 @@ def test_each_pod_runs_the_rendered_container_with_the_operators_variables():
         (container,) = spec[role]["template"]["spec"]["containers"]
         assert pod.argv == container["command"] + container["args"]  # exactly what the pod runs
         assert not any("is_host" in a for a in pod.argv)
-        rendered_env = {e["name"]: e["value"] for e in container["env"]}
+        rendered_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         assert {k: pod.env[k] for k in rendered_env} == {**rendered_env, "PYTHONUNBUFFERED": "1"}
+        assert pod.env["NODE_NAME"] == f"local-node-{pod.hostname}"  # the downward API's spec.nodeName
         # training-operator v1.9.4 envvar.go / master.go
         assert pod.env["MASTER_ADDR"] == pod.env["PET_MASTER_ADDR"] == "job-resilient-fsdp-master-0"
         assert pod.env["MASTER_PORT"] == pod.env["PET_MASTER_PORT"] == "29400"  # the pytorchjob-port

@@ -6,9 +6,9 @@ a pod Terminating on a real cluster. Pods are network namespaces (root), on the 
 - With a hot spare, a frozen training pod's place goes to the spare within an in-job restart,
   long before the node is deleted: training goes on at the same world size, bitwise equal to the
   job without a fault.
-- A frozen store host (pod 0) is noticed by every other pod within ``rendezvous.storeTimeoutSeconds``
-  (each one's next store operation times out), before its node is deleted; the job then recovers
-  with pod 0's replacement, bitwise equal.
+- A frozen store host (pod 0) is given up by every other pod after ``rendezvous.storeTimeoutSeconds``
+  without a connection accepted, before its node is deleted, and pod 1 names it with its node and
+  the runbook line; the job then recovers with pod 0's replacement, bitwise equal.
 """
 
 from __future__ import annotations
@@ -113,3 +113,11 @@ def test_a_frozen_store_host_is_noticed_by_every_pod_within_the_store_timeout_an
     for node in (1, 2):
         log = (run_dir / "logs" / f"node{node}.log").read_text()
         assert "(rendezvous.storeTimeoutSeconds=60): its host is gone without closing its connections" in log
+    # Pod 1 (the watcher beside pod 0) named the silent pod and its node, with the runbook line,
+    # then said it was back once its replacement started.
+    watcher = (run_dir / "logs" / "node1.log").read_text()
+    master = "resilient-fsdp-master-0"
+    assert f"pod index 0 ({master}, node local-node-{master}) has not reported for " in watcher
+    assert f"`kubectl taint nodes local-node-{master} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`" \
+        in watcher
+    assert watcher.index("pod index 0 reports again") > watcher.index("pod index 0 (")

@@ -142,7 +142,7 @@ def test_should_name_the_port_when_it_is_in_use_and_leave_the_agent_running(tmp_
             serve(port, tmp_path, node="0", address="127.0.0.1")
         # The agent says so once and carries on (the training matters more than its metrics).
         args = ["--nnodes=1", "-m", "resilient_fsdp.train", f"--run-dir={tmp_path}"]
-        agent.start_metrics(port, args, 0, {"PET_LOCAL_ADDR": "127.0.0.1"})
+        agent.start_metrics(port, args, tmp_path, None, 0, {"PET_LOCAL_ADDR": "127.0.0.1"}, 60.0)
     finally:
         taken.close()
     err = capsys.readouterr().err

@@ -169,12 +169,12 @@ spec:
         - name: RESILIENT_FSDP_STORAGE_PREPARED
           value: "true"
         {{- end }}
-        {{- if $v.pod.taintUnhealthyNode.enabled }}
+        # The node this pod runs on: named when it stops reporting (and tainted when NVRx finds it
+        # unhealthy, with pod.taintUnhealthyNode).
         - name: NODE_NAME
           valueFrom:
             fieldRef:
               fieldPath: spec.nodeName
-        {{- end }}
         {{- if ne $v.workload.kind "PyTorchJob" }}
         # This install of the release: the JobSet's UID (a TrainJob's JobSet too), the same for
         # every pod and every restart, new with every install. The agent adds it to the rendezvous

@@ -21,5 +21,6 @@
 - ``node_rank``: a node's index in the job, who hosts the rendezvous store, its node rank;
 - ``rejoin``: a node that another node's failure stopped joins again in its pod, bounded;
 - ``store_watch``: a store host gone without closing its connections, given up in a minute;
+- ``node_reports``: which pod stopped reporting, named with its node and the runbook line;
 - ``processes``: process-tree helpers the agent shares with the local launcher.
 """

@@ -66,7 +66,7 @@ from typing import Any, Iterable, Optional
 
 import psutil
 
-from . import exit_codes, metrics_endpoint, node_rank, node_taint, nvrx, pod_failures, prewarm
+from . import exit_codes, metrics_endpoint, node_rank, node_reports, node_taint, nvrx, pod_failures, prewarm
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
@@ -422,8 +422,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"configuration error: {bad}; exiting {exit_codes.CONFIG}")
         _termination_message(bad)
         return exit_codes.CONFIG
+    try:
+        run_dir: Optional[Path] = metrics_endpoint.trainer_run_dir(args)
+        unknown_run_dir = None
+    except metrics_endpoint.MetricsError as exc:
+        run_dir, unknown_run_dir = None, str(exc)
+    silent_after_s = node_reports.silent_after(flags.get("--store-timeout"))
     if flags.get("--metrics-port"):
-        start_metrics(int(flags["--metrics-port"]), args, index, env)
+        start_metrics(int(flags["--metrics-port"]), args, run_dir, unknown_run_dir, index, env, silent_after_s)
+    reports = node_reports.NodeReports(run_dir, index, socket.gethostname(), env.get("NODE_NAME", ""),
+                                       silent_after_s, _say) if run_dir is not None and index is not None else None
+    if reports is not None:
+        reports.start()
     if index is not None:
         _say(f"node {index} of the job (GROUP_RANK={env['GROUP_RANK']}); "
              f"{'hosts' if store_host else 'joins'} the rendezvous store")
@@ -467,6 +477,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 code = 128 + received[0]
                 break
     finally:
+        if reports is not None:
+            reports.stop()
         for path in (stop_file, fatal_file):
             _remove(path)
         shutil.rmtree(done_dir, ignore_errors=True)
@@ -542,13 +554,17 @@ def training_complete(args: list[str]) -> Optional[str]:
 _TAIL_BYTES = 1 << 16  # a finish record is the file's last line, far shorter than this
 
 
-def start_metrics(port: int, args: list[str], index: Optional[int], env: dict[str, str]) -> None:
+def start_metrics(port: int, args: list[str], run_dir: Optional[Path], unknown: Optional[str], index: Optional[int],
+                  env: dict[str, str], silent_after_s: float) -> None:
     """Serve the run's metrics on ``port``: on the node's address when ft_launcher is given one
-    (``--local-addr``, ``PET_LOCAL_ADDR``: pods sharing a host's loopback), else on every address."""
+    (``--local-addr``, ``PET_LOCAL_ADDR``: pods sharing a host's loopback), else on every address.
+    ``unknown``: why the run directory is not known (then nothing is served)."""
     address = next((a.split("=", 1)[1] for a in args if a.startswith("--local-addr=")), env.get("PET_LOCAL_ADDR"))
     try:
-        run_dir = metrics_endpoint.trainer_run_dir(args)
-        where, _ = metrics_endpoint.serve(port, run_dir, "" if index is None else str(index), address or None)
+        if run_dir is None:
+            raise metrics_endpoint.MetricsError(unknown or "the run directory is unknown")
+        where, _ = metrics_endpoint.serve(port, run_dir, "" if index is None else str(index), address or None,
+                                          silent_after_s)
     except metrics_endpoint.MetricsError as exc:
         _say(f"no metrics endpoint: {exc}; training goes on without it")
         return

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from ..config import Config, ConfigError
-from . import accounting
+from . import accounting, node_reports
 from .ledger import FaultLedger
 
 TRAINER_MODULE = "resilient_fsdp.train"
@@ -68,6 +68,9 @@ METRICS = {
     "productive_seconds": ("gauge", "Time spent in the steps of the run's timeline (each final step once)."),
     "job_wall_seconds": ("gauge", "Wall time since the job began (until it finished)."),
     "goodput_ratio": ("gauge", "productive_seconds / job_wall_seconds, as summary.json's goodput."),
+    "silent_nodes": ("gauge", "Pods that stopped reporting without ending (their node hung or cut off, or the pod "
+                     "being replaced); served by pods 0 and 1 (resilience/node_reports.py)."),
+    "node_silent_seconds": ("gauge", "How long each such pod has not reported (labels pod_index, kubernetes_node)."),
 }
 
 
@@ -199,8 +202,8 @@ class RunRecords:
 class RunCollector:
     """A Prometheus collector over a run directory: each scrape reads the newest records."""
 
-    def __init__(self, run_dir: Path, node: str):
-        self.run_dir, self.node = Path(run_dir), node
+    def __init__(self, run_dir: Path, node: str, silent_after_s: float = node_reports.INTERVAL_S * 6):
+        self.run_dir, self.node, self.silent_after_s = Path(run_dir), node, silent_after_s
         self.records = RunRecords(self.run_dir / "metrics.jsonl")
         self.ledger = FaultLedger(self.run_dir)
         self._lock = threading.Lock()  # scrapes are served on threads of their own
@@ -214,6 +217,17 @@ class RunCollector:
             fired = self.ledger.fired()
             recoveries = list(self.ledger.recoveries().values())
             yield from self._families(self.records, fired, recoveries, time.time(), len(self.ledger.non_finite()))
+            if self.node.isdigit() and int(self.node) in node_reports.WATCHERS:
+                yield from self._silent(node_reports.read_reports(self.run_dir), time.time())
+
+    def _silent(self, reports: list[dict], now: float) -> Iterator:
+        quiet = node_reports.silent([r for r in reports if str(r["index"]) != self.node], now, self.silent_after_s)
+        yield self._gauge("silent_nodes", len(quiet))
+        family = GaugeMetricFamily(PREFIX + "node_silent_seconds", METRICS["node_silent_seconds"][1],
+                                   labels=["node", "pod_index", "kubernetes_node"])
+        for report, silence in quiet:
+            family.add_metric([self.node, str(report["index"]), str(report.get("node") or "")], silence)
+        yield family
 
     def _families(self, r: RunRecords, fired: list[dict], recoveries: list[dict], now: float,
                   non_finite: int = 0) -> Iterator:
@@ -309,12 +323,13 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # a line per scrape would bury the node's log
 
 
-def serve(port: int, run_dir: Path, node: str, address: Optional[str] = None) -> tuple[str, WSGIServer]:
+def serve(port: int, run_dir: Path, node: str, address: Optional[str] = None,
+          silent_after_s: float = node_reports.INTERVAL_S * 6) -> tuple[str, WSGIServer]:
     """Serve :class:`RunCollector` over HTTP on ``port`` (0: any free port) from a daemon thread: on
     ``address``, else on every address (IPv6 and IPv4, or IPv4 where the host has no IPv6).
     Returns (where it listens, the server)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RunCollector(run_dir, node))
+    registry.register(RunCollector(run_dir, node, silent_after_s))
     candidates = [address] if address else ["::", "0.0.0.0"]
     for host in candidates:
         ipv6 = ":" in host

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .pytorchjob import RestartPolicy
-from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, pod_volumes,
-                   security_of, service_names)
+from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, local_node,
+                   pod_volumes, security_of, service_names)
 
 JOBSET_CONTAINER = "node"
 
@@ -133,7 +133,7 @@ def read_jobset(doc: dict) -> Workload:
         for p in range(completions):
             hostname = f"{job}-{p}"
             # The Indexed Job's annotation and the JobSet's labels on each pod.
-            fields = {"metadata.name": hostname, "metadata.namespace": namespace,
+            fields = {"metadata.name": hostname, "metadata.namespace": namespace, "spec.nodeName": local_node(hostname),
                       "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(p),
                       "metadata.labels['jobset.sigs.k8s.io/job-index']": str(j),
                       "metadata.labels['jobset.sigs.k8s.io/jobset-uid']": uid}

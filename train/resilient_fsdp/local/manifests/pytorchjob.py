@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, pod_volumes,
-                   security_of, service_names)
+from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, local_node,
+                   pod_volumes, security_of, service_names)
 
 PYTORCH_CONTAINER = "pytorch"
 PYTORCH_PORT_NAME = "pytorchjob-port"
@@ -144,7 +144,7 @@ def read_pytorchjob(doc: dict) -> Workload:
         for i in range(int(replicas[role].get("replicas", 1))):
             hostname = f"{name}-{role.lower()}-{i}"
             # training-operator v1.9.4 pod labels (pkg/controller.v1/common/pod.go)
-            fields = {"metadata.name": hostname, "metadata.namespace": namespace,
+            fields = {"metadata.name": hostname, "metadata.namespace": namespace, "spec.nodeName": local_node(hostname),
                       "metadata.labels['training.kubeflow.org/replica-type']": role.lower(),
                       "metadata.labels['training.kubeflow.org/replica-index']": str(i)}
             env = container_env(c, f"PyTorchJob {name} {role}", fields)

@@ -179,6 +179,12 @@ def service_names(name: str, namespace: str) -> list[str]:
     return [f"{name}.{namespace}", f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.cluster.local"]
 
 
+def local_node(hostname: str) -> str:
+    """The node a local pod "runs on" (downward API ``spec.nodeName``): each pod is a machine of
+    its own on the local cluster."""
+    return f"local-node-{hostname}"
+
+
 def container_env(container: dict, where: str, fields: Optional[dict[str, str]] = None) -> dict[str, str]:
     """A container's rendered ``env`` in order, each value expanded from the entries before it;
     ``fields`` are the pod's downward-API values by ``fieldPath`` (``metadata.name``,
@@ -192,8 +198,8 @@ def container_env(container: dict, where: str, fields: Optional[dict[str, str]] 
             if path is None or path not in fields:
                 raise WorkloadError(f"{where}.env {entry['name']}: valueFrom ({', '.join(entry['valueFrom'])}"
                                     f"{' ' + path if path else ''}) is not supported by the local cluster (no "
-                                    "Secrets here; of the downward API only the pod's name, its controller's "
-                                    f"labels and annotations: {', '.join(sorted(fields)) or 'none'}); give a value")
+                                    "Secrets here; of the downward API only the pod's name, its node, its "
+                                    f"controller's labels and annotations: {', '.join(sorted(fields)) or 'none'}); give a value")
             env[entry["name"]] = fields[path]
             continue
         env[entry["name"]] = expand(str(entry.get("value", "")), env)
