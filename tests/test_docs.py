@@ -185,15 +185,20 @@ def _check_local(argv: list[str], shown: Shown) -> None:
 def _check_helm_install(words: list[str], shown: Shown) -> None:
     from resilient_fsdp.deploy import chart
 
-    release, path, rest = words[0], words[1], words[2:]
+    release, path, rest = words[0], words[1], [w for w in words[2:] if w != "--wait"]  # --wait: no render change
     assert path == "charts/resilient-fsdp", shown
     files, sets = [], []
     for flag, value in zip(rest[::2], rest[1::2]):
-        assert flag in ("-f", "--set"), f"{shown}: {flag}"
+        assert flag in ("-f", "--set", "--timeout"), f"{shown}: {flag}"
+        if flag == "--timeout":
+            assert re.fullmatch(r"\d+[smh]", value), f"{shown}: --timeout {value}"
+            continue
         (files if flag == "-f" else sets).append(value if flag == "--set" else REPO / value if not
                                                   value.startswith("/") else value)
     sets = [s.replace("<account>", "123456789012") for s in sets]
-    assert chart.render(chart.load_values(files, sets), release=release).find("ConfigMap"), shown
+    rendered = chart.render(chart.load_values(files, sets), release=release)
+    # A job's release has its config; a storage-only one (storage.only=true) its claim.
+    assert rendered.find("ConfigMap" if "storage.only=true" not in sets else "PersistentVolumeClaim"), shown
 
 
 def test_every_command_the_docs_name_exists():

@@ -85,6 +85,10 @@ def test_should_run_the_same_pod_as_a_pytorchjob_when_kind_changes():
     pj_args = pj_pod["spec"]["containers"][0]["args"]
     pj_args.remove("--max-pod-failures=3")
     assert js_pod["spec"].pop("restartPolicy") == "Never"
+    # Only a JobSet's pods can read their install's id (its UID label).
+    js_env = js_pod["spec"]["containers"][0]["env"]
+    (install,) = [e for e in js_env if e["name"] == "RESILIENT_FSDP_INSTALL_ID"]
+    js_env.remove(install)
     assert js_pod == pj_pod
 
 

@@ -74,3 +74,36 @@ def test_should_prepare_the_volume_in_the_release_check_pod_too():
     assert check["spec"]["initContainers"] == init_containers(rendered)
     assert {"name": "RESILIENT_FSDP_STORAGE_PREPARED", "value": "true"} in check["spec"]["containers"][0]["env"]
     assert "initContainers" not in render(*FSX, "storage.prepare=false", base=IMAGE).find("Pod")["spec"]
+
+
+@pytest.mark.parametrize("kind", ["JobSet", "PyTorchJob"])
+def test_should_create_a_new_fsx_in_a_release_of_its_own_and_mount_it_from_the_jobs_release(kind):
+    """A new FSx takes 10-30 minutes to create: its storage-only release holds nothing that runs (no
+    GPU node is asked for), and the job's release mounts its claim and renders no storage."""
+    storage = render(*FSX, "storage.only=true", f"workload.kind={kind}", base=IMAGE, release="run1-fs")
+    assert sorted(d["kind"] for d in storage.documents() if d) == ["PersistentVolumeClaim", "StorageClass"]
+    claim = storage.find("PersistentVolumeClaim")["metadata"]
+    assert claim["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert f"--set storage.fromRelease=run1-fs" in storage.notes and f"wait pvc/{claim['name']}" in storage.notes
+    job = render(*FSX, "storage.fromRelease=run1-fs", f"workload.kind={kind}", base=IMAGE, release="run1")
+    kinds = {d["kind"] for d in job.documents() if d}
+    assert not kinds & {"PersistentVolumeClaim", "StorageClass", "PersistentVolume"} and kind in kinds
+    owner = job.find(kind)
+    spec = owner["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"] if kind == "PyTorchJob" else \
+        owner["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (shared,) = [v for v in spec["volumes"] if v["name"] == "shared"]
+    assert shared["persistentVolumeClaim"]["claimName"] == claim["name"] == "run1-fs-resilient-fsdp-shared"
+    # The new file system's root still belongs to root: the job prepares its directories.
+    assert [c["name"] for c in spec["initContainers"]] == ["prepare-storage"]
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["storage.existingClaim=ckpt", "storage.only=true"],
+     "storage.only=true with storage.type=existingClaim: there is no volume to create first"),
+    ([*FSX, "storage.only=true", "storage.fromRelease=run1-fs"], "storage.only=true with storage.fromRelease=run1-fs"),
+    (["storage.existingClaim=ckpt", "storage.fromRelease=run1-fs"],
+     "storage.fromRelease=run1-fs with storage.type=existingClaim: it names the release that made an fsx or fsxStatic "
+     "volume"),
+])
+def test_should_refuse_a_storage_only_or_from_release_that_has_nothing_to_create_or_mount(sets, message):
+    assert message in render_error(*sets, base=IMAGE)

@@ -294,7 +294,13 @@ spec:
 {{- end }}
 
 {{- define "resilient-fsdp.claimName" -}}
-{{- if eq .Values.storage.type "existingClaim" }}{{ .Values.storage.existingClaim }}{{ else }}{{ include "resilient-fsdp.fullname" . }}-shared{{ end }}
+{{- $s := .Values.storage }}
+{{- if eq $s.type "existingClaim" }}{{ $s.existingClaim }}
+{{- else if $s.fromRelease }}
+{{- /* The claim a storage-only release of this chart made: its fullname, as fullname derives it. */ -}}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name $s.fromRelease }}{{ $s.fromRelease | trunc 48 | trimSuffix "-" }}{{ else }}{{ printf "%s-%s" $s.fromRelease $name | trunc 48 | trimSuffix "-" }}{{ end }}-shared
+{{- else }}{{ include "resilient-fsdp.fullname" . }}-shared{{ end }}
 {{- end }}
 
 {{/*

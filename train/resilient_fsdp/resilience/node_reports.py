@@ -61,9 +61,10 @@ def runbook(report: dict, silence_s: float) -> str:
     return (f"pod index {report['index']} ({report.get('pod') or 'its pod'}, node {node}) has not reported for "
             f"{silence_s:.0f} s: it is being replaced, or its node stopped reporting (a kernel hang, a wedged "
             f"network driver). If `kubectl get node {node}` says NotReady or Unknown and the pod is still Running or "
-            f"Terminating, `kubectl taint nodes {node} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute` lets "
-            "Kubernetes delete the pod so that the job replaces it (remove the taint once the node is gone or "
-            "repaired); node auto-repair does the same by deleting the node")
+            f"Terminating: terminate its instance (a pod that came back beside its replacement would stop the "
+            f"rendezvous), then `kubectl taint nodes {node} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute` "
+            "lets Kubernetes delete the pod so that the job replaces it; node auto-repair does the same after 30 "
+            "minutes NotReady")
 
 
 class NodeReports(threading.Thread):
