@@ -58,6 +58,9 @@ class Noticed(threading.Thread):
                     self.at[node] = (time.time(), found.group(1))
 
 
+# Extended: a minute of the CI tier's margin; a spare taking a lost pod's place stays in that tier
+# (tests/resilience/test_hot_spares.py), and so does the frozen store host below.
+@pytest.mark.extended
 def test_a_frozen_training_pods_place_goes_to_the_hot_spare_before_its_node_is_deleted(
         tmp_path, request, reference_1x2):
     """Two training pods of one rank and one spare, memory snapshots every 2 steps with replicas.
