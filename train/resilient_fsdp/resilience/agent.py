@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import psutil
 
@@ -451,7 +451,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             watch = StoreWatch(endpoint, flags["--store-timeout"]) \
                 if not store_host and endpoint is not None and flags.get("--store-timeout") else None
             returncode, lines, started = _run_launcher(args, env, launcher, received, fatal,
-                                                       base + ".prewarm.sock" if flags.get("--prewarm") else None, watch)
+                                                       base + ".prewarm.sock" if flags.get("--prewarm") else None, watch,
+                                                       lambda: nproc is not None and
+                                                       exit_codes.finished_ranks(done_dir) >= nproc)
             trained = trained or started
             reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
             code = exit_code(returncode, received[0] if received else None, lines, reason is not None)
@@ -573,12 +575,15 @@ def start_metrics(port: int, args: list[str], run_dir: Optional[Path], unknown: 
 
 def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subprocess.Popen],
                   received: list[int], fatal: list[bool], prewarm_socket: Optional[str] = None,
-                  watch: Optional[StoreWatch] = None) -> tuple[int, list[str], bool]:
+                  watch: Optional[StoreWatch] = None,
+                  finished: Callable[[], bool] = lambda: False) -> tuple[int, list[str], bool]:
     """One ``ft_launcher`` run to its end: (its return code, its last stderr lines, whether it
     started ranks, i.e. a rendezvous of every node completed). With ``prewarm_socket``, beside a
     pre-warmed server there that forks the ranks (:mod:`.prewarm`); it ends with the run. With
     ``watch`` (a node that is not the store host), a store that stopped answering ends it
-    (:mod:`.store_watch`): its ranks and the launcher are killed, and ``watch.lost`` says why."""
+    (:mod:`.store_watch`): its ranks and the launcher are killed, and ``watch.lost`` says why;
+    not once every rank of the node has ``finished`` training (the store host has left at the
+    job's end, and the ranks still finish, a final upload say)."""
     server = start_prewarm(prewarm_socket, args, env) if prewarm_socket else None
     if server is not None:
         env = {**env, prewarm.SOCKET_ENV: prewarm_socket}
@@ -599,7 +604,9 @@ def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subp
             break
         except subprocess.TimeoutExpired:
             sweeper.sweep()
-            if watch is not None and watch.lost:
+            if watch is not None and watch.lost and finished():
+                watch.lost = None  # the job's end: the store host left first, as it may
+            elif watch is not None and watch.lost:
                 _say(watch.lost)
                 # Its ranks wait on peers through the lost host, its store client on the host:
                 # nothing here can end on its own in time.
