@@ -59,6 +59,19 @@ def store_listens(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> b
         return False
 
 
+def _probe_until(listening: bool, host: str, port: int, limit_s: float, stopped: Callable[[], bool],
+                 probe: Callable[[str, int], bool], clock: Callable[[], float],
+                 sleep: Callable[[float], None]) -> Optional[float]:
+    """Probe ``host:port`` until it does (``listening``) or does not listen; the seconds that took,
+    or None once ``limit_s`` passed or ``stopped()``."""
+    began = clock()
+    while probe(host, port) != listening:
+        if stopped() or clock() - began >= limit_s:
+            return None
+        sleep(PROBE_INTERVAL_S * (1 + random.random() / 2))
+    return clock() - began
+
+
 def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool] = lambda: False,
                 window_s: float = UP_LIMIT_S, probe: Callable[[str, int], bool] = store_listens,
                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> str:
@@ -74,12 +87,9 @@ def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool]
     host, port = endpoint
 
     def wait(listening: bool, limit_s: float) -> Optional[float]:
-        began = clock()
-        while probe(host, port) != listening:
-            if stopped() or clock() - began >= limit_s or clock() - start >= window_s:
-                return None
-            sleep(PROBE_INTERVAL_S * (1 + random.random() / 2))
-        return clock() - start
+        waited = _probe_until(listening, host, port, min(limit_s, window_s - (clock() - start)), stopped, probe,
+                              clock, sleep)
+        return None if waited is None else clock() - start
 
     closed = wait(False, GONE_LIMIT_S)
     opened = wait(True, UP_LIMIT_S)
@@ -107,14 +117,11 @@ def await_first_store(endpoint: Optional[tuple[str, int]], limit_s: float, stopp
     if endpoint is None or limit_s <= 0:
         return None
     host, port = endpoint
-    start = clock()
-    while not probe(host, port):
+    waited = _probe_until(True, host, port, limit_s, stopped, probe, clock, sleep)
+    if waited is None:
         if stopped():
             return f"stopped while waiting for the store at {host}:{port}"
-        if clock() - start >= limit_s:
-            return f"no store listened at {host}:{port} within {limit_s:g} s; starting the launcher anyway"
-        sleep(PROBE_INTERVAL_S * (1 + random.random() / 2))
-    waited = clock() - start
+        return f"no store listened at {host}:{port} within {limit_s:g} s; starting the launcher anyway"
     return f"the store at {host}:{port} listens (waited {waited:.1f} s)" if waited >= 1 else None
 
 
