@@ -17,6 +17,7 @@ from resilient_fsdp.local.cluster.launcher import free_port
 from tests.support import REPO
 
 SHM = Path("/dev/shm")
+RUN = "test-run"  # the run id (``run_identity``) the slots of these tests are kept under
 
 WORKER = textwrap.dedent('''
     import json, os, sys, time, torch
@@ -108,7 +109,7 @@ WORKER = textwrap.dedent('''
 
 def test_replicas_reach_the_next_pod_whole_and_come_back_to_a_replacement_pod(tmp_path):
     job = f"replicas-{os.getpid()}-{tmp_path.name[-12:]}"
-    root = job_root(SHM, job)
+    root = job_root(SHM, job, RUN)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "3"}
@@ -171,7 +172,7 @@ def test_a_failed_rank_leaves_without_waiting_for_its_peers_goodbye(tmp_path):
     rank 0's goodbye would hold rank 1's exit, which is how the launchers learn of the failure,
     for the replicator's 30 s; an aborting close returns at once."""
     job = f"replicas-abort-{os.getpid()}-{tmp_path.name[-12:]}"
-    root = job_root(SHM, job)
+    root = job_root(SHM, job, RUN)
     env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     try:

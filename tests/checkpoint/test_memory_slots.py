@@ -5,6 +5,7 @@ left (an in-job restart keeps the pod's ``/dev/shm``), and removal at the job's 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,12 +21,13 @@ from resilient_fsdp.checkpoint.staging import structure
 from tests.support import REPO
 
 SHM = Path("/dev/shm")
+RUN = "test-run"  # the run id (``run_identity``) the slots of these tests are kept under
 
 
 @pytest.fixture
 def root(shm_job):
     """A job's root on this machine's tmpfs, as in a pod's memory-backed /dev/shm."""
-    return job_root(SHM, shm_job)
+    return job_root(SHM, shm_job, RUN)
 
 
 def state(seed: int) -> list[torch.Tensor]:
@@ -105,7 +107,7 @@ def test_a_newest_snapshot_failing_its_checksum_is_set_aside_when_reported_and_i
     (the decision then takes its replica or an older step), set aside as ``.invalid`` beside the
     bytes, said once, and the slot is where the next save goes, which removes the set-aside record."""
     said: list[str] = []
-    tier = MemoryTier(2, root.parent.parent, root.name, rank=1, world_size=4, say=said.append)
+    tier = MemoryTier(2, root.parents[2], root.parent.name, RUN, rank=1, world_size=4, say=said.append)
     save(tier.slots, state(1), 2)
     newest = save(tier.slots, state(2), 4)
     assert tier.report().own == (2, 4) and not said
@@ -172,7 +174,7 @@ def test_another_process_finds_and_loads_what_an_earlier_one_saved_and_the_job_e
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"step": 20, "sums": [float(t.double().sum()) for t in state(5)]}
-    remove_job(SHM, root.name)
+    remove_job(SHM, root.parent.name)
     assert not root.exists()
 
 
@@ -196,9 +198,10 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_killed_process(tmp_path):
 
 
 def test_a_dev_shm_too_small_for_the_pods_slots_turns_the_tier_off_once_and_takes_no_room(tmp_path):
-    """A 1 MiB tmpfs: two ranks a pod with 200 KiB states need 800 KiB of slots, which fits; three
-    need 1.2 MiB, so the first save says so (naming shm.sizeLimit and how much) and nothing is
-    reserved, leaving the room to the durable checkpoint."""
+    """A 1 MiB tmpfs: two ranks a pod with 200 KiB states need 800 KiB of slots, which fits, also
+    for a restarted process whose run's slots fill most of it; not beside another run's 600 KiB
+    (free space, named); three ranks need 1.2 MiB, so the first save says so (naming
+    shm.sizeLimit and how much) and nothing is reserved, leaving the room to the durable checkpoint."""
     from resilient_fsdp.checkpoint.memory.tier import MemoryTier, shm_needed
 
     assert shm_needed(100, ranks_per_pod=8, replicas=1, durable_copies=1) == 8 * 100 * 5
@@ -210,13 +213,40 @@ def test_a_dev_shm_too_small_for_the_pods_slots_turns_the_tier_off_once_and_take
         pytest.fail(f"mounting a tmpfs needs root: {made.stderr.strip()}")
     sd = {"w": torch.zeros(50 * 1024)}  # 200 KiB of float32
     try:
-        fits = MemoryTier(1, mount, "fits", 0, 2, ranks_per_pod=2, durable_copies=1)
+        fits = MemoryTier(1, mount, "fits", RUN, 0, 2, ranks_per_pod=2, durable_copies=1)
         fits.save(1, sd)
         fits.settle()
         (done,) = fits.poll()
         assert done["error"] is None and fits.off is None  # another tmpfs than /dev/shm: no staging beside it
-        fits.close(remove=True)
-        short = MemoryTier(1, mount, "short", 0, 3, ranks_per_pod=3, durable_copies=1)
+        # Both ranks of the pod fill their two slots, and rank 0's process is restarted: the free
+        # space is down to 0.2 MiB, yet what this run's slots hold is reused, so the tier stays on.
+        other_rank = MemoryTier(1, mount, "fits", RUN, 1, 2, ranks_per_pod=2, durable_copies=1)
+        for tier in (fits, other_rank):
+            for step in (2, 3):
+                tier.save(step, sd)
+                tier.settle()
+            tier.close(remove=False)
+        restarted = MemoryTier(1, mount, "fits", RUN, 0, 2, ranks_per_pod=2, durable_copies=1)
+        restarted.save(4, sd)
+        restarted.settle()
+        assert [r["error"] for r in restarted.poll()] == [None] and restarted.off is None
+        restarted.close(remove=True)
+        other_rank.close(remove=True)
+        assert not (mount / "resilient-fsdp").exists()
+        # A killed run of another job left 600 KiB: the free space cannot hold the slots, and the
+        # message names what holds it; nothing of that run is removed.
+        stale = mount / "resilient-fsdp" / "other-job" / "killed-run" / "rank-0"
+        stale.mkdir(parents=True)
+        (stale / "slot-a.bin").write_bytes(b"\1" * 600 * 1024)
+        crowded = MemoryTier(1, mount, "fits", RUN, 0, 2, ranks_per_pod=2, durable_copies=1)
+        crowded.save(1, sd)
+        (said,) = crowded.poll()
+        assert "the memory tier is off for this job" in said["error"] and "need 0.78 MiB for their slots" in said["error"]
+        assert f"{stale.parent} holds 0.59 MiB" in said["error"] and "Durable checkpoints go on" in said["error"], said
+        assert (stale / "slot-a.bin").stat().st_size == 600 * 1024 and not any(mount.rglob("slot-b*"))
+        crowded.close(remove=True)
+        shutil.rmtree(mount / "resilient-fsdp")
+        short = MemoryTier(1, mount, "short", RUN, 0, 3, ranks_per_pod=3, durable_copies=1)
         short.save(1, sd)
         (said,) = short.poll()
         assert "the memory tier is off for this job" in said["error"] and "3 rank(s) need 1.17 MiB" in said["error"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
-from resilient_fsdp.checkpoint.memory.slots import job_root
+from resilient_fsdp.checkpoint.memory.slots import job_root, remove_job
+from resilient_fsdp.checkpoint.run_identity import read_run_identity
 from tests.resilience.fault_jobs import lane_run, run_with_faults
 from tests.support import read_events, read_losses, read_summary, run_trainer
 
@@ -21,6 +21,16 @@ MEMORY = ["checkpoint.memory.interval_steps=2"]
 def job_of(run_dir: Path) -> str:
     manifest = json.loads(next((run_dir / "checkpoints").glob("step_*/COMPLETE")).read_text())
     return manifest["job"]
+
+
+def job_folder(job: str) -> Path:
+    """Where every run of ``job`` keeps its slots in this machine's /dev/shm."""
+    return job_root(SHM, job, "any").parent
+
+
+def slots_of(run_dir: Path, job: str, owner: str = "rank-0") -> Path:
+    """The slots of ``owner`` that the run in ``run_dir`` (its run id) keeps for ``job``."""
+    return job_root(SHM, job, read_run_identity(run_dir / "checkpoints")) / owner
 
 
 def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_peers_replica_bitwise(
@@ -50,7 +60,7 @@ def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_
     replicated = read_events(run_dir, "memory_replica")  # rank 0's, each with the time its send took
     assert replicated and all(r["to"] == 1 and r["bytes"] > 0 and r["send_s"] > 0 for r in replicated)
     assert {r["step"] for r in replicated} <= {r["step"] for r in saved}
-    assert not job_root(SHM, job_of(run_dir)).exists()
+    assert not job_folder(job_of(run_dir)).exists()
 
 
 def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_stays_exact(tmp_path):
@@ -64,7 +74,7 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
     run_dir = tmp_path / "run"
     killed = run_trainer(run_dir, [*common, "resilience.inject=[sigkill@12]"])
     assert killed.returncode == -9, killed.stderr[-3000:]
-    slots = job_root(SHM, "memory-fallback") / "rank-0"
+    slots = slots_of(run_dir, "memory-fallback")
     try:
         (record,) = [json.loads(p.read_text()) for p in slots.glob("slot-*.json") if json.loads(p.read_text())["step"] == 10]
         data = slots / f"slot-{record['slot']}.bin"
@@ -83,9 +93,39 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
         assert summary["resumed_from_step"] == durable
         assert summary["params_sha256"] == read_summary(tmp_path / "reference")["params_sha256"]
         assert read_losses(run_dir) == read_losses(tmp_path / "reference")
-        assert not job_root(SHM, "memory-fallback").exists()
+        assert not job_folder("memory-fallback").exists()
     finally:
-        shutil.rmtree(job_root(SHM, "memory-fallback"), ignore_errors=True)
+        remove_job(SHM, "memory-fallback")
+
+
+def test_a_new_run_with_the_same_job_id_never_loads_the_snapshots_an_earlier_run_left_in_memory(tmp_path):
+    """A workstation's fixed ``checkpoint.job_id``: a run with seed 1 is killed after step 11,
+    leaving its snapshot of step 10 in /dev/shm. A new run of another seed, with the same job id
+    in a new run directory, must train from its own start: its parameters and every loss equal
+    the same run's on a clean /dev/shm, and the killed run's slots stay where they were for it."""
+    job = f"memory-same-name-{tmp_path.name[-12:]}"
+    common = ["train.steps=16", "checkpoint.interval_steps=8", *MEMORY, f"checkpoint.job_id={job}"]
+    try:
+        killed = run_trainer(tmp_path / "seed-1", [*common, "seed=1", "resilience.inject=[sigkill@12]"])
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        earlier = slots_of(tmp_path / "seed-1", job)
+        assert {json.loads(p.read_text())["step"] for p in earlier.glob("slot-*.json")} == {6, 10}
+        second = run_trainer(tmp_path / "seed-2", [*common, "seed=2"])
+        out = second.stdout + second.stderr
+        assert second.returncode == 0, out[-3000:]
+        assert "resumed from" not in out, out[-3000:]
+        assert read_run_identity(tmp_path / "seed-2" / "checkpoints") != read_run_identity(tmp_path / "seed-1" / "checkpoints")
+        assert {json.loads(p.read_text())["step"] for p in earlier.glob("slot-*.json")} == {6, 10}
+        # The killed run's own restart still finds its snapshot of step 10.
+        resumed = run_trainer(tmp_path / "seed-1", [*common, "seed=1"])
+        assert resumed.returncode == 0 and "resumed from memory: step 10" in resumed.stdout + resumed.stderr
+        remove_job(SHM, job)
+        clean = run_trainer(tmp_path / "clean", [*common, "seed=2"])
+        assert clean.returncode == 0, clean.stderr[-3000:]
+        assert read_summary(tmp_path / "seed-2")["params_sha256"] == read_summary(tmp_path / "clean")["params_sha256"]
+        assert read_losses(tmp_path / "seed-2") == read_losses(tmp_path / "clean")
+    finally:
+        remove_job(SHM, job)
 
 
 
@@ -113,4 +153,4 @@ def test_a_corrupt_slot_comes_back_from_its_replica_and_a_corrupt_replica_from_t
     assert (from_durable["resumed_from_step"], from_durable["lost_steps"]) == (16, 3), from_durable
     assert "memory checkpoint of step 18 not loaded" in out and "resuming from the durable checkpoint" in out
     assert "resumed from memory: step 18" not in out
-    assert not job_root(SHM, job_of(run_dir)).exists()
+    assert not job_folder(job_of(run_dir)).exists()

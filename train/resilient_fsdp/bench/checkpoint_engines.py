@@ -96,7 +96,7 @@ class MemorySaver(Saver):
 
         group = trainer.checkpointer.group
         self.state = trainer.checkpointer.state
-        self.tier = MemoryTier(1, shm, f"bench-{uuid.uuid4().hex[:8]}", group.rank, group.world_size)
+        self.tier = MemoryTier(1, shm, f"bench-{uuid.uuid4().hex[:8]}", "bench", group.rank, group.world_size)
         self.t0, self.call_s, self.wait_s = 0.0, 0.0, 0.0
         self.step: Optional[int] = None
 

@@ -45,6 +45,7 @@ from . import failures
 from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
 from .lease import Lease, job_id
+from .run_identity import run_identity
 from .memory.slots import job_root, remove_empty_job_root
 from .memory.prefetch import Prefetch
 from .memory.tier import MemoryTier
@@ -141,6 +142,11 @@ class Checkpointer:
         self.resumed_from: Optional[dict] = None
         self.restored_from_s3: Optional[dict] = None  # {"step", "uri"} when this start downloaded one
         self.job = job_id(cfg)
+        # Which run of the job this is: what the pod's memory keeps is keyed by both.
+        try:
+            self.run = run_identity(root)
+        except OSError:
+            self.run = "unwritable"  # the preflight refuses the start, naming checkpoint.dir and the fix
         self.lease: Optional[Lease] = None
         # Rank 0 applies retention off the training thread; its messages are said by this one.
         self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") \
@@ -152,7 +158,7 @@ class Checkpointer:
         self._retention_events: list[dict] = []  # metrics.jsonl records of the retention thread
         self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
         # Snapshots in the pod's memory between durable saves (checkpoint.memory; off at 0).
-        self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, group.rank,
+        self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, self.run, group.rank,
                                  group.world_size, cfg.memory.replicas, ranks_per_pod(group.world_size),
                                  self._say_any_rank, durable_copies=0 if cfg.mode == "sync" else 1,
                                  prefetch=memory_prefetch) \
@@ -170,7 +176,7 @@ class Checkpointer:
         if self._engine is None:
             self._engine = self._engine_factory()
             # A new attempt: it starts from the save plan the pod kept for this rank, if any.
-            self._engine.attach(self.group.world_size, self.group.rank, kept_plan_file(self.cfg, self.job, self.group.rank))
+            self._engine.attach(self.group.world_size, self.group.rank, kept_plan_file(self.cfg, self.job, self.run, self.group.rank))
         return self._engine
 
     # -- what the loop calls -----------------------------------------------------------------------
@@ -745,7 +751,7 @@ class Checkpointer:
                 self._log_memory()
             self.memory.close(remove=not abort, abort=abort)
         elif not abort:
-            remove_empty_job_root(Path(self.cfg.memory.dir), self.job)
+            remove_empty_job_root(Path(self.cfg.memory.dir), self.job, self.run)
         if self._engine is None:
             return
         if self.owns_engine:
@@ -756,10 +762,10 @@ class Checkpointer:
             self._engine.drain(timeout_s=min(120.0, self.cfg.write_timeout_s))
 
 
-def kept_plan_file(cfg: CheckpointConfig, job: str, rank: int) -> Optional[Path]:
+def kept_plan_file(cfg: CheckpointConfig, job: str, run: str, rank: int) -> Optional[Path]:
     """Where the pod keeps ``rank``'s validated save plan for the rank's next process: beside the
-    memory tier's slots (``checkpoint.memory.dir``, the pod's memory), under the job. None for a
+    memory tier's slots (``checkpoint.memory.dir``, the pod's memory), under the job's run. None for a
     process that is its own job (``standalone-``: no restart of it would find the plan)."""
     if job.startswith("standalone-"):
         return None
-    return job_root(Path(cfg.memory.dir), job) / "plans" / f"rank-{rank}.pickle"
+    return job_root(Path(cfg.memory.dir), job, run) / "plans" / f"rank-{rank}.pickle"

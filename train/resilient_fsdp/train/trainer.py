@@ -147,7 +147,7 @@ class Trainer:
         me = distributed.identity(cfg.dist)
         # Reads this rank's newest memory snapshot while the group forms and the model is built
         # (checkpoint.memory.prefetch).
-        self.memory_prefetch = prefetch.start(cfg.checkpoint, me.rank, me.world_size, me.device)
+        self.memory_prefetch = prefetch.start(cfg.checkpoint, cfg.checkpoint_dir, me.rank, me.world_size, me.device)
         self.info = distributed.init_distributed(cfg.dist, self.attempt.store, me)
         self.attempt.mark("group")
         self.is_rank0 = self.info.rank == 0

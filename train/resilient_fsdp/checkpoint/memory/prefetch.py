@@ -30,6 +30,7 @@ import torch
 
 from ...config import CheckpointConfig
 from ..lease import job_id
+from ..run_identity import read_run_identity
 from .slots import MemorySlots, Record, SlotInvalid, job_root, owner_name
 from .values import tensor_paths
 
@@ -96,12 +97,15 @@ class Prefetch:
         self._ahead = self._invalid = None
 
 
-def start(cfg: CheckpointConfig, rank: int, world_size: int, device: torch.device) -> Optional[Prefetch]:
+def start(cfg: CheckpointConfig, checkpoint_dir: Path, rank: int, world_size: int,
+          device: torch.device) -> Optional[Prefetch]:
     """The read-ahead for a start that may restore from memory (the memory tier on, ``resume``
-    on); None for any other."""
-    if cfg.memory.interval_steps <= 0 or not cfg.resume:
+    on, ``checkpoint_dir`` started before: it has a run id); None for any other."""
+    run = read_run_identity(checkpoint_dir) if cfg.memory.interval_steps > 0 and cfg.resume else None
+    if run is None:
         return None
-    return Prefetch(MemorySlots(job_root(Path(cfg.memory.dir), job_id(cfg)), owner_name(rank)), world_size, device)
+    return Prefetch(MemorySlots(job_root(Path(cfg.memory.dir), job_id(cfg), run), owner_name(rank)), world_size,
+                    device)
 
 
 def optimizer_state_indices(values: Any, record: Record) -> frozenset[int]:

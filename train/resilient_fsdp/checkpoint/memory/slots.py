@@ -376,20 +376,23 @@ def slot_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return plan(tensors)[1]
 
 
-def job_root(shm: Path, job: str) -> Path:
-    """Where a job's slots live in the pod's memory: one directory per job, so slots never outlive
-    the job they belong to or mix with another's."""
-    return Path(shm) / "resilient-fsdp" / job
+def job_root(shm: Path, job: str, run: str) -> Path:
+    """Where run ``run`` (``run_identity``) of job ``job`` keeps its slots in the pod's memory: one
+    directory per job and run, so slots never outlive the run they belong to or mix with another's,
+    an earlier run of the same job name included."""
+    return Path(shm) / "resilient-fsdp" / job / run
 
 
 def remove_job(shm: Path, job: str) -> None:
-    shutil.rmtree(job_root(shm, job), ignore_errors=True)
+    """Every run's slots of ``job``."""
+    shutil.rmtree(Path(shm) / "resilient-fsdp" / job, ignore_errors=True)
 
 
-def remove_empty_job_root(shm: Path, job: str) -> None:
-    """The job's folder and the one above it, each once empty (another rank's files may remain)."""
-    root = job_root(shm, job)
-    for directory in (root, root.parent):
+def remove_empty_job_root(shm: Path, job: str, run: str) -> None:
+    """The run's folder and the two above it (the job's, the tool's), each once empty (another
+    rank's or another run's files may remain)."""
+    root = job_root(shm, job, run)
+    for directory in (root, root.parent, root.parent.parent):
         try:
             directory.rmdir()
         except OSError:

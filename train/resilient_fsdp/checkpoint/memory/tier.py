@@ -58,10 +58,11 @@ if TYPE_CHECKING:
 
 
 class MemoryTier:
-    """Rank ``rank``'s memory checkpoints of job ``job``, every ``interval_steps`` steps, in
-    ``shm`` (``checkpoint.memory.dir``)."""
+    """Rank ``rank``'s memory checkpoints of run ``run`` (``run_identity``) of job ``job``, every
+    ``interval_steps`` steps, in ``shm`` (``checkpoint.memory.dir``)."""
 
-    def __init__(self, interval_steps: int, shm: Path, job: str, rank: int, world_size: int, replicas: int = 0,
+    def __init__(self, interval_steps: int, shm: Path, job: str, run: str, rank: int, world_size: int,
+                 replicas: int = 0,
                  ranks_per_pod: int = 1, say: Callable[[str], None] = lambda _m: None, durable_copies: int = 0,
                  prefetch: Optional[Prefetch] = None):
         self.interval_steps = interval_steps
@@ -82,8 +83,8 @@ class MemoryTier:
         self.read_ahead_s: Optional[float] = None
         # The CPU time the restore's phases took on the training thread (None: no restore yet).
         self.restore_cpu_s: Optional[float] = None
-        self.root = job_root(Path(shm), job)
-        self.job, self.rank, self.world_size = job, rank, world_size
+        self.root = job_root(Path(shm), job, run)
+        self.job, self.run, self.rank, self.world_size = job, run, rank, world_size
         self.slots = MemorySlots(self.root, owner_name(rank))
         self.replicator: Optional[Replicator] = None
         self.group = None
@@ -146,17 +147,30 @@ class MemoryTier:
 
     def _short_of_room(self, state_bytes: int) -> Optional[str]:
         """Why ``checkpoint.memory.dir`` cannot hold this pod's slots beside the durable staging,
-        or None. Counted for every rank of the pod, each with a state the size of this one's."""
+        or None. Counted for every rank of the pod, each with a state the size of this one's:
+        the file system's size must hold all of it, and its free space (with what this run's
+        slots already hold, which the saves reuse) the slots. What other runs left there (a
+        killed run on a reused ``/dev/shm``) is named, never removed: only that run can use it."""
         try:
             fs = os.statvfs(self.shm)
             durable = self.durable_copies if os.stat(self.shm).st_dev == os.stat("/dev/shm").st_dev else 0
         except OSError as exc:
             return f"checkpoint.memory.dir={str(self.shm)!r} is not usable ({exc.strerror or exc})"
-        size = fs.f_blocks * fs.f_frsize
+        size, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
         need = shm_needed(state_bytes, self.ranks_per_pod, self.replicas, durable)
-        if need <= size:
+        slots_need = shm_needed(state_bytes, self.ranks_per_pod, self.replicas, 0)
+        usable = free + _held(self.root)
+        if need <= size and slots_need <= usable:
             return None
         slots = 2 * (1 + self.replicas)
+        if need <= size:
+            others = _other_runs(self.shm, self.root)
+            held = "; ".join(f"{path} holds {_size(n)}" for path, n in others[:3]) or "none of it by this tool"
+            return (f"the memory tier is off for this job: {self.shm} has {_size(usable)} free and the pod's "
+                    f"{self.ranks_per_pod} rank(s) need {_size(slots_need)} for their slots ({slots} of "
+                    f"{_size(state_bytes)} each, per rank); what else holds it: {held}. Other runs' snapshots "
+                    "serve only their own restarts: remove the ones no run will resume, or raise shm.sizeLimit "
+                    f"by {_quantity(slots_need - usable)}. Durable checkpoints go on")
         return (f"the memory tier is off for this job: {self.shm} holds {_size(size)}, and the pod's "
                 f"{self.ranks_per_pod} rank(s) need {_size(need)} ({slots} slots of {_size(state_bytes)} each"
                 f"{' and the durable checkpoint staging copy' if durable else ''}, per rank); raise shm.sizeLimit to "
@@ -356,13 +370,34 @@ class MemoryTier:
             self.slots.remove()
             if self.kept is not None:
                 self.kept.remove()
-            remove_empty_job_root(self.shm, self.job)  # once no rank's files are left in it
+            remove_empty_job_root(self.shm, self.job, self.run)  # once no rank's files are left in it
 
 
 def shm_needed(state_bytes: int, ranks_per_pod: int, replicas: int, durable_copies: int) -> int:
     """Bytes a pod's shared memory needs for its ranks' memory slots (two each, and a peer's two
     with ``replicas``) and the durable checkpoint's staging (``durable_copies`` of each state)."""
     return ranks_per_pod * state_bytes * (2 * (1 + replicas) + durable_copies)
+
+
+def _held(root: Path) -> int:
+    """Bytes the files under ``root`` take on their file system (a sparse slot takes what was written)."""
+    total = 0
+    for path in root.rglob("*") if root.is_dir() else ():
+        try:
+            st = path.lstat()
+        except OSError:
+            continue  # removed while counted
+        if not path.is_dir():
+            total += st.st_blocks * 512
+    return total
+
+
+def _other_runs(shm: Path, root: Path) -> list[tuple[Path, int]]:
+    """The folders of other jobs' and runs' slots beside ``root`` in ``shm``, largest first."""
+    tool = Path(shm) / "resilient-fsdp"
+    found = [(run, _held(run)) for job in (tool.iterdir() if tool.is_dir() else ()) if job.is_dir()
+             for run in job.iterdir() if run.is_dir() and run != root]
+    return sorted(found, key=lambda item: item[1], reverse=True)
 
 
 def _size(nbytes: float) -> str:

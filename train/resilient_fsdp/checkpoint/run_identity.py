@@ -1,0 +1,56 @@
+"""Which run a checkpoint directory belongs to: ``<checkpoint.dir>/RUN``, a random id that the
+directory's first start writes and every later start (a restart at any layer, a relaunch, another
+install of the same job) reads back.
+
+A job's name (``checkpoint.job_id``, the rendezvous id) says which job a process belongs to, not
+which run: the same name is given again to a new run in a new, empty directory (a workstation's
+fixed ``job_id``, a chart installed again with a fresh volume). What outlives a process beside the
+checkpoint directory and is keyed by the job, the memory tier's snapshots and the save plans a pod
+keeps in ``/dev/shm``, is keyed by the run too, so that a new run never loads the state an earlier
+run of the same name left in a pod's memory.
+
+Written by link, so that when every rank of a first start creates it at once one id wins and
+every rank reads that one; on a shared volume every pod reads the same id.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from .. import atomic
+
+RUN = "RUN"
+
+
+def run_identity(checkpoint_dir: Path) -> str:
+    """The run id of ``checkpoint_dir``, written first when it has none."""
+    found = read_run_identity(checkpoint_dir)
+    if found is not None:
+        return found
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    candidate = uuid.uuid4().hex[:12]
+    draft = checkpoint_dir / f".{RUN}.{candidate}"
+    atomic.write_text(draft, candidate + "\n")
+    try:
+        os.link(draft, checkpoint_dir / RUN)
+        atomic.fsync_dir(checkpoint_dir)
+    except FileExistsError:
+        pass  # another rank's link came first: its id is the run's
+    finally:
+        draft.unlink(missing_ok=True)
+    found = read_run_identity(checkpoint_dir)
+    if found is None:
+        raise OSError(f"{checkpoint_dir / RUN} could not be read back after it was written")
+    return found
+
+
+def read_run_identity(checkpoint_dir: Path) -> Optional[str]:
+    """The run id of ``checkpoint_dir``, or None before its first start wrote one."""
+    try:
+        text = (checkpoint_dir / RUN).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return text or None
