@@ -3,7 +3,8 @@
 - **CPU (gloo) process groups**: NVRx's in-process restart aborts NCCL only, and gloo's ``abort``
   does not wake a collective already blocked on a peer. :func:`abort_process_groups` shuts down
   the TCP connections of the process groups (recorded when they were made,
-  :func:`recording_group_sockets`): the local collective fails at once and every peer reads EOF
+  :func:`recording_group_sockets`; a lazily connected group's, by the ports it listens on,
+  :func:`recording_group_listeners`): the local collective fails at once and every peer reads EOF
   instead of waiting out ``dist.timeout_s``; then it aborts every backend (NCCL's abort is what
   keeps ``destroy_process_group`` from blocking on a pending collective) and destroys the groups.
   :func:`make_abort` hands it to ``inprocess.Wrapper``; the trainer runs it on a failed attempt.
@@ -66,6 +67,9 @@ STANDBY_SINCE = (0, 6)
 
 # (fd, local address, remote address) of every TCP connection the process groups made.
 _GROUP_SOCKETS: set[tuple] = set()
+# The ports that lazily connected groups listen on: their connections are made after the group,
+# on a pair's first message, and every one of them arrives at one rank's listener.
+_GROUP_LISTENERS: set[int] = set()
 
 
 def _tcp_connections(skip_ports: Iterable[int] = ()) -> set[tuple]:
@@ -96,17 +100,40 @@ def recording_group_sockets(store_ports: Iterable[int] = ()) -> Iterator[None]:
     _GROUP_SOCKETS.update(_tcp_connections(ports) - before)
 
 
+@contextlib.contextmanager
+def recording_group_listeners() -> Iterator[None]:
+    """Record the ports a lazily connected group made inside the block listens on
+    (``TORCH_GLOO_LAZY_INIT``: it connects a pair on its first message, long after the block), for
+    :func:`abort_process_groups`. Every connection of such a group is accepted by one rank's
+    listener, so the ranks, each shutting down what arrived at its own, shut down all of them."""
+    before = _listening_ports()
+    yield
+    _GROUP_LISTENERS.update(_listening_ports() - before)
+
+
+def _listening_ports() -> set[int]:
+    import psutil
+
+    try:
+        return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    except (psutil.Error, OSError):
+        return set()
+
+
 def forget_group_sockets() -> None:
     """The groups were destroyed cleanly: their connections are closed."""
     _GROUP_SOCKETS.clear()
+    _GROUP_LISTENERS.clear()
 
 
 def shutdown_group_sockets() -> int:
     """``shutdown(SHUT_RDWR)`` on the recorded connections that are still open (the same fd and
-    addresses: a closed fd's number may have been reused). Returns how many were shut down."""
+    addresses: a closed fd's number may have been reused), and on those that arrived at a lazily
+    connected group's listener. Returns how many were shut down."""
     current = _tcp_connections()
     done = 0
-    for fd, _laddr, _raddr in _GROUP_SOCKETS & current:
+    accepted = {c for c in current if c[1][1] in _GROUP_LISTENERS}
+    for fd, _laddr, _raddr in (_GROUP_SOCKETS & current) | accepted:
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -119,6 +146,7 @@ def shutdown_group_sockets() -> int:
         finally:
             sock.close()  # closes the duplicate only
     _GROUP_SOCKETS.clear()
+    _GROUP_LISTENERS.clear()
     return done
 
 

@@ -45,7 +45,7 @@ from ..resilience import accounting, non_finite
 from ..resilience.attempt import Attempt
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt
-from . import distributed, parallelize, state_fit
+from . import distributed, footprint, parallelize, state_fit
 from .data import BatchLoader, TokenFile, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256
@@ -383,6 +383,7 @@ class Trainer:
         cfg, info = self.cfg, self.info
         resumed = self.counters.step
         layer = self.attempt.layer
+        held = footprint.gather(info.device)  # collective: what every rank's process holds now
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             self.keep_model_files()
@@ -395,7 +396,7 @@ class Trainer:
             self.metrics.event({"event": "start", "t": time.time(), "layer": layer, "attempt": self.attempt.number,
                                 "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                                 "resumed_from_step": resumed if self.checkpointer.resumed_from else None,
-                                "world_size": info.world_size})
+                                "world_size": info.world_size, "footprint": held})
         model_name = cfg.model.factory or cfg.model.hf_config or f"preset {cfg.model.preset}"
         how = "" if layer == "start" else f" | restarted ({layer.replace('_', '-')})"
         # Every rank says where it runs: which pod holds which ranks, as the node ranks ordered them,

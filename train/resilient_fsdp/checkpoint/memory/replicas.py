@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ...resilience import nvrx
 from .agreement import Decision
 from .slots import MemorySlots, Record, owner_name
 
@@ -139,7 +140,10 @@ def pairs_group() -> dist.ProcessGroup:
     before = os.environ.get(_LAZY)
     os.environ[_LAZY] = "1"  # read by ProcessGroupGloo's constructor
     try:
-        return dist.new_group(backend=dist.Backend.GLOO)
+        # A failed attempt's abort shuts its connections down by these ports: a helper thread
+        # blocked on a peer then wakes, ends, and lets the group (and the attempt) go.
+        with nvrx.recording_group_listeners():
+            return dist.new_group(backend=dist.Backend.GLOO)
     finally:
         if before is None:
             os.environ.pop(_LAZY, None)
