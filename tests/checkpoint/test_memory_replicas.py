@@ -184,3 +184,66 @@ def test_a_failed_rank_leaves_without_waiting_for_its_peers_goodbye(tmp_path):
         assert outs[0][0].strip() == "peer closed while this rank still ran", outs[0]
     finally:
         remove_job(SHM, job)
+
+
+BROKEN = textwrap.dedent('''
+    import os, sys, time, torch
+    import torch.distributed as dist
+    from pathlib import Path
+    from resilient_fsdp.checkpoint.memory.replicas import Replicator, pairs_group, replica_slots
+    from resilient_fsdp.checkpoint.memory.slots import MemorySlots, owner_name
+
+    rank, root = int(os.environ["RANK"]), Path(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = pairs_group()
+    peer, said = 1 - rank, []
+    own = MemorySlots(root, owner_name(rank))
+    rep = Replicator(group, own, replica_slots(root, peer), rank, peer if rank == 0 else None,
+                     peer if rank == 1 else None, said.append)
+
+    def save(step):
+        slot = own.next_slot()
+        spans, views = own.open(slot, [torch.full((1000,), float(step))])
+        views[0].fill_(float(step))
+        return own.commit(slot, spans, step, "d", world_size=2, rank=rank, job="j", attempt=0, extra=b"x")
+
+    if rank == 1:  # the other pod: it takes one replica, then its node is gone
+        deadline = time.monotonic() + 30
+        while not rep.received and time.monotonic() < deadline:
+            time.sleep(0.02)
+        print(f"received {rep.received}", flush=True)
+        os._exit(9)
+    rep.committed(save(2))
+    assert rep.wait_sent(2, 30), rep.errors
+    time.sleep(1.0)  # rank 1 has gone
+    for step in (4, 6):
+        rep.committed(save(step))
+    deadline = time.monotonic() + 30
+    while rep.healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(f"healthy={rep.healthy} sent={rep.sent}", flush=True)
+    print("said: " + " | ".join(said), flush=True)
+    os._exit(0)
+''')
+
+
+def test_replication_that_stops_is_said_at_once_and_reported_unhealthy(tmp_path):
+    """Two real processes: the holder's process dies after one replica. The sender's next send
+    fails; it must not stop silently: the replicator is no longer healthy (the step's vote, the
+    ``memory_replication`` record) and a line names the peer and what it means."""
+    job = f"replicas-broken-{os.getpid()}-{tmp_path.name[-12:]}"
+    root = job_root(SHM, job, RUN)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", BROKEN, str(root)], env={**env, "RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert procs[1].returncode == 9 and outs[1][0].strip() == "received [2]", outs[1]
+        assert procs[0].returncode == 0, outs[0][1][-3000:]
+        out = outs[0][0]
+        assert "healthy=False sent=[2]" in out, out
+        assert "rank 0: warning: memory replication stopped (sending step " in out and "to rank 1" in out, out
+        assert "a lost pod resumes from the durable checkpoint" in out, out
+    finally:
+        remove_job(SHM, job)

@@ -341,6 +341,26 @@ def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path
     assert alone["shm_gib"] == math.ceil(3 * shard_gib * 8) + adv.SHM_MARGIN_GIB
     with pytest.raises(adv.AdviseError, match="--memory-coverage"):
         _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b", "--memory", "--memory-coverage", "1.5")
+    # The coverage a run measured: its restarts' start records, by where each resumed from.
+    run = tmp_path / "run"
+    run.mkdir()
+    starts = [("start", None), ("in_job", "memory"), ("in_job", "memory"), ("job", "durable"), ("in_process", "memory"),
+              ("in_job", None)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"event": "start", "layer": layer, "resumed_from_tier": tier})
+                                               + "\n" for layer, tier in starts) + '{"event": "sta\n')
+    assert adv.coverage_from_run(run) == (0.75, 4)
+    measured = _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run", str(run))
+    assert measured.inputs.memory.coverage == 0.75
+    assert f"75% of failures (measured, --from-run {run}: 3 of 4 restarts from memory)" in adv.render_table(measured)
+    given = _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run", str(run),
+                    "--memory-coverage", "0.5")
+    assert given.inputs.memory.coverage == 0.5  # what is given wins over what was measured
+    (run / "metrics.jsonl").write_text(json.dumps({"event": "start", "layer": "start"}) + "\n")
+    with pytest.raises(adv.AdviseError, match="no restart of that run resumed from a checkpoint"):
+        _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run", str(run))
+    with pytest.raises(adv.AdviseError, match="cannot read"):
+        _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run",
+                str(tmp_path / "missing"))
     assert "memory" not in _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b").values()["trainer"][
         "checkpoint"]
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from resilient_fsdp.goodput.advise import coverage_from_run
+
 from tests.resilience.fault_jobs import IN_PROCESS, run_with_faults
 from tests.support import read_events
 
@@ -31,3 +33,7 @@ def test_ten_in_process_restarts_with_the_memory_tier_leave_nothing_behind(tmp_p
     assert last == first, [e["footprint"] for e in starts]
     # Every restart restored from the pods' memory, the replicas' group working each time.
     assert summary["_stdout"].count("resumed from memory") >= RESTARTS, summary["_output"]
+    # ... which is the memory tier's coverage as the advisor measures it from the run.
+    assert coverage_from_run(run_dir) == (1.0, RESTARTS)
+    # Replication never stopped: no record says so.
+    assert not [e for e in read_events(run_dir, "memory_replication") if e["stopped_ranks"]]

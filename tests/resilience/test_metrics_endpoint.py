@@ -175,3 +175,18 @@ def test_should_document_every_metric_when_docs_are_read():
     text = (REPO / "docs" / "eks-helm.md").read_text()
     missing = [name for name in METRICS if f"`resilient_fsdp_{name}`" not in text]
     assert missing == [], f"docs/eks-helm.md's metrics table lacks {missing}"
+
+
+def test_should_serve_stopped_replication_until_the_next_attempt_and_count_resumes_by_tier(tmp_path, endpoint):
+    metrics = tmp_path / "metrics.jsonl"
+    append(metrics, {"event": "start", "t": 100.0, "layer": "start", "resumed_from_tier": None},
+           {"event": "memory_replication", "t": 101.0, "step": 7, "stopped_ranks": 2})
+    stopped = scrape(endpoint)
+    assert value(stopped, "resilient_fsdp_memory_replication_stopped_ranks") == 2
+    assert value(stopped, "resilient_fsdp_resumes_total", tier="memory") == 0
+    append(metrics, {"event": "start", "t": 110.0, "layer": "in_job", "resumed_from_tier": "memory"},
+           {"event": "start", "t": 120.0, "layer": "job", "resumed_from_tier": "durable"},
+           {"event": "start", "t": 130.0, "layer": "in_job", "resumed_from_tier": "memory"})
+    again = scrape(endpoint)
+    assert value(again, "resilient_fsdp_memory_replication_stopped_ranks") == 0  # the restart made it again
+    assert [value(again, "resilient_fsdp_resumes_total", tier=t) for t in ("memory", "durable", "s3")] == [2, 1, 0]

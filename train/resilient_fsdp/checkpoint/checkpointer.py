@@ -139,6 +139,7 @@ class Checkpointer:
         self.last_saved_step: Optional[int] = None  # the newest save started
         self.last_committed_step: Optional[int] = None
         self.streak = FailureStreak(cfg.max_consecutive_failures)
+        self._replication_stopped = 0  # ranks whose memory replication has stopped, as last agreed
         self.resumed_from: Optional[dict] = None
         self.restored_from_s3: Optional[dict] = None  # {"step", "uri"} when this start downloaded one
         self.job = job_id(cfg)
@@ -185,11 +186,13 @@ class Checkpointer:
         """What this rank says before the step's loss all-reduce sums it over the ranks, for
         :meth:`after_step` to agree on without a collective of its own: whether
         ``checkpoint.interval_s`` has passed since the last save, whether this rank still
-        writes the pending checkpoint, and (rank 0) whether its commit is still running."""
+        writes the pending checkpoint, (rank 0) whether its commit is still running, and
+        whether its memory replication has stopped."""
         committing = self.pending is not None and self.pending.get("committing", False)
         writing = self.pending is not None and not committing and not self.engine.local_status()[0]
+        stopped = self.memory is not None and not self.memory.replicating
         return [1.0 if self._interval_passed() else 0.0, 1.0 if writing else 0.0,
-                1.0 if self._commit_running() else 0.0]
+                1.0 if self._commit_running() else 0.0, 1.0 if stopped else 0.0]
 
     def _commit_running(self) -> bool:
         """Rank 0: its commit process is still on the pending checkpoint (False on other ranks)."""
@@ -204,7 +207,9 @@ class Checkpointer:
         was committed and what S3 did; the seconds it took. Collective. ``agreed``: every rank's
         :meth:`votes` of this step, summed; without it the ranks agree in collectives here."""
         t0 = time.perf_counter()
-        time_due, writing, committing = agreed if agreed is not None else (None, None, None)
+        time_due, writing, committing, unreplicated = agreed if agreed is not None else (None, None, None, None)
+        if unreplicated is not None:
+            self._replication_health(step, int(unreplicated))
         self.hooks.start_section("checkpoint")
         committed = self._periodic(lambda: self.poll(agreed_writing=writing, agreed_committing=committing))
         self._log(committed)
@@ -225,6 +230,20 @@ class Checkpointer:
         self._report_uploads()
         return time.perf_counter() - t0
 
+    def _replication_health(self, step: int, stopped: int) -> None:
+        """Rank 0 records each change in how many ranks' memory replication has stopped (a
+        ``memory_replication`` record, served as the ``memory_replication_stopped_ranks`` metric)
+        and says it: snapshots taken since have no replica, so a lost pod's ranks resume from the
+        durable checkpoint."""
+        if stopped == self._replication_stopped:
+            return
+        self._replication_stopped = stopped
+        if self.group.is_coordinator:
+            self.log.event({"event": "memory_replication", "t": time.time(), "step": step, "stopped_ranks": stopped})
+            if stopped:
+                self.say(f"warning: memory replication has stopped on {stopped} rank(s) (each rank's log says why); "
+                         "a lost pod's ranks resume from the durable checkpoint until the next restart makes it again")
+
     def _log_memory(self) -> None:
         """Rank 0 records its memory saves and replicas sent; any rank says a save that failed
         (training goes on)."""
@@ -233,7 +252,7 @@ class Checkpointer:
         for record in self.memory.poll():
             if self.group.is_coordinator:
                 self.log.event(record)
-            if record["error"]:
+            if record["error"] and record["event"] == "memory_checkpoint":  # a replica's, said where it stopped
                 self._say_any_rank(f"rank {self.group.rank}: warning: memory checkpoint of step {record['step']} "
                                    f"failed ({record['error']}); the previous one stays, training goes on")
 
@@ -409,7 +428,8 @@ class Checkpointer:
             self.memory.discard_newer_than(done.step if done.step is not None else -1)
         self.restored_from_s3 = done.restored_from_s3.as_dict() if done.restored_from_s3 else None
         if done.step is not None:
-            self.resumed_from = {"step": done.step, "path": done.path}
+            tier = "memory" if done.from_memory else "s3" if done.restored_from_s3 else "durable"
+            self.resumed_from = {"step": done.step, "path": done.path, "tier": tier}
             self.last_saved_step = self.last_committed_step = done.step
         if done.grad_accum_steps is not None:
             self.grad_accum_steps = done.grad_accum_steps

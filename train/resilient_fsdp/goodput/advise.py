@@ -194,6 +194,7 @@ class MemoryInputs:
     """One rank's share of the state (for ``shm.sizeLimit``); None without a model size."""
     replicas: int = 1
     """``checkpoint.memory.replicas``: 1 keeps the next pod's snapshots too (two more slots)."""
+    coverage_source: str = "DLRover's published share"
 
 
 @dataclass(frozen=True)
@@ -477,9 +478,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
                    help="checkpoint.memory.replicas: 1 (default) also keeps the next pod's snapshots, so a lost "
                         "pod resumes from memory; its two slots count in shm.sizeLimit")
-    p.add_argument("--memory-coverage", type=float, default=MEMORY_COVERAGE,
-                   help=f"the share of failures the pods survive, restored from memory (default {MEMORY_COVERAGE:g}, "
-                        "DLRover's published share)")
+    p.add_argument("--memory-coverage", type=float,
+                   help="the share of failures the pods survive, restored from memory (default: what --from-run "
+                        f"measured, else {MEMORY_COVERAGE:g}, DLRover's published share)")
+    p.add_argument("--from-run", type=Path, metavar="RUN_DIR",
+                   help="with --memory: take the coverage from a run with the memory tier on, the share of its "
+                        "restarts that resumed from memory (its metrics.jsonl start records)")
     p.add_argument("--spares", nargs="?", const="auto", metavar="S",
                    help="hot spares (the chart's spares): with no number or 'auto', the fewest for which a node loss "
                         f"finds none free at most {SPARE_MISS_TARGET:.0%}% of the time; with a number, that many. "
@@ -592,8 +596,40 @@ def _memory_inputs(args: argparse.Namespace, estimate: Optional[gc.Estimate], re
     # Without a measurement, a restart from memory costs what the in-job restart does: its load is
     # a small part of it (1.4 of 18.9 s in bench recovery's in-job runs), the gain is in lost work.
     restart = args.memory_restart_s if args.memory_restart_s is not None else restart_s
-    return MemoryInputs(stall_s=stall, restart_s=restart, coverage=args.memory_coverage, shard_gb=shard,
-                        replicas=args.memory_replicas)
+    coverage, source = args.memory_coverage, "given, --memory-coverage"
+    if coverage is None and getattr(args, "from_run", None) is not None:
+        coverage, restarts = coverage_from_run(args.from_run)
+        source = f"measured, --from-run {args.from_run}: {round(coverage * restarts)} of {restarts} restarts from memory"
+    if coverage is None:
+        coverage, source = MEMORY_COVERAGE, "DLRover's published share"
+    return MemoryInputs(stall_s=stall, restart_s=restart, coverage=coverage, shard_gb=shard,
+                        replicas=args.memory_replicas, coverage_source=source)
+
+
+def coverage_from_run(run_dir: Path) -> tuple[float, int]:
+    """The share of ``run_dir``'s restarts that resumed from the pods' memory, and how many restarts
+    resumed at all: its ``start`` records of attempts a restart began (each names where it
+    resumed from). Replication that stopped, a lost pod without a replica, a snapshot that failed
+    its checks: each shows as a restart that resumed from the durable checkpoint."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise AdviseError(f"--from-run {run_dir}: cannot read {path} ({exc.strerror or exc}); give the run directory "
+                          "of a job that ran with the memory tier on") from None
+    tiers = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a crash
+        if isinstance(record, dict) and record.get("event") == "start" and record.get("layer") != "start" \
+                and record.get("resumed_from_tier"):
+            tiers.append(record["resumed_from_tier"])
+    if not tiers:
+        raise AdviseError(f"--from-run {run_dir}: no restart of that run resumed from a checkpoint, so it measured no "
+                          "coverage; give a run that recovered from faults, or --memory-coverage")
+    return tiers.count("memory") / len(tiers), len(tiers)
 
 
 def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
@@ -636,7 +672,7 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
         gm_ = m["goodput"]
         rows += [
             ("memory tier costs", f"stall {mi.stall_s:.3g} s, restart from memory {mi.restart_s:.3g} s, covering "
-                                  f"{mi.coverage:.0%} of failures"),
+                                  f"{mi.coverage:.0%} of failures ({mi.coverage_source})"),
             ("checkpoint.interval_s with it", f"{m['durable_interval_s']} (Daly for delta and the failures it leaves to "
                                               f"the durable checkpoint, M / (1 - coverage): {m['durable_daly_s']:,.0f} s, "
                                               f"rounded down, at most {MAX_INTERVAL_S}; never below the durable-only "

@@ -58,6 +58,11 @@ METRICS = {
                          "checkpoints."),
     "s3_released_total": ("counter", "Checkpoints that stopped waiting past checkpoint.s3.max_awaiting: never "
                           "marked complete on S3."),
+    "memory_replication_stopped_ranks": ("gauge", "Ranks whose memory replication stopped in the current attempt "
+                                         "(their newer snapshots have no replica on another pod; the next restart "
+                                         "makes it again)."),
+    "resumes_total": ("counter", "Starts that resumed from a checkpoint, by where it came from (label tier: memory, "
+                      "durable, s3): the share from memory is the memory tier's measured coverage."),
     "restarts_total": ("counter", "Attempts started by each restart layer (label layer: in_process, in_job, job)."),
     "faults_injected_total": ("counter", "Faults the chaos drill fired."),
     "non_finite_losses_total": ("counter", "Non-finite losses the job met, each restarted once as a suspected "
@@ -132,6 +137,8 @@ class RunRecords:
         self.s3_awaiting: Optional[int] = None
         self.s3_lagging, self.s3_released = 0, 0
         self.lifecycle: list[dict] = []  # start and finish events: a few per attempt
+        self.replication_stopped = 0
+        self.resumes = {"memory": 0, "durable": 0, "s3": 0}
 
     def refresh(self) -> None:
         try:
@@ -182,8 +189,14 @@ class RunRecords:
             self.s3_released += event == "s3_released"
             if event == "s3_lagging":
                 self.s3_lagging = len(record.get("ranks", []))
+        elif event == "memory_replication":
+            self.replication_stopped = record.get("stopped_ranks", 0)
         elif event in ("start", "finish"):
             self.lifecycle.append(record)
+            if event == "start":
+                self.replication_stopped = 0  # a new attempt makes its replica group anew
+                if record.get("resumed_from_tier") in self.resumes:
+                    self.resumes[record["resumed_from_tier"]] += 1
 
     def tokens_per_s(self) -> Optional[float]:
         seconds = sum(s for _, s in self.recent)
@@ -256,6 +269,11 @@ class RunCollector:
             yield self._gauge("s3_awaiting_checkpoints", r.s3_awaiting)
             yield self._gauge("s3_lagging_ranks", r.s3_lagging)
             yield self._counter("s3_released_total", r.s3_released)
+        yield self._gauge("memory_replication_stopped_ranks", r.replication_stopped)
+        resumes = CounterMetricFamily(PREFIX + "resumes_total", METRICS["resumes_total"][1], labels=["node", "tier"])
+        for tier, n in r.resumes.items():
+            resumes.add_metric([*node, tier], n)
+        yield resumes
         restarts = accounting.restart_counts(r.lifecycle)
         yield self._by_layer("restarts_total", {layer: [n] for layer, n in restarts.items()})
         injected = CounterMetricFamily(PREFIX + "faults_injected_total", METRICS["faults_injected_total"][1],

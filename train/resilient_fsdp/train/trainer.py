@@ -396,6 +396,7 @@ class Trainer:
             self.metrics.event({"event": "start", "t": time.time(), "layer": layer, "attempt": self.attempt.number,
                                 "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                                 "resumed_from_step": resumed if self.checkpointer.resumed_from else None,
+                                "resumed_from_tier": (self.checkpointer.resumed_from or {}).get("tier"),
                                 "world_size": info.world_size, "footprint": held})
         model_name = cfg.model.factory or cfg.model.hf_config or f"preset {cfg.model.preset}"
         how = "" if layer == "start" else f" | restarted ({layer.replace('_', '-')})"

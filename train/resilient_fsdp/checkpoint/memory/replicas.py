@@ -85,7 +85,8 @@ class Replicator:
                 self.timings.append({"step": record.step, "bytes": record.nbytes, "send_s": time.perf_counter() - t0})
                 self.sent.append(record.step)
             except Exception as exc:  # noqa: BLE001 - a dead peer; the restore falls back without it
-                self.errors.append(f"sending step {record.step} to rank {self.holder}: {exc}")
+                if not self._closed:
+                    self._stopped(f"sending step {record.step} to rank {self.holder}: {type(exc).__name__}: {exc}")
                 return
         try:
             _send_goodbye(self.group, self.holder)
@@ -99,11 +100,24 @@ class Replicator:
                     return
             except Exception as exc:  # noqa: BLE001 - the source's pod is gone; its replicas stay
                 if not self._closed:
-                    self.errors.append(f"receiving from rank {self.source}: {exc}")
+                    self._stopped(f"receiving from rank {self.source}: {type(exc).__name__}: {exc}")
                 return
             newest = self.replica.newest()
             if newest is not None:
                 self.received.append(newest.step)
+
+    def _stopped(self, error: str) -> None:
+        """A helper thread stopped on ``error``: recorded (the ``memory_replica`` records, the
+        step's health vote) and said at once, since no later replica will travel that way in
+        this attempt; the next restart makes the group again."""
+        self.errors.append(error)
+        self.say(f"rank {self.rank}: warning: memory replication stopped ({error}); this attempt's newer snapshots "
+                 "have no replica on the other pod, so a lost pod resumes from the durable checkpoint")
+
+    @property
+    def healthy(self) -> bool:
+        """Both helper threads are still replicating."""
+        return not self.errors
 
     def wait_sent(self, step: int, timeout_s: float) -> bool:
         """Wait until the snapshot of ``step`` has been sent, skipped or cannot be (a dead peer);

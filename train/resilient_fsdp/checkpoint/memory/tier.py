@@ -101,6 +101,7 @@ class MemoryTier:
         self._copy: Optional[StagingJob] = None
         self.pending: Optional[dict] = None
         self._finished: list[dict] = []
+        self._errors_polled = 0  # the replicator's errors already returned by poll
 
     def due(self, step: int) -> bool:
         return self.interval_steps > 0 and step % self.interval_steps == 0
@@ -196,7 +197,16 @@ class MemoryTier:
             sent, self.replicator.timings = self.replicator.timings, []
             done += [{"event": "memory_replica", "t": time.time(), "rank": self.rank, "to": self.replicator.holder,
                       **timing, "error": None} for timing in sent]
+            failed = self.replicator.errors[self._errors_polled:]
+            self._errors_polled += len(failed)
+            done += [{"event": "memory_replica", "t": time.time(), "rank": self.rank, "to": self.replicator.holder,
+                      "step": None, "error": error} for error in failed]
         return done
+
+    @property
+    def replicating(self) -> bool:
+        """False when this rank keeps replicas and its replication stopped (:attr:`.Replicator.healthy`)."""
+        return self.replicator is None or self.replicator.healthy
 
     def settle(self) -> None:
         """Wait for the save in flight, its commit included."""
