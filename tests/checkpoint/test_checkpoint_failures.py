@@ -291,6 +291,28 @@ def test_a_failed_attempt_lets_rank_0s_commit_in_flight_finish_before_it_closes(
 
 def test_a_commit_process_that_dies_fails_that_save_and_the_next_commits(tmp_path):
     report = run_probe("engine.py", tmp_path, "commit-process-dies", "async")
+    assert report["killed_mid_commit"], report  # the process killed was in the commit it had started
     assert (report["streak_before"], report["streak_after"]) == (0, 1), report
     assert report["committed"] == [2], report  # step 1's stays incomplete, never loaded
+    assert_no_leftovers(tmp_path)
+
+
+def test_a_commit_made_on_the_training_thread_is_stall_not_background_work(tmp_path):
+    report = run_probe("engine.py", tmp_path, "commit-inline", "async")
+    assert report["background"] is False, report
+    assert report["stall_s"] >= 2.0, report  # the commit's two slowed seconds, on the training thread
+
+
+def test_a_commit_that_never_finishes_fails_at_the_write_timeout_and_the_next_commits_in_a_new_process(tmp_path):
+    """Rank 0's commit process hangs in step 1's commit: the ranks learn a failed save (cause
+    ``write_timeout``) at ``checkpoint.write_timeout_s`` (8 s) after the hand-over, not never;
+    the hung process is killed, step 1 stays incomplete, and step 2 commits in a new process."""
+    report = run_probe("engine.py", tmp_path, "commit-hangs", "async")
+    assert report["streak"] == 0 and report["committed"] == [2], report  # step 2's commit ended the streak
+    assert 7.9 < report["learned_s"] < 40, report
+    assert not report["hung_alive"], report
+    (failed,) = read_events(tmp_path, "checkpoint_failed")
+    assert (failed["step"], failed["cause"]) == (1, "write_timeout"), failed
+    assert "rank 0's commit did not finish within checkpoint.write_timeout_s=8" in failed["error"], failed
+    assert not (tmp_path / "checkpoints" / "step_00000001").exists()
     assert_no_leftovers(tmp_path)

@@ -246,3 +246,30 @@ def test_three_kills_during_saves_leave_at_most_one_incomplete_directory(tmp_pat
         assert len(store.torn_names(tmp_path)) == 1
     # Space: keep_last committed + the torn write, whatever the number of kills.
     assert store.dir_bytes(tmp_path) == 2 * 10 + len((tmp_path / "step_00000004" / store.MARKER).read_bytes())
+
+
+def test_retention_and_the_sweep_delete_nothing_once_the_lease_is_another_jobs(tmp_path):
+    """Rank 0's retention thread asks the lease before each deletion: once another job holds the
+    directory (its lease taken over while this one was stopped, say), what this job took for old
+    checkpoints or torn writes may be that job's newest ones, so nothing more goes."""
+    from functools import partial
+
+    from resilient_fsdp import atomic
+    from resilient_fsdp.checkpoint.lease import Lease, taken_over
+
+    lease = Lease(tmp_path, "job-a", lambda _m: None)
+    lease.acquire()
+    check = partial(taken_over, lease.path, lease.holder)
+    try:
+        for step in (4, 8, 12):
+            store.commit(_partial(tmp_path, step), {"step": step})
+        torn = _partial(tmp_path, 12, "00000009")
+        assert check() is None
+        atomic.write_json(lease.path, {**lease.read(), "job": "job-b", "holder": "job-b-holder"})
+        said = []
+        assert store.apply_retention(tmp_path, keep_last=1, say=said.append, lease_lost=check) == []
+        assert store.sweep_torn(tmp_path, store.torn_names(tmp_path), say=said.append, lease_lost=check) == []
+        assert [c.step for c in store.scan(tmp_path)[0]] == [4, 8, 12] and torn.exists()
+        assert len(said) == 2 and all("stopped, nothing more deleted" in m and "job-b" in m for m in said), said
+    finally:
+        lease.release()

@@ -22,8 +22,12 @@ usage: python engine.py RUN_DIR SCENARIO MODE
 - ``commit-in-flight``: the step's poll hands a finished write's commit to rank 0's commit
   process and returns at once; a failed attempt closing while that (slowed) commit runs lets it
   finish, so the checkpoint is committed before the lease is released and a next start looks at it.
-- ``commit-process-dies``: the commit process is killed in a commit: a failed save, counted, the
-  checkpoint left incomplete; the next save commits in a new commit process.
+- ``commit-process-dies``: the commit process is killed in a commit (once it has started it): a
+  failed save, counted, the checkpoint left incomplete; the next save commits in a new commit process.
+- ``commit-inline``: no commit process can start: the commit runs on the training thread, and
+  its record counts it in the stall, not as background work.
+- ``commit-hangs``: the commit process never finishes: at ``checkpoint.write_timeout_s`` a failed
+  save (a timeout), the process killed; the next save commits in a new commit process.
 - ``hung-writer``: a write never finishes: waiting for it fails at ``checkpoint.write_timeout_s``,
   the failed attempt closes without waiting for it again, and the next attempt (an in-process
   restart) gets a new engine that commits.
@@ -36,6 +40,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -252,10 +257,34 @@ def back_to_back(run_dir, mode):
             "previous_s": {s: r["save_call_parts_s"]["previous_s"] for s, r in records.items()}}
 
 
+def commit_started_marker(job) -> Path:
+    """The file a test commit creates as it starts, beside the checkpoint it commits: what a
+    test waits for before acting mid-commit (never a guess of how long the process takes to start)."""
+    return Path(job.where).parent / f".commit-started-{job.step}"
+
+
 def slow_commit(job):
     """:func:`commit.run`, two seconds late (run in rank 0's commit process)."""
+    commit_started_marker(job).write_text(str(os.getpid()))
     time.sleep(2.0)
     return commit.run(job)
+
+
+def hung_commit(job):
+    """A commit that never finishes (run in rank 0's commit process)."""
+    commit_started_marker(job).write_text(str(os.getpid()))
+    while True:
+        time.sleep(60)
+
+
+def wait_for_marker(path: Path, timeout_s: float = 60.0) -> int:
+    """The pid written in ``path`` once it exists (the commit has started)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear: the commit never started")
+        time.sleep(0.01)
+    return int(path.read_text() or 0)
 
 
 def handed_off(trainer, step_no):
@@ -304,8 +333,10 @@ def commit_process_dies(run_dir, mode):
     cfg, resources, trainer = slow_commit_trainer(run_dir, mode)
     ckpt = trainer.checkpointer
     handed_off(trainer, 1)
-    time.sleep(0.5)  # the process has started and is in the slowed commit
+    # The process is in the slowed commit: killed mid-commit, not before it began.
+    pid = wait_for_marker(cfg.checkpoint_dir / ".commit-started-1")
     (victim,) = [p for p in psutil.Process().children(recursive=True) if p.pid in ckpt._commits._pool._processes]
+    mid_commit = victim.pid == pid
     victim.kill()
     while ckpt._commit_running():
         time.sleep(0.01)
@@ -321,7 +352,81 @@ def commit_process_dies(run_dir, mode):
     trainer.close(failed=False)
     distributed.shutdown()
     resources.close(False)
-    return {"streak_before": failed, "streak_after": streak, "committed": committed}
+    return {"streak_before": failed, "streak_after": streak, "committed": committed, "killed_mid_commit": mid_commit}
+
+
+def commit_hangs(run_dir, mode):
+    """The commit process never finishes step 1's commit: at ``checkpoint.write_timeout_s`` after
+    the hand-over (8 s: a new commit process's start counts in it) every rank learns a failed save
+    (a timeout, counted), the process is killed, the checkpoint stays incomplete; step 2 commits
+    in a new commit process."""
+    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
+                             "checkpoint.save_final=false", f"checkpoint.write_timeout_s={HUNG_COMMIT_TIMEOUT_S}"])
+    resources = ProcessResources(cfg)
+    trainer = Trainer(cfg, resources)
+    ckpt = trainer.checkpointer
+    ckpt._commits = commit.CommitProcess(hung_commit)
+    try:
+        handed_off(trainer, 1)
+        handed = time.monotonic()  # the deadline runs from the hand-over, the process's start included
+        pid = wait_for_marker(cfg.checkpoint_dir / ".commit-started-1")
+        while ckpt.streak.count == 0 and time.monotonic() - handed < 60:
+            ckpt._periodic(ckpt.poll)  # as after_step does at every step: learns the failure, counts it
+            time.sleep(0.05)
+        learned_s = time.monotonic() - handed
+        hung_alive = not gone_within(pid, 10.0)  # SIGKILLed: gone (or a zombie) once the kernel acts on it
+        ckpt._commits.fn = commit.run
+        handed_off(trainer, 2)
+        while ckpt.pending is not None:
+            ckpt._periodic(ckpt.poll)
+            time.sleep(0.01)
+        committed = [c.step for c in store.scan(cfg.checkpoint_dir)[0]]
+    finally:
+        trainer.close(failed=False)
+        distributed.shutdown()
+        resources.close(False)
+    return {"learned_s": learned_s, "streak": ckpt.streak.count, "hung_alive": hung_alive, "committed": committed}
+
+
+HUNG_COMMIT_TIMEOUT_S = 8
+
+
+def commit_inline(run_dir, mode):
+    """No commit process can start (as with the open-files limit reached: the start raises
+    EMFILE): step 1's commit is made on the training thread, and its record says so: not
+    background work, and its seconds in the stall."""
+    class NoProcesses:
+        @staticmethod
+        def get_context(method=None):
+            raise OSError(24, "Too many open files")
+
+    commit.multiprocessing = NoProcesses
+    commit.fork_server.writer_context = lambda: None
+    cfg, resources, trainer = slow_commit_trainer(run_dir, mode)
+    ckpt = trainer.checkpointer
+    try:
+        handed_off(trainer, 1)
+        while ckpt.pending is not None:
+            ckpt._periodic(ckpt.poll)
+            time.sleep(0.01)
+        (record,) = ckpt.records
+    finally:
+        trainer.close(failed=False)
+        distributed.shutdown()
+        resources.close(False)
+    return {"stall_s": record["stall_s"], "commit_s": record["commit_s"], "background": record["commit_background"]}
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def warm(run_dir, mode):
@@ -352,5 +457,6 @@ if __name__ == "__main__":
     report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
               "warm": warm, "orphan": orphan, "orphan-child": orphan_child,
               "back-to-back": back_to_back, "commit-in-flight": commit_in_flight,
-              "commit-process-dies": commit_process_dies}[scenario](run_dir, mode)
+              "commit-process-dies": commit_process_dies, "commit-hangs": commit_hangs,
+              "commit-inline": commit_inline}[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

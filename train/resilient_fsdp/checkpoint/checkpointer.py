@@ -26,6 +26,8 @@ failed save fails the attempt, which the restart resumes from the newest committ
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import math
 import os
 import pickle
 import sys
@@ -44,7 +46,7 @@ from .engines import NVRX_VERSION, Engine, build_engine
 from . import failures
 from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
-from .lease import Lease, job_id
+from .lease import Lease, job_id, taken_over
 from .run_identity import run_identity
 from .memory.slots import job_root, remove_empty_job_root
 from .memory.prefetch import Prefetch
@@ -155,6 +157,8 @@ class Checkpointer:
         # Rank 0's commits between steps run in a process of its own (:mod:`.commit`); the one in flight.
         self._commits = commit.CommitProcess() if group.is_coordinator else None
         self._commit_future: Optional[concurrent.futures.Future] = None
+        # When the commit in flight is given up (checkpoint.write_timeout_s after it was handed over).
+        self._commit_deadline = math.inf
         self._retention_said: list[str] = []
         self._retention_events: list[dict] = []  # metrics.jsonl records of the retention thread
         self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
@@ -195,8 +199,11 @@ class Checkpointer:
                 1.0 if self._commit_running() else 0.0, 1.0 if stopped else 0.0]
 
     def _commit_running(self) -> bool:
-        """Rank 0: its commit process is still on the pending checkpoint (False on other ranks)."""
-        return self._commit_future is not None and not self._commit_future.done()
+        """Rank 0: its commit process is still on the pending checkpoint, within its deadline
+        (False on other ranks). Past the deadline rank 0 votes it finished, so that every rank
+        learns, in :meth:`_committed`, the failure that a hung commit is."""
+        return self._commit_future is not None and not self._commit_future.done() \
+            and time.monotonic() < self._commit_deadline
 
     def _interval_passed(self) -> bool:
         """``checkpoint.interval_s`` has passed since the last save, by this rank's clock."""
@@ -579,8 +586,12 @@ class Checkpointer:
         # learns the outcome at the first step after it finished (:meth:`votes`).
         self.pending.update(committing=True, gather_s=gather_s)
         if job is not None:
+            t_submit = time.perf_counter()
             self._commit_future = self._commits.submit(job)
+            self._commit_deadline = time.monotonic() + self.cfg.write_timeout_s
             if self._commits.unavailable:
+                # Committed here, on the training thread: its time is this checkpoint's stall.
+                self.pending["inline_commit_s"] = time.perf_counter() - t_submit
                 self.say(f"warning: rank 0's commit process could not be started ({self._commits.unavailable}); "
                          f"checkpoint step {job.step} was committed on the training thread, and the next commit "
                          "tries a new process")
@@ -598,9 +609,27 @@ class Checkpointer:
         t0 = time.perf_counter()
         future, self._commit_future = self._commit_future, None
         pending, self.pending = self.pending, None
-        result = self._commit_outcome(pending, self._commits.result(future), pending["gather_s"]) \
+        if "inline_commit_s" in pending:
+            # Rank 0 committed on its training thread (no commit process could start): the step
+            # that handed it over waited for all of it, so it is stall, not background work.
+            pending["stall_s"] += pending["inline_commit_s"]
+        result = self._commit_outcome(pending, self._commit_result(future, pending["step"]), pending["gather_s"]) \
             if future is not None else (None, None)
+        if result[0] is not None and "inline_commit_s" in pending:
+            result[0]["committed_inline"] = True  # rank 0 alone knows: it travels in the broadcast record
         return self._learn_commit(result, charge, on_thread_s=pending["gather_s"] + time.perf_counter() - t0)
+
+    def _commit_result(self, future: concurrent.futures.Future, step: int) -> commit.CommitResult:
+        """Rank 0: the commit process's result, waited for until the commit's deadline at most; a
+        commit that outlives it is a failed save (its process killed, the checkpoint left
+        incomplete and swept later), never a wait without end."""
+        try:
+            return self._commits.result(future, timeout=max(0.0, self._commit_deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            self._commits.close(kill=True)
+            return commit.CommitResult(error=f"rank 0's commit did not finish within checkpoint.write_timeout_s="
+                                             f"{self.cfg.write_timeout_s:g}; its commit process was killed, and the "
+                                             f"next save commits in a new one", timed_out=True)
 
     def _learn_commit(self, result: tuple, charge: bool, on_thread_s: Optional[float] = None) -> dict:
         """Every rank: rank 0's commit outcome ``result``, broadcast; raises its failure."""
@@ -609,7 +638,10 @@ class Checkpointer:
         if error:
             raise error.error()
         broadcast_s = time.perf_counter() - t_broadcast
+        inline = record.pop("committed_inline", False)
         _add_broadcast(record, broadcast_s, charge, None if on_thread_s is None else on_thread_s + broadcast_s)
+        if inline:
+            record["commit_background"] = False
         self._after_commit(record)
         return {k: v for k, v in record.items() if k != "manifest"}
 
@@ -648,7 +680,8 @@ class Checkpointer:
             return None, Failure(result.lease_lost, failures.LEASE, step, fatal=True)
         if result.error:
             return None, self._failure(f"checkpoint of step {step} failed while finalizing: {result.error}; it stays "
-                                       f"incomplete at {where}", failures.FINALIZE, step, result.error)
+                                       f"incomplete at {where}", failures.TIMEOUT if result.timed_out
+                                       else failures.FINALIZE, step, result.error)
         # Where the commit's time went: gathering every rank's outcome, the engine's metadata
         # (DCP's .metadata, pickled), the manifest and the rename, and the rest (outcomes, lease).
         commit_parts = {"gather_s": gather_s, "finalize_s": result.finalize_s, "manifest_s": result.manifest_s,
@@ -700,7 +733,7 @@ class Checkpointer:
             return
         held = self.uploader.holds if self.uploader is not None else (lambda _p: False)
         self._retention.submit(store.apply_retention, self.root, self.cfg.keep_last, held,
-                               self._retention_said.append)
+                               self._retention_said.append, self._lease_check())
         self._sweep(at_start=False)
 
     def _sweep(self, at_start: bool) -> None:
@@ -715,7 +748,16 @@ class Checkpointer:
         if at_start:
             self._stale_torn = frozenset(names)
         self._retention.submit(store.sweep_torn, self.root, names, self._stale_torn, in_flight,
-                               self._retention_said.append, self._retention_events.append)
+                               self._retention_said.append, self._retention_events.append,
+                               lease_lost=self._lease_check())
+
+    def _lease_check(self) -> Callable[[], Optional[str]]:
+        """Why the lease is no longer this job's, or None; asked by the retention thread before
+        each deletion (by value: the file, read again each time)."""
+        lease = self.lease
+        if lease is None:
+            return lambda: None
+        return functools.partial(taken_over, lease.path, lease.holder)
 
     def settle(self) -> None:
         """Wait for the retention thread's queued passes and a memory save in flight, and report

@@ -71,6 +71,8 @@ class CommitResult:
     failed: list = field(default_factory=list)
     error: Optional[str] = None
     lease_lost: Optional[str] = None
+    timed_out: bool = False
+    """No result within the commit's deadline (``error`` says so): its process was killed."""
     path: Optional[str] = None
     manifest: Optional[dict] = None
     nbytes: int = 0

@@ -203,13 +203,16 @@ def retention_victims(committed: list[CheckpointInfo], keep_last: int) -> list[C
 
 
 def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = lambda _p: False,
-                    say: Callable[[str], None] = lambda _m: None) -> list[Path]:
+                    say: Callable[[str], None] = lambda _m: None,
+                    lease_lost: Callable[[], Optional[str]] = lambda: None) -> list[Path]:
     """Delete committed checkpoints older than the newest ``keep_last``, and superseded copies of
     steps older than the oldest one kept, except ``held`` ones (an upload still reads them);
     returns what was deleted. Never the newest, never an incomplete or abandoned one.
 
     Best-effort: a failure is reported through ``say`` and the rest goes on. Each victim is
-    renamed to ``.deleting-<id>`` before anything inside it is removed.
+    renamed to ``.deleting-<id>`` before anything inside it is removed. ``lease_lost`` is asked
+    before each: once it gives a reason (the lease is another job's) nothing more is deleted,
+    since what this job took for old may be the other job's newest.
     """
     committed, _ = scan(root)
     victims = [v.path for v in retention_victims(committed, keep_last)]
@@ -220,6 +223,8 @@ def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = l
     for path in victims:
         if held(path):
             continue
+        if _lease_lost(lease_lost, say, "retention"):
+            return deleted
         try:
             marked = path.with_name(f"{path.name}.deleting-{_token()}")
             atomic.rename(path, marked)
@@ -261,18 +266,29 @@ def sweep_victims(root: Path, names: list[str], newest_committed: Optional[int],
     return torn
 
 
+def _lease_lost(lease_lost: Callable[[], Optional[str]], say: Callable[[str], None], what: str) -> bool:
+    why = lease_lost()
+    if why:
+        say(f"warning: {what} stopped, nothing more deleted: {why}")
+    return bool(why)
+
+
 def sweep_torn(root: Path, names: list[str], stale: frozenset[str] = frozenset(), in_flight: Optional[Path] = None,
                say: Callable[[str], None] = lambda _m: None, record: Callable[[dict], None] = lambda _r: None,
-               cap: int = SWEEP_CAP) -> list[Path]:
+               cap: int = SWEEP_CAP, lease_lost: Callable[[], Optional[str]] = lambda: None) -> list[Path]:
     """Remove torn writes and leftover ``.deleting`` directories among ``names`` (at most ``cap``,
     the rest at the next pass); each removal is said and recorded (a ``checkpoint_swept`` event).
-    Returns what was removed. Run by rank 0 while it holds the lease: no other job writes here."""
+    Returns what was removed. Run by rank 0 while it holds the lease: no other job writes here.
+    ``lease_lost`` is asked before each removal, as in :func:`apply_retention`: a write torn for
+    this job may be another job's write in progress once the lease is that job's."""
     committed, _ = scan(root)
     newest = committed[-1].step if committed else None
     removed = []
     for path in sweep_victims(root, names, newest, stale, in_flight)[:cap]:
         if not path.is_dir():
             continue
+        if _lease_lost(lease_lost, say, "the sweep of torn writes"):
+            return removed
         kind = "deleting" if _DELETING.match(path.name) else "incomplete"
         try:
             nbytes = dir_bytes(path)
