@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,21 +27,27 @@ KINDS = ("sigkill-during-save:rank=1,partition:node=1:for=20,node-loss:node=0,ha
 EXPECTED_KINDS = {"sigkill-during-save", "partition", "node-loss", "hang-in-collective", "sigkill", "nan-loss"}
 
 
-@pytest.fixture(scope="module")
-def campaign(tmp_path_factory, nvrx07_lane):
-    netns_required()
-    root = tmp_path_factory.mktemp("campaign")
+def run_campaign(root: Path, lane: Path, arguments: list[str], timeout: float) -> dict:
+    """``bench campaign`` in ``root`` on the image's NVRx lane: its results, stdout and every
+    launch's output. On a timeout every process of the campaign (marked with root) is killed,
+    then the test fails."""
     out = root / "results.json"
     cmd = [sys.executable, "-m", "resilient_fsdp.cli", "bench", "campaign", f"--run-dir={root / 'run'}",
-           f"--steps={STEPS}", f"--interval-steps={INTERVAL}", f"--fault-every-steps={EVERY}", f"--kinds={KINDS}",
-           "--isolation=netns", "--leg-timeout-s=400", f"--out={out}"]
-    # On a timeout every process of the campaign (marked with root) is killed, then the test fails.
-    proc = run_guarded(cmd, root, [nvrx07_lane], timeout=1500)
+           "--isolation=netns", f"--out={out}", *arguments]
+    proc = run_guarded(cmd, root, [lane], timeout=timeout)
     assert out.exists(), proc.stdout[-6000:] + proc.stderr[-6000:]
     results = json.loads(out.read_text())
     results["_stdout"] = proc.stdout
-    results["_log"] = (root / "run" / "bench.log").read_text()  # every launch's output
+    results["_log"] = (root / "run" / "bench.log").read_text()
     return results
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory, nvrx07_lane):
+    netns_required()
+    return run_campaign(tmp_path_factory.mktemp("campaign"), nvrx07_lane,
+                        [f"--steps={STEPS}", f"--interval-steps={INTERVAL}", f"--fault-every-steps={EVERY}",
+                         f"--kinds={KINDS}", "--leg-timeout-s=400"], timeout=1500)
 
 
 @pytest.mark.timeout(1600)
@@ -66,6 +73,43 @@ def test_the_ci_campaign_uploads_through_the_pods_relay(campaign):
     launch: the bucket held checkpoints while the legs ran."""
     assert campaign["s3"] is True and campaign["peaks"]["bucket_bytes"] > 0, campaign["peaks"]
     assert "is this machine's loopback: each pod reaches it" in campaign["_log"]
+
+
+# ---- every feature on at once ----------------------------------------------------------------------
+
+# In-process restart, the memory tier with replicas, a hot spare, HSDP in groups of 2 and the S3
+# tier, through kinds that each take another layer, repeated on rank 0 and on pod 0 (the store host).
+EVERYTHING = ["--in-process", "--memory-interval-steps=2", "--memory-replicas=1", "--spares=1",
+              "--shard-group-size=2"]
+EVERYTHING_KINDS = ("exception:rank=0,sigkill-during-save:rank=1,hang:rank=2,node-loss:node=0,exception:rank=0,"
+                    "memory-corrupt:rank=3,sigkill:rank=0,hang-in-collective:rank=1,writer-raise:rank=2,"
+                    "node-loss:node=0,exception:rank=3,nan-loss:rank=1")
+
+
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory, nvrx07_lane):
+    netns_required()
+    return run_campaign(tmp_path_factory.mktemp("campaign-everything"), nvrx07_lane,
+                        ["--steps=64", f"--interval-steps={INTERVAL}", "--fault-every-steps=6",
+                         f"--kinds={EVERYTHING_KINDS}", "--leg-timeout-s=600", *EVERYTHING], timeout=2400)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(2500)
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_with_every_feature_on_the_campaign_check_holds(everything, check):
+    result = everything["checks"][check]
+    assert result["ok"] is True, f"{check} ({CHECKS[check]}): {json.dumps(result['detail'])[:3000]}"
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(2500)
+def test_with_every_feature_on_each_layer_recovers_and_every_fault_is_measured_after(everything):
+    assert everything["spares"] == 1 and "dist.shard_group_size=2" in everything["features"]
+    layers = {r["layer"] for r in everything["recoveries"]}
+    assert {"in_process", "in_job", "job"} <= layers, layers
+    assert len(everything["after_each_fault"]) >= len(everything["recoveries"]) - 1  # the last may end its leg
+    assert all(leg["budgets"]["in_job_left"] > 0 for leg in everything["legs"]), everything["legs"]
 
 
 # ---- the schedule and the checks on synthetic inputs (no processes) -------------------------------
@@ -164,3 +208,26 @@ def test_the_bucket_is_measured_and_a_step_without_its_marker_is_found(tmp_path)
         assert f"checkpoint.s3.uri=s3://{s3.bucket}/job" in s3.overrides("job")
     finally:
         s3.close()
+
+
+def test_what_grows_fault_after_fault_in_a_leg_fails_the_growth_check_and_what_exceeds_its_bound_the_other():
+    """The checks on synthetic samples: ten in-process restarts each leaving ten threads behind
+    (as an abort that closed no group did) fail the growth check though every figure stays
+    under twice the fault-free peak; a pod over that bound fails the other."""
+    from resilient_fsdp.bench.campaign import check_after_faults
+
+    peaks = {"pod_fds": 100, "pod_threads": 200, "pod_processes": 6, "shm_bytes": 1 << 20}
+    leaking = [{"fault": f"exception@{i}:rank=1", "leg": "main", "pod_fds": 60, "pod_threads": 40 + 10 * i,
+                "pod_processes": 5, "shm_bytes": 1 << 20} for i in range(10)]
+    checks = check_after_faults(leaking, peaks)
+    assert checks["resources_bounded_after_every_fault"]["ok"] is True
+    assert checks["resources_do_not_grow_fault_after_fault"]["ok"] is False
+    assert checks["resources_do_not_grow_fault_after_fault"]["detail"][0]["figure"] == "pod_threads"
+    steady = [dict(r, pod_threads=45) for r in leaking]
+    steady[3]["pod_processes"] = 13
+    checks = check_after_faults(steady, peaks)
+    assert checks["resources_do_not_grow_fault_after_fault"]["ok"] is True
+    assert checks["resources_bounded_after_every_fault"]["ok"] is False
+    assert checks["resources_bounded_after_every_fault"]["detail"]["over"] == [
+        {"fault": "exception@3:rank=1", "pod_processes": 13, "bound": 12}]
+    assert check_after_faults([], peaks)["resources_bounded_after_every_fault"]["ok"] is False  # nothing measured

@@ -61,6 +61,9 @@ DEFAULT_KINDS = ("sigkill-during-save:rank=1,node-loss:node=0,hang:rank=2,partit
                  "sigkill-during-save:rank=3,nan-loss:rank=0,hang-in-collective:rank=2,sigkill:rank=0,"
                  "node-loss:node=1,exception:rank=3,node-loss:node=0,writer-raise:rank=1")
 KEEP_LAST = 2
+# Each launch's restart budgets: in-job restarts (ft_launcher) and pod recreations (the local
+# cluster); what a launch used of them is reported, and must stay within one per fault.
+MAX_RESTARTS, MAX_POD_RECREATIONS = 50, 50
 # The fault tests' settings: a stuck rank is killed 2 s after SIGTERM, a hung step is detected
 # after 8 s, rank monitors look twice a second.
 COMMON = ["dist.timeout_s=60", "resilience.launcher.workers_stop_timeout_s=2",
@@ -80,6 +83,12 @@ CHECKS = {
                       "upload) x checkpoint + margin",
     "open_files_bounded": "per pod, the job's open files <= 2 x the fault-free job's peak",
     "processes_bounded": "per pod, the job's processes <= 2 x the fault-free job's peak",
+    "threads_bounded": "per pod, the job's threads <= 2 x the fault-free job's peak",
+    "shm_bounded": "the memory tier's bytes in the pods' /dev/shm <= 2 x the fault-free job's peak + 1 MiB",
+    "resources_bounded_after_every_fault": "once each fault is recovered, every pod's descriptors, threads and "
+                                           "processes and the /dev/shm bytes are within those bounds",
+    "resources_do_not_grow_fault_after_fault": "within each leg, the figures at its last recovered fault exceed those "
+                                               "at its first by no more than a margin (no leak per restart)",
     "ledger_is_the_schedule": "the ledger (<run_dir>/faults) holds each scheduled fault once, and nothing else",
     "summary_is_the_ledger": "summary.json's faults_injected are the ledger's faults",
     "one_recovery_per_stopping_fault": "every fired fault that stops training has one recovery (a partition may "
@@ -135,10 +144,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(partition skipped)")
     p.add_argument("--s3", choices=("on", "off"), default="on",
                    help="the S3 tier against a local moto server (default on)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per pod (default 1)")
+    p.add_argument("--in-process", action="store_true", help="in-process restart on as well")
+    p.add_argument("--memory-interval-steps", type=int, default=0,
+                   help="checkpoint.memory.interval_steps: the memory tier's snapshots (default 0: off)")
+    p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
+                   help="checkpoint.memory.replicas with the memory tier on (default 1)")
+    p.add_argument("--spares", type=int, default=0, help="hot spares beside the pods (the chart's spares)")
+    p.add_argument("--shard-group-size", type=int, default=0,
+                   help="dist.shard_group_size: HSDP in groups of this many ranks (default 0: FSDP over every rank)")
     p.add_argument("--sample-every-s", type=float, default=1.0)
     p.add_argument("--leg-timeout-s", type=float, default=3600.0)
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(bench=main)
+
+
+def feature_overrides(args: argparse.Namespace) -> list[str]:
+    """The trainer settings of the features this campaign turns on, given to every launch and to
+    the fault-free job alike (so the reference trains the same numerics)."""
+    out = []
+    if getattr(args, "in_process", False):
+        out += IN_PROCESS
+    if getattr(args, "memory_interval_steps", 0):
+        out += [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
+                f"checkpoint.memory.replicas={args.memory_replicas}"]
+    if getattr(args, "shard_group_size", 0):
+        out.append(f"dist.shard_group_size={args.shard_group_size}")
+    return out
+
+
+# In-process restart's timeouts as the fault tests set them: a soft timeout that outlasts the
+# longest legitimate wait of a loaded two-core machine, hang detection left to it.
+IN_PROCESS = ["resilience.in_process.enabled=true", "resilience.in_process.max_iterations=50",
+              "resilience.in_process.soft_timeout_s=20", "resilience.in_process.hard_timeout_s=40",
+              "resilience.in_process.heartbeat_timeout_s=20", "resilience.in_process.barrier_timeout_s=120",
+              "resilience.hang_detection.step_timeout_s=60"]
 
 
 # ---- the schedule -----------------------------------------------------------------------------
@@ -287,14 +327,20 @@ class Sampler:
     def sample(self) -> dict:
         kept, aside, incomplete = tree_bytes(self.checkpoint_dir)
         pods: dict[str, dict] = {}
+        shm_seen: dict[tuple[int, int], int] = {}
         for proc, pod in job_processes(self.mark):
             try:
-                fds = proc.num_fds()
+                fds, threads = proc.num_fds(), proc.num_threads()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            entry = pods.setdefault(pod, {"processes": 0, "fds": 0})
+            entry = pods.setdefault(pod, {"processes": 0, "fds": 0, "threads": 0})
             entry["processes"] += 1
             entry["fds"] += fds
+            entry["threads"] += threads
+            if pod != "launcher":
+                shm = pod_shm(proc.pid)
+                if shm is not None and shm[0] not in shm_seen:
+                    shm_seen[shm[0]] = shm[1]
         bucket = None
         if self.bucket_bytes is not None:
             try:
@@ -302,7 +348,26 @@ class Sampler:
             except Exception:  # noqa: BLE001 - a listing racing a delete; the next sample counts
                 bucket = None
         return {"t": time.time(), "checkpoint_bytes": kept, "set_aside_bytes": aside, "incomplete_dirs": incomplete,
-                "bucket_bytes": bucket, "pods": pods}
+                "bucket_bytes": bucket, "pods": pods, "shm_bytes": sum(shm_seen.values())}
+
+
+def pod_shm(pid: int) -> Optional[tuple[tuple[int, int], int]]:
+    """(identity, bytes) of what the memory tier holds in the ``/dev/shm`` process ``pid`` sees
+    (its pod's: a network-namespace pod mounts its own; loopback pods share the host's, counted
+    once by its identity); None when it cannot be read."""
+    top = Path(f"/proc/{pid}/root/dev/shm")
+    try:
+        st = top.stat()
+    except OSError:
+        return None
+    total = 0
+    for root, _, files in os.walk(top / "resilient-fsdp"):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass  # a slot replaced meanwhile
+    return (st.st_dev, st.st_ino), total
 
 
 def peaks(samples: list[dict]) -> dict:
@@ -311,6 +376,8 @@ def peaks(samples: list[dict]) -> dict:
 
     per_pod = [p for s in samples for name, p in s["pods"].items() if name != "launcher"]
     return {"checkpoint_bytes": top(s["checkpoint_bytes"] for s in samples),
+            "shm_bytes": top(s.get("shm_bytes", 0) for s in samples),
+            "pod_threads": top(p.get("threads", 0) for p in per_pod),
             "set_aside_bytes": top(s["set_aside_bytes"] for s in samples),
             "incomplete_dirs": top(s["incomplete_dirs"] for s in samples),
             "bucket_bytes": top(s["bucket_bytes"] for s in samples),
@@ -360,11 +427,13 @@ class LocalS3:
 
 
 def launch(run_dir: Path, pods: int, overrides: list[str], faults: list[str], isolation: str, mark: str, log: Path,
-           timeout_s: float, env: Optional[dict] = None) -> tuple[int, float, str]:
+           timeout_s: float, env: Optional[dict] = None, nproc: int = 1, spares: int = 0) -> tuple[int, float, str]:
     """One ``resilient-fsdp local`` launch of the JobSet: (exit code, wall seconds, output)."""
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={pods}", "--nproc-per-node=1",
+    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={pods}", f"--nproc-per-node={nproc}",
            f"--run-dir={run_dir}", f"--isolation={isolation}", "--value=workload.kind=JobSet",
-           "--max-restarts=50", "--max-pod-recreations=50", *(f"--inject={f}" for f in faults)]
+           *([f"--value=spares={spares}"] if spares else []),
+           f"--max-restarts={MAX_RESTARTS}", f"--max-pod-recreations={MAX_POD_RECREATIONS}",
+           *(f"--inject={f}" for f in faults)]
     for o in overrides:
         cmd += ["--set", o]
     # The local server's throwaway credentials (with S3 on): nothing reaches AWS.
@@ -465,6 +534,78 @@ def check_accounting(run_dir: Path, fired_specs: list[str], outputs: str) -> dic
     }
 
 
+SETTLE_S = 2.0  # a recovery's first step, then this long: the restart's leftovers have had time to go
+# What a figure may grow by between a leg's first recovered fault and its last (what a restart
+# legitimately varies: a commit or writer process there or not, a connection being made).
+GROWTH_MARGIN = {"pod_fds": 32, "pod_threads": 16, "pod_processes": 2}
+
+
+def after_each_fault(run_dir: Path, samples: list[dict], legs: list[dict]) -> list[dict]:
+    """Per recovered fault, in order, what the job held once it had recovered: the first sample
+    ``SETTLE_S`` after its recovery (the largest pod's descriptors, threads and processes, the
+    memory tier's bytes in the pods' ``/dev/shm``, the volume's and the bucket's bytes), with the
+    leg it fell in."""
+    from ..resilience.ledger import FaultLedger
+
+    ledger = FaultLedger(run_dir)
+    fired = {f["key"]: f for f in ledger.fired()}
+    recovered = sorted(((fired[k]["t_fault"] + r["recovery_s"], r) for k, r in ledger.recoveries().items()
+                        if k in fired), key=lambda item: item[0])
+    ends = [(leg["t_end"], leg["leg"]) for leg in legs]
+    out = []
+    for t, record in recovered:
+        sample = next((s for s in samples if s["t"] >= t + SETTLE_S), None)
+        if sample is None:
+            continue
+        pods = [p for name, p in sample["pods"].items() if name != "launcher"]
+        leg = next((name for end, name in ends if t <= end), ends[-1][1] if ends else None)
+        out.append({"fault": record["fault"], "layer": record["layer"], "leg": leg, "t": sample["t"],
+                    "pod_fds": max((p["fds"] for p in pods), default=0),
+                    "pod_threads": max((p.get("threads", 0) for p in pods), default=0),
+                    "pod_processes": max((p["processes"] for p in pods), default=0),
+                    "shm_bytes": sample.get("shm_bytes", 0), "checkpoint_bytes": sample["checkpoint_bytes"],
+                    "bucket_bytes": sample["bucket_bytes"]})
+    return out
+
+
+def check_after_faults(records: list[dict], ref_peaks: dict) -> dict[str, dict]:
+    """After every fault each figure within its bound (twice the fault-free job's peak; the
+    memory tier's bytes that plus a MiB), and within each leg nothing that grows fault after fault
+    beyond :data:`GROWTH_MARGIN` (a leak: what an aborted attempt left behind)."""
+    over = []
+    for r in records:
+        for name, peak in (("pod_fds", ref_peaks["pod_fds"]), ("pod_threads", ref_peaks["pod_threads"]),
+                           ("pod_processes", ref_peaks["pod_processes"])):
+            if r[name] > 2 * peak:
+                over.append({"fault": r["fault"], name: r[name], "bound": 2 * peak})
+        if r["shm_bytes"] > 2 * ref_peaks["shm_bytes"] + (1 << 20):
+            over.append({"fault": r["fault"], "shm_bytes": r["shm_bytes"], "bound": 2 * ref_peaks["shm_bytes"] + (1 << 20)})
+    grew = []
+    for leg in dict.fromkeys(r["leg"] for r in records):
+        mine = [r for r in records if r["leg"] == leg]
+        if len(mine) < 2:
+            continue
+        first, last = mine[0], mine[-1]
+        for name, margin in GROWTH_MARGIN.items():
+            if last[name] > first[name] + margin:
+                grew.append({"leg": leg, "figure": name, "first": first[name], "last": last[name], "margin": margin,
+                             "faults": len(mine)})
+    return {
+        "resources_bounded_after_every_fault": result(bool(records) and not over,
+                                                      {"faults": len(records), "over": over[:10]}),
+        "resources_do_not_grow_fault_after_fault": result(bool(records) and not grew, grew),
+    }
+
+
+def budgets(leg_records_: list[dict], faults: int) -> dict:
+    """What a launch used of its restart budgets (in-job restarts, attempts a pod recreation began)
+    and what was left."""
+    starts = [r for r in leg_records_ if r.get("event") == "start"]
+    used = {layer: sum(1 for r in starts if r.get("layer") == layer) for layer in ("in_process", "in_job", "job")}
+    return {"faults": faults, "used": used, "in_job_left": MAX_RESTARTS - used["in_job"],
+            "pod_recreations_left": MAX_POD_RECREATIONS - used["job"]}
+
+
 def result(ok: bool, detail: object = None) -> dict:
     return {"ok": bool(ok), "detail": detail}
 
@@ -550,7 +691,8 @@ def main(args: argparse.Namespace) -> int:
 
 def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Optional[LocalS3], log: Path) -> dict:
     common = COMMON + [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
-                       f"train.log_every={max(1, args.interval_steps)}"]
+                       f"train.log_every={max(1, args.interval_steps)}", *feature_overrides(args)]
+    nproc, spares = getattr(args, "nproc_per_node", 1), getattr(args, "spares", 0)
     started = time.time()
     # The fault-free job: the loss curve, the checkpoint size and the process and file peaks.
     reference_dir = root / "fault-free"
@@ -558,7 +700,7 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     mark = f"{root}:fault-free"
     with Sampler(mark, reference_dir / "checkpoints", args.sample_every_s, None) as ref_sampler:
         code, ref_wall, _ = launch(reference_dir, args.nodes, common, [], args.isolation, mark, log,
-                                   args.leg_timeout_s)
+                                   args.leg_timeout_s, nproc=nproc, spares=spares)
     if code != 0:
         raise RuntimeError(f"the fault-free job failed with code {code}; see {log}")
     reference = {r["step"]: r["loss"] for r in read_records(reference_dir) if r.get("event") == "step"}
@@ -581,8 +723,9 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
                 target = f"{pod_checkpoint_dir(run_dir)}/step_{leg.first_step:08d}"
                 overrides.append(f"checkpoint.resume_from={target}")
             faults = [f.spec for f in leg.faults if not f.skipped]
+            t_leg = time.time()
             code, wall, out = launch(run_dir, leg.pods, overrides, faults, args.isolation, mark, log,
-                                     args.leg_timeout_s, FAKE_AWS if s3 else None)
+                                     args.leg_timeout_s, FAKE_AWS if s3 else None, nproc=nproc, spares=spares)
             outputs += out
             records = read_records(run_dir)
             mine = leg_records(records, len(leg_results))
@@ -590,7 +733,9 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
             fired_specs += [f.spec for f in leg.faults if not f.skipped]
             leg_results.append({"leg": leg.name, "pods": leg.pods, "first_step": leg.first_step,
                                 "stop_step": leg.stop_step, "exit_code": code, "wall_s": wall,
-                                "last_step": max(steps, default=None), "faults": [dataclasses.asdict(f) for f in leg.faults]})
+                                "t_start": t_leg, "t_end": t_leg + wall,
+                                "last_step": max(steps, default=None), "faults": [dataclasses.asdict(f) for f in leg.faults],
+                                "budgets": budgets(mine, len(faults))})
             print(f"[campaign] leg {leg.name}: {leg.pods} pod(s), steps {leg.first_step}..{leg.stop_step}, exit {code}, "
                   f"{wall:.0f} s; faults: {', '.join(faults) or 'none'}", flush=True)
             if leg.name == "rewind":
@@ -623,6 +768,7 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
         except psutil.NoSuchProcess:
             pass
     names = [p.name for p in checkpoints.iterdir()] if checkpoints.is_dir() else []
+    held_after = after_each_fault(run_dir, sampler.samples, leg_results)
     checks = {
         "legs_finished": result(all(leg["exit_code"] == 0 and leg["last_step"] == leg["stop_step"]
                                     for leg in leg_results) and len(leg_results) == len(legs),
@@ -639,6 +785,11 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
         "processes_bounded": result(camp_peaks["pod_processes"] <= 2 * ref_peaks["pod_processes"],
                                     {"peak": camp_peaks["pod_processes"],
                                      "fault_free_peak": ref_peaks["pod_processes"]}),
+        "threads_bounded": result(camp_peaks["pod_threads"] <= 2 * ref_peaks["pod_threads"],
+                                  {"peak": camp_peaks["pod_threads"], "fault_free_peak": ref_peaks["pod_threads"]}),
+        "shm_bounded": result(camp_peaks["shm_bytes"] <= 2 * ref_peaks["shm_bytes"] + (1 << 20),
+                              {"peak": camp_peaks["shm_bytes"], "fault_free_peak": ref_peaks["shm_bytes"]}),
+        **check_after_faults(held_after, ref_peaks),
         **check_accounting(run_dir, fired_specs, outputs),
         "rewind_resumed_at_its_step": rewind_ok or result(False, "the rewind leg did not run"),
         "rewind_restarts_stay_on_its_line": rewind_line or result(False, "the rewind leg did not run"),
@@ -655,6 +806,8 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     return {
         "nodes": args.nodes, "steps": args.steps, "interval_steps": args.interval_steps,
         "fault_every_steps": args.fault_every_steps, "isolation": args.isolation, "s3": bool(s3),
+        "nproc_per_node": nproc, "spares": spares, "features": feature_overrides(args),
+        "after_each_fault": held_after,
         "cpu_count": os.cpu_count(), "keep_last": KEEP_LAST, "checkpoint_bytes": size,
         "legs": leg_results, "fault_free_wall_s": ref_wall, "fault_free_peaks": ref_peaks, "peaks": camp_peaks,
         "skipped": [dataclasses.asdict(f) for leg in legs for f in leg.faults if f.skipped],

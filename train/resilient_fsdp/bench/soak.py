@@ -51,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-every-s", type=float, default=60.0, help="one fault this often (default 60)")
     p.add_argument("--kinds", default=DEFAULT_KINDS, help="comma-separated fault kinds, used in turn")
     p.add_argument("--seed", type=int, default=0, help="draws each fault's moment within its window (default 0)")
+    p.add_argument("--seeds", help="several seeds, as 0,1,2 or 0-4: one soak job each, one calibration and one "
+                                   "fault-free reference for all (the same steps); reports each and the lowest")
     p.add_argument("--checkpoint-interval-s", type=float, default=5.0, help="checkpoint.interval_s")
     p.add_argument("--checkpoint-interval-steps", type=int, default=0,
                    help="checkpoint.interval_steps (default 0: the durable checkpoints follow --checkpoint-interval-s "
@@ -83,12 +85,12 @@ def main(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     log = root / "bench.log"
     log.write_text("")
+    seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
     memory = [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
               f"checkpoint.memory.replicas={args.memory_replicas}"]
     base = [f"dist.timeout_s={args.timeout_s}", f"checkpoint.interval_s={args.checkpoint_interval_s}",
             f"checkpoint.interval_steps={args.checkpoint_interval_steps}", *COMMON,
             *(IN_PROCESS if args.in_process else []), *memory]
-    world = args.nodes * args.nproc_per_node
 
     calibration = root / "calibration"
     fresh_dir(calibration)
@@ -96,51 +98,87 @@ def main(args: argparse.Namespace) -> int:
         raise RuntimeError(f"calibration run failed; see {log}")
     rate = step_rate(calibration)
     steps = int(args.duration_s * rate)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    n_faults = int(args.duration_s // args.fault_every_s)
-    draw = random.Random(args.seed)
-    faults = [f"{kinds[i % len(kinds)]}@{int((i + draw.uniform(0.1, 0.9)) * args.fault_every_s * rate)}"
-              f":rank={1 + i % (world - 1)}" for i in range(n_faults)]
-    print(f"step rate {rate:.2f} steps/s -> {steps} steps; faults: {', '.join(faults)}", flush=True)
-
-    soak = root / "soak"
-    fresh_dir(soak)
-    # Restart limits sized for a fault a minute: this run measures recovery, not the limits.
-    code = run_job(soak, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"],
-                   [f"--inject={f}" for f in faults] + ["--max-node-restarts=100"], log,
-                   timeout_s=args.duration_s * 4)
-    if code != 0:
-        raise RuntimeError(f"the soak job failed with code {code}; see {log}")
+    # One step count for every seed: the same job, so one fault-free run is every seed's reference.
+    soaks = []
+    for seed in seeds:
+        faults = draw_faults(args, rate, seed)
+        print(f"seed {seed}: step rate {rate:.2f} steps/s -> {steps} steps; faults: {', '.join(faults)}", flush=True)
+        soak = root / ("soak" if len(seeds) == 1 else f"soak-seed-{seed}")
+        fresh_dir(soak)
+        # Restart limits sized for a fault a minute: this run measures recovery, not the limits.
+        code = run_job(soak, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"],
+                       [f"--inject={f}" for f in faults] + ["--max-node-restarts=100"], log,
+                       timeout_s=args.duration_s * 4)
+        if code != 0:
+            raise RuntimeError(f"the soak job of seed {seed} failed with code {code}; see {log}")
+        soaks.append((seed, faults, soak))
     fault_free = root / "fault-free"
     fresh_dir(fault_free)
     if run_job(fault_free, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"], [], log,
                timeout_s=args.duration_s * 3) != 0:
         raise RuntimeError(f"the fault-free job failed; see {log}")
-
-    summary = json.loads((soak / "summary.json").read_text())
     reference = json.loads((fault_free / "summary.json").read_text())
-    by_kind: dict[str, list[float]] = {}
-    for r in summary["recoveries"]:
-        by_kind.setdefault(f"{r['kind']} ({r['layer']})", []).append(r["recovery_s"])
+
+    per_seed = [seed_results(seed, faults, soak, reference) for seed, faults, soak in soaks]
     results = {
         "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "cpu_count": os.cpu_count(),
-        "steps": steps, "step_rate_per_s": rate, "faults": faults, "seed": args.seed,
-        "faults_recovered": len(summary["recoveries"]), "restarts": summary["restarts"],
-        "goodput": summary["goodput"], "fault_free_goodput": reference["goodput"],
-        "job_wall_s": summary["job_wall_s"], "fault_free_wall_s": reference["job_wall_s"],
-        "recovery_s_median_by_kind": {k: statistics.median(v) for k, v in sorted(by_kind.items())},
-        "lost_steps_total": sum(r["lost_steps"] for r in summary["recoveries"]),
-        "bitwise_equal_to_fault_free": summary["params_sha256"] == reference["params_sha256"],
+        "steps": steps, "step_rate_per_s": rate, "fault_free_goodput": reference["goodput"],
+        "fault_free_wall_s": reference["job_wall_s"],
         "checkpoint_interval_s": args.checkpoint_interval_s,
         "checkpoint_interval_steps": args.checkpoint_interval_steps, "dist_timeout_s": args.timeout_s,
         "in_process": args.in_process, "memory_interval_steps": args.memory_interval_steps,
-        "memory_replicas": args.memory_replicas, "restores_from_memory": restores_from_memory(soak),
+        "memory_replicas": args.memory_replicas,
     }
-    print(f"goodput {results['goodput']:.3f} (fault-free run: {results['fault_free_goodput']:.3f}) over "
-          f"{results['job_wall_s']:.0f} s; {results['faults_recovered']}/{len(faults)} faults recovered; "
-          f"restarts {results['restarts']}; bitwise equal to fault-free: {results['bitwise_equal_to_fault_free']}")
-    for kind, value in results["recovery_s_median_by_kind"].items():
-        print(f"  {kind:<36} median recovery {value:.2f} s")
+    if len(per_seed) == 1:
+        results.update(per_seed[0])
+    else:
+        results["seeds"] = per_seed
+        results["goodput_min"] = min(r["goodput"] for r in per_seed)
+    for r in per_seed:
+        print(f"seed {r['seed']}: goodput {r['goodput']:.3f} (fault-free run: {reference['goodput']:.3f}) over "
+              f"{r['job_wall_s']:.0f} s; {r['faults_recovered']}/{len(r['faults'])} faults recovered; "
+              f"restarts {r['restarts']}; bitwise equal to fault-free: {r['bitwise_equal_to_fault_free']}")
+        for kind, value in r["recovery_s_median_by_kind"].items():
+            print(f"  {kind:<36} median recovery {value:.2f} s")
+    if len(per_seed) > 1:
+        print(f"lowest goodput over seeds {', '.join(str(s) for s in seeds)}: {results['goodput_min']:.3f}")
     write_results(results, args.out)
-    ok = results["faults_recovered"] == len(faults) and results["bitwise_equal_to_fault_free"]
+    ok = all(r["faults_recovered"] == len(r["faults"]) and r["bitwise_equal_to_fault_free"] for r in per_seed)
     return 0 if ok else 1
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: ``0,1,2`` or a range ``0-4``."""
+    seeds: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            seeds += list(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise SystemExit(f"--seeds {text!r}: give whole numbers, as 0,1,2 or 0-4") from None
+    return seeds
+
+
+def draw_faults(args: argparse.Namespace, rate: float, seed: int) -> list[str]:
+    """One fault in each ``--fault-every-s`` window at a moment drawn with ``seed``, kinds in turn."""
+    world = args.nodes * args.nproc_per_node
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    n_faults = int(args.duration_s // args.fault_every_s)
+    draw = random.Random(seed)
+    return [f"{kinds[i % len(kinds)]}@{int((i + draw.uniform(0.1, 0.9)) * args.fault_every_s * rate)}"
+            f":rank={1 + i % (world - 1)}" for i in range(n_faults)]
+
+
+def seed_results(seed: int, faults: list[str], soak: Path, reference: dict) -> dict:
+    summary = json.loads((soak / "summary.json").read_text())
+    by_kind: dict[str, list[float]] = {}
+    for r in summary["recoveries"]:
+        by_kind.setdefault(f"{r['kind']} ({r['layer']})", []).append(r["recovery_s"])
+    return {"seed": seed, "faults": faults, "faults_recovered": len(summary["recoveries"]),
+            "restarts": summary["restarts"], "goodput": summary["goodput"], "job_wall_s": summary["job_wall_s"],
+            "recovery_s_median_by_kind": {k: statistics.median(v) for k, v in sorted(by_kind.items())},
+            "recoveries": [{k: r[k] for k in ("fault", "layer", "recovery_s", "lost_steps", "resumed_from_step")}
+                           for r in summary["recoveries"]],
+            "lost_steps_total": sum(r["lost_steps"] for r in summary["recoveries"]),
+            "bitwise_equal_to_fault_free": summary["params_sha256"] == reference["params_sha256"],
+            "restores_from_memory": restores_from_memory(soak)}
