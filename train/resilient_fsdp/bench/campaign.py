@@ -46,6 +46,7 @@ from typing import Callable, Optional
 import psutil
 import yaml
 
+from ..checkpoint.run_identity import read_run_identity
 from ..checkpoint.store import MARKER
 from ..config import FAULT_KINDS
 from .recovery import fresh_dir
@@ -337,8 +338,9 @@ class Sampler:
             entry["processes"] += 1
             entry["fds"] += fds
             entry["threads"] += threads
-            if pod != "launcher":
-                shm = pod_shm(proc.pid)
+            run = read_run_identity(self.checkpoint_dir)
+            if pod != "launcher" and run is not None:
+                shm = pod_shm(proc.pid, run)
                 if shm is not None and shm[0] not in shm_seen:
                     shm_seen[shm[0]] = shm[1]
         bucket = None
@@ -351,17 +353,18 @@ class Sampler:
                 "bucket_bytes": bucket, "pods": pods, "shm_bytes": sum(shm_seen.values())}
 
 
-def pod_shm(pid: int) -> Optional[tuple[tuple[int, int], int]]:
-    """(identity, bytes) of what the memory tier holds in the ``/dev/shm`` process ``pid`` sees
-    (its pod's: a network-namespace pod mounts its own; loopback pods share the host's, counted
-    once by its identity); None when it cannot be read."""
+def pod_shm(pid: int, run: str) -> Optional[tuple[tuple[int, int], int]]:
+    """(identity, bytes) of what the memory tier holds for run ``run`` (its checkpoint
+    directory's ``run_identity``, whatever the job's name) in the ``/dev/shm`` process ``pid``
+    sees (its pod's: a network-namespace pod mounts its own; loopback pods share the host's,
+    counted once by its identity); None when it cannot be read."""
     top = Path(f"/proc/{pid}/root/dev/shm")
     try:
         st = top.stat()
     except OSError:
         return None
     total = 0
-    for root, _, files in os.walk(top / "resilient-fsdp"):
+    for root, _, files in (walk for job in (top / "resilient-fsdp").glob("*") for walk in os.walk(job / run)):
         for name in files:
             try:
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512
