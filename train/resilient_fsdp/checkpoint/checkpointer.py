@@ -259,7 +259,11 @@ class Checkpointer:
         for record in self.memory.poll():
             if self.group.is_coordinator:
                 self.log.event(record)
-            if record["error"] and record["event"] == "memory_checkpoint":  # a replica's, said where it stopped
+            if record["error"] and record["event"] == "memory_replica":
+                self._say_any_rank(f"rank {self.group.rank}: warning: memory replication stopped ({record['error']}); "
+                                   "this attempt's newer snapshots have no replica on another pod, so a lost pod "
+                                   "resumes from the durable checkpoint; the next restart makes it again")
+            elif record["error"]:
                 self._say_any_rank(f"rank {self.group.rank}: warning: memory checkpoint of step {record['step']} "
                                    f"failed ({record['error']}); the previous one stays, training goes on")
 

@@ -107,12 +107,11 @@ class Replicator:
                 self.received.append(newest.step)
 
     def _stopped(self, error: str) -> None:
-        """A helper thread stopped on ``error``: recorded (the ``memory_replica`` records, the
-        step's health vote) and said at once, since no later replica will travel that way in
-        this attempt; the next restart makes the group again."""
+        """A helper thread stopped on ``error``: recorded for the training thread, which says it
+        at its next step (:meth:`.MemoryTier.poll`: a ``memory_replica`` record with the error)
+        and votes it; an attempt that is ending (its peer's failure is this one's) never reaches
+        that step, so the restart that follows says nothing of it."""
         self.errors.append(error)
-        self.say(f"rank {self.rank}: warning: memory replication stopped ({error}); this attempt's newer snapshots "
-                 "have no replica on the other pod, so a lost pod resumes from the durable checkpoint")
 
     @property
     def healthy(self) -> bool:
