@@ -41,6 +41,7 @@ WORKER = textwrap.dedent('''
     before = sockets()
     group = pairs_group()
     made = sockets() - before
+    dist.barrier()  # no peer sends (and so connects) before every rank has counted
     own = MemorySlots(root, owner_name(rank))
     source, holder = (rank - 1) % world, (rank + 1) % world   # one rank per pod
     said = []
