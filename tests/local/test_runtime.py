@@ -43,3 +43,17 @@ def test_a_mount_path_is_rewritten_where_it_stands_as_a_path_and_only_there():
     out = replace_paths(line, [("/fsx", "/home/u/run"), ("/home", "/elsewhere")], IN_TEXT)
     assert out == ("summary /home/u/run/summary.json, config=/home/u/run/config.yaml (/home/u/run) "
                    "[/home/u/run/a] '/home/u/run' /fsxy/z x/fsx /home/u/run:")
+
+
+def test_a_relative_pythonpath_reaches_the_pods_as_this_shell_meant_it(tmp_path, monkeypatch):
+    """``PYTHONPATH=.venv/lane resilient-fsdp local ...``: the pods start in other directories, so
+    the entry is made absolute against the directory the command ran in."""
+    out = rendered("nodes=1", f"storage.mountPath={tmp_path}", f"trainer.run_dir={tmp_path}")
+    workload = pods_of(out.documents())
+    monkeypatch.chdir(tmp_path)
+    runtime = LoopbackRuntime(workload, tmp_path, "t2", {"PATH": "/usr/bin", "PYTHONPATH": "lane/site:/abs/train"})
+    try:
+        _argv, env = runtime.command(workload.pods[0], {})
+    finally:
+        runtime.close()
+    assert env["PYTHONPATH"] == f"{tmp_path}/lane/site:/abs/train"

@@ -58,6 +58,11 @@ class Runtime:
     def __init__(self, workload: Workload, run_dir: Path, run_id: str, env: dict[str, str]):
         self.workload, self.run_dir, self.run_id = workload, run_dir, run_id
         self.base_env = dict(env)
+        if self.base_env.get("PYTHONPATH"):
+            # The image's import path, as this shell gave it: a pod's processes start elsewhere (its
+            # working directory is the container's), so a relative entry would name nothing there.
+            self.base_env["PYTHONPATH"] = os.pathsep.join(
+                os.path.abspath(p) for p in self.base_env["PYTHONPATH"].split(os.pathsep) if p)
         self.cluster_dir = run_dir / "cluster"
         self.scratch: Optional[Path] = None  # per-pod emptyDir directories
         self.starts: dict[str, int] = {}
