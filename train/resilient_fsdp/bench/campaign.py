@@ -89,7 +89,8 @@ CHECKS = {
     "resources_bounded_after_every_fault": "once each fault is recovered, every pod's descriptors, threads and "
                                            "processes and the /dev/shm bytes are within those bounds",
     "resources_do_not_grow_fault_after_fault": "within each leg, the figures at its last recovered fault exceed those "
-                                               "at its first by no more than a margin (no leak per restart)",
+                                               "at its first by no more than a margin (descriptors 64, threads 16, "
+                                               "processes 2): no leak per restart",
     "ledger_is_the_schedule": "the ledger (<run_dir>/faults) holds each scheduled fault once, and nothing else",
     "summary_is_the_ledger": "summary.json's faults_injected are the ledger's faults",
     "one_recovery_per_stopping_fault": "every fired fault that stops training has one recovery (a partition may "
@@ -538,9 +539,12 @@ def check_accounting(run_dir: Path, fired_specs: list[str], outputs: str) -> dic
 
 
 SETTLE_S = 2.0  # a recovery's first step, then this long: the restart's leftovers have had time to go
-# What a figure may grow by between a leg's first recovered fault and its last (what a restart
-# legitimately varies: a commit or writer process there or not, a connection being made).
-GROWTH_MARGIN = {"pod_fds": 32, "pod_threads": 16, "pod_processes": 2}
+# What a figure may grow by between a leg's first recovered fault and its last: what a moment
+# legitimately varies by (a commit or writer process there or not, the S3 uploads' connections,
+# checkpoint files open: descriptors measured 147-194 after faults with every feature on, against
+# 183 at the fault-free job's peak). Threads vary least: a leak per restart shows there first
+# (an abort that closed no group left 10 threads and 9 descriptors per in-process restart).
+GROWTH_MARGIN = {"pod_fds": 64, "pod_threads": 16, "pod_processes": 2}
 
 
 def after_each_fault(run_dir: Path, samples: list[dict], legs: list[dict]) -> list[dict]:
