@@ -253,8 +253,10 @@ class CheckpointConfig:
     or downloaded from S3 and checked, is loaded without reading it again to verify it."""
     write_timeout_s: float = Field(default=600.0, gt=0)
     """Longest wait for a background write when the loop must wait for it (a save due while the
-    previous one is written, the final save); past it the checkpoint fails on every rank. Keep it
-    below ``resilience.checkpoint_timeout_s``, so a stuck write is reported as such."""
+    previous one is written, the final save), and the longest a commit in rank 0's commit process
+    may take from its hand-over; past it the checkpoint fails on every rank (a hung commit's
+    process is killed). Keep it below ``resilience.checkpoint_timeout_s``, so a stuck write is
+    reported as such."""
     max_consecutive_failures: int = Field(default=3, ge=1)
     """A failed periodic save (a writer error, a full volume, a write past ``write_timeout_s``) is
     reported (log, a ``checkpoint_failed`` record) and training goes on; the next due save tries
