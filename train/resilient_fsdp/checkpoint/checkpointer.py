@@ -146,10 +146,15 @@ class Checkpointer:
         self.restored_from_s3: Optional[dict] = None  # {"step", "uri"} when this start downloaded one
         self.job = job_id(cfg)
         # Which run of the job this is: what the pod's memory keeps is keyed by both.
-        try:
-            self.run = run_identity(root)
-        except OSError:
-            self.run = "unwritable"  # the preflight refuses the start, naming checkpoint.dir and the fix
+        # Read (or, at a directory's first start, written) by rank 0 alone and broadcast: a thousand
+        # ranks never each write a draft of it into the shared directory. Collective.
+        run = None
+        if group.is_coordinator:
+            try:
+                run = run_identity(root)
+            except OSError:
+                run = "unwritable"  # the preflight refuses the start, naming checkpoint.dir and the fix
+        self.run = group.broadcast(run)
         self.lease: Optional[Lease] = None
         # Rank 0 applies retention off the training thread; its messages are said by this one.
         self._retention = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-retention") \

@@ -9,8 +9,9 @@ checkpoint directory and is keyed by the job, the memory tier's snapshots and th
 keeps in ``/dev/shm``, is keyed by the run too, so that a new run never loads the state an earlier
 run of the same name left in a pod's memory.
 
-Written by link, so that when every rank of a first start creates it at once one id wins and
-every rank reads that one; on a shared volume every pod reads the same id.
+Written by link, so that two starts creating it at once agree on one id (the trainer's rank 0
+reads or writes it and broadcasts it to the other ranks); a new process's read-ahead reads it
+before the process group exists, and finds none in a directory never started.
 """
 
 from __future__ import annotations
