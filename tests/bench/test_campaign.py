@@ -217,7 +217,7 @@ def test_what_grows_fault_after_fault_in_a_leg_fails_the_growth_check_and_what_e
     from resilient_fsdp.bench.campaign import check_after_faults
 
     peaks = {"pod_fds": 100, "pod_threads": 200, "pod_processes": 6, "shm_bytes": 1 << 20}
-    leaking = [{"fault": f"exception@{i}:rank=1", "leg": "main", "pod_fds": 60, "pod_threads": 40 + 10 * i,
+    leaking = [{"fault": f"exception@{i}:rank=1", "leg": "main", "layer": "in_process", "pod_fds": 60, "pod_threads": 40 + 10 * i,
                 "pod_processes": 5, "shm_bytes": 1 << 20} for i in range(10)]
     checks = check_after_faults(leaking, peaks)
     assert checks["resources_bounded_after_every_fault"]["ok"] is True
@@ -231,3 +231,6 @@ def test_what_grows_fault_after_fault_in_a_leg_fails_the_growth_check_and_what_e
     assert checks["resources_bounded_after_every_fault"]["detail"]["over"] == [
         {"fault": "exception@3:rank=1", "pod_processes": 13, "bound": 12}]
     assert check_after_faults([], peaks)["resources_bounded_after_every_fault"]["ok"] is False  # nothing measured
+    # New processes (an in-job or job-level restart) owe nothing to the faults before them.
+    fresh = [dict(r, layer="in_job") for r in leaking]
+    assert check_after_faults(fresh, peaks)["resources_do_not_grow_fault_after_fault"]["ok"] is True

@@ -202,7 +202,7 @@ def test_checkpoint_figures_are_reported(uninterrupted):
     assert summary["checkpoint_stall_s"] == pytest.approx(sum(e["stall_s"] for e in events))
     # Retention (keep_last=3 by default) removed the oldest; every survivor is complete.
     kept = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
-    assert kept == ["step_00000008", "step_00000012", "step_00000016"]
+    assert kept == ["RUN", "step_00000008", "step_00000012", "step_00000016"]  # RUN: the run's id
 
 
 # CI reshards the default engine's checkpoints (test_resume.py, another world size).

@@ -18,6 +18,7 @@
 - ``resume``: which checkpoint a start resumes from, and loading it;
 - ``store``: the directory layout, the atomic commit, discovery and retention;
 - ``lease``: one job at a time writes a checkpoint directory;
+- ``run_identity``: which run a checkpoint directory belongs to (``RUN``), what the pod's memory is keyed by;
 - ``shared_volume``: whether this process can write the run or checkpoint directory, and the
   chart values that fix it when not;
 - ``s3/``: the S3 tier (durable copies, restore on a new cluster);

@@ -9,14 +9,14 @@ checkpoint directory and is keyed by the job, the memory tier's snapshots and th
 keeps in ``/dev/shm``, is keyed by the run too, so that a new run never loads the state an earlier
 run of the same name left in a pod's memory.
 
-Written by link, so that two starts creating it at once agree on one id (the trainer's rank 0
+Created exclusively, so that two starts creating it at once agree on one id (the trainer's rank 0
 reads or writes it and broadcasts it to the other ranks); a new process's read-ahead reads it
 before the process group exists, and finds none in a directory never started.
 """
 
 from __future__ import annotations
 
-import os
+import time
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -32,20 +32,13 @@ def run_identity(checkpoint_dir: Path) -> str:
     if found is not None:
         return found
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    candidate = uuid.uuid4().hex[:12]
-    draft = checkpoint_dir / f".{RUN}.{candidate}"
-    atomic.write_text(draft, candidate + "\n")
-    try:
-        os.link(draft, checkpoint_dir / RUN)
-        atomic.fsync_dir(checkpoint_dir)
-    except FileExistsError:
-        pass  # another rank's link came first: its id is the run's
-    finally:
-        draft.unlink(missing_ok=True)
-    found = read_run_identity(checkpoint_dir)
-    if found is None:
-        raise OSError(f"{checkpoint_dir / RUN} could not be read back after it was written")
-    return found
+    atomic.create_exclusive(checkpoint_dir / RUN, uuid.uuid4().hex[:12] + "\n")  # False: another start's won
+    for _ in range(100):  # another start's may be between its create and its write
+        found = read_run_identity(checkpoint_dir)
+        if found is not None:
+            return found
+        time.sleep(0.01)
+    raise OSError(f"{checkpoint_dir / RUN} is empty: remove it and start again")
 
 
 def read_run_identity(checkpoint_dir: Path) -> Optional[str]:

@@ -15,4 +15,5 @@
 - ``factories``: ``pkg.module:function`` imports for custom models and datasets;
 - ``distributed``: device, backend and process group from launcher variables;
 - ``metrics``: progress lines, ``metrics.jsonl``, parameter hashing.
+- ``footprint``: what a rank's process holds at each start (threads, descriptors, connections, children).
 """
