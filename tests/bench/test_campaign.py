@@ -145,7 +145,19 @@ def test_a_fault_inside_the_writer_goes_to_the_first_periodic_save_of_its_slot()
                          ("writer-raise@16:rank=1", None)]  # the rewind leg's slot 14: the save at 16
     assert all(int(spec.split("@")[1].split(":")[0]) % 4 == 0 for spec, _ in specs)
     shrink = [f for f in placed["shrink"]]
-    assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer"
+    assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer or the commit"
+
+
+def test_a_fault_inside_a_restore_keeps_its_slot_only_where_a_later_fault_causes_a_restart():
+    from resilient_fsdp.bench import campaign as c
+
+    bounds = {"main": (0, 16), "rewind": (12, 28), "shrink": (28, 32), "regrow": (32, 44)}
+    placed = c.place_faults(bounds, dict.fromkeys(c.LEGS, 4), ["sigkill-during-restore:rank=1", "sigkill:rank=2"], 6,
+                            "netns")
+    main = [(f.spec, f.skipped) for f in placed["main"]]
+    assert main == [("sigkill-during-restore@2:rank=1", None), ("sigkill@8:rank=2", None),
+                    ("sigkill-during-restore@14:rank=1",
+                     "no later fault in the main leg causes the restart a fault inside a restore needs")]
 
 
 def test_a_rewound_step_never_repeats_a_fault_the_ledger_already_holds():
@@ -234,3 +246,26 @@ def test_what_grows_fault_after_fault_in_a_leg_fails_the_growth_check_and_what_e
     # New processes (an in-job or job-level restart) owe nothing to the faults before them.
     fresh = [dict(r, layer="in_job") for r in leaking]
     assert check_after_faults(fresh, peaks)["resources_do_not_grow_fault_after_fault"]["ok"] is True
+
+
+def test_one_restart_that_closes_two_faults_counts_once_and_a_restart_that_closed_none_is_caught(tmp_path):
+    """A fault inside a restart (sigkill-during-restore) is closed, with the fault before it, by the
+    restart that came through: two recoveries, one attempt, one restart in summary.json."""
+    from resilient_fsdp.bench import campaign as c
+    from resilient_fsdp.config import parse_fault
+    from resilient_fsdp.resilience.ledger import FaultLedger
+
+    ledger = FaultLedger(tmp_path)
+    for text, t, attempt in (("exception@11:rank=0", 100.0, "a2"), ("sigkill-during-restore@6:rank=1", 103.0, "a2")):
+        spec = parse_fault(text)
+        ledger.claim(spec, {"fault": str(spec), "key": spec.key, "kind": spec.kind, "t_fault": t, "completed_step": 10})
+        ledger.record_recovery(spec.key, {"fault": str(spec), "layer": "in_job", "attempt": attempt})
+    fired = ["exception@11:rank=0", "sigkill-during-restore@6:rank=1"]
+
+    def check(restarts: dict) -> dict:
+        (tmp_path / "summary.json").write_text(json.dumps({"restarts": restarts, "faults_injected": fired}))
+        return c.check_accounting(tmp_path, fired, "")["restarts_count_the_recoveries"]
+
+    assert check({"in_process": 0, "in_job": 1, "job": 0})["ok"] is True
+    two = check({"in_process": 0, "in_job": 2, "job": 0})
+    assert two["ok"] is False and two["detail"]["recoveries_by_layer"] == {"in_job": 1}, two

@@ -63,6 +63,48 @@ def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_
     assert not job_folder(job_of(run_dir)).exists()
 
 
+def test_a_rank_killed_between_its_replicas_record_and_bytes_restarts_from_memory_bitwise(tmp_path, reference_1x2,
+                                                                                         request):
+    """sigkill-during-replication@10: rank 0's sender has sent the record of its step 10 replica to
+    pod 1 and is about to send the bytes when rank 0 is killed. The send never completes (no
+    replica event for step 10); every rank still holds its own snapshot of step 10, so the in-job
+    restart resumes from memory there, and the job ends bitwise equal. The image's NVRx lane."""
+    run_dir = tmp_path / "run"
+    summary = run_with_faults(run_dir, ["sigkill-during-replication@10:rank=0"], reference_1x2, nodes=2, nproc=1,
+                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=300,
+                              **lane_run(request, "image"))
+    (killed,) = summary["recoveries"]
+    assert killed["layer"] == "in_job" and killed["during_replication"] is True, killed
+    assert killed["replica_step"] == 10 and killed["resumed_from_step"] == 10, killed
+    assert "resumed from memory: step 10 on every rank" in summary["_stdout"], summary["_output"]
+    sent = {r["step"] for r in read_events(run_dir, "memory_replica") if r.get("error") is None}
+    assert {2, 6, 14} <= sent and 10 not in sent, sent  # the durable saves' steps take no memory snapshot
+    assert not job_folder(job_of(run_dir)).exists()
+
+
+def test_a_rank_killed_inside_its_restore_from_memory_restores_the_same_snapshot_again(tmp_path, reference_1x2,
+                                                                                        request):
+    """sigkill-during-restore@6:rank=1 is armed at step 6; exception@12:rank=0 makes the in-job
+    restart that restores every rank from memory at step 10, and rank 1 is killed inside that
+    restore, its snapshot chosen, the live state not yet loaded. The next in-job restart restores
+    the same snapshots (a restore only reads them) and the job ends bitwise equal. The attempt cut
+    short never trained: one restart closes both faults, and only it counts as a restart."""
+    run_dir = tmp_path / "run"
+    # Listed as they fire (summary.json's order): the armed fault fires after the exception.
+    summary = run_with_faults(run_dir, ["exception@12:rank=0", "sigkill-during-restore@6:rank=1"], reference_1x2,
+                              nodes=2, nproc=1, overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=300,
+                              **lane_run(request, "image"))
+    by_kind = {r["kind"]: r for r in summary["recoveries"]}
+    restore, exception = by_kind["sigkill-during-restore"], by_kind["exception"]
+    assert restore["during_restore"] is True and restore["rank"] == 1, restore
+    assert (restore["restore_tier"], restore["restore_step"], restore["resumed_from_step"]) == ("memory", 10, 10)
+    assert exception["resumed_from_step"] == 10 and exception["lost_steps"] == 1, exception
+    assert restore["attempt"] == exception["attempt"] and restore["layer"] == exception["layer"] == "in_job"
+    assert summary["restarts"]["in_job"] == 1, summary["restarts"]
+    assert "resumed from memory: step 10 on every rank" in summary["_stdout"], summary["_output"]
+    assert not job_folder(job_of(run_dir)).exists()
+
+
 def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_stays_exact(tmp_path):
     """A world of one, killed after step 11, its snapshot of step 10 flipped: set aside when the
     start reports, and the older snapshot (step 6) is older than the durable checkpoint of step 8

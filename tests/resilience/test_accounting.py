@@ -21,9 +21,9 @@ def test_summary_counts_restarts_by_layer_and_goodput_from_the_files(tmp_path):
     spec = FaultSpec("exception", 5, 0)
     ledger.claim(spec, {"fault": str(spec), "key": spec.key, "kind": "exception", "t_fault": 110.0,
                         "completed_step": 4})
-    new = record_recoveries(ledger, "in_process", resumed_step=2, now=113.0)
+    new = record_recoveries(ledger, "in_process", resumed_step=2, now=113.0, attempt="112-0a1b2c3d")
     assert new == [{"fault": "exception@5:rank=0", "kind": "exception", "layer": "in_process", "recovery_s": 3.0,
-                    "fault_step": 4, "resumed_from_step": 2, "lost_steps": 2}]
+                    "fault_step": 4, "resumed_from_step": 2, "lost_steps": 2, "attempt": "112-0a1b2c3d"}]
     assert record_recoveries(ledger, "in_job", resumed_step=2, now=120.0) == []  # each fault recovers once
     metrics = tmp_path / "metrics.jsonl"
     _write_metrics(metrics, [

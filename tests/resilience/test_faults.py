@@ -51,7 +51,36 @@ def test_fault_is_recovered_bitwise(tmp_path, request, spec, layer, nodes):
         assert swept["kind"] == "incomplete" and swept["bytes"] >= recovery["bytes_on_disk"] > 0, swept
 
 
-# Several faults in one job (each fires once, at a step after the previous recovery); every one
+def test_a_kill_inside_rank_0s_commit_lands_there_and_the_torn_checkpoint_is_never_loaded(tmp_path, request,
+                                                                                           reference_1x2):
+    """sigkill-during-commit@10, two pods of one rank, checkpoints every 4 steps: the commit of step
+    12 stops once DCP's metadata is written, and its marker names the process committing it (rank
+    0's commit process between steps, or rank 0 itself when the save of step 16 finds the write
+    still pending and commits on the training thread, as a loaded machine makes it); that process
+    and rank 0 are killed there. The step 12 checkpoint never got its manifest: the in-job restart
+    resumes from step 8 and sweeps it. The image's NVRx lane."""
+    run_dir = tmp_path / "run"
+    summary = run_with_faults(run_dir, ["sigkill-during-commit@10:rank=0"], reference_1x2, nodes=2, nproc=1,
+                              timeout=300, **lane_run(request, "image"))
+    check_recoveries(summary, ["in_job"])
+    (killed,) = summary["recoveries"]
+    assert killed["during_commit"] is True and killed["checkpoint_step"] == 12, killed
+    assert killed["commit_in_own_process"] is (killed["commit_pid"] != killed["pid"]), killed
+    assert killed["resumed_from_step"] == 8 and 12 <= killed["fault_step"] <= 15, killed
+    (swept,) = [e for e in read_events(run_dir, "checkpoint_swept") if "step_00000012.incomplete" in e["path"]]
+    assert swept["kind"] == "incomplete" and swept["bytes"] > 0, swept
+
+
+def test_a_commit_fault_names_rank_0_the_only_rank_that_commits():
+    from resilient_fsdp.config import ConfigError, parse_fault
+
+    assert parse_fault("sigkill-during-commit@8").rank == 0
+    for text in ("sigkill-during-commit@8:rank=1", "sigkill-during-commit@8:node=0"):
+        with pytest.raises(ConfigError, match="only rank 0 commits checkpoints; give rank=0"):
+            parse_fault(text)
+
+
+
 # must be recovered by the layer named, and the job must still end bitwise equal.
 MULTI = [
     # faults, extra overrides, the layer expected for each fault

@@ -66,10 +66,12 @@ KEEP_LAST = 2
 # cluster); what a launch used of them is reported, and must stay within one per fault.
 MAX_RESTARTS, MAX_POD_RECREATIONS = 50, 50
 # The fault tests' settings: a stuck rank is killed 2 s after SIGTERM, a hung step is detected
-# after 8 s, rank monitors look twice a second.
+# after 8 s, rank monitors look twice a second; a write or commit that has not finished in 30 s
+# (a writer-hang: a save of the tiny model takes milliseconds) fails its save.
 COMMON = ["dist.timeout_s=60", "resilience.launcher.workers_stop_timeout_s=2",
           "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.step_timeout_s=8",
-          "resilience.hang_detection.learn_timeouts=false", f"checkpoint.keep_last={KEEP_LAST}"]
+          "resilience.hang_detection.learn_timeouts=false", f"checkpoint.keep_last={KEEP_LAST}",
+          "checkpoint.write_timeout_s=30"]
 S3_SETTINGS = [f"checkpoint.s3.keep_last={KEEP_LAST}", "checkpoint.s3.connect_timeout_s=1", "checkpoint.s3.read_timeout_s=2",
                "checkpoint.s3.max_attempts=2", "checkpoint.s3.retry_backoff_s=0.5",
                "checkpoint.s3.retry_backoff_max_s=2"]
@@ -95,7 +97,8 @@ CHECKS = {
     "summary_is_the_ledger": "summary.json's faults_injected are the ledger's faults",
     "one_recovery_per_stopping_fault": "every fired fault that stops training has one recovery (a partition may "
                                        "instead have gone on)",
-    "restarts_count_the_recoveries": "restarts by layer (summary.json) = the recoveries of that layer",
+    "restarts_count_the_recoveries": "restarts by layer (summary.json: attempts that reached training) = the "
+                                     "attempts of that layer that closed recoveries",
     "pod_budget_counts_real_failures": "pod failures counted against backoffLimit <= job-level recoveries of "
                                        "faults other than node-loss (a lost node is a disruption, not counted); "
                                        "no whole-JobSet restart",
@@ -209,9 +212,10 @@ def available(kind: str, isolation: str) -> Optional[str]:
 def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entries: list[str], every: int,
                  isolation: str, save_every: int = 1) -> dict[str, list[Fault]]:
     """The faults of every leg: in each leg's new steps, one every ``every``, entries in turn. A
-    fault inside the checkpoint writer (``when: write``) fires only while its step's checkpoint is
-    written, so it goes to the first periodic save (every ``save_every`` steps) at or after its
-    slot; a slot with no periodic save left in its leg is skipped, saying so."""
+    fault inside the checkpoint writer or rank 0's commit (``when: write``, ``commit``) fires only
+    while a periodic save is written or committed, so it goes to the first periodic save (every
+    ``save_every`` steps) at or after its slot; a slot with no periodic save left in its leg (the
+    final save is the leg's end, not a fault's place) is skipped, saying so."""
     placed: dict[str, list[Fault]] = {}
     taken: set[str] = set()
     slot = 0
@@ -227,7 +231,7 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
             if kind not in FAULT_KINDS:
                 raise ValueError(f"--kinds: {kind!r} is not a fault kind; the kinds are {', '.join(FAULT_KINDS)}")
             suffix = ":" + retarget(options, pods[leg]) if options else ""
-            writes = FAULT_KINDS[kind].when == "write"
+            writes = FAULT_KINDS[kind].when in ("write", "commit")
             stride = save_every if writes else 1
             if writes:
                 step = -(-step // save_every) * save_every
@@ -236,10 +240,21 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
                 step += stride
             skipped = available(kind, isolation)
             if writes and skipped is None and step >= stop:
-                skipped = f"no periodic save left in the {leg} leg for a fault inside the writer"
+                skipped = f"no periodic save left in the {leg} leg for a fault inside the writer or the commit"
             taken.add(f"{kind}@{step}{suffix}")
             placed[leg].append(Fault(leg, f"{kind}@{step}{suffix}", kind, step, skipped))
+        _skip_restores_with_no_restart_after(placed[leg])
     return placed
+
+
+def _skip_restores_with_no_restart_after(faults: list[Fault]) -> None:
+    """A fault inside a restore (``when: restore``) fires in the restart a later fault of its leg
+    causes: with no later fault that stops training, its slot is skipped, saying so."""
+    for i, fault in enumerate(faults):
+        if fault.skipped is None and FAULT_KINDS[fault.kind].when == "restore" and not any(
+                later.skipped is None and FAULT_KINDS[later.kind].stops and FAULT_KINDS[later.kind].when != "restore"
+                for later in faults[i + 1:]):
+            fault.skipped = f"no later fault in the {fault.leg} leg causes the restart a fault inside a restore needs"
 
 
 def retarget(options: str, pods: int) -> str:
@@ -512,11 +527,14 @@ def check_accounting(run_dir: Path, fired_specs: list[str], outputs: str) -> dic
     stopping = [f for f in fired if FAULT_KINDS.get(f["kind"]) is None or FAULT_KINDS[f["kind"]].stops]
     missing = [f["fault"] for f in stopping
                if f["key"] not in recoveries and not (f["kind"] == "partition" and f["key"] in went_on)]
-    by_layer: dict[str, int] = {}
+    # Each restart that trained closes the faults before it: two closed by one attempt (a fault
+    # inside the restart of another) count as that one restart.
+    closing: dict[str, set] = {}
     for f in fired:
         if f["key"] in recoveries:
-            layer = recoveries[f["key"]]["layer"]
-            by_layer[layer] = by_layer.get(layer, 0) + 1
+            record = recoveries[f["key"]]
+            closing.setdefault(record["layer"], set()).add(record.get("attempt") or f["key"])
+    by_layer = {layer: len(attempts) for layer, attempts in closing.items()}
     restarts = summary.get("restarts", {})
     # The local JobSet's words for a pod failure counted against its Job's backoffLimit.
     counted = len(re.findall(r"counted by Job \S+ \(\d+ of backoffLimit", outputs))

@@ -438,7 +438,7 @@ class Checkpointer:
         next older one is tried."""
         self.before_optimizer_step()  # loading changes the live state: no copy may be reading it
         done = resume_.resume(self.group, self.cfg, self.root, self.job, self.state, self.identity, self.batch,
-                              self.say, self.elastic_batch, self.memory)
+                              self.say, self.elastic_batch, self.memory, self.hooks.restoring)
         if self.memory is not None:
             # Snapshots past the step this start trains on belong to a line it no longer follows.
             self.memory.discard_newer_than(done.step if done.step is not None else -1)
@@ -670,6 +670,7 @@ class Checkpointer:
             keyed = None
         if keyed is not None:
             job.metadata_key, job.metadata = keyed
+        job.fault = self.hooks.commit_fault(job.step, Path(job.where) / commit.FAULT_MARKER)
         return job
 
     def _commit_outcome(self, pending: dict, result: commit.CommitResult,

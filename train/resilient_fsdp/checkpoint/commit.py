@@ -36,6 +36,10 @@ from . import store
 from .lease import taken_over
 from .writer import dcp_plan, fork_server
 
+FAULT_MARKER = ".commit-stopped-by-fault"
+"""In the checkpoint's directory: the process that commits it has stopped there for a fault."""
+FAULT_STOP_S = 120.0
+
 _PROCESS_METADATA: dict[str, Any] = {}
 """In the commit process: the global metadata of the plan in use, by key (one plan at a time)."""
 
@@ -60,6 +64,10 @@ class CommitJob:
     """That metadata; None when the commit process already holds it (:meth:`CommitProcess.holds`)."""
     error: Optional[str] = None
     """A failure found before the commit (the engine's metadata missing): the commit's failure."""
+    fault: Optional[str] = None
+    """``stop``: a ``sigkill-during-commit`` fault (``resilience.faults``) is to land inside this
+    commit: once the engine's metadata is written the commit says so (:data:`FAULT_MARKER`, its
+    process id) and waits, at most :data:`FAULT_STOP_S`, to be killed."""
 
 
 @dataclass
@@ -103,6 +111,8 @@ def run(job: CommitJob) -> CommitResult:
             metadata = _metadata_for(job)
             sums = dcp_plan.write_metadata(Path(job.where), metadata, [o.results or [] for o in outcomes])
             checksums.update({n: {**e, "writer": 0} for n, e in sums.items()})
+        if job.fault == "stop":
+            _stop_for_fault(Path(job.where))
         t_finished = time.perf_counter()
         result.lease_lost = taken_over(Path(job.lease_path), job.lease_holder) if job.lease_path else None
         if result.lease_lost:
@@ -121,6 +131,15 @@ def run(job: CommitJob) -> CommitResult:
             raise
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def _stop_for_fault(where: Path) -> None:
+    """Say where this commit stands (:data:`FAULT_MARKER`) and wait to be killed; a fault whose
+    killer never came leaves the commit to go on, without the marker."""
+    marker = where / FAULT_MARKER
+    marker.write_text(str(os.getpid()))
+    time.sleep(FAULT_STOP_S)
+    marker.unlink(missing_ok=True)
 
 
 def _metadata_for(job: CommitJob) -> Any:

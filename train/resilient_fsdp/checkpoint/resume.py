@@ -81,16 +81,18 @@ class Resumed:
 
 def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
            batch: dict, say: Callable[[str], None], elastic_batch: str = "nearest",
-           memory: Optional[MemoryTier] = None) -> Resumed:
+           memory: Optional[MemoryTier] = None,
+           restoring: Callable[[int, str], None] = lambda _step, _tier: None) -> Resumed:
     """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded.
     ``elastic_batch``: the ``train.elastic_batch`` policy at another world size. With ``memory``
-    (the memory tier), every rank's snapshots are weighed against the durable choice first."""
+    (the memory tier), every rank's snapshots are weighed against the durable choice first.
+    ``restoring(step, tier)`` is called as a chosen checkpoint is about to be loaded (a fault's moment)."""
     decide_here = (lambda: decide(cfg, root, job, say)) if group.is_coordinator else (lambda: None)
     plan = _raise_if_error(group.broadcast(decide_here()))
     if memory is not None:
         if cfg.resume and not plan.get("pinned"):
             durable = (plan.get("candidate") or plan.get("s3") or {}).get("step")
-            done = from_memory(group, memory, state, durable, batch, say)
+            done = from_memory(group, memory, state, durable, batch, say, restoring)
             if done is not None:
                 return done
         memory.release()  # what the memory tier read and did not load frees its room for this load
@@ -103,7 +105,10 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     while candidate is not None:
         check_compatible(candidate, identity, group.world_size)
         choice = global_batch.at_resume(candidate.manifest, group.world_size, batch, elastic_batch)
-        error = _verify(group, cfg, candidate) or _load(group, state, candidate)
+        error = _verify(group, cfg, candidate)
+        if error is None:
+            restoring(candidate.step, "durable")
+            error = _load(group, state, candidate)
         if error is None:
             _say_resumed(say, candidate, group.world_size, choice, batch)
             accum = choice.grad_accum_steps if choice is not None else None
@@ -121,7 +126,8 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
 
 
 def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, durable_step: Optional[int],
-                batch: dict, say: Callable[[str], None]) -> Optional[Resumed]:
+                batch: dict, say: Callable[[str], None],
+                restoring: Callable[[int, str], None] = lambda _step, _tier: None) -> Optional[Resumed]:
     """Collective: restore every rank from its memory snapshot when :func:`.memory.agreement.decide`
     says every rank can, at a step no older than the durable choice (``durable_step``); None to
     go on to the durable checkpoint (no such step, or a rank whose slot failed its checks)."""
@@ -139,6 +145,7 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
             say(f"memory checkpoints not used: step {decision.step} needs replicas from peers, and {errors[0]}; "
                 "resuming from the durable checkpoint")
             return None
+    restoring(decision.step, "memory")
     error = memory.restore(state, decision.step)
     outcomes = group.all_gather((error, memory.restore_phases, memory.restore_cpu_s, memory.read_ahead_s))
     errors = [e for e, *_ in outcomes if e]

@@ -21,11 +21,16 @@ class FaultKind:
     """One kind of fault: where it fires, what it does, and who recovers."""
 
     name: str
-    when: Literal["step", "collective", "loss", "save", "write"]
+    when: Literal["step", "collective", "loss", "save", "write", "commit", "replicate", "restore"]
     """``step``: as step STEP starts; ``collective``: just before step STEP's loss all-reduce;
     ``loss``: on the rank's own loss of step STEP, just before that all-reduce;
     ``save``: while the rank's checkpoint writer writes the first checkpoint at or after STEP;
-    ``write``: inside the checkpoint writer, as it writes step STEP's checkpoint."""
+    ``write``: inside the checkpoint writer, as it writes step STEP's checkpoint;
+    ``commit``: inside rank 0's commit of the first checkpoint at or after STEP, every write done;
+    ``replicate``: between the record and the bytes of the first replica at or after STEP that the
+    rank sends (``checkpoint.memory.replicas``);
+    ``restore``: armed as step STEP starts, it fires in the rank's next restore (in the restart
+    that a later fault causes)."""
     what: str
     recovered_by: str
     once_per_job: bool = True
@@ -56,6 +61,15 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("sigkill", "step", "the rank's process is killed", "in-job"),
     FaultKind("sigkill-during-save", "save", "the rank and its checkpoint writer are killed while the writer is "
               "writing (bytes on disk > 0, < final)", "in-job (previous checkpoint)"),
+    FaultKind("sigkill-during-commit", "commit", "rank 0 and its commit process are killed inside the commit of the "
+              "first checkpoint at or after STEP: every rank's write is done, the engine's metadata written, the "
+              "manifest and the rename not yet", "in-job (previous checkpoint; this one stays incomplete, swept later)"),
+    FaultKind("sigkill-during-replication", "replicate", "the rank is killed while it sends the replica of its first "
+              "memory checkpoint at or after STEP: its holder has received the record, not the bytes",
+              "in-job (from memory: the holder keeps its previous replica)"),
+    FaultKind("sigkill-during-restore", "restore", "armed as step STEP starts; the rank is killed inside its next "
+              "restore, in the restart a later fault causes: the checkpoint chosen (replicas moved in, files "
+              "verified), the live state not yet loaded", "in-job (the restore again, from the same checkpoint)"),
     FaultKind("sigterm", "step", "its node (agent) gets SIGTERM, as on eviction", "graceful stop + job level"),
     FaultKind("node-loss", "step", "its whole node dies: agent, workers, helpers", "job level (node recreated)",
               by_cluster=True),
@@ -85,7 +99,9 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
 )}
 NODE_FAULT_KINDS = tuple(k.name for k in FAULT_KINDS.values() if k.by_cluster)
 # Kinds that act on the memory tier's snapshots (checkpoint.memory): refused without it.
-MEMORY_FAULT_KINDS = ("memory-corrupt", "replica-corrupt")
+MEMORY_FAULT_KINDS = ("memory-corrupt", "replica-corrupt", "sigkill-during-replication")
+# Kinds that act on the replicas (checkpoint.memory.replicas): refused without them.
+REPLICA_FAULT_KINDS = ("replica-corrupt", "sigkill-during-replication")
 # Kinds that take a pod's network link down: only a cluster that reads requests can (netns pods).
 CUT_OFF_KINDS = ("partition", "node-freeze")
 _FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<options>(?::[^:]*)*)$")
@@ -167,6 +183,8 @@ def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
         raise ConfigError(f"{key} {text!r}: node-freeze needs :for=SECONDS, when the frozen node is deleted (as node "
                           "auto-repair or the out-of-service taint does) and its pod replaced")
     node = int(options["node"]) if "node" in options else None
+    if kind.when == "commit" and (node is not None or int(options.get("rank", 0)) != 0):
+        raise ConfigError(f"{key} {text!r}: only rank 0 commits checkpoints; give rank=0 (or no target)")
     return FaultSpec(m["kind"], step, int(options.get("rank", 0)), node, for_s)
 
 

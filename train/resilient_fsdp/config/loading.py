@@ -21,7 +21,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from .errors import ConfigError
-from .fault_spec import MEMORY_FAULT_KINDS, parse_fault
+from .fault_spec import MEMORY_FAULT_KINDS, REPLICA_FAULT_KINDS, parse_fault
 from .s3_uri import split_s3_uri
 from .sections import Config, S3Config, field_annotation, section_of
 
@@ -208,8 +208,8 @@ def _check_across_keys(config: Config) -> None:
         if spec.kind in MEMORY_FAULT_KINDS and memory.interval_steps == 0:
             raise ConfigError(f"resilience.inject {text!r}: a {spec.kind} fault acts on memory checkpoints, and "
                               "checkpoint.memory.interval_steps is 0 (off); set it, e.g. to 2")
-        if spec.kind == "replica-corrupt" and memory.replicas == 0:
-            raise ConfigError(f"resilience.inject {text!r}: a replica-corrupt fault acts on the replicas ranks keep, "
+        if spec.kind in REPLICA_FAULT_KINDS and memory.replicas == 0:
+            raise ConfigError(f"resilience.inject {text!r}: a {spec.kind} fault acts on the replicas ranks keep, "
                               "and checkpoint.memory.replicas is 0; set it to 1")
     check_data_source(config)
     check_s3_config(config.checkpoint.s3)

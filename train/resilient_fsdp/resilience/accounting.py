@@ -40,7 +40,8 @@ _LIFECYCLE = ("start", "finish")
 # What a fault's ledger record says about how it landed, carried into its recovery record:
 # the rank that fired it, a sigkill-during-save's bytes on disk, a node fault's request file.
 _FAULT_DETAILS = ("rank", "node_index", "during_write", "bytes_on_disk", "expected_bytes", "checkpoint_step", "note",
-                  "request")
+                  "request", "during_commit", "commit_pid", "commit_in_own_process", "pid", "during_replication",
+                  "replica_step", "during_restore", "restore_step", "restore_tier")
 
 
 def read_records(metrics_path: Path) -> list[dict]:
@@ -138,10 +139,11 @@ def phases(t_fault: float, marks: dict, now: float, process_start: Optional[floa
 
 
 def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: float,
-                      marks: Optional[dict] = None) -> list[dict]:
+                      marks: Optional[dict] = None, attempt: Optional[str] = None) -> list[dict]:
     """Rank 0, after the first step completed in an attempt caused by a restart: close every
-    fired fault that has no recovery yet, with where its time went when ``marks`` are given.
-    Returns the new recovery records."""
+    fired fault that has no recovery yet, with where its time went when ``marks`` are given, and
+    the ``attempt`` that closed it (a fault inside a restart is closed with the one before it, by
+    the restart that came through). Returns the new recovery records."""
     done = {**ledger.recoveries(), **ledger.went_on()}
     new = []
     for fault in ledger.fired():
@@ -149,7 +151,7 @@ def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: f
             continue
         record = {"fault": fault["fault"], "kind": fault["kind"], "layer": layer,
                   "recovery_s": now - fault["t_fault"], "fault_step": fault["completed_step"],
-                  "resumed_from_step": resumed_step,
+                  "resumed_from_step": resumed_step, "attempt": attempt,
                   "lost_steps": max(0, fault["completed_step"] - resumed_step),
                   **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}
         if marks:

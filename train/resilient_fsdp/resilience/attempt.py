@@ -63,6 +63,13 @@ class NoHooks:
         """What the checkpoint writer is to do wrong while writing ``step``; None: nothing."""
         return None
 
+    def commit_fault(self, step: int, marker: Path) -> Optional[str]:
+        """Rank 0: what the commit of ``step`` is to do for a fault (``stop`` at ``marker``); None: nothing."""
+        return None
+
+    def restoring(self, step: int, tier: str) -> None:
+        """The restore of ``step`` from ``tier`` is about to load the live state."""
+
 
 class Attempt(NoHooks):
     """The resilience side of one attempt; see the module docstring.
@@ -103,8 +110,12 @@ class Attempt(NoHooks):
         self.layer, self.id = accounting.agree_attempt(metrics_path, self.number, rank, device)
 
     def memory_built(self, memory: Optional[CorruptibleMemory]) -> None:
-        """The checkpointer's memory tier (None: off), which the memory faults act on."""
+        """The checkpointer's memory tier (None: off), which the memory faults act on; its
+        replicas' sender calls :meth:`.FaultInjector.replica_sending` between a replica's parts."""
         self.injector.memory = memory
+        replicator = getattr(memory, "replicator", None)
+        if replicator is not None:
+            replicator.before_bytes = self.injector.replica_sending
 
     def started(self) -> None:
         """Start-up is over (built and resumed): the ``init`` section closes."""
@@ -153,7 +164,7 @@ class Attempt(NoHooks):
         if self.layer == "start" or self.rank != 0:
             return
         now = time.time()
-        for r in accounting.record_recoveries(self.ledger, self.layer, resumed_step, now, self.marks):
+        for r in accounting.record_recoveries(self.ledger, self.layer, resumed_step, now, self.marks, self.id):
             log({"event": "recovery", "t": now, **r},
                 f"recovered from {r['fault']} by {r['layer'].replace('_', '-')} restart in {r['recovery_s']:.2f} s; "
                 f"{r['lost_steps']} step(s) trained again")
@@ -184,6 +195,12 @@ class Attempt(NoHooks):
 
     def writer_fault(self, step: int) -> Optional[str]:
         return self.injector.writer_fault(step)
+
+    def commit_fault(self, step: int, marker: Path) -> Optional[str]:
+        return self.injector.commit_fault(step, marker)
+
+    def restoring(self, step: int, tier: str) -> None:
+        self.injector.restoring(step, tier)
 
     def close(self) -> None:
         """The attempt ends: a save still watched for a fault will not be finished by it."""

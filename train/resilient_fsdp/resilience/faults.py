@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 import psutil
 
 from .. import atomic
-from ..config import CUT_OFF_KINDS, MEMORY_FAULT_KINDS, NODE_FAULT_KINDS, ConfigError, FaultSpec
+from ..config import CUT_OFF_KINDS, NODE_FAULT_KINDS, ConfigError, FaultSpec
 from .ledger import FaultLedger
 from .node_rank import INDEX_SOURCES
 
@@ -56,6 +56,8 @@ REQUESTS_ENV = "RESILIENT_FSDP_FAULT_REQUESTS"
 NODE_LOSS_WAIT_S = 60.0
 # How often a sigkill-during-save looks at the bytes its checkpoint has on disk.
 SAVE_POLL_S = 0.0005
+# How often a sigkill-during-commit looks for the commit that stopped for it.
+COMMIT_POLL_S = 0.01
 
 
 class InjectedFault(RuntimeError):
@@ -208,6 +210,33 @@ class SaveWatch(threading.Thread):
             return 0
 
 
+class CommitWatch(threading.Thread):
+    """``sigkill-during-commit``: waits for rank 0's commit of a checkpoint to stop inside itself
+    for the fault (:data:`~resilient_fsdp.checkpoint.commit.FAULT_MARKER`, naming the process
+    that commits: the commit process, or this rank on the training thread), then kills that
+    process, this rank and its helpers: the commit cut short between the engine's metadata and the
+    manifest, asserted by the marker rather than timed."""
+
+    def __init__(self, injector: "FaultInjector", spec: FaultSpec, step: int, marker: Path):
+        super().__init__(daemon=True, name="fault-sigkill-during-commit")
+        self.injector, self.spec, self.step, self.marker = injector, spec, step, marker
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def run(self) -> None:
+        while not self.cancelled.wait(COMMIT_POLL_S):
+            try:
+                pid = int(self.marker.read_text())
+            except (OSError, ValueError):
+                continue
+            self.injector.fire(self.spec, self.injector.completed_step, {
+                "during_commit": True, "commit_pid": pid, "commit_in_own_process": pid != os.getpid(),
+                "checkpoint_step": self.step, "checkpoint_dir": str(self.marker.parent)})
+            return
+
+
 def _signal(proc: psutil.Process, sig: int) -> None:
     try:
         proc.send_signal(sig)
@@ -232,6 +261,8 @@ class FaultInjector:
                      if (s.node is None and s.rank == rank) or (s.node == self.node and local_rank == 0)]
         self.rank, self.ledger, self.on_fire = rank, ledger, on_fire
         self.watch: Optional[SaveWatch] = None
+        self.commit_watch: Optional[CommitWatch] = None
+        self.completed_step = 0  # the newest step this attempt started after (a helper thread's faults)
         # The memory tier the ``memory-corrupt`` and ``replica-corrupt`` faults act on, once built.
         self.memory: Optional[CorruptibleMemory] = None
         self.partitions: list[tuple[FaultSpec, float]] = []  # fired here, (spec, t_fault)
@@ -239,9 +270,12 @@ class FaultInjector:
     def at_step_start(self, step: int, completed_step: int) -> None:
         """Called inside the step section before step ``step`` (``completed_step`` = step - 1) runs."""
         self._note_healed_partitions(completed_step)
+        self.completed_step = completed_step
         for spec in self.mine:
             if spec.kind_info.when == "step" and spec.step == step:
                 self.fire(spec, completed_step)
+            elif spec.kind_info.when == "restore" and spec.step == step:
+                self.ledger.arm(spec)
 
     def before_collective(self, step: int) -> None:
         """Called inside step ``step`` just before the trainer's own all-reduce (the loss)."""
@@ -286,6 +320,33 @@ class FaultInjector:
                     return action
         return None
 
+    def commit_fault(self, step: int, marker: Path) -> Optional[str]:
+        """Rank 0, as it hands over the commit of ``step``'s checkpoint: ``stop`` when a
+        ``sigkill-during-commit`` is to land inside it (the commit then writes ``marker`` and
+        waits; a :class:`CommitWatch` kills it there), else None."""
+        for spec in self.mine:
+            if spec.kind_info.when == "commit" and step >= spec.step and not self.ledger.claimed(spec):
+                if self.commit_watch is not None:  # a commit that failed before it stopped
+                    self.commit_watch.cancel()
+                self.commit_watch = CommitWatch(self, spec, step, marker)
+                self.commit_watch.start()
+                return "stop"
+        return None
+
+    def replica_sending(self, step: int) -> None:
+        """Called by the memory tier's sender thread between the record and the bytes of the
+        replica of ``step``: a ``sigkill-during-replication`` kills the rank and its helpers here."""
+        for spec in self.mine:
+            if spec.kind_info.when == "replicate" and step >= spec.step and not self.ledger.claimed(spec):
+                self.fire(spec, self.completed_step, {"during_replication": True, "replica_step": step})
+
+    def restoring(self, step: int, tier: str) -> None:
+        """Called as this rank's restore of ``step`` from ``tier`` (``memory``, ``durable``) is
+        about to load the live state: an armed ``sigkill-during-restore`` kills the rank here."""
+        for spec in self.mine:
+            if spec.kind_info.when == "restore" and self.ledger.armed(spec) and not self.ledger.claimed(spec):
+                self.fire(spec, step, {"during_restore": True, "restore_step": step, "restore_tier": tier})
+
     def save_written(self, step: int) -> None:
         """Called when this rank's write of ``step`` finished, before the checkpoint commits."""
         if self.watch is not None and self.watch.step == step:
@@ -297,6 +358,9 @@ class FaultInjector:
         if self.watch is not None:
             self.watch.cancel()
             self.watch = None
+        if self.commit_watch is not None:
+            self.commit_watch.cancel()
+            self.commit_watch = None
 
     def fire(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None,
              helpers: Optional[list[psutil.Process]] = None) -> None:
@@ -322,7 +386,7 @@ class FaultInjector:
                 self.partitions.append((spec, record["t_fault"]))
                 return  # the cluster cuts the link; training goes on until it notices
             self._await_node_loss(spec, request)
-        if spec.kind in MEMORY_FAULT_KINDS:
+        if spec.kind in ("memory-corrupt", "replica-corrupt"):
             self._flip_memory_byte(spec)
             return
         if spec.kind == "slow-exit":
@@ -332,8 +396,15 @@ class FaultInjector:
             raise InjectedFault(f"injected fault {spec}: an exception at step {spec.step} on rank {self.rank}")
         if spec.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if spec.kind == "sigkill-during-save":
+        if spec.kind in ("sigkill-during-save", "sigkill-during-replication", "sigkill-during-restore"):
             kill_rank_and_helpers(helpers)
+        if spec.kind == "sigkill-during-commit":
+            if details["commit_in_own_process"]:
+                try:
+                    os.kill(details["commit_pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            kill_rank_and_helpers()
         if spec.kind in ("node-loss", "node-freeze"):  # past the wait: nothing executed the request
             kill_node()
         if spec.kind == "sigterm":

@@ -46,6 +46,15 @@ class FaultLedger:
     def claimed(self, spec: FaultSpec) -> bool:
         return (self.dir / f"{spec.key}.json").exists()
 
+    def arm(self, spec: FaultSpec) -> None:
+        """``spec`` waits for its moment (a ``sigkill-during-restore``: the next restore), which
+        may come in another process: kept beside the records, not among them."""
+        (self.dir / "armed").mkdir(parents=True, exist_ok=True)
+        atomic.create_exclusive(self.dir / "armed" / f"{spec.key}.json", json.dumps({"fault": str(spec)}))
+
+    def armed(self, spec: FaultSpec) -> bool:
+        return (self.dir / "armed" / f"{spec.key}.json").exists()
+
     def fired(self) -> list[dict]:
         """Every fired fault, oldest first."""
         records = []

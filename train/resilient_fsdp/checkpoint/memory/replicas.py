@@ -52,6 +52,8 @@ class Replicator:
         self.errors: list[str] = []
         # Per replica sent: its step, bytes and the seconds its send took (the replica's time).
         self.timings: list[dict] = []
+        # Called by the sender between a replica's record and its bytes, with its step (fault injection).
+        self.before_bytes: Optional[Callable[[int], None]] = None
         self._threads = []
         if holder is not None:
             self._threads.append(threading.Thread(target=self._send_loop, name="memory-replica-send", daemon=True))
@@ -81,7 +83,7 @@ class Replicator:
                     break
             try:
                 t0 = time.perf_counter()
-                _send(self.group, self.holder, record, self.own)
+                _send(self.group, self.holder, record, self.own, between=self.before_bytes)
                 self.timings.append({"step": record.step, "bytes": record.nbytes, "send_s": time.perf_counter() - t0})
                 self.sent.append(record.step)
             except Exception as exc:  # noqa: BLE001 - a dead peer; the restore falls back without it
@@ -175,12 +177,16 @@ def _send_goodbye(group: dist.ProcessGroup, dst: int) -> None:
     _send_lengths(group, dst, 0, 0)
 
 
-def _send(group: dist.ProcessGroup, dst: int, record: Record, slots: MemorySlots, tags=STREAM) -> None:
-    """``record``'s slot to rank ``dst``: the lengths, the record and its extra bytes, the tensor bytes."""
+def _send(group: dist.ProcessGroup, dst: int, record: Record, slots: MemorySlots, tags=STREAM,
+          between: Optional[Callable[[int], None]] = None) -> None:
+    """``record``'s slot to rank ``dst``: the lengths, the record and its extra bytes, the tensor
+    bytes; ``between(step)`` is called before the tensor bytes."""
     extra = slots.extra(record)
     header = json.dumps(record.to_json()).encode()
     _send_lengths(group, dst, len(header), len(extra), tags)
     dist.send(torch.frombuffer(bytearray(header + extra), dtype=torch.uint8), dst=dst, group=group, tag=tags[0])
+    if between is not None:
+        between(record.step)
     dist.send(slots.raw(record), dst=dst, group=group, tag=tags[1])
 
 
