@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.test_memory_tier import MEMORY
-from tests.resilience.fault_jobs import fault_free_run, lane_run, run_with_faults
+from tests.resilience.fault_jobs import IN_PROCESS, fault_free_run, lane_run, run_with_faults
 from tests.support import LANES, netns_required, read_events
 
 # What a pod's agent says when its launcher ended because another node failed (rejoin.py).
@@ -84,6 +84,24 @@ def test_a_frozen_training_pods_place_goes_to_the_hot_spare_before_its_node_is_d
     assert done["kind"] == "node-freeze" and done["node"] in (1, 2)
     assert re.search(rf"node{done['node']} \(\S+\) stopped reporting: link down, \d+ process\(es\) stopped", out)
     assert f"node{done['node']} (" in out and "its node was deleted" in out
+
+
+def test_with_in_process_restart_a_frozen_pods_place_still_goes_to_the_hot_spare_at_the_same_world_size(
+        tmp_path, request, reference_1x2):
+    """As above, with in-process restart on: the wrapper finds rank 1 unresponsive (its heartbeat
+    timeout), and rather than going on in-process with a world of one rank, which NVRx's default
+    rank assignment does, every rank leaves to the in-job restart, where the spare takes rank 1's
+    place; the job ends bitwise equal, at world size 2 throughout."""
+    netns_required()
+    run_dir = tmp_path / "run"
+    summary = run_with_faults(run_dir, ["node-freeze@8:rank=1:for=60"], reference_1x2, nodes=2, nproc=1,
+                              overrides=[*MEMORY, "checkpoint.memory.replicas=1", *IN_PROCESS],
+                              extra=["--value=spares=1"], timeout=400, **lane_run(request, "image"))
+    (frozen,) = summary["recoveries"]
+    assert frozen["layer"] == "in_job", summary["_output"]
+    assert frozen["recovery_s"] < 55, frozen  # before the node's deletion at 60 s
+    assert summary["world_size"] == 2 and {r.get("world_size") for r in read_events(run_dir, "start")} == {2}
+    assert "in-process restart cannot go on without rank(s) 1" in summary["_stdout"] + summary["_output"]
 
 
 @pytest.mark.timeout(600)

@@ -89,3 +89,19 @@ def test_keyboard_interrupt_ends_the_process_as_the_interpreter_does(tmp_path):
     # The interpreter's own ending for it: the traceback, then death by SIGINT.
     assert proc.returncode == -signal.SIGINT
     assert "KeyboardInterrupt" in proc.stderr
+
+
+def test_a_thread_that_never_ends_holds_the_exit_only_for_the_grace_and_is_named(tmp_path):
+    """A non-daemon thread blocked for good (on a peer whose pod froze) would hold the exit, and
+    the in-job restart that waits for it, for ever: past the grace the process ends, naming it."""
+    body = ("import resilient_fsdp.train.process_exit as process_exit\n"
+            "    process_exit.EXIT_GRACE_S = 1.0\n"
+            "    def wait_for_a_peer_that_is_gone():\n"
+            "        threading.Event().wait()\n"
+            "    threading.Thread(target=wait_for_a_peer_that_is_gone, name='replica-receive').start()\n"
+            "    return 4")
+    proc, written = run(tmp_path, body)
+    assert proc.returncode == 4, proc.stderr
+    assert "did not end within 1 s of its exit" in proc.stderr
+    assert "replica-receive:" in proc.stderr and "in wait" in proc.stderr, proc.stderr
+    assert written.read_text() == "written"  # the threads that end were still waited for

@@ -91,6 +91,7 @@ def run_in_process(cfg: InProcessConfig, body: Callable[[InProcessAttempt], Any]
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.store_port_offset},
         abort=nvrx.make_abort(),  # shuts the gloo group's connections down first
         health_check=nvrx.rank_health_check(),  # CudaHealthCheck on GPU nodes
+        rank_assignment=nvrx.whole_world_rank_assignment(),  # a lost rank is the in-job restart's
         soft_timeout=seconds(seconds=soft),
         hard_timeout=seconds(seconds=cfg.hard_timeout_s),
         heartbeat_timeout=seconds(seconds=cfg.heartbeat_timeout_s),

@@ -15,6 +15,12 @@
   drops any that a wrapper built otherwise carries. The wrapper's own ``health_check`` is NVRx's
   ``CudaHealthCheck`` on GPU nodes (:func:`rank_health_check`): a restart must wait for the CUDA
   kernels still queued, and a corrupt CUDA context must end the rank rather than be restarted into.
+- **In-process restart keeps the world whole** (:func:`whole_world_rank_assignment`). NVRx's default
+  rank assignment drops a terminated rank (unresponsive, past its hard timeout) and goes on in
+  the same processes with a smaller world; this job's world is fixed (FSDP's shards, the batch,
+  exact resumes), and replacing a lost rank is the in-job restart's (a hot spare takes its place).
+  So any terminated rank ends every rank's process at once, before NVRx's barriers wait for the
+  lost rank (the store host's termination barrier never gives up).
 - **The c10d rendezvous store** is hosted by pod 0's agent (``--rdzv-conf=is_host=true`` there), on
   the cluster and locally: NVRx 0.7 keeps only its own barrier rendezvous
   (``ft_rendezvous_barrier.py``), whose rounds only the agent hosting the store closes, and it
@@ -219,6 +225,34 @@ def new_wrapper(wrapper_class, gpu_present: Optional[bool] = None, say: Optional
         os.environ["LOCAL_RANK"] = local_rank
     _say_dropped(list(GPU_HEALTH_CHECKS), say)
     return wrapper
+
+
+# The exit code of a rank that leaves in-process restart to the in-job restart (any failure is retried).
+LEFT_TO_IN_JOB_EXIT = 1
+
+
+def whole_world_rank_assignment():
+    """The in-process wrapper's ``rank_assignment``: every rank stays, at its rank, or none does.
+
+    With no terminated rank it is NVRx's ``ActivateAllRanks`` (the default's rank shift has nothing
+    to shift). With one, every rank says why and ends its process: its attempt is over already
+    (the abort ran, the checkpointer closed), and raising instead would go through NVRx's barriers,
+    which wait for the lost rank, rank 0's without end."""
+    from nvidia_resiliency_ext.inprocess.rank_assignment import ActivateAllRanks, RankAssignment
+
+    class WholeWorld(RankAssignment):
+        def __call__(self, ctx):
+            if ctx.terminated_ranks:
+                lost = ", ".join(str(r) for r in sorted(ctx.terminated_ranks))
+                print(f"[resilient-fsdp] rank {ctx.state.rank}: in-process restart cannot go on without rank(s) "
+                      f"{lost} (unresponsive or past resilience.in_process.hard_timeout_s); the job's world is "
+                      "fixed, so the in-job restart takes over (a hot spare, if any, takes the lost place): "
+                      "ending this rank's process", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(LEFT_TO_IN_JOB_EXIT)
+            return ActivateAllRanks()(ctx)
+
+    return WholeWorld()
 
 
 def rank_health_check(gpu_present: Optional[bool] = None):

@@ -11,6 +11,8 @@ shutdown callbacks, then the non-daemon threads joined; ``atexit`` handlers; the
 flushed; an uncaught exception printed by ``sys.excepthook``, the hook torch.distributed prefixes
 with the rank), then ends the process with ``os._exit``. Nothing the rank writes is lost: its
 files are closed by their owners before ``main`` returns, and the metrics log is line-buffered.
+A thread that never ends (blocked on a peer whose pod froze) holds the exit at most
+:data:`EXIT_GRACE_S`, then the process ends anyway and names it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import atexit
 import os
 import sys
 import threading
-from typing import Callable, NoReturn, Union
+from typing import Callable, NoReturn, Optional, Union
 
 ExitCode = Union[int, str, None]
 
@@ -49,8 +51,20 @@ def exit_status(code: ExitCode) -> int:
     return 1
 
 
-def finish(status: int) -> NoReturn:
-    """What the interpreter does before finalizing, then the end of the process."""
+# How long an exit waits for the rank's threads: an idle pool's workers leave in milliseconds;
+# one blocked on a peer that is gone (a frozen pod) would hold the exit, and with it the restart
+# that the launcher starts only once this process has ended, for ever.
+EXIT_GRACE_S = 30.0
+
+
+def finish(status: int, grace_s: Optional[float] = None) -> NoReturn:
+    """What the interpreter does before finalizing, then the end of the process; past ``grace_s``
+    (:data:`EXIT_GRACE_S`) the process ends anyway, naming the threads still running and where
+    they wait."""
+    grace_s = EXIT_GRACE_S if grace_s is None else grace_s
+    watchdog = threading.Timer(grace_s, _end_held_exit, (status, grace_s))
+    watchdog.daemon = True
+    watchdog.start()
     # The interpreter's own first step of an exit: the callbacks threading runs at shutdown (an
     # idle ThreadPoolExecutor's workers, boto's among them, leave only once theirs has run), then
     # every non-daemon thread joined.
@@ -62,3 +76,21 @@ def finish(status: int) -> NoReturn:
         except (OSError, ValueError, AttributeError):
             pass  # a closed or detached stream: nothing left to write
     os._exit(status)
+
+
+def _end_held_exit(status: int, grace_s: float) -> None:
+    frames = sys._current_frames()
+    held = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    where = "; ".join(f"{t.name}: {_innermost(frames.get(t.ident))}" for t in held) or "none named"
+    print(f"[resilient-fsdp] the process did not end within {grace_s:g} s of its exit; ending it. Threads still "
+          f"running: {where}", file=sys.stderr, flush=True)
+    os._exit(status)
+
+
+def _innermost(frame) -> str:
+    import traceback
+
+    if frame is None:
+        return "?"
+    last = traceback.extract_stack(frame)[-1]
+    return f"{last.filename}:{last.lineno} in {last.name}"
