@@ -88,6 +88,7 @@ def run_in_process(cfg: InProcessConfig, body: Callable[[InProcessAttempt], Any]
     interval = seconds(seconds=min(1.0, soft / 5, cfg.heartbeat_timeout_s / 5))
     wrapper = nvrx.new_wrapper(
         inprocess.Wrapper,
+        store_factory=nvrx.hosting_store_factory(),  # rank 0 hosts it or says why
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + cfg.store_port_offset},
         abort=nvrx.make_abort(),  # shuts the gloo group's connections down first
         health_check=nvrx.rank_health_check(),  # CudaHealthCheck on GPU nodes

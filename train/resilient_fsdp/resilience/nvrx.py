@@ -21,6 +21,14 @@
   exact resumes), and replacing a lost rank is the in-job restart's (a hot spare takes its place).
   So any terminated rank ends every rank's process at once, before NVRx's barriers wait for the
   lost rank (the store host's termination barrier never gives up).
+- **Rank 0 hosts the in-process wrapper's store, or says why** (:func:`hosting_store_factory`).
+  NVRx's store falls back to a client without a word when rank 0 cannot bind its port (the same
+  fallback lets NVRx's monitor process, which builds the store too, be a client), and every rank
+  then waits 300 s for a store nobody hosts. The port is ``MASTER_PORT`` plus an offset, and
+  ``MASTER_PORT`` is a free port the launcher picked in the ephemeral range, where the pod's own
+  outgoing connections take ports too. Rank 0's own process retries the bind for
+  :data:`STORE_HOST_RETRY_S` and then fails naming the port: the in-job restart's next round picks
+  another.
 - **The c10d rendezvous store** is hosted by pod 0's agent (``--rdzv-conf=is_host=true`` there), on
   the cluster and locally: NVRx 0.7 keeps only its own barrier rendezvous
   (``ft_rendezvous_barrier.py``), whose rounds only the agent hosting the store closes, and it
@@ -225,6 +233,54 @@ def new_wrapper(wrapper_class, gpu_present: Optional[bool] = None, say: Optional
         os.environ["LOCAL_RANK"] = local_rank
     _say_dropped(list(GPU_HEALTH_CHECKS), say)
     return wrapper
+
+
+# How long rank 0 retries binding the in-process store's port (a previous generation's rank may
+# still be ending), and how often.
+STORE_HOST_RETRY_S = 10.0
+STORE_HOST_RETRY_EVERY_S = 0.25
+# Set by each rank's process before the wrapper starts NVRx's monitor process: the process that
+# must host the store (the monitor process inherits it, with another pid, and stays a client).
+HOSTING_PID_ENV = "RESILIENT_FSDP_STORE_HOST_PID"
+
+
+class StoreHostError(RuntimeError):
+    """Rank 0 could not host the in-process wrapper's store."""
+
+
+def hosting_store_factory():
+    """The in-process wrapper's ``store_factory``: NVRx's ``TCPStore``, hosted by rank 0's own
+    process or failing there with the port and the reason (see the module docstring)."""
+    import time
+
+    import torch.distributed as dist
+    from nvidia_resiliency_ext.inprocess.store import TCPStore
+
+    class HostingTCPStore(TCPStore):
+        def __init__(self, **kwargs):
+            if int(os.environ["RANK"]) != self.TCP_STORE_HOST_RANK or \
+                    os.environ.get(HOSTING_PID_ENV) != str(os.getpid()):
+                super().__init__(**kwargs)  # a client, as NVRx makes it
+                return
+            args = {"host_name": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
+                    "world_size": int(os.environ["WORLD_SIZE"]), **kwargs}
+            deadline, error = time.monotonic() + STORE_HOST_RETRY_S, None
+            while True:
+                try:
+                    dist.TCPStore.__init__(self, is_master=True, **args)
+                    return
+                except Exception as exc:  # noqa: BLE001 - the port is taken (or will not bind): retried
+                    error = exc
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(STORE_HOST_RETRY_EVERY_S)
+            raise StoreHostError(f"rank 0 could not host the in-process restart store on port {args['port']} "
+                                 f"(MASTER_PORT + resilience.in_process.store_port_offset) within "
+                                 f"{STORE_HOST_RETRY_S:g} s: {error}; the in-job restart's next round picks "
+                                 "another MASTER_PORT") from error
+
+    os.environ[HOSTING_PID_ENV] = str(os.getpid())
+    return HostingTCPStore
 
 
 # The exit code of a rank that leaves in-process restart to the in-job restart (any failure is retried).
