@@ -255,3 +255,22 @@ def test_s3_restore_must_fit_the_init_section():
     # Without a restore at start the restore's timeout is not used.
     load_config(None, s3 + ["checkpoint.s3.restore_timeout_s=3600", "checkpoint.s3.restore=false"])
     load_config(None, ["checkpoint.s3.restore_timeout_s=3600"])
+
+
+def test_a_fault_added_by_inject_needs_what_it_acts_on_as_one_in_the_config_does():
+    """The chart's chaos drill adds its faults with ``--inject``, after the configuration is
+    loaded: a memory fault without the memory tier is refused there too, naming the key."""
+    from resilient_fsdp.config import ConfigError
+    from resilient_fsdp.train.arguments import parse_args, resolve_config
+
+    for fault, key in (("sigkill-during-replication@4", "checkpoint.memory.interval_steps is 0"),
+                       ("memory-corrupt@4", "checkpoint.memory.interval_steps is 0")):
+        with pytest.raises(ConfigError, match=key):
+            resolve_config(parse_args([f"--inject={fault}"]))
+    with pytest.raises(ConfigError, match="checkpoint.memory.replicas is 0; set it to 1"):
+        resolve_config(parse_args(["--inject=sigkill-during-replication@4", "--set",
+                                   "checkpoint.memory.interval_steps=2", "--set", "checkpoint.memory.replicas=0"]))
+    assert resolve_config(parse_args(["--inject=sigkill-during-replication@4", "--set",
+                                      "checkpoint.memory.interval_steps=2", "--set",
+                                      "checkpoint.memory.replicas=1"])).resilience.inject == [
+        "sigkill-during-replication@4"]

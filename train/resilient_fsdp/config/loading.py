@@ -202,8 +202,21 @@ def _check_across_keys(config: Config) -> None:
         if not ip.heartbeat_timeout_s < ip.barrier_timeout_s:
             raise ConfigError(f"resilience.in_process.heartbeat_timeout_s={ip.heartbeat_timeout_s} must be less than "
                               f"resilience.in_process.barrier_timeout_s={ip.barrier_timeout_s}")
+    check_injected_faults(config)
+    check_data_source(config)
+    check_s3_config(config.checkpoint.s3)
+    check_restore_fits_init(config)
+    check_lease_wait_fits_init(config)
+    if config.dist.device == "cuda":  # "auto": checked by the trainer once it sees a GPU
+        check_collective_timeouts(config)
+
+
+def check_injected_faults(config: Config) -> None:
+    """Each ``resilience.inject`` fault has what it acts on: the memory tier's faults need it on,
+    the replicas' faults need replicas. Also called once ``--inject`` (the chart's chaos drill)
+    has added its faults to a loaded configuration."""
     memory = config.checkpoint.memory
-    for text in r.inject:
+    for text in config.resilience.inject:
         spec = parse_fault(text, key="resilience.inject")
         if spec.kind in MEMORY_FAULT_KINDS and memory.interval_steps == 0:
             raise ConfigError(f"resilience.inject {text!r}: a {spec.kind} fault acts on memory checkpoints, and "
@@ -211,12 +224,6 @@ def _check_across_keys(config: Config) -> None:
         if spec.kind in REPLICA_FAULT_KINDS and memory.replicas == 0:
             raise ConfigError(f"resilience.inject {text!r}: a {spec.kind} fault acts on the replicas ranks keep, "
                               "and checkpoint.memory.replicas is 0; set it to 1")
-    check_data_source(config)
-    check_s3_config(config.checkpoint.s3)
-    check_restore_fits_init(config)
-    check_lease_wait_fits_init(config)
-    if config.dist.device == "cuda":  # "auto": checked by the trainer once it sees a GPU
-        check_collective_timeouts(config)
 
 
 # After a collective times out, NCCL's watchdog waits for the flight recorder's dump before it

@@ -12,6 +12,7 @@ import argparse
 from typing import Optional
 
 from ..config import Config, load_config, parse_faults
+from ..config.loading import check_injected_faults
 
 DESCRIPTION = "The trainer every pod runs: ``python -m resilient_fsdp.train [--config FILE] [--set k=v]...``."
 
@@ -42,4 +43,5 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if args.inject:
         parse_faults(args.inject)  # names the bad --inject value
         cfg.resilience.inject = list(cfg.resilience.inject) + list(args.inject)
+        check_injected_faults(cfg)  # what the added faults act on is there
     return cfg
