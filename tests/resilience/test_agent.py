@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.resilience.probes import HERE as PROBES
 
 
@@ -34,16 +36,23 @@ def test_a_node_that_is_not_the_store_host_joins_again_then_exits_when_no_store_
     assert any("no rendezvous completed within 4 s of the event" in line for line in agent)
 
 
-def _lonely_node(run_dir, rejoin_timeout: int, steps: int, lane: list | None = None, nnodes: str = "2"):
+def _lonely_node_cmd(run_dir, rejoin_timeout: int, steps: int, nnodes: str = "2", extra: list | None = None):
     """Node 1 of a job whose store host never starts, training ``train.steps=steps`` in ``run_dir``."""
     from tests.resilience.node import AGENT, free_port
+
+    return [*AGENT, f"--rejoin-timeout={rejoin_timeout}", "--", f"--nnodes={nnodes}", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=lonely",
+            "--rdzv-conf=join_timeout=2,read_timeout=2,store_connect_wait_seconds=2", "--max-restarts=0",
+            "-m", "resilient_fsdp.train", "--set", f"run_dir={run_dir}", "--set", f"train.steps={steps}", *(extra or [])]
+
+
+def _lonely_node(run_dir, rejoin_timeout: int, steps: int, lane: list | None = None, nnodes: str = "2",
+                 index: str = "1", extra: list | None = None):
+    """Run :func:`_lonely_node_cmd` as the pod of ``index`` to its end: the process, the agent's lines."""
     from tests.support import run_guarded
 
-    cmd = [*AGENT, f"--rejoin-timeout={rejoin_timeout}", "--", f"--nnodes={nnodes}", "--nproc-per-node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=lonely",
-           "--rdzv-conf=join_timeout=2,read_timeout=2,store_connect_wait_seconds=2", "--max-restarts=0",
-           "-m", "resilient_fsdp.train", "--set", f"run_dir={run_dir}", "--set", f"train.steps={steps}"]
-    proc = run_guarded(cmd, run_dir, lane, 120, {"JOB_COMPLETION_INDEX": "1"})
+    proc = run_guarded(_lonely_node_cmd(run_dir, rejoin_timeout, steps, nnodes, extra), run_dir, lane, 120,
+                       {"JOB_COMPLETION_INDEX": index})
     return proc, [line for line in proc.stderr.splitlines() if line.startswith("[resilient-fsdp agent]")]
 
 
@@ -52,18 +61,64 @@ def _records(run_dir, *records: dict) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_a_pod_that_lost_the_store_exits_0_when_the_run_directory_says_the_job_trained_every_step(tmp_path):
-    """Real processes: a hot spare (or a pod recreated after the last rendezvous) whose launcher
-    loses the store as the job ends reads the run directory: its last record is rank 0's finish at
-    train.steps, so the pod succeeds instead of joining again and being counted."""
+def test_a_pod_that_lost_the_store_exits_0_once_the_run_directory_says_the_job_trained_every_step(tmp_path):
+    """Real processes: a hot spare (or a pod recreated just before the last rendezvous) whose
+    launcher loses the store as the job ends reads the run directory: once its last record is rank
+    0's finish at train.steps, the pod succeeds instead of joining again and being counted. The
+    finish is written while the pod's first launcher starts, as the job's would be."""
+    import subprocess
+    import threading
+
+    from tests.support import REPO, _env
+
     run_dir = tmp_path / "run"
-    _records(run_dir, {"event": "start", "t": 1.0, "layer": "start"}, {"event": "step", "step": 5, "t": 2.0},
-             {"event": "finish", "step": 5, "t": 3.0})
-    proc, agent = _lonely_node(run_dir, rejoin_timeout=60, steps=5)
+    _records(run_dir, {"event": "start", "t": 1.0, "layer": "start"}, {"event": "step", "step": 5, "t": 2.0})
+    proc = subprocess.Popen(_lonely_node_cmd(run_dir, rejoin_timeout=60, steps=5), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=_env(None, run_dir, {"JOB_COMPLETION_INDEX": "1"}),
+                            cwd=REPO, start_new_session=True)
+    guard = threading.Timer(120, proc.kill)
+    guard.start()
+    agent, written = [], False
+    try:
+        for line in proc.stderr:
+            if line.startswith("[resilient-fsdp agent]"):
+                agent.append(line.strip())
+                if "starting the launcher anyway" in line and not written:
+                    written = True
+                    with open(run_dir / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps({"event": "finish", "step": 5, "t": 3.0}) + "\n")
+        proc.wait()
+    finally:
+        guard.cancel()
+    assert proc.returncode == 0, agent
+    assert written and not any("joining again in this pod" in line for line in agent), agent
+    done = [line for line in agent if "the job's training is complete" in line]
+    assert done and "ft_launcher exited" in done[0], agent
+    assert "finish at step 5 of train.steps=5" in done[0] and "a standby pod" in done[0]
+
+
+@pytest.mark.parametrize("index,stop", [("1", None), ("0", 3)], ids=["node-1-at-train.steps", "pod-0-at-stop_at_step"])
+def test_a_pod_started_after_its_job_ended_exits_0_without_starting_a_launcher(tmp_path, index, stop):
+    """Real agent process: a pod recreated after the job trained its last step (its node froze and
+    was replaced as training ended) finds no launcher to join. The run directory's last record is
+    the finish at train.steps, or at train.stop_at_step when that stops the run earlier: the pod
+    exits 0 at once, before waiting for a store (which would hold a JobSet open for the rejoin
+    window), pod 0 included, which would otherwise wait for peers that already left."""
+    import time
+
+    run_dir = tmp_path / "run"
+    last = stop or 5
+    _records(run_dir, {"event": "start", "t": 1.0, "layer": "start"}, {"event": "finish", "step": last, "t": 3.0})
+    began = time.monotonic()
+    extra = [] if stop is None else ["--set", f"train.stop_at_step={stop}"]
+    proc, agent = _lonely_node(run_dir, rejoin_timeout=600, steps=5, index=index, extra=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert any("the job's training is complete" in line and "finish at step 5 of train.steps=5" in line
-               and "a standby pod" in line for line in agent), agent
-    assert not any("joining again" in line for line in agent)
+    said = [line for line in agent if "already complete" in line]
+    limit = f"train.stop_at_step={stop}" if stop else "train.steps=5"
+    assert said and f"finish at step {last} of {limit}" in said[0] and "without starting ft_launcher" in said[0], agent
+    assert not any("joins the rendezvous store" in line and "waited" in line for line in agent)
+    assert not any("joining again" in line or "ft_launcher exited" in line for line in agent), agent
+    assert time.monotonic() - began < 60  # not the store wait (join_timeout) nor the rejoin window (600 s)
 
 
 def test_a_pod_that_lost_the_store_joins_again_when_the_run_directory_holds_no_finish_at_the_last_step(tmp_path):
@@ -92,6 +147,13 @@ def test_training_complete_reads_only_a_last_finish_at_the_configured_steps(tmp_
     (run_dir / "metrics.jsonl").write_text(json.dumps({"event": "finish", "step": 5}) + '\n{"event": "fin')
     assert training_complete(args) is None
     assert training_complete(["-m", "some.other.module"]) is None
+    # A run that stops early ends complete at its stop step, and only there.
+    stopped = [*args, "--set", "train.stop_at_step=3"]
+    _records(run_dir, {"event": "finish", "step": 3, "t": 3.0})
+    assert "finish at step 3 of train.stop_at_step=3" in training_complete(stopped)
+    assert training_complete(args) is None
+    _records(run_dir, {"event": "finish", "step": 2, "t": 3.0})
+    assert training_complete(stopped) is None
 
 
 def test_a_pod_asked_for_hot_spares_exits_2_naming_spares_under_an_nvrx_that_would_train_every_node(tmp_path):

@@ -21,7 +21,8 @@ and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
 - 0 when training finished, also when every rank of the node finished and only ft_launcher's
   shutdown failed (the store host went first), or when the launcher lost the store and the run
   directory says the job trained all its steps (:func:`training_complete`: a hot spare has no
-  ranks of its own to say so).
+  ranks of its own to say so), and, before any launcher starts, when the run directory already
+  says so (a pod recreated after its job ended, which no launcher would join).
 
 With ``--max-pod-failures=N`` (a PyTorchJob's ``job.backoffLimit``, which its operator does not
 apply) a code the job level retries is first counted among the job's pod failures
@@ -437,6 +438,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if index is not None:
         _say(f"node {index} of the job (GROUP_RANK={env['GROUP_RANK']}); "
              f"{'hosts' if store_host else 'joins'} the rendezvous store")
+    complete = training_complete(args)
+    if complete:
+        # A pod recreated after the job's last rendezvous (its node was lost as training ended):
+        # no launcher of the job will join it, so waiting for one would hold the job open.
+        _say(f"the job's training is already complete ({complete}): this pod started after it ended; "
+             "exiting 0 without starting ft_launcher (to train on, raise train.steps or train.stop_at_step)")
+        if reports is not None:
+            reports.stop()
+        shutil.rmtree(done_dir, ignore_errors=True)
+        return 0
     rejoin = Rejoin(store_host, flags.get("--rejoin-timeout", 0.0))
     if not store_host:
         conf = node_rank.rdzv_conf(args)
@@ -537,7 +548,8 @@ def training_complete(args: list[str]) -> Optional[str]:
     rendezvous, has no ranks of its own to tell it; it asks when its launcher lost the store (which
     the store host's pod takes with it when the job ends). A job launched again on the same run
     directory writes its ``start`` after that ``finish`` at its first attempt. Returns what was
-    read, or None (not complete, or not readable)."""
+    read, or None (not complete, or not readable). A run given ``train.stop_at_step`` below
+    ``train.steps`` is complete at that step: it ends there, checkpointed, as at the end."""
     try:
         cfg = metrics_endpoint.trainer_config(args)
         path = Path(cfg.run_dir) / "metrics.jsonl"
@@ -548,6 +560,9 @@ def training_complete(args: list[str]) -> Optional[str]:
     except (metrics_endpoint.MetricsError, OSError, ValueError):
         return None
     step = last.get("step") if isinstance(last, dict) and last.get("event") == "finish" else None
+    stop = cfg.train.stop_at_step
+    if isinstance(step, int) and stop is not None and stop < cfg.train.steps and step >= stop:
+        return f"{path} ends with its finish at step {step} of train.stop_at_step={stop}"
     if isinstance(step, int) and step >= cfg.train.steps:
         return f"{path} ends with its finish at step {step} of train.steps={cfg.train.steps}"
     return None
