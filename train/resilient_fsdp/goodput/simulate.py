@@ -24,6 +24,14 @@ resumes from the newest snapshot (the pods keep their memory); a ``node`` failur
 ``--memory-replicas 1`` (the peer pod's replica; the other pods stay up while the lost one is
 replaced), else from the durable checkpoint.
 
+Every figure comes with its range over the inputs no run here pins down: the low end is the same
+job on a cluster that fails at Meta RSC-1's published rate (about 1.5x Llama 3's, the default) and
+recovers ``--recovery-range`` times slower (3 by default: scheduling, image pulls and joins at
+1,000+ nodes take 2-3x what a small cluster's restart does); the high end is the figure itself.
+A rate given with ``--node-mtbf-hours`` is the user's own and is not widened. The inputs are
+listed with where each comes from: measured (``--recovery-from-bench``), given, published or
+assumed. Judge a target at the range's middle and name the low end.
+
 With ``--spares S`` (``auto``: the fewest for which at most 1% of node losses find none free,
 ``model.spares_needed``) the in-job strategies run again with S hot spares, ``in-job+spares`` and
 ``in-job+memory+spares``: a ``node`` failure of any pod but pod 0 (the rendezvous store's host,
@@ -67,6 +75,9 @@ DEFAULT_RECOVERY_S = {"in_process": 30.0, "in_job": 120.0, "job": 600.0}
 # Share of failures per class (transient, process, node). Llama 3 attributes ~78% of its
 # unexpected interruptions to hardware; most of those take the node out. Stated assumption.
 DEFAULT_MIX = (0.2, 0.2, 0.6)
+# The range's low end: recovery this many times as long (stated assumption: a restart at 1,000+
+# nodes waits 2-3x longer for scheduling, image pulls and the rendezvous than a small one).
+DEFAULT_RECOVERY_RANGE = 3.0
 
 
 @dataclass
@@ -111,6 +122,16 @@ class Scenario:
     """Hot spares (standby pods) for the ``+spares`` strategies."""
     replacement_s: float = DEFAULT_RECOVERY_S["job"]
     """From a spare's taking a lost node's rank until the lost pod's replacement joins as a spare."""
+    node_mtbf_low_h: float = 0.0
+    """The range's low end: the shortest plausible node MTBF (0: ``node_mtbf_h``, no wider)."""
+    recovery_range: float = 1.0
+    """The range's low end: recovery (and replacement) times this many times as long."""
+
+    def low_end(self) -> "Scenario":
+        """The same job at the worst plausible failure rate and recovery times."""
+        return replace(self, node_mtbf_h=self.node_mtbf_low_h or self.node_mtbf_h,
+                       recovery_s={k: v * self.recovery_range for k, v in self.recovery_s.items()},
+                       replacement_s=self.replacement_s * self.recovery_range)
 
     @property
     def mtbf_s(self) -> float:
@@ -316,6 +337,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replacement-s", type=float,
                    help="from a spare's taking a lost node's rank until the replacement pod joins as a spare "
                         "(default: the job-level recovery)")
+    p.add_argument("--recovery-range", type=float, default=DEFAULT_RECOVERY_RANGE, metavar="X",
+                   help="the range's low end takes every recovery time X times as long (default "
+                        f"{DEFAULT_RECOVERY_RANGE:g}: a restart at 1,000+ nodes; 1: the times as given)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of goodput per size and strategy here")
     p.set_defaults(run=main)
@@ -342,13 +366,19 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
     replacement = recovery["job"] if replacement is None else replacement
     if replacement < 0:
         raise SystemExit("error: --replacement-s must not be negative")
+    recovery_range = getattr(args, "recovery_range", DEFAULT_RECOVERY_RANGE)
+    if not recovery_range >= 1:
+        raise SystemExit(f"error: --recovery-range {recovery_range:g}: give 1 or more (the low end's recovery "
+                         "times as a multiple of those given)")
+    # A rate the user gives is their cluster's own; the published one is widened to RSC-1's.
+    node_mtbf_low = 0.0 if args.node_mtbf_hours else min(node_mtbf, gm.rsc_node_mtbf_hours(args.gpus_per_node))
     out = []
     for n in nodes:
         mtbf_s = node_mtbf * gm.HOUR / n
         interval = args.interval_s or max(gm.daly_interval(args.ckpt_stall_s, mtbf_s), args.ckpt_write_s)
         s = Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
                      stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix,
-                     replacement_s=replacement)
+                     replacement_s=replacement, node_mtbf_low_h=node_mtbf_low, recovery_range=recovery_range)
         spares = gm.spares_needed(s.busy_spares_mean) if spares_arg == "auto" else int(spares_arg)
         s = replace(s, spares=spares)
         stall = getattr(args, "memory_stall_s", None)
@@ -371,6 +401,36 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
+def input_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Each input of the figures and where it comes from: measured, given, published or assumed."""
+    given = {part.partition("=")[0].strip() for part in args.recovery_s.split(",") if part.strip()}
+    measured = set(recovery_from_bench(Path(args.recovery_from_bench))) if args.recovery_from_bench else set()
+    recovery = ", ".join(f"{layer} " + ("measured (" + args.recovery_from_bench + ")" if layer in measured else
+                                        "given" if layer in given else f"assumed ({DEFAULT_RECOVERY_S[layer]:g} s)")
+                         for layer in DEFAULT_RECOVERY_S)
+    rate = ("given (--node-mtbf-hours), not widened" if args.node_mtbf_hours else
+            f"published: {gm.LLAMA3_SOURCE.format(gpu_hours=gm.llama3_gpu_mtbf_hours())}; the low end {gm.RSC_SOURCE}")
+    defaults = {a.dest: a.default for a in build_parser()._actions}
+    def flag(name: str, text: str) -> str:
+        return "given" if getattr(args, name) != defaults.get(name) else f"assumed (default {text})"
+    out = [("failure rate", rate),
+           ("recovery times", f"{recovery}; the low end {getattr(args, 'recovery_range', DEFAULT_RECOVERY_RANGE):g}x "
+                              "(assumed: a large cluster's scheduling, pulls and joins)"),
+           ("failure classes", flag("mix", args.mix)),
+           ("checkpoint stall and write", f"stall {flag('ckpt_stall_s', str(defaults.get('ckpt_stall_s')))}, "
+                                          f"write {flag('ckpt_write_s', str(defaults.get('ckpt_write_s')))}")]
+    if getattr(args, "memory_stall_s", None) is not None:
+        out.append(("memory snapshot stall", "given"))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``simulate`` parser on its own (for its defaults)."""
+    parser = argparse.ArgumentParser(prog="resilient-fsdp")
+    add_parser(parser.add_subparsers())
+    return parser._subparsers._group_actions[0].choices["simulate"]
+
+
 def strategies_of(s: Scenario) -> list[str]:
     """The strategies a scenario is simulated for: the memory tier's with a memory stall, and
     their variants with spares when it has spares."""
@@ -386,6 +446,8 @@ def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
             memory = base_strategy(strategy) == MEMORY_STRATEGY
             s = scenario.with_memory_durable_interval() if memory else scenario
             result = simulate(s, strategy, runs, seed)
+            low = simulate(s.low_end(), strategy, runs, seed)["goodput"]
+            result.update(goodput_low=low, goodput_mid=(low + result["goodput"]) / 2)
             spares = {"spares": s.spares, "replacement_s": s.replacement_s,
                       "p_no_spare_analytic": gm.p_no_spare(s.spares, s.busy_spares_mean)}
             rows.append({"nodes": s.nodes, "strategy": strategy, "interval_s": s.interval_s,
@@ -398,11 +460,13 @@ def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
 def render_table(rows: list[dict]) -> str:
     width = max([13, *(len(r["strategy"]) for r in rows)])
     spares = any("spares" in r for r in rows)
-    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<{width}} {'goodput':>8} {'analytic':>9} "
-             f"{'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}" + ("  spares (no spare free)" if spares else "")]
+    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<{width}} {'goodput':>8} {'range':>13} "
+             f"{'middle':>7} {'analytic':>9} {'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}"
+             + ("  spares (no spare free)" if spares else "")]
     for r in rows:
         lines.append(f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<{width}} "
-                     f"{r['goodput']:>8.4f} {r['analytic_goodput']:>9.4f} {r['checkpoint_stalls']:>7.4f} "
+                     f"{r['goodput']:>8.4f} {r['goodput_low']:>6.4f}-{r['goodput']:.4f} {r['goodput_mid']:>7.4f} "
+                     f"{r['analytic_goodput']:>9.4f} {r['checkpoint_stalls']:>7.4f} "
                      f"{r['lost_work']:>7.4f} {r['restarts']:>9.4f} {r['failures_per_run']:>9.1f}"
                      + (f"  {r['spares']} ({r['p_no_spare']:.2%})" if "spares" in r else ""))
     return "\n".join(lines)
@@ -433,10 +497,14 @@ def main(args: argparse.Namespace) -> int:
         print("error: --runs must be at least 1", file=sys.stderr)
         return 2
     rows = run_all(scenarios_from_args(args), args.runs, args.seed)
+    sources = input_sources(args)
     print(render_table(rows))
+    print("range: from the low end (the worst plausible inputs below) to the figure; judge a target at the middle")
+    for name, source in sources:
+        print(f"  {name}: {source}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "run"},
-                                              "rows": rows}, indent=2, sort_keys=True) + "\n")
+                                              "inputs": dict(sources), "rows": rows}, indent=2, sort_keys=True) + "\n")
     if args.plot:
         plot(rows, Path(args.plot))
     return 0 if all(math.isfinite(r["goodput"]) for r in rows) else 1
