@@ -141,8 +141,13 @@ def test_a_fault_inside_the_writer_goes_to_the_first_periodic_save_of_its_slot()
     bounds = {"main": (0, 16), "rewind": (12, 28), "shrink": (28, 32), "regrow": (32, 44)}
     placed = c.place_faults(bounds, dict.fromkeys(c.LEGS, 4), ["writer-raise:rank=1"], 8, "netns", save_every=4)
     specs = [(f.spec, f.skipped) for leg in c.LEGS for f in placed[leg]]
-    assert specs[:3] == [("writer-raise@4:rank=1", None), ("writer-raise@12:rank=1", None),
-                         ("writer-raise@16:rank=1", None)]  # the rewind leg's slot 14: the save at 16
+    # Main's slot 10 is not the save at 12, the one the rewind resumes from (a failed write there
+    # leaves nothing to rewind to), nor the leg's final save at 16; the rewind leg's slot 14 is
+    # the save at 16.
+    assert specs[:4] == [("writer-raise@4:rank=1", None),
+                         ("writer-raise@16:rank=1", "no periodic save left in the main leg for a fault inside the "
+                                                    "writer or the commit"),
+                         ("writer-raise@16:rank=1", None), ("writer-raise@24:rank=1", None)]
     assert all(int(spec.split("@")[1].split(":")[0]) % 4 == 0 for spec, _ in specs)
     shrink = [f for f in placed["shrink"]]
     assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer or the commit"

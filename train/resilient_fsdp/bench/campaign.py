@@ -81,7 +81,7 @@ FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", 
 
 CHECKS = {
     "legs_finished": "every leg's launch ended 0 at its stop step",
-    "disk_bounded": "checkpoint.dir (set-asides apart) <= (keep_last + 1 in flight) x checkpoint + margin",
+    "disk_bounded": "checkpoint.dir (set-asides apart) <= (keep_last + 1 in flight + 1 torn) x checkpoint + margin",
     "bucket_bounded": "the bucket <= (s3.keep_last + 1 in flight + 1 torn by a fault, swept after the next "
                       "upload) x checkpoint + margin",
     "open_files_bounded": "per pod, the job's open files <= 2 x the fault-free job's peak",
@@ -215,9 +215,11 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
     fault inside the checkpoint writer or rank 0's commit (``when: write``, ``commit``) fires only
     while a periodic save is written or committed, so it goes to the first periodic save (every
     ``save_every`` steps) at or after its slot; a slot with no periodic save left in its leg (the
-    final save is the leg's end, not a fault's place) is skipped, saying so."""
+    final save is the leg's end, not a fault's place) is skipped, saying so. The save the rewind
+    resumes from is never one of them: a failed write there leaves nothing to rewind to."""
     placed: dict[str, list[Fault]] = {}
     taken: set[str] = set()
+    rewound_to = {bounds["rewind"][0]} if "rewind" in bounds else set()
     slot = 0
     for leg, (first, stop) in bounds.items():
         # None in a leg's first two steps (the restore) nor at its stop (the final save). The
@@ -236,12 +238,13 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
             if writes:
                 step = -(-step // save_every) * save_every
             # The ledger keeps a fault once per job: a rewound step may not repeat an earlier spec.
-            while f"{kind}@{step}{suffix}" in taken:
+            while f"{kind}@{step}{suffix}" in taken or (writes and step in rewound_to):
                 step += stride
             skipped = available(kind, isolation)
             if writes and skipped is None and step >= stop:
                 skipped = f"no periodic save left in the {leg} leg for a fault inside the writer or the commit"
-            taken.add(f"{kind}@{step}{suffix}")
+            if skipped is None:
+                taken.add(f"{kind}@{step}{suffix}")
             placed[leg].append(Fault(leg, f"{kind}@{step}{suffix}", kind, step, skipped))
         _skip_restores_with_no_restart_after(placed[leg])
     return placed
@@ -776,9 +779,10 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     records = read_records(run_dir)
     checkpoints = run_dir / "checkpoints"
     camp_peaks = peaks(sampler.samples)
-    # keep_last committed checkpoints and one being written; the margin covers metadata and the
-    # checkpoint's size varying by a few percent between world sizes.
-    disk_bound = (KEEP_LAST + 1) * size + size // 2 + (1 << 20)
+    # keep_last committed checkpoints, one being written and one torn write (a failed save's, swept
+    # at the commit of its step or the next start: checkpoint.store's bound); the margin covers
+    # metadata and the checkpoint's size varying by a few percent between world sizes.
+    disk_bound = (KEEP_LAST + 2) * size + size // 2 + (1 << 20)
     # The bucket may also hold an upload a fault cut off: it has no marker and is swept once the
     # next upload is marked (s3.uploader), so while that one is in flight both are there.
     bucket_bound = disk_bound + size
