@@ -3,7 +3,8 @@ printing one JSON line: ``round_trip`` (one save and resume), ``engine`` (the en
 attempts and dead or hung writers), ``compare`` (checkpoints compared step by step), ``plan_cache``
 (what a cached plan hands the writer), ``open_files`` (a state of thousands of tensors under a low
 open-files limit, with the ``many_tensors`` model), ``writer_requests`` (the writer process's
-limits and environment, and requests it cannot take)."""
+limits and environment, and requests it cannot take); and ``object_group`` (the connections side
+groups hold, in a world of eight gloo ranks)."""
 
 from __future__ import annotations
 

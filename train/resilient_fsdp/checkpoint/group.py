@@ -10,16 +10,27 @@ hundreds of MB of write results through rank 0's GPU memory. :func:`open_object_
 group once per default group (where the default group is made); a default group that is gloo
 already serves as its own. Small max-reductions stay on the default group: one tensor of a few
 floats, no pickling.
+
+Side groups connect lazily (:func:`lazy_gloo_group`): an eager gloo group connects every rank to
+every other when it is made, a socket per rank of the world at every start (16,383 a rank at
+2,048 nodes x 8). A lazy one makes none then, and a pair's connection on its first message, so a
+rank holds only the peers its collectives reach: gloo's broadcast tree and allgather ring, and
+rank 0 for a gather (rank 0 itself reaches every rank on its first gather).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..resilience import nvrx
+
+_LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo's constructor
 
 
 # (default group, its object group): the side group belongs to one default group; an in-process
@@ -37,9 +48,25 @@ def open_object_group(timeout: Optional[timedelta] = None) -> Optional[dist.Proc
         return _object_group[1]
     side = None
     if dist.get_backend(default) != dist.Backend.GLOO:
-        side = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+        side = lazy_gloo_group(timeout)
     _object_group = (default, side)
     return side
+
+
+def lazy_gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
+    """Collective: a new gloo group over every rank whose pairs connect on their first message.
+    A failed attempt's abort shuts its connections down by the ports it listens on (recorded
+    here): a thread blocked on a peer then wakes and lets the group, and the attempt, go."""
+    before = os.environ.get(_LAZY)
+    os.environ[_LAZY] = "1"
+    try:
+        with nvrx.recording_group_listeners():
+            return dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+    finally:
+        if before is None:
+            os.environ.pop(_LAZY, None)
+        else:
+            os.environ[_LAZY] = before
 
 
 def object_group() -> Optional[dist.ProcessGroup]:

@@ -18,7 +18,6 @@ its own slot.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Callable, Optional
@@ -26,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ...resilience import nvrx
+from ..group import lazy_gloo_group
 from .agreement import Decision
 from .slots import MemorySlots, Record, owner_name
 
@@ -148,25 +147,10 @@ class Replicator:
 
 
 def pairs_group() -> dist.ProcessGroup:
-    """Collective: the gloo group replicas travel over. Its connections are made lazily, on a
-    pair's first message: a rank talks to its holder and its source alone (and, at a start, the
-    pairs an exchange moves), where an eager gloo group connects every rank to every other (a
-    socket per rank of the world, 16,383 at 2,048 nodes x 8, made at every start)."""
-    before = os.environ.get(_LAZY)
-    os.environ[_LAZY] = "1"  # read by ProcessGroupGloo's constructor
-    try:
-        # A failed attempt's abort shuts its connections down by these ports: a helper thread
-        # blocked on a peer then wakes, ends, and lets the group (and the attempt) go.
-        with nvrx.recording_group_listeners():
-            return dist.new_group(backend=dist.Backend.GLOO)
-    finally:
-        if before is None:
-            os.environ.pop(_LAZY, None)
-        else:
-            os.environ[_LAZY] = before
-
-
-_LAZY = "TORCH_GLOO_LAZY_INIT"
+    """Collective: the gloo group replicas travel over, connected lazily
+    (:func:`..group.lazy_gloo_group`): a rank talks to its holder and its source alone (and, at a
+    start, the pairs an exchange moves)."""
+    return lazy_gloo_group()
 
 
 def _send_lengths(group: dist.ProcessGroup, dst: int, header: int, extra: int, tags=STREAM) -> None:
