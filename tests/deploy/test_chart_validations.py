@@ -111,6 +111,14 @@ RULES = {
     "fault on a rank that does not exist": (
         ["chaos.enabled=true", "chaos.inject={sigkill@5:rank=16}", "nodes=2"], None,
         ["chaos.inject sigkill@5:rank=16", "16 ranks", "below 16"]),
+    "a memory-tier fault without the memory tier": (
+        ["chaos.enabled=true", "chaos.inject={memory-corrupt@5:rank=1}", "trainer.checkpoint.memory.interval_steps=0"],
+        None, ["chaos.inject memory-corrupt@5:rank=1", "trainer.checkpoint.memory.interval_steps is 0",
+               "set it, e.g. to 2"]),
+    "a replica fault without replicas": (
+        ["chaos.enabled=true", "chaos.inject={sigkill-during-replication@5:rank=1}",
+         "trainer.checkpoint.memory.replicas=0"], None,
+        ["chaos.inject sigkill-during-replication@5:rank=1", "trainer.checkpoint.memory.replicas is 0", "set it to 1"]),
     "privileged container": (
         ["pod.containerSecurityContext.privileged=true"], None,
         ["pod.containerSecurityContext.privileged=true", "remove it"]),
@@ -188,6 +196,24 @@ def test_should_list_the_schema_fault_kinds_when_trainer_kinds_change():
     pattern = schema["properties"]["chaos"]["properties"]["inject"]["items"]["pattern"]
     assert sorted(pattern[pattern.index("(") + 1:pattern.index(")")].split("|")) == sorted(FAULT_KINDS)
     assert pattern == chart.fault_spec_pattern(), "stale: python -m resilient_fsdp.deploy.chart --update-schema"
+
+
+def test_should_refuse_the_fault_kinds_the_trainer_refuses_without_the_memory_tier():
+    """The chart's lists of the kinds that need the memory tier, and replicas, are the trainer's
+    (config.fault_spec), and the trainer refuses the same drill once --inject adds it."""
+    import re
+
+    from tests.deploy.chart_support import REPO
+    from resilient_fsdp.config.fault_spec import MEMORY_FAULT_KINDS, REPLICA_FAULT_KINDS
+
+    text = (REPO / "charts/resilient-fsdp/templates/validations.yaml").read_text()
+
+    def kinds(name: str) -> tuple:
+        line = re.search(r"\$" + name + r" := list (.*?) }}", text)
+        return tuple(re.findall(r'"([a-z-]+)"', line[1]))
+
+    assert kinds("memoryKinds") == MEMORY_FAULT_KINDS and kinds("replicaKinds") == REPLICA_FAULT_KINDS
+    assert render("chaos.enabled=true", "chaos.inject={memory-corrupt@5:rank=1,replica-corrupt@7:rank=2}").documents()
 
 
 # ---- the validator itself must catch what the cluster would reject --------------------------------
