@@ -84,6 +84,7 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     # The restart restored from the pod's memory, its optimizer state read ahead during the build.
     assert in_job["restored_from_memory"] and in_job["lost_steps"] <= 1, in_job
     assert "read ahead beside the build" in in_job["memory_restore"] and in_job["load_s"] > 0
+    assert "no CUDA" in in_job["skipped"]["memory_slots_pinned"] and "memory_slots_pinned" not in in_job
 
     md = (out / "gpu-check.md").read_text()
     assert "| 1. steps/s and MFU | ok |" in md and "MFU n/a" in md
@@ -160,6 +161,21 @@ def test_only_wheels_the_machine_lacks_or_has_older_are_installed(tmp_path):
         (tmp_path / "mine").mkdir()
         (tmp_path / "mine" / "keep.txt").write_text("x")
         install(wheels, tmp_path / "mine")
+
+
+def test_the_in_job_section_reads_whether_every_memory_save_copied_into_page_locked_slots(tmp_path):
+    from resilient_fsdp.bench.gpu.restarts import memory_slots_pinned
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert memory_slots_pinned(metrics) is None  # no run
+    saves = [{"event": "memory_checkpoint", "pinned": True, "error": None},
+             {"event": "memory_checkpoint", "pinned": None, "error": "its commit did not finish"},
+             {"event": "step", "step": 3}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in saves) + '{"event": "memo')
+    assert memory_slots_pinned(metrics) is True
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [*saves, {"event": "memory_checkpoint", "pinned": False,
+                                                                         "error": None}]))
+    assert memory_slots_pinned(metrics) is False
 
 
 def test_the_report_renders_gpu_figures_and_keeps_the_table_intact():

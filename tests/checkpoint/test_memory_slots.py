@@ -257,3 +257,54 @@ def test_a_dev_shm_too_small_for_the_pods_slots_turns_the_tier_off_once_and_take
         short.close(remove=True)
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+class _Registrations:
+    """Stands in for CUDA's host registration (``torch.cuda._pin_memory_utils``), which needs a GPU
+    this machine does not have: records what is registered and unregistered, by address."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.registered, self.unregistered = fail, {}, []
+
+    def pin_memory(self, ptr: int, size: int) -> None:
+        if self.fail:
+            raise RuntimeError("Registering memory failed with cudaError: 1.")
+        self.registered[ptr] = size
+
+    def unpin_memory(self, ptr: int) -> None:
+        assert ptr in self.registered, "unregistering what was never registered"
+        self.unregistered.append(ptr)
+
+
+def test_on_cuda_each_mapped_slot_is_page_locked_once_and_unregistered_before_it_goes(root, monkeypatch):
+    import torch.cuda
+
+    cuda = _Registrations()
+    monkeypatch.setattr(torch.cuda, "_pin_memory_utils", cuda, raising=False)
+    slots = MemorySlots(root, owner_name(0), pin=True)
+    assert slots.pinned is None  # nothing mapped yet
+    for step in (2, 4, 6, 8):  # both slots, each mapped once and kept across saves
+        save(slots, state(step), step=step)
+    assert sorted(cuda.registered.values()) == [slot_bytes(state(1))] * 2 and slots.pinned is True
+    a, b = slots._mapped["a"][1].data_ptr(), slots._mapped["b"][1].data_ptr()
+    assert set(cuda.registered) == {a, b} and cuda.unregistered == []
+    save(slots, [torch.ones(1000)], step=10)  # a new layout: that slot's mapping goes, its pages unlocked
+    assert cuda.unregistered == [a] and slots.pinned is True and len(cuda.registered) == 3
+    live = [torch.zeros(1000)]
+    slots.load_into(slots.newest(), live)
+    assert torch.equal(live[0], torch.ones(1000))
+    slots.remove()  # the job's end: every registration undone
+    assert len(cuda.unregistered) == 3 and set(cuda.unregistered) == set(cuda.registered) and slots.pinned is None
+
+
+def test_a_slot_cuda_cannot_register_stays_pageable_and_the_save_says_why(root, monkeypatch):
+    import torch.cuda
+
+    monkeypatch.setattr(torch.cuda, "_pin_memory_utils", _Registrations(fail=True), raising=False)
+    slots = MemorySlots(root, owner_name(0), pin=True)
+    record = save(slots, state(1), step=2)
+    assert record.step == 2 and slots.pinned is False
+    assert "stay pageable: cudaHostRegister failed" in slots.pin_error and "slot-a.bin" in slots.pin_error
+    plain = MemorySlots(root, owner_name(1))  # CPU: not asked to pin
+    save(plain, state(1), step=2)
+    assert plain.pinned is None and plain.pin_error is None

@@ -267,6 +267,8 @@ def _measured(name: str, r: dict) -> tuple[str, str, str]:
         memory = "" if "restored_from_memory" not in r else (
             f"from memory {'yes' if r['restored_from_memory'] else 'NO'}, "
             f"load phase {_fmt(r.get('load_s'), '.2f')} s, ")
+        if "memory_slots_pinned" in r:
+            memory += f"memory slots page-locked {'yes' if r['memory_slots_pinned'] else 'NO'}, "
         return (f"recovery {_fmt(r.get('recovery_s'), '.2f')} s, {_fmt(r.get('lost_steps'))} step(s) redone, {memory}"
                 f"layer {r.get('layer_seen', 'n/a')}, final parameters "
                 + ({True: "bitwise equal to", False: "DIFFERENT from", None: "not compared with"}[eq])

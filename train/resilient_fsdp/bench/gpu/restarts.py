@@ -120,6 +120,19 @@ def memory_restore_line(logs: Path) -> Optional[str]:
     return None
 
 
+def memory_slots_pinned(metrics: Path) -> Optional[bool]:
+    """Whether every memory save of the run copied into page-locked slots (None: no memory save)."""
+    seen = set()
+    for line in metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == "memory_checkpoint" and record.get("error") is None:
+            seen.add(record.get("pinned"))
+    return None if not seen else seen == {True}
+
+
 IN_JOB_MANIFESTS = "gpu-check-in-job.yaml"
 """The in-job section's job rendered ahead (``scripts/gpu-wheels``) for a GPU machine without the
 chart extra: it travels beside the wheels."""
@@ -168,6 +181,11 @@ def section_in_job(s: Section) -> None:
         raise RuntimeError(f"the fault was recovered by the {r['layer_seen']} layer, not in-job")
     restored = memory_restore_line(s.dir / "logs")
     r["restored_from_memory"] = restored is not None
+    pinned = memory_slots_pinned(s.dir / "metrics.jsonl")
+    if s.cpu:
+        r.setdefault("skipped", {})["memory_slots_pinned"] = "no CUDA: the slots are host memory the copy writes directly"
+    else:
+        r["memory_slots_pinned"] = pinned
     if restored is not None:
         r["memory_restore"] = restored  # each phase of the load, its CPU time and the read-ahead's
     r["exercised"] = [f"the chart's pod command: the node agent (resilient_fsdp.resilience.agent) around ft_launcher "

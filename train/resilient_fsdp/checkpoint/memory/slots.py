@@ -40,6 +40,7 @@ import torch
 from ... import atomic
 from ..arena import Slot as Span
 from ..arena import plan
+from . import pinning
 
 SLOTS = ("a", "b")
 FORMAT = 1
@@ -106,9 +107,14 @@ class MemorySlots:
     """The two slots of ``owner`` (``owner_name``) under ``root``, for tensors laid out alike at
     every save (a new layout rewrites the slot's file at its new size)."""
 
-    def __init__(self, root: Path, owner: str):
+    def __init__(self, root: Path, owner: str, pin: bool = False):
         self.dir = Path(root) / owner
         self._mapped: dict[str, tuple[int, torch.Tensor]] = {}
+        # On CUDA the slots a save copies into are page-locked (:mod:`.pinning`): whether they are,
+        # and why not when one could not be.
+        self._pin = pin
+        self._pinned: set[str] = set()
+        self.pin_error: Optional[str] = None
         # Records parsed, by slot, with the identity of the file they were read from: a save asks
         # for the newest at every snapshot, and a record is only ever replaced by a rename.
         self._parsed: dict[str, tuple[tuple[int, int, int], Record]] = {}
@@ -184,14 +190,33 @@ class MemorySlots:
             return held[1]
         path = self._bin(slot)
         if held is not None or (path.exists() and path.stat().st_size != nbytes):
-            self._mapped.pop(slot, None)
+            self._unmap(slot)
             path.unlink(missing_ok=True)  # a new layout: a file of the new size, not a grown one
         _reserve(path, max(nbytes, 1))
         storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=max(nbytes, 1))
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
         buffer.zero_()  # first touch here, not in the first save's copy
         self._mapped[slot] = (nbytes, buffer)
+        if self._pin:
+            why = pinning.pin(buffer)
+            if why is None:
+                self._pinned.add(slot)
+            else:
+                self.pin_error = f"memory slot {path}: {why}"
         return buffer
+
+    def _unmap(self, slot: str) -> None:
+        held = self._mapped.pop(slot, None)
+        if held is not None and slot in self._pinned:
+            self._pinned.discard(slot)
+            pinning.unpin(held[1])  # a failure leaves the pages locked until the process ends
+
+    @property
+    def pinned(self) -> Optional[bool]:
+        """Whether every mapped slot is page-locked (None: not asked to pin, or none mapped yet)."""
+        if not self._pin or not self._mapped:
+            return None
+        return set(self._mapped) <= self._pinned
 
     def commit(self, slot: str, spans: list[Span], step: int, digest: str, *, world_size: int, rank: int,
                job: str, attempt: int, meta: Optional[dict] = None, extra: bytes = b"") -> Record:
@@ -319,7 +344,8 @@ class MemorySlots:
 
     def remove(self) -> None:
         """Unmap and delete both slots (the job has ended; memory goes back to the pod)."""
-        self._mapped.clear()
+        for slot in list(self._mapped):
+            self._unmap(slot)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -85,7 +85,7 @@ class MemoryTier:
         self.restore_cpu_s: Optional[float] = None
         self.root = job_root(Path(shm), job, run)
         self.job, self.run, self.rank, self.world_size = job, run, rank, world_size
-        self.slots = MemorySlots(self.root, owner_name(rank))
+        self.slots = MemorySlots(self.root, owner_name(rank), pin=torch.cuda.is_available())
         self.replicator: Optional[Replicator] = None
         self.group = None
         self.source = None
@@ -131,6 +131,10 @@ class MemoryTier:
         except (OSError, RuntimeError, pickle.PicklingError) as exc:
             self._finished.append(self._event(pending, error=f"{type(exc).__name__}: {exc}"))
             return
+        if self.slots.pin_error is not None:
+            self.say(f"rank {self.rank}: warning: {self.slots.pin_error}; each memory save's copy waits for all of "
+                     "it at the pageable rate")
+            self.slots.pin_error = None
 
         def commit() -> None:
             t = time.perf_counter()
@@ -226,7 +230,8 @@ class MemoryTier:
     def _event(self, pending: dict, error: Optional[str] = None, copy_s: float = 0.0) -> dict:
         return {"event": "memory_checkpoint", "t": time.time(), "step": pending["step"], "slot": pending["slot"],
                 "rank": self.rank, "stall_s": pending["stall_s"], "copy_s": copy_s,
-                "commit_s": pending.get("commit_s", 0.0), "bytes": pending.get("nbytes", 0), "error": error}
+                "commit_s": pending.get("commit_s", 0.0), "bytes": pending.get("nbytes", 0),
+                "pinned": self.slots.pinned, "error": error}
 
     # -- restoring -------------------------------------------------------------------------------
 
