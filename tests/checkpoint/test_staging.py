@@ -76,3 +76,23 @@ def test_a_staging_job_reuses_an_idle_helper_thread_and_never_waits_behind_a_hun
     for _ in range(5):  # saves one after another run on the idle threads, start none
         StagingJob(sd, buffers(), False, lambda: ran_on.append(threading.current_thread())).join()
     assert len(ran_on) == 5 and len(set(ran_on)) <= 2, ran_on
+
+
+def test_waiting_for_the_copy_itself_returns_once_the_buffers_hold_the_state():
+    """On CPU the copy is over when :meth:`wait` returns; :meth:`wait_for_the_copy` (what the
+    checkpoint bench counts on CUDA, where the copy runs on a side stream) means the same here."""
+    import threading
+
+    import torch
+
+    from resilient_fsdp.checkpoint.staging import StagingJob
+
+    sd = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    buffers = {"w": torch.zeros(1 << 16)}
+    gate = threading.Event()
+    job = StagingJob(sd, buffers, cuda=False, then=gate.wait)  # the follow-up waits: only the copy is over
+    assert job.wait_for_the_copy() >= 0 and job.copied.is_set() and not job.done()
+    assert torch.equal(buffers["w"], sd["w"])
+    gate.set()
+    job.join()
+    assert job.error is None

@@ -65,13 +65,22 @@ class OurSaver(Saver):
         self.ckpt.preflight()
         self.record: Optional[dict] = None
         self.job: Any = None
+        self.copy_wait_s = 0.0  # on CUDA: the wait for the device-to-host copy itself
 
     def start(self, step: int) -> None:
         self.record = self.ckpt.save(step)  # sync: committed here
         self.job = getattr(self.ckpt._engine, "job", None)  # the staging thread's CPU time
+        self.copy_wait_s = 0.0
 
     def before_optimizer_step(self) -> float:
-        return self.ckpt.before_optimizer_step()
+        waited = self.ckpt.before_optimizer_step()
+        if self.job is not None and self.job.cuda:
+            # Counted as DCP's staging counts it: until the device-to-host copy is over, not until
+            # it is ordered before the optimizer step (which leaves the copy to the GPU's time).
+            extra = self.job.wait_for_the_copy()
+            self.copy_wait_s += extra
+            waited += extra
+        return waited
 
     def poll(self) -> Optional[dict]:
         record, self.record = self.record or self.ckpt.poll(), None
@@ -79,7 +88,8 @@ class OurSaver(Saver):
             return None
         job, self.job = self.job, None
         cpu = {"staging_copy": job.copy_cpu_s, "staging_handoff": job.handoff_cpu_s} if job is not None else {}
-        return {"write_s": record["write_s"], "bytes": record["bytes"], "wait_s": record["staging_wait_s"],
+        return {"write_s": record["write_s"], "bytes": record["bytes"],
+                "wait_s": record["staging_wait_s"] + self.copy_wait_s,
                 "call_s": record["save_call_s"], "commit_s": record["commit_s"], "thread_cpu_s": cpu}
 
     def close(self) -> None:
@@ -106,7 +116,10 @@ class MemorySaver(Saver):
         self.call_s, self.wait_s, self.step = time.perf_counter() - self.t0, 0.0, step
 
     def before_optimizer_step(self) -> float:
+        job = self.tier._copy
         waited = self.tier.before_optimizer_step()
+        if job is not None and job.cuda:  # until the copy is over, as for the other engines
+            waited += job.wait_for_the_copy()
         self.wait_s += waited
         return waited
 
