@@ -105,20 +105,25 @@ def metadata_opens(monkeypatch) -> list:
     return opened
 
 
-def test_the_dcp_metadata_is_read_once_per_load_whatever_the_world_size(tmp_path, group, metadata_opens):
+def test_the_dcp_metadata_is_read_once_per_load_whatever_the_world_size(tmp_path, group, metadata_opens, monkeypatch):
     saved = {"w": torch.randn(16, 8), "b": torch.randn(8)}
     dcp.save(saved, checkpoint_id=str(tmp_path))
     metadata_opens.clear()
-    # The coordinator: reads the file once, broadcasts it, and loads with what it read.
+    sent = []
+    broadcast = resume.RankGroup.broadcast
+    monkeypatch.setattr(resume.RankGroup, "broadcast", lambda self, obj: sent.append(obj) or broadcast(self, obj))
+    # The coordinator: reads the file once, broadcasts its bytes (not the object, which it would
+    # unpickle and pickle again alone), and loads with what it unpickled.
     reader, error = resume.shared_metadata_reader(group, tmp_path)
     assert error is None
+    assert sent == [{"bytes": (tmp_path / ".metadata").read_bytes()}]
     target = {"w": torch.zeros(16, 8), "b": torch.zeros(8)}
     dcp.load(target, storage_reader=reader)
     assert torch.equal(target["w"], saved["w"]) and torch.equal(target["b"], saved["b"])
     coordinator = len(metadata_opens)
-    # Any other rank: handed the broadcast object (pickled on the way, as the broadcast does).
+    # Any other rank: handed the broadcast bytes, unpickled there.
     metadata_opens.clear()
-    shared = pickle.loads(pickle.dumps(reader.metadata))
+    shared = pickle.loads(pickle.loads(pickle.dumps(sent[0]))["bytes"])
     other = {"w": torch.zeros(16, 8), "b": torch.zeros(8)}
     dcp.load(other, storage_reader=resume.SharedMetadataReader(tmp_path, shared))
     assert torch.equal(other["w"], saved["w"])
@@ -134,7 +139,13 @@ def test_the_dcp_metadata_is_read_once_per_load_whatever_the_world_size(tmp_path
     # A metadata file rank 0 cannot read is the same error on every rank (the older checkpoint is tried).
     (tmp_path / ".metadata").write_bytes(b"not a pickle")
     reader, error = resume.shared_metadata_reader(group, tmp_path)
-    assert reader is None and "cannot read its DCP metadata" in error
+    assert reader is None and "cannot read its DCP metadata: UnpicklingError" in error
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    reader, error = resume.shared_metadata_reader(group, tmp_path)
+    assert reader is None and "a dict, not DCP's Metadata" in error
+    (tmp_path / ".metadata").unlink()
+    reader, error = resume.shared_metadata_reader(group, tmp_path)
+    assert reader is None and "cannot read its DCP metadata: FileNotFoundError" in error
 
 
 def test_the_resume_cost_model_at_1024_ranks_reads_each_byte_once_to_verify_and_the_metadata_once():

@@ -24,8 +24,9 @@ its own rather than a hash of what loading reads: DCP reads only the byte ranges
 each rank's plan needs (at another world size, slices of many files), so no rank reads whole files.
 
 **Loading** reads DCP's ``.metadata`` (every item's location in the files: hundreds of MB for a
-large model) once, on rank 0, and broadcasts it; the other ranks load through a reader that is
-handed it (:class:`SharedMetadataReader`), so the file is read once, not once per rank.
+large model) once, on rank 0, and broadcasts its bytes; every rank unpickles them and loads
+through a reader that is handed the result (:class:`SharedMetadataReader`), so the file is read
+once, not once per rank, and rank 0 does not unpickle and pickle it again for the others.
 
 **At another world size** (DCP checkpoints reshard): ``train.grad_accum_steps`` is chosen by the
 ``train.elastic_batch`` policy (:mod:`resilient_fsdp.train.global_batch`: the run's global batch
@@ -36,6 +37,7 @@ so they start fresh.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _metadata_fn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .. import atomic
@@ -345,17 +347,33 @@ class SharedMetadataReader(FileSystemReader):
 
 def shared_metadata_reader(group: RankGroup, path: Path) -> tuple[Optional[SharedMetadataReader], Optional[str]]:
     """Collective: a reader for ``path`` on every rank holding the metadata rank 0 read (the file
-    read once for the job), or the same error on every rank."""
+    read once for the job), or the same error on every rank.
+
+    Rank 0 broadcasts the file's bytes, not the object: unpickling hundreds of MB of ``Metadata``
+    and pickling it again for the broadcast was rank 0's work alone, with every rank waiting on
+    it. Each rank unpickles its copy, rank 0 as well, at the same time (a copy that does not
+    unpickle is the same error everywhere)."""
     payload = None
     if group.is_coordinator:
         try:
-            payload = {"metadata": SharedMetadataReader(path).read_metadata()}
+            files = FileSystemReader(path)
+            with files.fs.create_stream(files.fs.concat_path(files.path, METADATA_FILE), "rb") as f:
+                payload = {"bytes": f.read()}
         except Exception as exc:  # noqa: BLE001 - reported on every rank; the older checkpoint is tried
             payload = {"error": f"cannot read its DCP metadata: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
     payload = group.broadcast(payload)
     if "error" in payload:
         return None, payload["error"]
-    return SharedMetadataReader(path, payload["metadata"]), None
+    try:
+        metadata = pickle.loads(payload["bytes"])
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    except Exception as exc:  # noqa: BLE001 - the same bytes fail alike on every rank
+        return None, f"cannot read its DCP metadata: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return SharedMetadataReader(path, metadata), None
+
+
+METADATA_FILE = _metadata_fn  # DCP's ``.metadata``, as its file system reader names it
 
 
 def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int,
