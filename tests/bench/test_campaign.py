@@ -153,6 +153,19 @@ def test_a_fault_inside_the_writer_goes_to_the_first_periodic_save_of_its_slot()
     assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer or the commit"
 
 
+def test_a_graceful_stop_after_the_rewinds_checkpoint_is_skipped_in_the_main_leg():
+    """A sigterm's stop checkpoints its step: after the save the rewind resumes from, retention
+    (keep_last 2) would keep the stop's checkpoint and the leg's last in its place."""
+    from resilient_fsdp.bench import campaign as c
+
+    bounds = {"main": (0, 16), "rewind": (12, 28), "shrink": (28, 32), "regrow": (32, 44)}
+    placed = c.place_faults(bounds, dict.fromkeys(c.LEGS, 4), ["sigterm:node=0"], 6, "netns")
+    main = [(f.spec, f.skipped) for f in placed["main"]]
+    assert main[:2] == [("sigterm@2:node=0", None), ("sigterm@8:node=0", None)]
+    assert main[2][0] == "sigterm@14:node=0" and "graceful stop after step 12" in main[2][1]
+    assert all(f.skipped is None for f in placed["rewind"])  # the rewind leg resumes from nothing older
+
+
 def test_a_fault_inside_a_restore_keeps_its_slot_only_where_a_later_fault_causes_a_restart():
     from resilient_fsdp.bench import campaign as c
 

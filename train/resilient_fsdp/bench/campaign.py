@@ -216,7 +216,9 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
     while a periodic save is written or committed, so it goes to the first periodic save (every
     ``save_every`` steps) at or after its slot; a slot with no periodic save left in its leg (the
     final save is the leg's end, not a fault's place) is skipped, saying so. The save the rewind
-    resumes from is never one of them: a failed write there leaves nothing to rewind to."""
+    resumes from is never one of them: a failed write there leaves nothing to rewind to; nor does
+    a graceful stop (``sigterm``) come after it in the main leg: its stop checkpoint would be kept
+    in that one's place."""
     placed: dict[str, list[Fault]] = {}
     taken: set[str] = set()
     rewound_to = {bounds["rewind"][0]} if "rewind" in bounds else set()
@@ -243,6 +245,10 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
             skipped = available(kind, isolation)
             if writes and skipped is None and step >= stop:
                 skipped = f"no periodic save left in the {leg} leg for a fault inside the writer or the commit"
+            if skipped is None and leg == "main" and FAULT_KINDS[kind].recovered_by.startswith("graceful stop") and \
+                    any(step > rewind for rewind in rewound_to):
+                skipped = (f"a graceful stop after step {min(rewound_to)} checkpoints its step, which retention "
+                           "keeps in place of the checkpoint the rewind leg resumes from")
             if skipped is None:
                 taken.add(f"{kind}@{step}{suffix}")
             placed[leg].append(Fault(leg, f"{kind}@{step}{suffix}", kind, step, skipped))
