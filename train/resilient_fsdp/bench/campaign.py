@@ -210,7 +210,7 @@ def available(kind: str, isolation: str) -> Optional[str]:
 
 
 def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entries: list[str], every: int,
-                 isolation: str, save_every: int = 1) -> dict[str, list[Fault]]:
+                 isolation: str, save_every: int = 1, ranks_per_pod: int = 1) -> dict[str, list[Fault]]:
     """The faults of every leg: in each leg's new steps, one every ``every``, entries in turn. A
     fault inside the checkpoint writer or rank 0's commit (``when: write``, ``commit``) fires only
     while a periodic save is written or committed, so it goes to the first periodic save (every
@@ -234,7 +234,7 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
             kind, _, options = entry.partition(":")
             if kind not in FAULT_KINDS:
                 raise ValueError(f"--kinds: {kind!r} is not a fault kind; the kinds are {', '.join(FAULT_KINDS)}")
-            suffix = ":" + retarget(options, pods[leg]) if options else ""
+            suffix = ":" + retarget(options, pods[leg], ranks_per_pod) if options else ""
             writes = FAULT_KINDS[kind].when in ("write", "commit")
             stride = save_every if writes else 1
             if writes:
@@ -266,12 +266,13 @@ def _skip_restores_with_no_restart_after(faults: list[Fault]) -> None:
             fault.skipped = f"no later fault in the {fault.leg} leg causes the restart a fault inside a restore needs"
 
 
-def retarget(options: str, pods: int) -> str:
-    """``rank=R``/``node=N`` modulo a world of ``pods`` pods x 1 rank."""
+def retarget(options: str, pods: int, ranks_per_pod: int = 1) -> str:
+    """``rank=R``/``node=N`` modulo a world of ``pods`` pods x ``ranks_per_pod`` ranks."""
     out = []
     for part in options.split(":"):
         name, _, value = part.partition("=")
-        out.append(f"{name}={int(value) % pods}" if name in ("rank", "node") and value.isdigit() else part)
+        size = {"rank": pods * ranks_per_pod, "node": pods}.get(name)
+        out.append(f"{name}={int(value) % size}" if size and value.isdigit() else part)
     return ":".join(out)
 
 
@@ -279,7 +280,8 @@ def plan(args: argparse.Namespace) -> list[Leg]:
     bounds = leg_bounds(args.steps, args.interval_steps)
     pods = {"main": args.nodes, "rewind": args.nodes, "shrink": max(1, args.nodes // 2), "regrow": args.nodes}
     entries = [e.strip() for e in args.kinds.split(",") if e.strip()]
-    faults = place_faults(bounds, pods, entries, args.fault_every_steps, args.isolation, args.interval_steps)
+    faults = place_faults(bounds, pods, entries, args.fault_every_steps, args.isolation, args.interval_steps,
+                          getattr(args, "nproc_per_node", 1))
     return [Leg(name, pods[name], *bounds[name], [f"train.stop_at_step={bounds[name][1]}"], faults[name])
             for name in LEGS]
 
