@@ -82,16 +82,20 @@ def test_the_ci_campaign_uploads_through_the_pods_relay(campaign):
 EVERYTHING = ["--in-process", "--memory-interval-steps=2", "--memory-replicas=1", "--spares=1",
               "--shard-group-size=2"]
 EVERYTHING_KINDS = ("exception:rank=0,sigkill-during-save:rank=1,hang:rank=2,node-loss:node=0,exception:rank=0,"
-                    "memory-corrupt:rank=3,sigkill:rank=0,hang-in-collective:rank=1,writer-raise:rank=2,"
+                    "sigkill-during-commit:rank=0,memory-corrupt:rank=3,sigkill:rank=0,sigkill-during-restore:rank=1,"
+                    "hang-in-collective:rank=1,sigkill-during-replication:rank=2,writer-raise:rank=2,"
                     "node-loss:node=0,exception:rank=3,nan-loss:rank=1")
+# Pods x ranks: one rank a pod, and two (the replicas then go to the other pod's rank).
+LAYOUTS = {"4x1": [], "2x2": ["--nodes=2", "--nproc-per-node=2"]}
 
 
-@pytest.fixture(scope="module")
-def everything(tmp_path_factory, nvrx07_lane):
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def everything(request, tmp_path_factory, nvrx07_lane):
     netns_required()
-    return run_campaign(tmp_path_factory.mktemp("campaign-everything"), nvrx07_lane,
+    return run_campaign(tmp_path_factory.mktemp(f"campaign-everything-{request.param}"), nvrx07_lane,
                         ["--steps=64", f"--interval-steps={INTERVAL}", "--fault-every-steps=6",
-                         f"--kinds={EVERYTHING_KINDS}", "--leg-timeout-s=600", *EVERYTHING], timeout=2400)
+                         f"--kinds={EVERYTHING_KINDS}", "--leg-timeout-s=600", *EVERYTHING, *LAYOUTS[request.param]],
+                        timeout=2400)
 
 
 @pytest.mark.extended
@@ -151,6 +155,14 @@ def test_a_fault_inside_the_writer_goes_to_the_first_periodic_save_of_its_slot()
     assert all(int(spec.split("@")[1].split(":")[0]) % 4 == 0 for spec, _ in specs)
     shrink = [f for f in placed["shrink"]]
     assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer or the commit"
+
+
+def test_ranks_and_nodes_are_retargeted_within_the_legs_world():
+    from resilient_fsdp.bench.campaign import retarget
+
+    assert retarget("rank=3", 2) == "rank=1" and retarget("rank=3", 2, ranks_per_pod=2) == "rank=3"
+    assert retarget("node=3:for=20", 2, ranks_per_pod=2) == "node=1:for=20"  # pods, not ranks
+    assert retarget("rank=3", 1, ranks_per_pod=2) == "rank=1"  # the shrunk leg's one pod of two ranks
 
 
 def test_a_graceful_stop_after_the_rewinds_checkpoint_is_skipped_in_the_main_leg():
