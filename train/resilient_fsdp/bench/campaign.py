@@ -5,7 +5,8 @@ four legs, each one ``resilient-fsdp local`` launch, the way an operator drives 
 
 1. ``main``: trains to its stop step with faults injected;
 2. ``rewind``: relaunched with ``checkpoint.resume_from=<checkpoint.dir>/step_N``, N the older
-   of the ``checkpoint.keep_last=2`` checkpoints the ``main`` leg left, so steps are trained again;
+   of the ``checkpoint.keep_last=2`` checkpoints the ``main`` leg left (:func:`rewind_step`), so
+   steps are trained again;
 3. ``shrink``: relaunched with half the pods (the checkpoint reshards to the smaller world);
 4. ``regrow``: relaunched with every pod again, to ``--steps``.
 
@@ -47,6 +48,7 @@ import psutil
 import yaml
 
 from ..checkpoint.run_identity import read_run_identity
+from ..checkpoint import store
 from ..checkpoint.store import MARKER
 from ..config import FAULT_KINDS
 from .recovery import fresh_dir
@@ -456,6 +458,17 @@ class LocalS3:
         self.server.stop()
 
 
+def rewind_step(checkpoints: Path, last: int) -> Optional[int]:
+    """The step the rewind leg resumes from: the newest committed checkpoint older than ``last``
+    (the main leg's final save), the older of the two ``keep_last=2`` leaves. The schedule plans it
+    one interval before ``last``, but a fault can tear that save (a kill while it is written) and
+    retention then keeps an older one; the rewind's faults come after the planned step, so they
+    still fire from here."""
+    committed, _ = store.scan(checkpoints)
+    older = [c.step for c in committed if c.step < last]
+    return max(older) if older else None
+
+
 def launch(run_dir: Path, pods: int, overrides: list[str], faults: list[str], isolation: str, mark: str, log: Path,
            timeout_s: float, env: Optional[dict] = None, nproc: int = 1, spares: int = 0) -> tuple[int, float, str]:
     """One ``resilient-fsdp local`` launch of the JobSet: (exit code, wall seconds, output)."""
@@ -760,6 +773,14 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
         for leg in legs:
             overrides = common + extra + leg.overrides
             if leg.name == "rewind":
+                kept = rewind_step(run_dir / "checkpoints", leg_results[-1]["stop_step"])
+                if kept is None:
+                    raise RuntimeError(f"the main leg left no committed checkpoint before its last in "
+                                       f"{run_dir / 'checkpoints'}: nothing to rewind to")
+                if kept != leg.first_step:
+                    print(f"[campaign] leg rewind: the main leg's older kept checkpoint is step {kept} (a fault "
+                          f"tore the save of step {leg.first_step} or a stop saved another): resuming there", flush=True)
+                    leg = dataclasses.replace(leg, first_step=kept)
                 target = f"{pod_checkpoint_dir(run_dir)}/step_{leg.first_step:08d}"
                 overrides.append(f"checkpoint.resume_from={target}")
             faults = [f.spec for f in leg.faults if not f.skipped]
