@@ -157,6 +157,21 @@ def test_a_fault_inside_the_writer_goes_to_the_first_periodic_save_of_its_slot()
     assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer or the commit"
 
 
+def test_the_rewind_resumes_from_the_older_kept_checkpoint_even_when_a_fault_tore_the_planned_one(tmp_path):
+    from resilient_fsdp.bench.campaign import rewind_step
+    from resilient_fsdp.checkpoint import store
+
+    root = tmp_path / "checkpoints"
+    assert rewind_step(root, 520) is None  # nothing to rewind to
+    for step in (442, 520):  # a graceful stop's checkpoint, the leg's last
+        partial = root / store.partial_name(step, "ab12")
+        partial.mkdir(parents=True)
+        store.commit(partial, {"step": step})
+    (root / store.partial_name(480, "cd34")).mkdir()  # the planned one, torn by a kill while written
+    assert rewind_step(root, 520) == 442
+    assert rewind_step(root, 442) is None
+
+
 def test_ranks_and_nodes_are_retargeted_within_the_legs_world():
     from resilient_fsdp.bench.campaign import retarget
 
