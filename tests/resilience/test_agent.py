@@ -143,8 +143,14 @@ def test_training_complete_reads_only_a_last_finish_at_the_configured_steps(tmp_
     # Launched again on the same run directory: its first attempt's start follows the finish.
     _records(run_dir, {"event": "finish", "step": 5, "t": 3.0}, {"event": "start", "t": 4.0, "layer": "start"})
     assert training_complete(args) is None
-    # A line torn by a crash mid-write is no finish.
+    # Records rank 0 writes after its finish (the final upload, S3 retention) and a line torn by a
+    # crash mid-write do not hide it; a finish before the last start does not count.
+    _records(run_dir, {"event": "finish", "step": 5, "t": 3.0}, {"event": "s3_upload", "step": 5, "t": 3.1},
+             {"event": "s3_retention", "deleted": [1], "t": 3.2})
+    assert "finish at step 5 of train.steps=5" in training_complete(args)
     (run_dir / "metrics.jsonl").write_text(json.dumps({"event": "finish", "step": 5}) + '\n{"event": "fin')
+    assert "finish at step 5" in training_complete(args)
+    (run_dir / "metrics.jsonl").write_text('{"event": "start", "t": 1.0}\n{"event": "fin')
     assert training_complete(args) is None
     assert training_complete(["-m", "some.other.module"]) is None
     # A run that stops early ends complete at its stop step, and only there.

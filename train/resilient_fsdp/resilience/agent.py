@@ -543,10 +543,11 @@ def bound_pod_failures(args: list[str], limit: int, code: int, index: Optional[i
 
 def training_complete(args: list[str]) -> Optional[str]:
     """Whether the job that ``args`` (ft_launcher's) run has trained all its steps, by its run
-    directory: the last record of ``metrics.jsonl`` is the ``finish`` that rank 0 writes once the
+    directory: the last lifecycle record of ``metrics.jsonl`` is the ``finish`` that rank 0 writes once the
     final checkpoint is committed, at ``train.steps``. A hot spare, or a pod recreated after the last
     rendezvous, has no ranks of its own to tell it; it asks when its launcher lost the store (which
-    the store host's pod takes with it when the job ends). A job launched again on the same run
+    the store host's pod takes with it when the job ends). The last ``start`` or ``finish`` counts:
+    records of the final upload follow the finish, and a job launched again on the same run
     directory writes its ``start`` after that ``finish`` at its first attempt. Returns what was
     read, or None (not complete, or not readable). A run given ``train.stop_at_step`` below
     ``train.steps`` is complete at that step: it ends there, checkpointed, as at the end."""
@@ -556,10 +557,20 @@ def training_complete(args: list[str]) -> Optional[str]:
         with open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - _TAIL_BYTES))
             lines = [ln for ln in f.read().splitlines() if ln.strip()]
-        last = json.loads(lines[-1]) if lines else {}
-    except (metrics_endpoint.MetricsError, OSError, ValueError):
+    except (metrics_endpoint.MetricsError, OSError):
         return None
-    step = last.get("step") if isinstance(last, dict) and last.get("event") == "finish" else None
+    # The last start or finish: rank 0 writes records after its finish too (the final upload,
+    # S3 retention), and a torn last line is no record.
+    last: dict = {}
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") in ("start", "finish"):
+            last = record
+            break
+    step = last.get("step") if last.get("event") == "finish" else None
     stop = cfg.train.stop_at_step
     if isinstance(step, int) and stop is not None and stop < cfg.train.steps and step >= stop:
         return f"{path} ends with its finish at step {step} of train.stop_at_step={stop}"
