@@ -225,6 +225,12 @@ def test_a_restart_after_the_rewind_must_stay_on_the_rewound_line():
     old_line = [{"event": "start", "resumed_from_step": 12}, *steps(13, 15), {"event": "start", "resumed_from_step": 16}]
     assert not rewound_line(old_line, 12)["ok"]  # 16 was the set-aside line's checkpoint
     assert not rewound_line([{"event": "start", "resumed_from_step": 8}], 12)["ok"]
+    # A later start dropped the step records past its own resume point; the recovery a restart
+    # writes says how far the leg had trained when its fault hit.
+    dropped = [{"event": "start", "resumed_from_step": 12}, *steps(13, 15), {"event": "start", "resumed_from_step": 20},
+               {"event": "recovery", "fault_step": 20}, {"event": "start", "resumed_from_step": 14}, *steps(15, 22)]
+    assert rewound_line(dropped, 12)["ok"]
+    assert not rewound_line([*dropped[:4], {"event": "recovery", "fault_step": 18}], 12)["ok"]  # 20: the old line's
     assert not rewound_line([{"event": "start", "resumed_from_step": 12}, {"event": "start",
                                                                           "resumed_from_step": None}], 12)["ok"]
 
@@ -291,6 +297,11 @@ def test_what_grows_fault_after_fault_in_a_leg_fails_the_growth_check_and_what_e
     # New processes (an in-job or job-level restart) owe nothing to the faults before them.
     fresh = [dict(r, layer="in_job") for r in leaking]
     assert check_after_faults(fresh, peaks)["resources_do_not_grow_fault_after_fault"]["ok"] is True
+    # An in-job restart between two in-process ones starts new processes: a pod caught starting
+    # before it and a whole one after are no leak; the same growth within one run still is.
+    cut = [dict(leaking[0], pod_threads=9), dict(leaking[1], layer="in_job"), dict(leaking[2], pod_threads=54)]
+    assert check_after_faults(cut, peaks)["resources_do_not_grow_fault_after_fault"]["ok"] is True
+    assert check_after_faults([cut[0], cut[2]], peaks)["resources_do_not_grow_fault_after_fault"]["ok"] is False
 
 
 def test_one_restart_that_closes_two_faults_counts_once_and_a_restart_that_closed_none_is_caught(tmp_path):

@@ -92,9 +92,10 @@ CHECKS = {
     "shm_bounded": "the memory tier's bytes in the pods' /dev/shm <= 2 x the fault-free job's peak + 1 MiB",
     "resources_bounded_after_every_fault": "once each fault is recovered, every pod's descriptors, threads and "
                                            "processes and the /dev/shm bytes are within those bounds",
-    "resources_do_not_grow_fault_after_fault": "within each leg, the figures after its last in-process restart exceed "
-                                               "those after its first by no more than a margin (descriptors 64, "
-                                               "threads 16, processes 2): no leak per restart in the same processes",
+    "resources_do_not_grow_fault_after_fault": "in each run of in-process restarts that no other restart cuts (the "
+                                               "same processes), the figures after its last exceed those after its "
+                                               "first by no more than a margin (descriptors 64, threads 16, "
+                                               "processes 2): no leak per restart in the same processes",
     "ledger_is_the_schedule": "the ledger (<run_dir>/faults) holds each scheduled fault once, and nothing else",
     "summary_is_the_ledger": "summary.json's faults_injected are the ledger's faults",
     "one_recovery_per_stopping_fault": "every fired fault that stops training has one recovery (a partition may "
@@ -631,17 +632,25 @@ def check_after_faults(records: list[dict], ref_peaks: dict) -> dict[str, dict]:
             over.append({"fault": r["fault"], "shm_bytes": r["shm_bytes"], "bound": 2 * ref_peaks["shm_bytes"] + (1 << 20)})
     grew = []
     # Only an in-process restart keeps its processes: any other layer starts new ones, whose
-    # figures owe nothing to the faults before (and a sample may meet them still starting).
+    # figures owe nothing to the faults before (and a sample may meet them still starting). So
+    # the in-process restarts are compared in runs that no other restart (nor a leg's end) cuts.
     kept = [r for r in records if r["layer"] == "in_process"]
-    for leg in dict.fromkeys(r["leg"] for r in kept):
-        mine = [r for r in kept if r["leg"] == leg]
+    runs: list[list[dict]] = []
+    for i, r in enumerate(records):
+        if r["layer"] != "in_process":
+            continue
+        if i and records[i - 1]["layer"] == "in_process" and records[i - 1]["leg"] == r["leg"] and runs:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    for mine in runs:
         if len(mine) < 2:
             continue
         first, last = mine[0], mine[-1]
         for name, margin in GROWTH_MARGIN.items():
             if last[name] > first[name] + margin:
-                grew.append({"leg": leg, "figure": name, "first": first[name], "last": last[name], "margin": margin,
-                             "faults": len(mine)})
+                grew.append({"leg": first["leg"], "figure": name, "first": first[name], "last": last[name],
+                             "margin": margin, "faults": len(mine)})
     return {
         "resources_bounded_after_every_fault": result(bool(records) and not over,
                                                       {"faults": len(records), "over": over[:10]}),
@@ -666,17 +675,25 @@ def result(ok: bool, detail: object = None) -> dict:
 def rewound_line(records: list[dict], rewind_step: int) -> dict:
     """The rewind leg's starts: the first resumed from ``rewind_step``; every later one from a
     step this leg had trained (a checkpoint of the rewound line), never from before the rewind
-    nor from a set-aside checkpoint of the old line."""
+    nor from a set-aside checkpoint of the old line. How far the leg had trained: its step records
+    and, since a start drops the step records past the step it resumes from (they are trained
+    again), the step the fault a restart recovers from hit (its ``recovery`` record's
+    ``fault_step``, written after that start)."""
     starts, trained, wrong = [], rewind_step, []
-    for r in records:
+    for i, r in enumerate(records):
         if r.get("event") == "step":
             trained = max(trained, r["step"])
         elif r.get("event") == "start":
             resumed = r.get("resumed_from_step")
             starts.append(resumed)
             first = len(starts) == 1
-            if resumed is None or (resumed != rewind_step if first else not rewind_step <= resumed <= trained):
-                wrong.append({"resumed_from_step": resumed, "trained_up_to": trained})
+            reach = trained
+            if not first:  # the recovery this start makes, written before the next start
+                after = next((n for n in records[i + 1:] if n.get("event") in ("recovery", "start")), {})
+                if after.get("event") == "recovery" and isinstance(after.get("fault_step"), int):
+                    reach = max(reach, after["fault_step"])
+            if resumed is None or (resumed != rewind_step if first else not rewind_step <= resumed <= reach):
+                wrong.append({"resumed_from_step": resumed, "trained_up_to": reach})
     return result(bool(starts) and not wrong, {"resumed_from_steps": starts, "rewind_step": rewind_step,
                                                "off_the_line": wrong})
 
