@@ -33,6 +33,7 @@ def rank_main(rank: int, world: int, port: int, out: dict) -> None:
     lazy = group_mod.lazy_gloo_group()
     dist.barrier()
     made = connections() - base
+    dist.barrier()  # every rank has counted before any sends on the lazy group (and so connects)
     objects = group_mod.RankGroup(rank, world, device=None, objects=lazy)
     told = objects.broadcast("from rank 0" if rank == 0 else None)
     gathered = objects.gather(rank * 10)
