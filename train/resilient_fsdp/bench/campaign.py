@@ -802,8 +802,11 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
                 overrides.append(f"checkpoint.resume_from={target}")
             faults = [f.spec for f in leg.faults if not f.skipped]
             t_leg = time.time()
+            # A leg of one pod has no spare: its one pod hosts the store, whose loss no spare takes
+            # (the chart refuses spares beside a single node).
             code, wall, out = launch(run_dir, leg.pods, overrides, faults, args.isolation, mark, log,
-                                     args.leg_timeout_s, FAKE_AWS if s3 else None, nproc=nproc, spares=spares)
+                                     args.leg_timeout_s, FAKE_AWS if s3 else None, nproc=nproc,
+                                     spares=spares if leg.pods > 1 else 0)
             outputs += out
             records = read_records(run_dir)
             mine = leg_records(records, len(leg_results))
