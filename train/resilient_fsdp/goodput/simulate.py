@@ -286,6 +286,14 @@ def analytic(s: Scenario, strategy: str) -> float:
                                            coverage).productive
 
 
+class UsageError(SystemExit):
+    """A flag the user got wrong: its message on stderr and exit 2, as argparse's own errors."""
+
+    def __init__(self, message: str):
+        print(message, file=sys.stderr)
+        super().__init__(2)
+
+
 def parse_recovery(text: str) -> dict:
     out = dict(DEFAULT_RECOVERY_S)
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -351,24 +359,24 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
         mix = tuple(float(x) for x in args.mix.split(","))
         recovery = parse_recovery(args.recovery_s)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}")
+        raise UsageError(f"error: {exc}")
     if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
-        raise SystemExit("error: --mix needs three non-negative shares (transient,process,node)")
+        raise UsageError("error: --mix needs three non-negative shares (transient,process,node)")
     if not nodes or min(nodes) < 1:
-        raise SystemExit("error: --nodes needs positive node counts, e.g. --nodes 8,64")
+        raise UsageError("error: --nodes needs positive node counts, e.g. --nodes 8,64")
     if args.recovery_from_bench:
         recovery.update(recovery_from_bench(Path(args.recovery_from_bench)))
     node_mtbf = args.node_mtbf_hours or gm.node_mtbf_hours(args.gpus_per_node)
     spares_arg = str(getattr(args, "spares", "0")).strip()
     if spares_arg != "auto" and not spares_arg.isdigit():
-        raise SystemExit(f"error: --spares {spares_arg!r}: give a whole number of spare nodes (0 or more) or 'auto'")
+        raise UsageError(f"error: --spares {spares_arg!r}: give a whole number of spare nodes (0 or more) or 'auto'")
     replacement = getattr(args, "replacement_s", None)
     replacement = recovery["job"] if replacement is None else replacement
     if replacement < 0:
-        raise SystemExit("error: --replacement-s must not be negative")
+        raise UsageError("error: --replacement-s must not be negative")
     recovery_range = getattr(args, "recovery_range", DEFAULT_RECOVERY_RANGE)
     if not recovery_range >= 1:
-        raise SystemExit(f"error: --recovery-range {recovery_range:g}: give 1 or more (the low end's recovery "
+        raise UsageError(f"error: --recovery-range {recovery_range:g}: give 1 or more (the low end's recovery "
                          "times as a multiple of those given)")
     # A rate the user gives is their cluster's own; the published one is widened to RSC-1's.
     node_mtbf_low = 0.0 if args.node_mtbf_hours else min(node_mtbf, gm.rsc_node_mtbf_hours(args.gpus_per_node))
@@ -384,16 +392,16 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
         stall = getattr(args, "memory_stall_s", None)
         if stall is not None:
             if stall < 0:
-                raise SystemExit("error: --memory-stall-s must not be negative")
+                raise UsageError("error: --memory-stall-s must not be negative")
             s = Scenario(**{**s.__dict__, "memory_stall_s": stall, "memory_replicas": args.memory_replicas,
                             "memory_interval_s": 1.0})  # from_memory needs an interval to say what it covers
             coverage = sum(p for p, c in zip(mix, CLASSES) if s.from_memory(c)) / sum(mix)
             memory_interval = args.memory_interval_s or gm.daly_interval(max(stall, 1e-3), mtbf_s / max(coverage, 1e-9))
             if memory_interval <= 0:
-                raise SystemExit("error: --memory-interval-s must be positive")
+                raise UsageError("error: --memory-interval-s must be positive")
             durable = getattr(args, "memory_durable_interval_s", None) or interval
             if durable < args.ckpt_write_s:
-                raise SystemExit(f"error: --memory-durable-interval-s {durable:g} is shorter than the write "
+                raise UsageError(f"error: --memory-durable-interval-s {durable:g} is shorter than the write "
                                  f"(--ckpt-write-s {args.ckpt_write_s:g}): saves would queue behind writes")
             s = Scenario(**{**s.__dict__, "memory_interval_s": min(memory_interval, durable),
                             "memory_durable_interval_s": durable})
