@@ -108,10 +108,13 @@ TABLE: tuple[Row, ...] = (
     Row("done", str(SUCCESS), "success",
         "training finished: every rank exited 0, or every rank of the node finished training and only "
         "`ft_launcher`'s own shutdown failed (the store host exited first), or the launcher lost the store "
-        "and the run directory says the job trained every step (a hot spare, which has no ranks to say so)",
+        "and the run directory says the job trained every step (a hot spare, which has no ranks to say so), or, "
+        "before any launcher starts, the run directory already says so (a pod recreated after its job ended, "
+        "which no launcher would join)",
         "-", "done", range(0, 1),
         "`ft_launcher`'s return code 0, the ranks' finish marks (`exit_codes.finished_ranks`), the run "
-        "directory's last record (`agent.training_complete`)"),
+        "directory's last start or finish record: a finish at `train.steps`, or at `train.stop_at_step` when the "
+        "run stops there (`agent.training_complete`)"),
     Row("configuration", str(CONFIG), "configuration",
         "a failure no restart can fix: `ConfigError` (a bad key or value, missing data, a model or checkpoint "
         "that does not fit, a missing `checkpoint.resume_from`, another job's lease, a run or checkpoint directory "
