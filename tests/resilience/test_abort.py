@@ -84,3 +84,29 @@ def test_a_session_that_reuses_a_dead_ranks_pid_is_left_alone():
     assert result["killed"] == [result["helper"]], result
     assert result["detached_session"] == result["rank"], result
     assert result["alive"] == {"helper": False, "detached": True}, result
+
+
+def test_a_failed_attempts_helper_threads_are_joined_by_its_abort_and_their_group_goes(tmp_path):
+    """Two gloo ranks, each with a helper thread blocked on the other in a lazily connected side
+    group (a replica receiver), left to the abort. The abort shuts the connections down, so the
+    helpers wake and are joined within it; once collected, nothing of either group is left: the
+    process's threads and TCP connections are what they were before the groups."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(PROBES / "left_threads.py"), str(r), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(None, tmp_path),
+                              cwd=REPO) for r in range(2)]
+    reports = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0, err[-3000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    for report in reports:
+        assert not report["helper_alive"] and report["helper_error"], report
+        assert report["abort_s"] < 5, report
+        assert report["after"]["threads"] == report["before"]["threads"], report
+        assert report["after"]["tcp_connections"] == report["before"]["tcp_connections"], report

@@ -167,6 +167,7 @@ class Checkpointer:
         self._retention_said: list[str] = []
         self._retention_events: list[dict] = []  # metrics.jsonl records of the retention thread
         self._stale_torn: frozenset[str] = frozenset()  # incomplete at start: none can be committed
+        self._start_sweep: Optional[Callable[[], None]] = None  # submitted once the job trains
         # Snapshots in the pod's memory between durable saves (checkpoint.memory; off at 0).
         self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, self.run, group.rank,
                                  group.world_size, cfg.memory.replicas, ranks_per_pod(group.world_size),
@@ -380,8 +381,9 @@ class Checkpointer:
             if error is None:
                 for path in store.recover(self.root):
                     self.say(f"completed the commit of {path} that a crash had cut short")
-                # Under the lease, nothing in flight yet: torn writes of earlier attempts go, in the
-                # background (a crash loop can leave several whole checkpoints).
+                # Under the lease, nothing in flight yet: torn writes of earlier attempts are listed
+                # now and go in the background once the job trains (:meth:`started`; a crash loop
+                # can leave several whole checkpoints).
                 self._sweep(at_start=True)
             if error is None and self.cfg.s3.uri:
                 error = self._check_s3()
@@ -757,6 +759,18 @@ class Checkpointer:
         names = store.torn_names(self.root)
         if at_start:
             self._stale_torn = frozenset(names)
+            self._start_sweep = functools.partial(self._submit_sweep, names, in_flight)
+            return
+        self._submit_sweep(names, in_flight)
+
+    def started(self) -> None:
+        """The job trains from here: the start's sweep of torn writes goes to the retention
+        thread now, after the start's measurements (its deletions would count in them)."""
+        sweep, self._start_sweep = self._start_sweep, None
+        if sweep is not None:
+            sweep()
+
+    def _submit_sweep(self, names: list[str], in_flight: Optional[Path]) -> None:
         self._retention.submit(store.sweep_torn, self.root, names, self._stale_torn, in_flight,
                                self._retention_said.append, self._retention_events.append,
                                lease_lost=self._lease_check())

@@ -21,6 +21,7 @@ rank 0 for a gather (rank 0 itself reaches every rank on its first gather).
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
@@ -33,9 +34,11 @@ from ..resilience import nvrx
 _LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo's constructor
 
 
-# (default group, its object group): the side group belongs to one default group; an in-process
-# restart destroys both and makes a new default group, for which a new side group is opened.
-_object_group: Optional[tuple[Any, Optional[dist.ProcessGroup]]] = None
+# (default group, its object group), weakly: the side group belongs to one default group; an
+# in-process restart destroys both and makes a new default group, for which a new side group is
+# opened. torch holds both until they are destroyed; a strong reference here would keep a failed
+# attempt's groups (their threads and sockets) alive past its abort.
+_object_group: Optional[tuple[weakref.ref, Optional[weakref.ref]]] = None
 
 
 def open_object_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
@@ -44,12 +47,15 @@ def open_object_group(timeout: Optional[timedelta] = None) -> Optional[dist.Proc
     itself (it is gloo)."""
     global _object_group
     default = dist.distributed_c10d._get_default_group()
-    if _object_group is not None and _object_group[0] is default:
-        return _object_group[1]
+    if _object_group is not None and _object_group[0]() is default:
+        kept = _object_group[1]
+        side = kept() if kept is not None else None
+        if kept is None or side is not None:
+            return side
     side = None
     if dist.get_backend(default) != dist.Backend.GLOO:
         side = lazy_gloo_group(timeout)
-    _object_group = (default, side)
+    _object_group = (weakref.ref(default), weakref.ref(side) if side is not None else None)
     return side
 
 

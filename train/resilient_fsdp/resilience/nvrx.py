@@ -7,6 +7,10 @@
   :func:`recording_group_listeners`): the local collective fails at once and every peer reads EOF
   instead of waiting out ``dist.timeout_s``; then it aborts every backend (NCCL's abort is what
   keeps ``destroy_process_group`` from blocking on a pending collective) and destroys the groups.
+  Helper threads that post messages on a group stop posting first (:func:`before_abort`: gloo
+  never completes a message posted on a connection already shut down), and those a failed attempt
+  left running (:func:`leave_to_abort`) are joined once their connections are shut down, so that nothing of the attempt outlives its abort (NVRx
+  collects the attempt's garbage next, and a thread still running would keep its group alive).
   :func:`make_abort` hands it to ``inprocess.Wrapper``; the trainer runs it on a failed attempt.
 - **NVRx 0.7's health checks**: 0.7 adds GPU, NVLink and NIC checks to in-process restart when
   ``LOCAL_RANK`` is set; without a GPU they fail and turn every restart into a termination (and
@@ -84,6 +88,12 @@ _GROUP_SOCKETS: set[tuple] = set()
 # The ports that lazily connected groups listen on: their connections are made after the group,
 # on a pair's first message, and every one of them arrives at one rank's listener.
 _GROUP_LISTENERS: set[int] = set()
+# Helper threads of a failed attempt, blocked on a group's peers: joined by the abort.
+_LEFT_THREADS: list = []
+# Called by the abort before it shuts the connections down: helpers stop posting messages.
+_BEFORE_ABORT: list = []
+# How long the abort waits for them once their connections are shut down (they wake at once).
+LEFT_THREADS_JOIN_S = 10.0
 
 
 def _tcp_connections(skip_ports: Iterable[int] = ()) -> set[tuple]:
@@ -164,6 +174,63 @@ def shutdown_group_sockets() -> int:
     return done
 
 
+def before_abort(stop: Callable[[], None]) -> None:
+    """``stop()`` is called by the next abort before it shuts the groups' connections down: a
+    helper thread that posts messages on a group stops posting (gloo never completes a message
+    posted on a connection already shut down, so its thread would wait out the group's timeout)."""
+    _BEFORE_ABORT.append(stop)
+
+
+def forget_before_abort(stop: Callable[[], None]) -> None:
+    """``stop`` closed cleanly: the abort has nothing to stop."""
+    if stop in _BEFORE_ABORT:
+        _BEFORE_ABORT.remove(stop)
+
+
+def _stop_helpers() -> None:
+    stops, _BEFORE_ABORT[:] = list(_BEFORE_ABORT), []
+    for stop in stops:
+        try:
+            stop()
+        except Exception as exc:  # noqa: BLE001 - the abort goes on; the thread is joined or named
+            print(f"[resilient-fsdp] stopping a helper before the abort: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+
+
+def leave_to_abort(threads: Iterable) -> None:
+    """A failed attempt's helper threads, still blocked on their group's peers: the abort joins
+    them after it shuts the connections down (:func:`join_left_threads`)."""
+    _LEFT_THREADS.extend(t for t in threads if t.is_alive())
+
+
+def join_left_threads(timeout_s: float = LEFT_THREADS_JOIN_S) -> list[str]:
+    """Join the threads left to the abort, within ``timeout_s`` in all; the names of any still
+    running (said, and kept for the next abort)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for t in _LEFT_THREADS:
+        t.join(max(0.0, deadline - time.monotonic()))
+    _LEFT_THREADS[:] = [t for t in _LEFT_THREADS if t.is_alive()]
+    names = [t.name for t in _LEFT_THREADS]
+    if names:
+        import traceback
+
+        frames = sys._current_frames()
+        where = "; ".join(
+            f"{t.name} at " + " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+                                         for f in reversed(traceback.extract_stack(frames[t.ident])[-3:]))
+            for t in _LEFT_THREADS if t.ident in frames)
+        print(f"[resilient-fsdp] {', '.join(names)} still running {timeout_s:.0f} s after the abort shut "
+              f"their connections down; their groups go when they do: {where}", file=sys.stderr, flush=True)
+    return names
+
+
+def blocked_helpers() -> list[str]:
+    """The helper threads left to an abort that are still running (named at that abort)."""
+    return [t.name for t in _LEFT_THREADS if t.is_alive()]
+
+
 def abort_process_groups() -> None:
     """Abort every process group, then destroy them; for a failed attempt, never a clean one.
 
@@ -171,13 +238,16 @@ def abort_process_groups() -> None:
     with an error, and every peer's pending collective fails at once (EOF) rather than at
     ``dist.timeout_s``; gloo's own ``abort`` (torch 2.13) wakes neither. Then every backend's
     ``abort`` runs, NCCL's included, so that ``destroy_process_group`` does not block on a
-    collective still pending; then the groups are destroyed.
+    collective still pending; then the groups are destroyed, and the helper threads left on them
+    joined (:func:`leave_to_abort`). Before any of it, helpers stop posting (:func:`before_abort`).
     """
     import torch
     import torch.distributed as dist
 
+    _stop_helpers()
     shutdown_group_sockets()
     if not (dist.is_available() and dist.is_initialized()):
+        join_left_threads()
         return
     for group in list(dist.distributed_c10d._world.pg_names):
         for device in ("cpu", "cuda"):
@@ -193,6 +263,7 @@ def abort_process_groups() -> None:
         dist.destroy_process_group()
     except (RuntimeError, ValueError, AssertionError):
         pass
+    join_left_threads()
 
 
 def make_abort():

@@ -1,23 +1,34 @@
 """What a rank's process holds at the start of an attempt: its threads, open descriptors, TCP
-connections and child processes.
+connections and child processes, and the helper threads a failed attempt left blocked on a
+group past its abort (``helpers_blocked``: gloo never wakes a message posted on a pair that its
+abort's shutdown did not reach; each holds its group, whose threads and sockets count in the other
+figures, until the group's timeout).
 
 A process that outlives its attempts (an in-process restart re-enters training in it) must hold
 as much at its tenth start as at its second: a group, a thread or a connection an aborted attempt
 left behind grows with every restart, for the life of the job. Every rank measures at the same
 point of each start (built and resumed, before its first step); rank 0 records every rank's
 figures in the ``start`` event (``footprint``: one list per figure, by rank), where the tests
-and the campaign compare them across restarts.
+and the campaign compare them across restarts. A rank whose threads outnumber its previous
+restart's says which ones (:func:`grown`), and so does one whose open descriptors do, so a leak
+names its owner in the log.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 import psutil
 import torch
 import torch.distributed as dist
 
-FIGURES = ("threads", "open_files", "tcp_connections", "child_processes")
+from ..resilience import nvrx
+
+FIGURES = ("threads", "open_files", "tcp_connections", "child_processes", "helpers_blocked")
 
 
 def measure(process: Optional[psutil.Process] = None) -> dict[str, int]:
@@ -30,6 +41,7 @@ def measure(process: Optional[psutil.Process] = None) -> dict[str, int]:
         except (psutil.Error, OSError):
             figures["tcp_connections"] = -1  # not readable here: never equal to a real count
         figures["child_processes"] = len(process.children(recursive=True))
+    figures["helpers_blocked"] = len(nvrx.blocked_helpers())
     return figures
 
 
@@ -41,3 +53,54 @@ def gather(device: torch.device) -> dict[str, list[int]]:
     dist.all_gather(every, local)
     rows = [t.tolist() for t in every]
     return {name: [row[i] for row in rows] for i, name in enumerate(FIGURES)}
+
+
+# This process's threads and descriptors at its previous measured start (None until then).
+_previous: Optional[Counter] = None
+
+
+def thread_names() -> Counter:
+    """This process's threads by name: a Python thread by its Python name, a native one (gloo's,
+    the store's) by the kernel's."""
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    names = []
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return Counter(python.values())
+    for task in tasks:
+        if int(task.name) in python:
+            names.append(python[int(task.name)])
+            continue
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            continue  # the thread ended while being read
+    return Counter(names)
+
+
+def descriptor_kinds() -> Counter:
+    """This process's open descriptors by what they are: a file by its path, a socket, pipe or
+    anonymous inode by its kind."""
+    kinds = []
+    try:
+        fds = list(Path("/proc/self/fd").iterdir())
+    except OSError:
+        return Counter()
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed while being read (the listing's own descriptor among them)
+        kinds.append(target.split(":[")[0] if ":[" in target else target)
+    return Counter(kinds)
+
+
+def grown() -> Counter:
+    """The threads (``thread NAME``) and descriptors (``fd KIND``) this process holds beyond those
+    at its previous call (none at the first)."""
+    global _previous
+    now = Counter({f"thread {k}": n for k, n in thread_names().items()})
+    now.update({f"fd {k}": n for k, n in descriptor_kinds().items()})
+    before, _previous = _previous, now
+    return Counter() if before is None else now - before

@@ -302,6 +302,7 @@ class Trainer:
             attempt.mark("resumed")
             self.grad_accum = ckpt.grad_accum_steps or self.grad_accum
             self.log_start()
+            ckpt.started()
             attempt.started()
             self.model.train()
             resumed_step = self.counters.step
@@ -384,6 +385,10 @@ class Trainer:
         resumed = self.counters.step
         layer = self.attempt.layer
         held = footprint.gather(info.device)  # collective: what every rank's process holds now
+        grown = footprint.grown()
+        if grown and self.attempt.number >= 2:  # the first restart's start holds what every restart's does
+            print(f"[resilient-fsdp] rank {info.rank} holds more than at its previous restart's start: "
+                  + ", ".join(f"{name} x{n}" for name, n in sorted(grown.items())), file=sys.stderr, flush=True)
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             self.keep_model_files()

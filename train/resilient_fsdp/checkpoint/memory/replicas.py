@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ...resilience import nvrx
 from ..group import lazy_gloo_group
 from .agreement import Decision
 from .slots import MemorySlots, Record, owner_name
@@ -33,6 +34,7 @@ from .slots import MemorySlots, Record, owner_name
 # already listening to the same peer never takes an exchange's message).
 STREAM = (1, 2)
 EXCHANGE = (3, 4)
+CONNECT = 5  # the start's handshake with the holder and the source
 
 
 class Replicator:
@@ -45,6 +47,11 @@ class Replicator:
         self._newest: Optional[Record] = None
         self._cv = threading.Condition()
         self._closed = False
+        self._aborted = False  # closed by a failed attempt: nothing more goes out, not even goodbye
+        # Held while a helper thread posts a message, and by the abort while it sets ``_aborted``:
+        # every message is posted before the abort shuts the connections down (which wakes its
+        # wait) or never. gloo never completes a message posted on a connection already shut down.
+        self._posting = threading.Lock()
         self.sent: list[int] = []
         self.skipped: list[int] = []
         self.received: list[int] = []
@@ -54,6 +61,8 @@ class Replicator:
         # Called by the sender between a replica's record and its bytes, with its step (fault injection).
         self.before_bytes: Optional[Callable[[int], None]] = None
         self._threads = []
+        connect(group, holder, source)
+        nvrx.before_abort(self.stop_for_abort)
         if holder is not None:
             self._threads.append(threading.Thread(target=self._send_loop, name="memory-replica-send", daemon=True))
         if source is not None and replica is not None:
@@ -78,11 +87,13 @@ class Replicator:
                 while self._newest is None and not self._closed:
                     self._cv.wait()
                 record, self._newest = self._newest, None
+                if self._aborted:  # the peer's attempt is failing too: a send would wait on it
+                    return
                 if record is None:  # closed, nothing left
                     break
             try:
                 t0 = time.perf_counter()
-                _send(self.group, self.holder, record, self.own, between=self.before_bytes)
+                _send(self.group, self.holder, record, self.own, between=self.before_bytes, post=self._post)
                 self.timings.append({"step": record.step, "bytes": record.nbytes, "send_s": time.perf_counter() - t0})
                 self.sent.append(record.step)
             except Exception as exc:  # noqa: BLE001 - a dead peer; the restore falls back without it
@@ -90,14 +101,14 @@ class Replicator:
                     self._stopped(f"sending step {record.step} to rank {self.holder}: {type(exc).__name__}: {exc}")
                 return
         try:
-            _send_goodbye(self.group, self.holder)
+            _send_goodbye(self.group, self.holder, post=self._post)
         except Exception:  # noqa: BLE001 - the receiver may be gone already
             pass
 
     def _receive_loop(self) -> None:
         while True:
             try:
-                if not _receive(self.group, self.source, self.replica):
+                if not _receive(self.group, self.source, self.replica, post=self._post):
                     return
             except Exception as exc:  # noqa: BLE001 - the source's pod is gone; its replicas stay
                 if not self._closed:
@@ -106,6 +117,25 @@ class Replicator:
             newest = self.replica.newest()
             if newest is not None:
                 self.received.append(newest.step)
+
+    def _post(self, message: Callable[[], dist.Work]) -> dist.Work:
+        """Post ``message`` (an ``isend`` or ``irecv``) unless the attempt is being aborted."""
+        with self._posting:
+            if self._aborted:
+                raise Aborted("the attempt is being aborted")
+            return message()
+
+    def stop_for_abort(self) -> None:
+        """The attempt is being aborted (called by the abort before it shuts the connections
+        down): nothing more is posted."""
+        locked = self._posting.acquire(timeout=1.0)  # a post never blocks long: pairs are connected
+        try:
+            with self._cv:
+                self._aborted = self._closed = True
+                self._cv.notify()
+        finally:
+            if locked:
+                self._posting.release()
 
     def _stopped(self, error: str) -> None:
         """A helper thread stopped on ``error``: recorded for the training thread, which says it
@@ -131,16 +161,22 @@ class Replicator:
     def close(self, timeout_s: float = 30.0, wait: bool = True) -> None:
         """Send what is queued, say goodbye, and stop (the receiver when its source says goodbye).
 
-        ``wait=False`` (a failed attempt) returns at once and leaves the daemon threads to the
-        process's exit: the receiver would wait for its source's goodbye, and that source, on
-        another pod, goes on training until this rank's exit tells the launchers of the failure,
-        so waiting would hold the restart for ``timeout_s``. A replica cut off halfway is never
-        recorded (its record is written once every byte is in)."""
+        ``wait=False`` (a failed attempt) sends nothing more, returns at once and leaves the daemon
+        threads to the attempt's abort, which joins them once it has shut their connections down
+        (:func:`...resilience.nvrx.leave_to_abort`), or to the process's exit: the receiver would
+        wait for its source's goodbye, and that source, on another pod, goes on training until
+        this rank's exit tells the launchers of the failure, so waiting would hold the restart for
+        ``timeout_s``; a goodbye or a queued replica sent then would wait on a peer whose attempt
+        is failing too. A replica cut off halfway is never recorded (its record is written once
+        every byte is in)."""
+        if not wait:
+            self.stop_for_abort()
+            nvrx.leave_to_abort(self._threads)
+            return
+        nvrx.forget_before_abort(self.stop_for_abort)
         with self._cv:
             self._closed = True
             self._cv.notify()
-        if not wait:
-            return
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -153,40 +189,68 @@ def pairs_group() -> dist.ProcessGroup:
     return lazy_gloo_group()
 
 
-def _send_lengths(group: dist.ProcessGroup, dst: int, header: int, extra: int, tags=STREAM) -> None:
-    dist.send(torch.tensor([header, extra], dtype=torch.int64), dst=dst, group=group, tag=tags[0])
+def connect(group: dist.ProcessGroup, holder: Optional[int], source: Optional[int]) -> None:
+    """Collective over the ranks with replicas: connect this rank's pairs with its holder and its
+    source (one small message each way) before any helper thread sends. A lazily connected pair
+    would otherwise connect on the attempt's first replica, in the sender thread; a peer whose
+    attempt fails meanwhile never accepts, and that connect waits out the group's timeout, where
+    an established connection is shut down by the abort and wakes its thread at once."""
+    pending = []
+    if holder is not None:
+        pending.append(dist.isend(torch.zeros(1, dtype=torch.int64), dst=holder, group=group, tag=CONNECT))
+    if source is not None:
+        pending.append(dist.irecv(torch.zeros(1, dtype=torch.int64), src=source, group=group, tag=CONNECT))
+    for work in pending:
+        work.wait()
 
 
-def _send_goodbye(group: dist.ProcessGroup, dst: int) -> None:
-    _send_lengths(group, dst, 0, 0)
+class Aborted(RuntimeError):
+    """A helper thread's message was not posted: its attempt is being aborted."""
+
+
+def _posted(message: Callable[[], dist.Work]) -> dist.Work:
+    return message()
+
+
+def _send_lengths(group: dist.ProcessGroup, dst: int, header: int, extra: int, tags=STREAM, post=_posted) -> None:
+    lengths = torch.tensor([header, extra], dtype=torch.int64)
+    post(lambda: dist.isend(lengths, dst=dst, group=group, tag=tags[0])).wait()
+
+
+def _send_goodbye(group: dist.ProcessGroup, dst: int, post=_posted) -> None:
+    _send_lengths(group, dst, 0, 0, post=post)
 
 
 def _send(group: dist.ProcessGroup, dst: int, record: Record, slots: MemorySlots, tags=STREAM,
-          between: Optional[Callable[[int], None]] = None) -> None:
+          between: Optional[Callable[[int], None]] = None, post=_posted) -> None:
     """``record``'s slot to rank ``dst``: the lengths, the record and its extra bytes, the tensor
-    bytes; ``between(step)`` is called before the tensor bytes."""
+    bytes; ``between(step)`` is called before the tensor bytes. ``post`` posts each message."""
     extra = slots.extra(record)
     header = json.dumps(record.to_json()).encode()
-    _send_lengths(group, dst, len(header), len(extra), tags)
-    dist.send(torch.frombuffer(bytearray(header + extra), dtype=torch.uint8), dst=dst, group=group, tag=tags[0])
+    _send_lengths(group, dst, len(header), len(extra), tags, post)
+    payload = torch.frombuffer(bytearray(header + extra), dtype=torch.uint8)
+    post(lambda: dist.isend(payload, dst=dst, group=group, tag=tags[0])).wait()
     if between is not None:
         between(record.step)
-    dist.send(slots.raw(record), dst=dst, group=group, tag=tags[1])
+    raw = slots.raw(record)
+    post(lambda: dist.isend(raw, dst=dst, group=group, tag=tags[1])).wait()
 
 
-def _receive(group: dist.ProcessGroup, src: int, into: MemorySlots, tags=STREAM) -> bool:
-    """The next slot rank ``src`` sends, into ``into``'s next slot; False when it said goodbye."""
+def _receive(group: dist.ProcessGroup, src: int, into: MemorySlots, tags=STREAM, post=_posted) -> bool:
+    """The next slot rank ``src`` sends, into ``into``'s next slot; False when it said goodbye.
+    ``post`` posts each message."""
     lengths = torch.zeros(2, dtype=torch.int64)
-    dist.recv(lengths, src=src, group=group, tag=tags[0])
+    post(lambda: dist.irecv(lengths, src=src, group=group, tag=tags[0])).wait()
     header_len, extra_len = (int(n) for n in lengths.tolist())
     if header_len == 0:
         return False
     payload = torch.empty(header_len + extra_len, dtype=torch.uint8)
-    dist.recv(payload, src=src, group=group, tag=tags[0])
+    post(lambda: dist.irecv(payload, src=src, group=group, tag=tags[0])).wait()
     raw = payload.numpy().tobytes()
     record = Record.from_json(json.loads(raw[:header_len]))
     slot = into.next_slot()
-    dist.recv(into.open_raw(slot, record.nbytes), src=src, group=group, tag=tags[1])
+    into_raw = into.open_raw(slot, record.nbytes)
+    post(lambda: dist.irecv(into_raw, src=src, group=group, tag=tags[1])).wait()
     into.commit_raw(slot, record, raw[header_len:])
     return True
 
