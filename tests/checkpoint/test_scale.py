@@ -87,7 +87,7 @@ def test_object_collectives_use_gloo_and_follow_a_new_default_group(tmp_path):
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
             assert group_mod.open_object_group() is None  # gloo already: the default group carries objects
-            assert group_mod._object_group[0] is dist.distributed_c10d._get_default_group()
+            assert group_mod._object_group[0]() is dist.distributed_c10d._get_default_group()
             g = group_mod.RankGroup(0, 1, device=torch.device("cpu"))
             assert dist.get_backend(g._objects()) == "gloo"
             assert g.gather({"a": 1}) == [{"a": 1}] and g.broadcast(3) == 3 and g.all_gather("x") == ["x"]
