@@ -4,6 +4,9 @@
   ``async_save`` included (``checkpoint_engines``: the engines and the measuring loop);
 - ``commit_scale``: ``python -m resilient_fsdp.bench.commit_scale``: rank 0's commit at 1,024
   ranks, from synthetic outcomes (the gather's size, ``.metadata``, ``share()``);
+- ``scale``: ``bench scale``: a save's planning, a resume's metadata and load planning, rank 0's
+  per-save hand-off and a start's connections at 1,024 and 16,384 ranks, with DCP's planner
+  objects in simulated ranks (torch's fake process group);
 - ``recovery``: ``bench recovery``: one fault recovered by each restart layer;
 - ``soak``: ``bench soak``: a fault a minute for ten minutes: goodput and exactness;
 - ``campaign``: ``bench campaign``: one job through faults, a rewind, a shrink and a regrow: what stays
