@@ -22,11 +22,18 @@ from resilient_fsdp.checkpoint import group as group_mod
 from resilient_fsdp.resilience import nvrx
 
 
+STORE_PORT = 0  # the rendezvous store's: rank 0 hosts it, and its clients come and go
+
+
 def connections() -> int:
-    return sum(1 for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED)
+    """Established TCP connections of this rank's groups (the store's are not a group's)."""
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+               if c.status == psutil.CONN_ESTABLISHED and STORE_PORT not in (c.laddr.port, c.raddr.port))
 
 
 def rank_main(rank: int, world: int, port: int, out: dict) -> None:
+    global STORE_PORT
+    STORE_PORT = port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dist.barrier()  # every rank's connections of the default group are accepted
     base = connections()
@@ -45,6 +52,7 @@ def rank_main(rank: int, world: int, port: int, out: dict) -> None:
     eager = dist.new_group(backend="gloo")
     dist.barrier()
     eager_made = connections() - before_eager
+    dist.barrier()  # every rank has counted before any tears its groups down
     out[rank] = {"lazy_made": made, "lazy_used": used, "eager_made": eager_made, "told": told,
                  "gathered": gathered, "all_gathered": everyone, "listeners_recorded": len(nvrx._GROUP_LISTENERS)}
     dist.destroy_process_group(eager)
