@@ -369,7 +369,8 @@ def table(records: list[dict]) -> str:
             "|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for r in records:
         c = r["extra_connections_per_rank"]
-        how = "extrapolated from " + ", ".join(r["extrapolated_from"]) if "extrapolated_from" in r else "measured"
+        how = ("extrapolated from " + ", ".join(sorted(r["extrapolated_from"], key=int))
+               if "extrapolated_from" in r else "measured")
         rows.append(f"| {r['ranks']:,} | {r['preset']} | {r['layout']} | {r['cold_save_plan_s']:.1f} s "
                     f"| {r['max_rank_blocked_s']:.1f} s | {r['resume_metadata_and_plan_s']:.1f} s "
                     f"| {r['rank0_training_process_python_s']:.2f} s | {c['rank0']:,} / {c['other_ranks_at_most']} "
