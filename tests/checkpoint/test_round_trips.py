@@ -55,6 +55,23 @@ def test_a_cached_plan_writes_checkpoints_that_load_bitwise_and_a_changed_struct
     assert_no_leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("lane", ["pinned", "image"])
+def test_a_plan_made_alone_is_validated_at_the_first_save_of_a_structure_and_loads_bitwise(tmp_path, request, lane):
+    """With ``checkpoint.planning: decentralized`` the first save of every structure is planned
+    by the rank alone and handed to NVRx as a validated cache: every later save of that
+    structure skips planning; each save loads back bitwise with DCP's own loader."""
+    pythonpath = [REPO] + ([] if lane == "pinned" else [request.getfixturevalue("nvrx_lane")])
+    proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")],
+                       tmp_path, pythonpath, timeout=240, env={"PROBE_PLANNING": "decentralized"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saves = json.loads(proc.stdout.strip().splitlines()[-1])["saves"]
+    # 1-4 unchanged, 5-7 with an added key, 8-10 with a changed shape: planned alone, then cached
+    assert [s["vote"] for s in saves] == [3, 2, 2, 2, 3, 2, 2, 3, 2, 2]
+    assert all(s["bitwise"] for s in saves), saves
+    assert [s["step"] for s in saves if s["buffers_sent"]] == [1, 5, 8]
+    assert_no_leftovers(tmp_path)
+
+
 @pytest.mark.parametrize("lane", [pytest.param("pinned", marks=pytest.mark.extended), "image"])
 def test_a_ranks_next_process_saves_with_the_plan_its_pod_kept_and_only_with_its_own(tmp_path, request, lane):
     """A validated plan is kept in the pod's memory for the rank's next process (an in-job

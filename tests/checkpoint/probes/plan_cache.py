@@ -9,12 +9,17 @@ a changed shape. Each save is loaded back with DCP into a fresh state of the sha
 compared bit for bit. Prints one JSON line: per save, the agreed plan vote, whether it loaded
 bitwise and whether the staging buffers travelled to the writer with it.
 
+``PROBE_PLANNING`` (environment): the engine's ``checkpoint.planning``, ``collective`` unless
+given: in a world of one a plan made alone is validated at once, so the cache's steps show only
+with DCP's collective planning.
+
 With ``KEPT``, the engine keeps its validated plan in that file for the rank's next process and
 starts from the one kept there: each run of the probe is one process of a rank, its saves of
 the given numbers of rows.
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,7 +66,7 @@ def equal(a, b):
 
 
 def save(engine, sd, root, step):
-    vote = engine.vote(sd)  # a world of one: its vote is the agreed one
+    vote = engine.agree([engine.vote(sd)])  # a world of one: its vote is every rank's
     path = Path(root) / f"step_{step}"
     path.mkdir(parents=True)
     engine.start(sd, path, step, f"t{step}", vote)
@@ -93,7 +98,7 @@ def main(root, kept=None, rank=0, rows=None, end="end"):
     ``end`` (the job ended: the kept plan goes) or ``abort`` (the process fails: it stays)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-    engine = AsyncEngine(0, thread_count=2)
+    engine = AsyncEngine(0, thread_count=2, planning=os.environ.get("PROBE_PLANNING", "collective"))
     engine.attach(1, rank, Path(kept) if kept else None)
     report = []
     try:

@@ -42,7 +42,7 @@ from ..config import CheckpointConfig, ConfigError
 from ..resilience.attempt import NoHooks
 from .shared_volume import not_writable_message
 from . import commit, resume as resume_, store
-from .engines import NVRX_VERSION, Engine, build_engine
+from .engines import NVRX_VERSION, PLAN_NAMES, Engine, build_engine
 from . import failures
 from .failures import Failure, FailureStreak, SaveFailed
 from .group import RankGroup
@@ -133,7 +133,7 @@ class Checkpointer:
         self.elastic_batch = elastic_batch
         # An engine from a factory belongs to the caller (it outlives in-process restarts).
         self.owns_engine = engine_factory is None
-        self._engine_factory = engine_factory or (lambda: build_engine(cfg.mode, group.rank, cfg.writer_threads))
+        self._engine_factory = engine_factory or (lambda: build_engine(cfg.mode, group.rank, cfg.writer_threads, cfg.planning))
         self._engine: Optional[Engine] = None
         self.pending: Optional[dict] = None
         self.records: list[dict] = []
@@ -506,7 +506,8 @@ class Checkpointer:
         partial_dir = self.root / store.partial_name(step, token)
         self.hooks.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
                                 self.expected_written_bytes)
-        self.engine.start(sd, partial_dir, step, token, min(v[2] for v in votes), self.hooks.writer_fault(step))
+        plan = self.engine.agree([v[2] for v in votes])
+        self.engine.start(sd, partial_dir, step, token, plan, self.hooks.writer_fault(step))
         for note in self.engine.take_notes():
             self.say(note)
         t_end = time.perf_counter()
@@ -518,7 +519,8 @@ class Checkpointer:
                  "start_s": t_end - t_start}
         self.pending = {"step": step, "dir": partial_dir, "t0": t0, "t0_unix": time.time() - (time.perf_counter() - t0),
                         "stall_s": call, "save_call_s": call,
-                        "save_call_parts_s": parts, "staging_wait_s": 0.0, "staged": False}
+                        "save_call_parts_s": parts, "staging_wait_s": 0.0, "staged": False,
+                        "plan": PLAN_NAMES[plan] if self.engine.mode == "async" else None}
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
         return self.poll(block=True) if self.engine.mode == "sync" else previous
@@ -701,7 +703,7 @@ class Checkpointer:
                         "broadcast_s": 0.0}
         return {"step": step, "mode": self.engine.mode, "stall_s": pending["stall_s"],
                 "save_call_s": pending["save_call_s"], "save_call_parts_s": pending["save_call_parts_s"],
-                "staging_wait_s": pending["staging_wait_s"], "write_s": result.write_s,
+                "staging_wait_s": pending["staging_wait_s"], "plan": pending["plan"], "write_s": result.write_s,
                 "commit_s": sum(commit_parts.values()), "commit_parts_s": commit_parts,
                 "bytes": result.nbytes, "path": result.path, "manifest": result.manifest}, None
 

@@ -37,13 +37,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import integrity
 from .staging import StagingJob, StateStager, structure
-from .state import to_local
-from .writer import dcp_plan, handoff
+from .state import per_rank_path, to_local
+from .writer import dcp_plan, decentralized_plan, handoff
 from .writer.process import NVRX_VERSION, WriterProcess
 from .writer.report import SaveReport
 from .writer.worker import worker_torch_save_staged
 
-__all__ = ["Engine", "LocalOutcome", "NVRX_VERSION", "build_engine", "PLAN_CACHED", "PLAN_FRESH", "PLAN_KEEP"]
+__all__ = ["Engine", "LocalOutcome", "NVRX_VERSION", "build_engine", "PLAN_CACHED", "PLAN_DECENTRALIZED",
+           "PLAN_FRESH", "PLAN_KEEP", "PLAN_NAMES"]
 
 
 @dataclass
@@ -57,8 +58,13 @@ class LocalOutcome:
     checksums: dict[str, dict] = field(default_factory=dict)
 
 
-# Plan-cache votes, agreed as the minimum over the ranks (:meth:`Engine.vote`).
-PLAN_FRESH, PLAN_KEEP, PLAN_CACHED = 0, 1, 2
+# Plan-cache votes, agreed as the minimum over the ranks (:meth:`Engine.vote`); a save without a
+# cached plan is planned by every rank alone (``PLAN_DECENTRALIZED``) when the ranks' digests of
+# the state's global structure agree.
+PLAN_FRESH, PLAN_KEEP, PLAN_CACHED, PLAN_DECENTRALIZED = 0, 1, 2, 3
+# What a save's record says of its plan.
+PLAN_NAMES = {PLAN_FRESH: "collective", PLAN_KEEP: "collective", PLAN_CACHED: "cached",
+              PLAN_DECENTRALIZED: "decentralized"}
 
 
 class Engine:
@@ -81,11 +87,16 @@ class Engine:
     def warm(self, sd: dict) -> None:
         """Get ready, in the background, for saves of ``sd``'s structure (staging buffers)."""
 
-    def vote(self, sd: dict) -> int:
-        """What this rank can do with its plan cache for ``sd``: ``PLAN_CACHED`` (skip planning),
-        ``PLAN_KEEP`` (plan, keep the cache), ``PLAN_FRESH``. The checkpointer passes the minimum
-        over the ranks to :meth:`start`."""
+    def vote(self, sd: dict) -> Any:
+        """What this rank can do with its plan cache for ``sd``; the checkpointer gathers every
+        rank's and passes what :meth:`agree` makes of them to :meth:`start`."""
         return PLAN_CACHED
+
+    def agree(self, votes: list) -> int:
+        """The plan every rank uses, from every rank's :meth:`vote` (the same on every rank):
+        ``PLAN_CACHED`` (skip planning), ``PLAN_DECENTRALIZED`` (every rank plans alone),
+        ``PLAN_KEEP`` (plan collectively, keep the cache), ``PLAN_FRESH``."""
+        return min(votes)
 
     def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
               fault: Optional[str] = None) -> None:
@@ -266,25 +277,40 @@ class AsyncEngine(StagedEngine):
 
     mode = "async"
 
-    def __init__(self, rank: int, thread_count: int):
+    def __init__(self, rank: int, thread_count: int, planning: str = "decentralized"):
         self.thread_count = thread_count
         super().__init__(rank)
         self.plans = dcp_plan.PlanCache()
-        self.world_size = 1
+        self.decentralized = planning == "decentralized"
+        self.world_size, self.plan_rank = 1, rank
         self.voted_key: Optional[tuple] = None
         self.save: Optional[dcp_plan.DcpSave] = None
         self.collected: Optional[dcp_plan.DcpSave] = None
         self._metadata_key: tuple[str, Any] = ("", None)  # the key of the plan metadata last committed
 
     def attach(self, world_size: int, rank: int, kept_plan: Optional[Path] = None) -> None:
-        self.world_size = world_size
+        self.world_size, self.plan_rank = world_size, rank
         self.plans.attach(kept_plan, rank)  # the plan the pod kept for this rank, if any
 
-    def vote(self, sd: dict) -> int:
+    def vote(self, sd: dict) -> tuple[int, Optional[str]]:
+        """(the plan cache's level, and without a validated cache the digest of ``sd``'s global
+        structure when planning alone is allowed)."""
         self.voted_key = (structure(sd), self.world_size)
         if not self.plans.valid_for(self.voted_key):
-            return PLAN_FRESH
-        return PLAN_CACHED if self.plans.validated() else PLAN_KEEP
+            level = PLAN_FRESH
+        else:
+            level = PLAN_CACHED if self.plans.validated() else PLAN_KEEP
+        digest = None
+        if level < PLAN_CACHED and self.decentralized:
+            digest = decentralized_plan.global_structure(sd, self.plan_rank, per_rank_path)
+        return level, digest
+
+    def agree(self, votes: list) -> int:
+        level = min(v[0] for v in votes)
+        digests = {v[1] for v in votes}
+        if level < PLAN_CACHED and len(digests) == 1 and None not in digests:
+            return PLAN_DECENTRALIZED
+        return level
 
     def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
               fault: Optional[str] = None) -> None:
@@ -295,16 +321,21 @@ class AsyncEngine(StagedEngine):
         staged = self._stage(sd, key[0])
         if staged is None:
             return
-        cache = self.plans.use(key, keep=plan >= PLAN_KEEP)
+        cache = self.plans.use(key, keep=plan in (PLAN_KEEP, PLAN_CACHED))
         plan_now = partial(dcp_plan.plan_dcp_save, staged, partial_dir, self.thread_count, report, self.registry,
                            cache)
-        # Planning gathers every rank's plan unless the cache is validated: then it is done in the
-        # background with the rest; otherwise here, while every rank is in this call.
-        planned = None if plan == PLAN_CACHED else plan_now()
+        # Planning gathers every rank's plan unless the cache is validated or each rank plans
+        # alone: then it is done in the background with the rest; otherwise here, while every
+        # rank is in this call.
+        planned = None if plan in (PLAN_CACHED, PLAN_DECENTRALIZED) else plan_now()
+        rank, world_size = self.plan_rank, self.world_size
 
         def schedule() -> None:  # on the staging thread, once the copy is done
             if unavailable:
                 raise RuntimeError(unavailable)
+            if plan == PLAN_DECENTRALIZED:  # this rank's plan, made alone: a validated cache from now on
+                decentralized_plan.prefill(cache, decentralized_plan.plan_save(
+                    staged, rank, world_size, coordinator=rank == 0, per_rank_path=per_rank_path))
             self.save = dcp_plan.schedule_dcp_save(self.writer, planned or plan_now(), self.registry, token, report,
                                                    fault)
             note = self.plans.keep()  # once validated: for this rank's next process (off the loop)
@@ -399,9 +430,9 @@ class TorchAsyncEngine(StagedEngine):
         self.name = None
 
 
-def build_engine(mode: str, rank: int, thread_count: int) -> Engine:
+def build_engine(mode: str, rank: int, thread_count: int, planning: str = "decentralized") -> Engine:
     if mode == "sync":
         return SyncEngine(rank)
     if mode == "torch-async":
         return TorchAsyncEngine(rank)
-    return AsyncEngine(rank, thread_count)
+    return AsyncEngine(rank, thread_count, planning)

@@ -53,7 +53,8 @@ class CheckpointState:
             "resilience": json.dumps(self.resilience.state_dict() if self.resilience else {}, sort_keys=True),
         }
         if with_rng:
-            sd["rng"] = {f"rank{self.rank}": rng_state()}
+            top, own = per_rank_path(self.rank)
+            sd[top] = {own: rng_state()}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -64,7 +65,8 @@ class CheckpointState:
         if self.resilience is not None:
             self.resilience.load_state_dict(json.loads(sd["resilience"]))
         if "rng" in sd:
-            set_rng_state(sd["rng"][f"rank{self.rank}"])
+            top, own = per_rank_path(self.rank)
+            set_rng_state(sd[top][own])
 
     def shape_digest(self) -> str:
         """Identifies the model's architecture: names and global shapes of every parameter."""
@@ -72,6 +74,12 @@ class CheckpointState:
         for name, p in self.model.named_parameters():
             h.update(f"{canonical_name(name)}:{tuple(p.shape)};".encode())
         return h.hexdigest()
+
+
+def per_rank_path(rank: int) -> tuple[str, str]:
+    """Where in the state the values of ``rank`` alone are (its RNG states): every other value is
+    every rank's, or a DTensor's shard."""
+    return ("rng", f"rank{rank}")
 
 
 def rng_state() -> dict:

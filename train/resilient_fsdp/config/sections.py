@@ -245,6 +245,13 @@ class CheckpointConfig:
     ``*.abandoned-*`` then: never deleted, never picked again."""
     writer_threads: int = Field(default=2, gt=0)
     """Files each rank writes in parallel (``async`` mode)."""
+    planning: Literal["decentralized", "collective"] = "decentralized"
+    """How an ``async`` save without a kept plan is planned. ``decentralized``: every rank plans
+    its part alone once the ranks' digests of the state's global structure agree (one small
+    collective), and rank 0 builds the checkpoint's metadata from the structure; a disagreement
+    falls back to ``collective``. ``collective``: DCP's own planning, every rank's plan gathered on
+    rank 0 and a plan scattered back (minutes with every rank waiting at a thousand ranks), at the
+    first two saves of every process. Both write the same DCP format."""
     verify: Literal["load", "restore", "never"] = "load"
     """Check files against the checksums in ``COMPLETE`` (CRC32C, recorded while writing):
     ``load``: before every resume (each rank reads a share of the files) and after an S3 restore;

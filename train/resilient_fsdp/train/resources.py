@@ -57,7 +57,8 @@ class ProcessResources:
             # The launcher signals a node's ranks by process group, which includes the writer
             # processes NVRx spawns: the engines start them with SIGTERM blocked, so they outlive
             # it for the graceful stop's final checkpoint; the engine's close ends them.
-            self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads)
+            self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads,
+                                       self.cfg.checkpoint.planning)
         return self.engine
 
     def s3_uploader(self, rank: int, world_size: int = 1) -> Optional[Uploader]:

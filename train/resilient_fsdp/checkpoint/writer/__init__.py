@@ -11,6 +11,8 @@ adaptation to NVRx's async checkpointing.
   files hashed, the CPU shim, injected writer faults);
 - ``dcp_plan``: the ``async`` engine's DCP planning with a plan cache, its write buckets over the
   staged buffers, the metadata, and the check that write results match the files;
+- ``decentralized_plan``: a save plan every rank makes alone, and the digest the ranks agree on
+  before they do;
 - ``handoff``: the staged buffers sent to the writer once, references per save;
 - ``report``: :class:`~.report.SaveReport`, what one save's writer reports back to its rank.
 """
