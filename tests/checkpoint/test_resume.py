@@ -34,6 +34,28 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_resume_ends_bitwi
     assert list((tmp_path / "checkpoints").glob("step_00000008.superseded-*"))
 
 
+def test_a_resume_reads_the_commits_index_of_the_metadata_and_each_rank_plans_its_load_alone(tmp_path):
+    """The commit writes the metadata's index beside DCP's ``.metadata``, checksummed with every
+    file; a resume at 2 real ranks loads through it: with ``.metadata`` moved away it still ends
+    bitwise equal to the run without a stop (and with the index moved away, from ``.metadata``)."""
+    common = ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.verify=never"]
+    reference = run_local(tmp_path / "ref", nodes=1, nproc=2, overrides=common)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    for moved in (".metadata", ".metadata-index"):
+        run_dir = tmp_path / moved
+        first = run_local(run_dir, nodes=1, nproc=2, overrides=common + ["train.stop_at_step=8"])
+        assert first.returncode == 0, first.stderr[-3000:]
+        newest = run_dir / "checkpoints" / "step_00000008"
+        checksums = json.loads((newest / "COMPLETE").read_text())["checksums"]
+        assert {".metadata", ".metadata-index"} <= set(checksums)
+        (newest / moved).rename(run_dir / moved)
+        second = run_local(run_dir, nodes=1, nproc=2, overrides=common)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert "resumed from step 8" in second.stdout
+        assert read_losses(run_dir) == read_losses(tmp_path / "ref")
+        assert read_summary(run_dir)["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
+
+
 def test_resume_from_applies_to_the_jobs_first_start_and_survives_retention_deleting_its_target(tmp_path):
     common = ["train.steps=20", "checkpoint.interval_steps=4"]
     first = run_trainer(tmp_path, common + ["checkpoint.job_id=job-a", "checkpoint.keep_last=0"], timeout=300)

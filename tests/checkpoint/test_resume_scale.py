@@ -204,3 +204,44 @@ def test_the_parameter_hash_follows_its_definition_in_host_blocks_of_bounded_siz
 def test_hash_throughput_is_measured_per_rank():
     measured = resume_cost.hash_throughput(megabytes=8)
     assert measured["bytes"] == 8 * 2**20 and measured["gb_per_s"] > 0
+
+
+def test_the_commits_index_holds_every_place_of_the_metadata_and_a_resume_reads_it_not_the_metadata(
+        tmp_path, group, metadata_opens, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from resilient_fsdp.checkpoint import metadata_index
+
+    saved = {"w": torch.randn(16, 8), "b": torch.randn(8), "step": 7, "note": {"text": "x"}}
+    dcp.save(saved, checkpoint_id=str(tmp_path))
+    full = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    index = metadata_index.encode(full, dict(full.storage_data))
+    (tmp_path / metadata_index.INDEX_FILE).write_bytes(index)
+    decoded = metadata_index.decode(index)
+    # Every place of DCP's own metadata, byte items (no offsets) included, and nothing else.
+    assert len(decoded.storage_data) == len(full.storage_data) == 4
+    assert set(decoded.storage_data) == set(full.storage_data)
+    for key, info in full.storage_data.items():
+        assert decoded.storage_data[key] == info, key
+    with pytest.raises(KeyError):
+        decoded.storage_data[MetadataIndex("w", torch.Size([8, 0]))]
+    assert decoded.state_dict_metadata == full.state_dict_metadata and decoded.planner_data == full.planner_data
+    # A resume reads the index, broadcasts its bytes and never opens .metadata.
+    metadata_opens.clear()
+    sent = []
+    broadcast = resume.RankGroup.broadcast
+    monkeypatch.setattr(resume.RankGroup, "broadcast", lambda self, obj: sent.append(obj) or broadcast(self, obj))
+    reader, error = resume.shared_metadata_reader(group, tmp_path)
+    assert error is None and sent == [{"index": index}]
+    target = {"w": torch.zeros(16, 8), "b": torch.zeros(8), "step": 0, "note": {"text": ""}}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert torch.equal(target["w"], saved["w"]) and torch.equal(target["b"], saved["b"])
+    assert (target["step"], target["note"]) == (7, {"text": "x"})
+    assert metadata_opens == []
+    # An index that does not decode is named; a storage the index cannot hold gives no index.
+    (tmp_path / metadata_index.INDEX_FILE).write_bytes(b"not a pickle")
+    reader, error = resume.shared_metadata_reader(group, tmp_path)
+    assert reader is None and f"cannot read its {metadata_index.INDEX_FILE}: UnpicklingError" in error
+    transformed = {k: _StorageInfo(v.relative_path, v.offset, v.length, ["zstd"]) for k, v in full.storage_data.items()}
+    assert metadata_index.encode(full, transformed) is None

@@ -16,6 +16,7 @@
   checkpointing;
 - ``integrity``: checksums computed while files are written, and their verification;
 - ``resume``: which checkpoint a start resumes from, and loading it;
+- ``metadata_index``: the commit's index of DCP's ``.metadata`` that a resume reads instead;
 - ``store``: the directory layout, the atomic commit, discovery and retention;
 - ``lease``: one job at a time writes a checkpoint directory;
 - ``run_identity``: which run a checkpoint directory belongs to (``RUN``), what the pod's memory is keyed by;

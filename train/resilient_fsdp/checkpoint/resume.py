@@ -23,10 +23,14 @@ or downloaded from S3 with its checksums checked, is loaded without verifying it
 its own rather than a hash of what loading reads: DCP reads only the byte ranges of the items
 each rank's plan needs (at another world size, slices of many files), so no rank reads whole files.
 
-**Loading** reads DCP's ``.metadata`` (every item's location in the files: hundreds of MB for a
-large model) once, on rank 0, and broadcasts its bytes; every rank unpickles them and loads
-through a reader that is handed the result (:class:`SharedMetadataReader`), so the file is read
-once, not once per rank, and rank 0 does not unpickle and pickle it again for the others.
+**Loading** reads the checkpoint's metadata (every item's location in the files: hundreds of MB
+for a large model) once, on rank 0, and broadcasts its bytes: the commit's compact index of it
+(:mod:`.metadata_index`, whose places are numpy columns looked up on demand) where there is one,
+else DCP's ``.metadata``. Every rank decodes them and loads through a reader that is handed the
+result (:class:`SharedMetadataReader`), so the file is read once, not once per rank, and rank 0
+does not unpickle and pickle it again for the others. Each
+rank then plans its load alone: DCP's global load plan leaves the ranks' plans as they are, so
+gathering them on rank 0 and scattering them back (minutes at a thousand ranks) buys nothing.
 
 **At another world size** (DCP checkpoints reshard): ``train.grad_accum_steps`` is chosen by the
 ``train.elastic_batch`` policy (:mod:`resilient_fsdp.train.global_batch`: the run's global batch
@@ -39,6 +43,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -52,7 +57,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from .. import atomic
 from ..config import CheckpointConfig, ConfigError
 from ..train import global_batch
-from . import integrity, store
+from . import integrity, metadata_index, store
 from .group import RankGroup
 from .memory import agreement
 from .memory.tier import MemoryTier
@@ -356,20 +361,28 @@ def shared_metadata_reader(group: RankGroup, path: Path) -> tuple[Optional[Share
     payload = None
     if group.is_coordinator:
         try:
-            files = FileSystemReader(path)
-            with files.fs.create_stream(files.fs.concat_path(files.path, METADATA_FILE), "rb") as f:
-                payload = {"bytes": f.read()}
+            index = path / metadata_index.INDEX_FILE
+            if index.is_file():  # written by the commit beside .metadata: the same places, read in seconds
+                payload = {"index": index.read_bytes()}
+            else:
+                files = FileSystemReader(path)
+                with files.fs.create_stream(files.fs.concat_path(files.path, METADATA_FILE), "rb") as f:
+                    payload = {"bytes": f.read()}
         except Exception as exc:  # noqa: BLE001 - reported on every rank; the older checkpoint is tried
             payload = {"error": f"cannot read its DCP metadata: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
     payload = group.broadcast(payload)
     if "error" in payload:
         return None, payload["error"]
     try:
-        metadata = pickle.loads(payload["bytes"])
+        if "index" in payload:
+            metadata = metadata_index.decode(payload["index"])
+        else:
+            metadata = pickle.loads(payload["bytes"])
         if not isinstance(metadata, Metadata):
             raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     except Exception as exc:  # noqa: BLE001 - the same bytes fail alike on every rank
-        return None, f"cannot read its DCP metadata: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+        what = metadata_index.INDEX_FILE if "index" in payload else "DCP metadata"
+        return None, f"cannot read its {what}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
     return SharedMetadataReader(path, metadata), None
 
 
@@ -407,7 +420,12 @@ def load(state: CheckpointState, ckpt: store.CheckpointInfo, rank: int, with_rng
             loaded = torch.load(ckpt.path / f"rank{rank:05d}.pt", map_location="cpu", weights_only=False)
             sd = from_local(loaded, sd)
         else:
-            dcp.load(sd, checkpoint_id=str(ckpt.path), storage_reader=reader)
+            with warnings.catch_warnings():  # DCP's note that it loads in one process: the point here
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                # A load plan needs no other rank (DCP's global load plan is the local plans as
+                # they are): each rank plans alone, and no plan goes through rank 0. The ranks
+                # agree on the outcome afterwards (_load).
+                dcp.load(sd, checkpoint_id=str(ckpt.path), storage_reader=reader, no_dist=True)
         state.load_state_dict(sd)
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]

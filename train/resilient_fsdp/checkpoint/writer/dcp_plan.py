@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from ... import atomic
-from .. import integrity
+from .. import integrity, metadata_index
 from . import handoff
 from .process import WriterProcess
 from .report import SaveReport
@@ -270,7 +270,8 @@ def _retrieve(storage_writer: Any) -> tuple[Optional[list], Optional[str]]:
 def write_metadata(path: Path, metadata: Any, all_results: list[list]) -> dict[str, dict]:
     """Coordinator (or its commit process): write DCP's ``.metadata`` into ``path`` from the plan's
     global ``metadata`` and every rank's write results, with torch's ``FileSystemWriter.finish``
-    (what NVRx's writer does too), hashed while written; returns its checksum. Raises on failure."""
+    (what NVRx's writer does too), and the resume's index of it (:mod:`..metadata_index`), each
+    hashed while written; returns their checksums. Raises on failure."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     recorder = integrity.Recorder()
@@ -278,6 +279,12 @@ def write_metadata(path: Path, metadata: Any, all_results: list[list]) -> dict[s
     writer.fs = integrity.HashingFileSystem(recorder)
     with cpu_shim():
         writer.finish(metadata, all_results)
+    index = metadata_index.encode(metadata, metadata_index.storage_of(all_results))
+    if index is not None:
+        with writer.fs.create_stream(path / metadata_index.INDEX_FILE, "wb") as stream:
+            stream.write(index)
+            stream.flush()
+            os.fsync(stream.fileno())
     return recorder.take(renames={".metadata.tmp": ".metadata"})
 
 
