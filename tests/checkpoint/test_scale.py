@@ -96,19 +96,19 @@ def test_object_collectives_use_gloo_and_follow_a_new_default_group(tmp_path):
 
 
 def test_side_groups_connect_a_rank_only_to_the_peers_its_collectives_reach():
-    """Real gloo ranks (8) on loopback: the lazy side group the checkpointer's objects travel on
+    """Real gloo ranks (10) on loopback: the lazy side group the checkpointer's objects travel on
     (and the replicas') opens no connection when it is made, where an eager group connects every
-    rank to every other at every start; after a broadcast, a gather and an all-gather a rank holds
-    gloo's tree and ring peers and rank 0, and rank 0 every rank (the gather's fan-in)."""
+    rank to every other at every start; after a broadcast, a gather and an all-gather along the
+    object collectives' tree a rank holds its parent and its children alone: rank 0 four of the
+    nine others, no rank more than five."""
     import json
-    import math
     import subprocess
     import sys
 
     from tests.checkpoint.probes import HERE
     from tests.support import REPO, _env
 
-    world = 8
+    world = 10
     proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "object_group.py"), str(world)],
                           capture_output=True, text=True, timeout=180, cwd=REPO, env=_env([HERE]))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -120,8 +120,12 @@ def test_side_groups_connect_a_rank_only_to_the_peers_its_collectives_reach():
         assert got["eager_made"] == world - 1, got  # the full mesh, at creation
         assert got["lazy_made"] == 0, got
         assert got["listeners_recorded"] >= 1  # an abort can shut down what arrives later
-    assert ranks["0"]["lazy_used"] == world - 1
-    bound = math.ceil(math.log2(world)) + 3  # the broadcast tree, the ring's two neighbours, rank 0
-    others = [got["lazy_used"] for r, got in ranks.items() if r != "0"]
-    assert max(others) <= bound and sum(others) < (world - 1) ** 2, others
+    # The tree of FANOUT children a rank: rank 0 talks to its children, every other rank to its
+    # parent and its children, whatever the world.
+    fanout = group_mod.FANOUT
+    for r, got in ranks.items():
+        rank = int(r)
+        children = len(range(rank * fanout + 1, min(rank * fanout + 1 + fanout, world)))
+        assert got["lazy_used"] == children + (rank > 0), (r, got)
+    assert max(got["lazy_used"] for got in ranks.values()) <= fanout + 1
 

@@ -14,8 +14,12 @@ floats, no pickling.
 Side groups connect lazily (:func:`lazy_gloo_group`): an eager gloo group connects every rank to
 every other when it is made, a socket per rank of the world at every start (16,383 a rank at
 2,048 nodes x 8). A lazy one makes none then, and a pair's connection on its first message, so a
-rank holds only the peers its collectives reach: gloo's broadcast tree and allgather ring, and
-rank 0 for a gather (rank 0 itself reaches every rank on its first gather).
+rank holds only the peers its messages reach. The object collectives send those messages along
+one tree of :data:`FANOUT` children a rank (:class:`RankGroup`): a gather goes up it, a broadcast
+down, an all-gather up then down, so a rank talks to its parent and its children alone, at most
+``FANOUT + 1`` peers at any world size, where gloo's own gather has rank 0 reach every rank and
+its broadcast and ring add a peer per doubling of the world. A message crosses log_FANOUT(world)
+hops (5 at 1,024 ranks); each rank's objects are relayed as the bytes they were pickled to.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch.distributed as dist
 from ..resilience import nvrx
 
 _LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo's constructor
+# Children a rank has in the object collectives' tree: its peers are these and its parent.
+FANOUT = 4
 
 
 # (default group, its object group), weakly: the side group belongs to one default group; an
@@ -112,23 +118,42 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [float(v) for v in t.tolist()]
 
+    def _children(self) -> range:
+        first = self.rank * FANOUT + 1
+        return range(first, min(first + FANOUT, self.world_size))
+
+    def _parent(self) -> int:
+        return (self.rank - 1) // FANOUT
+
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
+        """Rank 0's ``obj`` on every rank (down the tree)."""
+        group = self._objects()
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._objects())
+        if not self.is_coordinator:
+            dist.recv_object_list(box, src=self._parent(), group=group)
+        for child in self._children():
+            dist.send_object_list(box, dst=child, group=group)
         return box[0]
 
     def gather(self, obj: Any) -> Optional[list]:
-        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-        out = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=0, group=self._objects())
+        """Every rank's ``obj`` on rank 0 (None elsewhere), up the tree."""
+        group = self._objects()
+        subtree = [(self.rank, obj)]
+        for child in self._children():
+            box: list = [None]
+            dist.recv_object_list(box, src=child, group=group)
+            subtree.extend(box[0])
+        if not self.is_coordinator:
+            dist.send_object_list([subtree], dst=self._parent(), group=group)
+            return None
+        out: list = [None] * self.world_size
+        for rank, value in subtree:
+            out[rank] = value
         return out
 
     def all_gather(self, obj: Any) -> list:
-        """Every rank's ``obj`` on every rank."""
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._objects())
-        return out
+        """Every rank's ``obj`` on every rank: up the tree, then down."""
+        return self.broadcast(self.gather(obj))
 
     def store(self) -> dist.Store:
         """The process group's key-value store (waits there are not bound by the collective timeout)."""
