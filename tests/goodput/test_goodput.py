@@ -189,6 +189,53 @@ def test_advisor_estimate_refuses_bad_input_naming_the_flag(argv, words):
         assert w in str(info.value)
 
 
+def _scale_results(path):
+    """``bench scale`` records: 70b FSDP measured at 1,024 ranks (300 s of start-up), 70b HSDP-64
+    extrapolated from 256 and 1,024 ranks (30 s and 120 s)."""
+    def phases(blocked, resume):
+        return {"cold_save_plan_s": blocked, "max_rank_blocked_s": blocked, "resume_metadata_and_plan_s": resume}
+
+    path.write_text(json.dumps([
+        {"ranks": 1024, "preset": "70b", "layout": "fsdp", **phases(100.0, 200.0)},
+        {"ranks": 16384, "preset": "70b", "layout": "hsdp-64", **phases(999.0, 999.0),
+         "extrapolated_from": {"256": phases(10.0, 20.0), "1024": phases(40.0, 80.0)}}]))
+    return path
+
+
+def test_the_start_up_a_restart_adds_is_read_from_bench_scale_at_the_jobs_size(tmp_path):
+    from resilient_fsdp.goodput import simulate as gs
+
+    scale = _scale_results(tmp_path / "scale.json")
+    assert gs.startup_from_bench(scale, "70b:fsdp", 1024) == pytest.approx(300.0)
+    assert gs.startup_from_bench(scale, "70b:fsdp", 2048) == pytest.approx(600.0)  # grows with the world beyond
+    assert gs.startup_from_bench(scale, "70b:fsdp", 512) == pytest.approx(300.0)  # not below the smallest measured
+    assert gs.startup_from_bench(scale, "70b:hsdp-64", 512) == pytest.approx(60.0)  # between measured points
+    with pytest.raises(ValueError, match="8b fsdp"):
+        gs.startup_from_bench(scale, "8b:fsdp", 1024)
+    # The simulator adds it to every recovery and says where it came from.
+    _, without = _simulate_cli(tmp_path, "--nodes", "128", "--recovery-range", "1")
+    _, with_startup = _simulate_cli(tmp_path, "--nodes", "128", "--recovery-range", "1", "--startup-from-bench",
+                                    str(scale))
+    assert all(a["goodput"] < b["goodput"] for a, b in zip(with_startup["rows"], without["rows"]))
+    assert with_startup["inputs"]["start-up planning and resume metadata"].startswith(f"measured (bench scale {scale}")
+    assert without["inputs"]["start-up planning and resume metadata"].startswith("not counted")
+    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8",
+                          "--startup-from-bench", str(scale), "--startup-case", "8b:fsdp"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "8b fsdp" in bad.stderr and "Traceback" not in bad.stderr
+    # The advisor adds it to the restart, for the job's model and layout.
+    rec = tmp_path / "rec.json"
+    rec.write_text(json.dumps({"in_job": {"recovery_s_median": 9.5}}))
+    a = _advice("--instance", "p5.48xlarge", "--nodes", "128", "--preset", "70b", "--from-bench", str(rec),
+                "--from-bench", str(scale))
+    assert a.inputs.restart_s == pytest.approx(9.5 + 300.0)
+    assert f"start-up planning and resume metadata (measured, --from-bench {scale}, 70b:fsdp)" in \
+        dict(a.inputs.cost_sources)["restart_s"]
+    with pytest.raises(adv.AdviseError, match="--preset"):
+        _advice("--instance", "p5.48xlarge", "--nodes", "8", "--ckpt-stall-s", "1", "--ckpt-write-s", "9",
+                "--from-bench", str(scale))
+
+
 def test_advisor_reads_measured_costs_from_benchmark_results(tmp_path):
     ckpt = tmp_path / "ckpt.json"
     ckpt.write_text(json.dumps({"async": {"stall_s": 0.4, "write_s": 3.3}}))

@@ -421,11 +421,16 @@ def _whole(seconds: float) -> int:
 
 def costs_from_bench(path: Path) -> dict:
     """``ckpt_stall_s`` / ``ckpt_write_s`` from ``bench checkpoint`` JSON, ``restart_s`` from
-    ``bench recovery`` JSON (its in-job median); either or both keys may be present."""
+    ``bench recovery`` JSON (its in-job median); either or both keys may be present. ``bench
+    scale`` JSON gives ``scale``: its path, for the start-up a restart adds at the job's size."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise AdviseError(f"--from-bench {path}: cannot read it as JSON ({exc})") from exc
+    if isinstance(data, list) and data and all(isinstance(r, dict) and "cold_save_plan_s" in r for r in data):
+        return {"scale": path}
+    if not isinstance(data, dict):
+        raise AdviseError(f"--from-bench {path}: not `bench checkpoint`, `bench recovery` or `bench scale` results")
     found = {}
     if isinstance(data.get("async"), dict):
         found["ckpt_stall_s"] = float(data["async"]["stall_s"])
@@ -541,6 +546,20 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
                 costs[key], sources[key] = value, "estimated"
     if "restart_s" not in costs:
         sources["restart_s"] = "default"
+    scale = costs.pop("scale", None)
+    if scale is not None:  # what a restarted world of this size spends planning and reading metadata
+        from .simulate import startup_from_bench
+
+        if args.preset is None:
+            raise AdviseError(f"--from-bench {scale}: `bench scale` results are per model: pass --preset")
+        case = f"{args.preset}:{f'hsdp-{group}' if group else 'fsdp'}"
+        try:
+            startup = startup_from_bench(scale, case, args.nodes * gpus)
+        except (ValueError, KeyError) as exc:
+            raise AdviseError(f"--from-bench {scale}: {exc}") from None
+        costs["restart_s"] = costs.get("restart_s", DEFAULT_RESTART_S) + startup
+        sources["restart_s"] += f"; + {startup:.1f} s of start-up planning and resume metadata (measured, " \
+                                f"--from-bench {scale}, {case})"
     if args.node_mtbf_hours is not None:
         mtbf, source = args.node_mtbf_hours, "given (--node-mtbf-hours)"
     else:

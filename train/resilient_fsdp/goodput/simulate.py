@@ -30,7 +30,9 @@ recovers ``--recovery-range`` times slower (3 by default: scheduling, image pull
 1,000+ nodes take 2-3x what a small cluster's restart does); the high end is the figure itself.
 A rate given with ``--node-mtbf-hours`` is the user's own and is not widened. The inputs are
 listed with where each comes from: measured (``--recovery-from-bench``), given, published or
-assumed. Judge a target at the range's middle and name the low end.
+assumed. Judge a target at the range's middle and name the low end. ``--startup-from-bench`` adds
+to every recovery what ``bench scale`` measured a restarted world of each size to spend before
+its first step (a cold save's planning and a resume's metadata and load planning).
 
 With ``--spares S`` (``auto``: the fewest for which at most 1% of node losses find none free,
 ``model.spares_needed``) the in-job strategies run again with S hot spares, ``in-job+spares`` and
@@ -311,6 +313,33 @@ def recovery_from_bench(path: Path) -> dict:
     return {layer: float(data[key]["recovery_s_median"]) for key, layer in names.items() if key in data}
 
 
+def startup_from_bench(path: Path, case: str, ranks: int) -> float:
+    """What a restarted world of ``ranks`` spends before its first step on planning and the resume's
+    metadata (the longest rank blocked by a cold save's plan, plus a durable resume's metadata and
+    load planning), from ``bench scale`` JSON: every measured world of ``case`` (``PRESET:LAYOUT``),
+    the extrapolation's own points included, interpolated in the world size (beyond them, along the
+    line through the origin and the nearest one: the phases grow with the world). Raises
+    ValueError naming what is missing."""
+    preset, _, layout = case.partition(":")
+    points: dict[int, float] = {}
+    for record in json.loads(path.read_text()):
+        if (record.get("preset"), record.get("layout")) != (preset, layout):
+            continue
+        measured = {int(w): m for w, m in (record.get("extrapolated_from") or {}).items()}
+        if "extrapolated_from" not in record:
+            measured[int(record["ranks"])] = record
+        for world, m in measured.items():
+            points[world] = float(m["max_rank_blocked_s"]) + float(m["resume_metadata_and_plan_s"])
+    if not points:
+        raise ValueError(f"it holds no measured case of {preset} {layout or '(no layout)'} (`resilient-fsdp bench "
+                         f"scale --case RANKS:{preset}:{layout}` measures one)")
+    worlds = sorted(points)
+    if ranks <= worlds[0] or ranks >= worlds[-1]:
+        nearest = worlds[0] if ranks <= worlds[0] else worlds[-1]
+        return points[nearest] * ranks / nearest if ranks > nearest else points[nearest]
+    return float(np.interp(ranks, worlds, [points[w] for w in worlds]))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="Monte Carlo goodput per cluster size and restart strategy",
                        description=__doc__.split("\n\n")[0])
@@ -326,6 +355,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval-s", type=float, help="checkpoint interval; default: Daly's for each size")
     p.add_argument("--recovery-s", default="", help="LAYER=SECONDS overrides, e.g. in_job=90,job=900")
     p.add_argument("--recovery-from-bench", metavar="FILE", help="recovery times from `bench recovery` JSON")
+    p.add_argument("--startup-from-bench", metavar="FILE",
+                   help="adds to every recovery what a restarted world of each size spends planning its first "
+                        "save and reading the resume's metadata, from `bench scale` JSON (--startup-case)")
+    p.add_argument("--startup-case", default="70b:fsdp", metavar="PRESET:LAYOUT",
+                   help="the `bench scale` case --startup-from-bench reads (default 70b:fsdp)")
     p.add_argument("--mix", default=",".join(f"{x:g}" for x in DEFAULT_MIX),
                    help="shares of transient,process,node failures (default 0.2,0.2,0.6)")
     p.add_argument("--memory-stall-s", type=float,
@@ -380,12 +414,20 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
                          "times as a multiple of those given)")
     # A rate the user gives is their cluster's own; the published one is widened to RSC-1's.
     node_mtbf_low = 0.0 if args.node_mtbf_hours else min(node_mtbf, gm.rsc_node_mtbf_hours(args.gpus_per_node))
+    startup_file = getattr(args, "startup_from_bench", None)
     out = []
     for n in nodes:
         mtbf_s = node_mtbf * gm.HOUR / n
+        recovery_n = recovery
+        if startup_file:
+            try:
+                startup = startup_from_bench(Path(startup_file), args.startup_case, n * args.gpus_per_node)
+            except (OSError, ValueError, KeyError) as exc:
+                raise UsageError(f"error: --startup-from-bench {startup_file}: {exc}")
+            recovery_n = {k: v + startup for k, v in recovery.items()}
         interval = args.interval_s or max(gm.daly_interval(args.ckpt_stall_s, mtbf_s), args.ckpt_write_s)
         s = Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
-                     stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery, mix=mix,
+                     stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery_n, mix=mix,
                      replacement_s=replacement, node_mtbf_low_h=node_mtbf_low, recovery_range=recovery_range)
         spares = gm.spares_needed(s.busy_spares_mean) if spares_arg == "auto" else int(spares_arg)
         s = replace(s, spares=spares)
@@ -429,6 +471,11 @@ def input_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
                                           f"write {flag('ckpt_write_s', str(defaults.get('ckpt_write_s')))}")]
     if getattr(args, "memory_stall_s", None) is not None:
         out.append(("memory snapshot stall", "given"))
+    if getattr(args, "startup_from_bench", None):
+        out.append(("start-up planning and resume metadata", f"measured (bench scale {args.startup_from_bench}, "
+                                                             f"{args.startup_case}), added to every recovery"))
+    else:
+        out.append(("start-up planning and resume metadata", "not counted (--startup-from-bench)"))
     return out
 
 
