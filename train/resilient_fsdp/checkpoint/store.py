@@ -64,6 +64,8 @@ from typing import Callable, Optional
 from .. import atomic
 
 MARKER = "COMPLETE"
+# The commit's index of DCP's .metadata, which a resume reads instead (metadata_index).
+INDEX_FILE = ".metadata-index"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
 _PARTIAL = re.compile(r"^step_(\d{8})\.incomplete-([0-9a-f]+)$")
 # Older commits of a step; "superseded-<time>" alone is the form before ids were added.
@@ -326,8 +328,8 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-# Written after the writers finish: DCP's metadata (finalize) and the manifest (commit).
-_NOT_WRITTEN_BY_WRITERS = (".metadata", MARKER)
+# Written after the writers finish: DCP's metadata and its index (finalize) and the manifest (commit).
+_NOT_WRITTEN_BY_WRITERS = (".metadata", INDEX_FILE, MARKER)
 
 
 def written_bytes(path: Path) -> int:
