@@ -35,13 +35,26 @@ def test_a_case_is_measured_in_every_phase_and_judged_by_its_targets():
     assert "extrapolated_from" not in record
     phases = record["phases_s"]
     assert phases and all(v >= 0 for v in phases.values()) and phases["save_rank0_global_plan"] > 0
+    # Planned alone: rank 0 digests its structure, reads every rank's vote and plans with the metadata.
     assert record["cold_save_plan_s"] == pytest.approx(
+        phases["alone_digest_structure"] + phases["alone_vote_unpickle_every_digest"]
+        + phases["alone_rank0_plan_and_metadata"])
+    assert record["max_rank_blocked_s"] >= record["cold_save_plan_s"]
+    assert record["resume_metadata_and_plan_s"] == pytest.approx(
+        phases["resume_read_index"] + phases["resume_decode_index"] + phases["resume_local_load_plan"]
+        + phases["resume_index_lookups"])
+    assert 0 < record["index_bytes"] and 0 < record["metadata_bytes"]
+    # DCP's collective planning, measured beside it: the gather, global plan and scatter on rank 0.
+    assert record["collective_cold_save_plan_s"] == pytest.approx(
         phases["save_rank0_unpickle_every_plan"] + phases["save_rank0_global_plan"]
         + phases["save_rank0_pickle_every_central_plan"])
-    assert record["max_rank_blocked_s"] > record["cold_save_plan_s"]
+    assert record["collective_max_rank_blocked_s"] > record["collective_cold_save_plan_s"]
     # HSDP in groups of 4: each shard is written once, by one of the two replicas.
     assert record["items_written"] < 2 * record["items_per_rank"] * 4
-    assert record["extra_connections_per_rank"]["rank0"] == 7 + 2  # every rank, and its replica pairs
+    # The object collectives' tree (rank 0: its four children) and the replica pairs, at any world.
+    connections = record["extra_connections_per_rank"]
+    assert (connections["rank0"], connections["other_ranks_at_most"]) == (4 + 2, 4 + 1 + 2)
+    assert scale.extra_connections(16384) == connections
     for key, judged in record["targets"].items():
         assert judged["met"] == (judged["value"] <= scale.TARGETS[key]), key
 

@@ -11,21 +11,31 @@ sizes torch computes for that rank's mesh coordinate (``_compute_local_shape_and
 and checked equal to the planner's own plan at three ranks of each case (a mismatch stops the
 benchmark).
 
-**What is timed** (the phases DCP's ``reduce_scatter`` of plans runs, on the path this project's
-save (through NVRx's ``save_state_dict_async_plan``) and resume take):
+**What is timed** (on the path this project's save, through NVRx's ``save_state_dict_async_plan``,
+and resume take):
 
-- a cold save (no kept plan; every start's first two saves): each rank's local plan and its
-  pickle; rank 0 unpickles every plan, runs ``create_global_plan`` (de-duplication and the global
-  metadata) and pickles every rank's central plan; each rank unpickles its own.
-  ``cold_save_plan_s`` is rank 0's part; ``max_rank_blocked_s`` adds what a rank does around it;
-- a durable resume: ``.metadata`` read once (rank 0) and unpickled by every rank at once, the
-  rank's load plan, and the same gather, global plan and scatter of load plans;
+- a cold save (no cached plan: a process's first save), planned alone
+  (``checkpoint.planning: decentralized``, :mod:`..checkpoint.writer.decentralized_plan`): the
+  digest of the state's global structure, every rank's vote unpickled, and the plan (on rank 0
+  with the global metadata) by rank 0 and by the last rank. ``cold_save_plan_s`` is rank 0's;
+  ``max_rank_blocked_s`` the slower of the two, counted as if the rank waited for its plan, which
+  is made on its staging thread;
+- the same save planned collectively (``collective_*``: DCP's ``reduce_scatter`` of plans, the
+  fallback when the ranks' structures differ): each rank's local plan and its pickle; rank 0
+  unpickles every plan, runs ``create_global_plan`` (de-duplication and the global metadata) and
+  pickles every rank's central plan; each rank unpickles its own;
+- a durable resume: the commit's index of the metadata (:mod:`..checkpoint.metadata_index`) read
+  once (rank 0) and decoded by every rank at once, the rank's load plan, made alone (DCP's global
+  load plan keeps the local plans as they are), and the places of the items it reads looked up in
+  the index; DCP's ``.metadata`` read and unpickled instead (``metadata_file_resume_s``: a
+  checkpoint without an index) and the gather and scatter of load plans DCP would run
+  (``collective_load_plan_s``) are timed beside it;
 - ``rank0_training_process_python_s``: rank 0's Python work for each save on the training
   process: unpickling the gathered outcomes (each rank's, pickled by that rank to bytes) and
   pickling the commit's hand-off to the commit process (the plan's metadata is sent only when the
   plan changes: ``rank0_plan_change_python_s``);
 - ``extra_connections_per_rank``: the TCP connections the start's side groups open (the object
-  group, connected lazily, and the replicas' pairs), from the collectives a start runs:
+  group, connected lazily, its collectives along a tree, and the replicas' pairs):
   ``tests/checkpoint/probes/object_group.py`` measures them with real gloo processes.
 
 Transfers are not timed (bytes are reported): a cold save moves every plan to rank 0 and back.
@@ -177,19 +187,38 @@ def measure_world(ranks: int, preset: str, layout: str) -> dict:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+    from ..checkpoint import metadata_index
+    from ..checkpoint.writer import decentralized_plan
+
     world = World(ranks, shard_group(layout, ranks))
     try:  # the fake group stays up for rank 0's load plan below
         # Rank 0's real plan (timed), and two more ranks' to check the built ones against.
         state = world.state_dict(0, preset)
         template, local_plan_s = _timed(local_save_plan, state)
         for rank in sorted({min(ranks - 1, ranks // 2 + 1), ranks - 1}):
-            real = local_save_plan(world.state_dict(rank, preset))
+            other = world.state_dict(rank, preset)
+            real = local_save_plan(other)
             if real.items != plan_for(template, world, rank).items:
                 raise AssertionError(f"the plan built for rank {rank} of {ranks} ({layout}) differs from DCP's own")
-        state = world.state_dict(0, preset)  # rank 0 again: its load plan below
+        # Planned alone (checkpoint.planning: decentralized), by the last rank, then by rank 0
+        # (with the global metadata); each first digests the state's global structure.
+        other_digest, other_digest_s = _timed(decentralized_plan.global_structure, other, ranks - 1)
+        _, alone_other_s = _timed(decentralized_plan.plan_save, other, ranks - 1, ranks, False)
+        del other
+        state = world.state_dict(0, preset)  # rank 0 again: its plans and its load plan below
+        digest, digest_s = _timed(decentralized_plan.global_structure, state, 0)
+        if digest != other_digest:
+            raise AssertionError(f"rank 0 and rank {ranks - 1} of {ranks} ({layout}) digest their structure apart")
+        alone, alone_rank0_s = _timed(decentralized_plan.plan_save, state, 0, ranks, True)
     except BaseException:
         world.close()
         raise
+    # The vote: every rank's (token, error, (plan level, digest)), gathered by every rank.
+    vote_blobs = [pickle.dumps((None, None, (0, digest)), pickle.HIGHEST_PROTOCOL) for _ in range(ranks)]
+    _, vote_unpickle_s = _timed(lambda: [pickle.loads(b) for b in vote_blobs])
+    del vote_blobs
+    alone_metadata_blob, alone_metadata_pickle_s = _timed(pickle.dumps, alone.metadata, pickle.HIGHEST_PROTOCOL)
+    del alone_metadata_blob
     plans = [template] + [plan_for(template, world, r) for r in range(1, ranks)]
     blob, pickle_own_s = _timed(pickle.dumps, template, pickle.HIGHEST_PROTOCOL)
     blobs = [pickle.dumps(p, pickle.HIGHEST_PROTOCOL) for p in plans]
@@ -208,7 +237,10 @@ def measure_world(ranks: int, preset: str, layout: str) -> dict:
     del scattered
     written = sum(len(p.items) for p in central)
 
-    # .metadata as the commit writes it: the global metadata with every written item's place.
+    # .metadata as the commit writes it: the global metadata planned alone with every written
+    # item's place (the same items as the collective plan's).
+    metadata = alone.metadata
+    del alone
     storage = {}
     for rank, plan in enumerate(central):
         offset = 0
@@ -217,21 +249,34 @@ def measure_world(ranks: int, preset: str, layout: str) -> dict:
             storage[item.index] = _StorageInfo(f"__{rank}_0.distcp", offset, length)
             offset += length
     metadata.storage_data = storage
-    del central, storage
+    del central
+    # The commit's index of it (in rank 0's commit process), which a resume reads instead.
+    index_blob, index_encode_s = _timed(metadata_index.encode, metadata, storage)
+    del storage
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / ".metadata"
         path.write_bytes(pickle.dumps(metadata, pickle.HIGHEST_PROTOCOL))
         raw, read_s = _timed(path.read_bytes)
-    loaded, unpickle_metadata_s = _timed(pickle.loads, raw)
-    metadata_bytes = len(raw)
-    del raw, metadata
+        (Path(tmp) / metadata_index.INDEX_FILE).write_bytes(index_blob)
+        del index_blob
+        index_raw, read_index_s = _timed((Path(tmp) / metadata_index.INDEX_FILE).read_bytes)
+    metadata_bytes, index_bytes = len(raw), len(index_raw)
+    del metadata
+    _, unpickle_metadata_s = _timed(pickle.loads, raw)  # DCP's .metadata: the fallback without an index
+    del raw
+    loaded, decode_index_s = _timed(metadata_index.decode, index_raw)
+    del index_raw
 
     def load_plan():
         p = DefaultLoadPlanner()
         p.set_up_planner(state, loaded, is_coordinator=True)
         return p.create_local_plan()
 
+    # A resume plans each rank's load alone (DCP's global load plan keeps the local plans as they
+    # are); the gather and scatter DCP would run are timed for the record, not counted.
     load_local, load_local_s = _timed(load_plan)
+    # Where each item the rank reads is, found in the index's columns as DCP's reader asks.
+    _, index_lookups_s = _timed(lambda: [loaded.storage_data[i.storage_index] for i in load_local.items])
     load_blob, load_pickle_own_s = _timed(pickle.dumps, load_local, pickle.HIGHEST_PROTOCOL)
     # Every rank's load plan has as many items as rank 0's (one per chunk it reads): its bytes stand in.
     load_gathered, load_unpickle_all_s = _timed(lambda: [pickle.loads(load_blob) for _ in range(ranks)])
@@ -261,42 +306,61 @@ def measure_world(ranks: int, preset: str, layout: str) -> dict:
     _, handoff_s = _timed(pickle.dumps, job, pickle.HIGHEST_PROTOCOL)
     del outcomes
 
-    cold = unpickle_all_s + global_plan_s + scatter_pickle_s
-    resume = (read_s + unpickle_metadata_s + load_local_s + load_pickle_own_s + load_unpickle_all_s
-              + load_global_s + load_scatter_pickle_s + load_unpickle_own_s)
+    collective_cold = unpickle_all_s + global_plan_s + scatter_pickle_s
+    collective_load = (load_pickle_own_s + load_unpickle_all_s + load_global_s + load_scatter_pickle_s
+                       + load_unpickle_own_s)
+    # Planned alone, a rank waits only for the vote; its plan is made on its staging thread, and
+    # counted here as if the rank waited for it too (it holds the interpreter's lock meanwhile).
+    cold = digest_s + vote_unpickle_s + alone_rank0_s
+    blocked = max(digest_s + vote_unpickle_s + alone_rank0_s, other_digest_s + vote_unpickle_s + alone_other_s)
+    resume = read_index_s + decode_index_s + load_local_s + index_lookups_s
     return {
         "items_per_rank": len(template.items), "items_written": written,
         "plan_gather_bytes": gather_bytes, "plan_scatter_bytes": scatter_bytes, "metadata_bytes": metadata_bytes,
+        "index_bytes": index_bytes,
         "phases_s": {
             "save_local_plan": local_plan_s, "save_pickle_own_plan": pickle_own_s,
             "save_rank0_unpickle_every_plan": unpickle_all_s, "save_rank0_global_plan": global_plan_s,
             "save_rank0_pickle_every_central_plan": scatter_pickle_s, "save_unpickle_own_central_plan": unpickle_own_s,
-            "resume_read_metadata": read_s, "resume_unpickle_metadata": unpickle_metadata_s,
-            "resume_local_load_plan": load_local_s, "resume_pickle_own_load_plan": load_pickle_own_s,
+            "resume_read_index": read_index_s, "resume_decode_index": decode_index_s,
+            "resume_local_load_plan": load_local_s, "resume_index_lookups": index_lookups_s,
+            "metadata_file_read": read_s, "metadata_file_unpickle": unpickle_metadata_s,
+            "commit_index_encode": index_encode_s, "resume_pickle_own_load_plan": load_pickle_own_s,
             "resume_rank0_unpickle_every_load_plan": load_unpickle_all_s,
             "resume_rank0_global_load_plan": load_global_s,
             "resume_rank0_pickle_every_central_load_plan": load_scatter_pickle_s,
             "resume_unpickle_own_central_load_plan": load_unpickle_own_s,
             "commit_rank0_unpickle_gathered_outcomes": gather_unpickle_s, "commit_handoff_pickle": handoff_s,
             "commit_handoff_metadata_pickle": metadata_pickle_s,
+            "alone_digest_structure": digest_s, "alone_vote_unpickle_every_digest": vote_unpickle_s,
+            "alone_rank0_plan_and_metadata": alone_rank0_s, "alone_other_rank_plan": alone_other_s,
+            "alone_commit_handoff_metadata_pickle": alone_metadata_pickle_s,
         },
         "cold_save_plan_s": cold,
-        "max_rank_blocked_s": local_plan_s + pickle_own_s + cold + unpickle_own_s,
+        "max_rank_blocked_s": blocked,
         "resume_metadata_and_plan_s": resume,
         "rank0_training_process_python_s": gather_unpickle_s + handoff_s,
-        "rank0_plan_change_python_s": gather_unpickle_s + handoff_s + metadata_pickle_s,
+        "rank0_plan_change_python_s": gather_unpickle_s + handoff_s + alone_metadata_pickle_s,
+        # checkpoint.planning: collective (and the fallback when the ranks' structures differ),
+        # and the gather and scatter of load plans a resume no longer runs.
+        "collective_cold_save_plan_s": collective_cold,
+        "collective_max_rank_blocked_s": local_plan_s + pickle_own_s + collective_cold + unpickle_own_s,
+        "collective_load_plan_s": collective_load,
+        "metadata_file_resume_s": read_s + unpickle_metadata_s + load_local_s,
+        "collective_rank0_plan_change_python_s": gather_unpickle_s + handoff_s + metadata_pickle_s,
     }
 
 
 def extra_connections(ranks: int) -> dict:
-    """TCP connections a start's side groups add to a rank: the lazily connected object group
-    (gloo's broadcast tree: a rank's parent and children; its allgather ring: two neighbours; a
-    gather: rank 0; rank 0 reaches every rank in its first gather) and the replicas' pairs (the
-    holder and the source). ``tests/checkpoint/probes/object_group.py`` counts them in real gloo
-    processes."""
-    tree = math.ceil(math.log2(ranks)) if ranks > 1 else 0
-    others = min(ranks - 1, tree + 2 + 1) + 2
-    return {"rank0": (ranks - 1) + 2, "other_ranks_at_most": others, "max": max(ranks - 1 + 2, others)}
+    """TCP connections a start's side groups add to a rank: the lazily connected object group,
+    whose collectives go along a tree of ``FANOUT`` children a rank (a rank's parent and its
+    children), and the replicas' pairs (the holder and the source).
+    ``tests/checkpoint/probes/object_group.py`` counts them in real gloo processes."""
+    from ..checkpoint.group import FANOUT
+
+    children = min(FANOUT, ranks - 1)
+    others = min(FANOUT, max(0, ranks - 2)) + 1 if ranks > 1 else 0
+    return {"rank0": children + 2, "other_ranks_at_most": others + 2, "max": max(children, others) + 2}
 
 
 def judged(record: dict) -> dict:
