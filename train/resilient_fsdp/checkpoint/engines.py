@@ -334,7 +334,7 @@ class AsyncEngine(StagedEngine):
             if unavailable:
                 raise RuntimeError(unavailable)
             if plan == PLAN_DECENTRALIZED:  # this rank's plan, made alone: a validated cache from now on
-                decentralized_plan.prefill(cache, decentralized_plan.plan_save(
+                dcp_plan.prefill(cache, decentralized_plan.plan_save(
                     staged, rank, world_size, coordinator=rank == 0, per_rank_path=per_rank_path))
             self.save = dcp_plan.schedule_dcp_save(self.writer, planned or plan_now(), self.registry, token, report,
                                                    fault)

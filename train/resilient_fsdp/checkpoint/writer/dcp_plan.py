@@ -4,7 +4,9 @@
   (:class:`PlanCache`, a ``CheckpointMetadataCache``: NVRx's ``enable_cache=True`` does nothing
   without one). NVRx never invalidates a validated cache (an added key would be left out of the
   checkpoint, a changed shape kept in its metadata): a new cache is made whenever the state's
-  structure, the world size or the attempt changes, and the ranks agree on using it;
+  structure, the world size or the attempt changes, and the ranks agree on using it; a plan each
+  rank made alone (:mod:`.decentralized_plan`) is handed to NVRx as an already validated cache
+  (:func:`prefill`);
 - **the write buckets** built here from the staged buffers (:class:`_StagedWriter`, NVRx's
   ``FileSystemWriterAsync`` with its own ``prepare_write_data``): references into the arena the
   worker already holds, no copy. NVRx 0.7's own ``prepare_write_data`` clones every CPU tensor on
@@ -140,6 +142,17 @@ class PlanCache:
             self.kept.parent.rmdir()
         except OSError:
             pass
+
+
+def prefill(cache: Any, plan: Any) -> Any:
+    """NVRx's ``CheckpointMetadataCache`` holding a plan made alone
+    (:class:`.decentralized_plan.DecentralizedPlan`) as a validated plan: NVRx's planning then
+    skips every collective and hands back ``plan.metadata`` on the coordinator."""
+    cache.cached_local_plan = plan.local
+    cache.cached_central_plan = plan.central
+    cache.cached_global_metadata = plan.metadata
+    cache.validated_cache_reuse = True
+    return cache
 
 
 def _open_no_follow(path: str, flags: int) -> int:
@@ -283,8 +296,7 @@ def write_metadata(path: Path, metadata: Any, all_results: list[list]) -> dict[s
     if index is not None:
         with writer.fs.create_stream(path / metadata_index.INDEX_FILE, "wb") as stream:
             stream.write(index)
-            stream.flush()
-            os.fsync(stream.fileno())
+            atomic.fsync_stream(stream)  # durable before the commit's manifest names it
     return recorder.take(renames={".metadata.tmp": ".metadata"})
 
 

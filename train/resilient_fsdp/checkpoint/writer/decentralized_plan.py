@@ -194,13 +194,3 @@ def plan_save(state_dict: dict, rank: int, world_size: int, coordinator: bool,
     central = dataclasses.replace(local, items=items, storage_data=_StoragePrefix(f"__{rank}_"))
     global_metadata = Metadata(state_dict_metadata=metadata, planner_data=planner_data) if coordinator else None
     return DecentralizedPlan(local, central, global_metadata)
-
-
-def prefill(cache: Any, plan: DecentralizedPlan) -> Any:
-    """NVRx's ``CheckpointMetadataCache`` holding ``plan`` as a validated plan: NVRx's planning
-    then skips every collective and hands back ``plan.metadata`` on the coordinator."""
-    cache.cached_local_plan = plan.local
-    cache.cached_central_plan = plan.central
-    cache.cached_global_metadata = plan.metadata
-    cache.validated_cache_reuse = True
-    return cache
