@@ -72,6 +72,39 @@ def test_a_plan_made_alone_is_validated_at_the_first_save_of_a_structure_and_loa
     assert_no_leftovers(tmp_path)
 
 
+def test_a_plan_that_cannot_be_made_alone_fails_one_save_named_and_the_rank_plans_collectively_after(tmp_path):
+    """Planning alone that raises would raise again for the same state: that save fails once,
+    naming why, and every later save is planned collectively and loads bitwise."""
+    proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")], tmp_path, [REPO],
+                       timeout=240, env={"PROBE_PLANNING": "decentralized", "PROBE_BREAK_ALONE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saves = json.loads(proc.stdout.strip().splitlines()[-1])["saves"]
+    # The failed save left a fresh cache for the structure: the collective plans fill and validate it.
+    assert [s["vote"] for s in saves] == [3, 1, 1, 2, 0, 1, 2, 0, 1, 2]
+    first, rest = saves[0], saves[1:]
+    assert "planning this save alone failed (AssertionError: a chunk this plan cannot place)" in first["error"]
+    assert "plans its saves collectively from the next one" in first["error"]
+    assert all(s["bitwise"] and s["error"] is None for s in rest), rest
+
+
+def test_the_ranks_are_told_once_when_their_structures_differ_and_plan_collectively():
+    from resilient_fsdp.checkpoint.engines import PLAN_CACHED, PLAN_DECENTRALIZED, PLAN_FRESH, AsyncEngine
+
+    engine = AsyncEngine(0, thread_count=1)
+    try:
+        assert engine.agree([(PLAN_FRESH, "a"), (PLAN_FRESH, "a")]) == PLAN_DECENTRALIZED
+        assert engine.agree([(PLAN_CACHED, None), (PLAN_CACHED, None)]) == PLAN_CACHED
+        assert engine.take_notes() == []
+        for _ in range(2):
+            assert engine.agree([(PLAN_FRESH, "a"), (PLAN_FRESH, "b"), (PLAN_FRESH, "a")]) == PLAN_FRESH
+        notes = engine.take_notes()
+        assert len(notes) == 1 and "2 digests of 3 ranks" in notes[0] and "planned collectively" in notes[0]
+        # A rank that planned alone and failed votes no digest: collective, and nothing to say.
+        assert engine.agree([(PLAN_FRESH, "a"), (PLAN_FRESH, None)]) == PLAN_FRESH
+    finally:
+        engine.close(abort=True)
+
+
 @pytest.mark.parametrize("lane", [pytest.param("pinned", marks=pytest.mark.extended), "image"])
 def test_a_ranks_next_process_saves_with_the_plan_its_pod_kept_and_only_with_its_own(tmp_path, request, lane):
     """A validated plan is kept in the pod's memory for the rank's next process (an in-job

@@ -11,7 +11,8 @@ bitwise and whether the staging buffers travelled to the writer with it.
 
 ``PROBE_PLANNING`` (environment): the engine's ``checkpoint.planning``, ``collective`` unless
 given: in a world of one a plan made alone is validated at once, so the cache's steps show only
-with DCP's collective planning.
+with DCP's collective planning. ``PROBE_BREAK_ALONE=1``: planning alone raises, as a state it
+cannot plan would; a save that fails reports its error instead of loading.
 
 With ``KEPT``, the engine keeps its validated plan in that file for the rank's next process and
 starts from the one kept there: each run of the probe is one process of a rank, its saves of
@@ -30,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from resilient_fsdp.checkpoint.writer import dcp_plan, handoff
+from resilient_fsdp.checkpoint.writer import dcp_plan, decentralized_plan, handoff
 from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.engines import AsyncEngine
 
@@ -81,6 +82,8 @@ def save(engine, sd, root, step):
             raise RuntimeError("the write did not finish")
         time.sleep(0.02)
     outcome = engine.collect()
+    if outcome.error and os.environ.get("PROBE_BREAK_ALONE"):
+        return vote, outcome.error
     if outcome.error:
         raise RuntimeError(outcome.error)
     _key, metadata = engine.commit_metadata()  # what the coordinator's commit writes .metadata from
@@ -96,6 +99,11 @@ def main(root, kept=None, rank=0, rows=None, end="end"):
     """``kept``: the file the engine keeps its validated plan in for the next process, as ``rank``;
     ``rows``: one save per item, of that many rows (otherwise the fixed sequence above); ``end``:
     ``end`` (the job ended: the kept plan goes) or ``abort`` (the process fails: it stays)."""
+    if os.environ.get("PROBE_BREAK_ALONE"):
+        def broken(*_args, **_kwargs):
+            raise AssertionError("a chunk this plan cannot place")
+
+        decentralized_plan.plan_save = broken
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     engine = AsyncEngine(0, thread_count=2, planning=os.environ.get("PROBE_PLANNING", "collective"))
@@ -105,8 +113,11 @@ def main(root, kept=None, rank=0, rows=None, end="end"):
         plan = ([dict()] * 4 + [dict(extra_key=True)] * 3 + [dict(extra_key=True, rows=10)] * 3 if rows is None
                 else [dict(rows=r) for r in rows])
         for step, kwargs in enumerate(plan, start=1):
+            sent_before = len(SENT)
             vote, ok = save(engine, make_state(mesh, step, **kwargs), root, step)
-            report.append({"step": step, "vote": vote, "bitwise": ok, "buffers_sent": SENT[-1]})
+            sent = len(SENT) > sent_before and SENT[-1]  # a save that failed before its hand-off sent nothing
+            report.append({"step": step, "vote": vote, "bitwise": ok is True, "buffers_sent": sent,
+                           "error": ok if isinstance(ok, str) else None})
     finally:
         if end == "end":
             engine.job_ended()

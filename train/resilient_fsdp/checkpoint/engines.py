@@ -282,6 +282,7 @@ class AsyncEngine(StagedEngine):
         super().__init__(rank)
         self.plans = dcp_plan.PlanCache()
         self.decentralized = planning == "decentralized"
+        self.said_apart = False  # rank 0 said once that the ranks' structures differ
         self.world_size, self.plan_rank = 1, rank
         self.voted_key: Optional[tuple] = None
         self.save: Optional[dcp_plan.DcpSave] = None
@@ -310,6 +311,10 @@ class AsyncEngine(StagedEngine):
         digests = {v[1] for v in votes}
         if level < PLAN_CACHED and len(digests) == 1 and None not in digests:
             return PLAN_DECENTRALIZED
+        if level < PLAN_CACHED and None not in digests and self.plan_rank == 0 and not self.said_apart:
+            self.said_apart = True
+            self.notes.append(f"the ranks' states differ in structure ({len(digests)} digests of "
+                              f"{len(votes)} ranks): saves of it are planned collectively, through rank 0")
         return level
 
     def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
@@ -334,8 +339,16 @@ class AsyncEngine(StagedEngine):
             if unavailable:
                 raise RuntimeError(unavailable)
             if plan == PLAN_DECENTRALIZED:  # this rank's plan, made alone: a validated cache from now on
-                dcp_plan.prefill(cache, decentralized_plan.plan_save(
-                    staged, rank, world_size, coordinator=rank == 0, per_rank_path=per_rank_path))
+                try:
+                    alone = decentralized_plan.plan_save(staged, rank, world_size, coordinator=rank == 0,
+                                                         per_rank_path=per_rank_path)
+                except Exception as exc:
+                    # The same state would fail the same way: this process plans collectively from
+                    # now on (its vote carries no digest), and this save fails once, named.
+                    self.decentralized = False
+                    raise RuntimeError(f"planning this save alone failed ({type(exc).__name__}: {exc}); this "
+                                       "rank plans its saves collectively from the next one") from exc
+                dcp_plan.prefill(cache, alone)
             self.save = dcp_plan.schedule_dcp_save(self.writer, planned or plan_now(), self.registry, token, report,
                                                    fault)
             note = self.plans.keep()  # once validated: for this rank's next process (off the loop)
