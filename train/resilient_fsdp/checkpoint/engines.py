@@ -58,9 +58,9 @@ class LocalOutcome:
     checksums: dict[str, dict] = field(default_factory=dict)
 
 
-# Plan-cache votes, agreed as the minimum over the ranks (:meth:`Engine.vote`); a save without a
-# cached plan is planned by every rank alone (``PLAN_DECENTRALIZED``) when the ranks' digests of
-# the state's global structure agree.
+# The plans a save can use, agreed from every rank's vote (:meth:`Engine.vote`, :meth:`Engine.agree`):
+# the plan cache's level, the minimum over the ranks; a save without a cached plan is planned by
+# every rank alone (``PLAN_DECENTRALIZED``) when the ranks' digests of the state's global structure agree.
 PLAN_FRESH, PLAN_KEEP, PLAN_CACHED, PLAN_DECENTRALIZED = 0, 1, 2, 3
 # What a save's record says of its plan.
 PLAN_NAMES = {PLAN_FRESH: "collective", PLAN_KEEP: "collective", PLAN_CACHED: "cached",
