@@ -342,7 +342,7 @@ def measure_world(ranks: int, preset: str, layout: str) -> dict:
         "rank0_training_process_python_s": gather_unpickle_s + handoff_s,
         "rank0_plan_change_python_s": gather_unpickle_s + handoff_s + alone_metadata_pickle_s,
         # checkpoint.planning: collective (and the fallback when the ranks' structures differ),
-        # and the gather and scatter of load plans a resume no longer runs.
+        # and the gather and scatter of load plans DCP would run, which a resume does without.
         "collective_cold_save_plan_s": collective_cold,
         "collective_max_rank_blocked_s": local_plan_s + pickle_own_s + collective_cold + unpickle_own_s,
         "collective_load_plan_s": collective_load,
