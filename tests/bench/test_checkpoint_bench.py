@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from resilient_fsdp.bench.checkpoint_engines import core_times, page_faults
 from tests.support import _env
 
@@ -52,5 +54,12 @@ def test_the_memory_save_is_measured_beside_the_async_one_and_leaves_nothing_in_
     assert target["measured"] == memory["stall_s"] and target["async"] == r["async"]["stall_s"]
     assert target["met"] == (memory["stall_s"] <= r["async"]["stall_s"])
     assert "memory" in proc.stdout
+    # The async saves commit in rank 0's commit process: the stall counts the training thread's
+    # share of the commit (gather, broadcast), the rest is background beside training.
+    saves = r["async"]
+    for call, wait, commit, background, stall in zip(saves["save_call_s_all"], saves["wait_before_step_s_all"],
+                                                     saves["commit_s_all"], saves["commit_background_s_all"],
+                                                     saves["stall_s_all"]):
+        assert stall == pytest.approx(call + wait + commit) and background > 0, saves
     left = {p.name for p in Path("/dev/shm").iterdir()} - before
     assert not left, left  # the tier's job directory went with the benchmark

@@ -414,7 +414,8 @@ def commit_inline(run_dir, mode):
         trainer.close(failed=False)
         distributed.shutdown()
         resources.close(False)
-    return {"stall_s": record["stall_s"], "commit_s": record["commit_s"], "background": record["commit_background"]}
+    return {"stall_s": record["stall_s"], "commit_s": record["commit_s"], "background": record["commit_background"],
+            "commit_on_thread_s": record["commit_on_thread_s"]}
 
 
 def gone_within(pid: int, seconds: float) -> bool:

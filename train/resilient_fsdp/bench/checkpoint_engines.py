@@ -90,7 +90,8 @@ class OurSaver(Saver):
         cpu = {"staging_copy": job.copy_cpu_s, "staging_handoff": job.handoff_cpu_s} if job is not None else {}
         return {"write_s": record["write_s"], "bytes": record["bytes"],
                 "wait_s": record["staging_wait_s"] + self.copy_wait_s,
-                "call_s": record["save_call_s"], "commit_s": record["commit_s"], "thread_cpu_s": cpu}
+                "call_s": record["save_call_s"], "commit_s": record["commit_on_thread_s"],
+                "commit_background_s": record["commit_s"] - record["commit_on_thread_s"], "thread_cpu_s": cpu}
 
     def close(self) -> None:
         self.ckpt.close()
@@ -247,14 +248,15 @@ def pin(training_cpu: int, writer_cpu: int) -> None:
 
 
 def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, step: int,
-            pinned: Optional[tuple[int, int]] = None) -> tuple[dict, int]:
-    """Save ``warmup_saves + saves`` times with ``mode``, training between saves until each is
-    committed; figures of the measured saves (median and min) and the next step number."""
-    saver = make_saver(trainer, mode, root)
+            pinned: Optional[tuple[int, int]] = None, saver: Optional[Saver] = None) -> tuple[dict, int]:
+    """Save ``warmup_saves + saves`` times with ``mode`` (or with ``saver``, which ``mode`` then
+    names), training between saves until each is committed; figures of the measured saves
+    (median and min) and the next step number."""
+    saver = saver or make_saver(trainer, mode, root)
     original = trainer.checkpointer
     trainer.checkpointer = saver  # train_step awaits this saver's staging before optimizer.step()
-    cols: dict[str, list] = {"save_call_s": [], "wait_before_step_s": [], "commit_s": [], "stall_s": [],
-                             "write_s": []}
+    cols: dict[str, list] = {"save_call_s": [], "wait_before_step_s": [], "commit_s": [], "commit_background_s": [],
+                             "stall_s": [], "write_s": []}
     during: list[float] = []
     cpu: dict[str, list] = {}
     cores: dict[str, dict[str, list]] = {}
@@ -295,10 +297,13 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
             call = figures.get("call_s", call)
             cols["save_call_s"].append(call)
             cols["wait_before_step_s"].append(figures["wait_s"])
-            # The commit (gather, .metadata, manifest, broadcast) runs on the training thread too;
-            # torch DCP's async_save commits in its own thread (no commit_s).
+            # What the training thread spent on the commit: all of it when the commit is made
+            # there (sync), the gather and the broadcast when rank 0's commit process made the rest
+            # (``commit_background_s``, beside training like DCP's commit thread, which has no
+            # commit_s); the background's cost to training shows in the step time during the write.
             commit = figures.get("commit_s", 0.0)
             cols["commit_s"].append(commit)
+            cols["commit_background_s"].append(figures.get("commit_background_s", 0.0))
             cols["stall_s"].append(call + figures["wait_s"] + commit)
             cols["write_s"].append(figures["write_s"])
             during += steps

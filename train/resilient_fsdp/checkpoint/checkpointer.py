@@ -86,11 +86,13 @@ def _add_broadcast(record: dict, broadcast_s: float, charge: bool, on_thread_s: 
     ``commit_s``, and the commit joins ``stall_s`` where it is charged to this checkpoint (a
     commit waited for by the next save is that save's ``previous_s`` instead). A commit made in
     rank 0's commit process (``on_thread_s``: what the training thread spent on it, the gather and
-    the broadcast) charges only that."""
+    the broadcast) charges only that; ``commit_on_thread_s`` is what the training thread spent on
+    the commit either way."""
     parts = dict(record["commit_parts_s"], broadcast_s=broadcast_s)
     record["commit_parts_s"] = parts
     record["commit_s"] = sum(parts.values())
     record["commit_background"] = on_thread_s is not None
+    record["commit_on_thread_s"] = record["commit_s"] if on_thread_s is None else on_thread_s
     if charge:
         record["stall_s"] += record["commit_s"] if on_thread_s is None else on_thread_s
 
@@ -655,6 +657,7 @@ class Checkpointer:
         _add_broadcast(record, broadcast_s, charge, None if on_thread_s is None else on_thread_s + broadcast_s)
         if inline:
             record["commit_background"] = False
+            record["commit_on_thread_s"] = record["commit_s"]
         self._after_commit(record)
         return {k: v for k, v in record.items() if k != "manifest"}
 

@@ -27,8 +27,8 @@ DEVICE_GROWTH_LIMIT = 0.05  # of the state: a shard copied back to the device wo
 STALL_OVER_COPY_LIMIT = 1.5  # the async stall against the measured device-to-host copy of the state
 STALL_FIXED_S = 0.25  # planning and the hand-off to the writer, which do not grow with the state
 HASH_LIMIT = 3  # params_sha256's peak device memory, in largest parameters
-FIGURES = ("save_call_s", "wait_before_step_s", "commit_s", "stall_s", "write_s", "step_time_s", "bytes",
-           "steps_during_write", "cpu_s_during_write", "core_s_during_write")
+FIGURES = ("save_call_s", "wait_before_step_s", "commit_s", "commit_background_s", "stall_s", "write_s",
+           "step_time_s", "bytes", "steps_during_write", "cpu_s_during_write", "core_s_during_write")
 
 
 def fit_estimate(preset: str, seq_len: int, micro_batch: int, work_dir: Any) -> dict:
