@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, assert_no_leftovers, run_guarded
+from tests.support import LANES, REPO, assert_no_leftovers, lane_path, run_guarded
 from resilient_fsdp.bench.gpu import check as gpu_check
 from resilient_fsdp.bench.gpu import measure, section
 from resilient_fsdp.bench.gpu.wheels import PINS, decide, install, read_pins
@@ -94,6 +94,38 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     log = (out / "gpu-check.log").read_text()
     assert "===== section in_job: in_job-runs.log" in log and "===== section in_process: in_process-runs.log" in log
     assert "| 2. checkpoint engines | ok |" in proc.stdout  # the table is printed last
+    assert "| 6. memory tier and NVRx's local checkpoints | ok |" in md
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_the_memory_tier_and_nvrxs_local_checkpoints_are_timed_on_one_state_and_load_back_bitwise(
+        tmp_path, request, lane):
+    """The side-by-side section alone, on CPU: both save the same shards under the same loop, both
+    load back what they saved after training moved the state on, and what a GPU would do
+    differently (NVRx's CUDA-only state dict, replication with one GPU) is said in the results."""
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "resilient_fsdp.bench.gpu.check", "--section", "local_checkpoints", "--work-dir",
+           str(work), "--budget-s", "300", "--cpu", "--tiny"]
+    proc = run_guarded(cmd, tmp_path, lane_path(request, lane), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((work / "local_checkpoints.json").read_text())
+    assert data["status"] == "ok", data
+    r = data["results"]
+    assert r["nvrx"] == ("0.4.1" if lane == "pinned" else "0.7.0") and r["preset"] == "tiny"
+    for name in ("memory", "nvrx_local"):
+        f = r[name]
+        assert f["stall_s"] == pytest.approx(f["save_call_s"] + f["wait_before_step_s"]) and f["stall_s"] > 0, f
+        # A save that completes before the first poll was trained through by no step (no step time).
+        assert f["write_s"] >= f["save_call_s"] and (f["step_time_s"] is None or f["step_time_s"] > 0), f
+        # Each wrote the state's bytes and little else (a record; NVRx's pickle of its dict).
+        assert r["state_bytes"] <= f["bytes"] < 1.1 * r["state_bytes"], (name, f, r["state_bytes"])
+    assert r["nvrx_local_stall_over_memory"] == round(r["nvrx_local"]["stall_s"] / r["memory"]["stall_s"], 2)
+    assert r["memory_load_bitwise"] is True and r["nvrx_local_load_bitwise"] is True, r
+    assert r["memory_load_s"] > 0 and r["nvrx_local_load_s"] > 0 and set(r["memory_load_phases_s"]) >= {"copy"}
+    assert "asserts CUDA tensors" in r["stand_ins"][0] and "second rank" in r["skipped"]["replication"]
+    measured, target, verdict = gpu_check._measured("local_checkpoints", r)
+    assert "NVRx LocalCheckpointManager" in measured and "(bitwise) /" in measured and verdict == "met"
+    assert_no_leftovers(tmp_path)
 
 
 def test_a_section_over_its_budget_is_killed_and_recorded(tmp_path):

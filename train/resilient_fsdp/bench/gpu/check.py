@@ -43,15 +43,16 @@ from .sections import SECTIONS, run_child
 
 # Run order: exact_resume runs before the restart sections because its uninterrupted run is the
 # reference their final parameters are compared with.
-RUN_ORDER = ("environment", "throughput", "checkpoint", "exact_resume", "in_process", "in_job")
-REPORT_ORDER = ("environment", "throughput", "checkpoint", "in_process", "in_job", "exact_resume")
+RUN_ORDER = ("environment", "throughput", "checkpoint", "exact_resume", "in_process", "in_job", "local_checkpoints")
+REPORT_ORDER = ("environment", "throughput", "checkpoint", "in_process", "in_job", "exact_resume", "local_checkpoints")
 TITLES = {"environment": "environment and measured ceilings", "throughput": "1. steps/s and MFU",
           "checkpoint": "2. checkpoint engines", "in_process": "3. in-process restart",
-          "in_job": "4. in-job restart (ft_launcher)", "exact_resume": "5. exact resume"}
+          "in_job": "4. in-job restart (ft_launcher)", "exact_resume": "5. exact resume",
+          "local_checkpoints": "6. memory tier and NVRx's local checkpoints"}
 # Seconds each section may take at most. Expected on one H200: about 10, 60, 130 (five engines, three
-# saves each of 13 GB; depends on the disk), 45, 20 and 35.
+# saves each of 13 GB; depends on the disk), 45, 20, 35 and 40 (four saves and two loads of 1.6 GB).
 BUDGET_S = {"environment": 60, "throughput": 110, "checkpoint": 200, "exact_resume": 120, "in_process": 75,
-            "in_job": 100}
+            "in_job": 100, "local_checkpoints": 90}
 # The whole check: a device call may run 10 minutes, and wheel installation and start-up come first.
 TOTAL_BUDGET_S = 450
 # A CPU rehearsal on a shared 2-core machine runs every process start several times slower.
@@ -279,6 +280,19 @@ def _measured(name: str, r: dict) -> tuple[str, str, str]:
         met = r["bitwise_equal"] and r["losses_equal"] or bool(r.get("within_tolerance"))
         return (str(r.get("verdict", "")) + f" ({r.get('steps_compared')} steps, resumed at step "
                 f"{r.get('resumed_from_step')})", "bitwise, else within the measured tolerance", "met" if met else "missed")
+    if name == "local_checkpoints":
+        mem, nv = r.get("memory") or {}, r.get("nvrx_local") or {}
+        if not mem:
+            return "", "", ""
+        bitwise = {True: "bitwise", False: "NOT bitwise", None: "not checked"}
+        text = (f"{r.get('preset')}, {_size(r.get('state_bytes'))}: save stall memory tier "
+                f"{_fmt(mem.get('stall_s'), '.3f')} s, NVRx LocalCheckpointManager {_fmt(nv.get('stall_s'), '.3f')} s "
+                f"({_fmt(r.get('nvrx_local_stall_over_memory'), '.2f')}x); complete after "
+                f"{_fmt(mem.get('write_s'), '.2f')} s / {_fmt(nv.get('write_s'), '.2f')} s; load "
+                f"{_fmt(r.get('memory_load_s'), '.3f')} s ({bitwise[r.get('memory_load_bitwise')]}) / "
+                f"{_fmt(r.get('nvrx_local_load_s'), '.3f')} s ({bitwise[r.get('nvrx_local_load_bitwise')]})")
+        met = bool(r.get("memory_load_bitwise") and r.get("nvrx_local_load_bitwise"))
+        return text, "both measured on one state, loads bitwise", "met" if met else ""
     return "", "", ""
 
 

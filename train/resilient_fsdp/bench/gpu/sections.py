@@ -16,6 +16,7 @@ import traceback
 from typing import Callable
 
 from .checkpoint import section_checkpoint
+from .local_checkpoints import section_local_checkpoints
 from .measure import section_environment, section_throughput
 from .restarts import section_exact_resume, section_in_job, section_in_process
 from .section import Section
@@ -23,7 +24,8 @@ from .section import Section
 
 SECTIONS: dict[str, Callable[[Section], None]] = {
     "environment": section_environment, "throughput": section_throughput, "checkpoint": section_checkpoint,
-    "in_process": section_in_process, "in_job": section_in_job, "exact_resume": section_exact_resume}
+    "in_process": section_in_process, "in_job": section_in_job, "exact_resume": section_exact_resume,
+    "local_checkpoints": section_local_checkpoints}
 
 
 def run_child(args: argparse.Namespace) -> int:
