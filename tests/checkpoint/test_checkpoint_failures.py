@@ -301,7 +301,7 @@ def test_a_commit_made_on_the_training_thread_is_stall_not_background_work(tmp_p
     report = run_probe("engine.py", tmp_path, "commit-inline", "async")
     assert report["background"] is False, report
     assert report["stall_s"] >= 2.0, report  # the commit's two slowed seconds, on the training thread
-    assert report["commit_on_thread_s"] == report["commit_s"] >= 2.0, report
+    assert report["stall_s"] >= report["commit_on_thread_s"] >= 2.0, report
 
 
 def test_a_commit_that_never_finishes_fails_at_the_write_timeout_and_the_next_commits_in_a_new_process(tmp_path):

@@ -239,10 +239,8 @@ def test_checkpoint_figures_are_reported(uninterrupted):
         assert sum(commit.values()) == pytest.approx(e["commit_s"], abs=1e-6)
         if e["commit_background"]:
             assert commit["gather_s"] + commit["broadcast_s"] < e["stall_s"]
-            # The training thread's share: the gather, the broadcast and the hand-back, never the
-            # metadata, manifest and rename made in the commit process.
-            assert commit["gather_s"] + commit["broadcast_s"] <= e["commit_on_thread_s"], e
-            assert e["commit_on_thread_s"] < e["commit_s"] - commit["finalize_s"] - commit["manifest_s"] + 1e-3, e
+            # The training thread's share: the gather, the broadcast and taking the result back.
+            assert commit["gather_s"] + commit["broadcast_s"] <= e["commit_on_thread_s"] < e["stall_s"], e
         else:
             assert e["commit_s"] < e["stall_s"] and e["commit_on_thread_s"] == e["commit_s"]
     # The final save's commit is waited for. An earlier one is made in rank 0's commit process when

@@ -91,10 +91,17 @@ class OurSaver(Saver):
         return {"write_s": record["write_s"], "bytes": record["bytes"],
                 "wait_s": record["staging_wait_s"] + self.copy_wait_s,
                 "call_s": record["save_call_s"], "commit_s": record["commit_on_thread_s"],
-                "commit_background_s": record["commit_s"] - record["commit_on_thread_s"], "thread_cpu_s": cpu}
+                "commit_background_s": _background(record), "thread_cpu_s": cpu}
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+def _background(record: dict) -> float:
+    """What rank 0's commit process did of a commit (``.metadata``, manifest, rename, the rest),
+    beside training; 0 for a commit made on the training thread."""
+    parts = record["commit_parts_s"]
+    return parts["finalize_s"] + parts["manifest_s"] + parts["other_s"] if record["commit_background"] else 0.0
 
 
 class MemorySaver(Saver):

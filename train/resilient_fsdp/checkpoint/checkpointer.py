@@ -631,7 +631,8 @@ class Checkpointer:
         result = self._commit_outcome(pending, self._commit_result(future, pending["step"]), pending["gather_s"]) \
             if future is not None else (None, None)
         if result[0] is not None and "inline_commit_s" in pending:
-            result[0]["committed_inline"] = True  # rank 0 alone knows: it travels in the broadcast record
+            # Rank 0 alone knows: it travels in the broadcast record.
+            result[0]["committed_inline_s"] = pending["inline_commit_s"]
         return self._learn_commit(result, charge, on_thread_s=pending["gather_s"] + time.perf_counter() - t0)
 
     def _commit_result(self, future: concurrent.futures.Future, step: int) -> commit.CommitResult:
@@ -653,11 +654,11 @@ class Checkpointer:
         if error:
             raise error.error()
         broadcast_s = time.perf_counter() - t_broadcast
-        inline = record.pop("committed_inline", False)
+        inline = record.pop("committed_inline_s", None)
         _add_broadcast(record, broadcast_s, charge, None if on_thread_s is None else on_thread_s + broadcast_s)
-        if inline:
+        if inline is not None:
             record["commit_background"] = False
-            record["commit_on_thread_s"] = record["commit_s"]
+            record["commit_on_thread_s"] += inline
         self._after_commit(record)
         return {k: v for k, v in record.items() if k != "manifest"}
 
