@@ -40,7 +40,7 @@ def test_the_memory_save_is_measured_beside_the_async_one_and_leaves_nothing_in_
     out = tmp_path / "bench.json"
     before = {p.name for p in Path("/dev/shm").iterdir()}
     proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "bench", "checkpoint", "--preset", "tiny",
-                           "--modes", "async", "memory", "--saves", "2", "--idle-steps", "2",
+                           "--modes", "sync", "async", "memory", "--saves", "2", "--idle-steps", "2",
                            "--run-dir", str(tmp_path / "run"), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,5 +61,11 @@ def test_the_memory_save_is_measured_beside_the_async_one_and_leaves_nothing_in_
                                                      saves["commit_s_all"], saves["commit_background_s_all"],
                                                      saves["stall_s_all"]):
         assert stall == pytest.approx(call + wait + commit) and background > 0, saves
+    # The host copy floor: the state's bytes copied once, at a plausible rate, judged against the target.
+    assert r["host_copy_bytes"] == pytest.approx(state_bytes, rel=0.01) and 0 < r["host_copy_s"] < 1.0
+    ratio = r["targets"]["async_stall_over_sync"]
+    assert ratio["copy_floor_over_sync"] == pytest.approx(r["host_copy_s"] / r["sync"]["stall_s"])
+    assert ratio["stall_over_copy_floor"] == pytest.approx(r["async"]["stall_s"] / r["host_copy_s"])
+    assert "copy floor: one host copy of the state's" in proc.stdout
     left = {p.name for p in Path("/dev/shm").iterdir()} - before
     assert not left, left  # the tier's job directory went with the benchmark
