@@ -80,7 +80,6 @@ def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
 
     from ...checkpoint.writer.process import NVRX_VERSION
     from ...config import load_config
-    from ...train.distributed import shutdown
     from ...train.trainer import Trainer
     from ..checkpoint import _timed_steps
     from ..checkpoint_engines import measure
@@ -138,13 +137,23 @@ def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
             out.setdefault("skipped", {})["copy_floor"] = ("no device-to-host copy on CPU: staging is a host-memory "
                                                            "copy, so the GPU copy-bound floor does not apply")
     finally:
-        trainer.close(failed=False)
-        shutdown()
+        close_trainer(trainer, root)
         del trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def close_trainer(trainer: Any, root: Any) -> None:
+    """End a section's trainer: its checkpointer and process group closed, the device's cached
+    memory given back, its checkpoints under ``root`` removed (the disk holds few of them)."""
+    import torch
+
+    from ...train.distributed import shutdown
+
+    trainer.close(failed=False)
+    shutdown()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _device_growth_of_a_save(trainer: Any, root: Any, step: int) -> int:

@@ -10,7 +10,6 @@ another device, and the check has one GPU."""
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 import uuid
@@ -24,14 +23,12 @@ COMPLETE_TIMEOUT_S = 300
 
 
 def section_local_checkpoints(s: Section) -> None:
-    import torch
-
     from ...checkpoint.writer.process import NVRX_VERSION
     from ...config import load_config
-    from ...train.distributed import shutdown
     from ...train.trainer import Trainer
     from ..checkpoint import _timed_steps
     from ..checkpoint_engines import measure
+    from .checkpoint import close_trainer
     from .measure import state_bytes
     from .nvrx_local import CPU_STAND_INS, LocalManagerSaver
 
@@ -68,12 +65,8 @@ def section_local_checkpoints(s: Section) -> None:
         _load_nvrx(trainer, r, root / "load", step + 1, LocalManagerSaver)
         r["nvrx_local_load_over_memory"] = round(r["nvrx_local_load_s"] / r["memory_load_s"], 2)
     finally:
-        trainer.close(failed=False)
-        shutdown()
+        close_trainer(trainer, root)
         del trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _clones(tensors: list) -> list:
