@@ -30,7 +30,7 @@ NOT_IN_PODS = ("resilient_fsdp.local", "resilient_fsdp.deploy", "resilient_fsdp.
 NVRX_MODULES = {"resilient_fsdp.checkpoint.writer.process", "resilient_fsdp.checkpoint.writer.worker",
                 "resilient_fsdp.checkpoint.writer.dcp_plan", "resilient_fsdp.resilience.nvrx",
                 "resilient_fsdp.resilience.inprocess", "resilient_fsdp.resilience.rank_monitor",
-                "resilient_fsdp.bench.gpu.nvrx_local"}
+                "resilient_fsdp.bench.gpu.nvrx_local", "resilient_fsdp.resilience.straggler_detector"}
 # Names that only code adapting to NVRx's internals has reason to use: its CPU-only worker mode,
 # its local (CUDA-free) polling, its 0.7 health checks, its private queue and worker handles, its
 # plan cache's fields.

@@ -18,7 +18,7 @@ def test_fault_specs_parse_and_bad_ones_name_the_fix():
     assert str(parse_fault("hang-in-collective@36:rank=2")) == "hang-in-collective@36:rank=2"
     with pytest.raises(ConfigError, match="unknown fault kind 'segfault'; choose one of exception, exception-repeat, hang"):
         parse_fault("segfault@3")
-    with pytest.raises(ConfigError, match=r"expected KIND@STEP\[:rank=R \| :node=N\]\[:for=SECONDS\], e.g. "
+    with pytest.raises(ConfigError, match=r"expected KIND@STEP\[:rank=R \| :node=N\]\[:for=SECONDS\]\[:factor=F\], e.g. "
                                           "sigkill@20:rank=1"):
         parse_fault("sigkill:3")
     with pytest.raises(ConfigError, match="STEP must be 1 or more"):

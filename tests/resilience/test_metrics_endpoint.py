@@ -190,3 +190,20 @@ def test_should_serve_stopped_replication_until_the_next_attempt_and_count_resum
     again = scrape(endpoint)
     assert value(again, "resilient_fsdp_memory_replication_stopped_ranks") == 0  # the restart made it again
     assert [value(again, "resilient_fsdp_resumes_total", tier=t) for t in ("memory", "durable", "s3")] == [2, 1, 0]
+
+
+def test_should_serve_the_newest_straggler_scores_and_count_stragglers_by_what_was_done(tmp_path, endpoint):
+    metrics = tmp_path / "metrics.jsonl"
+    append(metrics, {"event": "start", "t": 100.0, "layer": "start"},
+           {"event": "straggler_report", "t": 101.0, "step": 10, "slowest": {"0": 0.97, "1": 1.0}, "slow": {}})
+    before = scrape(endpoint)
+    assert value(before, "resilient_fsdp_straggler_score", rank="0") == 0.97
+    assert value(before, "resilient_fsdp_stragglers_total", action="replaced") == 0
+    ledger = FaultLedger(tmp_path)
+    ledger.record_straggler({"key": "step00000020-rank1", "rank": 1, "t_found": 105.0, "action": "replaced"})
+    ledger.record_straggler({"key": "step00000030-rank2", "rank": 2, "t_found": 106.0, "action": "reported"})
+    append(metrics, {"event": "straggler_report", "t": 106.0, "step": 20, "slowest": {"1": 0.4, "0": 1.0},
+                     "slow": {"1": {"part": "optimizer", "score": 0.4, "reports": 2}}})
+    after = scrape(endpoint)
+    assert value(after, "resilient_fsdp_straggler_score", rank="1") == 0.4  # the newest report's
+    assert [value(after, "resilient_fsdp_stragglers_total", action=a) for a in ("replaced", "reported")] == [1, 1]

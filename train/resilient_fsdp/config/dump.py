@@ -40,7 +40,7 @@ def describe() -> str:
                 lines.append(f"{key} = {values[f.name]!r}\n    {desc}")
 
     walk(Config, "", defaults)
-    lines.append("\n[resilience.inject kinds] KIND@STEP[:rank=R | :node=N][:for=SECONDS]")
+    lines.append("\n[resilience.inject kinds] KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]")
     for kind in FAULT_KINDS.values():
         lines.append(f"{kind.name}\n    {kind.what}; recovered by: {kind.recovered_by}")
     return "\n".join(lines).strip() + "\n"

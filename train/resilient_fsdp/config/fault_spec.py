@@ -1,4 +1,5 @@
-"""The fault kinds and the grammar of one fault to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``.
+"""The fault kinds and the grammar of one fault to inject,
+``KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]``.
 
 :data:`FAULT_KINDS` is the one table of kinds: the configuration checks ``resilience.inject``
 against it, the injector (:mod:`resilient_fsdp.resilience.faults`) fires each kind where its
@@ -93,6 +94,11 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("replica-corrupt", "step", "a byte of the newest replica the rank keeps (of its peer's memory "
               "checkpoint) flips", "none now; a restore that needs it falls back to the durable checkpoint",
               stops=False),
+    FaultKind("slow", "step", "from STEP on, the rank's steps take FACTOR times as long (default 2), as on a "
+              "throttled GPU or a degraded link: the extra time lands in the rank's own optimizer step, a part "
+              "no peer waits inside, as a slow GPU's own kernels would; its pod stays slow after an in-job "
+              "restart", "none by itself; resilience.stragglers finds the rank, and with action=replace a hot "
+              "spare takes its place in an in-job restart", stops=False),
     FaultKind("slow-exit", "step", "the rank finishes training, then waits SECONDS (default 30) before it exits, "
               "as a slow teardown does: its node ends after the store host's", "none: the node still exits 0",
               takes_duration=True, stops=False),
@@ -105,21 +111,23 @@ REPLICA_FAULT_KINDS = ("replica-corrupt", "sigkill-during-replication")
 # Kinds that take a pod's network link down: only a cluster that reads requests can (netns pods).
 CUT_OFF_KINDS = ("partition", "node-freeze")
 _FAULT_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<options>(?::[^:]*)*)$")
-_FAULT_GRAMMAR = "KIND@STEP[:rank=R | :node=N][:for=SECONDS]"
+_FAULT_GRAMMAR = "KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]"
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
-    """One fault to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]`` (see
+    """One fault to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]`` (see
     :mod:`resilient_fsdp.resilience.faults`). ``node=N`` targets the lowest rank of node (pod) N,
     its local rank 0; without ``node`` the target is ``rank`` (0 by default). ``for_s``: how long a
-    ``partition`` lasts (None: for good), or how much later a ``writer-slow`` write finishes."""
+    ``partition`` lasts (None: for good), or how much later a ``writer-slow`` write finishes.
+    ``factor``: how many times as long a ``slow`` rank's steps take."""
 
     kind: str
     step: int
     rank: int = 0
     node: Optional[int] = None
     for_s: Optional[float] = None
+    factor: Optional[float] = None
 
     @property
     def key(self) -> str:
@@ -137,7 +145,8 @@ class FaultSpec:
 
     def __str__(self) -> str:
         duration = f":for={self.for_s:g}" if self.for_s is not None else ""
-        return f"{self.kind}@{self.step}:{self.target}{duration}"
+        factor = f":factor={self.factor:g}" if self.factor is not None else ""
+        return f"{self.kind}@{self.step}:{self.target}{duration}{factor}"
 
 
 def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
@@ -155,7 +164,7 @@ def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
     options: dict[str, str] = {}
     for part in m["options"].split(":")[1:]:
         name, _, value = part.partition("=")
-        if name not in ("rank", "node", "for") or not value:
+        if name not in ("rank", "node", "for", "factor") or not value:
             raise ConfigError(f"{key} {text!r}: unknown option {part!r}; expected {_FAULT_GRAMMAR}")
         if name in options:
             raise ConfigError(f"{key} {text!r}: '{name}' is given twice")
@@ -182,10 +191,21 @@ def parse_fault(text: str, key: str = "--inject") -> FaultSpec:
     elif kind.name == "node-freeze":
         raise ConfigError(f"{key} {text!r}: node-freeze needs :for=SECONDS, when the frozen node is deleted (as node "
                           "auto-repair or the out-of-service taint does) and its pod replaced")
+    factor = None
+    if "factor" in options:
+        if kind.name != "slow":
+            raise ConfigError(f"{key} {text!r}: factor=F applies to slow only")
+        try:
+            factor = float(options["factor"])
+        except ValueError:
+            factor = 0.0
+        if not factor > 1:
+            raise ConfigError(f"{key} {text!r}: factor= must be a number above 1 (2: the rank's steps take twice as "
+                              "long)")
     node = int(options["node"]) if "node" in options else None
     if kind.when == "commit" and (node is not None or int(options.get("rank", 0)) != 0):
         raise ConfigError(f"{key} {text!r}: only rank 0 commits checkpoints; give rank=0 (or no target)")
-    return FaultSpec(m["kind"], step, int(options.get("rank", 0)), node, for_s)
+    return FaultSpec(m["kind"], step, int(options.get("rank", 0)), node, for_s, factor)
 
 
 def parse_faults(texts: list[str], world_size: Optional[int] = None, nodes: Optional[int] = None

@@ -375,6 +375,31 @@ class StopConfig:
 
 
 @dataclass(config=_STRICT)
+class StragglersConfig:
+    enabled: bool = False
+    """Time each step's parts as NVRx's straggler detector's sections (CUDA kernels profiled with
+    CUPTI on a GPU) and score every rank against the fastest (``resilience.stragglers``;
+    docs/faults-and-restarts.md, "Slow ranks")."""
+    report_every_steps: int = Field(default=10, gt=0)
+    """Every this many steps the ranks' timings are gathered on rank 0 and scored (one small
+    collective); a report covers the steps since the previous one."""
+    threshold: float = Field(default=0.75, gt=0, lt=1)
+    """A rank whose score (the fastest rank's median time of a part over its own) is below this is
+    slow in that report; NVRx's default."""
+    consecutive_reports: int = Field(default=2, gt=0)
+    """Reports in a row a rank must be slow in before it is named a straggler: one slow report can
+    be a hiccup (a page-cache flush, a noisy neighbour's burst)."""
+    min_excess: float = Field(default=0.1, ge=0, lt=1)
+    """A slow part must also cost at least this fraction of the median step (its median over the
+    fastest rank's): a part of a millisecond that varies twofold slows nobody."""
+    action: Literal["report", "replace"] = "report"
+    """``report``: logged, in ``summary.json`` and the metrics. ``replace``: the straggler's node
+    leaves the job (NVRx's request to exclude the node) and a hot spare takes its node rank in an
+    in-job restart, from the memory tier; without a spare (``spares``), or on the rendezvous store's
+    pod, it reports only and says why."""
+
+
+@dataclass(config=_STRICT)
 class ResilienceConfig:
     in_process: InProcessConfig = dataclasses.field(default_factory=InProcessConfig)
     """In-process restart: the same processes re-run the training function after a fault."""
@@ -384,8 +409,10 @@ class ResilienceConfig:
     """In-job restart: ``ft_launcher`` respawning a node's workers."""
     stop: StopConfig = dataclasses.field(default_factory=StopConfig)
     """Graceful stop on SIGTERM: finish the step, commit a checkpoint, exit retryably."""
+    stragglers: StragglersConfig = dataclasses.field(default_factory=StragglersConfig)
+    """Slow ranks: found by NVRx's straggler detector, reported or replaced by a hot spare."""
     inject: list[str] = dataclasses.field(default_factory=list)
-    """Faults to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]`` (also ``--inject``); the
+    """Faults to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]`` (also ``--inject``); the
     kinds are the table in :mod:`resilient_fsdp.config.fault_spec` (``resilient-fsdp config
     --describe`` lists them). ``node=N``: the node's local rank 0. Each fires once per job (``nan-loss-repeat``: each time its step runs). For
     tests and drills; docs/faults-and-restarts.md."""

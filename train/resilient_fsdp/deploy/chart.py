@@ -337,7 +337,8 @@ def fault_spec_pattern() -> str:
     """``chaos.inject``'s schema pattern: a fault spec of one of the trainer's kinds."""
     from ..config import FAULT_KINDS
 
-    return (f"^({'|'.join(FAULT_KINDS)})@[1-9][0-9]*(:(rank|node)=[0-9]+)?(:for=[0-9]+(\\.[0-9]+)?)?$")
+    return (f"^({'|'.join(FAULT_KINDS)})@[1-9][0-9]*(:(rank|node)=[0-9]+)?(:for=[0-9]+(\\.[0-9]+)?)?"
+            "(:factor=[0-9]+(\\.[0-9]+)?)?$")
 
 
 # The chart's `trainer.resilience` defaults: the trainer's own, written between these lines of

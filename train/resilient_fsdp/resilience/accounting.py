@@ -202,6 +202,10 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         # Non-finite losses the job met, each restarted once as a suspected hardware fault
         # (resilience/non_finite.py): the step, the ranks whose own loss it was, their node and host.
         "non_finite_losses": ledger.non_finite(),
+        # Slow ranks found (resilience/stragglers.py): the rank, its pod and host, the part and
+        # score that named it, the step, and what was done: replaced (by which pod, how long it
+        # took to train again) or reported (and why not replaced).
+        "stragglers": ledger.stragglers(),
         "productive_s": productive,
         "job_wall_s": wall,
         "goodput": productive / wall if wall > 0 else 0.0,

@@ -379,6 +379,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     nproc = _nproc(args)
     env = prewarm.with_launcher_threads(node_rank.launcher_env(os.environ, index), nproc)
     env[NODE_PID_ENV] = str(os.getpid())
+    env[node_rank.SPARES_ENV] = str(node_rank.spares(args))  # whether a straggler's node can be replaced
     env[NODE_START_ENV] = repr(time.time())
     if index is not None:
         args = node_rank.with_store_host(args, index == 0)

@@ -152,6 +152,14 @@ class Attempt(NoHooks):
                 print(f"[resilient-fsdp] rank {self.rank}: {said}", file=sys.stderr, flush=True)
             raise
 
+    def local_compute(self) -> None:
+        """Inside the rank's own optimizer step: where a ``slow`` fault takes its extra time."""
+        self.injector.local_compute()
+
+    def exclude_this_node(self, why: str) -> bool:
+        """Ask the launcher to leave this node out of the next rendezvous (:mod:`.stragglers`)."""
+        return self.monitor.exclude_this_node(why)
+
     def before_collective(self, step: int, local_loss: torch.Tensor) -> None:
         """Step ``step`` is about to enter its loss all-reduce with this rank's ``local_loss``
         (which a ``nan-loss`` fault poisons in place)."""

@@ -86,6 +86,9 @@ UNHEALTHY_NODE = 201
 # A rank's first non-finite loss at a step (resilience/non_finite.py): retried like any rank
 # failure, its own code so that the rank's exit in the launcher's log says what it was.
 NON_FINITE_LOSS = 202
+# A straggler's node leaves the job (resilience/stragglers.py): every rank ends the attempt with
+# it, retried in-job like a rank failure, its own code so that the launcher's log says why.
+STRAGGLER_REPLACED = 204
 
 # What each kind's controller does with a row's ending: (PyTorchJob, JobSet and TrainJob).
 BUDGET = {
@@ -174,6 +177,13 @@ TABLE: tuple[Row, ...] = (
         "the last checkpoint; job level once the in-job restarts are spent (the node exits 203; a trainer "
         "that is the pod's own process exits 202)", "counted", range(NON_FINITE_LOSS, NON_FINITE_LOSS + 1),
         "the loss all-reduce (`non_finite.stop`): its first time at a step; the same step again is the 2 row"),
+    Row("straggler-replaced", f"{STRAGGLER_REPLACED} (the rank's)", "infrastructure",
+        "a straggler was found (`resilience.stragglers.action=replace`): its rank asked `ft_launcher` to leave "
+        "its node out of the next rendezvous, and every rank exits 204 at the same step",
+        "in-job: every launcher restarts its workers; the straggler's node fails as unhealthy (the 201 row) "
+        "and a hot spare takes its node rank, from the memory tier", "counted",
+        range(STRAGGLER_REPLACED, STRAGGLER_REPLACED + 1),
+        "rank 0's straggler report, broadcast (`stragglers.Stragglers.after_step`)"),
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
         "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, an exception's first time at a "

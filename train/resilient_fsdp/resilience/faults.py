@@ -1,4 +1,4 @@
-"""Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS]``, fired once per job (a kind the
+"""Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]``, fired once per job (a kind the
 table marks otherwise, ``nan-loss-repeat`` and ``exception-repeat``, each time its step runs), for
 tests, demos and cluster drills.
 
@@ -26,9 +26,11 @@ inside and ``partition`` is refused before training starts.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -266,9 +268,21 @@ class FaultInjector:
         # The memory tier the ``memory-corrupt`` and ``replica-corrupt`` faults act on, once built.
         self.memory: Optional[CorruptibleMemory] = None
         self.partitions: list[tuple[FaultSpec, float]] = []  # fired here, (spec, t_fault)
+        self.local_rank = local_rank
+        # A ``slow`` fault: seconds added to each of this rank's steps, in its own optimizer step.
+        # Its pod stays slow: a fault fired on this pod and local rank, in any attempt, applies.
+        self.slowdown_s = max((r.get("slowdown_s", 0.0) for r in ledger.fired()
+                               if r.get("kind") == "slow" and r.get("node_index") == self.node
+                               and r.get("local_rank") == local_rank), default=0.0)
+        self._last_step_start: Optional[float] = None
+        self._step_times: collections.deque = collections.deque(maxlen=8)  # before any slowdown
 
     def at_step_start(self, step: int, completed_step: int) -> None:
         """Called inside the step section before step ``step`` (``completed_step`` = step - 1) runs."""
+        now = time.perf_counter()
+        if self._last_step_start is not None and not self.slowdown_s:
+            self._step_times.append(now - self._last_step_start)
+        self._last_step_start = now
         self._note_healed_partitions(completed_step)
         self.completed_step = completed_step
         for spec in self.mine:
@@ -276,6 +290,12 @@ class FaultInjector:
                 self.fire(spec, completed_step)
             elif spec.kind_info.when == "restore" and spec.step == step:
                 self.ledger.arm(spec)
+
+    def local_compute(self) -> None:
+        """Called inside the rank's own optimizer step, where no peer waits: a ``slow`` fault's
+        extra time, as a slow GPU's kernels would take it."""
+        if self.slowdown_s:
+            time.sleep(self.slowdown_s)
 
     def before_collective(self, step: int) -> None:
         """Called inside step ``step`` just before the trainer's own all-reduce (the loss)."""
@@ -389,6 +409,9 @@ class FaultInjector:
         if spec.kind in ("memory-corrupt", "replica-corrupt"):
             self._flip_memory_byte(spec)
             return
+        if spec.kind == "slow":
+            self.slowdown_s = record["slowdown_s"]
+            return
         if spec.kind == "slow-exit":
             _EXIT_DELAYS.append(spec.for_s if spec.for_s is not None else SLOW_EXIT_DEFAULT_S)
             return
@@ -432,6 +455,11 @@ class FaultInjector:
               file=sys.stderr, flush=True)
 
     def _record(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None) -> dict:
+        if spec.kind == "slow":
+            # The rank's step before the fault: the median of its last steps (0 at step 1).
+            base = statistics.median(self._step_times) if self._step_times else 0.0
+            details = {"local_rank": self.local_rank, "base_step_s": base,
+                       "slowdown_s": ((spec.factor or SLOW_DEFAULT_FACTOR) - 1) * base, **(details or {})}
         return {**asdict(spec), "fault": str(spec), "key": spec.key, "completed_step": completed_step,
                 "t_fault": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
                 "node_index": self.node, **(details or {})}
@@ -458,6 +486,7 @@ class FaultInjector:
 
 # ``slow-exit``: seconds this process waits once training has finished, before it exits.
 SLOW_EXIT_DEFAULT_S = 30.0
+SLOW_DEFAULT_FACTOR = 2.0
 _EXIT_DELAYS: list[float] = []
 
 

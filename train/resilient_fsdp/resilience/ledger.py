@@ -6,8 +6,9 @@ firing it, so the restart the fault causes passes the same step again without fi
 Restart accounting reads the records back (:mod:`.accounting`).
 
 Non-finite losses the job met (injected or not) are kept beside them, in ``faults/non-finite/``,
-one file each (:mod:`.non_finite`): they are events of the job, not faults it was told to fire,
-so the fired faults and their recoveries do not count them.
+one file each (:mod:`.non_finite`), and so are the stragglers found, in ``faults/stragglers/``
+(:mod:`.stragglers`): they are events of the job, not faults it was told to fire, so the fired
+faults and their recoveries do not count them.
 """
 
 from __future__ import annotations
@@ -111,3 +112,18 @@ class FaultLedger:
     def non_finite(self) -> list[dict]:
         """Every non-finite loss recorded in this run directory, oldest first."""
         return json_records(self.non_finite_dir)
+
+    # -- stragglers -------------------------------------------------------------------------------
+
+    @property
+    def stragglers_dir(self) -> Path:
+        return self.dir / "stragglers"
+
+    def record_straggler(self, record: dict) -> None:
+        """Keep a straggler found (``record["key"]`` names it), or its record updated."""
+        self.stragglers_dir.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(self.stragglers_dir / f"{record['key']}.json", record, indent=None, newline=False)
+
+    def stragglers(self) -> list[dict]:
+        """Every straggler found in this run directory, oldest first."""
+        return json_records(self.stragglers_dir, order="t_found")

@@ -67,6 +67,10 @@ METRICS = {
     "faults_injected_total": ("counter", "Faults the chaos drill fired."),
     "non_finite_losses_total": ("counter", "Non-finite losses the job met, each restarted once as a suspected "
                                 "hardware fault (resilience/non_finite.py)."),
+    "straggler_score": ("gauge", "Each of the slowest ranks' score in the newest straggler report (label rank): the "
+                        "fastest rank's median time of a part of the step over its own, 1 for the fastest "
+                        "(resilience.stragglers)."),
+    "stragglers_total": ("counter", "Stragglers found, by what was done (label action: replaced, reported)."),
     "recoveries_total": ("counter", "Recoveries from fired faults, by the layer that recovered (label layer)."),
     "recovery_seconds_total": ("counter", "Time from each fault to the first step after it, summed, by layer."),
     "lost_steps_total": ("counter", "Steps trained again after recoveries, by layer."),
@@ -139,6 +143,7 @@ class RunRecords:
         self.lifecycle: list[dict] = []  # start and finish events: a few per attempt
         self.replication_stopped = 0
         self.resumes = {"memory": 0, "durable": 0, "s3": 0}
+        self.straggler_scores: dict[str, float] = {}  # the newest straggler report's slowest ranks
 
     def refresh(self) -> None:
         try:
@@ -189,6 +194,8 @@ class RunRecords:
             self.s3_released += event == "s3_released"
             if event == "s3_lagging":
                 self.s3_lagging = len(record.get("ranks", []))
+        elif event == "straggler_report":
+            self.straggler_scores = record.get("slowest", {})
         elif event == "memory_replication":
             self.replication_stopped = record.get("stopped_ranks", 0)
         elif event in ("start", "finish"):
@@ -229,7 +236,8 @@ class RunCollector:
                 pass  # unreadable for now (the volume): serve what the last read found
             fired = self.ledger.fired()
             recoveries = list(self.ledger.recoveries().values())
-            yield from self._families(self.records, fired, recoveries, time.time(), len(self.ledger.non_finite()))
+            yield from self._families(self.records, fired, recoveries, time.time(), len(self.ledger.non_finite()),
+                                      self.ledger.stragglers())
             if self.node.isdigit() and int(self.node) in node_reports.WATCHERS:
                 yield from self._silent(node_reports.read_reports(self.run_dir), time.time())
 
@@ -243,7 +251,8 @@ class RunCollector:
         yield family
 
     def _families(self, r: RunRecords, fired: list[dict], recoveries: list[dict], now: float,
-                  non_finite: int = 0) -> Iterator:
+                  non_finite: int = 0, stragglers: Optional[list[dict]] = None) -> Iterator:
+        stragglers = stragglers or []
         node = [self.node]
         if r.last_step is not None:
             step = r.last_step
@@ -284,6 +293,16 @@ class RunCollector:
                                      labels=["node"])
         losses.add_metric(node, non_finite)
         yield losses
+        if r.straggler_scores:
+            scores = GaugeMetricFamily(PREFIX + "straggler_score", METRICS["straggler_score"][1], labels=["node", "rank"])
+            for rank, score in sorted(r.straggler_scores.items(), key=lambda kv: int(kv[0])):
+                scores.add_metric([*node, str(rank)], float(score))
+            yield scores
+        found = CounterMetricFamily(PREFIX + "stragglers_total", METRICS["stragglers_total"][1],
+                                    labels=["node", "action"])
+        for action in ("replaced", "reported"):
+            found.add_metric([*node, action], sum(1 for x in stragglers if x.get("action") == action))
+        yield found
         by_layer: dict[str, list] = {layer: [] for layer in accounting.LAYERS}
         for rec in recoveries:
             by_layer.setdefault(rec.get("layer", "unknown"), []).append(rec)

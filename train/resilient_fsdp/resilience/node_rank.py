@@ -128,6 +128,20 @@ def _launcher_part(args: list[str]) -> list[str]:
     return args[:args.index("-m")] if "-m" in args else args
 
 
+# Set by the node agent for its ranks: how many hot spares the job has (:func:`spares`).
+SPARES_ENV = "RESILIENT_FSDP_SPARES"
+
+
+def spares(args: list[str]) -> int:
+    """The hot spares ft_launcher's ``--nnodes=N:M`` asks for (M - N); 0 without a range."""
+    for arg in _launcher_part(args):
+        if arg.startswith("--nnodes="):
+            low, _, high = arg.split("=", 1)[1].partition(":")
+            if low.isdigit() and high.isdigit():
+                return max(0, int(high) - int(low))
+    return 0
+
+
 def launcher_env(env: Mapping[str, str], index: Optional[int]) -> dict[str, str]:
     """``env`` with ``GROUP_RANK`` set to the node's index, unless already set."""
     out = dict(env)

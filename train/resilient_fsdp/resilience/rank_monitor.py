@@ -78,6 +78,17 @@ class ProgressMonitor:
     def active(self) -> bool:
         return self.client is not None
 
+    def exclude_this_node(self, why: str) -> bool:
+        """Ask ``ft_launcher`` to leave this node out of the next rendezvous (NVRx's workload
+        control request, both versions): its launcher then fails the node as unhealthy (exit
+        201) and a hot spare takes its place. False when not under ``ft_launcher``."""
+        if self.client is None:
+            return False
+        from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction, WorkloadControlRequest
+
+        self.client.send_workload_control_request(WorkloadControlRequest(WorkloadAction.ExcludeThisNode, why))
+        return True
+
     def start(self, section: str) -> None:
         if self.client is not None and section not in self.open and section in self.configured:
             self._max_before[section] = self.client.timeouts_calc.section_to_max_time.get(section, -1)

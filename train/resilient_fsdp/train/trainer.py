@@ -41,7 +41,7 @@ from ..hf import export as hf_export
 from ..hf import model as hf_model
 from ..hf import names as hf_names
 from ..hf import weights as hf_weights
-from ..resilience import accounting, non_finite
+from ..resilience import accounting, non_finite, stragglers
 from ..resilience.attempt import Attempt
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt
@@ -162,6 +162,10 @@ class Trainer:
             # On CUDA a few kernels lack deterministic versions: warn rather than refuse.
             torch.use_deterministic_algorithms(True, warn_only=self.info.device.type == "cuda")
         self.metrics = MetricsLog(self.run_dir, self.is_rank0, cfg.train.log_every)
+        self.stragglers = stragglers.Stragglers(cfg.resilience.stragglers, self.info.rank, self.info.device,
+                                                self.attempt.ledger, self.attempt.exclude_this_node,
+                                                self.resources.monitor.active, stragglers.spares_in(os.environ),
+                                                self.log_event)
 
     def build_data(self) -> None:
         cfg = self.cfg
@@ -268,15 +272,18 @@ class Trainer:
         """
         accum = self.grad_accum
         local_loss = torch.zeros((), device=self.info.device)
-        for micro in range(accum):
-            # Reduce-scatter gradients only after the last micro-batch.
-            self.model.set_requires_gradient_sync(micro == accum - 1)
-            inputs, targets = self.data.next_batch(self.info.device)
-            local_loss += self.forward_backward(inputs, targets)
+        with self.stragglers.section("forward_backward"):
+            for micro in range(accum):
+                # Reduce-scatter gradients only after the last micro-batch.
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+                inputs, targets = self.data.next_batch(self.info.device)
+                local_loss += self.forward_backward(inputs, targets)
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.checkpointer.before_optimizer_step()  # a checkpoint's copy of the state must be done
-        self.optimizer.step()
+        with self.stragglers.section("optimizer"):  # the rank's own work: no peer waits inside it
+            self.optimizer.step()
+            self.attempt.local_compute()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         # The stop flag and the checkpointer's votes ride on the loss all-reduce (summed): one
@@ -327,6 +334,7 @@ class Trainer:
                                    "lr": lr, "t": time.time()})
                 if len(self.step_times) == 1:
                     self.after_first_step(resumed_step)
+                self.stragglers.after_step(step, self.step_times)
                 self.log_learned(attempt.maybe_learn())
                 if stop:
                     self.stop_gracefully()
@@ -362,6 +370,7 @@ class Trainer:
         """The attempt is training: its recoveries are closed, collectives get their steady
         timeout, and the checkpointer prepares its buffers for the state as it now is."""
         self.attempt.after_first_step(resumed_step, self.log_event)
+        stragglers.close_replacements(self.attempt.ledger, resumed_step, time.time(), self.log_event)
         distributed.use_steady_timeout(self.cfg.dist)
         self.checkpointer.prepare()
 
@@ -377,8 +386,10 @@ class Trainer:
     # -- what the run reports ---------------------------------------------------------------------
 
     def log_event(self, record: dict, message: str) -> None:
+        """Rank 0's record of an event in ``metrics.jsonl``, and ``message`` on the log (none: none)."""
         self.metrics.event(record)
-        self.metrics.info(message)
+        if message:
+            self.metrics.info(message)
 
     def log_start(self) -> None:
         cfg, info = self.cfg, self.info
@@ -433,6 +444,7 @@ class Trainer:
         """Stop the checkpoint worker (an engine owned by the process is drained instead, when an
         in-process restart will reuse it)."""
         self.attempt.close()
+        self.stragglers.close()
         with self.attempt.draining():
             self.checkpointer.close(abort=failed, drain=self.attempt.retried_in_process)
             self.metrics.close()
@@ -465,6 +477,7 @@ class Trainer:
             "checkpoints": ckpt.records,
             "checkpoint_stall_s": sum(r["stall_s"] for r in ckpt.records),
             "hang_timeouts": self.resources.monitor.timeouts(),
+            "straggler_detection": self.stragglers.summary(self.step_times),
             **self.versions,
         }
         if self.is_rank0:
