@@ -192,7 +192,7 @@ def test_should_serve_stopped_replication_until_the_next_attempt_and_count_resum
     assert [value(again, "resilient_fsdp_resumes_total", tier=t) for t in ("memory", "durable", "s3")] == [2, 1, 0]
 
 
-def test_should_serve_the_newest_straggler_scores_and_count_stragglers_by_what_was_done(tmp_path, endpoint):
+def test_should_serve_straggler_scores_and_count_stragglers_and_replica_mismatches(tmp_path, endpoint):
     metrics = tmp_path / "metrics.jsonl"
     append(metrics, {"event": "start", "t": 100.0, "layer": "start"},
            {"event": "straggler_report", "t": 101.0, "step": 10, "slowest": {"0": 0.97, "1": 1.0}, "slow": {}})
@@ -207,3 +207,6 @@ def test_should_serve_the_newest_straggler_scores_and_count_stragglers_by_what_w
     after = scrape(endpoint)
     assert value(after, "resilient_fsdp_straggler_score", rank="1") == 0.4  # the newest report's
     assert [value(after, "resilient_fsdp_stragglers_total", action=a) for a in ("replaced", "reported")] == [1, 1]
+    assert value(after, "resilient_fsdp_replica_mismatches_total") == 0
+    ledger.record_sdc({"key": "step00000015", "step": 15, "last_pass_step": 10, "t_detected": 107.0})
+    assert value(scrape(endpoint), "resilient_fsdp_replica_mismatches_total") == 1

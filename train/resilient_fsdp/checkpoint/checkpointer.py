@@ -436,13 +436,13 @@ class Checkpointer:
             return None
 
     # -- resume (the decision, verification, S3 restore and loading are in resume.py) --
-    def resume(self) -> Optional[int]:
+    def resume(self, suspect: Optional[tuple[int, int]] = None) -> Optional[int]:
         """Load the newest complete checkpoint (or ``resume_from`` at the job's first start);
         returns its step or None. One that fails verification or loading is reported and the
-        next older one is tried."""
+        next older one is tried. ``suspect``: steps never resumed from (:func:`.resume_.resume`)."""
         self.before_optimizer_step()  # loading changes the live state: no copy may be reading it
         done = resume_.resume(self.group, self.cfg, self.root, self.job, self.state, self.identity, self.batch,
-                              self.say, self.elastic_batch, self.memory, self.hooks.restoring)
+                              self.say, self.elastic_batch, self.memory, self.hooks.restoring, suspect)
         if self.memory is not None:
             # Snapshots past the step this start trains on belong to a line it no longer follows.
             self.memory.discard_newer_than(done.step if done.step is not None else -1)

@@ -171,6 +171,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"not a complete checkpoint (left in place): {path}")
     what = {"superseded": "an older commit of step {step}, kept until retention passes its step",
             "abandoned": "step {step} of a timeline abandoned by checkpoint.resume_from (never deleted by the job)",
+            "suspect": "step {step}, saved after the replicas last agreed and before they differed (silent data "
+                       "corruption suspected): never resumed from, never deleted by the job",
             "deleting": "being deleted by retention"}
     for kind, entries in aside.items():
         for e in entries:

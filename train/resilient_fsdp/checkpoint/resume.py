@@ -89,13 +89,21 @@ class Resumed:
 def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
            batch: dict, say: Callable[[str], None], elastic_batch: str = "nearest",
            memory: Optional[MemoryTier] = None,
-           restoring: Callable[[int, str], None] = lambda _step, _tier: None) -> Resumed:
+           restoring: Callable[[int, str], None] = lambda _step, _tier: None,
+           suspect: Optional[tuple[int, int]] = None) -> Resumed:
     """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded.
     ``elastic_batch``: the ``train.elastic_batch`` policy at another world size. With ``memory``
     (the memory tier), every rank's snapshots are weighed against the durable choice first.
-    ``restoring(step, tier)`` is called as a chosen checkpoint is about to be loaded (a fault's moment)."""
-    decide_here = (lambda: decide(cfg, root, job, say)) if group.is_coordinator else (lambda: None)
+    ``restoring(step, tier)`` is called as a chosen checkpoint is about to be loaded (a fault's moment).
+    ``suspect``: steps ``(after, up_to]`` saved after the replicas last agreed and before they
+    differed (:func:`resilient_fsdp.resilience.sdc.suspect_window`): never resumed from."""
+    decide_here = (lambda: decide(cfg, root, job, say, suspect)) if group.is_coordinator else (lambda: None)
     plan = _raise_if_error(group.broadcast(decide_here()))
+    if memory is not None and suspect is not None:
+        dropped = memory.discard_newer_than(suspect[0])
+        if dropped and group.is_coordinator:
+            say(f"memory snapshots of step(s) {', '.join(map(str, dropped))} discarded: saved after the replicas last "
+                f"agreed (step {suspect[0]})")
     if memory is not None:
         if cfg.resume and not plan.get("pinned"):
             durable = (plan.get("candidate") or plan.get("s3") or {}).get("step")
@@ -199,7 +207,8 @@ def _info(d: Optional[dict]) -> Optional[store.CheckpointInfo]:
     return None if d is None else store.CheckpointInfo(int(d["step"]), Path(d["path"]), d["manifest"])
 
 
-def decide(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None]) -> dict:
+def decide(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None],
+           suspect: Optional[tuple[int, int]] = None) -> dict:
     """Rank 0: ``{"candidate": ..., "pinned": bool}``, ``{"s3": ...}`` (restore first) or
     ``{"error": message, "config": bool}``. Never raises: the error travels in the broadcast, so
     every rank raises it at once instead of waiting for rank 0's abort or the collective timeout."""
@@ -208,6 +217,10 @@ def decide(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], Non
             return _resume_from(cfg, root, job, say)
         if not cfg.resume:
             return {"candidate": None}
+        if suspect is not None:
+            for path in store.set_aside_newer(root, suspect[0], kind="suspect", up_to=suspect[1]):
+                say(f"set aside {path}: saved after the replicas last agreed (step {suspect[0]}); kept, never "
+                    "resumed from")
         committed, unusable = store.scan(root)
         for path in unusable:
             say(f"warning: skipping {path}: not a complete checkpoint (left in place; "

@@ -6,6 +6,7 @@ Layout under ``checkpoint.dir``::
     step_00000050.incomplete-<id>/               being written, or abandoned by a crash: never loaded
     step_00000040.superseded-<time>-<id>/        an older commit of step 40, moved aside by a newer one
     step_00000060.abandoned-<time>/              newer than ``resume_from`` at a job's first start
+    step_00000014.suspect-<time>-<id>/           saved after a replica check last passed, before one failed
     step_00000030.deleting-<id>/                 being deleted by retention
     LEASE                                        the job that writes here (:mod:`.lease`)
 
@@ -40,7 +41,8 @@ next pass (those listed at a start stay eligible), each removal logged:
 So any number of kills during saves leaves at most one incomplete directory (the last killed
 write's, until the next start or a commit of its step). Leftover ``.deleting-*`` directories
 are removed too. Never deleted: a committed checkpoint, a ``.superseded-*`` copy of a step that
-retention keeps, an ``.abandoned-*`` set-aside (``resume_from``'s, kept for the operator), a
+retention keeps, an ``.abandoned-*`` or ``.suspect-*`` set-aside (``resume_from``'s, or one
+saved after the replicas last agreed, :mod:`resilient_fsdp.resilience.sdc`: kept for the operator), a
 ``step_N`` without a readable manifest (reported and left for the operator), or a partial
 directory :func:`recover` completes.
 
@@ -71,6 +73,7 @@ _PARTIAL = re.compile(r"^step_(\d{8})\.incomplete-([0-9a-f]+)$")
 # Older commits of a step; "superseded-<time>" alone is the form before ids were added.
 _SUPERSEDED = re.compile(r"^step_(\d{8})\.superseded-\d+(?:-[0-9a-f]+)?$")
 _ABANDONED = re.compile(r"^step_(\d{8})\.abandoned-\d+(?:-[0-9a-f]+)?$")
+_SUSPECT = re.compile(r"^step_(\d{8})\.suspect-\d+-[0-9a-f]+$")
 _DELETING = re.compile(r"^step_\d{8}.*\.deleting-[0-9a-f]+$")
 # Torn and leftover directories removed per sweep: a sweep after a crash loop must not hold up
 # the retention thread for long; the rest go at the next pass.
@@ -169,8 +172,9 @@ def scan(root: Path) -> tuple[list[CheckpointInfo], list[Path]]:
 
 
 def aside(root: Path) -> dict[str, list[tuple[int, Path]]]:
-    """Directories set aside, by kind (``superseded``, ``abandoned``, ``deleting``): (step, path)."""
-    found: dict[str, list[tuple[int, Path]]] = {"superseded": [], "abandoned": [], "deleting": []}
+    """Directories set aside, by kind (``superseded``, ``abandoned``, ``suspect``, ``deleting``):
+    (step, path)."""
+    found: dict[str, list[tuple[int, Path]]] = {"superseded": [], "abandoned": [], "suspect": [], "deleting": []}
     if not root.is_dir():
         return found
     for entry in sorted(root.iterdir()):
@@ -181,17 +185,20 @@ def aside(root: Path) -> dict[str, list[tuple[int, Path]]]:
             found["superseded"].append((step, entry))
         elif _ABANDONED.match(entry.name):
             found["abandoned"].append((step, entry))
+        elif _SUSPECT.match(entry.name):
+            found["suspect"].append((step, entry))
     return found
 
 
-def set_aside_newer(root: Path, step: int) -> list[Path]:
-    """Rename every committed checkpoint newer than ``step`` to ``<name>.abandoned-<time>-<id>``
-    (a job's first start with ``resume_from``): never deleted, never picked again."""
+def set_aside_newer(root: Path, step: int, kind: str = "abandoned", up_to: Optional[int] = None) -> list[Path]:
+    """Rename every committed checkpoint newer than ``step`` (and at most ``up_to``) to
+    ``<name>.<kind>-<time>-<id>``: ``abandoned`` at a job's first start with ``resume_from``,
+    ``suspect`` after a replica mismatch. Never deleted, never picked again."""
     moved = []
     stamp = f"{int(time.time())}-{_token()}"
     for info in scan(root)[0]:
-        if info.step > step:
-            target = info.path.with_name(f"{info.path.name}.abandoned-{stamp}")
+        if info.step > step and (up_to is None or info.step <= up_to):
+            target = info.path.with_name(f"{info.path.name}.{kind}-{stamp}")
             atomic.rename(info.path, target)
             moved.append(target)
     return moved

@@ -22,8 +22,8 @@ class FaultKind:
     """One kind of fault: where it fires, what it does, and who recovers."""
 
     name: str
-    when: Literal["step", "collective", "loss", "save", "write", "commit", "replicate", "restore"]
-    """``step``: as step STEP starts; ``collective``: just before step STEP's loss all-reduce;
+    when: Literal["step", "optimizer", "collective", "loss", "save", "write", "commit", "replicate", "restore"]
+    """``step``: as step STEP starts; ``optimizer``: just after step STEP's optimizer step; ``collective``: just before step STEP's loss all-reduce;
     ``loss``: on the rank's own loss of step STEP, just before that all-reduce;
     ``save``: while the rank's checkpoint writer writes the first checkpoint at or after STEP;
     ``write``: inside the checkpoint writer, as it writes step STEP's checkpoint;
@@ -99,6 +99,10 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "no peer waits inside, as a slow GPU's own kernels would; its pod stays slow after an in-job "
               "restart", "none by itself; resilience.stragglers finds the rank, and with action=replace a hot "
               "spare takes its place in an in-job restart", stops=False),
+    FaultKind("bitflip", "optimizer", "one bit of one parameter of the rank's shard flips just after step STEP's "
+              "optimizer step, as a GPU computing a wrong number would leave it: nothing fails, the replicas differ",
+              "under HSDP with resilience.sdc.interval_steps: found at the next replica check, the job rolls back to "
+              "the state last seen to agree (in-job restart)", stops=False),
     FaultKind("slow-exit", "step", "the rank finishes training, then waits SECONDS (default 30) before it exits, "
               "as a slow teardown does: its node ends after the store host's", "none: the node still exits 0",
               takes_duration=True, stops=False),

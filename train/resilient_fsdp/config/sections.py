@@ -400,6 +400,15 @@ class StragglersConfig:
 
 
 @dataclass(config=_STRICT)
+class SdcConfig:
+    interval_steps: int = Field(default=0, ge=0)
+    """Every this many steps, under HSDP (``dist.shard_group_size``), the replicas of each shard
+    compare a digest of their parameters (on the device; 16 bytes a rank within its replicate
+    group); a mismatch rolls the job back to the state last seen to agree (silent data corruption,
+    docs/faults-and-restarts.md). 0: off."""
+
+
+@dataclass(config=_STRICT)
 class ResilienceConfig:
     in_process: InProcessConfig = dataclasses.field(default_factory=InProcessConfig)
     """In-process restart: the same processes re-run the training function after a fault."""
@@ -411,6 +420,8 @@ class ResilienceConfig:
     """Graceful stop on SIGTERM: finish the step, commit a checkpoint, exit retryably."""
     stragglers: StragglersConfig = dataclasses.field(default_factory=StragglersConfig)
     """Slow ranks: found by NVRx's straggler detector, reported or replaced by a hot spare."""
+    sdc: SdcConfig = dataclasses.field(default_factory=SdcConfig)
+    """Silent data corruption: HSDP replicas compared every N steps, a mismatch rolled back."""
     inject: list[str] = dataclasses.field(default_factory=list)
     """Faults to inject, ``KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]`` (also ``--inject``); the
     kinds are the table in :mod:`resilient_fsdp.config.fault_spec` (``resilient-fsdp config

@@ -13,6 +13,7 @@
 - ``non_finite``: a non-finite loss: one in-job restart as a suspected hardware fault, then exit 2;
 - ``stragglers``: slow ranks found, reported, or replaced by a hot spare without a job restart;
 - ``straggler_detector``: NVRx's straggler detector, both versions, with CPU's section timings only;
+- ``sdc``: silent data corruption under HSDP: the replicas compared, a mismatch rolled back;
 - ``accounting``: which layer restarted an attempt; recoveries and goodput for ``summary.json``;
 - ``exit_codes``: what a node's exit code means, and which layer retries it;
 - ``agent``: a node's main process (a pod's PID 1) around ``ft_launcher``;

@@ -206,6 +206,9 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         # score that named it, the step, and what was done: replaced (by which pod, how long it
         # took to train again) or reported (and why not replaced).
         "stragglers": ledger.stragglers(),
+        # Replica mismatches (resilience/sdc.py): the step, the last passing check rolled back to,
+        # the suspects, the checkpoints set aside, and the step a check passed again.
+        "silent_corruption": ledger.sdc(),
         "productive_s": productive,
         "job_wall_s": wall,
         "goodput": productive / wall if wall > 0 else 0.0,

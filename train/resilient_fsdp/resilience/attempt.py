@@ -152,6 +152,10 @@ class Attempt(NoHooks):
                 print(f"[resilient-fsdp] rank {self.rank}: {said}", file=sys.stderr, flush=True)
             raise
 
+    def after_optimizer_step(self, step: int, shards: Callable[[], list[torch.Tensor]]) -> None:
+        """Just after step ``step``'s optimizer step: where a ``bitflip`` fault changes a parameter."""
+        self.injector.after_optimizer_step(step, shards)
+
     def local_compute(self) -> None:
         """Inside the rank's own optimizer step: where a ``slow`` fault takes its extra time."""
         self.injector.local_compute()

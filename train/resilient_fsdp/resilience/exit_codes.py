@@ -89,6 +89,9 @@ NON_FINITE_LOSS = 202
 # A straggler's node leaves the job (resilience/stragglers.py): every rank ends the attempt with
 # it, retried in-job like a rank failure, its own code so that the launcher's log says why.
 STRAGGLER_REPLACED = 204
+# The replicas of a shard differed (resilience/sdc.py): every rank ends the attempt with it, and the
+# in-job restart resumes from the state last seen to agree.
+SILENT_CORRUPTION = 205
 
 # What each kind's controller does with a row's ending: (PyTorchJob, JobSet and TrainJob).
 BUDGET = {
@@ -184,6 +187,13 @@ TABLE: tuple[Row, ...] = (
         "and a hot spare takes its node rank, from the memory tier", "counted",
         range(STRAGGLER_REPLACED, STRAGGLER_REPLACED + 1),
         "rank 0's straggler report, broadcast (`stragglers.Stragglers.after_step`)"),
+    Row("silent-corruption", f"{SILENT_CORRUPTION} (the rank's)", "infrastructure",
+        "the replicas of a shard differed at a replica check (`resilience.sdc.interval_steps`, HSDP): checkpoints "
+        "saved after the last passing check were set aside as suspect, and every rank exits 205 at the same step",
+        "in-job: every rank resumes from the newest checkpoint no newer than the last passing check, memory first; "
+        "the odd replica out, where 3 or more vote, leaves for a hot spare. Again before any check passed: the "
+        "2 row, naming the suspects", "counted", range(SILENT_CORRUPTION, SILENT_CORRUPTION + 1),
+        "the replica check's digests, agreed by one all-reduce (`sdc.ReplicaCheck.after_step`)"),
     Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
         "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, an exception's first time at a "

@@ -291,6 +291,24 @@ class FaultInjector:
             elif spec.kind_info.when == "restore" and spec.step == step:
                 self.ledger.arm(spec)
 
+    def after_optimizer_step(self, step: int, shards: Callable[[], list[torch.Tensor]]) -> None:
+        """Called just after step ``step``'s optimizer step with this rank's parameter shards: a
+        ``bitflip`` flips one bit of one of them in place."""
+        import torch
+
+        for spec in self.mine:
+            if spec.kind_info.when == "optimizer" and spec.step == step:
+                target = next((t for t in shards() if t.numel() and t.element_size() == 4), None)
+                if target is None:
+                    continue
+                details = {"bit": BITFLIP_BIT, "element": 0, "shape": list(target.shape)}
+                if self.ledger.claim(spec, self._record(spec, step, details)):
+                    print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec}: bit {BITFLIP_BIT} of the "
+                          "first element of its first parameter shard flips", file=sys.stderr, flush=True)
+                    with torch.no_grad():
+                        word = target.view(-1)[:1].view(torch.int32)
+                        word ^= 1 << BITFLIP_BIT
+
     def local_compute(self) -> None:
         """Called inside the rank's own optimizer step, where no peer waits: a ``slow`` fault's
         extra time, as a slow GPU's kernels would take it."""
@@ -487,6 +505,7 @@ class FaultInjector:
 # ``slow-exit``: seconds this process waits once training has finished, before it exits.
 SLOW_EXIT_DEFAULT_S = 30.0
 SLOW_DEFAULT_FACTOR = 2.0
+BITFLIP_BIT = 20  # a mantissa bit of a float32: the value moves by about 1e-1 of itself, nothing fails
 _EXIT_DELAYS: list[float] = []
 
 

@@ -7,7 +7,7 @@ Restart accounting reads the records back (:mod:`.accounting`).
 
 Non-finite losses the job met (injected or not) are kept beside them, in ``faults/non-finite/``,
 one file each (:mod:`.non_finite`), and so are the stragglers found, in ``faults/stragglers/``
-(:mod:`.stragglers`): they are events of the job, not faults it was told to fire, so the fired
+(:mod:`.stragglers`), and the replica mismatches, in ``faults/sdc/`` (:mod:`.sdc`): they are events of the job, not faults it was told to fire, so the fired
 faults and their recoveries do not count them.
 """
 
@@ -127,3 +127,14 @@ class FaultLedger:
     def stragglers(self) -> list[dict]:
         """Every straggler found in this run directory, oldest first."""
         return json_records(self.stragglers_dir, order="t_found")
+
+    # -- replica mismatches (silent data corruption) -----------------------------------------------
+
+    def record_sdc(self, record: dict) -> None:
+        """Keep a replica mismatch (``record["key"]``), or its record updated (re-verified)."""
+        (self.dir / "sdc").mkdir(parents=True, exist_ok=True)
+        atomic.write_json(self.dir / "sdc" / f"{record['key']}.json", record, indent=None, newline=False)
+
+    def sdc(self) -> list[dict]:
+        """Every replica mismatch found in this run directory, oldest first."""
+        return json_records(self.dir / "sdc", order="t_detected")

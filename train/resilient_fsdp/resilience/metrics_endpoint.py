@@ -70,6 +70,8 @@ METRICS = {
     "straggler_score": ("gauge", "Each of the slowest ranks' score in the newest straggler report (label rank): the "
                         "fastest rank's median time of a part of the step over its own, 1 for the fastest "
                         "(resilience.stragglers)."),
+    "replica_mismatches_total": ("counter", "Replica checks that found the replicas of a shard differ (silent data "
+                                 "corruption, resilience.sdc), each rolled back."),
     "stragglers_total": ("counter", "Stragglers found, by what was done (label action: replaced, reported)."),
     "recoveries_total": ("counter", "Recoveries from fired faults, by the layer that recovered (label layer)."),
     "recovery_seconds_total": ("counter", "Time from each fault to the first step after it, summed, by layer."),
@@ -237,7 +239,7 @@ class RunCollector:
             fired = self.ledger.fired()
             recoveries = list(self.ledger.recoveries().values())
             yield from self._families(self.records, fired, recoveries, time.time(), len(self.ledger.non_finite()),
-                                      self.ledger.stragglers())
+                                      self.ledger.stragglers(), len(self.ledger.sdc()))
             if self.node.isdigit() and int(self.node) in node_reports.WATCHERS:
                 yield from self._silent(node_reports.read_reports(self.run_dir), time.time())
 
@@ -251,7 +253,7 @@ class RunCollector:
         yield family
 
     def _families(self, r: RunRecords, fired: list[dict], recoveries: list[dict], now: float,
-                  non_finite: int = 0, stragglers: Optional[list[dict]] = None) -> Iterator:
+                  non_finite: int = 0, stragglers: Optional[list[dict]] = None, mismatch_count: int = 0) -> Iterator:
         stragglers = stragglers or []
         node = [self.node]
         if r.last_step is not None:
@@ -298,6 +300,10 @@ class RunCollector:
             for rank, score in sorted(r.straggler_scores.items(), key=lambda kv: int(kv[0])):
                 scores.add_metric([*node, str(rank)], float(score))
             yield scores
+        mismatches = CounterMetricFamily(PREFIX + "replica_mismatches_total", METRICS["replica_mismatches_total"][1],
+                                         labels=["node"])
+        mismatches.add_metric(node, mismatch_count)
+        yield mismatches
         found = CounterMetricFamily(PREFIX + "stragglers_total", METRICS["stragglers_total"][1],
                                     labels=["node", "action"])
         for action in ("replaced", "reported"):

@@ -49,7 +49,7 @@ KERNELS = "kernels"
 NOT_REPLACED = {1: "no ft_launcher to ask (the trainer runs without the node agent)",
                 2: "no hot spare (spares=0)",
                 3: "it runs on pod 0, which hosts the rendezvous store: its leaving would restart the job",
-                4: "every hot spare has replaced a straggler already: NVRx's rendezvous admits as many nodes left "
+                4: "every hot spare has taken a node's place already: NVRx's rendezvous admits as many nodes left "
                    "out as the job has spares, and one more would close it and end the job"}
 # The slowest ranks of each report kept in the records (the metrics' per-rank scores).
 SLOWEST_KEPT = 8
@@ -59,6 +59,15 @@ class StragglerReplaced(BaseException):
     """A straggler's node leaves and a hot spare takes its place: every rank ends the attempt
     with the code the in-job restart retries. A ``BaseException``, so that in-process restart,
     which retries every ``Exception`` in the same processes and nodes, passes it on."""
+
+
+def why_not_replaceable(launcher_active: bool, spares: int, pod: int, ledger: FaultLedger) -> int:
+    """Rank-local: 0 when this rank's node can leave the job for a hot spare, else the code of
+    :data:`NOT_REPLACED` that says why not. Every node left out so far counts against the spares
+    (stragglers replaced, odd replicas out of :mod:`.sdc`)."""
+    left = (sum(1 for r in ledger.stragglers() if r.get("action") == "replaced")
+            + sum(len(r.get("replaced", [])) for r in ledger.sdc()))
+    return 1 if not launcher_active else 2 if spares < 1 else 3 if pod == 0 else 4 if left >= spares else 0
 
 
 def spares_in(env: dict) -> int:
@@ -173,9 +182,7 @@ class Stragglers:
         pod, host = who[target]
         reason = 0
         if self.cfg.action == "replace" and self.rank == target:
-            replaced = sum(1 for r in self.ledger.stragglers() if r.get("action") == "replaced")
-            reason = (1 if not self.launcher_active else 2 if self.spares < 1 else 3 if pod == 0
-                      else 4 if replaced >= self.spares else 0)
+            reason = why_not_replaceable(self.launcher_active, self.spares, pod, self.ledger)
         replace = self.cfg.action == "replace"
         if replace:
             agreed = torch.tensor([reason], dtype=torch.int64, device=self.device)

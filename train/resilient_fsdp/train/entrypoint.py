@@ -27,6 +27,7 @@ from ..resilience.deterministic import RepeatedFailure
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt, NotRetried, run_in_process
 from ..resilience.non_finite import NonFiniteLoss
+from ..resilience.sdc import SilentCorruption
 from ..resilience.stragglers import StragglerReplaced
 from . import distributed
 from .arguments import parse_args, resolve_config
@@ -103,10 +104,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return configuration_failure(exc.error)
     except NonFiniteLoss as exc:
         return non_finite_loss(exc)
-    except StragglerReplaced as exc:
-        print(f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: {exc}; exiting {exit_codes.STRAGGLER_REPLACED} "
-              "for the in-job restart", file=sys.stderr, flush=True)
-        return exit_codes.STRAGGLER_REPLACED
+    except (StragglerReplaced, SilentCorruption) as exc:
+        code = exit_codes.STRAGGLER_REPLACED if isinstance(exc, StragglerReplaced) else exit_codes.SILENT_CORRUPTION
+        print(f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: {exc}; exiting {code} for the in-job restart",
+              file=sys.stderr, flush=True)
+        return code
     except StopRequested as stop:
         return stop.exit_code
     except Exception as exc:

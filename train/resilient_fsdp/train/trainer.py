@@ -41,7 +41,8 @@ from ..hf import export as hf_export
 from ..hf import model as hf_model
 from ..hf import names as hf_names
 from ..hf import weights as hf_weights
-from ..resilience import accounting, non_finite, stragglers
+from ..resilience import accounting, non_finite, sdc, stragglers
+from ..resilience.faults import node_index
 from ..resilience.attempt import Attempt
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt
@@ -183,6 +184,7 @@ class Trainer:
     def build_model(self) -> None:
         cfg = self.cfg
         mesh = distributed.build_mesh(self.info, cfg.dist.shard_group_size)
+        self.mesh = mesh
         self.model = build_any_model(cfg)
         self.check_model_takes_the_job()  # on meta still: refused before anything is allocated
         blocks = cfg.model.blocks or getattr(self.model, "hf_blocks", None)
@@ -240,6 +242,14 @@ class Trainer:
                                          elastic_batch=cfg.train.elastic_batch, memory_prefetch=self.memory_prefetch)
         self.attempt.memory_built(self.checkpointer.memory)
         self.checkpointer.preflight()
+        # Replicas compared every resilience.sdc.interval_steps steps (HSDP): refused here without HSDP.
+        spares, active = stragglers.spares_in(os.environ), self.resources.monitor.active
+        ckpt = self.checkpointer
+        self.replica_check = sdc.ReplicaCheck(
+            cfg.resilience.sdc, self.mesh, self.info.rank, self.attempt.ledger, lambda: self.resumed_step,
+            lambda step: ckpt.memory.discard_newer_than(step) if ckpt.memory is not None else [], ckpt.root,
+            lambda: stragglers.why_not_replaceable(active, spares, node_index(), self.attempt.ledger),
+            self.attempt.exclude_this_node, self.log_event)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -284,6 +294,7 @@ class Trainer:
         with self.stragglers.section("optimizer"):  # the rank's own work: no peer waits inside it
             self.optimizer.step()
             self.attempt.local_compute()
+        self.attempt.after_optimizer_step(self.counters.step + 1, self.parameter_shards)
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         # The stop flag and the checkpointer's votes ride on the loss all-reduce (summed): one
@@ -299,11 +310,15 @@ class Trainer:
         self.checkpoint_votes = values[2:]
         return values[0] / (accum * self.info.world_size), values[1] > 0
 
+    def parameter_shards(self) -> list[torch.Tensor]:
+        """This rank's shard of every parameter (a DTensor's local tensor), in a fixed order."""
+        return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+
     def train(self) -> dict:
         with self.attempt.judging_failures():
             attempt, ckpt = self.attempt, self.checkpointer
             attempt.mark("built")
-            ckpt.resume()
+            ckpt.resume(suspect=sdc.suspect_window(attempt.ledger))
             if self.cfg.model.init_from and ckpt.resumed_from is None and self.counters.step == 0:
                 self.load_pretrained()
             attempt.mark("resumed")
@@ -312,7 +327,7 @@ class Trainer:
             ckpt.started()
             attempt.started()
             self.model.train()
-            resumed_step = self.counters.step
+            resumed_step = self.resumed_step = self.counters.step
             last = min(self.cfg.train.steps, self.cfg.train.stop_at_step or self.cfg.train.steps)
             while self.counters.step < last:
                 step = self.counters.step + 1
@@ -335,6 +350,7 @@ class Trainer:
                 if len(self.step_times) == 1:
                     self.after_first_step(resumed_step)
                 self.stragglers.after_step(step, self.step_times)
+                self.replica_check.after_step(step, self.parameter_shards)
                 self.log_learned(attempt.maybe_learn())
                 if stop:
                     self.stop_gracefully()
@@ -478,6 +494,7 @@ class Trainer:
             "checkpoint_stall_s": sum(r["stall_s"] for r in ckpt.records),
             "hang_timeouts": self.resources.monitor.timeouts(),
             "straggler_detection": self.stragglers.summary(self.step_times),
+            "replica_checks": self.replica_check.summary(),
             **self.versions,
         }
         if self.is_rank0:
