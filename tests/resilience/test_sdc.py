@@ -10,6 +10,7 @@ import torch
 
 from resilient_fsdp.checkpoint import store
 from resilient_fsdp.resilience.sdc import digest, odd_ones
+from resilient_fsdp.resilience.stragglers import NOT_REPLACED
 from tests.support import assert_no_leftovers, read_events, read_losses, read_summary, run_local
 
 HSDP = ["train.steps=24", "checkpoint.interval_steps=4", "train.log_every=4", "dist.shard_group_size=2",
@@ -106,3 +107,25 @@ def test_replica_checks_without_replicas_are_refused_naming_the_key(tmp_path):
     assert proc.returncode != 0
     assert "resilience.sdc.interval_steps compares the replicas of each shard, which only HSDP has: set " \
            "dist.shard_group_size" in proc.stdout + proc.stderr
+
+
+def test_with_three_replicas_the_odd_one_out_is_named_and_a_store_host_replica_stays(tmp_path):
+    """Three replicas of every shard (1 pod x 3 ranks, shard groups of one): a bit flipped in rank
+    2's copy makes it the odd one out by majority; it alone is the suspect. The job has no hot
+    spare, so it stays (said in the record): the job rolls back and ends bitwise equal to the same
+    job without the fault."""
+    common = ["train.steps=16", "checkpoint.interval_steps=4", "dist.shard_group_size=1", "checkpoint.mode=sync",
+              "checkpoint.memory.interval_steps=2", "resilience.sdc.interval_steps=5",
+              "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.learn_timeouts=false"]
+    clean = run_local(tmp_path / "clean", nodes=1, nproc=3, overrides=common, timeout=300)
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = run_local(run_dir, nodes=1, nproc=3, overrides=common, extra=["--inject", "bitflip@7:rank=2"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["params_sha256"] == read_summary(tmp_path / "clean")["params_sha256"]
+    (found,) = summary["silent_corruption"]
+    assert (found["step"], found["last_pass_step"], found["replicas"]) == (10, 5, 3), found
+    assert [s["rank"] for s in found["suspects"]] == [2] and found["odd_one_out"] is True, found
+    assert found["replaced"] == [] and found["not_replaced"] == NOT_REPLACED[2], found
+    assert summary["restarts"]["in_job"] == 1

@@ -42,6 +42,7 @@ from ..config.sections import SdcConfig
 from .deterministic import RepeatedFailure
 from .faults import node_index
 from .ledger import FaultLedger
+from .stragglers import NOT_REPLACED
 
 # 2**31 - 1, a prime: the place weights stay below it, so a word times its weight stays below 2**63
 # (their sums wrap, alike on every replica).
@@ -153,15 +154,20 @@ class ReplicaCheck:
         world = dist.get_world_size()
         who = [None] * world
         reason = self.can_leave() if odd_one else -1
+        # Read before the gather: rank 0 records this mismatch only after every rank has arrived.
+        key = f"step{step:08d}"
+        earlier = [r for r in self.ledger.sdc() if "reverified_at_step" not in r and r["key"] != key]
         dist.all_gather_object(who, (suspect, odd_one, reason, node_index(), socket.gethostname()))
         suspects = [{"rank": r, "pod": w[3], "host": w[4]} for r, w in enumerate(who) if w[0]]
         leaving = [r for r, w in enumerate(who) if w[1] and w[2] == 0]
         last_pass = self.last_pass if self.last_pass is not None else 0
-        earlier = [r for r in self.ledger.sdc() if "reverified_at_step" not in r]
         dropped = self.memory_discard(last_pass)
-        record = {"key": f"step{step:08d}", "step": step, "last_pass_step": last_pass, "t_detected": time.time(),
+        record = {"key": key, "step": step, "last_pass_step": last_pass, "t_detected": time.time(),
                   "replicas": self.replicas, "suspects": suspects, "odd_one_out": bool(leaving or any(w[1] for w in who)),
                   "replaced": [{"rank": r, "pod": who[r][3], "host": who[r][4]} for r in leaving]}
+        staying = sorted({w[2] for w in who if w[1] and w[2] != 0})
+        if staying:
+            record["not_replaced"] = "; ".join(NOT_REPLACED[code] for code in staying)
         if self.rank == 0:
             aside = [str(p) for p in store.set_aside_newer(self.durable_root, last_pass, kind="suspect")]
             record["set_aside"] = aside
