@@ -809,3 +809,41 @@ def test_the_local_measurements_docs_goodput_quotes_are_the_benchmarks_results(t
     assert proc.returncode == 0, proc.stderr
     goodputs = [round(r["goodput"], 4) for r in json.loads(out.read_text())["rows"]]
     assert (min(goodputs), max(goodputs)) == (low, high)
+
+
+def test_stragglers_and_silent_corruption_cost_what_their_published_rates_say_and_detection_wins_it_back():
+    """Unmitigated, stragglers take Falcon's published inflation of a job's time and silent
+    corruption its share of Llama 3's interruptions, each costing a day of training; found and
+    replaced, or caught by replica checks, each costs its detection and an in-job restart."""
+    job_mtbf_s = 10 * gm.HOUR
+    c = gm.slow_and_silent(job_mtbf_s, find_s=100, replace_s=121, check_interval_s=500, check_cost=0.001,
+                           rollback_s=620, job_restart_s=600)
+    assert c.stragglers_unmitigated == pytest.approx(1 - 1 / gm.FALCON_JCT_INFLATION)
+    episodes_per_s = c.stragglers_unmitigated / (gm.STRAGGLER_EPISODE_H * gm.HOUR * (1 - 1 / gm.STRAGGLER_SLOWDOWN))
+    assert c.stragglers_replaced == pytest.approx(episodes_per_s * (100 * (1 - 1 / gm.STRAGGLER_SLOWDOWN) + 121))
+    sdc_rate = gm.LLAMA3_SDC_SHARE / job_mtbf_s
+    assert c.sdc_unchecked == pytest.approx(sdc_rate * (gm.SDC_UNNOTICED_H * gm.HOUR + 600))
+    assert c.sdc_checked == pytest.approx(0.001 + sdc_rate * (250 + 620))
+    assert c.stragglers_replaced < c.stragglers_unmitigated and c.sdc_checked < c.sdc_unchecked
+    # A job that fails more often meets more corruption; the checks' own cost does not grow with it.
+    busy = gm.slow_and_silent(job_mtbf_s / 10, 100, 121, 500, 0.001, 620, 600)
+    assert busy.sdc_unchecked == pytest.approx(10 * c.sdc_unchecked)
+
+
+def test_simulate_and_advise_show_the_slow_and_silent_classes_with_their_sources(tmp_path):
+    out = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8,2048", "--runs", "2",
+                           "--step-s", "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    slow = {r["nodes"]: r for r in json.loads(out.read_text())["slow_and_silent"]}
+    assert slow[2048]["sdc_unchecked"] > slow[8]["sdc_unchecked"]  # more nodes, more corruption met
+    assert "2048 nodes: stragglers 25.37% ->" in proc.stdout
+    assert "published: Falcon (Wu et al., 2024)" in proc.stdout and "20 steps of 4 s (given step)" in proc.stdout
+    assert "published: Llama 3 (Meta, 2024): 1.4%" in proc.stdout
+    parser, advice = argparse.ArgumentParser(), io.StringIO()
+    adv.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["advise", "--nodes", "128", "--instance", "p5.48xlarge", "--preset", "70b"])
+    assert adv.main(args, out=advice) == 0
+    text = advice.getvalue()
+    assert "stragglers" in text and "with resilience.stragglers.action=replace and a standby pod" in text
+    assert "with resilience.sdc.interval_steps=100 (needs HSDP: --shard-group-size)" in text

@@ -34,6 +34,7 @@ losses left without one from above (Erlang's loss formula gives it exactly).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -208,3 +209,59 @@ def node_loss_recovery_s(nodes: int, spares: int, busy_mean: float, in_job_s: fl
     restart ``job_s``."""
     taken = (1.0 - 1.0 / nodes) * (1.0 - p_no_spare(spares, busy_mean))
     return taken * (in_job_s + join_s) + (1.0 - taken) * job_s
+
+
+# Slow ranks and silent corruption: failure classes no restart layer sees (nothing crashes).
+# Silent data corruption: Llama 3 (section 3.3.4, Table 5) attributes 1.4% of its 466 interruptions to it.
+LLAMA3_SDC_SHARE = 0.014
+SDC_SOURCE = "Llama 3 (Meta, 2024): 1.4% of its 466 interruptions were silent data corruption"
+# Stragglers: Falcon (Wu et al., arXiv 2410.12588, 2024): on a production cluster of over 10,000
+# GPUs, fail-slows delayed the average job's completion 1.34x, each lasting from tens of seconds
+# to nearly ten hours.
+FALCON_JCT_INFLATION = 1.34
+STRAGGLER_SOURCE = ("Falcon (Wu et al., 2024): fail-slows delayed the average job 1.34x on a 10,000-GPU "
+                    "production cluster, each lasting from tens of seconds to nearly ten hours")
+STRAGGLER_EPISODE_H = 1.0
+"""Assumed: an episode's mean length (Falcon: tens of seconds to nearly ten hours)."""
+STRAGGLER_SLOWDOWN = 2.0
+"""Assumed: how many times as long the job's steps take while a straggler lasts."""
+SDC_UNNOTICED_H = 24.0
+"""Assumed: without replica checks, how long a corruption trains on until a loss spike or an
+evaluation gives it away; that training is all redone from a checkpoint before it."""
+
+
+@dataclass(frozen=True)
+class SlowAndSilent:
+    """Expected fractions of wall time lost to stragglers and silent corruption, without and with
+    this project's detection (``resilience.stragglers`` with a hot spare, ``resilience.sdc``)."""
+    stragglers_unmitigated: float
+    stragglers_replaced: float
+    sdc_unchecked: float
+    sdc_checked: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def slow_and_silent(job_mtbf_s: float, find_s: float, replace_s: float, check_interval_s: float,
+                    check_cost: float, rollback_s: float, job_restart_s: float) -> SlowAndSilent:
+    """What the two classes cost a job whose crash failures come every ``job_mtbf_s`` seconds.
+
+    Stragglers: episodes arrive so that, unmitigated, they inflate the job's time as Falcon
+    measured (``FALCON_JCT_INFLATION``), each lasting ``STRAGGLER_EPISODE_H`` at a slowdown of
+    ``STRAGGLER_SLOWDOWN``; replaced, an episode costs its slow steps until it is found
+    (``find_s``) and an in-job restart onto a spare (``replace_s``, lost work included).
+    Silent corruption: ``LLAMA3_SDC_SHARE`` of the failure rate; unchecked, each costs
+    ``SDC_UNNOTICED_H`` of training redone and a job-level restart; checked every
+    ``check_interval_s`` seconds, half an interval until found, the rollback (``rollback_s``: the
+    work redone and the in-job restart), and the checks themselves (``check_cost`` of every step).
+    """
+    slow_share = 1.0 - 1.0 / FALCON_JCT_INFLATION          # of wall time, unmitigated
+    per_episode_s = STRAGGLER_EPISODE_H * HOUR * (1.0 - 1.0 / STRAGGLER_SLOWDOWN)
+    episodes_per_s = slow_share / per_episode_s
+    replaced = min(1.0, episodes_per_s * (min(find_s, STRAGGLER_EPISODE_H * HOUR) * (1.0 - 1.0 / STRAGGLER_SLOWDOWN)
+                                          + replace_s))
+    sdc_rate = LLAMA3_SDC_SHARE / job_mtbf_s
+    unchecked = min(1.0, sdc_rate * (SDC_UNNOTICED_H * HOUR + job_restart_s))
+    checked = min(1.0, check_cost + sdc_rate * (check_interval_s / 2.0 + rollback_s))
+    return SlowAndSilent(slow_share, replaced, unchecked, checked)

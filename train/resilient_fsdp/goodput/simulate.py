@@ -34,6 +34,12 @@ assumed. Judge a target at the range's middle and name the low end. ``--startup-
 to every recovery what ``bench scale`` measured a restarted world of each size to spend before
 its first step (a cold save's planning and a resume's metadata and load planning).
 
+Beside the strategies, an analytic estimate of the two failure classes no restart layer sees
+(``model.slow_and_silent``): stragglers (at Falcon's published inflation of a job's time)
+unmitigated against found and replaced by a hot spare (``resilience.stragglers``), and silent data
+corruption (Llama 3's published share of interruptions) unchecked against HSDP replica checks
+(``resilience.sdc``), each input named with where it comes from.
+
 With ``--spares S`` (``auto``: the fewest for which at most 1% of node losses find none free,
 ``model.spares_needed``) the in-job strategies run again with S hot spares, ``in-job+spares`` and
 ``in-job+memory+spares``: a ``node`` failure of any pod but pod 0 (the rendezvous store's host,
@@ -382,6 +388,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recovery-range", type=float, default=DEFAULT_RECOVERY_RANGE, metavar="X",
                    help="the range's low end takes every recovery time X times as long (default "
                         f"{DEFAULT_RECOVERY_RANGE:g}: a restart at 1,000+ nodes; 1: the times as given)")
+    p.add_argument("--step-s", type=float, default=5.0,
+                   help="a training step at scale, for the slow-and-silent estimate (default 5: assumed)")
+    p.add_argument("--straggler-find-steps", type=int, default=20,
+                   help="steps until a straggler is named (default 20: resilience.stragglers' 2 reports of 10 steps)")
+    p.add_argument("--sdc-interval-steps", type=int, default=100,
+                   help="steps between replica checks (resilience.sdc.interval_steps; default 100)")
+    p.add_argument("--sdc-check-cost", type=float, default=0.001,
+                   help="a replica check's cost as a share of the steps it covers (default 0.001; "
+                        "docs/benchmarks.md has the measured figure)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of goodput per size and strategy here")
     p.set_defaults(run=main)
@@ -476,6 +491,14 @@ def input_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
                                                              f"{args.startup_case}), added to every recovery"))
     else:
         out.append(("start-up planning and resume metadata", "not counted (--startup-from-bench)"))
+    out += [("stragglers", f"published: {gm.STRAGGLER_SOURCE}; assumed: an episode lasts "
+                           f"{gm.STRAGGLER_EPISODE_H:g} h at {gm.STRAGGLER_SLOWDOWN:g}x; found after "
+                           f"{args.straggler_find_steps} steps of {args.step_s:g} s "
+                           f"({flag('step_s', str(defaults.get('step_s')))} step)"),
+            ("silent corruption", f"published: {gm.SDC_SOURCE}; assumed: unchecked, {gm.SDC_UNNOTICED_H:g} h trained "
+                                  f"on it before it shows; checked every {args.sdc_interval_steps} steps at a cost of "
+                                  f"{args.sdc_check_cost:g} of a step "
+                                  f"({flag('sdc_check_cost', str(defaults.get('sdc_check_cost')))})")]
     return out
 
 
@@ -527,6 +550,30 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def slow_and_silent_rows(scenarios: list[Scenario], args: argparse.Namespace) -> list[dict]:
+    """Per size, what stragglers and silent corruption cost (analytic, ``model.slow_and_silent``):
+    unmitigated, and with a straggler replaced by a hot spare and replicas checked."""
+    rows = []
+    for s in scenarios:
+        check_s = args.sdc_interval_steps * args.step_s
+        cost = gm.slow_and_silent(s.mtbf_s, find_s=args.straggler_find_steps * args.step_s,
+                                  replace_s=s.recovery_s["in_job"] + gm.SPARE_JOIN_S, check_interval_s=check_s,
+                                  check_cost=args.sdc_check_cost, rollback_s=check_s + s.recovery_s["in_job"],
+                                  job_restart_s=s.recovery_s["job"])
+        rows.append({"nodes": s.nodes, **cost.as_dict()})
+    return rows
+
+
+def render_slow_and_silent(rows: list[dict]) -> str:
+    lines = ["slow and silent (analytic; shares of wall time lost): stragglers unmitigated -> found and replaced by "
+             "a hot spare; silent corruption unchecked -> replica checks (HSDP)"]
+    for r in rows:
+        lines.append(f"{r['nodes']:>6} nodes: stragglers {r['stragglers_unmitigated']:.2%} -> "
+                     f"{r['stragglers_replaced']:.2%}; silent corruption {r['sdc_unchecked']:.3%} -> "
+                     f"{r['sdc_checked']:.3%}")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     from .report import pyplot
 
@@ -551,15 +598,19 @@ def main(args: argparse.Namespace) -> int:
     if args.runs < 1:
         print("error: --runs must be at least 1", file=sys.stderr)
         return 2
-    rows = run_all(scenarios_from_args(args), args.runs, args.seed)
+    scenarios = scenarios_from_args(args)
+    rows = run_all(scenarios, args.runs, args.seed)
+    slow = slow_and_silent_rows(scenarios, args)
     sources = input_sources(args)
     print(render_table(rows))
+    print(render_slow_and_silent(slow))
     print("range: from the low end (the worst plausible inputs below) to the figure; judge a target at the middle")
     for name, source in sources:
         print(f"  {name}: {source}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "run"},
-                                              "inputs": dict(sources), "rows": rows}, indent=2, sort_keys=True) + "\n")
+                                              "inputs": dict(sources), "rows": rows, "slow_and_silent": slow},
+                                             indent=2, sort_keys=True) + "\n")
     if args.plot:
         plot(rows, Path(args.plot))
     return 0 if all(math.isfinite(r["goodput"]) for r in rows) else 1
