@@ -9,7 +9,7 @@
 - ``resilient-fsdp bench campaign``: a long mixed schedule of faults, rewinds and resizes: what stays bounded.
 - ``resilient-fsdp bench s3``: S3 upload and download throughput, managed transfer vs one stream.
 - ``resilient-fsdp bench scale``: save planning, resume planning and start-up connections at 1,024 and 16,384 ranks.
-- ``resilient-fsdp bench stragglers``: straggler detection's cost, time to find a slow rank, time to replace it.
+- ``resilient-fsdp bench slow-and-silent``: what finding slow ranks and silent corruption costs, and how soon.
 - ``resilient-fsdp data prepare``: text through a tokenizer into the token file a job trains on.
 - ``resilient-fsdp checkpoints list|verify|export|pull|push``: local and S3 checkpoints, for
   operators, and the trained model out as a Hugging Face directory.
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.campaign import add_parser as add_campaign_bench
     from .bench.soak import add_parser as add_soak_bench
     from .bench.scale import add_parser as add_scale_bench
-    from .bench.stragglers import add_parser as add_stragglers_bench
+    from .bench.slow_and_silent import add_parser as add_slow_and_silent_bench
     from .checkpoint.commands import add_parser as add_checkpoints
 
     add_checkpoint_bench(bench_sub)
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_campaign_bench(bench_sub)
     add_s3_bench(bench_sub)
     add_scale_bench(bench_sub)
-    add_stragglers_bench(bench_sub)
+    add_slow_and_silent_bench(bench_sub)
 
     add_checkpoints(sub, _add_config_args)
 

@@ -8,8 +8,8 @@
   per-save hand-off and a start's connections at 1,024 and 16,384 ranks, with DCP's planner
   objects in simulated ranks (torch's fake process group);
 - ``recovery``: ``bench recovery``: one fault recovered by each restart layer;
-- ``stragglers``: ``bench stragglers``: straggler detection's cost, a slow rank's time to be found
-  and to be replaced by a hot spare;
+- ``slow_and_silent``: ``bench slow-and-silent``: what finding slow ranks and silent corruption
+  costs, how soon each is found, how long routing around it takes;
 - ``soak``: ``bench soak``: a fault a minute for ten minutes: goodput and exactness;
 - ``campaign``: ``bench campaign``: one job through faults, a rewind, a shrink and a regrow: what stays
   bounded, what the restart budgets count, what is left behind;
