@@ -6,10 +6,10 @@ Slow ranks (2 pods of one rank):
 
 - **Cost**: the same fault-free job with ``resilience.stragglers`` off and on (its defaults),
   alternated ``--repeats`` times: the median step of each job, and the ratio of the medians of
-  the two sets; beside it, what the detector's reports cost the ranks (``report_cost_over_step``
-  in ``summary.json``: a report's time spread over the steps it covers).
+  the two sets; beside it, what the detector's reports cost the ranks: a report's time
+  (``straggler_detection`` in ``summary.json``) over the default cadence, ``report_every_s``.
 - **Found and routed around**: ``slow@--fault-step:rank=1:factor=--factor`` with one hot spare,
-  memory snapshots every 2 steps with replicas and ``action=replace``: the steps and seconds from
+  memory snapshots every 2 steps with replicas, ``action=replace`` and a report every 10 steps: the steps and seconds from
   the fault to the straggler's naming, and from there to the first step trained with the spare
   (``route_around_s``), each job ending bitwise equal to the fault-free one.
 
@@ -34,11 +34,14 @@ import os
 import statistics
 from pathlib import Path
 
+from ..config.sections import StragglersConfig
 from .recovery import COMMON, fresh_dir, run_job
 from .results import write_results
 
+# A report every 10 steps for the fault (a job of these steps lasts seconds, the default cadence a
+# minute): the time to find one is then 2 reports' steps.
 REPLACE = ["checkpoint.memory.interval_steps=2", "checkpoint.memory.replicas=1",
-           "resilience.stragglers.action=replace"]
+           "resilience.stragglers.action=replace", "resilience.stragglers.report_every_steps=10"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -114,8 +117,11 @@ def stragglers(root: Path, args: argparse.Namespace, log: Path) -> dict:
     base = [f"train.steps={args.steps}", "checkpoint.interval_steps=20", "train.log_every=20", *COMMON,
             *args.overrides]
     cost, summaries = _paired_cost(root, "stragglers", args, 2, 1, base, ["resilience.stragglers.enabled=true"], log)
-    cost["report_cost_over_step"] = statistics.median(x["straggler_detection"]["report_cost_over_step"]
-                                                      for x in summaries if x.get("straggler_detection"))
+    # The default cadence is in seconds: a report's share of the training time is its time over it.
+    cost["report_s_median"] = statistics.median(x["straggler_detection"]["report_s_median"]
+                                                for x in summaries if x.get("straggler_detection"))
+    cost["report_every_s"] = StragglersConfig().report_every_s
+    cost["report_cost_over_step"] = cost["report_s_median"] / cost["report_every_s"]
     fault = f"slow@{args.fault_step}:rank=1:factor={args.factor:g}"
 
     def sample_of(run_dir: Path, summary: dict) -> dict:

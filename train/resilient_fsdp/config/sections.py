@@ -380,9 +380,14 @@ class StragglersConfig:
     """Time each step's parts as NVRx's straggler detector's sections (CUDA kernels profiled with
     CUPTI on a GPU) and score every rank against the fastest (``resilience.stragglers``;
     docs/faults-and-restarts.md, "Slow ranks")."""
-    report_every_steps: int = Field(default=10, gt=0)
-    """Every this many steps the ranks' timings are gathered on rank 0 and scored (one small
-    collective); a report covers the steps since the previous one."""
+    report_every_s: float = Field(default=60.0, gt=0)
+    """About how often the ranks' timings are gathered on rank 0 and scored (a few small
+    collectives); a report covers the steps since the previous one. Rank 0 turns it into steps
+    from the median step since the last report and broadcasts the next report's step, so a
+    report costs the same share of any step length. The first report comes after
+    ``report_every_steps`` steps, or 10."""
+    report_every_steps: int = Field(default=0, ge=0)
+    """Report every this many steps instead (0: by ``report_every_s``)."""
     threshold: float = Field(default=0.75, gt=0, lt=1)
     """A rank whose score (the fastest rank's median time of a part over its own) is below this is
     slow in that report; NVRx's default."""

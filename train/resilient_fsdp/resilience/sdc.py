@@ -60,6 +60,11 @@ class RepeatedCorruption(RepeatedFailure):
     it (a configuration-type failure, exit 2)."""
 
 
+# Words digested at a time: the int64 copies of a chunk (about 4x its bytes) are all a digest adds
+# to the device's memory, whatever the size of the largest shard.
+_CHUNK = 1 << 24
+
+
 def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Two int64 sums over the bits of ``tensors`` (each viewed as 32- or 16-bit words), on their
     device: the words, and the words weighted by their place (mod a prime)."""
@@ -71,12 +76,14 @@ def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
         if flat.numel() == 0:
             continue
         words = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16 if flat.element_size() == 2
-                          else torch.int64).to(torch.int64)
-        weights = (torch.arange(offset, offset + words.numel(), dtype=torch.int64, device=device)
-                   % _WEIGHT_MODULUS) + 1
-        total[0] += words.sum()
-        total[1] += (words * weights).sum()
-        offset += words.numel()
+                          else torch.int64)
+        for start in range(0, words.numel(), _CHUNK):
+            chunk = words[start:start + _CHUNK].to(torch.int64)
+            weights = (torch.arange(offset, offset + chunk.numel(), dtype=torch.int64, device=device)
+                       % _WEIGHT_MODULUS) + 1
+            total[0] += chunk.sum()
+            total[1] += (chunk * weights).sum()
+            offset += chunk.numel()
     return total
 
 

@@ -4,8 +4,9 @@
 
 **Finding one.** The step's parts are the detector's sections: ``forward_backward`` (the
 micro-batches, FSDP's collectives inside) and ``optimizer`` (the rank's own optimizer step, where
-no peer waits). Every ``report_every_steps`` steps the detector scores each rank per section and,
-on a GPU, for its CUDA kernels: the fastest rank's median time over its own, 1.0 for the fastest.
+no peer waits). About every ``report_every_s`` seconds (in steps: rank 0's median step since the
+last report, broadcast with the decision; or every ``report_every_steps`` steps) the detector
+scores each rank per section and, on a GPU, for its CUDA kernels: the fastest rank's median time over its own, 1.0 for the fastest.
 A rank is slow in a report when a score is below ``threshold`` and, for a section, its median
 exceeds the fastest rank's by at least ``min_excess`` of the median step (a part of a millisecond
 that varies twofold slows nobody); a straggler when it is slow in ``consecutive_reports`` reports
@@ -53,6 +54,9 @@ NOT_REPLACED = {1: "no ft_launcher to ask (the trainer runs without the node age
                    "out as the job has spares, and one more would close it and end the job"}
 # The slowest ranks of each report kept in the records (the metrics' per-rank scores).
 SLOWEST_KEPT = 8
+# Steps before an attempt's first report with a cadence in seconds: the first steps' times
+# (allocation, warm-up) are no step to convert seconds with.
+FIRST_REPORT_STEPS = 10
 
 
 class StragglerReplaced(BaseException):
@@ -108,6 +112,9 @@ class Stragglers:
         self.streak: dict[int, int] = {}  # rank -> reports in a row it was slow in
         self.found: set[int] = {r["rank"] for r in ledger.stragglers() if r.get("action") == "reported"}
         self.pending: dict = {}  # rank 0: the straggler being acted on
+        self.next_report: Optional[int] = None  # the step of the next report, agreed
+        self.last_report = 0  # the step of the last one (0: none yet this attempt)
+        self.steps_between: list[int] = []  # the steps each report covered
         self.reports = 0
         self.report_s: list[float] = []  # this rank's time in each report (the detector's cost)
         if cfg.enabled:
@@ -127,16 +134,25 @@ class Stragglers:
     def after_step(self, step: int, step_times: list[float]) -> None:
         """After step ``step``: every ``report_every_steps`` steps, score the ranks and act on a
         straggler found (raises :class:`StragglerReplaced` to replace it)."""
-        if self.detector is None or step % self.cfg.report_every_steps:
+        if self.detector is None:
+            return
+        if self.next_report is None:  # the attempt's first report: after a warm-up of steps
+            self.next_report = step - 1 + (self.cfg.report_every_steps or FIRST_REPORT_STEPS)
+        if step < self.next_report:
             return
         t0 = time.perf_counter()
         scores = self.detector.report()
-        target = -1
+        target, every = -1, 0
+        since = step_times[-(step - self.last_report):] if step_times else []
         if scores is not None:  # rank 0
-            target = self._judge(step, scores, step_times)
-        decided = torch.tensor([target], dtype=torch.int64, device=self.device)
+            target = self._judge(step, scores, since)
+            every = self.cfg.report_every_steps or max(1, round(self.cfg.report_every_s / statistics.median(since))
+                                                        if since and statistics.median(since) > 0 else 1)
+        decided = torch.tensor([target, every], dtype=torch.int64, device=self.device)
         dist.broadcast(decided, src=0)
-        target = int(decided.item())
+        target, every = (int(v) for v in decided.tolist())
+        self.steps_between.append(step - self.last_report)
+        self.last_report, self.next_report = step, step + every
         self.reports += 1
         self.report_s.append(time.perf_counter() - t0)
         if target >= 0:
@@ -144,7 +160,7 @@ class Stragglers:
 
     def _judge(self, step: int, scores, step_times: list[float]) -> int:
         """Rank 0: the rank to act on in this report (newly a straggler), else -1."""
-        median_step = statistics.median(step_times[-self.cfg.report_every_steps:]) if step_times else 0.0
+        median_step = statistics.median(step_times) if step_times else 0.0
         excess: dict[str, dict[int, float]] = {}
         for section, by_rank in scores.sections.items():
             fastest_ms = scores.fastest_median(section, 0)
@@ -218,10 +234,12 @@ class Stragglers:
             return None
         median_step = statistics.median(step_times) if step_times else 0.0
         per_report = statistics.median(self.report_s) if self.report_s else 0.0
-        return {"reports": self.reports, "report_every_steps": self.cfg.report_every_steps,
+        # Past the first report, which comes after a fixed warm-up: the cadence the steps set.
+        between = statistics.median(self.steps_between[1:] or self.steps_between) if self.steps_between else 0
+        return {"reports": self.reports, "steps_between_reports": between,
                 "report_s_median": round(per_report, 6), "kernels": self.detector.kernels or "profiled (CUPTI)",
-                "report_cost_over_step": round(per_report / self.cfg.report_every_steps / median_step, 6)
-                if median_step else None}
+                "report_cost_over_step": round(per_report / between / median_step, 6)
+                if median_step and between else None}
 
     def close(self) -> None:
         if self.detector is not None:
