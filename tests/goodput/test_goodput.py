@@ -838,7 +838,8 @@ def test_simulate_and_advise_show_the_slow_and_silent_classes_with_their_sources
     slow = {r["nodes"]: r for r in json.loads(out.read_text())["slow_and_silent"]}
     assert slow[2048]["sdc_unchecked"] > slow[8]["sdc_unchecked"]  # more nodes, more corruption met
     assert "2048 nodes: stragglers 25.37% ->" in proc.stdout
-    assert "published: Falcon (Wu et al., 2024)" in proc.stdout and "20 steps of 4 s (given step)" in proc.stdout
+    assert "published: Falcon (Wu et al., 2024)" in proc.stdout and "found after 150 s (assumed (default 150.0))" \
+        in proc.stdout and "steps of 4 s" in proc.stdout
     assert "published: Llama 3 (Meta, 2024): 1.4%" in proc.stdout
     parser, advice = argparse.ArgumentParser(), io.StringIO()
     adv.add_parser(parser.add_subparsers())

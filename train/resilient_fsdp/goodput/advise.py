@@ -713,8 +713,7 @@ def render_table(a: Advice, kind: str = "PyTorchJob") -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-# resilience.stragglers' defaults: two reports of 10 steps; resilience.sdc: a check every 100 steps.
-STRAGGLER_FIND_STEPS = 20
+# resilience.sdc: a check every 100 steps.
 SDC_INTERVAL_STEPS = 100
 SDC_CHECK_COST = 0.001  # of a step: assumed, the order docs/benchmarks.md measures
 
@@ -724,14 +723,14 @@ def _slow_and_silent_rows(a: Advice) -> list[tuple[str, str]]:
     they cost unmitigated and with ``resilience.stragglers`` (replace) and ``resilience.sdc``."""
     i = a.inputs
     check_s = SDC_INTERVAL_STEPS * i.step_s
-    c = gm.slow_and_silent(a.job_mtbf_s, find_s=STRAGGLER_FIND_STEPS * i.step_s, replace_s=i.restart_s + gm.SPARE_JOIN_S,
+    c = gm.slow_and_silent(a.job_mtbf_s, find_s=gm.STRAGGLER_FIND_S, replace_s=i.restart_s + gm.SPARE_JOIN_S,
                            check_interval_s=check_s, check_cost=SDC_CHECK_COST, rollback_s=check_s + i.restart_s,
                            job_restart_s=i.restart_s)
     hsdp = "" if i.shard_group else " (needs HSDP: --shard-group-size)"
     return [("stragglers", f"{c.stragglers_unmitigated:.1%} of wall time unmitigated ({gm.STRAGGLER_SOURCE}; "
                            f"assumed {gm.STRAGGLER_EPISODE_H:g} h episodes at {gm.STRAGGLER_SLOWDOWN:g}x) -> "
                            f"{c.stragglers_replaced:.1%} with resilience.stragglers.action=replace and a standby pod "
-                           f"(found in {STRAGGLER_FIND_STEPS} steps)"),
+                           f"(found in {gm.STRAGGLER_FIND_S:g} s)"),
             ("silent data corruption", f"{c.sdc_unchecked:.2%} unchecked ({gm.SDC_SOURCE}; assumed "
                                        f"{gm.SDC_UNNOTICED_H:g} h trained on it before it shows) -> {c.sdc_checked:.2%} "
                                        f"with resilience.sdc.interval_steps={SDC_INTERVAL_STEPS}{hsdp}")]

@@ -225,6 +225,9 @@ STRAGGLER_EPISODE_H = 1.0
 """Assumed: an episode's mean length (Falcon: tens of seconds to nearly ten hours)."""
 STRAGGLER_SLOWDOWN = 2.0
 """Assumed: how many times as long the job's steps take while a straggler lasts."""
+STRAGGLER_FIND_S = 150.0
+"""resilience.stragglers' defaults: a report about every 60 s, a rank named in the second slow
+report in a row, which an episode reaches 1.5-3 reports after it starts."""
 SDC_UNNOTICED_H = 24.0
 """Assumed: without replica checks, how long a corruption trains on until a loss spike or an
 evaluation gives it away; that training is all redone from a checkpoint before it."""

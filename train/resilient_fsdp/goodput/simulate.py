@@ -389,9 +389,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the range's low end takes every recovery time X times as long (default "
                         f"{DEFAULT_RECOVERY_RANGE:g}: a restart at 1,000+ nodes; 1: the times as given)")
     p.add_argument("--step-s", type=float, default=5.0,
-                   help="a training step at scale, for the slow-and-silent estimate (default 5: assumed)")
-    p.add_argument("--straggler-find-steps", type=int, default=20,
-                   help="steps until a straggler is named (default 20: resilience.stragglers' 2 reports of 10 steps)")
+                   help="a training step at scale, for the replica checks' interval (default 5: assumed)")
+    p.add_argument("--straggler-find-s", type=float, default=gm.STRAGGLER_FIND_S,
+                   help=f"seconds until a straggler is named (default {gm.STRAGGLER_FIND_S:g}: resilience.stragglers' "
+                        "defaults, two slow reports a minute apart after half a report's wait)")
     p.add_argument("--sdc-interval-steps", type=int, default=100,
                    help="steps between replica checks (resilience.sdc.interval_steps; default 100)")
     p.add_argument("--sdc-check-cost", type=float, default=0.001,
@@ -493,11 +494,10 @@ def input_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
         out.append(("start-up planning and resume metadata", "not counted (--startup-from-bench)"))
     out += [("stragglers", f"published: {gm.STRAGGLER_SOURCE}; assumed: an episode lasts "
                            f"{gm.STRAGGLER_EPISODE_H:g} h at {gm.STRAGGLER_SLOWDOWN:g}x; found after "
-                           f"{args.straggler_find_steps} steps of {args.step_s:g} s "
-                           f"({flag('step_s', str(defaults.get('step_s')))} step)"),
+                           f"{args.straggler_find_s:g} s ({flag('straggler_find_s', str(defaults.get('straggler_find_s')))})"),
             ("silent corruption", f"published: {gm.SDC_SOURCE}; assumed: unchecked, {gm.SDC_UNNOTICED_H:g} h trained "
                                   f"on it before it shows; checked every {args.sdc_interval_steps} steps at a cost of "
-                                  f"{args.sdc_check_cost:g} of a step "
+                                  f"{args.sdc_check_cost:g} of a step, steps of {args.step_s:g} s "
                                   f"({flag('sdc_check_cost', str(defaults.get('sdc_check_cost')))})")]
     return out
 
@@ -556,7 +556,7 @@ def slow_and_silent_rows(scenarios: list[Scenario], args: argparse.Namespace) ->
     rows = []
     for s in scenarios:
         check_s = args.sdc_interval_steps * args.step_s
-        cost = gm.slow_and_silent(s.mtbf_s, find_s=args.straggler_find_steps * args.step_s,
+        cost = gm.slow_and_silent(s.mtbf_s, find_s=args.straggler_find_s,
                                   replace_s=s.recovery_s["in_job"] + gm.SPARE_JOIN_S, check_interval_s=check_s,
                                   check_cost=args.sdc_check_cost, rollback_s=check_s + s.recovery_s["in_job"],
                                   job_restart_s=s.recovery_s["job"])
