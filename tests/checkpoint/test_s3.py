@@ -269,7 +269,7 @@ def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):
     listing = json.loads(capsys.readouterr().out)
     rows = {r["step"]: r for r in listing["checkpoints"]}
     assert sorted(rows) == [3, 6, 9]
-    assert listing["local_aside"] == {"superseded": [], "abandoned": [], "deleting": []}
+    assert listing["local_aside"] == {"superseded": [], "abandoned": [], "suspect": [], "deleting": []}
     assert "s3" not in rows[3] and rows[6]["s3"]["complete"] and not rows[9]["s3"]["complete"]
     assert "local" not in rows[9]
     assert cli_main(["checkpoints", "list", "--dir", str(local), *base]) == 0

@@ -83,7 +83,7 @@ def test_superseded_copies_never_collide_are_listed_and_follow_retention(tmp_pat
     store.commit(_partial(tmp_path, 16), {"step": 16})
     deleted = store.apply_retention(tmp_path, keep_last=3)
     assert sorted(p.name for p in deleted)[0] == "step_00000004" and len(deleted) == 3
-    assert store.aside(tmp_path) == {"superseded": [], "abandoned": [], "deleting": []}
+    assert store.aside(tmp_path) == {"superseded": [], "abandoned": [], "suspect": [], "deleting": []}
     assert [c.step for c in store.scan(tmp_path)[0]] == [8, 12, 16]
 
 

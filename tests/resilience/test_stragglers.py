@@ -111,3 +111,25 @@ def test_a_straggler_on_the_store_hosts_pod_is_reported_not_replaced(tmp_path, r
     (found,) = summary["stragglers"]
     assert (found["rank"], found["pod"], found["action"]) == (0, 0, "reported"), found
     assert found["not_replaced"] == NOT_REPLACED[3], found
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_gpu_node_without_cuptis_library_times_sections_and_says_why(request, lane):
+    """NVRx's CUPTI extension loads CUDA's profiling library when the detector starts; on a GPU node
+    without it (this machine has no libcupti either) the detector falls back to section timings
+    and names what did not load, on either NVRx version."""
+    import subprocess
+    import sys
+
+    from tests.support import _env, lane_path
+
+    code = ("from resilient_fsdp.resilience.straggler_detector import StragglerDetector\n"
+            "d = StragglerDetector(cuda=True, node_name='n')\n"
+            "print(repr((d.profile_cuda, d.kernels)))\n"
+            "d.close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=_env(lane_path(request, lane)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    profile, kernels = eval(proc.stdout.strip().splitlines()[-1])
+    assert profile is False and kernels.startswith("NVRx's CUPTI extension did not load (") and \
+        kernels.endswith("): section timings only"), kernels

@@ -83,16 +83,19 @@ class StragglerDetector:
         if self.detector.initialized:  # left by an attempt an in-process restart ended
             self.detector.shutdown()
         self.kernels: Optional[str] = None  # why CUDA kernels are not profiled, when they are not
+        self.profile_cuda = cuda
         if not cuda:
             self.kernels = "no GPU: section timings only"
-        else:
-            try:
-                import nvrx_cupti_module  # noqa: F401 - NVRx's CUPTI extension, loaded by its manager
-            except ImportError as exc:
-                self.kernels = f"NVRx's CUPTI extension did not load ({exc}): section timings only"
-        self.profile_cuda = self.kernels is None
-        if not self.profile_cuda:
             module.straggler.CuptiManager = _NoKernelProfiler
+        try:
+            self._initialize(node_name)
+        except ImportError as exc:  # NVRx's CUPTI extension (or libcupti) is missing on this GPU node
+            self.kernels = f"NVRx's CUPTI extension did not load ({exc}): section timings only"
+            self.profile_cuda = False
+            module.straggler.CuptiManager = _NoKernelProfiler
+            self._initialize(node_name)
+
+    def _initialize(self, node_name: str) -> None:
         # The report is asked for every N steps (``report``), never on NVRx's clock.
         self.detector.initialize(scores_to_compute=["relative_perf_scores"], gather_on_rank0=True,
                                  profiling_interval=1, report_time_interval=float("inf"), node_name=node_name)
