@@ -30,3 +30,15 @@ def test_the_benchmark_measures_both_classes_and_every_faulty_job_is_exact(tmp_p
     assert f["found_after_steps"] == 10 - 12 % 10 and f["rolled_back_to_step"] == 10, f
     assert f["training_again_after_s"] > 0 and 0 < flip["cost"]["check_cost_over_step"] < 1
     assert s["bitwise_equal_to_fault_free"] and f["bitwise_equal_to_fault_free"]
+
+
+@pytest.mark.parametrize("flags,words", [(["--repeats", "0"], "--repeats 0: give 1 or more"),
+                                         (["--steps", "20"], "--steps 20 leaves no room to find the faults"),
+                                         (["--factor", "1"], "--factor 1: give a number above 1")])
+def test_flags_that_cannot_run_are_refused_before_any_job_naming_the_flag(tmp_path, flags, words):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "bench", "slow-and-silent", *flags,
+                           "--run-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything ran

@@ -848,3 +848,6 @@ def test_simulate_and_advise_show_the_slow_and_silent_classes_with_their_sources
     text = advice.getvalue()
     assert "stragglers" in text and "with resilience.stragglers.action=replace and a standby pod" in text
     assert "with resilience.sdc.interval_steps=100 (needs HSDP: --shard-group-size)" in text
+    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--straggler-find-s", "-5"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--straggler-find-s 0 or more" in bad.stderr and "Traceback" not in bad.stderr

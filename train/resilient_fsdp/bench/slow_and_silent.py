@@ -32,7 +32,9 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
+from typing import Optional
 
 from ..config.sections import StragglersConfig
 from .recovery import COMMON, fresh_dir, run_job
@@ -165,7 +167,26 @@ def silent_corruption(root: Path, args: argparse.Namespace, log: Path) -> dict:
             "training_again_after_s_median": statistics.median(s["training_again_after_s"] for s in found)}
 
 
+def refused(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the flags, named with the fix; None when they can run."""
+    if args.repeats < 1:
+        return f"--repeats {args.repeats}: give 1 or more jobs per setting"
+    if not args.factor > 1:
+        return f"--factor {args.factor:g}: give a number above 1 (2: the slow rank's steps take twice as long)"
+    if args.sdc_interval < 1:
+        return f"--sdc-interval {args.sdc_interval}: give 1 or more steps between replica checks"
+    last = max(args.fault_step + 30, args.flip_step + 2 * args.sdc_interval)
+    if args.fault_step < 1 or args.flip_step < 1 or args.steps < last:
+        return (f"--steps {args.steps} leaves no room to find the faults: give at least {last} (the slow rank needs "
+                "3 reports of 10 steps after --fault-step, the flip 2 checks after --flip-step), or earlier steps")
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
+    problem = refused(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     root = Path(args.run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     log = root / "bench.log"

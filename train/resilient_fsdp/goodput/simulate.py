@@ -414,6 +414,10 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
         raise UsageError("error: --mix needs three non-negative shares (transient,process,node)")
     if not nodes or min(nodes) < 1:
         raise UsageError("error: --nodes needs positive node counts, e.g. --nodes 8,64")
+    if not args.step_s > 0 or args.straggler_find_s < 0 or args.sdc_interval_steps < 1 \
+            or not 0 <= args.sdc_check_cost < 1:
+        raise UsageError("error: --step-s must be above 0, --straggler-find-s 0 or more, --sdc-interval-steps 1 or "
+                         "more and --sdc-check-cost a share of a step from 0 to below 1")
     if args.recovery_from_bench:
         recovery.update(recovery_from_bench(Path(args.recovery_from_bench)))
     node_mtbf = args.node_mtbf_hours or gm.node_mtbf_hours(args.gpus_per_node)

@@ -170,7 +170,7 @@ class ReplicaCheck:
         last_pass = self.last_pass if self.last_pass is not None else 0
         dropped = self.memory_discard(last_pass)
         record = {"key": key, "step": step, "last_pass_step": last_pass, "t_detected": time.time(),
-                  "replicas": self.replicas, "suspects": suspects, "odd_one_out": bool(leaving or any(w[1] for w in who)),
+                  "replicas": self.replicas, "suspects": suspects, "odd_one_out": any(w[1] for w in who),
                   "replaced": [{"rank": r, "pod": who[r][3], "host": who[r][4]} for r in leaving]}
         staying = sorted({w[2] for w in who if w[1] and w[2] != 0})
         if staying:
