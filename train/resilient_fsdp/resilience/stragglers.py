@@ -99,6 +99,13 @@ def slow_ranks(scores: dict[str, dict[int, float]], excess_s: dict[str, dict[int
     return out
 
 
+def lowest_scores(scores) -> list[tuple[float, int]]:
+    """(each rank's lowest score of the report, over its parts and kernels, the rank), lowest first."""
+    parts = [*scores.sections.values(), scores.kernels]
+    ranks = {r for by_rank in scores.sections.values() for r in by_rank}
+    return sorted((min((p[r] for p in parts if r in p and math.isfinite(p[r])), default=1.0), r) for r in ranks)
+
+
 class Stragglers:
     """One attempt's straggler detection; every method is collective unless it says otherwise."""
 
@@ -169,16 +176,9 @@ class Stragglers:
                                    for r, s in by_rank.items()}
         slow = slow_ranks(scores.sections, excess, scores.kernels, self.cfg.threshold,
                           self.cfg.min_excess * median_step)
-        for r in list(self.streak):
-            if r not in slow:
-                del self.streak[r]
-        for r in slow:
-            self.streak[r] = self.streak.get(r, 0) + 1
-        lowest = sorted(((min([s for s in (by_rank.get(r) for by_rank in (*scores.sections.values(), scores.kernels))
-                                if s is not None and math.isfinite(s)], default=1.0), r)
-                         for r in {r for by_rank in scores.sections.values() for r in by_rank}))[:SLOWEST_KEPT]
+        self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}  # a report not slow ends a streak
         self.log({"event": "straggler_report", "t": time.time(), "step": step,
-                  "slowest": {str(r): round(s, 4) for s, r in lowest},
+                  "slowest": {str(r): round(s, 4) for s, r in lowest_scores(scores)[:SLOWEST_KEPT]},
                   "slow": {str(r): {"part": p, "score": round(s, 4), "reports": self.streak[r]}
                            for r, (p, s) in slow.items()}}, "")
         due = [r for r, n in self.streak.items() if n >= self.cfg.consecutive_reports and r not in self.found]
