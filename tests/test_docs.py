@@ -134,6 +134,11 @@ def _parse(argv: list[str], shown: Shown) -> argparse.Namespace:
 def _check_resilient_fsdp(argv: list[str], shown: Shown, tmp: Path) -> None:
     if argv == ["--help"]:
         return
+    if argv == ["--version"]:
+        from resilient_fsdp.cli import main
+
+        assert main(argv) == 0, shown
+        return
     args = _parse(argv, shown)
     if args.command == "local":
         _check_local(argv[1:], shown)

@@ -251,7 +251,7 @@ def test_a_writer_error_on_one_rank_is_one_failed_save_on_every_rank_and_trainin
     # Every rank must take the same branch: one that raised while the other went on would hang
     # the next collective, so a job that finishes with step 12 committed shows they agreed.
     proc = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=12", "checkpoint.interval_steps=4"],
-                     extra=["--max-restarts=0", "--max-node-restarts=0", "--inject=writer-raise@8:rank=1"], timeout=180)
+                     extra=["--max-restarts=0", "--max-pod-recreations=0", "--inject=writer-raise@8:rank=1"], timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     expected = "checkpoint of step 8 failed (rank 1: OSError: injected writer failure"

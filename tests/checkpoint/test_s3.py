@@ -109,7 +109,7 @@ def test_a_cut_off_upload_is_never_restored_and_its_retry_sends_only_what_is_mis
     assert remote.step == 4 and said == [f"skipping s3://{s3.bucket}/job/step_00000008/: no COMPLETE marker "
                                          "(an upload in progress or cut off)"]
     assert cli_main(["checkpoints", "pull", "--uri", cfg.uri, "--endpoint-url", s3.endpoint,
-                     "--dir", str(tmp_path / "pulled")]) == 0
+                     "--set", f"checkpoint.dir={tmp_path / 'pulled'}"]) == 0
     assert [p.name for p in (tmp_path / "pulled").iterdir()] == ["step_00000004"]
 
     calls = Calls(client)
@@ -260,31 +260,31 @@ def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):
     for step in (3, 6):
         make_checkpoint(local, step, sizes=(300_000,))
     base = ["--uri", s3.uri("ops"), "--endpoint-url", s3.endpoint]
-    assert cli_main(["checkpoints", "push", "--dir", str(local), *base]) == 0
+    assert cli_main(["checkpoints", "push", "--run-dir", str(local), *base]) == 0
     assert "pushed step 6" in capsys.readouterr().out
-    assert cli_main(["checkpoints", "push", "--dir", str(local), *base]) == 0
+    assert cli_main(["checkpoints", "push", "--run-dir", str(local), *base]) == 0
     assert "already complete" in capsys.readouterr().out
     s3.client.put_object(Bucket=s3.bucket, Key="ops/step_00000009/__0_0.distcp", Body=b"partial")
-    assert cli_main(["checkpoints", "list", "--dir", str(local), *base, "--json"]) == 0
+    assert cli_main(["checkpoints", "list", "--run-dir", str(local), *base, "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     rows = {r["step"]: r for r in listing["checkpoints"]}
     assert sorted(rows) == [3, 6, 9]
     assert listing["local_aside"] == {"superseded": [], "abandoned": [], "suspect": [], "deleting": []}
     assert "s3" not in rows[3] and rows[6]["s3"]["complete"] and not rows[9]["s3"]["complete"]
     assert "local" not in rows[9]
-    assert cli_main(["checkpoints", "list", "--dir", str(local), *base]) == 0
+    assert cli_main(["checkpoints", "list", "--run-dir", str(local), *base]) == 0
     assert "INCOMPLETE" in capsys.readouterr().out
-    assert cli_main(["checkpoints", "pull", "--dir", str(tmp_path / "new"), *base]) == 0
+    assert cli_main(["checkpoints", "pull", "--set", f"checkpoint.dir={tmp_path / 'new'}", *base]) == 0
     assert "pulled step 6" in capsys.readouterr().out
     assert (tmp_path / "new" / "step_00000006" / "__0_0.distcp").read_bytes() == \
         (local / "step_00000006" / "__0_0.distcp").read_bytes()
-    assert cli_main(["checkpoints", "pull", "--step", "5", "--dir", str(tmp_path / "new"), *base]) == 1
+    assert cli_main(["checkpoints", "pull", "--step", "5", "--set", f"checkpoint.dir={tmp_path / 'new'}", *base]) == 1
     assert "no complete step 5" in capsys.readouterr().err
     # Without an S3 URI, the local checkpoints alone (push and pull still need one).
-    assert cli_main(["checkpoints", "list", "--dir", str(local)]) == 0
+    assert cli_main(["checkpoints", "list", "--run-dir", str(local)]) == 0
     listed = capsys.readouterr().out
     assert "S3:" not in listed and [ln.split()[0] for ln in listed.splitlines()[2:]] == ["3", "6"]
-    assert cli_main(["checkpoints", "push", "--dir", str(local)]) == 2
+    assert cli_main(["checkpoints", "push", "--run-dir", str(local)]) == 2
     assert "checkpoint.s3.uri is not set" in capsys.readouterr().err
 
 

@@ -81,7 +81,7 @@ def test_should_say_how_to_pass_a_number_when_helm_set_made_it_text():
     with pytest.raises(chart.ChartError) as info:
         chart.render(chart.load_values([VALUES_DIR / "dev-cpu.yaml"], ["trainer.optim.lr=3e-4"]))
     message = str(info.value)
-    assert "trainer.optim.lr: got string, want number" in message
+    assert 'trainer.optim.lr: got "3e-4" (text); allowed: a number' in message
     assert "--set-json trainer.optim.lr=<number>" in message and "values file (-f)" in message
     assert "resilient-fsdp local: --set optim.lr=<number>" in message
 

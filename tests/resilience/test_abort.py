@@ -50,7 +50,7 @@ def test_a_rank_that_fails_with_a_write_in_flight_releases_its_peers_before_clos
     so rank 0 fails on the closed connection; had rank 1 closed its checkpointer first (waiting
     for that write), rank 0 would have failed at its collective timeout. In-job restart off."""
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=1, nproc=2, timeout=240, extra=["--max-restarts=0", "--max-node-restarts=0",
+    proc = run_local(run_dir, nodes=1, nproc=2, timeout=240, extra=["--max-restarts=0", "--max-pod-recreations=0",
                                                                   "--inject=exception@5:rank=1",
                                                                   "--inject=writer-slow@4:rank=1:for=60"],
                      overrides=["train.steps=8", "checkpoint.interval_steps=4", "dist.timeout_s=20",

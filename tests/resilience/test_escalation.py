@@ -45,7 +45,7 @@ def test_faults_escalate_through_every_layer_and_the_job_ends_bitwise(tmp_path, 
     pythonpath = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=1, nproc=2, overrides=COMMON, extra=[f"--inject={s}" for s in ESCALATING]
-                     + ["--max-node-restarts=1"], pythonpath=pythonpath, timeout=600)
+                     + ["--max-pod-recreations=1"], pythonpath=pythonpath, timeout=600)
     out = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
     assert "exited with code 203: recreating it" in proc.stdout, out

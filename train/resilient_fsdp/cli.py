@@ -1,23 +1,8 @@
-"""The ``resilient-fsdp`` command.
+"""The ``resilient-fsdp`` command: one parser over every subcommand, and its error handling.
 
-- ``resilient-fsdp local``: run the chart's job on this machine, one pod per simulated node.
-- ``resilient-fsdp train``: run one trainer process directly (what each rank runs).
-- ``resilient-fsdp config``: print the resolved configuration, or every key with ``--describe``.
-- ``resilient-fsdp bench checkpoint``: checkpoint stall of every engine, torch DCP's included.
-- ``resilient-fsdp bench recovery``: one fault recovered in-process, in-job and by a full relaunch.
-- ``resilient-fsdp bench soak``: a fault a minute for ten minutes: goodput and exactness.
-- ``resilient-fsdp bench campaign``: a long mixed schedule of faults, rewinds and resizes: what stays bounded.
-- ``resilient-fsdp bench s3``: S3 upload and download throughput, managed transfer vs one stream.
-- ``resilient-fsdp bench scale``: save planning, resume planning and start-up connections at 1,024 and 16,384 ranks.
-- ``resilient-fsdp bench slow-and-silent``: what finding slow ranks and silent corruption costs, and how soon.
-- ``resilient-fsdp data prepare``: text through a tokenizer into the token file a job trains on.
-- ``resilient-fsdp checkpoints list|verify|export|pull|push``: local and S3 checkpoints, for
-  operators, and the trained model out as a Hugging Face directory.
-- ``resilient-fsdp render``: the Helm chart's manifests for some values files (no helm binary).
-- ``resilient-fsdp validate``: render, lint, and check them against the Kubernetes and CRD schemas.
-- ``resilient-fsdp advise``: checkpoint interval, timeouts and restart limits for a cluster size.
-- ``resilient-fsdp report``: a run's timeline and goodput breakdown.
-- ``resilient-fsdp simulate``: Monte Carlo goodput per cluster size and restart strategy.
+Each subcommand's parser comes from the module that runs it (``add_parser``); ``resilient-fsdp
+--help`` lists them. A usage or configuration mistake prints ``error: ...`` naming the flag or key,
+and the subcommand's usage for a parse error, and exits 2; a bug still shows its traceback.
 """
 
 from __future__ import annotations
@@ -25,18 +10,70 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 from typing import Optional
 
 from .config import ConfigError, describe, dump_yaml, load_config
+from .train.arguments import add_config_arguments, add_run_arguments
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
+CHART_YAML = Path(__file__).resolve().parents[2] / "charts" / "resilient-fsdp" / "Chart.yaml"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, with a mistake reported by the (sub)command it belongs to.
+
+    argparse reports arguments no subcommand took with the top-level usage; here the innermost
+    parser that ran reports them, with its own usage (exit 2 either way)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "_parser"):  # the innermost parser returns first
+            setattr(namespace, "_parser", self)
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            getattr(namespace, "_parser", self).error(f"unrecognized arguments: {' '.join(extras)}")
+        vars(namespace).pop("_parser", None)
+        return namespace
+
+
+def versions() -> str:
+    """This package's, NVRx's, torch's and the chart's versions, one line each."""
+    from importlib import metadata
+
+    def installed(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    chart = "not found"
+    if CHART_YAML.is_file():
+        import yaml
+
+        meta = yaml.safe_load(CHART_YAML.read_text())
+        chart = f"{meta.get('version')} (appVersion {meta.get('appVersion')})"
+    return (f"resilient-fsdp {installed('resilient-fsdp')}\nnvidia-resiliency-ext {installed('nvidia-resiliency-ext')}\n"
+            f"torch {installed('torch')}\nchart {chart}")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: reads the versions only when asked (no torch import for other commands)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions())
+        parser.exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="resilient-fsdp", description="Fault-tolerant FSDP2 training with NVRx.")
+    parser = CommandParser(prog="resilient-fsdp", description="Fault-tolerant FSDP2 training with NVRx.")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of resilient-fsdp, NVRx, torch and the chart, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     local = sub.add_parser("local", help="run the chart's job on this machine: one pod per simulated node",
@@ -49,10 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_local_arguments(local)
 
     train = sub.add_parser("train", help="run one trainer process (a world of one without a launcher)")
-    train.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    train.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R]",
-                       help="inject a fault once per job (repeatable)")
-    _add_config_args(train)
+    add_config_arguments(train)
+    add_run_arguments(train)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
@@ -73,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scale_bench(bench_sub)
     add_slow_and_silent_bench(bench_sub)
 
-    add_checkpoints(sub, _add_config_args)
+    add_checkpoints(sub, add_config_arguments)
 
     from .data.commands import add_parser as add_data_parser
 
@@ -81,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print the resolved configuration")
     config.add_argument("--describe", action="store_true", help="list every key with its default and meaning")
-    _add_config_args(config)
+    add_config_arguments(config)
 
     from .deploy.chart import add_parser as add_render_parser
     from .deploy.validate import add_parser as add_validate_parser
@@ -125,7 +160,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     # torch prints this deprecation notice on import when NVRx's pynvml dependency is present.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse has printed
+        return exc.code if isinstance(exc.code, int) else 2
     from .checkpoint.commands import run as cmd_checkpoints
 
     handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,

@@ -2,17 +2,8 @@
 by side on the same state in one run.
 
 One process, one model state (the ``125m`` preset with AdamW state by default; ``--preset tiny``
-shows the fixed costs), every engine in turn (:mod:`.checkpoint_engines`): ``sync``, ``async``,
-``torch-async`` and torch DCP's ``async_save`` in process and thread mode (``dcp_process``,
-``dcp_thread``), and the memory tier's save into ``/dev/shm`` (``memory``). Per engine, ``--warmup-saves`` unmeasured saves (the first allocates and touches
-the staging buffers and starts the writer), then ``--saves`` measured ones, each trained through
-until it is committed. Per engine, median and min of: the time inside the save call, the wait
-before ``optimizer.step()`` (the staging copy), the commit's time on the training thread
-``commit_s`` (all of it for ``sync``; for the async engines the gather and the broadcast, while rank
-0's commit process writes ``.metadata``, the manifest and renames: ``commit_background_s``, as DCP's
-commit thread does beside training), their sum ``stall_s``, the time until committed
-``write_s``, and the step time while the write runs ``step_time_s``, against idle steps.
-``--pin`` runs training on one core and every writer process on another.
+shows the fixed costs), every engine of :mod:`.checkpoint_engines` in turn, torch DCP's
+``async_save`` and the memory tier included; :func:`run` says what is measured per engine.
 """
 
 from __future__ import annotations
@@ -27,6 +18,7 @@ import torch
 
 from ..checkpoint.writer.process import NVRX_VERSION
 from ..config import load_config
+from ..config.errors import UsageError
 from ..train.distributed import shutdown
 from ..train.trainer import Trainer
 from .checkpoint_engines import ENGINES, measure, page_faults, pin
@@ -77,6 +69,14 @@ def measure_verify(trainer: Trainer, root: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Per engine, ``--warmup-saves`` unmeasured saves (the first allocates the staging buffers and
+    starts the writer), then ``--saves`` measured ones, each trained through until committed. Per
+    engine, median and min of: the time inside the save call, the wait before ``optimizer.step()``
+    (the staging copy), ``commit_s`` on the training thread (rank 0's commit process writes in the
+    background: ``commit_background_s``), their sum ``stall_s``, ``write_s`` until committed, and
+    ``step_time_s`` while the write runs, against idle steps. ``--pin`` puts training and the writers
+    on separate cores.
+    """
     run_dir = Path(args.run_dir).resolve()
     overrides = [f"run_dir={run_dir}", f"model.preset={args.preset}", f"data.seq_len={args.seq_len}",
                  f"data.micro_batch_size={args.micro_batch_size}", "checkpoint.save_final=false",
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         if args.pin:
             if (os.cpu_count() or 1) < 2:
-                raise SystemExit("--pin needs at least 2 CPUs: training on one, the writers on another")
+                raise UsageError("--pin needs at least 2 CPUs: training on one, the writers on another")
             torch.set_num_threads(1)
             pinned = (0, 1)
             pin(*pinned)

@@ -1,30 +1,10 @@
 """``resilient-fsdp bench recovery``: the same fault, recovered by each restart layer, in one run.
 
 A local job (``--nodes`` x ``--nproc-per-node`` ranks, the ``tiny`` preset unless ``--set`` says
-otherwise) gets one injected
-``exception`` on the last rank at ``--fault-step``, ``--repeats`` times per layer:
-
-- ``in_process``: ``resilience.in_process.enabled=true``: every rank re-enters training in its process;
-- ``in_job``: in-process restart off: ``ft_launcher`` respawns the workers of every node;
-- ``in_job_cold``: the same without pre-warmed ranks (``resilience.launcher.prewarm=false``):
-  every new rank imports torch and the trainer itself;
-- ``in_job_memory``: the same, with memory checkpoints every ``--memory-interval-steps`` steps
-  (``checkpoint.memory``): the new workers restore from the pod's ``/dev/shm``;
-- ``full_relaunch``: no restart allowed (``--max-restarts 0 --max-node-restarts 0``): the job
-  fails and is launched again from its last checkpoint, which is what a plain torchrun job gets;
-- ``node_loss``: the last rank's pod is lost (``node-loss``) instead of an exception; its
-  replacement starts ``--replacement-delay-s`` after the loss (a new node and its image pull), and
-  the job goes on once it has joined (a job-level restart of that pod);
-- ``node_loss_spare``: the same loss with one hot spare (``spares=1``): a standby pod takes the lost
-  pod's place within the in-job restart, and the replacement joins as the next spare. Hot spares
-  need NVRx 0.6 or newer on the path (the test lane's).
-
-``recovery_s`` runs from the fault to the first step completed after the restore (for the
-relaunch it includes the failed job's shutdown and the new job's start); ``lost_steps`` counts
-steps trained again. Both come from the jobs' own ``summary.json``. Per layer: the median, min and
-max of ``--repeats`` runs. Each run also reports the stall of the saves after the restart against
-a normal save before the fault (``save_after_restart_over_normal``: at most 2 is the target).
-Every run must also end with the fault-free parameters. Results: a table, and JSON with ``--out``.
+otherwise) gets one injected ``exception`` on the last rank at ``--fault-step``, ``--repeats``
+times per layer of :data:`LAYERS` (the node-loss pair only when asked for by name). Per layer:
+the median, min and max of the runs' recovery time and lost steps (:func:`measure`). Results: a
+table, and JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -47,6 +27,11 @@ COMMON = ["resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detec
           "resilience.hang_detection.learn_timeouts=false", "resilience.in_process.soft_timeout_s=20",
           "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
           "resilience.in_process.barrier_timeout_s=120"]
+# in_process: every rank re-enters training in its process; in_job: ft_launcher respawns the
+# workers; in_job_cold: without pre-warmed ranks; in_job_memory: restored from the pods' memory
+# snapshots; full_relaunch: no restart allowed, the job launched again (what a plain torchrun job
+# gets); node_loss: the last rank's pod lost, its replacement after --replacement-delay-s;
+# node_loss_spare: the same with a hot spare (NVRx 0.6 or newer).
 LAYERS = ("in_process", "in_job", "in_job_cold", "in_job_memory", "full_relaunch", "node_loss", "node_loss_spare")
 DEFAULT_LAYERS = LAYERS[:5]  # the node-loss pair waits out the replacement delay: asked for by name
 
@@ -95,6 +80,12 @@ def run_job(run_dir: Path, nodes: int, nproc: int, overrides: list[str], flags: 
 
 
 def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> dict:
+    """``recovery_s`` runs from the fault to the first step completed after the restore (for
+    ``full_relaunch`` it includes the failed job's shutdown and the new job's start); ``lost_steps``
+    counts steps trained again; both from the job's ``summary.json``. The saves' stall after the
+    restart is compared with a normal save's before the fault (``save_after_restart_over_normal``:
+    at most 2 is the target), and the run must end with the fault-free parameters.
+    """
     kind = "node-loss" if layer.startswith("node_loss") else "exception"
     spec = f"{kind}@{args.fault_step}:rank={args.nodes * args.nproc_per_node - 1}"
     overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
@@ -107,7 +98,7 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
                       f"checkpoint.memory.replicas={getattr(args, 'memory_replicas', 0)}"]
     flags = [f"--inject={spec}", *(f"--value={v}" for v in getattr(args, "values", []))]
     if layer == "full_relaunch":
-        flags += ["--max-restarts=0", "--max-node-restarts=0"]
+        flags += ["--max-restarts=0", "--max-pod-recreations=0"]
     if kind == "node-loss":
         flags.append(f"--replacement-delay={getattr(args, 'replacement_delay_s', 30.0):g}")
     if layer == "node_loss_spare":

@@ -2,49 +2,10 @@
 rank 0's per-save hand-off and a start's connections cost at 1,024 and 16,384 ranks, measured on
 this machine with torch DCP's own planner objects in simulated ranks.
 
-**How a rank is simulated.** torch's fake process group stands in for the world: a rank's model
-(built on the meta device: shapes, no memory) and AdamW state become DTensors on a device mesh of
-the case's layout (FSDP: one dimension of every rank; HSDP ``hsdp-G``: replicas of shard groups of
-G), exactly as FSDP2 shards them, and torch's ``DefaultSavePlanner`` and ``DefaultLoadPlanner``
-plan them. Every rank's save plan is then built from rank 0's item by item with the offsets and
-sizes torch computes for that rank's mesh coordinate (``_compute_local_shape_and_global_offset``),
-and checked equal to the planner's own plan at three ranks of each case (a mismatch stops the
-benchmark).
-
-**What is timed** (on the path this project's save, through NVRx's ``save_state_dict_async_plan``,
-and resume take):
-
-- a cold save (no cached plan: a process's first save), planned alone
-  (``checkpoint.planning: decentralized``, :mod:`..checkpoint.writer.decentralized_plan`): the
-  digest of the state's global structure, every rank's vote unpickled, and the plan (on rank 0
-  with the global metadata) by rank 0 and by the last rank. ``cold_save_plan_s`` is rank 0's;
-  ``max_rank_blocked_s`` the slower of the two, counted as if the rank waited for its plan, which
-  is made on its staging thread;
-- the same save planned collectively (``collective_*``: DCP's ``reduce_scatter`` of plans, the
-  fallback when the ranks' structures differ): each rank's local plan and its pickle; rank 0
-  unpickles every plan, runs ``create_global_plan`` (de-duplication and the global metadata) and
-  pickles every rank's central plan; each rank unpickles its own;
-- a durable resume: the commit's index of the metadata (:mod:`..checkpoint.metadata_index`) read
-  once (rank 0) and decoded by every rank at once, the rank's load plan, made alone (DCP's global
-  load plan keeps the local plans as they are), and the places of the items it reads looked up in
-  the index; DCP's ``.metadata`` read and unpickled instead (``metadata_file_resume_s``: a
-  checkpoint without an index) and the gather and scatter of load plans DCP would run
-  (``collective_load_plan_s``) are timed beside it;
-- ``rank0_training_process_python_s``: rank 0's Python work for each save on the training
-  process: unpickling the gathered outcomes (each rank's, pickled by that rank to bytes) and
-  pickling the commit's hand-off to the commit process (the plan's metadata is sent only when the
-  plan changes: ``rank0_plan_change_python_s``);
-- ``extra_connections_per_rank``: the TCP connections the start's side groups open (the object
-  group, connected lazily, its collectives along a tree, and the replicas' pairs):
-  ``tests/checkpoint/probes/object_group.py`` measures them with real gloo processes.
-
-Transfers are not timed (bytes are reported): a cold save moves every plan to rank 0 and back.
-
-**Extrapolation.** A 70b plan at 16,384 ranks is about 50 M planner objects, more than this
-machine's memory; cases above ``--max-measured-ranks`` are measured at three smaller worlds of the
-same layout and every phase extrapolated linearly in the world size (each phase is linear in it:
-plans per rank are constant, their number grows with the world). Such a record says so
-(``extrapolated_from``) and keeps the measured points.
+A rank is simulated with torch's fake process group (:class:`World`); what is timed is
+:func:`measure_world`'s; cases above ``--max-measured-ranks`` are extrapolated from smaller
+worlds (:func:`_extrapolate`). ``tests/checkpoint/probes/object_group.py`` measures the side
+groups' connections with real gloo processes.
 """
 
 from __future__ import annotations
@@ -58,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config.errors import UsageError
 from .results import write_results
 
 CASES = (
@@ -85,7 +47,14 @@ def shard_group(layout: str, ranks: int) -> int:
 
 
 class World:
-    """A fake process group of ``ranks`` with this process as ``rank``, and the case's mesh."""
+    """A fake process group of ``ranks`` with this process as ``rank``, and the case's mesh.
+
+    torch's fake process group stands in for the world: a rank's model (on the meta device) and
+    AdamW state become DTensors on a mesh of the case's layout (FSDP: one dimension; HSDP
+    ``hsdp-G``: replicas of shard groups of G), exactly as FSDP2 shards them. Every rank's save plan
+    is built from rank 0's item by item with the offsets torch computes for that rank's mesh
+    coordinate, and checked equal to the planner's own plan at three ranks of each case.
+    """
 
     def __init__(self, ranks: int, group: int):
         self.ranks, self.group = ranks, group
@@ -182,7 +151,17 @@ def _timed(fn, *args) -> tuple[Any, float]:
 
 
 def measure_world(ranks: int, preset: str, layout: str) -> dict:
-    """Every phase at ``ranks``, measured."""
+    """Every phase at ``ranks``, measured.
+
+    On the path this project's save (NVRx's ``save_state_dict_async_plan``) and resume take: a cold
+    save planned alone (``checkpoint.planning: decentralized``; ``cold_save_plan_s`` is rank 0's,
+    ``max_rank_blocked_s`` the slower of rank 0 and the last rank) and collectively
+    (``collective_*``, DCP's fallback when the ranks' structures differ); a durable resume from the
+    commit's metadata index (``metadata_file_resume_s``: from DCP's ``.metadata`` instead;
+    ``collective_load_plan_s``: DCP's gather and scatter of load plans); rank 0's Python work per
+    save (``rank0_training_process_python_s``, ``rank0_plan_change_python_s``); and the start's side
+    groups' connections (``extra_connections_per_rank``). Transfers are not timed (bytes are).
+    """
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -389,7 +368,7 @@ def _run_case(case: dict, max_measured: int, say) -> dict:
         group = shard_group(layout, ranks)
         points = [w for w in (max_measured // 4, max_measured // 2, max_measured) if w >= group and w % group == 0]
         if len(points) < 2:
-            raise SystemExit(f"{layout} at {ranks} ranks: --max-measured-ranks {max_measured} leaves fewer than two "
+            raise UsageError(f"{layout} at {ranks} ranks: --max-measured-ranks {max_measured} leaves fewer than two "
                              f"worlds of whole shard groups of {group} to extrapolate from")
         measured = {}
         for w in points:
@@ -414,6 +393,11 @@ def _fit(xs: list[float], ys: list[float], at: float) -> float:
 
 
 def _extrapolate(measured: dict[int, dict], ranks: int) -> dict:
+    """A case above ``--max-measured-ranks`` (a 70b plan at 16,384 ranks is about 50 M planner
+    objects, more than this machine's memory), from three smaller worlds of the same layout: every
+    phase linear in the world size (plans per rank are constant, their number grows with the world).
+    The record says so (``extrapolated_from``) and keeps the measured points.
+    """
     xs = sorted(measured)
     out: dict = {"phases_s": {}}
     for phase in measured[xs[0]]["phases_s"]:
@@ -470,8 +454,6 @@ def parse_case(text: str) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..goodput.simulate import UsageError
-
     try:
         cases = [parse_case(c) for c in args.case] if args.case else list(CASES)
     except ValueError as exc:

@@ -1,22 +1,12 @@
 """``resilient-fsdp bench soak``: a fault every minute for ten minutes, kinds mixed.
 
-1. A short fault-free calibration run measures the step rate of the job on this machine.
-2. The soak job: enough steps for ``--duration-s`` of training (in-process restart on with
-   ``--in-process``) and one fault in every ``--fault-every-s`` window, at a moment of it drawn with
-   ``--seed`` (between a tenth and nine tenths of the window, at the step the rate predicts), cycling
-   through ``--kinds`` on the non-zero ranks. Faults at a fixed point of each window would meet every
-   checkpoint interval that divides the window at the same phase each time (the worst, or the best).
-3. The same job without faults.
-
-Reported: the soak job's goodput (``summary.json``: time in steps that count / wall time since
-launch), every fault with the layer that recovered it and its recovery time, and whether the final
-parameters equal the fault-free run's bit for bit, and the restarts restored from the pods' memory.
-
-Both jobs checkpoint as the chart's defaults do, at intervals for a fault a minute: the memory tier
-on with replicas, a snapshot every ``--memory-interval-steps`` (8: about Daly's interval for the
-few milliseconds a memory save costs the training thread, its stall and taking the state, at a
-60 s MTBF: sqrt(2 x 0.006 x 60) = 0.85 s, 8 steps at ~9 steps/s), and a durable checkpoint every
-``--checkpoint-interval-s``; ``--memory-interval-steps 0`` measures the durable checkpoints alone.
+A fault-free calibration run measures the step rate; the soak job trains for ``--duration-s``
+with one fault in every ``--fault-every-s`` window (:func:`draw_faults`), cycling through
+``--kinds`` on the non-zero ranks; the same job without faults is the reference. Reported: the
+soak job's goodput, every fault with the layer that recovered it and its recovery time, whether
+the final parameters equal the fault-free run's bit for bit, and the restores from memory. Both
+jobs checkpoint as the chart's defaults do; the memory tier's default 8 steps is about Daly's
+interval for its few-millisecond save at a 60 s MTBF (sqrt(2 x 0.006 x 60) = 0.85 s).
 """
 
 from __future__ import annotations
@@ -42,6 +32,22 @@ IN_PROCESS = ["resilience.in_process.enabled=true", "resilience.hang_detection.s
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ..config import FAULT_KINDS
+
+    def fault_kinds(text: str) -> str:  # refused at parse time: a bad kind would fail the job minutes in
+        unknown = [k.strip() for k in text.split(",") if k.strip() and k.strip() not in FAULT_KINDS]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))} is not a fault kind; the kinds are "
+                                             f"{', '.join(FAULT_KINDS)}")
+        return text
+
+    def seed_list(text: str) -> str:
+        try:
+            parse_seeds(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers, as 0,1,2 or 0-4") from None
+        return text
+
     p = sub.add_parser("soak", help="a fault every minute for ten minutes: goodput and exactness",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", default="runs/bench-soak", help="scratch directory for the jobs")
@@ -49,9 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--duration-s", type=float, default=600.0, help="training time to soak (default 600)")
     p.add_argument("--fault-every-s", type=float, default=60.0, help="one fault this often (default 60)")
-    p.add_argument("--kinds", default=DEFAULT_KINDS, help="comma-separated fault kinds, used in turn")
+    p.add_argument("--kinds", default=DEFAULT_KINDS, type=fault_kinds, help="comma-separated fault kinds, used in turn")
     p.add_argument("--seed", type=int, default=0, help="draws each fault's moment within its window (default 0)")
-    p.add_argument("--seeds", help="several seeds, as 0,1,2 or 0-4: one soak job each, one calibration and one "
+    p.add_argument("--seeds", type=seed_list, help="several seeds, as 0,1,2 or 0-4: one soak job each, one calibration and one "
                                    "fault-free reference for all (the same steps); reports each and the lowest")
     p.add_argument("--checkpoint-interval-s", type=float, default=5.0, help="checkpoint.interval_s")
     p.add_argument("--checkpoint-interval-steps", type=int, default=0,
@@ -107,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
         fresh_dir(soak)
         # Restart limits sized for a fault a minute: this run measures recovery, not the limits.
         code = run_job(soak, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"],
-                       [f"--inject={f}" for f in faults] + ["--max-node-restarts=100"], log,
+                       [f"--inject={f}" for f in faults] + ["--max-pod-recreations=100"], log,
                        timeout_s=args.duration_s * 4)
         if code != 0:
             raise RuntimeError(f"the soak job of seed {seed} failed with code {code}; see {log}")
@@ -155,12 +161,17 @@ def parse_seeds(text: str) -> list[int]:
             first, _, last = part.strip().partition("-")
             seeds += list(range(int(first), int(last or first) + 1))
     except ValueError:
-        raise SystemExit(f"--seeds {text!r}: give whole numbers, as 0,1,2 or 0-4") from None
+        raise ValueError(f"--seeds {text!r}: give whole numbers, as 0,1,2 or 0-4") from None
     return seeds
 
 
 def draw_faults(args: argparse.Namespace, rate: float, seed: int) -> list[str]:
-    """One fault in each ``--fault-every-s`` window at a moment drawn with ``seed``, kinds in turn."""
+    """One fault in each ``--fault-every-s`` window at a moment drawn with ``seed``, kinds in turn.
+
+    Between a tenth and nine tenths of the window, at the step the rate predicts: faults at a fixed
+    point of each window would meet every checkpoint interval that divides the window at the same
+    phase each time (the worst, or the best).
+    """
     world = args.nodes * args.nproc_per_node
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     n_faults = int(args.duration_s // args.fault_every_s)

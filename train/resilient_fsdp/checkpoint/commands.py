@@ -1,20 +1,10 @@
-"""``resilient-fsdp checkpoints list|verify|export|pull|push``: the operator's view of both
-checkpoint tiers.
+"""``resilient-fsdp checkpoints list|verify|export|pull|push``: the operator's view of both checkpoint tiers.
 
-- ``list``: local checkpoints (``checkpoint.dir``, or a run directory's) and, when
-  ``checkpoint.s3.uri`` is set, those under it, side by side, complete or not;
-- ``verify``: every file of every local checkpoint (or ``--step``) against the size and checksum
-  its manifest records; exit 1 naming each bad file;
-- ``export``: a committed checkpoint's model as a Hugging Face directory (:mod:`..hf.export`).
-- ``pull``: download the newest complete checkpoint (or ``--step``) from S3 into
-  ``checkpoint.dir``, committed atomically like one the job wrote; a job started there resumes
-  from it.
-- ``push``: upload the newest local checkpoint (or ``--step``), marker last.
-
-They read the job's own configuration (``--config`` / ``--set``), so they point where the job
-does; ``--run-dir`` (a run directory, or a checkpoint directory on the shared volume), ``--dir``,
-``--uri`` and ``--endpoint-url`` are shorthands. Neither command deletes
-anything: retention is the job's.
+``list`` shows local and S3 checkpoints side by side; ``verify`` checks every file against its
+manifest's checksum; ``export`` writes a committed checkpoint's model as a Hugging Face directory;
+``pull`` downloads one from S3, committed atomically as the job commits; ``push`` uploads one,
+marker last. They read the job's configuration (``--config``/``--set``), so they point where the
+job does; ``--run-dir``, ``--uri`` and ``--endpoint-url`` are shorthands. Nothing is deleted here.
 """
 
 from __future__ import annotations
@@ -50,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction, add_config_args: Callable[[argpa
     for name, text in specs.items():
         a = actions.add_parser(name, help=text, description=text)
         a.add_argument("--run-dir", help="a run directory (its checkpoints/ and config.yaml), or a directory of "
-                                         "step_N checkpoints")
-        a.add_argument("--dir", help="shorthand for --set checkpoint.dir=DIR")
+                                         "step_N checkpoints" + (" (created when missing)" if name == "pull" else "")
+                                         + "; another checkpoint directory: --set checkpoint.dir=DIR")
         a.add_argument("--uri", help="shorthand for --set checkpoint.s3.uri=s3://bucket/prefix")
         a.add_argument("--endpoint-url", help="shorthand for --set checkpoint.s3.endpoint_url=URL (S3-compatible stores)")
         if name == "list":
@@ -78,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction, add_config_args: Callable[[argpa
 def _config(args: argparse.Namespace, need_s3: bool = True) -> Config:
     overrides = list(args.overrides)
     run_dir = getattr(args, "run_dir", None)
-    if run_dir is not None and not Path(run_dir).is_dir():
+    if run_dir is not None and not Path(run_dir).is_dir() and getattr(args, "action", None) != "pull":
         raise ConfigError(f"--run-dir {run_dir}: no such directory; pass a run directory (its checkpoints/ and "
                           "config.yaml) or a directory of step_N checkpoints")
     if run_dir is not None:
@@ -86,7 +76,7 @@ def _config(args: argparse.Namespace, need_s3: bool = True) -> Config:
         if args.config is None and saved.is_file():
             args.config = str(saved)  # the run's own model and data, for export
         overrides += [f"run_dir={json.dumps(run_dir)}", f"checkpoint.dir={json.dumps(str(checkpoints_in(run_dir)))}"]
-    for flag, key in (("dir", "checkpoint.dir"), ("uri", "checkpoint.s3.uri"),
+    for flag, key in (("uri", "checkpoint.s3.uri"),
                       ("endpoint_url", "checkpoint.s3.endpoint_url")):
         value = getattr(args, flag)
         if value is not None:

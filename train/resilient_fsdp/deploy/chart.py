@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 import yaml
 
-from ..config import MOVED_KEYS, ConfigError
+from ..config import ConfigError
+from .values_errors import explain_render_error, explain_schema_error
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CHART_ENV = "RESILIENT_FSDP_CHART"
@@ -57,6 +58,11 @@ def chart_dir(explicit: Optional[str | Path] = None) -> Path:
     return path
 
 
+def values_schema(chart: Optional[str | Path] = None) -> dict:
+    """The chart's ``values.schema.json``."""
+    return json.loads((chart_dir(chart) / "values.schema.json").read_text())
+
+
 def deep_merge(base: dict, override: dict) -> dict:
     """``override`` onto ``base``: maps merge key by key, anything else is replaced (Helm's ``-f``)."""
     merged = dict(base)
@@ -85,6 +91,8 @@ def load_values(files: list[str | Path] = (), sets: list[str] = (), set_json: li
         if not isinstance(loaded, dict):
             raise ChartError(f"-f {f}: a values file must be a mapping of keys at the top level")
         values = deep_merge(values, loaded)
+    for flag, expression in [("--set-json", e) for e in set_json] + [("--set", e) for e in sets]:
+        _refuse_trainer_key(flag, expression)
     for expression in set_json:
         try:
             values = deep_merge(values, helm_python.parse_set_json(expression))
@@ -103,6 +111,19 @@ def load_values(files: list[str | Path] = (), sets: list[str] = (), set_json: li
         # then fill the same list entry instead of the second replacing the first.
         values = deep_merge(values, helm_python.parse_set_string(",".join(sets)))
     return values
+
+
+def _refuse_trainer_key(flag: str, expression: str) -> None:
+    """A trainer key given as a chart value (``--set train.steps=300``): the chart holds the
+    trainer's configuration under ``trainer``, so say the expression that sets it there."""
+    import dataclasses
+
+    from ..config import Config
+
+    first = re.split(r"[.\[=]", expression, maxsplit=1)[0]
+    if first in {f.name for f in dataclasses.fields(Config)}:
+        raise ChartError(f"{flag} {expression}: {first} is a trainer key, which the chart's values hold under "
+                         f"trainer: use {flag} trainer.{expression}")
 
 
 @dataclass
@@ -155,7 +176,7 @@ def render(values: Optional[dict] = None, release: str = DEFAULT_RELEASE, namesp
             out = loaded.render(values or {}, name=release, namespace=namespace, is_install=not upgrade,
                                 is_upgrade=upgrade)
     except helm_python.HelmValuesError as exc:
-        raise ChartError(explain_schema_error(_detail(exc))) from None
+        raise ChartError(explain_schema_error(_detail(exc), values, values_schema(path))) from None
     except helm_python.HelmRenderError as exc:
         raise ChartError(explain_render_error(_detail(exc))) from None
     except helm_python.HelmError as exc:
@@ -177,67 +198,6 @@ def lint(values: Optional[dict] = None, chart: Optional[str | Path] = None) -> l
 
 def _detail(exc: Exception) -> str:
     return str(getattr(exc, "detail", None) or exc).strip()
-
-
-# Keys a values file may carry from other charts' vocabulary, with what this chart says instead.
-NOT_CHART_KEYS = {
-    "elastic": ("a job trains at a fixed world of `nodes` pods: NVRx 0.6 and newer (the image's) trains at the "
-                "first number of --nnodes=min:max and keeps the other pods standby. Set nodes (the pods that "
-                "train) and spares (standby pods that take a lost pod's place within an in-job restart); to "
-                "train at another size, launch again with another nodes (checkpoints reshard)"),
-}
-
-_SCHEMA_LINE = re.compile(r"^- at '(?P<path>[^']*)': (?P<what>.*)$")
-_ADDITIONAL = re.compile(r"additional propert(?:y|ies) (?P<names>.+) not allowed")
-
-
-def explain_schema_error(detail: str) -> str:
-    """Helm's schema report, one line per problem, with dotted keys (``efa.enabled``)."""
-    lines = []
-    for raw in detail.splitlines():
-        m = _SCHEMA_LINE.match(raw.strip())
-        if not m:
-            continue
-        key = m["path"].strip("/").replace("/", ".")
-        extra = _ADDITIONAL.search(m["what"])
-        if extra:
-            for name in re.findall(r"'([^']+)'", extra["names"]):
-                full = f"{key}.{name}" if key else name
-                moved = MOVED_KEYS.get(full.removeprefix("trainer.")) if full.startswith("trainer.") else None
-                if moved:
-                    lines.append(f"unknown key '{full}': the key is trainer.{moved}")
-                    continue
-                lines.append(f"unknown key '{full}': " + (NOT_CHART_KEYS.get(full) or (
-                    f"remove it (values.schema.json lists the valid keys of {key or 'the top level'})")))
-        else:
-            lines.append(f"{key or '(top level)'}: {m['what']}{_text_for_a_number_hint(key, m['what'])}")
-    if not lines:  # a report shape this parser does not know: show it whole
-        lines = [detail]
-    unique = list(dict.fromkeys(lines))
-    return "values rejected by the chart's values.schema.json:\n  " + "\n  ".join(unique)
-
-
-def _text_for_a_number_hint(key: str, what: str) -> str:
-    """How to pass a number where helm's ``--set`` made it text (it reads only integers and
-    booleans, so ``3e-4`` and ``0.0003`` arrive as strings)."""
-    if not re.search(r"got string, want (number|integer)", what):
-        return ""
-    trainer_key = key.removeprefix("trainer.") if key.startswith("trainer.") else None
-    local = f"--set {trainer_key}=<number> or " if trainer_key else ""
-    return (f"; helm's --set passes anything but an integer or a boolean as text: give the number with "
-            f"--set-json {key}=<number> or in a values file (-f); resilient-fsdp local: {local}"
-            f"--value-json {key}=<number>")
-
-
-def explain_render_error(detail: str) -> str:
-    """The message of a template's ``fail`` (or the raw render error when it is not one)."""
-    m = re.search(r"execution error at \([^)]*\): (?P<msg>.*)", detail, re.S)
-    message = m["msg"] if m else detail
-    # The SDK repeats the message after the error code's own text; keep one copy.
-    half = len(message) // 2
-    if len(message) > 1 and message[:half].strip() and message[half:].strip().endswith(message[:half].strip()):
-        message = message[:half]
-    return message.strip()
 
 
 # ---- resilient-fsdp render ---------------------------------------------------------------------

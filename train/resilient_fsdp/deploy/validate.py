@@ -1,24 +1,11 @@
 """``resilient-fsdp validate``: check rendered manifests as the cluster would, without a cluster.
 
-Three checks per document, each reported with the object and the field at fault:
-
-- built-in kinds against the Kubernetes OpenAPI schemas of one pinned version
-  (``kubernetes-validate``, strict: unknown fields fail, as ``kubectl apply`` rejects them);
-- custom resources (the PyTorchJob) against the ``openAPIV3Schema`` of their CRD, made strict the
-  same way (the API server's strict field validation), and the PyTorchJob's pod templates against
-  the Kubernetes ``PodTemplate`` schema as well;
-- the training operator's admission-webhook rules for PyTorchJobs (a container named
-  ``pytorch``, one Master replica, a Worker when elastic, a DNS-1035 name), which no schema states;
-  for JobSets, TrainJobs and TrainingRuntimes the rules of the JobSet and Trainer webhooks and of
-  the Job API (:mod:`resilient_fsdp.deploy.admission`), and each embedded Job template against the
-  Kubernetes ``batch/v1`` Job schema;
-- every pod the objects make (the ``helm test`` pod too) against a Pod Security Standards level
-  (``--pod-security``, default ``baseline``: what the namespace must admit;
-  :mod:`resilient_fsdp.deploy.pod_security`).
-
-The CRDs are read from a directory: ``--crds``, else ``$RESILIENT_FSDP_CRDS``, else the copy vendored
-in this checkout, ``charts/vendor/crds`` (pinned versions, each file's source and sha256 in its
-``manifest.json``; ``scripts/fetch-crds`` updates them).
+Each document is checked against the Kubernetes OpenAPI schemas of one pinned version (strict:
+unknown fields fail, as ``kubectl apply`` rejects them), or its CRD's ``openAPIV3Schema`` made
+strict the same way; against the admission rules no schema states (the training operator's for
+PyTorchJobs here, JobSet's, Trainer's and the Job API's in :mod:`.admission`); and every pod
+against a Pod Security Standards level (``--pod-security``, :mod:`.pod_security`). The CRDs come
+from ``--crds``, else ``$RESILIENT_FSDP_CRDS``, else ``charts/vendor/crds`` (``scripts/fetch-crds``).
 """
 
 from __future__ import annotations
@@ -73,7 +60,7 @@ def crd_dir(explicit: Optional[str | Path] = None) -> Path:
 def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
     """``{(apiVersion, kind): openAPIV3Schema}`` for every served version of every CRD in ``directory``."""
     if not directory.is_dir():
-        raise ChartError(f"no CRD directory at {directory}: run scripts/fetch-crds, or pass --crds DIR "
+        raise ChartError(f"--crds {directory}: no such directory; run scripts/fetch-crds, or pass --crds DIR "
                          f"(or set {CRDS_ENV}) to a directory holding kubeflow.org_pytorchjobs.yaml")
     schemas = {}
     for path in sorted(directory.glob("*.y*ml")):
@@ -276,8 +263,8 @@ def _cmd_validate(args) -> int:
 
     from .chart import lint, load_values, render_from_args
 
+    crds = load_crd_schemas(crd_dir(args.crds))  # a wrong --crds is said before any rendering
     rendered = render_from_args(args)
-    crds = load_crd_schemas(crd_dir(args.crds))
     docs = rendered.documents()
     findings = lint(load_values(args.values_files, args.set_values, args.set_json), chart=args.chart)
     problems = validate_documents(docs, crds)

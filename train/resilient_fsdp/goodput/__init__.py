@@ -2,8 +2,10 @@
 
 - ``model``: the closed form: Young's and Daly's checkpoint intervals, expected goodput, failure rates;
 - ``costs``: a checkpoint's stall and write time, estimated from the model, the GPUs and the storage;
-- ``advise``: ``resilient-fsdp advise``: checkpoint interval, timeouts and restart limits for a cluster;
+- ``settings``: the advisor's arithmetic: checkpoint interval, timeouts and restart limits from the inputs;
+- ``advice_table``: the advice as the printed table and as a chart values snippet;
+- ``advise``: ``resilient-fsdp advise``: the advisor's flags and inputs (measured, estimated, the chart's);
 - ``profiles``: the values profiles' restart settings and the header that derives them, from the advisor;
 - ``simulate``: ``resilient-fsdp simulate``: Monte Carlo goodput per cluster size and restart strategy;
-- ``report``: ``resilient-fsdp report RUN_DIR``: a finished run's timeline and goodput breakdown.
+- ``report``: ``resilient-fsdp report --run-dir DIR``: a finished run's timeline and goodput breakdown.
 """

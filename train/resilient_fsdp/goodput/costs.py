@@ -1,29 +1,12 @@
-"""What one checkpoint costs on a cluster, estimated from what a user knows: the model's size,
-the GPUs, and the shared volume's capacity and throughput.
+"""What one checkpoint costs, estimated from the model's size, the GPUs and the shared volume.
 
-The rule every values profile's header uses, and ``resilient-fsdp advise`` applies when no
-measured costs are given:
-
-* the state is ``BYTES_PER_PARAM`` bytes per parameter (fp32 weights and AdamW's two moments);
-* the stall ``delta`` is one GPU's shard copied to host memory at the GPU's device-to-host rate,
-  plus ``STALL_FIXED_S`` for what every save does besides copying (plan, agree, hand off);
-* the commit, in rank 0's commit process while training goes on, so not stall (every rank's
-  outcome reaches rank 0 pickled, as bytes, and the training thread only moves them) but part of
-  the time until the checkpoint is durable, ``W``: every rank's DCP write results
-  (``COMMIT_BYTES_PER_RANK``: one per tensor shard, and every rank holds a shard of every tensor)
-  unpickled, and DCP's ``.metadata`` of the same entries (``METADATA_PER_RESULT_BYTE`` of it per
-  byte gathered) pickled, at ``RANK0_COMMIT_MB_S``: ``gpus x bytes per rank x (1 + ratio) /
-  rate``, linear in the world (``python -m resilient_fsdp.bench.commit_scale`` measures
-  it for a 70b-like state). Under HSDP (``dist.shard_group_size``) each shard is written once, by
-  one of its replicas, so the results and ``.metadata`` are the shard group's, not the world's,
-  and only each rank's file checksums (``COMMIT_FILE_BYTES_PER_RANK``) grow with the world;
-* the shard a GPU holds (copied at each save) is the state over the shard group (the world under
-  FSDP);
-* the background write ``W`` is the whole state at the file system's throughput, which FSx for
-  Lustre gives per TiB of capacity (``capacity (TiB) x per-unit throughput (MB/s/TiB)``), then the
-  commit.
-
-Measured figures (``bench checkpoint``, ``scripts/gpu-check``) replace these estimates.
+``resilient-fsdp advise`` and the values profiles use it when no measured costs are given
+(``bench checkpoint`` and ``scripts/gpu-check`` measure them). The state is ``BYTES_PER_PARAM``
+per parameter (fp32 weights, AdamW's moments); the stall ``delta`` is a GPU's shard (the state
+over the shard group) copied to the host at the GPU's rate plus ``STALL_FIXED_S``; the write
+``W`` is the whole state at FSx's throughput (capacity x per-TiB rate) plus rank 0's commit: every
+rank's write results unpickled and DCP's ``.metadata`` pickled at ``RANK0_COMMIT_MB_S``, linear in
+the world under FSDP and in the shard group under HSDP (``bench.commit_scale`` measures it).
 """
 
 from __future__ import annotations

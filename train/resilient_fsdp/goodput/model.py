@@ -1,35 +1,14 @@
 """The closed-form goodput model behind ``advise``, the values profiles and ``simulate``.
 
-A job alternates training and checkpoint stalls: ``T`` seconds of training, then a stall of
-``delta`` seconds while the state is staged; the background write of ``W`` seconds commits the
-checkpoint after that. Failures arrive as a Poisson process with mean time between failures ``M``
-(the job's: one node's MTBF divided by the node count). A failure costs
-
-* the work since the newest *committed* checkpoint: on average half an interval plus the write
-  time, since the checkpoint being written when the failure hits is not usable yet;
-* the restart: detection, respawn, rendezvous, load, until the first step is trained again.
-
-To first order (``T + R << M``) the fraction of wall time that trains steps that count is::
-
-    goodput = T / (T + delta) * (1 - (R + W + (T + delta) / 2) / M)
-
-Checkpoint interval (seconds of training between saves), for a stall ``delta`` and an MTBF ``M``:
-
-* Young (1974): ``T = sqrt(2 * delta * M)``;
-* Daly (2006), for ``delta < 2M``:
-  ``T = sqrt(2 * delta * M) * (1 + sqrt(delta / (2M)) / 3 + (delta / (2M)) / 9) - delta``,
-  and ``T = M`` otherwise.
-
-Neither may go below ``W``: a save that starts while the previous one is still being written has
-to wait for it, which turns the background write into a stall.
-
-Hot spares (``S`` standby pods in the rendezvous) change what a lost node costs: a standby pod
-takes its rank inside an in-job restart, and the lost pod's replacement joins as a spare once it
-is scheduled, ``r`` seconds later. Spares are busy like the servers of an M/G/inf queue fed by the
-node losses a spare can take (every pod's but pod 0's, which hosts the rendezvous store): their
-number is Poisson with mean ``m = rate x r``, and a node loss finds one free with probability
-``P(Poisson(m) < S)``. Losses that find none do not take a spare, so this bounds the share of
-losses left without one from above (Erlang's loss formula gives it exactly).
+A job trains ``T`` seconds, stalls ``delta`` while the state is staged, and commits after a
+background write of ``W``; failures are Poisson with the job's MTBF ``M`` (a node's over the node
+count). A failure costs the work since the newest committed checkpoint (half an interval plus
+``W``) and the restart ``R``, so to first order ``goodput = T / (T + delta) * (1 - (R + W +
+(T + delta) / 2) / M)``. Intervals: Young's ``sqrt(2 delta M)`` and Daly's refinement, never
+below ``W`` (a save waits for the previous write). Hot spares are busy like an M/G/inf queue's
+servers fed by the node losses a spare can take (pod 0's cannot): Poisson with mean
+``m = rate x r``, so a loss finds one free with probability ``P(Poisson(m) < S)``, an upper bound
+on the share left without one.
 """
 
 from __future__ import annotations

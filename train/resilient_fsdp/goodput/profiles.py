@@ -18,6 +18,7 @@ from typing import Optional
 
 from . import advise as adv
 from . import model as gm
+from . import settings
 
 VALUES_DIR = Path(__file__).resolve().parents[3] / "values"
 BLOCK_START = "# Restart settings:"
@@ -32,12 +33,12 @@ def advise_line(text: str) -> str:
     return lines[0]
 
 
-def advice_for(line: str) -> adv.Advice:
+def advice_for(line: str) -> settings.Advice:
     """The advisor's answer for an ``# advise:`` line."""
     args = adv.parse_advise_line(line)
     if args is None:
         raise ValueError(f"not an advise line: {line!r}")
-    return adv.advise(adv.inputs_from_args(args))
+    return settings.advise(adv.inputs_from_args(args))
 
 
 def header_block(line: str) -> list[str]:
@@ -70,14 +71,14 @@ def header_block(line: str) -> list[str]:
         f"{a.job_mtbf_s / gm.HOUR:,.0f} = {a.expected_failures:.2f}.",
         *checkpoint,
         f"#   -> Daly interval {a.daly_s:,.0f} s -> checkpoint.interval_s {a.interval_s} (rounded down, "
-        f"<= {adv.MAX_INTERVAL_S:,} s, >= W);",
-        f"#     max_restarts = backoffLimit = max({adv.RESTART_LIMIT_FLOOR}, {adv.RESTART_QUANTILE:.0%} Poisson "
+        f"<= {settings.MAX_INTERVAL_S:,} s, >= W);",
+        f"#     max_restarts = backoffLimit = max({settings.RESTART_LIMIT_FLOOR}, {settings.RESTART_QUANTILE:.0%} Poisson "
         f"quantile of F) = {a.max_restarts} (one event spends at most one of each);",
         f"#     workload.jobSet.maxRestarts {a.jobset_max_restarts}: (1 + {a.jobset_max_restarts}) x (1 + "
         f"{a.backoff_limit}) = {(1 + a.jobset_max_restarts) * (1 + a.backoff_limit)} counted failures in all;",
         f"#     step/out-of-section {a.step_timeout_s} s, checkpoint {a.checkpoint_timeout_s} s, init "
-        f"{a.init_timeout_s} s ({adv.SAFETY:g} x what each covers, floors);",
-        f"#     dist.timeout_s {a.dist_timeout_s} = step - {adv.DUMP_MARGIN_S:g} s (NCCL dumps before a kill);",
+        f"{a.init_timeout_s} s ({settings.SAFETY:g} x what each covers, floors);",
+        f"#     dist.timeout_s {a.dist_timeout_s} = step - {settings.DUMP_MARGIN_S:g} s (NCCL dumps before a kill);",
         f"#     expected goodput {g['productive']:.4f} (restart R {i.restart_s:g} s, step {i.step_s:g} s, "
         f"start-up {i.startup_s:g} s).",
         *_memory_lines(a),
@@ -86,14 +87,14 @@ def header_block(line: str) -> list[str]:
     ]
 
 
-def _memory_lines(a: adv.Advice) -> list[str]:
+def _memory_lines(a: settings.Advice) -> list[str]:
     """With ``--memory`` on the advise line: the memory tier's interval and ``/dev/shm``."""
     m, mi = a.memory, a.inputs.memory
     if m is None:
         return []
     slots = 2 * (1 + mi.replicas)
     shm = (f"shm.sizeLimit {m['shm_gib']}Gi = ({slots} slots + the durable staging copy) x shard "
-           f"{mi.shard_gb:.3g} GB x {a.inputs.gpus_per_node} ranks + {adv.SHM_MARGIN_GIB}Gi"
+           f"{mi.shard_gb:.3g} GB x {a.inputs.gpus_per_node} ranks + {settings.SHM_MARGIN_GIB}Gi"
            if m["shm_gib"] is not None else "shm.sizeLimit: no model size to size it")
     return [f"#   memory tier, covering {mi.coverage:.0%} of failures: the durable checkpoint serves the rest, "
             f"M / (1 - coverage) -> Daly",
@@ -104,7 +105,7 @@ def _memory_lines(a: adv.Advice) -> list[str]:
             f"#     {shm}; expected goodput {m['goodput']['productive']:.4f}."]
 
 
-def _spare_lines(a: adv.Advice) -> list[str]:
+def _spare_lines(a: settings.Advice) -> list[str]:
     """With ``--spares`` on the advise line: the hot spares, their arithmetic and what they cost."""
     s = a.spares
     if s is None:

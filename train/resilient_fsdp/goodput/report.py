@@ -1,35 +1,32 @@
-"""``resilient-fsdp report RUN_DIR``: a run as a picture, and where its wall time went.
+"""``resilient-fsdp report --run-dir DIR``: a run as a picture, and where its wall time went.
 
-Reads what every run writes (``metrics.jsonl``, ``summary.json``, ``faults/``) and produces
-
-* a PNG timeline: steps over wall time, checkpoint commits and stalls, each fault, its recovery
-  shaded by the layer that recovered it, and the work that was trained twice;
-* a goodput breakdown of the job's wall time, printed as a table and drawn beside the timeline:
-
-  - ``productive``: time in steps that count (``summary.json``'s ``productive_s``, so the
-    goodput here is the one ``summary.json`` reports);
-  - ``checkpoint stalls``: the training loop waiting on committed checkpoints' saves;
-  - ``lost work``: from the completion of the step a recovery resumed from to the fault;
-  - ``recovery``: from each fault to the first step completed after the restore;
-  - ``other``: the rest (start-up, per-step bookkeeping, the final save, shutdown).
+Reads what every run writes (``metrics.jsonl``, ``summary.json``, ``faults/``) and draws a PNG
+timeline (steps, checkpoint stalls, each fault and the layer that recovered it, work trained
+twice) beside a breakdown of the job's wall time: productive (``summary.json``'s ``productive_s``),
+checkpoint stalls, lost work (from the step a recovery resumed from to the fault), recovery (from
+the fault to the first step after the restore) and other (start-up, bookkeeping, shutdown).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.errors import UsageError, writable_file
 from ..resilience.ledger import FaultLedger
 from ..resilience.accounting import read_records
 
 LAYER_COLOURS = {"in_process": "tab:green", "in_job": "tab:orange", "job": "tab:red"}
 
 
-class ReportError(RuntimeError):
-    pass
+# What the breakdown reads of summary.json; every finished run writes them.
+SUMMARY_KEYS = ("job_wall_s", "productive_s", "goodput")
+
+
+class ReportError(UsageError):
+    """A run directory or an output path the report cannot use; the message names the flag."""
 
 
 @dataclass
@@ -53,11 +50,26 @@ def load_run(run_dir: Path) -> RunData:
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
     for path in (summary_path, metrics_path):
         if not path.exists():
-            raise ReportError(f"{path} not found: RUN_DIR must be a finished run's directory "
+            raise ReportError(f"--run-dir {run_dir}: {path.name} not found; give a finished run's directory "
                               f"(the --run-dir given to `resilient-fsdp local` or `train`)")
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportError(f"--run-dir {run_dir}: summary.json is not valid JSON ({exc}); the run did not finish "
+                          "writing it, or the file was edited: give a finished run's directory") from None
+    if not isinstance(summary, dict):
+        raise ReportError(f"--run-dir {run_dir}: summary.json holds {type(summary).__name__}, not the run's summary "
+                          "object; give a finished run's directory")
+    missing = [k for k in SUMMARY_KEYS if not isinstance(summary.get(k), (int, float))]
+    if missing:
+        raise ReportError(f"--run-dir {run_dir}: summary.json has no number for {', '.join(missing)}; give the "
+                          "directory of a run that finished (every finished run writes them)")
+    records = read_records(metrics_path)
+    if not any(isinstance(r, dict) and isinstance(r.get("t"), (int, float)) for r in records):
+        raise ReportError(f"--run-dir {run_dir}: metrics.jsonl holds no timed records; give a finished run's directory")
     ledger = FaultLedger(run_dir)
-    return RunData(run_dir=run_dir, summary=json.loads(summary_path.read_text()),
-                   records=read_records(metrics_path), faults=ledger.fired(), recoveries=ledger.recoveries())
+    return RunData(run_dir=run_dir, summary=summary, records=records, faults=ledger.fired(),
+                   recoveries=ledger.recoveries())
 
 
 def _step_end_time(records: list, step: int) -> float | None:
@@ -180,7 +192,7 @@ def plot(run: RunData, parts: dict, path: Path) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="a run's timeline (PNG) and goodput breakdown",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's directory")
+    p.add_argument("--run-dir", required=True, help="a finished run's directory")
     p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     p.add_argument("--json", help="also write the breakdown as JSON here")
     p.set_defaults(run=main)
@@ -188,20 +200,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    try:
-        run = load_run(run_dir)
-    except ReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    run = load_run(run_dir)
+    out = writable_file("--out", Path(args.out) if args.out else run_dir / "report.png")
+    json_out = writable_file("--json", Path(args.json)) if args.json else None
     parts = breakdown(run)
     print(render_table(run, parts))
-    out = Path(args.out) if args.out else run_dir / "report.png"
-    try:
-        plot(run, parts, out)
-    except ReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    plot(run, parts, out)
     print(f"timeline: {out}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(parts, indent=2, sort_keys=True) + "\n")
+    if json_out:
+        json_out.write_text(json.dumps(parts, indent=2, sort_keys=True) + "\n")
     return 0

@@ -1,52 +1,12 @@
 """``resilient-fsdp simulate``: Monte Carlo goodput of a long job at cluster scale, per restart strategy.
 
-Each run draws node failures as a Poisson process (rate: nodes / node MTBF) over a wall-clock
-horizon. A failure is one of three classes, in proportions given by ``--mix``:
-
-* ``transient``: an exception, a hang, a NCCL timeout: the processes are healthy enough to
-  re-enter the training function (in-process restart can take it);
-* ``process``: a crashed or wedged worker process on a healthy node (in-job restart can take it);
-* ``node``: the node is lost or must be replaced (only the job-level restart can take it).
-
-A strategy decides which layer handles each class: ``job`` (every failure restarts the job),
-``in-job`` (+ ``ft_launcher`` respawns workers for ``transient`` and ``process``), ``in-process``
-(+ in-process restart for ``transient``). Every recovery resumes from the newest *committed*
-checkpoint; a failure during a recovery starts that recovery again.
-
-Training between failures follows ``model``: ``T`` seconds of training, a stall of
-``delta``, and a background write that commits ``W`` seconds after the stall ends.
-
-With ``--memory-stall-s`` a fourth strategy, ``in-job+memory``, is ``in-job`` with the memory
-tier: a snapshot in the pods' memory every ``T_m`` seconds of training (stall ``delta_m``, no
-write time: its record follows the copy on the rank itself), ``T / T_m - 1`` of them per
-durable interval (the durable save takes the last). A ``transient`` or ``process`` failure
-resumes from the newest snapshot (the pods keep their memory); a ``node`` failure does too with
-``--memory-replicas 1`` (the peer pod's replica; the other pods stay up while the lost one is
-replaced), else from the durable checkpoint.
-
-Every figure comes with its range over the inputs no run here pins down: the low end is the same
-job on a cluster that fails at Meta RSC-1's published rate (about 1.5x Llama 3's, the default) and
-recovers ``--recovery-range`` times slower (3 by default: scheduling, image pulls and joins at
-1,000+ nodes take 2-3x what a small cluster's restart does); the high end is the figure itself.
-A rate given with ``--node-mtbf-hours`` is the user's own and is not widened. The inputs are
-listed with where each comes from: measured (``--recovery-from-bench``), given, published or
-assumed. Judge a target at the range's middle and name the low end. ``--startup-from-bench`` adds
-to every recovery what ``bench scale`` measured a restarted world of each size to spend before
-its first step (a cold save's planning and a resume's metadata and load planning).
-
-Beside the strategies, an analytic estimate of the two failure classes no restart layer sees
-(``model.slow_and_silent``): stragglers (at Falcon's published inflation of a job's time)
-unmitigated against found and replaced by a hot spare (``resilience.stragglers``), and silent data
-corruption (Llama 3's published share of interruptions) unchecked against HSDP replica checks
-(``resilience.sdc``), each input named with where it comes from.
-
-With ``--spares S`` (``auto``: the fewest for which at most 1% of node losses find none free,
-``model.spares_needed``) the in-job strategies run again with S hot spares, ``in-job+spares`` and
-``in-job+memory+spares``: a ``node`` failure of any pod but pod 0 (the rendezvous store's host,
-one node loss in ``nodes``) finds a standby pod free, takes it, and recovers at the in-job
-restart's cost plus ``model.SPARE_JOIN_S``; that spare is busy until its replacement joins,
-``--replacement-s`` later (default: the job-level recovery). With every spare busy, or pod 0
-lost, the node failure is a job-level restart as without spares.
+Each run draws node failures as a Poisson process over a wall-clock horizon, each of a class
+(:data:`CLASSES`, in ``--mix`` proportions) that a strategy (:data:`STRATEGIES`) hands to a
+restart layer; every recovery resumes from the newest committed checkpoint, and training between
+failures follows :mod:`.model`. With ``--memory-stall-s`` the memory tier's strategy runs too, with
+``--spares`` the in-job strategies with hot spares. Each figure comes with a range: the low end
+fails at Meta RSC-1's rate and recovers ``--recovery-range`` times slower. Stragglers and silent
+corruption, which no restart sees, are estimated beside (``model.slow_and_silent``).
 """
 
 from __future__ import annotations
@@ -61,8 +21,11 @@ from typing import Optional
 
 import numpy as np
 
+from ..config.errors import UsageError, writable_file
 from . import model as gm
 
+# transient: the processes can re-enter the training function (in-process restart can take it);
+# process: a crashed or wedged worker on a healthy node (in-job restart); node: lost or replaced (job level).
 CLASSES = ("transient", "process", "node")
 STRATEGIES = {
     # failure class -> layer that recovers it
@@ -71,9 +34,14 @@ STRATEGIES = {
     "in-process": {"transient": "in_process", "process": "in_job", "node": "job"},
 }
 MEMORY_STRATEGY = "in-job+memory"
-"""``in-job`` with the memory tier; simulated when the scenario has a memory stall."""
+"""``in-job`` with the memory tier; simulated when the scenario has a memory stall. A snapshot every
+``T_m`` seconds (no write time); ``transient`` and ``process`` failures resume from it, a ``node``
+failure too with ``--memory-replicas 1`` (the peer pod's replica), else from the durable checkpoint."""
 SPARE_STRATEGIES = {"in-job+spares": "in-job", "in-job+memory+spares": MEMORY_STRATEGY}
-"""Each strategy with hot spares -> the same strategy without them; simulated with spares."""
+"""Each strategy with hot spares -> the same strategy without them; simulated with spares. A node
+failure of any pod but pod 0 (the rendezvous store's host) takes a free spare and recovers at the
+in-job cost plus ``model.SPARE_JOIN_S``; the spare stays busy until the replacement joins
+(``--replacement-s``). With every spare busy, or pod 0 lost, it is a job-level restart."""
 # At-scale recovery times (seconds), each from the failure to training again, checkpoint load
 # included. Stated assumptions, not measurements: in-process restart's own parts add to ~1.5 s
 # (NVRx docs) plus re-initialisation and the load; an in-job restart cycle is about a minute
@@ -294,14 +262,6 @@ def analytic(s: Scenario, strategy: str) -> float:
                                            coverage).productive
 
 
-class UsageError(SystemExit):
-    """A flag the user got wrong: its message on stderr and exit 2, as argparse's own errors."""
-
-    def __init__(self, message: str):
-        print(message, file=sys.stderr)
-        super().__init__(2)
-
-
 def parse_recovery(text: str) -> dict:
     out = dict(DEFAULT_RECOVERY_S)
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -314,9 +274,15 @@ def parse_recovery(text: str) -> dict:
 
 def recovery_from_bench(path: Path) -> dict:
     """Median recovery per layer from ``bench recovery`` JSON (``full_relaunch`` stands for ``job``)."""
-    data = json.loads(path.read_text())
     names = {"in_process": "in_process", "in_job": "in_job", "full_relaunch": "job"}
-    return {layer: float(data[key]["recovery_s_median"]) for key, layer in names.items() if key in data}
+    try:
+        data = json.loads(path.read_text())
+        return {layer: float(data[key]["recovery_s_median"]) for key, layer in names.items() if key in data}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--recovery-from-bench {path}: cannot read it as JSON ({exc})") from None
+    except (TypeError, KeyError, ValueError, AttributeError):
+        raise UsageError(f"--recovery-from-bench {path}: not `bench recovery` results (each of "
+                         f"{', '.join(names)} with a recovery_s_median)") from None
 
 
 def startup_from_bench(path: Path, case: str, ranks: int) -> float:
@@ -406,31 +372,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
     try:
         nodes = [int(n) for n in args.nodes.split(",") if n.strip()]
+    except ValueError:
+        raise UsageError(f"--nodes {args.nodes!r}: give comma-separated whole node counts, e.g. --nodes 8,64") from None
+    try:
         mix = tuple(float(x) for x in args.mix.split(","))
+    except ValueError:
+        raise UsageError(f"--mix {args.mix!r}: give three comma-separated numbers (transient,process,node), "
+                         "e.g. --mix 0.5,0.3,0.2") from None
+    try:
         recovery = parse_recovery(args.recovery_s)
     except ValueError as exc:
-        raise UsageError(f"error: {exc}")
+        raise UsageError(str(exc)) from None
     if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
-        raise UsageError("error: --mix needs three non-negative shares (transient,process,node)")
+        raise UsageError("--mix needs three non-negative shares (transient,process,node)")
     if not nodes or min(nodes) < 1:
-        raise UsageError("error: --nodes needs positive node counts, e.g. --nodes 8,64")
+        raise UsageError("--nodes needs positive node counts, e.g. --nodes 8,64")
     if not args.step_s > 0 or args.straggler_find_s < 0 or args.sdc_interval_steps < 1 \
             or not 0 <= args.sdc_check_cost < 1:
-        raise UsageError("error: --step-s must be above 0, --straggler-find-s 0 or more, --sdc-interval-steps 1 or "
+        raise UsageError("--step-s must be above 0, --straggler-find-s 0 or more, --sdc-interval-steps 1 or "
                          "more and --sdc-check-cost a share of a step from 0 to below 1")
     if args.recovery_from_bench:
         recovery.update(recovery_from_bench(Path(args.recovery_from_bench)))
     node_mtbf = args.node_mtbf_hours or gm.node_mtbf_hours(args.gpus_per_node)
     spares_arg = str(getattr(args, "spares", "0")).strip()
     if spares_arg != "auto" and not spares_arg.isdigit():
-        raise UsageError(f"error: --spares {spares_arg!r}: give a whole number of spare nodes (0 or more) or 'auto'")
+        raise UsageError(f"--spares {spares_arg!r}: give a whole number of spare nodes (0 or more) or 'auto'")
     replacement = getattr(args, "replacement_s", None)
     replacement = recovery["job"] if replacement is None else replacement
     if replacement < 0:
-        raise UsageError("error: --replacement-s must not be negative")
+        raise UsageError("--replacement-s must not be negative")
     recovery_range = getattr(args, "recovery_range", DEFAULT_RECOVERY_RANGE)
     if not recovery_range >= 1:
-        raise UsageError(f"error: --recovery-range {recovery_range:g}: give 1 or more (the low end's recovery "
+        raise UsageError(f"--recovery-range {recovery_range:g}: give 1 or more (the low end's recovery "
                          "times as a multiple of those given)")
     # A rate the user gives is their cluster's own; the published one is widened to RSC-1's.
     node_mtbf_low = 0.0 if args.node_mtbf_hours else min(node_mtbf, gm.rsc_node_mtbf_hours(args.gpus_per_node))
@@ -443,7 +416,7 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
             try:
                 startup = startup_from_bench(Path(startup_file), args.startup_case, n * args.gpus_per_node)
             except (OSError, ValueError, KeyError) as exc:
-                raise UsageError(f"error: --startup-from-bench {startup_file}: {exc}")
+                raise UsageError(f"--startup-from-bench {startup_file}: {exc}")
             recovery_n = {k: v + startup for k, v in recovery.items()}
         interval = args.interval_s or max(gm.daly_interval(args.ckpt_stall_s, mtbf_s), args.ckpt_write_s)
         s = Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
@@ -454,16 +427,16 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
         stall = getattr(args, "memory_stall_s", None)
         if stall is not None:
             if stall < 0:
-                raise UsageError("error: --memory-stall-s must not be negative")
+                raise UsageError("--memory-stall-s must not be negative")
             s = Scenario(**{**s.__dict__, "memory_stall_s": stall, "memory_replicas": args.memory_replicas,
                             "memory_interval_s": 1.0})  # from_memory needs an interval to say what it covers
             coverage = sum(p for p, c in zip(mix, CLASSES) if s.from_memory(c)) / sum(mix)
             memory_interval = args.memory_interval_s or gm.daly_interval(max(stall, 1e-3), mtbf_s / max(coverage, 1e-9))
             if memory_interval <= 0:
-                raise UsageError("error: --memory-interval-s must be positive")
+                raise UsageError("--memory-interval-s must be positive")
             durable = getattr(args, "memory_durable_interval_s", None) or interval
             if durable < args.ckpt_write_s:
-                raise UsageError(f"error: --memory-durable-interval-s {durable:g} is shorter than the write "
+                raise UsageError(f"--memory-durable-interval-s {durable:g} is shorter than the write "
                                  f"(--ckpt-write-s {args.ckpt_write_s:g}): saves would queue behind writes")
             s = Scenario(**{**s.__dict__, "memory_interval_s": min(memory_interval, durable),
                             "memory_durable_interval_s": durable})
@@ -600,8 +573,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.runs < 1:
-        print("error: --runs must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError(f"--runs {args.runs}: give 1 or more simulated jobs per point")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path:
+            writable_file(flag, Path(path))
     scenarios = scenarios_from_args(args)
     rows = run_all(scenarios, args.runs, args.seed)
     slow = slow_and_silent_rows(scenarios, args)

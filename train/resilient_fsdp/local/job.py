@@ -1,36 +1,11 @@
 """From ``resilient-fsdp local``'s flags to a running job: chart values, render, pods, launch.
 
-The flags are chart values (``-f VALUES``, default ``values/dev-cpu.yaml``, then):
-
-=============================  ===============================================================
-flag                           chart value
-=============================  ===============================================================
-``--nodes N``                  ``nodes``
-``--nproc-per-node P``         ``cpuRanksPerNode`` (``gpusPerNode`` on a GPU instance type)
-``--config FILE``, ``--set``   ``trainer.*`` (the trainer's own keys, checked as the trainer
-                               checks them)
-``--max-restarts N``           ``trainer.resilience.launcher.max_restarts``
-``--inject SPEC``              ``chaos.enabled=true``, ``chaos.inject`` (the chaos drill)
-``--run-dir DIR``              the shared volume: ``storage.type=existingClaim``, bound to DIR
-                               at ``storage.mountPath``; ``trainer.run_dir`` is the mount path
-``--rdzv-port P``              ``rendezvous.port``
-``--pod-start-delay I=S``      none: the local cluster starts pod ``I`` ``S`` seconds after the
-                               others the first time (an image pull on a fresh node)
-``--replacement-delay S``      none: a lost pod's replacement starts ``S`` seconds after the loss
-                               (a new node provisioned, the image pulled)
-``--value KEY=V``              any other chart value, as ``helm --set``
-``--value-json KEY=JSON``      any other chart value, as ``helm --set-json``
-``--nofile SOFT[:HARD]``       none: the ``nofile`` limit the container runtime gives each
-                               container (netns; default 1024:524288)
-``--shared-volume-fsgroup``    none: whether the kubelet applies ``fsGroup`` to the shared
-                               claim (netns; default ``skip``, as FSx for Lustre's CSI driver)
-=============================  ===============================================================
-
-The shared volume is modelled as a new FSx file system's: its root is whoever owns
-``--run-dir`` (root, for a directory the launcher makes), and ``fsGroup`` does not reach it.
-Under netns the chart's ``storage.prepare`` is therefore on unless the values set it: its init
-container makes the run and checkpoint directories the pod user's, as on a first EKS run.
-Under loopback, where pods run as the launcher's own user, it is off.
+The flags are chart values (:func:`chart_values` names each flag's value); the few that are not
+(``--pod-start-delay``, ``--replacement-delay``, ``--nofile``, ``--shared-volume-fsgroup``) are
+what a cluster would decide: when a pod first starts, how long a lost pod's replacement takes,
+the container runtime's limits, the volume driver's ``fsGroup``. :func:`main` renders the chart,
+reads the job from the manifests (:mod:`.manifests`) and runs it (:mod:`.cluster`); the
+``local`` command of :mod:`resilient_fsdp.cli` calls it.
 """
 
 from __future__ import annotations
@@ -67,6 +42,8 @@ ISOLATIONS = ("netns", "loopback")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..config.errors import existing_file
+
     p.add_argument("-f", "--values", dest="values_files", action="append", default=[], metavar="FILE",
                    help=f"chart values file (repeatable; later files win); default "
                         f"{DEFAULT_VALUES.relative_to(REPO_ROOT)}")
@@ -76,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shared volume every pod mounts: logs, metrics, summary and checkpoints")
     p.add_argument("--max-restarts", type=int,
                    help="in-job restarts ft_launcher may make (trainer.resilience.launcher.max_restarts)")
-    p.add_argument("--max-pod-recreations", "--max-node-restarts", dest="max_recreations", type=int,
+    p.add_argument("--max-pod-recreations", dest="max_recreations", type=int,
                    default=DEFAULT_MAX_RECREATIONS,
                    help="LOCAL SAFETY CAP, not an operator feature: pod recreations after which the local "
                         "job fails (a PyTorchJob with restartPolicy ExitCode and backoffLimit >= 1 recreates "
@@ -104,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-json", dest="chart_values_json", action="append", default=[], metavar="KEY=JSON",
                    help="set a chart value as helm --set-json does, e.g. --value-json shm.sizeLimit='\"2Gi\"' "
                         "(repeatable; before --value)")
-    p.add_argument("--manifests", metavar="FILE",
+    p.add_argument("--manifests", metavar="FILE", type=existing_file,
                    help="run these rendered manifests (resilient-fsdp render or helm template output) instead of "
                         "rendering the chart: no chart, trainer or fault flags then")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -154,11 +131,20 @@ def _under_mount(tree: object, declared: str, mount: str) -> object:
 
 
 def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_path: Optional[str] = None) -> dict:
-    """The values the local job renders with (see the module's table)."""
+    """The values the local job renders with: the values files (``-f``, default
+    values/dev-cpu.yaml), ``--value``/``--value-json`` as ``helm --set``/``--set-json``, then the
+    flags that are chart values: ``--nodes`` (``nodes``), ``--nproc-per-node`` (``cpuRanksPerNode``,
+    ``gpusPerNode`` on a GPU instance type), ``--config``/``--set`` (``trainer.*``),
+    ``--max-restarts`` (``trainer.resilience.launcher.max_restarts``), ``--inject``
+    (``chaos.inject``), ``--rdzv-port`` (``rendezvous.port``) and ``--run-dir`` (an
+    ``existingClaim`` volume at ``storage.mountPath``, which is ``trainer.run_dir``)."""
     files = args.values_files or [DEFAULT_VALUES]
     values = load_values(files, args.chart_values, args.chart_values_json)
     declared = values.get("storage", {}).get("mountPath") or "/fsx"
     mount = mount_path or declared
+    # The volume is modelled as a new FSx file system's: its root is whoever owns --run-dir and
+    # fsGroup does not reach it, so under netns the init container that makes the run directories
+    # the pod user's is on, as on a first EKS run; under loopback pods run as this user.
     prepare = (values.get("storage") or {}).get("prepare", isolation == "netns")
     trainer = trainer_values(args.config, args.overrides)
     if mount != declared:
