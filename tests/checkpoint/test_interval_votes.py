@@ -5,6 +5,7 @@ with nothing to save or commit adds no collective of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -36,10 +37,10 @@ def _rank(rank: int, world: int, port: int, run_dir: str) -> None:
     votes, after_step = ckpt.votes, ckpt.after_step
     per_step: list[dict] = []
 
-    def skewed_votes() -> list[float]:
+    def skewed_votes():
         mine = votes()
         if rank == 1 and not per_step:  # rank 1's clock says the hour has passed; rank 0's does not
-            mine[0] = 1.0
+            mine = dataclasses.replace(mine, interval_passed=1.0)
         return mine
 
     def counting_after_step(step: int, agreed=None) -> float:
@@ -49,7 +50,7 @@ def _rank(rank: int, world: int, port: int, run_dir: str) -> None:
             return after_step(step, agreed=agreed)
         finally:
             counted["in_after_step"] = False
-            per_step.append({"step": step, "agreed": agreed, "saved": ckpt.last_saved_step != saved_before,
+            per_step.append({"step": step, "agreed": dataclasses.asdict(agreed), "saved": ckpt.last_saved_step != saved_before,
                              "committed": ckpt.last_committed_step != committed_before,
                              "all_reduces": counted["calls"]})
 
@@ -69,16 +70,16 @@ def test_ranks_whose_clocks_disagree_save_together_without_a_collective_a_step(t
     assert ranks[0] == ranks[1], ranks  # the same agreement, the same saves, on both ranks
     steps = ranks[0]
     assert [s["step"] for s in steps] == list(range(1, 401))
-    assert steps[0]["agreed"][0] == 1.0 and steps[0]["saved"]  # one rank's vote is enough
+    assert steps[0]["agreed"]["interval_passed"] == 1.0 and steps[0]["saved"]  # one rank's vote is enough
     assert not any(s["saved"] for s in steps[1:])  # the hour has not passed again
     # The write is handed to rank 0's commit process at the first step at which no rank voted
     # that it still writes, and learned committed at the first step after it at which rank 0
     # voted that its commit no longer runs.
-    handoff = next(i for i, s in enumerate(steps) if i > 0 and s["agreed"][1] == 0.0)
-    assert all(s["agreed"][1] > 0 for s in steps[1:handoff]), steps[:handoff + 1]
+    handoff = next(i for i, s in enumerate(steps) if i > 0 and s["agreed"]["writing"] == 0.0)
+    assert all(s["agreed"]["writing"] > 0 for s in steps[1:handoff]), steps[:handoff + 1]
     commit = next(i for i, s in enumerate(steps) if s["committed"])
-    assert commit > handoff and steps[commit]["agreed"][2] == 0.0, steps[:commit + 1]
-    assert all(s["agreed"][2] > 0 for s in steps[handoff + 1:commit]), steps[:commit + 1]
+    assert commit > handoff and steps[commit]["agreed"]["committing"] == 0.0, steps[:commit + 1]
+    assert all(s["agreed"]["committing"] > 0 for s in steps[handoff + 1:commit]), steps[:commit + 1]
     assert [e["step"] for e in read_events(tmp_path, "checkpoint")] == [1]
     # Every other step adds no all-reduce of the checkpointer's own.
     assert all(s["all_reduces"] == 0 for i, s in enumerate(steps) if i not in (0, commit)), steps

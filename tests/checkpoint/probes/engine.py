@@ -293,7 +293,7 @@ def handed_off(trainer, step_no):
     step(trainer)
     ckpt.save(step_no)
     polls = []
-    while not (ckpt.pending is not None and ckpt.pending.get("committing")):
+    while not (ckpt.pending is not None and ckpt.pending.committing):
         t0 = time.monotonic()
         ckpt.poll()  # without votes: a world of one agrees in its own collectives
         polls.append(time.monotonic() - t0)
@@ -307,7 +307,7 @@ def slow_commit_trainer(run_dir, mode):
                              "checkpoint.save_final=false"])
     resources = ProcessResources(cfg)
     trainer = Trainer(cfg, resources)
-    trainer.checkpointer._commits = commit.CommitProcess(slow_commit)
+    trainer.checkpointer.commits.process = commit.CommitProcess(slow_commit)
     return cfg, resources, trainer
 
 
@@ -316,7 +316,7 @@ def commit_in_flight(run_dir, mode):
     ckpt = trainer.checkpointer
     polls = handed_off(trainer, 1)
     in_flight = ckpt._commit_running()
-    future = ckpt._commit_future
+    future = ckpt.commits.future
     t0 = time.monotonic()
     trainer.close(failed=True)
     close_s = time.monotonic() - t0
@@ -335,7 +335,7 @@ def commit_process_dies(run_dir, mode):
     handed_off(trainer, 1)
     # The process is in the slowed commit: killed mid-commit, not before it began.
     pid = wait_for_marker(cfg.checkpoint_dir / ".commit-started-1")
-    (victim,) = [p for p in psutil.Process().children(recursive=True) if p.pid in ckpt._commits._pool._processes]
+    (victim,) = [p for p in psutil.Process().children(recursive=True) if p.pid in ckpt.commits.process._pool._processes]
     mid_commit = victim.pid == pid
     victim.kill()
     while ckpt._commit_running():
@@ -343,7 +343,7 @@ def commit_process_dies(run_dir, mode):
     failed = ckpt.streak.count
     ckpt._periodic(ckpt.poll)  # learns the failure, counts it, goes on (as after_step does)
     streak = ckpt.streak.count
-    ckpt._commits.fn = commit.run
+    ckpt.commits.process.fn = commit.run
     handed_off(trainer, 2)
     while ckpt.pending is not None:
         ckpt.poll()
@@ -365,7 +365,7 @@ def commit_hangs(run_dir, mode):
     resources = ProcessResources(cfg)
     trainer = Trainer(cfg, resources)
     ckpt = trainer.checkpointer
-    ckpt._commits = commit.CommitProcess(hung_commit)
+    ckpt.commits.process = commit.CommitProcess(hung_commit)
     try:
         handed_off(trainer, 1)
         handed = time.monotonic()  # the deadline runs from the hand-over, the process's start included
@@ -375,7 +375,7 @@ def commit_hangs(run_dir, mode):
             time.sleep(0.05)
         learned_s = time.monotonic() - handed
         hung_alive = not gone_within(pid, 10.0)  # SIGKILLed: gone (or a zombie) once the kernel acts on it
-        ckpt._commits.fn = commit.run
+        ckpt.commits.process.fn = commit.run
         handed_off(trainer, 2)
         while ckpt.pending is not None:
             ckpt._periodic(ckpt.poll)

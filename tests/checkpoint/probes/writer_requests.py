@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from resilient_fsdp.train import open_files
+from resilient_fsdp.checkpoint import open_files
 from resilient_fsdp.checkpoint.writer.process import NVRX_VERSION
 from resilient_fsdp.checkpoint.writer.report import SaveReport
 from resilient_fsdp.config import load_config

@@ -1,29 +1,17 @@
-"""Rank 0's commit of a checkpoint, and the process it runs in between steps.
+"""Rank 0's commit of a checkpoint (:func:`run`), and the process it runs in between steps.
 
-**What a commit does** (:func:`run`): every rank's outcome (pickled by the rank itself, so the
-coordinator's training thread only moves bytes) is unpickled and checked; the engine's own files
-are written (DCP's ``.metadata``, from the plan's global metadata and every rank's write results);
-the lease is checked; the manifest is written and the directory renamed (:func:`.store.commit`).
-At scale that is seconds of pickling: at 2,048 nodes under HSDP about 4.9 s (``goodput/costs``).
-
-**Where it runs.** A commit the ranks wait for (the next save, the end of the job) runs on the
-training thread. One found ready between steps runs in :class:`CommitProcess`, a process of rank
-0's own, while training goes on; the ranks learn its outcome at the first step after it finished
-(:class:`~.checkpointer.Checkpointer`). A process, not a thread: pickling holds the interpreter's
-lock for as long as a C call lasts, and a thread doing seconds of it would hold up the training
-thread's every kernel launch. The plan's global metadata is about as large as ``.metadata`` itself,
-so it is sent once per plan (:attr:`CommitJob.metadata`) and kept by the process; with a
-validated plan cache (from a process's third save) every later commit sends only the outcomes.
-
-The process is forked from the pod's writer fork server when there is one (already imported, its
-priority lowered), else spawned; it never sees a GPU. A commit it does not finish (the process
-died, or the rank's attempt ended and it ran out of time) leaves the checkpoint incomplete, never
-loaded, and swept later, as a commit cut short on the training thread does.
+A commit unpickles and checks every rank's outcome (each rank pickled its own, so rank 0's
+training thread only moves bytes), writes the engine's files (DCP's ``.metadata``), checks the
+lease, writes the manifest and renames the directory (:func:`.store.commit`). A commit the ranks
+wait for runs on the training thread; one found ready between steps runs in
+:class:`CommitProcess` while training goes on (:class:`~.checkpointer.Checkpointer`). A commit it
+does not finish leaves the checkpoint incomplete, never loaded, and swept later.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import multiprocessing
 import os
 import pickle
@@ -169,7 +157,14 @@ def _commit_process_started(rank_pid: int, given: Optional[fork_server.Inheritan
 
 class CommitProcess:
     """Rank 0's commit process: one at a time, started at the first commit handed to it,
-    replaced when it dies."""
+    replaced when it dies.
+
+    A process, not a thread: pickling holds the interpreter's lock for as long as a C call lasts,
+    and seconds of it (about 4.9 s at 2,048 nodes under HSDP, ``goodput/costs``) would hold up the
+    training thread's every kernel launch. The plan's global metadata is about as large as
+    ``.metadata``, so it is sent once per plan (:attr:`CommitJob.metadata`) and kept by the
+    process. Forked from the pod's writer fork server when there is one, else spawned; it never
+    sees a GPU."""
 
     def __init__(self, fn: Callable[[CommitJob], CommitResult] = run) -> None:
         self.fn = fn  # what the process runs per job (:func:`run`; a module-level function)
@@ -239,3 +234,55 @@ class CommitProcess:
                 except (OSError, AttributeError):
                     pass
         pool.shutdown(wait=not kill, cancel_futures=True)
+
+
+class BackgroundCommit:
+    """Rank 0's commit in flight in its :class:`CommitProcess`, given up ``timeout_s``
+    (``checkpoint.write_timeout_s``) after it was handed over."""
+
+    def __init__(self, timeout_s: float, process: Optional[CommitProcess] = None) -> None:
+        self.timeout_s = timeout_s
+        self.process = process or CommitProcess()
+        self.future: Optional[concurrent.futures.Future] = None
+        self.deadline = math.inf
+
+    def submit(self, job: CommitJob) -> Optional[str]:
+        """Hand ``job`` over; why no process could take it (it was committed on this thread), or None."""
+        self.future = self.process.submit(job)
+        self.deadline = time.monotonic() + self.timeout_s
+        unavailable, self.process.unavailable = self.process.unavailable, None
+        return unavailable
+
+    def running(self) -> bool:
+        """Still on the commit, within its deadline. Past the deadline it counts as finished, so
+        that every rank learns the failure a hung commit is."""
+        return self.future is not None and not self.future.done() and time.monotonic() < self.deadline
+
+    def result(self) -> Optional[CommitResult]:
+        """The commit's result (None: none in flight), waited for until its deadline at most; a
+        commit that outlives it is a failed save (its process killed, the checkpoint left
+        incomplete and swept later), never a wait without end."""
+        future, self.future = self.future, None
+        if future is None:
+            return None
+        try:
+            return self.process.result(future, timeout=max(0.0, self.deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            self.process.close(kill=True)
+            return CommitResult(error=f"rank 0's commit did not finish within checkpoint.write_timeout_s="
+                                      f"{self.timeout_s:g}; its commit process was killed, and the next save "
+                                      "commits in a new one", timed_out=True)
+
+    def close(self) -> bool:
+        """Let a commit in flight finish (every write is whole; the commit is atomic), up to
+        ``timeout_s``, then stop the process; False when the commit did not finish (killed)."""
+        finished = True
+        if self.future is not None:
+            try:
+                self.process.result(self.future, timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                self.process.close(kill=True)
+                finished = False
+            self.future = None
+        self.process.close()
+        return finished

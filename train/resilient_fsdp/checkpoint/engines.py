@@ -1,24 +1,12 @@
 """The three ways of writing a checkpoint (``checkpoint.mode``): :class:`Engine`, what every one
-is, and ``sync``, ``async`` and ``torch-async``. Each starts a write, reports when this rank's part
-is done, hands over this rank's outcome (:class:`LocalOutcome`), and on the coordinator finishes.
+is, and ``sync``, ``async`` and ``torch-async``.
 
-- ``async`` (default): NVRx ``FileSystemWriterAsync`` in the rank's writer process
-  (:class:`.writer.process.WriterProcess`). The save takes the state's structure and non-tensor
-  values, plans (with a plan cache; from the third save of a structure on, in the background) and
-  returns; the tensors are copied into reused host buffers while the next forward and backward
-  run, and the trainer waits for that copy just before ``optimizer.step()`` (:meth:`Engine.staged`).
-  The copy's helper thread then hands the write to the writer (:mod:`.writer.handoff`: the
-  staging arena once, references per save); the writer writes a standard DCP checkpoint; the loop collects it
-  at a later step.
-- ``torch-async``: the same staging; the writer of NVRx's ``TorchAsyncCheckpoint`` writes each
-  rank's shard with ``torch.save`` (one file per rank), fsynced before it reports completion.
-  Resumes only at the same world size.
-- ``sync``: plain ``torch.distributed.checkpoint.save``; the baseline.
-
-Every file is checksummed while it is written (:mod:`.integrity`), and each save's writer reports
-back through its own :class:`.writer.report.SaveReport`. Nothing here raises for a failed write:
-:meth:`Engine.collect` returns it in a :class:`LocalOutcome`, which the checkpointer gathers so that
-every rank reports the same failure. Everything NVRx-specific is in :mod:`.writer`.
+Each starts a write, reports when this rank's part is done, hands over this rank's outcome
+(:class:`LocalOutcome`, never an exception, so that every rank reports the same failure), and on
+the coordinator finishes. ``async`` (default) writes a standard DCP checkpoint through NVRx in the
+rank's writer process; ``torch-async`` one ``torch.save`` file per rank (resumes only at the same
+world size); ``sync`` is plain DCP, the baseline. Everything NVRx-specific is in :mod:`.writer`;
+used by :class:`.checkpointer.Checkpointer` and :mod:`resilient_fsdp.train.resources`.
 """
 
 from __future__ import annotations
@@ -180,7 +168,10 @@ class SyncEngine(Engine):
 class StagedEngine(Engine):
     """What ``async`` and ``torch-async`` share: the rank's writer process, started at construction
     in the background, and staging into a reused arena (:mod:`.arena`) that the writer receives once. A save in
-    flight is its :class:`.writer.report.SaveReport` until it is collected."""
+    flight is its :class:`.writer.report.SaveReport` until it is collected. The tensors are copied
+    while the next forward and backward run, and the trainer waits for the copy just before
+    ``optimizer.step()`` (:meth:`Engine.staged`); the copy's helper thread then hands the write to
+    the writer (:mod:`.writer.handoff`). Every file is checksummed while written (:mod:`.integrity`)."""
 
     torch_save = False
 
@@ -393,7 +384,8 @@ class AsyncEngine(StagedEngine):
 
 
 class TorchAsyncEngine(StagedEngine):
-    """One ``torch.save`` file per rank, written by the writer of NVRx's ``TorchAsyncCheckpoint``."""
+    """One ``torch.save`` file per rank, written by the writer of NVRx's ``TorchAsyncCheckpoint`` and
+    fsynced before it reports completion."""
 
     mode = "torch-async"
     reshardable = False

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .store import CheckpointError
 
@@ -84,6 +85,16 @@ def volume_full_message(root: Path, needed_bytes: Optional[int], keep_last: int)
             "deleted to make room")
 
 
+def save_failure(message: str, cause: str, step: int, error: object, root: Path, needed_bytes: Optional[int],
+                 keep_last: int) -> Failure:
+    """Rank 0: the failure of the save of ``step``; a full volume is said as such. A writer's
+    error does not always carry the ENOSPC (torch's zip writer reports a short write as a
+    position mismatch), so less free space than a checkpoint needs counts as full too."""
+    if is_volume_full(error) or short_of_space(root, needed_bytes):
+        return Failure(f"{message}: {volume_full_message(root, needed_bytes, keep_last)}", VOLUME_FULL, step)
+    return Failure(message, cause, step)
+
+
 class FailureStreak:
     """Saves that failed in a row; a commit ends the streak. ``limit``:
     ``checkpoint.max_consecutive_failures``, the failure that reaches it ends the job."""
@@ -106,3 +117,28 @@ class FailureStreak:
                              f"(checkpoint.max_consecutive_failures={self.limit}); the last: {error}. Fix the cause "
                              "or raise checkpoint.max_consecutive_failures", error.cause, error.step, fatal=True) from error
         return self.count
+
+    def judge(self, exc: SaveFailed, newest: Optional[int], event: Callable[[dict], None], say: Callable[[str], None],
+              final: bool = False, stopping: bool = False) -> None:
+        """A save failed on every rank: record it (``event``) and go on (``say``), or raise the job's
+        end (a lost lease, ``final``, the streak at the limit; permanent unless ``stopping``, a
+        graceful stop's). ``newest``: the newest committed step. Every rank gets the same failure,
+        so every rank takes the same branch."""
+        end: Optional[SaveFailed] = None
+        if final:
+            self.count += 1
+            committed = f"step {newest}" if newest is not None else "none"
+            what = "A graceful stop's checkpoint" if stopping else "The checkpoint that ends this run (checkpoint.save_final)"
+            end = SaveFailed(f"{exc}. {what} was not committed; the newest committed checkpoint: {committed}", exc.cause,
+                             exc.step, fatal=True, permanent=not stopping)
+        else:
+            try:
+                self.failed(exc)
+            except SaveFailed as limit:
+                end = limit
+        event({"event": "checkpoint_failed", "t": time.time(), "step": exc.step, "cause": exc.cause,
+               "consecutive": self.count, "limit": self.limit, "fatal": end is not None, "error": str(exc)})
+        if end is not None:
+            raise end from exc
+        say(f"warning: {exc}; training goes on and the next due save tries again ({self.count} in a row; the job "
+            f"fails at checkpoint.max_consecutive_failures={self.limit})")

@@ -2,24 +2,9 @@
 
 :class:`RankGroup` is all the checkpoint package knows of the process group: this rank, the world
 size and the device the job's backend moves tensors on. Resume and the S3 restore take one and
-return their results; nothing of the checkpointer is handed to them.
-
-Objects (commit outcomes, records, votes) travel on a CPU side group (gloo), never on NCCL: an
-object collective on NCCL pickles into a tensor on the GPU, so a commit at 1,024 ranks would move
-hundreds of MB of write results through rank 0's GPU memory. :func:`open_object_group` makes that
-group once per default group (where the default group is made); a default group that is gloo
-already serves as its own. Small max-reductions stay on the default group: one tensor of a few
-floats, no pickling.
-
-Side groups connect lazily (:func:`lazy_gloo_group`): an eager gloo group connects every rank to
-every other when it is made, a socket per rank of the world at every start (16,383 a rank at
-2,048 nodes x 8). A lazy one makes none then, and a pair's connection on its first message, so a
-rank holds only the peers its messages reach. The object collectives send those messages along
-one tree of :data:`FANOUT` children a rank (:class:`RankGroup`): a gather goes up it, a broadcast
-down, an all-gather up then down, so a rank talks to its parent and its children alone, at most
-``FANOUT + 1`` peers at any world size, where gloo's own gather has rank 0 reach every rank and
-its broadcast and ring add a peer per doubling of the world. A message crosses log_FANOUT(world)
-hops (5 at 1,024 ranks); each rank's objects are relayed as the bytes they were pickled to.
+return their results; nothing of the checkpointer is handed to them. Objects travel on a lazily
+connected CPU side group along a tree (:func:`open_object_group`, :func:`lazy_gloo_group`,
+:data:`FANOUT`); small max-reductions stay on the default group (a few floats, no pickling).
 """
 
 from __future__ import annotations
@@ -37,6 +22,10 @@ from ..resilience import nvrx
 
 _LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo's constructor
 # Children a rank has in the object collectives' tree: its peers are these and its parent.
+# Objects go along one tree of FANOUT children a rank: a gather up, a broadcast down, an all-gather
+# up then down, so a rank talks to its parent and children alone (at most FANOUT + 1 peers at any
+# world size, where gloo's own gather has rank 0 reach every rank); log_FANOUT(world) hops (5 at
+# 1,024 ranks), each rank's objects relayed as the bytes they were pickled to.
 FANOUT = 4
 
 
@@ -50,7 +39,8 @@ _object_group: Optional[tuple[weakref.ref, Optional[weakref.ref]]] = None
 def open_object_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
     """Open the CPU group object collectives run on, for the current default group. Collective
     over the default group (every rank calls it at the same point); None means the default group
-    itself (it is gloo)."""
+    itself (it is gloo). Never NCCL: an object collective on NCCL pickles into a tensor on the GPU,
+    so a commit at 1,024 ranks would move hundreds of MB of write results through rank 0's GPU."""
     global _object_group
     default = dist.distributed_c10d._get_default_group()
     if _object_group is not None and _object_group[0]() is default:
@@ -66,7 +56,9 @@ def open_object_group(timeout: Optional[timedelta] = None) -> Optional[dist.Proc
 
 
 def lazy_gloo_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
-    """Collective: a new gloo group over every rank whose pairs connect on their first message.
+    """Collective: a new gloo group over every rank whose pairs connect on their first message
+    (an eager one connects every rank to every other at every start: 16,383 sockets a rank at
+    2,048 nodes x 8; a lazy one only the peers its messages reach).
     A failed attempt's abort shuts its connections down by the ports it listens on (recorded
     here): a thread blocked on a peer then wakes and lets the group, and the attempt, go."""
     before = os.environ.get(_LAZY)

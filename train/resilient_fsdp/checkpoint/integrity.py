@@ -1,21 +1,11 @@
 """Checksums of checkpoint files: computed while a writer writes them, recorded in ``COMPLETE``,
 verified before a checkpoint is loaded and after an S3 download.
 
-- :class:`HashingStream` wraps the stream a writer writes a file through and computes its CRC32C
-  (the ``crc32c`` package: hardware instructions where the CPU has them) from the bytes that pass,
-  so nothing is read back to checksum it;
-- the writers run in three places: NVRx's spawned worker (and the processes or threads it starts
-  per file), torch's DCP writer threads in the rank (``sync``, and the coordinator's ``.metadata``),
-  and a download. A stream in another process records its result in the save's report
-  (:class:`.writer.report.SaveReport`); one in the rank records it in memory
-  (:class:`Recorder`, :class:`HashingFileSystem`);
-- :func:`verify` reads files back and compares, each rank its share (:func:`share`);
-- :class:`VerifiedHere` remembers the checkpoints this process verified or downloaded with their
-  checksums checked, so a later attempt in the same process (an in-process restart, a load right
-  after an S3 restore) does not read them again to verify them.
-
-A file that is written with a seek away from its end (no writer here does) gets no checksum and
-is reported as unverifiable rather than given a wrong one.
+:class:`HashingStream` computes a file's CRC32C from the bytes a writer passes through it, so
+nothing is read back to checksum it; a stream in the writer process records its result in the
+save's report (:class:`.writer.report.SaveReport`), one in the rank in memory (:class:`Recorder`,
+:class:`HashingFileSystem`). :func:`verify` reads files back and compares, each rank its share
+(:func:`share`); :class:`VerifiedHere` remembers what this process verified already.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """The lease on ``checkpoint.dir``: one job writes a checkpoint directory at a time.
 
-Rank 0 takes ``<checkpoint.dir>/LEASE`` at start (before it recovers, resumes or commits
-anything), renews it from a background thread every :data:`RENEW_S` seconds, checks it before
-every commit and releases it at exit. The file names the job, the host and the process.
-
-**The job** is ``checkpoint.job_id`` when set, else the rendezvous id as the chart gives it
-(``RESILIENT_FSDP_JOB_ID``, set by the node agent, which adds the install's id to the
-launcher's), else the launcher's ``TORCHELASTIC_RUN_ID``: the id that ``ft_launcher`` and
-``torchrun`` give every rank of every restart of a job (``--rdzv-id``: ``<release>-resilient-fsdp``
-in the chart and in ``resilient-fsdp local``). A trainer started without a launcher is a job of
-its own (host and process id). Every restart of the same job, at any layer, takes the
-lease over from its earlier run, whatever state that run left it in.
-
-**An earlier install of the same job** (a release uninstalled and installed again, its old pods
-still stopping: ``RESILIENT_FSDP_INSTALL_ID`` differs) is waited for while it is live, up to
-``checkpoint.lease_wait_s``, saying whom it waits for: it is committing its final checkpoint,
-which this install then resumes from. Past that bound the start is refused, naming it.
-
-**Another job's lease** refuses the start, naming that job, while it is live: its process runs (on
-this host), or it was renewed within :data:`TTL_S` seconds (another host). A lease whose holder
-is gone is stale and taken over, with a message. Two jobs starting at the same moment both write
-and read back; the one that does not find itself in the file refuses.
+Rank 0 takes ``<checkpoint.dir>/LEASE`` at start (:mod:`.preflight`, before it recovers, resumes
+or commits anything), renews it from a background thread every :data:`RENEW_S` seconds, checks
+it before every commit and releases it at exit. The file names the job (:func:`job_id`), the
+host and the process. Every restart of the same job takes the lease over; an earlier install of
+the job is waited for while it is live (up to ``checkpoint.lease_wait_s``); another job's live
+lease refuses the start, naming that job; a lease whose holder is gone is taken over.
 """
 
 from __future__ import annotations
@@ -49,7 +34,10 @@ RENEW_S = 30.0
 
 
 def job_id(cfg: CheckpointConfig) -> str:
-    """This job's identity (see the module docstring)."""
+    """This job's identity: ``checkpoint.job_id`` when set, else the rendezvous id as the chart gives
+    it (:data:`JOB_ENV`, the install's id added by the node agent), else the launcher's
+    ``TORCHELASTIC_RUN_ID`` (the id ``ft_launcher`` and ``torchrun`` give every rank of every
+    restart); a trainer started without a launcher is a job of its own (host and process id)."""
     if cfg.job_id:
         return cfg.job_id
     run_id = os.environ.get(JOB_ENV) or os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -143,7 +131,8 @@ class Lease:
                 "must not write one checkpoint directory")
 
     def _live(self, lease: dict) -> Optional[str]:
-        """Why ``lease``'s holder counts as alive, or None when it is stale."""
+        """Why ``lease``'s holder counts as alive, or None when it is stale: its process runs (on
+        this host), or it was renewed within :data:`TTL_S` seconds (another host)."""
         if lease.get("host") == socket.gethostname() and lease.get("pid"):
             start = _process_start(int(lease["pid"]))
             same = start is not None and (lease.get("pid_start") is None or abs(start - lease["pid_start"]) < 1)

@@ -1,41 +1,12 @@
-"""Which checkpoint a start resumes from, its verification, and loading it.
+"""Which checkpoint a start resumes from, its verification, and loading it: :func:`resume`.
 
-**One decision.** Rank 0 alone looks at ``checkpoint.dir`` (and S3) and broadcasts what to load;
-the other ranks never list the directory, so a file system with client caching (EFS, NFS, a
-restore that just finished on rank 0) cannot make them disagree.
-
-**``resume_from`` at the job's first start only.** The first start of a job (:mod:`.lease`'s job
-id) with ``checkpoint.resume_from`` loads that checkpoint, renames every checkpoint in
-``checkpoint.dir`` newer than it to ``*.abandoned-*`` (never deleted, never picked again) and
-records this in ``<checkpoint.dir>/RESUME_FROM``. Every later start of the same job reads that
-record first and resumes from the job's newest committed checkpoint (``resume_from`` itself only
-while nothing newer was committed), so the target is never needed again once a newer checkpoint
-exists and retention may delete it like any other; a target that is gone while nothing newer was
-committed is a clear ConfigError. Errors of the decision, ConfigError included, are broadcast:
-every rank raises the same one.
-
-**Verification** (``checkpoint.verify: load``): before loading, every rank checks its share of the
-files against the checksums in ``COMPLETE``. A checkpoint that fails verification or loading is
-reported, naming the file, and the next older one is tried (not when it was ``resume_from``).
-Each file is read for verification once per process: a checkpoint this process already verified,
-or downloaded from S3 with its checksums checked, is loaded without verifying it again
-(:class:`.integrity.VerifiedHere`; only when every rank remembers it). Verification is a pass of
-its own rather than a hash of what loading reads: DCP reads only the byte ranges of the items
-each rank's plan needs (at another world size, slices of many files), so no rank reads whole files.
-
-**Loading** reads the checkpoint's metadata (every item's location in the files: hundreds of MB
-for a large model) once, on rank 0, and broadcasts its bytes: the commit's compact index of it
-(:mod:`.metadata_index`, whose places are numpy columns looked up on demand) where there is one,
-else DCP's ``.metadata``. Every rank decodes them and loads through a reader that is handed the
-result (:class:`SharedMetadataReader`), so the file is read once, not once per rank, and rank 0
-does not unpickle and pickle it again for the others. Each
-rank then plans its load alone: DCP's global load plan leaves the ranks' plans as they are, so
-gathering them on rank 0 and scattering them back (minutes at a thousand ranks) buys nothing.
-
-**At another world size** (DCP checkpoints reshard): ``train.grad_accum_steps`` is chosen by the
-``train.elastic_batch`` policy (:mod:`resilient_fsdp.train.global_batch`: the run's global batch
-exactly, else the nearest, or a refusal); each rank's saved RNG streams belong to the old layout,
-so they start fresh.
+Rank 0 alone decides (it lists ``checkpoint.dir`` and S3) and broadcasts what to load, so that
+client caching cannot make ranks disagree; ``checkpoint.resume_from`` counts at the job's first
+start only (recorded in ``RESUME_FROM``). Every rank verifies its share of the files against
+``COMPLETE`` (``checkpoint.verify: load``); one that fails is reported and the next older one
+tried. Rank 0 reads the metadata once and broadcasts its bytes (:class:`SharedMetadataReader`);
+each rank plans its load alone. At another world size the caller's ``choose_batch`` picks the
+batch, and RNG streams start fresh. Called by :meth:`.checkpointer.Checkpointer.resume`.
 """
 
 from __future__ import annotations
@@ -46,7 +17,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,7 +27,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .. import atomic
 from ..config import CheckpointConfig, ConfigError
-from ..train import global_batch
 from . import integrity, metadata_index, store
 from .group import RankGroup
 from .memory import agreement
@@ -66,6 +36,21 @@ from .state import CheckpointState, from_local
 from .store import CheckpointError
 
 RESUME_RECORD = "RESUME_FROM"
+
+
+class BatchChoice(Protocol):
+    """The batch a resume trains with (``train.elastic_batch``'s choice at this world size)."""
+
+    grad_accum_steps: int
+    global_batch: int
+    target: int
+
+    @property
+    def exact(self) -> bool: ...
+
+
+# (the checkpoint's manifest, this world size, this run's batch) -> the choice; None: as configured.
+ChooseBatch = Callable[[dict, int, dict], Optional[BatchChoice]]
 
 
 @dataclass(frozen=True)
@@ -87,12 +72,12 @@ class Resumed:
 
 
 def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
-           batch: dict, say: Callable[[str], None], elastic_batch: str = "nearest",
+           batch: dict, say: Callable[[str], None], choose_batch: Optional[ChooseBatch] = None,
            memory: Optional[MemoryTier] = None,
            restoring: Callable[[int, str], None] = lambda _step, _tier: None,
            suspect: Optional[tuple[int, int]] = None) -> Resumed:
     """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded.
-    ``elastic_batch``: the ``train.elastic_batch`` policy at another world size. With ``memory``
+    ``choose_batch``: the batch a checkpoint resumes with (None: as configured). With ``memory``
     (the memory tier), every rank's snapshots are weighed against the durable choice first.
     ``restoring(step, tier)`` is called as a chosen checkpoint is about to be loaded (a fault's moment).
     ``suspect``: steps ``(after, up_to]`` saved after the replicas last agreed and before they
@@ -119,7 +104,7 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     tried: list[str] = []
     while candidate is not None:
         check_compatible(candidate, identity, group.world_size)
-        choice = global_batch.at_resume(candidate.manifest, group.world_size, batch, elastic_batch)
+        choice = choose_batch(candidate.manifest, group.world_size, batch) if choose_batch is not None else None
         error = _verify(group, cfg, candidate)
         if error is None:
             restoring(candidate.step, "durable")
@@ -132,7 +117,7 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
                            global_batch_target=choice.target if choice is not None else None)
         tried.append(f"{candidate.path}: {error}")
         say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
-        if plan.get("pinned"):
+        if plan.get("pinned"):  # resume_from: no older checkpoint stands in for the one asked for
             break
         candidate = _info(group.broadcast(_as_dict(older_than(root, candidate.step)) if group.is_coordinator else None))
     if tried:
@@ -319,6 +304,8 @@ def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo)
     if group.max(0.0 if (ckpt.path, ckpt.manifest) in integrity.verified_here else 1.0) == 0.0:
         return None
     try:
+        # A pass of its own, not a hash of what loading reads: DCP reads only the byte ranges each
+        # rank's plan needs (at another world size, slices of many files), so no rank reads whole files.
         problems = integrity.verify(ckpt.path, files, integrity.share(files, group.world_size, group.rank))
     except Exception as exc:  # noqa: BLE001
         problems = [f"verification failed: {type(exc).__name__}: {exc}"]
@@ -337,7 +324,7 @@ def _load(group: RankGroup, state: CheckpointState, ckpt: store.CheckpointInfo) 
     if ckpt.manifest["mode"] != "torch-async":
         reader, error = shared_metadata_reader(group, ckpt.path)
     if error is None:
-        error = load(state, ckpt, group.rank, same_world, reader)
+        error = load(state, ckpt, group.rank, same_world, reader)  # each rank's saved RNG: only at its own layout
     failed = group.max(1.0 if error else 0.0)
     if failed and error is None:
         error = "another rank could not load it"
@@ -403,7 +390,7 @@ METADATA_FILE = _metadata_fn  # DCP's ``.metadata``, as its file system reader n
 
 
 def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int,
-                 choice: Optional[global_batch.Choice], batch: dict) -> None:
+                 choice: Optional[BatchChoice], batch: dict) -> None:
     m = ckpt.manifest
     say(f"resumed from step {ckpt.step} ({ckpt.path}, {m['mode']}, saved at world size {m['world_size']})")
     if m["world_size"] != world_size:

@@ -1,17 +1,11 @@
 """Which run a checkpoint directory belongs to: ``<checkpoint.dir>/RUN``, a random id that the
-directory's first start writes and every later start (a restart at any layer, a relaunch, another
-install of the same job) reads back.
+directory's first start writes and every later start reads back.
 
-A job's name (``checkpoint.job_id``, the rendezvous id) says which job a process belongs to, not
-which run: the same name is given again to a new run in a new, empty directory (a workstation's
-fixed ``job_id``, a chart installed again with a fresh volume). What outlives a process beside the
-checkpoint directory and is keyed by the job, the memory tier's snapshots and the save plans a pod
-keeps in ``/dev/shm``, is keyed by the run too, so that a new run never loads the state an earlier
-run of the same name left in a pod's memory.
-
-Created exclusively, so that two starts creating it at once agree on one id (the trainer's rank 0
-reads or writes it and broadcasts it to the other ranks); a new process's read-ahead reads it
-before the process group exists, and finds none in a directory never started.
+A job's name says which job a process belongs to, not which run: the same name is given again to
+a new run in a new, empty directory. What a pod keeps beside the directory and keys by the job
+(the memory tier's snapshots, kept save plans) is keyed by the run too, so that a new run never
+loads the state an earlier run of the same name left in a pod's memory. Read or written by the
+trainer's rank 0 and broadcast; read by a new process's read-ahead before the process group exists.
 """
 
 from __future__ import annotations
@@ -32,7 +26,8 @@ def run_identity(checkpoint_dir: Path) -> str:
     if found is not None:
         return found
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    atomic.create_exclusive(checkpoint_dir / RUN, uuid.uuid4().hex[:12] + "\n")  # False: another start's won
+    # Created exclusively: two starts creating it at once agree on one id (False: another start's won).
+    atomic.create_exclusive(checkpoint_dir / RUN, uuid.uuid4().hex[:12] + "\n")
     for _ in range(100):  # another start's may be between its create and its write
         found = read_run_identity(checkpoint_dir)
         if found is not None:

@@ -1,54 +1,15 @@
-"""Checkpoint directory layout, atomic commits, recovery, discovery and retention.
+"""Checkpoint directory layout (the name patterns below), atomic commits, recovery, discovery and
+retention. Used by the checkpointer, resume, the S3 tier and ``resilient-fsdp checkpoints``.
 
-Layout under ``checkpoint.dir``::
-
-    step_00000040/                               a committed checkpoint: data files + COMPLETE
-    step_00000050.incomplete-<id>/               being written, or abandoned by a crash: never loaded
-    step_00000040.superseded-<time>-<id>/        an older commit of step 40, moved aside by a newer one
-    step_00000060.abandoned-<time>/              newer than ``resume_from`` at a job's first start
-    step_00000014.suspect-<time>-<id>/           saved after a replica check last passed, before one failed
-    step_00000030.deleting-<id>/                 being deleted by retention
-    LEASE                                        the job that writes here (:mod:`.lease`)
-
-**Commit** (rank 0, after every rank's data and the metadata are on disk): ``COMPLETE`` (a JSON
-manifest with every file's size and checksum) is written and fsynced inside the partial
-directory, then the directory is renamed to ``step_N`` (atomic on POSIX file systems, Lustre
-included). A reader sees either no ``step_N`` or a complete one. If ``step_N`` exists (a rewound
-timeline commits a step again), it is first renamed to ``step_N.superseded-<time>-<id>``; a crash
-between the two renames leaves a partial directory holding a valid ``COMPLETE`` and no
-``step_N``, which :func:`recover` completes at the next start.
-
-**Retention** marks before it deletes: a victim is renamed to ``.deleting-<id>`` (atomic) and only
-then removed, so a crash mid-delete never leaves a ``step_N`` that scans as good. It is
-best-effort: a failure is reported and training goes on; leftovers are removed next time.
-
-Retention never deletes what a job's resume decision still depends on: the newest committed
-checkpoint is never a victim, and a ``resume_from`` target is needed only while it is the newest
-thing its job can resume from (a later start resumes from a newer commit once there is one,
-:mod:`.resume`), so it is kept exactly as long as that holds.
-
-**Torn writes** (``.incomplete-*`` left by a failed, timed-out or killed write) are swept by rank 0
-under the lease (:func:`sweep_torn`), at most :data:`SWEEP_CAP` directories a pass, the rest the
-next pass (those listed at a start stay eligible), each removal logged:
-
-* after each commit: every incomplete directory whose step is at or below the newest committed
-  step, except the write in flight (a later commit reached its step: it can never be resumed);
-* at a start (preflight, after :func:`recover`), before this job has a write in flight: every
-  incomplete directory. None can become a checkpoint: a write is committed only by the process
-  that started it, and that process is gone (or, after an in-process restart, its attempt ended
-  and its write was drained or abandoned).
-
-So any number of kills during saves leaves at most one incomplete directory (the last killed
-write's, until the next start or a commit of its step). Leftover ``.deleting-*`` directories
-are removed too. Never deleted: a committed checkpoint, a ``.superseded-*`` copy of a step that
-retention keeps, an ``.abandoned-*`` or ``.suspect-*`` set-aside (``resume_from``'s, or one
-saved after the replicas last agreed, :mod:`resilient_fsdp.resilience.sdc`: kept for the operator), a
-``step_N`` without a readable manifest (reported and left for the operator), or a partial
-directory :func:`recover` completes.
-
-**Space** on the volume: at most ``keep_last`` committed checkpoints, one write in flight, one torn
-write (until a commit reaches its step), superseded copies of kept steps (rewinds only) and what
-the sweep is deleting; set-asides are the operator's.
+**Commit** (:func:`commit`): ``COMPLETE`` (the manifest, every file's size and checksum) is
+written and fsynced inside the partial directory, which is then renamed to ``step_N``: a reader
+sees no ``step_N`` or a complete one. **Retention** (:func:`apply_retention`) marks a victim
+``.deleting-<id>`` before it deletes, so a crash mid-delete never leaves a ``step_N`` that scans as
+good. **Torn writes** are swept by rank 0 under the lease (:func:`sweep_torn`), so any number of
+kills during saves leaves at most one incomplete directory. Never deleted: a committed checkpoint
+kept by ``keep_last``, a set-aside (``.abandoned-*``, ``.suspect-*``: the operator's), a
+``step_N`` without a readable manifest. On the volume: at most ``keep_last`` committed
+checkpoints, one write in flight, one torn write, superseded copies of kept steps.
 """
 
 from __future__ import annotations
@@ -65,16 +26,18 @@ from typing import Callable, Optional
 
 from .. import atomic
 
-MARKER = "COMPLETE"
+MARKER = "COMPLETE"  # the manifest inside a committed checkpoint
 # The commit's index of DCP's .metadata, which a resume reads instead (metadata_index).
 INDEX_FILE = ".metadata-index"
-_COMMITTED = re.compile(r"^step_(\d{8})$")
+_COMMITTED = re.compile(r"^step_(\d{8})$")  # a committed checkpoint: data files + COMPLETE
+# Being written, or torn by a failed, timed-out or killed write: never loaded.
 _PARTIAL = re.compile(r"^step_(\d{8})\.incomplete-([0-9a-f]+)$")
-# Older commits of a step; "superseded-<time>" alone is the form before ids were added.
+# An older commit of a step, moved aside by a newer one (a rewound timeline commits a step again).
 _SUPERSEDED = re.compile(r"^step_(\d{8})\.superseded-\d+(?:-[0-9a-f]+)?$")
+# Newer than ``resume_from`` at a job's first start; saved after the replicas last agreed.
 _ABANDONED = re.compile(r"^step_(\d{8})\.abandoned-\d+(?:-[0-9a-f]+)?$")
 _SUSPECT = re.compile(r"^step_(\d{8})\.suspect-\d+-[0-9a-f]+$")
-_DELETING = re.compile(r"^step_\d{8}.*\.deleting-[0-9a-f]+$")
+_DELETING = re.compile(r"^step_\d{8}.*\.deleting-[0-9a-f]+$")  # being deleted by retention or the sweep
 # Torn and leftover directories removed per sweep: a sweep after a crash loop must not hold up
 # the retention thread for long; the rest go at the next pass.
 SWEEP_CAP = 4
@@ -216,7 +179,9 @@ def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = l
                     lease_lost: Callable[[], Optional[str]] = lambda: None) -> list[Path]:
     """Delete committed checkpoints older than the newest ``keep_last``, and superseded copies of
     steps older than the oldest one kept, except ``held`` ones (an upload still reads them);
-    returns what was deleted. Never the newest, never an incomplete or abandoned one.
+    returns what was deleted. Never the newest (what a resume decision depends on: a
+    ``resume_from`` target is kept while it is the newest its job can resume from), never an
+    incomplete or abandoned one.
 
     Best-effort: a failure is reported through ``say`` and the rest goes on. Each victim is
     renamed to ``.deleting-<id>`` before anything inside it is removed. ``lease_lost`` is asked
@@ -261,9 +226,10 @@ def torn_names(root: Path) -> list[str]:
 
 def sweep_victims(root: Path, names: list[str], newest_committed: Optional[int],
                   stale: frozenset[str] = frozenset(), in_flight: Optional[Path] = None) -> list[Path]:
-    """Which of ``names`` (:func:`torn_names`) a sweep removes, by name (the rule is in the module
-    docstring): leftover deletions, incomplete directories at or below ``newest_committed``, and
-    those in ``stale`` (listed at the job's start, before it had a write in flight); never
+    """Which of ``names`` (:func:`torn_names`) a sweep removes, by name: leftover deletions,
+    incomplete directories at or below ``newest_committed`` (a later commit reached their step:
+    never resumable), and those in ``stale`` (listed at the job's start, before it had a write in
+    flight: a write is committed only by the process that started it, which is gone); never
     ``in_flight``."""
     torn = []
     for name in names:
@@ -342,3 +308,14 @@ _NOT_WRITTEN_BY_WRITERS = (".metadata", INDEX_FILE, MARKER)
 def written_bytes(path: Path) -> int:
     """Bytes the checkpoint writers put in ``path``, metadata and manifest not counted."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name not in _NOT_WRITTEN_BY_WRITERS)
+
+
+def expected_written_bytes(root: Path, world_size: int, mode: str) -> Optional[int]:
+    """What the writers of a save put on disk, taken from the newest committed checkpoint of
+    ``world_size`` and ``mode`` under ``root`` (a save of the same state writes the same files);
+    None if there is none."""
+    for ckpt in reversed(scan(root)[0]):
+        m = ckpt.manifest
+        if m.get("world_size") == world_size and m.get("mode") == mode:
+            return written_bytes(ckpt.path)
+    return None

@@ -5,7 +5,6 @@
 - ``arguments``: the command line and the configuration it resolves to (no torch import);
 - ``trainer``: the composition root and the loop (``Trainer``, its ``TrainCounters``);
 - ``resources``: what outlives an in-process restart (checkpoint engine, S3 uploader, monitor);
-- ``open_files``: the process's open-files limit, raised to the hard limit at start;
 - ``model``: the built-in decoder-only transformer;
 - ``presets``: its size presets' shapes and parameter counts (importable without torch);
 - ``state_fit``: whether a training state fits its GPUs, the rule the chart applies too (no torch import);

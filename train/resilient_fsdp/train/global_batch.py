@@ -1,22 +1,10 @@
 """The global batch (samples per optimizer step) at a world size: ``train.elastic_batch``.
 
-A run's **target** global batch is set at its first start (world size x ``data.micro_batch_size``
-x ``train.grad_accum_steps``) and carried in every checkpoint's manifest (``global_batch_target``).
-A resume at another world size chooses ``grad_accum_steps`` for the new world:
-
-- ``exact``: the target exactly, or the start is refused (a ConfigError naming the key and the
-  world sizes that keep it);
-- ``nearest``: the target exactly when the ranks can make it, otherwise the nearest global batch
-  they can (world size x micro-batch x accum, accum >= 1). A tie between the batch below and the
-  one above goes to the one below: the smaller accum, so a step is no longer than it was at the
-  full world and the step timeouts hang detection learned there stay valid.
-
-A checkpoint that was trained at its target, resumed at the same world size, keeps today's
-configuration instead (so ``train.grad_accum_steps`` can be changed between runs as without
-elastic training); one trained off its target (after a ``nearest`` choice) goes back towards it,
-e.g. when the lost nodes return.
-
-Pure functions: no torch, so ``resilient-fsdp`` commands and tests use them without it.
+A run's target global batch is set at its first start (world size x ``data.micro_batch_size`` x
+``train.grad_accum_steps``) and carried in every checkpoint's manifest; a resume at another world
+size chooses ``grad_accum_steps`` by the policy (:func:`choose`, :func:`at_resume`). The trainer
+hands :func:`at_resume` to the checkpointer, which calls it for the checkpoint it resumes from.
+Pure functions, no torch, so ``resilient-fsdp`` commands and tests use them without it.
 """
 
 from __future__ import annotations
@@ -45,7 +33,11 @@ class Choice:
 
 def choose(target: int, world_size: int, micro_batch: int, policy: str, where: str = "") -> Choice:
     """``grad_accum_steps`` for ``world_size`` under ``policy``, or the ConfigError of ``exact``.
-    ``where``: how the caller names the target's origin in that error (e.g. the checkpoint's shape)."""
+    ``where``: how the caller names the target's origin in that error (e.g. the checkpoint's shape).
+
+    ``exact``: the target exactly, or the start is refused (naming the key and the world sizes that
+    keep it); ``nearest``: the target exactly when the ranks can make it, otherwise the nearest
+    global batch they can (accum >= 1)."""
     if policy not in POLICIES:
         raise ConfigError(f"{KEY}={policy!r}: choose one of {', '.join(POLICIES)}")
     if min(target, world_size, micro_batch) < 1:
@@ -58,7 +50,8 @@ def choose(target: int, world_size: int, micro_batch: int, policy: str, where: s
         raise ConfigError(exact_refusal(target, world_size, micro_batch, where))
     if below == 0:  # more ranks x micro-batch than the target: one micro-batch each is the least
         return Choice(1, per_accum, target)
-    # Ties go below: the smaller accum keeps a step no longer than at the target's world size.
+    # Ties go below: the smaller accum keeps a step no longer than at the target's world size, so
+    # the step timeouts hang detection learned there stay valid.
     accum = below if target - below * per_accum <= (below + 1) * per_accum - target else below + 1
     return Choice(accum, accum * per_accum, target)
 
@@ -88,7 +81,9 @@ def exact_refusal(target: int, world_size: int, micro_batch: int, where: str = "
 def at_resume(manifest: dict, world_size: int, batch: dict, policy: str) -> Optional[Choice]:
     """The batch a resume from a checkpoint with ``manifest`` trains with at ``world_size``;
     ``batch``: this run's ``grad_accum_steps`` and ``micro_batch_size``. None: the configuration
-    as it is (the checkpoint was at its target at this world size, or predates batch records)."""
+    as it is (the checkpoint was at its target at this world size, so ``train.grad_accum_steps``
+    can change between runs, or it has no batch records). One trained off its target (after a
+    ``nearest`` choice) goes back towards it, e.g. when the lost nodes return."""
     w0, a0, mb0 = manifest.get("world_size"), manifest.get("grad_accum_steps"), manifest.get("micro_batch_size")
     mb = batch.get("micro_batch_size")
     if None in (w0, a0, mb0, mb, batch.get("grad_accum_steps")):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import atomic
-from . import open_files
+from ..checkpoint import open_files
 from ..checkpoint import store as checkpoint_store
 from ..checkpoint.engines import Engine, build_engine
 from ..checkpoint.s3.uploader import Uploader
@@ -24,7 +24,7 @@ class ProcessResources:
     buffers), the rank's S3 uploader (its backlog), the link to ``ft_launcher``'s rank monitor, and
     the SIGTERM flag. Re-creating the first would cost a process spawn per restart, the second
     would drop uploads; the others belong to the process, not to an attempt. Made first thing in
-    a rank's process: it raises the process's open-files limit (:mod:`.open_files`)."""
+    a rank's process: it raises the process's open-files limit (:mod:`..checkpoint.open_files`)."""
 
     def __init__(self, cfg: Config):
         # First: the checkpoint writer started below inherits the limit.

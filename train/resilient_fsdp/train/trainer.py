@@ -1,17 +1,15 @@
 """The trainer every rank runs: a thin composition root and the training loop.
 
-:class:`Trainer` is built in a fixed order, one build step each: the process group (device,
-backend, the attempt's layer and faults) -> data -> mesh, model on ``meta``, activation
-checkpointing, ``fully_shard`` per block then the root, ``to_empty`` + init -> optimizer and LR
-schedule -> checkpointer. ``train()`` is the loop: per step one ``with attempt.step(...)`` around
-``train_step()`` and one ``checkpointer.after_step(...)``; at the end one
-``checkpointer.finish(...)``. The resilience hooks are one object, :class:`~..resilience.attempt.Attempt`.
-The process around it (arguments, in-process restart, exit codes) is :mod:`.entrypoint`; what
-outlives an in-process restart is :mod:`.resources`.
+:class:`Trainer` is built in a fixed order, one build step each (see ``__init__``); ``train()``
+is the loop: per step ``train_step()`` inside ``attempt.step(...)``, then
+``checkpointer.after_step(...)``; at the end ``checkpointer.finish(...)``. The resilience hooks
+are one object, :class:`~..resilience.attempt.Attempt`. Run by :mod:`.entrypoint`; what outlives
+an in-process restart is :mod:`.resources`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -33,6 +31,7 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.group import RankGroup
 from ..checkpoint.memory import prefetch
 from ..checkpoint.state import CheckpointState
+from ..checkpoint.votes import Votes
 from ..checkpoint.writer.process import NVRX_VERSION
 from .. import atomic
 from ..config import Config, ConfigError, dump_yaml
@@ -46,7 +45,7 @@ from ..resilience.faults import node_index
 from ..resilience.attempt import Attempt
 from ..resilience.graceful_stop import StopRequested
 from ..resilience.inprocess import InProcessAttempt
-from . import distributed, footprint, parallelize, state_fit
+from . import distributed, footprint, global_batch, parallelize, state_fit
 from .data import BatchLoader, TokenFile, build_dataset
 from .factories import call_factory
 from .metrics import MetricsLog, params_sha256
@@ -239,7 +238,9 @@ class Trainer:
                                          batch={"grad_accum_steps": self.grad_accum,
                                                 "micro_batch_size": cfg.data.micro_batch_size,
                                                 "global_batch_target": self.global_batch},
-                                         elastic_batch=cfg.train.elastic_batch, memory_prefetch=self.memory_prefetch)
+                                         choose_batch=functools.partial(global_batch.at_resume,
+                                                                        policy=cfg.train.elastic_batch),
+                                         memory_prefetch=self.memory_prefetch)
         self.attempt.memory_built(self.checkpointer.memory)
         self.checkpointer.preflight()
         # Replicas compared every resilience.sdc.interval_steps steps (HSDP): refused here without HSDP.
@@ -299,16 +300,16 @@ class Trainer:
         self.lr_scheduler.step()
         # The stop flag and the checkpointer's votes ride on the loss all-reduce (summed): one
         # collective a step, which the checkpointer would otherwise add to agree on its own.
-        flags = torch.tensor([1.0 if self.resources.stop.requested else 0.0, *self.checkpointer.votes()],
+        flags = torch.tensor([1.0 if self.resources.stop.requested else 0.0, *self.checkpointer.votes().to_floats()],
                              device=self.info.device)
         self.attempt.before_collective(self.counters.step + 1, local_loss)
         self.local_loss = local_loss  # which rank's loss it was, should the global one be non-finite
         # gloo has no AVG reduction: sum and divide.
         reduced = torch.cat([local_loss.reshape(1), flags])
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
-        values = reduced.tolist()
-        self.checkpoint_votes = values[2:]
-        return values[0] / (accum * self.info.world_size), values[1] > 0
+        loss_sum, stops, *votes = reduced.tolist()
+        self.checkpoint_votes = Votes.from_floats(votes)
+        return loss_sum / (accum * self.info.world_size), stops > 0
 
     def parameter_shards(self) -> list[torch.Tensor]:
         """This rank's shard of every parameter (a DTensor's local tensor), in a fixed order."""

@@ -13,6 +13,7 @@ the durable checkpoint.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 
@@ -35,3 +36,13 @@ def replica_source(rank: int, world: int, ranks_per_pod: int) -> Optional[int]:
     if world == ranks_per_pod:
         return None
     return (rank - ranks_per_pod) % world
+
+
+def ranks_per_pod(world_size: int) -> int:
+    """The ranks each pod runs: the launcher's ``LOCAL_WORLD_SIZE``; the whole world when unset
+    (a trainer without a launcher is one pod)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        local = world_size
+    return local if local > 0 and world_size % local == 0 else world_size

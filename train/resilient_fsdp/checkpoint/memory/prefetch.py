@@ -1,20 +1,10 @@
 """A new process's read-ahead of its rank's newest snapshot, made while the process builds its model.
 
-A new process (an in-job restart's, or a new attempt of an in-process restart) restores into an
-optimizer without state: the moments are new memory, and filling it is most of a restore from
-memory (each page's first touch on CPU, the host-to-device copy on GPU). Before a start can
-restore it waits seconds (the process group, the model's build, the slowest rank), and in that
-wait the host's spare cores and the GPU's copy engine have nothing to do. :class:`Prefetch` uses
-it: a helper thread checks the newest own snapshot at this world size (every CRC32C) and copies
-its optimizer-state tensors into new memory on the training device; the restore adopts those
-copies as the optimizer's state and copies only the rest (the parameters, into the model's
-memory, touched by its build).
-
-A read-ahead is a guess made before the decision (:mod:`.agreement`). A snapshot it finds corrupt
-is set aside by the report, as a corrupt one found there is. When the decision takes another
-step, a replica or the durable checkpoint, the copies are dropped before that load starts, so a
-read-ahead never holds memory a load needs. A restore that finds the read-ahead still running
-waits for it, and the wait counts in the restore's time.
+A new process restores into an optimizer without state, and filling that new memory is most of
+a restore from memory; the seconds before a start can restore (the process group, the model's
+build, the slowest rank) leave the host's spare cores and the GPU's copy engine idle.
+:class:`Prefetch` uses them. Started by the trainer (``checkpoint.memory.prefetch``), taken by
+:meth:`.tier.MemoryTier.report`.
 """
 
 from __future__ import annotations
@@ -51,7 +41,12 @@ class ReadAhead:
 
 class Prefetch:
     """The read-ahead of ``slots``' newest snapshot at ``world_size``, into ``device``'s memory,
-    started at construction on a helper thread."""
+    started at construction on a helper thread: it checks the snapshot (every CRC32C) and copies
+    its optimizer-state tensors into new memory on the device; the restore adopts those copies and
+    copies only the rest. A guess made before the decision (:mod:`.agreement`): a corrupt snapshot
+    is set aside by the report; when the decision takes another step, the copies are dropped
+    before that load starts, so a read-ahead never holds memory a load needs. A restore that finds
+    it still running waits for it, and the wait counts in the restore's time."""
 
     def __init__(self, slots: MemorySlots, world_size: int, device: torch.device):
         self.slots, self.world_size, self.device = slots, world_size, device

@@ -1,18 +1,10 @@
 """Each rank's newest memory snapshot, kept also by a rank on another pod (``checkpoint.memory.replicas: 1``).
 
-Rank ``r`` sends to ``peers.replica_holder(r)`` and keeps the replica of ``peers.replica_source(r)``,
-over a gloo group of its own (CPU, never NCCL, never the training thread): two helper threads per
-rank, one sending, one receiving. The sender takes the newest committed snapshot each time it is
-free: a snapshot committed while the previous one is still on its way waits, and one overtaken by a
-newer snapshot before it left is skipped (the sender says so), so replication never holds up the
-memory saves and never grows a backlog. The receiver takes whatever its source sends next into the
-replica slot not holding the newest replica (``replica-of-<source>``, two alternating slots like the
-rank's own) and writes its record by rename once every byte is in: a record, then the bytes, each
-message a length first (a zero length: the sender has closed).
-
-At a start, :func:`exchange` moves the replicas the restore decision asks for (a replacement pod's
-ranks have none of their own) from their holders into the ranks' own slots, before every rank loads
-its own slot.
+Rank ``r`` sends to ``peers.replica_holder(r)`` and keeps the replica of ``peers.replica_source(r)``
+(:class:`Replicator`), over a gloo group of its own (CPU, never NCCL, never the training thread).
+At a start, :func:`exchange` moves the replicas the restore decision asks for (a replacement
+pod's ranks have none of their own) into the ranks' own slots, before every rank loads its own.
+Used by :mod:`.tier`.
 """
 
 from __future__ import annotations
@@ -38,7 +30,12 @@ CONNECT = 5  # the start's handshake with the holder and the source
 
 
 class Replicator:
-    """Rank ``rank``'s sender to ``holder`` and receiver from ``source`` (either None with one pod)."""
+    """Rank ``rank``'s sender to ``holder`` and receiver from ``source`` (either None with one pod):
+    two helper threads. The sender takes the newest committed snapshot each time it is free (one
+    overtaken before it left is skipped, and said), so replication never holds up the memory saves
+    and never grows a backlog. The receiver writes into the replica slot not holding the newest
+    replica (``replica-of-<source>``, two alternating slots) and writes its record by rename once
+    every byte is in: a record, then the bytes, each message a length first (zero: the sender closed)."""
 
     def __init__(self, group: dist.ProcessGroup, own: MemorySlots, replica: Optional[MemorySlots],
                  rank: int, holder: Optional[int], source: Optional[int], say: Callable[[str], None]):

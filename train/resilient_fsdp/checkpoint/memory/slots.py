@@ -1,25 +1,13 @@
 """One rank's memory checkpoints: two alternating slots in the pod's memory, each a file of the
 rank's tensor bytes with, once complete, a commit record beside it.
 
-Files in the pod's memory-backed ``/dev/shm`` because an in-job restart keeps the pod, so the new
-process of a rank finds its slots there (an in-process restart keeps them mapped); a lost pod loses
-them, and a peer's replica serves instead (``peers``). Two slots, ``a`` and ``b``, alternate: a save
-writes into the slot that does not hold the newest complete snapshot, after removing that slot's
-record, so a complete snapshot exists at every moment and a write cut off half-way is never taken
-for one.
-
-Layout under the job's root: ``<owner>/slot-<a|b>.bin`` (the bytes: each tensor at the aligned
-offset ``arena.plan`` gives it), ``<owner>/slot-<a|b>.extra`` (what the caller keeps beside the
-tensors: the state's non-tensor values) and ``<owner>/slot-<a|b>.json`` (the record, written by
-rename once the bytes and their checksums are in place). ``owner`` is ``rank-<r>`` for a rank's own slots and
-``replica-of-<r>`` for the copy of rank r's slot a peer keeps.
-
-A record (:class:`Record`) holds the step, the attempt and job that wrote it, the world size, the
-digest of the state's structure (``staging.structure``: every tensor's place, kind, local shape and
-dtype), each tensor's place in the file and the CRC32C of its bytes, and what the caller adds
-(``meta``: mesh and placements, the non-tensor leaves). A slot loads only into a state of the same
-digest and only when every checksum matches; anything else is a :class:`SlotInvalid`, which the
-caller turns into a fallback (a replica, the durable checkpoint), never a silent load.
+In ``/dev/shm`` because an in-job restart keeps the pod, so a rank's new process finds its slots
+there; a lost pod loses them, and a peer's replica serves instead (``peers``). Under the job's
+root, ``<owner>/slot-<a|b>.bin`` (each tensor at the offset ``arena.plan`` gives it), ``.extra``
+(the state's non-tensor values) and ``.json`` (the :class:`Record`); ``owner`` is ``rank-<r>``
+or ``replica-of-<r>``. A slot loads only into a state of the same structure digest and only when
+every checksum matches; anything else is a :class:`SlotInvalid`, which the caller turns into a
+fallback (a replica, the durable checkpoint), never a silent load. Used by :mod:`.tier`.
 """
 
 from __future__ import annotations
@@ -58,7 +46,9 @@ class SlotInvalid(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """What a complete slot holds (the JSON beside its bytes)."""
+    """What a complete slot holds (the JSON beside its bytes): the step, the attempt and job that
+    wrote it, the world size, the digest of the state's structure (``staging.structure``), each
+    tensor's place in the file and CRC32C, and what the caller adds (``meta``)."""
 
     step: int
     slot: str
@@ -105,7 +95,10 @@ def owner_name(rank: int, replica: bool = False) -> str:
 
 class MemorySlots:
     """The two slots of ``owner`` (``owner_name``) under ``root``, for tensors laid out alike at
-    every save (a new layout rewrites the slot's file at its new size)."""
+    every save (a new layout rewrites the slot's file at its new size). A save writes into the slot
+    that does not hold the newest complete snapshot, after removing that slot's record (the record
+    is written by rename once the bytes and checksums are in), so a complete snapshot exists at
+    every moment and a write cut off half-way is never taken for one."""
 
     def __init__(self, root: Path, owner: str, pin: bool = False):
         self.dir = Path(root) / owner
@@ -407,6 +400,15 @@ def job_root(shm: Path, job: str, run: str) -> Path:
     directory per job and run, so slots never outlive the run they belong to or mix with another's,
     an earlier run of the same job name included."""
     return Path(shm) / "resilient-fsdp" / job / run
+
+
+def kept_plan_file(shm: Path, job: str, run: str, rank: int) -> Optional[Path]:
+    """Where the pod keeps ``rank``'s validated save plan for the rank's next process: beside the
+    slots, under the job's run. None for a process that is its own job (``standalone-``: no
+    restart of it would find the plan)."""
+    if job.startswith("standalone-"):
+        return None
+    return job_root(shm, job, run) / "plans" / f"rank-{rank}.pickle"
 
 
 def remove_job(shm: Path, job: str) -> None:

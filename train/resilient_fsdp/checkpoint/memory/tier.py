@@ -1,37 +1,13 @@
 """A rank's memory checkpoints in the step loop (``checkpoint.memory``): a save when one is due, its
 copy overlapped with the next step's forward and backward, its commit off the training thread,
-and, at a start, the restore from memory when every rank can make it.
+and, at a start, the restore from memory when every rank can make it (:class:`MemoryTier`).
 
-**Saving** follows the durable save's staging: the state's tensors are copied, on a helper thread
-(``staging.StagingJob``), into the views of the slot being written (:mod:`.slots`, in the pod's
-``/dev/shm``); the loop waits for that copy just before ``optimizer.step()`` (the first change to
-the state), which is the memory save's stall, measured like the durable save's. The non-tensor
-values (counters, the sampler, the schedule, the learned timeouts) are taken when the save starts
-and kept beside the tensors. The checksums and the record follow the copy on the same helper
-thread; the next memory save waits for them (one in flight, two slots). A memory save never
-coincides with a durable one: at a step where both are due, the durable save is taken.
-
-**Restoring** (:meth:`MemoryTier.restore`): every rank copies its own slot into the live state,
-after the slot's checks. A rank checks its newest snapshot's checksums when it reports what it
-has (:meth:`MemoryTier.report`): one that fails is set aside, so the decision (:mod:`.agreement`'s,
-made in :mod:`..resume`) takes the replica a peer keeps of it; a slot that fails at the load (a
-replica moved in, the structure) makes the whole start fall back to the durable checkpoint.
-A new process's report takes its read-ahead (:mod:`.prefetch`) when it read that snapshot: the
-checks are done, and the restore adopts its copies of the optimizer state instead of filling new
-memory.
-
-**Replicas** (``checkpoint.memory.replicas: 1``, :mod:`.replicas`): each committed snapshot is
-handed to this rank's sender, which sends the newest to the rank on the next pod; a start whose
-newest step a replacement pod's ranks lack moves those replicas into their own slots first.
-
-**Room**: the pod's ``/dev/shm`` holds every rank's two slots (four with replicas) and, beside
-them, the durable checkpoint's staging copy of each rank's state (``async``, ``torch-async``).
-Before its first save a rank checks that the file system is large enough for all of that for
-every rank of its pod (:func:`shm_needed`); when it is not, the memory tier stays off for the
-job, said once, so that it never takes the room the durable checkpoint needs.
-
-**The end**: a job that ends (its last step trained, its last durable checkpoint committed)
-removes its slots; a failed attempt leaves them for the restart that follows.
+Saving follows the durable save's staging into the slot being written (:mod:`.slots`); a memory
+save never coincides with a durable one (the durable save is taken). Restoring checks each slot
+first; the decision (:mod:`.agreement`, made in :mod:`..resume`) falls back to a peer's replica
+(:mod:`.replicas`) or the durable checkpoint. A pod whose ``/dev/shm`` cannot hold every rank's
+slots beside the durable staging keeps the tier off (:func:`shm_needed`). Used by
+:class:`..checkpointer.Checkpointer`.
 """
 
 from __future__ import annotations
@@ -109,9 +85,11 @@ class MemoryTier:
     # -- saving --------------------------------------------------------------------------------
 
     def save(self, step: int, sd: dict, attempt: int = 0, batch: Optional[dict] = None) -> None:
-        """Start the memory checkpoint of ``step`` from ``sd`` (the state now); its copy runs until
-        :meth:`before_optimizer_step`. ``batch``: the run's ``grad_accum_steps`` and global batch
-        target now, restored with the state (at the same world size, so the same ones)."""
+        """Start the memory checkpoint of ``step`` from ``sd`` (the state now): the non-tensor values
+        taken now, the tensors copied on a helper thread (``staging.StagingJob``) until
+        :meth:`before_optimizer_step`, then the checksums and the record on the same thread (the
+        next memory save waits for them: one in flight, two slots). ``batch``: the run's
+        ``grad_accum_steps`` and global batch target now, restored with the state."""
         if self.off is not None:
             return
         t0 = time.perf_counter()
@@ -374,8 +352,9 @@ class MemoryTier:
         return None if kept is None else (*self.kept.byte_of(kept), kept.step)
 
     def close(self, remove: bool, abort: bool = False) -> None:
-        """Wait for the save in flight; ``remove``: the job has ended, its slots go. ``abort``:
-        the attempt failed, and the replicas are not waited for (see :meth:`.Replicator.close`)."""
+        """Wait for the save in flight; ``remove``: the job has ended, its slots go (a failed
+        attempt leaves them for the restart that follows). ``abort``: the attempt failed, and the
+        replicas are not waited for (see :meth:`.Replicator.close`)."""
         if self._copy is not None:
             self._copy.join()
         self.pending, self._copy = None, None

@@ -30,7 +30,7 @@ def parse_s3_uri(uri: str, key: str = "checkpoint.s3.uri") -> S3Location:
 
 def make_client(cfg: S3Config, max_attempts: Optional[int] = None) -> Any:
     """An S3 client: credentials from boto3's default chain only, never from the configuration."""
-    import boto3
+    import boto3  # here: ``resilient-fsdp config`` and a trainer without an S3 tier never pay for it
     from botocore.config import Config as BotoConfig
 
     config = BotoConfig(

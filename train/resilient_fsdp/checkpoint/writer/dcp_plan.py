@@ -1,20 +1,12 @@
-"""The ``async`` engine's DCP save through NVRx (an NVRx module, with :mod:`.process`):
+"""The ``async`` engine's DCP save through NVRx (an NVRx module, with :mod:`.process`).
 
-- **planning** with NVRx's ``save_state_dict_async_plan`` and an explicit plan cache
-  (:class:`PlanCache`, a ``CheckpointMetadataCache``: NVRx's ``enable_cache=True`` does nothing
-  without one). NVRx never invalidates a validated cache (an added key would be left out of the
-  checkpoint, a changed shape kept in its metadata): a new cache is made whenever the state's
-  structure, the world size or the attempt changes, and the ranks agree on using it; a plan each
-  rank made alone (:mod:`.decentralized_plan`) is handed to NVRx as an already validated cache
-  (:func:`prefill`);
-- **the write buckets** built here from the staged buffers (:class:`_StagedWriter`, NVRx's
-  ``FileSystemWriterAsync`` with its own ``prepare_write_data``): references into the arena the
-  worker already holds, no copy. NVRx 0.7's own ``prepare_write_data`` clones every CPU tensor on
-  the training thread and its hand-off copies them into shared memory again; 0.4.1 sends a file
-  descriptor per tensor with every save. Neither happens here;
-- **the write** by NVRx's own multi-process (0.4.1) or multi-threaded (0.7) writer in its
-  persistent worker, its results put into the save's report (:class:`.report.SaveReport`), and
-  checked against the files written (:func:`check_layout`).
+Planning uses NVRx's ``save_state_dict_async_plan`` with an explicit plan cache (:class:`PlanCache`:
+NVRx's ``enable_cache=True`` does nothing without one), or a plan each rank made alone
+(:mod:`.decentralized_plan`, handed to NVRx as a validated cache, :func:`prefill`). The write
+buckets are built here from the staged buffers (:func:`_staged_writer_class`): references into
+the arena the worker already holds, no copy. NVRx's own multi-process (0.4.1) or multi-threaded
+(0.7) writer writes them in its persistent worker; the results go into the save's report and are
+checked against the files written (:func:`check_layout`). Used by :mod:`..engines`.
 """
 
 from __future__ import annotations
@@ -39,7 +31,10 @@ from .worker import cpu_shim, worker_write_staged
 
 
 class PlanCache:
-    """NVRx's ``CheckpointMetadataCache`` for one state structure and world size.
+    """NVRx's ``CheckpointMetadataCache`` for one state structure and world size. NVRx never
+    invalidates a validated cache (an added key would be left out of the checkpoint, a changed shape
+    kept in its metadata), so a new one is made whenever the structure, the world size or the
+    attempt changes.
 
     A save plans with the cache only when every rank's cache is :meth:`valid_for` its state (the
     checkpointer agrees on it in one collective); otherwise every rank starts a fresh cache. NVRx
@@ -187,7 +182,9 @@ def _staged_writer_class() -> type:
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fsa
 
     class _StagedWriter(fsa.FileSystemWriterAsync):
-        """NVRx's async DCP writer whose write buckets refer to registered staging buffers."""
+        """NVRx's async DCP writer whose write buckets refer to registered staging buffers: NVRx
+        0.7's own ``prepare_write_data`` clones every CPU tensor on the training thread and copies
+        them into shared memory again; 0.4.1 sends a file descriptor per tensor with every save."""
 
         registry: handoff.Registry
 

@@ -1,28 +1,11 @@
 """A DCP save plan that every rank makes alone, in O(its own items): no plan is gathered.
 
-DCP's ``DefaultSavePlanner`` plans a save collectively: every rank's local plan goes to the
-coordinator, which de-duplicates the items that several ranks hold, numbers each chunk and builds
-the global ``Metadata``, then scatters a central plan back to every rank. At a thousand ranks that
-is minutes of Python object work on rank 0 with every rank waiting (``bench scale``). Yet the
-central plan follows from what every rank already knows, once the ranks agree that their states
-have the same global structure (:func:`global_structure`, a digest the checkpointer votes on):
-
-- a DTensor's chunk at every mesh coordinate follows from its global shape, mesh and placements,
-  as torch computes it for the rank itself (``_compute_local_shape_and_global_offset``). Ranks
-  whose chunks start at the same offsets hold the same chunk (HSDP's replicas, empty shards); one
-  of them writes it: each tensor goes to the replica that has the fewest bytes to write so far
-  (every rank makes the same choices: they depend on global shapes alone), so that every replica
-  writes its share, as DCP's de-duplication balances it;
-- a value every rank holds under the same name (a plain tensor, any other object) is written by
-  rank 0, as DCP keeps one copy of a duplicate;
-- a value under this rank's own name (``per_rank_path``: the RNG states) is written by its rank,
-  and its name at every other rank follows by substituting the rank.
-
-Only the coordinator builds the global ``Metadata``, and it shares one chunk list among the tensors
-of the same shape and layout: its size (and its pickle at every plan change) is O(tensors +
-world x layouts), not O(world x tensors). The plan is handed to NVRx as a validated plan cache, so
-NVRx skips planning and its collectives; the files and ``.metadata`` are DCP's own format, read by
-any DCP loader.
+DCP's ``DefaultSavePlanner`` gathers every rank's local plan on the coordinator, which
+de-duplicates, numbers chunks, builds the global ``Metadata`` and scatters plans back: minutes
+at a thousand ranks (``bench scale``). That central plan follows from what every rank knows once
+the ranks agree their states have the same global structure (:func:`global_structure`, a digest
+the checkpointer votes on): :func:`plan_save`. The plan is handed to NVRx as a validated plan
+cache (:mod:`.dcp_plan`); the files and ``.metadata`` are DCP's own format.
 """
 
 from __future__ import annotations
@@ -137,8 +120,16 @@ def _layout(global_shape: tuple, mesh: Any, placements: tuple, rank: int) -> _La
 
 def plan_save(state_dict: dict, rank: int, world_size: int, coordinator: bool,
               per_rank_path: Optional[PerRankPath] = None) -> DecentralizedPlan:
-    """This rank's save plan of ``state_dict``, made alone (see the module's docstring). Valid only
-    when :func:`global_structure` is the same on every rank."""
+    """This rank's save plan of ``state_dict``, made alone. Valid only when :func:`global_structure`
+    is the same on every rank.
+
+    A DTensor's chunk at every mesh coordinate follows from its global shape, mesh and placements
+    (as torch computes it for the rank itself); ranks whose chunks start at the same offsets hold
+    the same chunk (HSDP's replicas), and the replica with the fewest bytes to write so far writes
+    it (the same choice on every rank: global shapes alone decide it). A value every rank holds
+    under the same name is written by rank 0; one under this rank's own name (``per_rank_path``:
+    the RNG states) by its rank. Only the coordinator builds the global ``Metadata``, sharing one
+    chunk list among tensors of the same shape and layout: O(tensors + world x layouts)."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=coordinator)
     local = planner.create_local_plan()

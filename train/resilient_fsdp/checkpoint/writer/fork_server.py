@@ -1,35 +1,12 @@
 """Checkpoint writers forked from the pod: a fork server that belongs to the pod starts every
 rank's writer process, already imported, in milliseconds.
 
-**Why.** A rank's writer is NVRx's persistent worker, which NVRx starts in a ``spawn`` context: a
-new interpreter that imports torch, NVRx and this package (3-4 CPU-seconds). Every new rank pays it,
-on every pod at every in-job restart, and the rank's first saves wait for it. The pod's pre-warmed
-server (:mod:`resilient_fsdp.resilience.prewarm`) has made those imports once; after them, and
-before it forks any rank, it forks one more process: the standard library's multiprocessing fork
-server (:func:`multiprocessing.forkserver.main`), which from then on forks every writer of the
-pod's ranks. It lives as long as the pod's server or any of its ranks or writers (the standard
-library's "alive" pipe), so a restarted rank finds it running.
-
-**How a rank uses it.** Ranks are forks of the server, so each inherits the standard library's
-record of the fork server (its address and the "alive" pipe). :func:`writer_context` gives a rank
-the ``forkserver`` context while that fork server is alive, which :mod:`.process` makes NVRx's
-persistent worker start in. The standard library checks that a fork server is alive with
-``waitpid``, which only its parent (the server) may call: in a rank that check is made on the
-process itself (:func:`_adopt`).
-
-**What a forked writer keeps of a spawned one.** Its first request (:func:`.worker.writer_started`)
-hands it the rank's environment, umask and standard streams (:func:`inheritance`), which a spawned
-writer would have inherited; its CPU niceness, I/O priority and blocked SIGTERM are set once, in
-the fork server, and inherited by every writer; it exits when its rank is gone, watched through a
-pidfd (its parent is the fork server, not the rank).
-
-**Fork safety.** The fork server is forked from the pre-warmed server under the same conditions as
-a rank (one thread, no CUDA context, no process group: the pre-warmed server checks them first),
-and it never starts a thread itself, so every writer is the fork of a one-thread process that has
-never touched a GPU. A writer hides the GPUs before anything in it could initialise CUDA.
-
-**When it is not there** (ranks that import their own, a fork server that could not start or has
-died), a writer is spawned, as NVRx does.
+A spawned writer imports torch, NVRx and this package (3-4 CPU-seconds) on every pod at every
+in-job restart, and the rank's first saves wait for it. The pod's pre-warmed server
+(:mod:`resilient_fsdp.resilience.prewarm`) made those imports once; it forks the standard
+library's fork server (:func:`start`) before any rank, and every writer of the pod's ranks is
+forked from that (:func:`writer_context`, used by :mod:`.process`). Every writer is thus the fork
+of a one-thread process that never touched a GPU. Where it is not there, a writer is spawned.
 """
 
 from __future__ import annotations
@@ -52,8 +29,11 @@ _STARTED_BY: Optional[int] = None
 
 
 def start(close_fds: tuple[int, ...] = ()) -> Optional[int]:
-    """In the pre-warmed server, after its imports, before it forks a rank: fork the pod's writer
-    fork server and record it for the ranks to come. ``close_fds``: the server's own descriptors,
+    """In the pre-warmed server, after its imports, before it forks a rank (one thread, no CUDA
+    context, no process group: the pre-warmed server checks them first): fork the pod's writer
+    fork server, which never starts a thread itself, and record it for the ranks to come. It lives
+    as long as the pod's server or any of its ranks or writers (the standard library's "alive"
+    pipe), so a restarted rank finds it running. ``close_fds``: the server's own descriptors,
     closed in the fork. Returns its pid; None when it could not be started (writers are spawned)."""
     global _POD_FORK_SERVER, _STARTED_BY
     try:
@@ -141,7 +121,9 @@ def _alive(pid: int) -> bool:
 @dataclass
 class Inheritance:
     """What a spawned writer would have inherited from its rank and a forked one is handed: the
-    environment, the umask and the standard streams (``multiprocessing.reduction.DupFd``)."""
+    environment, the umask and the standard streams (``multiprocessing.reduction.DupFd``). Its
+    niceness, I/O priority and blocked SIGTERM are set once, in the fork server, and inherited;
+    it exits when its rank is gone, watched through a pidfd (its parent is the fork server)."""
 
     environ: dict
     umask: int

@@ -1,20 +1,10 @@
 """Handing a staged save to the writer process without making the loop wait for it.
 
-The staging buffers are views into one shared-memory arena (:mod:`..arena`) reused from save to
-save. The arena is sent to the writer process once (:class:`Buffers`: one file descriptor, under
-the stager's generation); the worker keeps it (:func:`register`), and each save then sends only
-references into it (:meth:`Registry.pack`: a :class:`Ref` is a byte offset, dtype, shape and
-stride) together with its small items. A new worker (its process id changed) or a new arena (a
-new generation) gets it again. No request carries a staging function, so NVRx's scheduler never
-waits for the worker to take one (its ``preload_fn`` hand-shake); the worker may pick a request up
-whenever it is ready.
-
-Requests are pickled by :func:`encode` on the caller's thread, not by the queue's feeder thread,
-which prints an error and drops what it cannot pickle: the save would then wait for
-``checkpoint.write_timeout_s`` and fail without a reason.
-
-A save's write results come back through its own report (:class:`.report.SaveReport`), not
-through a process-wide queue.
+The staging buffers are views into one shared-memory arena (:mod:`..arena`), sent to the writer
+once (:class:`Buffers`) and kept there (:func:`register`); each save then sends only references
+into it (:meth:`Registry.pack`) with its small items. A new worker or a new arena gets it again.
+No request carries a staging function, so NVRx's scheduler never waits for the worker to take
+one. Used by :mod:`.process` and :mod:`.dcp_plan`.
 """
 
 from __future__ import annotations
@@ -83,7 +73,8 @@ class NotSendable(RuntimeError):
 
 def encode(value: Any) -> bytes:
     """``value`` pickled as the writer's queue pickles it: tensors in shared memory travel as file
-    descriptors."""
+    descriptors. Called on the caller's thread, not by the queue's feeder thread, which prints an
+    error and drops what it cannot pickle (the save would then time out without a reason)."""
     return bytes(ForkingPickler.dumps(value))
 
 

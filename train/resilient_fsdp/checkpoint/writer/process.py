@@ -1,54 +1,15 @@
 """The rank's checkpoint writer process: :class:`WriterProcess`, NVRx's persistent worker behind
-its ``AsyncCallsQueue``, and every adaptation this project makes to NVRx's async checkpointing
-(with :mod:`.dcp_plan`, the DCP save path, and :mod:`.worker`, what runs inside the writer).
+its ``AsyncCallsQueue``, and the adaptations to NVRx's async checkpointing (with :mod:`.dcp_plan`,
+the DCP save path, and :mod:`.worker`, what runs inside the writer).
 
-1. **CPU-only torch builds.** NVRx assumes CUDA in its async path: ``torch.cuda.synchronize()``
-   (0.4.x, in ``TorchAsyncCheckpoint.async_save`` and its staging), CUDA tensors for its
-   cross-rank "done" and "call index" checks, a CUDA tensor when it verifies a plan cache seeded
-   from loaded metadata, and (0.7.x) ``torch.cuda.set_device`` at worker start. Without a GPU we
-
-   - run write calls under :func:`cpu_shim`, which makes ``torch.cuda.synchronize`` a no-op. The
-     shim is installed only when ``torch.cuda.is_available()`` is False, and it is installed
-     *inside NVRx's spawned worker* too, by the wrappers in :mod:`.worker`, which wrap the
-     functions NVRx sends there (a spawned worker starts from a fresh interpreter, so a patch
-     made in the trainer would not reach it);
-   - never ask NVRx for its CUDA-tensor collectives: the caller polls with ``no_dist=True`` and
-     agrees across ranks with its own collective on the job's backend;
-   - never seed the plan cache from loaded metadata (its verification allocates on ``cuda``).
-
-   The writer never needs a GPU, on GPU machines either: it reads the staged host memory and
-   writes files. On 0.7.x the worker starts in ``cpu_shm_mode`` (otherwise it selects a device
-   and allocates on it before its first request), and its first request hides the GPUs from it
-   (:func:`.worker.writer_started`), so no CUDA context (about 0.5 GB of each GPU) is ever opened.
-
-2. **Version differences** between the pinned 0.4.1 (the newest release for glibc < 2.39) and the
-   0.7.x the image ships: detected by feature (constructor parameters), not by version strings.
-
-3. **No waiting on the worker.** The persistent worker is started at process start: forked by
-   the pod's writer fork server where the rank was forked by a pre-warmed server
-   (:mod:`.fork_server`: imported already, ready in milliseconds), else spawned from a helper
-   thread. Either way it runs with lowered CPU and I/O priority (inherited by every thread or
-   process it starts) and SIGTERM blocked (a launcher's SIGTERM to the process group does not cut
-   a graceful stop's final write; the worker is ended by :func:`close_queue`).
-   Requests carry no staging function, so scheduling one never waits for the worker to take it,
-   and the staged tensors travel once, as one shared-memory arena (:mod:`.handoff`). Requests are
-   pickled before they are queued: one that cannot be fails its save at once, naming what could
-   not be pickled, and one the queue's feeder thread still fails to send is reported by the next
-   poll (:meth:`WriterProcess.poll`); NVRx's queue would drop either silently. Write results
-   come back through each save's own channel, never through NVRx's process-wide results queue,
-   whose Manager process (seconds to start after every restart) is therefore never started.
-
-4. **Correctness around the worker.** Errors of the worker (its write, a worker that died) are
-   recorded per save (:mod:`.integrity`'s channel) and read once, by that save. A worker that
-   died is noticed before the next save (:meth:`WriterProcess.usable` starts a new one) and at close
-   (nothing waits for it); no call here waits without a deadline.
-
-5. **Checksums while writing.** The files of a save are written through
-   :class:`.integrity.HashingStream`: NVRx 0.7 takes the ``open`` to use (``open_file``); 0.4.1
-   calls the name ``open`` of its module, which the worker sets for the duration of a write.
-
-The engines (:mod:`..engines`) reach NVRx only through this folder. The restart layers'
-adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
+NVRx assumes CUDA in its async path. Without a GPU the write calls run under
+:func:`.worker.cpu_shim`, the caller polls locally and agrees across ranks with its own
+collective, and the plan cache is never seeded from loaded metadata (its check allocates on
+``cuda``). The writer never needs a GPU, on GPU machines either: it reads host memory and writes
+files. NVRx 0.4.1 (the newest release for glibc < 2.39) and 0.7 are told apart by feature
+(constructor parameters), not by version. The worker starts with the rank's process
+(:func:`_start_worker`); no call here waits on it without a deadline. The engines reach NVRx only
+through this folder; the restart layers' adaptations are in :mod:`resilient_fsdp.resilience.nvrx`.
 """
 
 from __future__ import annotations
@@ -255,7 +216,13 @@ def _close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0)
 class WriterProcess:
     """One rank's checkpoint writer: NVRx's persistent worker, started in the background as soon
     as this object is made (``torch_save``: the worker of a ``TorchAsyncCheckpoint``, whose
-    finalize the polls use). Replaced, never waited for, when it dies or hangs."""
+    finalize the polls use). Replaced, never waited for, when it dies or hangs.
+
+    Requests carry no staging function, so scheduling one never waits for the worker to take it;
+    they are pickled before they are queued (:mod:`.handoff`: NVRx's queue would drop one that
+    cannot be, silently). Write results and errors come back through each save's own report,
+    never through NVRx's process-wide results queue, whose Manager process (seconds to start
+    after every restart) is therefore never started."""
 
     def __init__(self, rank: int, torch_save: bool = False):
         self.rank = rank

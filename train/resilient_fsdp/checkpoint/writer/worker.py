@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ... import atomic
-from ...train import open_files
+from .. import open_files
 from . import fork_server, handoff
 from .report import SaveReport
 
@@ -48,7 +48,7 @@ def writer_started(trainer_pid: int, rank: int, given: Optional[fork_server.Inhe
     """The writer's first call, before anything in it touches CUDA: take what a spawned writer
     would have inherited from its trainer (``given``: the writer was forked by the pod's fork
     server, :mod:`.fork_server`), hide the GPUs, raise the open-files limit
-    (:mod:`resilient_fsdp.train.open_files`; inherited from the trainer, so this says something
+    (:mod:`..open_files`; inherited from the trainer, so this says something
     only when the trainer did not raise it) and exit once the trainer is gone."""
     if given is not None:
         fork_server.take(given)
@@ -119,6 +119,8 @@ def cpu_shim() -> Iterator[None]:
     """Within the block, ``torch.cuda.synchronize`` is a no-op when no GPU exists (else untouched).
 
     Synchronising is meaningless without a device: every CPU copy has completed when it returns.
+    Installed here, inside NVRx's spawned worker, by the wrappers of the functions NVRx sends it:
+    a patch made in the trainer would not reach a fresh interpreter.
     """
     if cuda_present():
         yield

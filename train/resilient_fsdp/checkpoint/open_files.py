@@ -1,11 +1,10 @@
 """A process's open-files limit (``RLIMIT_NOFILE``): its soft limit raised to the hard limit at start.
 
-Many container runtimes start a container with a soft limit of 1024 and a far higher hard limit.
-An unprivileged process may raise its own soft limit up to the hard one, so the trainer and its
-checkpoint writer do so first thing (:func:`raise_soft_limit`), and say once what they found.
-Where the hard limit is 1024 too, nothing can be raised: the checkpoint's staging still fits,
-since it holds one descriptor per rank and writer, not one per tensor
-(:mod:`resilient_fsdp.checkpoint.arena`).
+The rank's process (:mod:`resilient_fsdp.train.resources`) and its checkpoint writer
+(:mod:`.writer.worker`) call :func:`raise_soft_limit` first thing and say once what they found:
+many container runtimes start a container with a soft limit of 1024 and a far higher hard one,
+and an unprivileged process may raise its soft limit up to the hard one. Where the hard limit is
+1024 too, the checkpoint's staging still fits (one descriptor per rank and writer, :mod:`.arena`).
 """
 
 from __future__ import annotations
