@@ -189,6 +189,14 @@ def test_the_pod_side_imports_nothing_of_the_workstation_simulator_or_measuremen
     assert wrong == [], "pod-side modules import:\n" + "\n".join(wrong)
 
 
+def test_the_checkpoint_package_imports_nothing_of_the_trainer():
+    """The checkpoint layer sits below ``train/``: the trainer hands it what it needs (the batch a
+    resume trains with, the summed votes), and no checkpoint module reaches back."""
+    wrong = [f"{name} line {line}: {module}" for name in modules() if under(name, ("resilient_fsdp.checkpoint",))
+             for module, line in imported(name) if under(module, ("resilient_fsdp.train",))]
+    assert wrong == [], "checkpoint modules import train/:\n" + "\n".join(wrong)
+
+
 def test_nvrx_is_imported_only_by_the_modules_named_for_it():
     assert NVRX_MODULES <= set(modules()), "an allowlisted NVRx module is missing"
     wrong = [f"{name} line {line}: {module}" for name in modules() if name not in NVRX_MODULES
@@ -303,3 +311,16 @@ def test_the_chart_and_the_local_launcher_write_the_same_fault_tolerance_setting
     if settings:
         section = from_chart["fault_tolerance"]
         assert section["rank_section_timeouts"]["step"] is None and section["safety_factor"] == 3.5
+
+
+def test_module_headers_are_short():
+    """A module's docstring is at most 13 lines: what it is and who uses it; the why of a line sits
+    beside that line. A package's may add one line per module or subpackage it names."""
+    long = []
+    for name, path in modules().items():
+        lines = len((ast.get_docstring(tree(name)) or "").splitlines())
+        children = ({p.stem for p in path.parent.glob("*.py") if p.stem not in ("__init__", "__main__")} |
+                    {p.parent.name for p in path.parent.glob("*/__init__.py")}) if is_package(name) else set()
+        if lines > 13 + len(children):
+            long.append(f"{name}: {lines} lines (at most {13 + len(children)})")
+    assert long == [], "shorten these module docstrings:\n" + "\n".join(long)

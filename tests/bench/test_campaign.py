@@ -6,7 +6,8 @@ the pods reach through the local cluster's relay); ``nan-loss`` takes its slot w
 
 The campaign runs once (the module's fixture); each of its checks is a test of its own, so one
 failing check leaves the others reported. It replaces, in the CI tier, the 4-pod JobSet with two
-store-host losses and the field faults' job on 0.7 (both ``extended`` now; docs/tests.md).
+store-host losses and the four-faults job (tests/local/test_four_faults_in_one_job.py) on 0.7,
+both in the ``extended`` tier (docs/tests.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def lane_run(request, lane: str) -> dict:
         return {"pythonpath": [], "nvrx_version": NVRX_VERSION}
     return {"pythonpath": [request.getfixturevalue("nvrx07_lane")], "nvrx_version": IMAGE_NVRX}
 
-# 40 steps: room for four faults 8 steps apart (the field faults' job), one reference for all.
+# 40 steps: room for four faults 8 steps apart (tests/local/test_four_faults_in_one_job.py), one reference for all.
 STEPS = 40
 COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=4", "train.log_every=4",
           # Short enough for tests: a stuck rank is killed 2 s after SIGTERM, a hung step is

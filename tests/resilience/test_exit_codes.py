@@ -69,13 +69,21 @@ def test_node_exit_code_follows_the_table(returncode, stop, config_failure, expe
     (0, None, False, 0),
 ])
 def test_a_lost_rendezvous_store_is_retried_by_the_job_level(returncode, stop, config_failure, expected):
-    """The row only: a node that loses its store is run by the local cluster's tests (tests/local/test_field_faults.py)."""
+    """The row only: a node that loses its store is run by the local cluster's tests
+    (tests/local/test_four_faults_in_one_job.py)."""
     code = node_exit_code(returncode, stop, config_failure, store_lost=True)
     assert code == expected
     assert retryable(code) == (code >= 128)
     if code == RENDEZVOUS_LOST:
         assert exit_codes.row("rendezvous-store-lost").code == "200"
         assert exit_codes.describe_code(code) == "200: rendezvous-store-lost, retried by the job level"
+
+
+def test_the_codes_a_node_joins_again_after_and_their_names_come_from_the_table():
+    assert exit_codes.REJOINED_CODES == (RENDEZVOUS_LOST, exit_codes.INFRASTRUCTURE)
+    assert exit_codes.describe_code(204) == "204: straggler-replaced, retried by the job level"
+    assert exit_codes.describe_code(143) == "143: stopped or killed (SIGTERM), retried by the job level"
+    assert exit_codes.describe_code(2) == "2: configuration, not retried"
 
 
 def test_which_exceptions_are_never_retried():
@@ -122,7 +130,7 @@ def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugi
     t0 = time.monotonic()
     proc = run_local(run_dir, nodes=1, nproc=2, pythonpath=[plugin_dir, *lanes], timeout=240,
                      overrides=RUN + (IN_PROCESS if in_process else []) + cause + ["resilience.launcher.max_restarts=3"],
-                     extra=["--max-node-restarts=2"])
+                     extra=["--max-pod-recreations=2"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == CONFIG, out[-4000:]
     assert "exited with code 2: not retried" in proc.stdout and "recreating" not in proc.stdout, proc.stdout[-3000:]
@@ -194,8 +202,7 @@ def test_a_node_nvrx_finds_unhealthy_exits_with_its_own_retried_code(tmp_path, n
     assert any("found this node unhealthy" in line and "201: unhealthy-node, retried by the job level" in line
                for line in agent), agent
     # A node that does not host the store never joins again in its pod after it: the node is the fault.
-    from resilient_fsdp.resilience.rejoin import REJOINED_CODES
-    assert exit_codes.UNHEALTHY_NODE not in REJOINED_CODES
+    assert exit_codes.UNHEALTHY_NODE not in exit_codes.REJOINED_CODES
 
 
 def test_unhealthy_node_output_maps_to_its_code_and_a_ranks_own_lines_do_not():

@@ -4,7 +4,7 @@ whose agent hosts the rendezvous store, on the pinned NVRx (0.4.1) and on each l
 0.7 in CI), in-process restart off and on; 2 pods x 2 ranks in the extended tier. Rank 0 (which commits checkpoints and
 writes the summary) and node 0 are targets like any other. Node-level faults are executed by the
 local cluster; several pods under 0.7 with node faults on the store host are
-tests/local/test_field_faults.py."""
+tests/local/test_four_faults_in_one_job.py."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def test_a_partition_is_refused_before_any_process_starts_where_nothing_executes
 def test_too_many_faults_fail_with_the_last_fault_named(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON,
-                     extra=["--inject=sigkill@10:rank=3", "--max-restarts=0", "--max-node-restarts=0"], timeout=240)
+                     extra=["--inject=sigkill@10:rank=3", "--max-restarts=0", "--max-pod-recreations=0"], timeout=240)
     assert proc.returncode != 0
     report = proc.stdout.split("job FAILED", 1)[1]
     assert "last fault: sigkill@10:rank=3 (injected after step 9)" in report

@@ -3,14 +3,12 @@ section.key=value`` overrides in the order given, validated, with cross-key rule
 
 Values are read as their key's type takes them (a number written ``3e-4`` for a number key,
 the text as written for a string key), the same from a file and from ``--set``. Every problem is
-reported naming the dotted key and what it accepts; a key of another layout
-(:data:`MOVED_KEYS`) names the key it is now.
+reported naming the dotted key and what it accepts; an unknown key names the closest valid one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 import types
 import typing
@@ -20,27 +18,13 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from .errors import ConfigError
+from .errors import ConfigError, did_you_mean
 from .fault_spec import MEMORY_FAULT_KINDS, REPLICA_FAULT_KINDS, parse_fault
 from .s3_uri import split_s3_uri
 from .sections import Config, S3Config, field_annotation, section_of
 
 _ADAPTER = TypeAdapter(Config)
 
-# ``resilience`` is grouped by restart layer; a flat key names the one it is in its group.
-MOVED_KEYS = {
-    **{f"resilience.in_process_{k}": f"resilience.in_process.{k}"
-       for k in ("max_iterations", "soft_timeout_s", "hard_timeout_s", "heartbeat_timeout_s", "barrier_timeout_s",
-                 "store_port_offset")},
-    **{f"resilience.{k}": f"resilience.hang_detection.{k}"
-       for k in ("init_timeout_s", "step_timeout_s", "checkpoint_timeout_s", "out_of_section_timeout_s",
-                 "learn_timeouts", "learn_after_steps", "safety_factor", "min_learned_timeout_s",
-                 "termination_signal", "workload_check_interval_s")},
-    "resilience.max_restarts": "resilience.launcher.max_restarts",
-    "resilience.workers_stop_timeout_s": "resilience.launcher.workers_stop_timeout_s",
-    "resilience.graceful_stop_timeout_s": "resilience.stop.timeout_s",
-    "resilience.stop_exit_code": "resilience.stop.exit_code",
-}
 # A section whose on/off switch is a key inside it.
 SECTION_SWITCHES = {"resilience.in_process": "resilience.in_process.enabled"}
 
@@ -50,15 +34,10 @@ def _explain(error: dict) -> str:
     loc = tuple(str(p) for p in error["loc"])
     key = ".".join(loc)
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        if key in MOVED_KEYS:
-            return f"unknown key '{key}': the key is {MOVED_KEYS[key]}"
         parent = section_of(loc)
         valid = [f.name for f in dataclasses.fields(parent)] if parent else []
-        hint = difflib.get_close_matches(loc[-1], valid, n=1)
         where = ".".join(loc[:-1]) or "the top level"
-        msg = f"unknown key '{key}'"
-        if hint:
-            msg += f" (did you mean '{'.'.join(loc[:-1] + (hint[0],))}'?)"
+        msg = f"unknown key '{key}'" + did_you_mean(loc[-1], valid, prefix="".join(f"{p}." for p in loc[:-1]))
         return msg + (f"; valid keys in {where}: {', '.join(valid)}" if valid else "")
     if error["type"] == "literal_error":
         return f"{key}: {error['input']!r} is not valid; choose one of {error['ctx']['expected']}"

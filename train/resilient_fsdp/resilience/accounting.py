@@ -1,18 +1,10 @@
 """Which layer restarted the job, what each fault cost, and the job's goodput.
 
 Every start of the training function (an *attempt*) logs a ``start`` event to ``metrics.jsonl``
-with the layer that caused it, found by mechanism, not by fault kind:
-
-- ``start``: the first attempt of a job, or a continuation after a clean ``finish``;
-- ``in_process``: the in-process restart re-entered the function (same processes);
-- ``job``: a node (agent) is younger than the previous attempt: a pod was recreated, or the
-  whole job relaunched;
-- ``in_job``: otherwise: ``ft_launcher`` respawned the workers inside running nodes.
-
-Recovery of an injected fault: from its ``t_fault`` to the first step completed after the
-restore; ``lost_steps`` = steps completed before the fault that had to be trained again.
-Goodput = time spent in steps that count (each final step once, trained since the job began) / wall
-time since the job began.
+with the layer that caused it, found by mechanism, not by fault kind (:func:`agree_attempt`).
+The recovery of an injected fault runs from its ``t_fault`` to the first step completed after the
+restore; goodput is the time in steps that count (each final step once) over the wall time since
+the job began. The attempt (:mod:`.attempt`) and ``resilient-fsdp`` reports use it.
 """
 
 from __future__ import annotations
@@ -86,8 +78,11 @@ def _process_start() -> Optional[float]:
 
 
 def agree_attempt(metrics_path: Path, iteration: int, rank: int, device: torch.device) -> tuple[str, str]:
-    """Collective: the layer that caused this attempt (see the module docstring), and the attempt's
-    id, rank 0's, the same on every rank (the failures an attempt records are told apart by it)."""
+    """Collective: the layer that caused this attempt, and the attempt's id, rank 0's, the same on
+    every rank (the failures an attempt records are told apart by it). The layer is found by
+    mechanism: ``start`` (the job's first attempt, or one after a clean ``finish``), ``in_process``
+    (the wrapper re-entered the function), ``job`` (a node agent is younger than the previous
+    attempt: a pod was recreated) or ``in_job`` (``ft_launcher`` respawned the workers)."""
     # torch only here: the node agent reads restarts and goodput from this module without it.
     import torch
     import torch.distributed as dist

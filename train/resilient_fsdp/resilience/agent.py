@@ -1,50 +1,13 @@
 """A node's main process (a pod's PID 1):
-``python -m resilient_fsdp.resilience.agent [--rejoin-timeout=S] [--metrics-port=N] [--] FT_LAUNCHER_ARGS...``.
+``python -m resilient_fsdp.resilience.agent [AGENT_FLAGS...] [--] FT_LAUNCHER_ARGS...``.
 
-It runs ``ft_launcher`` with the given arguments and turns its ending into an exit code the
-job-level restart policy reads correctly (PyTorchJob ``restartPolicy: ExitCode`` retries 128-255
-and fails the job on 1-127); the classification is :mod:`.exit_codes`' table:
-
-- stopped by the orchestrator (SIGTERM/SIGINT: eviction, spot reclaim, scale-down): the ranks
-  checkpoint and exit; ``ft_launcher`` then reports 1, which would read as a permanent failure.
-  This wrapper exits 128 + the signal instead, so the pod is recreated and the job resumes;
-- a rank reported a configuration-type failure (it writes the reason into the node's fatal file
-  and sends SIGUSR1): ``ft_launcher`` is stopped before it restarts the rank, and the node exits 2;
-- ``ft_launcher`` killed by a signal: 128 + the signal (what a shell reports);
-- ``ft_launcher`` lost the rendezvous store (its host, pod 0's agent, died with its pod):
-  :data:`.exit_codes.RENDEZVOUS_LOST` (see :func:`rendezvous_store_lost`);
-- NVRx's node health checks found the node unhealthy: :data:`.exit_codes.UNHEALTHY_NODE`
-  (see :func:`node_unhealthy`), its node tainted first with ``--taint-unhealthy-node``
-  (:mod:`.node_taint`);
-- ``ft_launcher`` failed otherwise (in-job restarts spent after infrastructure-type failures,
-  lost peers, a join timeout): :data:`.exit_codes.INFRASTRUCTURE`;
-- 0 when training finished, also when every rank of the node finished and only ft_launcher's
-  shutdown failed (the store host went first), or when the launcher lost the store and the run
-  directory says the job trained all its steps (:func:`training_complete`: a hot spare has no
-  ranks of its own to say so), and, before any launcher starts, when the run directory already
-  says so (a pod recreated after its job ended, which no launcher would join).
-
-With ``--max-pod-failures=N`` (a PyTorchJob's ``job.backoffLimit``, which its operator does not
-apply) a code the job level retries is first counted among the job's pod failures
-(:mod:`.pod_failures`): past N in a row without progress the node exits 2 instead.
-
-With ``--nnodes=N:M`` (``spares`` in the chart) the pods beyond N wait as hot spares, which NVRx
-0.6 or newer keeps standby; under an older NVRx the node exits 2 before it starts the launcher
-(:func:`.nvrx.hot_spares_unsupported`).
-
-On the last two kinds of failure a node that does not host the store joins again in its pod
-(``--rejoin-timeout``, :mod:`.rejoin`): the failure was caused by another node, and one event
-is counted once, on the store host's pod. The agent's own flags come before ``--``,
-ft_launcher's after it.
-
-It also marks the node for the ranks (``RESILIENT_FSDP_NODE_PID`` / ``_START``: which process is
-the node, and since when), pins who hosts the store and the node rank to the pod's index
-(:mod:`.node_rank`), sets the ``OMP_NUM_THREADS`` ft_launcher would set for its ranks before either
-it or the pre-warmed server starts (:func:`.prewarm.with_launcher_threads`) and, as a child
-subreaper, reaps whatever the node leaves behind.
-``ft_launcher``'s stderr passes through it, so the ending can be read. With ``--metrics-port`` it
-serves the run's metrics to Prometheus from a daemon thread (:mod:`.metrics_endpoint`); an
-endpoint it cannot serve is said once and training goes on without it.
+:class:`NodeAgent` runs ``ft_launcher`` with the given arguments and ends with the node exit code
+that :data:`.exit_codes.TABLE` gives its ending, which the job-level restart policy reads. Between
+runs it joins a node that is not the store host again (:mod:`.rejoin`); before the first it pins
+the store host and node rank (:mod:`.node_rank`) and marks the node for its ranks. As a child
+subreaper it reaps what the ranks leave behind (:class:`RankHelperSweeper`). Its own flags
+(:data:`AGENT_FLAGS`) come before ``--``, ft_launcher's after it. The chart's pods run it; so does
+the local cluster (:mod:`resilient_fsdp.local`).
 """
 
 from __future__ import annotations
@@ -62,8 +25,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import psutil
 
@@ -71,8 +35,9 @@ from . import exit_codes, metrics_endpoint, node_rank, node_reports, node_taint,
 from .faults import NODE_PID_ENV, NODE_START_ENV
 from .graceful_stop import NODE_STOP_ENV
 from .processes import become_subreaper, kill_descendants
-from .rejoin import REJOINED_CODES, Rejoin, await_first_store, await_store
+from .rejoin import Rejoin, await_first_store, await_store
 from .store_watch import StoreWatch
+
 
 def ft_launcher_executable() -> list[str]:
     """``ft_launcher`` of this interpreter's NVRx, leaving the rendezvous open when this node fails
@@ -369,145 +334,263 @@ def _nproc(args: list[str]) -> Optional[int]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     try:
-        flags, args = parse_agent_args(list(sys.argv[1:] if argv is None else argv))
-        index = node_rank.node_index(os.environ)
+        agent = NodeAgent.from_argv(list(sys.argv[1:] if argv is None else argv))
     except ValueError as exc:
         _say(f"configuration error: {exc}; exiting {exit_codes.CONFIG}")
         _termination_message(str(exc))
         return exit_codes.CONFIG
-    become_subreaper()
-    nproc = _nproc(args)
-    env = prewarm.with_launcher_threads(node_rank.launcher_env(os.environ, index), nproc)
-    env[NODE_PID_ENV] = str(os.getpid())
-    env[node_rank.SPARES_ENV] = str(node_rank.spares(args))  # whether a straggler's node can be replaced
-    env[NODE_START_ENV] = repr(time.time())
-    if index is not None:
-        args = node_rank.with_store_host(args, index == 0)
-    args, env = node_rank.with_install(args, env)
-    store_host = index in (None, 0) or node_rank.rdzv_conf(args).get("is_host", "").lower() in ("1", "true", "yes")
-    base = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}")
-    stop_file, fatal_file, done_dir = base + ".stopping", base + ".fatal", Path(base + ".done")
-    # A pod's agent is always PID 1: files left by one that was SIGKILLed (the pod's /tmp
-    # survives a container restart) would make every later SIGTERM read as a graceful stop.
-    for stale in (stop_file, fatal_file):
-        _remove(stale)
-    shutil.rmtree(done_dir, ignore_errors=True)
-    done_dir.mkdir()
-    env[NODE_STOP_ENV] = stop_file
-    env[exit_codes.NODE_FATAL_ENV] = fatal_file
-    env[exit_codes.NODE_DONE_ENV] = str(done_dir)
-    received: list[int] = []
-    fatal: list[bool] = []
-    launcher: dict[str, subprocess.Popen] = {}
+    agent.prepare_environment()
+    agent.install_signal_handlers()  # before the launcher starts: a SIGTERM to PID 1 in between would be lost
+    return agent.run()
 
-    def forward(signum: int, _frame) -> None:
-        if not received:
+
+@dataclass
+class LauncherEnding:
+    """How one ``ft_launcher`` run ended, and the node exit code it reads as (:data:`.exit_codes.TABLE`)."""
+
+    returncode: int
+    lines: list[str]  # its last stderr lines
+    started: bool  # it started ranks: a rendezvous of every node completed
+    code: int
+    config_failure: Optional[str]  # what a rank reported no restart can fix, or None
+
+
+@dataclass
+class NodeAgent:
+    """One node's agent: its flags, ft_launcher's arguments, and what it learns while they run."""
+
+    flags: dict[str, Any]
+    args: list[str]  # ft_launcher's
+    index: Optional[int]  # the pod's index in the job (None: not in an indexed job)
+    env: dict[str, str] = field(default_factory=dict)  # the launcher's environment
+    nproc: Optional[int] = None  # ranks per node
+    store_host: bool = True
+    base: str = ""  # prefix of the node's files in the temporary directory
+    stop_signal: Optional[int] = None  # the first SIGTERM/SIGINT received
+    last_signal: Optional[int] = None  # the latest, forwarded to a launcher that starts after it
+    fatal_signalled: bool = False  # a rank signalled a configuration-type failure
+    launcher: Optional[subprocess.Popen] = None
+    reports: Optional[node_reports.NodeReports] = None
+    trained: bool = False  # a launcher of this pod started ranks (a hot spare's may never)
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> "NodeAgent":
+        """The agent of ``argv`` (its flags, ``--``, ft_launcher's); ValueError names a bad flag."""
+        flags, args = parse_agent_args(argv)
+        return cls(flags, args, node_rank.node_index(os.environ))
+
+    @property
+    def stop_file(self) -> str:
+        return self.base + ".stopping"
+
+    @property
+    def fatal_file(self) -> str:
+        return self.base + ".fatal"
+
+    @property
+    def done_dir(self) -> Path:
+        return Path(self.base + ".done")
+
+    def prepare_environment(self) -> None:
+        """Become the node's subreaper; build the launcher's environment and arguments; make the
+        files the ranks report through."""
+        become_subreaper()
+        self.nproc = _nproc(self.args)
+        env = prewarm.with_launcher_threads(node_rank.launcher_env(os.environ, self.index), self.nproc)
+        env[NODE_PID_ENV] = str(os.getpid())
+        env[node_rank.SPARES_ENV] = str(node_rank.spares(self.args))  # whether a straggler's node can be replaced
+        env[NODE_START_ENV] = repr(time.time())
+        if self.index is not None:
+            self.args = node_rank.with_store_host(self.args, self.index == 0)
+        self.args, env = node_rank.with_install(self.args, env)
+        self.store_host = self.index in (None, 0) or \
+            node_rank.rdzv_conf(self.args).get("is_host", "").lower() in ("1", "true", "yes")
+        self.base = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}")
+        # A pod's agent is always PID 1: files left by one that was SIGKILLed (the pod's /tmp
+        # survives a container restart) would make every later SIGTERM read as a graceful stop.
+        self.remove_files()
+        self.done_dir.mkdir()
+        env[NODE_STOP_ENV] = self.stop_file
+        env[exit_codes.NODE_FATAL_ENV] = self.fatal_file
+        env[exit_codes.NODE_DONE_ENV] = str(self.done_dir)
+        self.env = env
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.on_stop_signal)
+        signal.signal(exit_codes.FATAL_SIGNAL, self.on_fatal_signal)
+
+    def on_stop_signal(self, signum: int, _frame) -> None:
+        if self.stop_signal is None:
             # Before the ranks see the signal: tells them this is a stop, not a worker restart.
-            with open(stop_file, "w") as f:
+            with open(self.stop_file, "w") as f:
                 f.write(str(signum))
-        received.append(signum)
-        if "child" in launcher:
-            _send(launcher["child"], signum)
+            self.stop_signal = signum
+        self.last_signal = signum
+        if self.launcher is not None:
+            _send(self.launcher, signum)
 
-    def stop_launcher(_signum: int, _frame) -> None:
+    def on_fatal_signal(self, _signum: int, _frame) -> None:
         # A rank failed in a way no restart fixes: stop ft_launcher before it restarts the rank.
-        fatal.append(True)
-        if "child" in launcher:
-            _send(launcher["child"], signal.SIGTERM)
+        self.fatal_signalled = True
+        if self.launcher is not None:
+            _send(self.launcher, signal.SIGTERM)
 
-    # Installed before the launcher starts: a SIGTERM to PID 1 in between would be lost.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    signal.signal(exit_codes.FATAL_SIGNAL, stop_launcher)
-    bad = check_launcher_args(args)
-    if bad:
-        _say(f"configuration error: {bad}; exiting {exit_codes.CONFIG}")
-        _termination_message(bad)
-        return exit_codes.CONFIG
-    try:
-        run_dir: Optional[Path] = metrics_endpoint.trainer_run_dir(args)
-        unknown_run_dir = None
-    except metrics_endpoint.MetricsError as exc:
-        run_dir, unknown_run_dir = None, str(exc)
-    silent_after_s = node_reports.silent_after(flags.get("--store-timeout"))
-    if flags.get("--metrics-port"):
-        start_metrics(int(flags["--metrics-port"]), args, run_dir, unknown_run_dir, index, env, silent_after_s)
-    reports = node_reports.NodeReports(run_dir, index, socket.gethostname(), env.get("NODE_NAME", ""),
-                                       silent_after_s, _say) if run_dir is not None and index is not None else None
-    if reports is not None:
-        reports.start()
-    if index is not None:
-        _say(f"node {index} of the job (GROUP_RANK={env['GROUP_RANK']}); "
-             f"{'hosts' if store_host else 'joins'} the rendezvous store")
-    complete = training_complete(args)
-    if complete:
-        # A pod recreated after the job's last rendezvous (its node was lost as training ended):
-        # no launcher of the job will join it, so waiting for one would hold the job open.
-        _say(f"the job's training is already complete ({complete}): this pod started after it ended; "
-             "exiting 0 without starting ft_launcher (to train on, raise train.steps or train.stop_at_step)")
-        if reports is not None:
-            reports.stop()
-        shutil.rmtree(done_dir, ignore_errors=True)
-        return 0
-    rejoin = Rejoin(store_host, flags.get("--rejoin-timeout", 0.0))
-    if not store_host:
-        conf = node_rank.rdzv_conf(args)
-        said = await_first_store(node_rank.rdzv_endpoint(args), _seconds(conf.get("store_connect_wait_seconds"))
-                                 or _seconds(conf.get("join_timeout")), stopped=lambda: bool(received))
-        if said:
-            _say(said)
-    trained = False  # a launcher of this pod started ranks (a hot spare's may never)
-    try:
-        while True:
-            endpoint = node_rank.rdzv_endpoint(args)
-            watch = StoreWatch(endpoint, flags["--store-timeout"]) \
-                if not store_host and endpoint is not None and flags.get("--store-timeout") else None
-            returncode, lines, started = _run_launcher(args, env, launcher, received, fatal,
-                                                       base + ".prewarm.sock" if flags.get("--prewarm") else None, watch,
-                                                       lambda: nproc is not None and
-                                                       exit_codes.finished_ranks(done_dir) >= nproc)
-            trained = trained or started
-            reason = _read(fatal_file) if (fatal or os.path.exists(fatal_file)) else None
-            code = exit_code(returncode, received[0] if received else None, lines, reason is not None)
-            if watch is not None and watch.lost and reason is None and not received:
-                code = exit_codes.RENDEZVOUS_LOST
-            finished = nproc is not None and exit_codes.finished_ranks(done_dir) >= nproc
-            if code != 0 and finished and reason is None and not received:
-                _say(f"every rank of this node finished training; ft_launcher's shutdown exited {returncode} "
-                     "(the store host may have gone first): exiting 0")
-                return 0
-            complete = training_complete(args) if code in REJOINED_CODES and reason is None and not received else None
+    def stopped(self) -> bool:
+        return self.stop_signal is not None
+
+    def ranks_finished(self) -> bool:
+        return self.nproc is not None and exit_codes.finished_ranks(self.done_dir) >= self.nproc
+
+    def run(self) -> int:
+        """Check the arguments, then run ft_launcher (again, while :class:`.rejoin.Rejoin` says so)
+        and return the node's exit code."""
+        bad = check_launcher_args(self.args)
+        if bad:
+            _say(f"configuration error: {bad}; exiting {exit_codes.CONFIG}")
+            _termination_message(bad)
+            self.remove_files()
+            return exit_codes.CONFIG
+        try:
+            self.start_reporting()
+            complete = training_complete(self.args)
             if complete:
-                _say(f"the job's training is complete ({complete}); ft_launcher exited {returncode} "
-                     f"({'a standby pod; ' if not started else ''}the store host went first): exiting 0")
+                # A pod recreated after the job's last rendezvous (its node was lost as training ended):
+                # no launcher of the job will join it, so waiting for one would hold the job open.
+                _say(f"the job's training is already complete ({complete}): this pod started after it ended; "
+                     "exiting 0 without starting ft_launcher (to train on, raise train.steps or train.stop_at_step)")
                 return 0
-            again = None if (reason is not None or received) else rejoin.decide(code, started)
+            ending = self.run_until_settled()
+            if ending is None:
+                return 0
+        finally:
+            if self.reports is not None:
+                self.reports.stop()
+            self.remove_files()
+        return self.bound_pod_failures(self.explain(ending))
+
+    def start_reporting(self) -> None:
+        """The metrics endpoint (``--metrics-port``) and the node's reports to the run directory."""
+        try:
+            run_dir: Optional[Path] = metrics_endpoint.trainer_run_dir(self.args)
+            unknown_run_dir = None
+        except metrics_endpoint.MetricsError as exc:
+            run_dir, unknown_run_dir = None, str(exc)
+        silent_after_s = node_reports.silent_after(self.flags.get("--store-timeout"))
+        if self.flags.get("--metrics-port"):
+            start_metrics(int(self.flags["--metrics-port"]), self.args, run_dir, unknown_run_dir, self.index,
+                          self.env, silent_after_s)
+        if run_dir is not None and self.index is not None:
+            self.reports = node_reports.NodeReports(run_dir, self.index, socket.gethostname(),
+                                                    self.env.get("NODE_NAME", ""), silent_after_s, _say)
+            self.reports.start()
+        if self.index is not None:
+            _say(f"node {self.index} of the job (GROUP_RANK={self.env['GROUP_RANK']}); "
+                 f"{'hosts' if self.store_host else 'joins'} the rendezvous store")
+
+    def run_until_settled(self) -> Optional[LauncherEnding]:
+        """Launcher runs until one ends the node: its ending, or None when the job's training is done."""
+        rejoin = Rejoin(self.store_host, self.flags.get("--rejoin-timeout", 0.0))
+        if not self.store_host:
+            conf = node_rank.rdzv_conf(self.args)
+            said = await_first_store(node_rank.rdzv_endpoint(self.args),
+                                     _seconds(conf.get("store_connect_wait_seconds"))
+                                     or _seconds(conf.get("join_timeout")), stopped=self.stopped)
+            if said:
+                _say(said)
+        while True:
+            ending = self.run_once()
+            self.trained = self.trained or ending.started
+            if ending.config_failure is not None or self.stopped():
+                return ending
+            if ending.code != 0 and self.ranks_finished():
+                _say(f"every rank of this node finished training; ft_launcher's shutdown exited {ending.returncode} "
+                     "(the store host may have gone first): exiting 0")
+                return None
+            complete = training_complete(self.args) if ending.code in exit_codes.REJOINED_CODES else None
+            if complete:
+                _say(f"the job's training is complete ({complete}); ft_launcher exited {ending.returncode} "
+                     f"({'a standby pod; ' if not ending.started else ''}the store host went first): exiting 0")
+                return None
+            again = rejoin.decide(ending.code, ending.started)
             if again is None:
-                break
+                if not self.store_host and ending.code in exit_codes.REJOINED_CODES and rejoin.timeout_s > 0:
+                    _say(rejoin.gave_up())
+                return ending
             _say(again)
-            _say(await_store(node_rank.rdzv_endpoint(args), stopped=lambda: bool(received),
+            _say(await_store(node_rank.rdzv_endpoint(self.args), stopped=self.stopped,
                              window_s=rejoin.remaining_s()))
-            if received:  # stopped while no launcher ran: nothing to checkpoint
-                code = 128 + received[0]
+            if self.stopped():  # stopped while no launcher ran: nothing to checkpoint
+                assert self.stop_signal is not None
+                ending.code = 128 + self.stop_signal
+                return ending
+
+    def run_once(self) -> LauncherEnding:
+        """One ``ft_launcher`` run to its end, and the node exit code it reads as."""
+        endpoint = node_rank.rdzv_endpoint(self.args)
+        watch = StoreWatch(endpoint, self.flags["--store-timeout"]) \
+            if not self.store_host and endpoint is not None and self.flags.get("--store-timeout") else None
+        returncode, lines, started = self.launch(
+            self.base + ".prewarm.sock" if self.flags.get("--prewarm") else None, watch)
+        reason = _read(self.fatal_file) if (self.fatal_signalled or os.path.exists(self.fatal_file)) else None
+        code = exit_code(returncode, self.stop_signal, lines, reason is not None)
+        if watch is not None and watch.lost and reason is None and not self.stopped():
+            code = exit_codes.RENDEZVOUS_LOST
+        return LauncherEnding(returncode, lines, started, code, reason)
+
+    def launch(self, prewarm_socket: Optional[str], watch: Optional[StoreWatch]) -> tuple[int, list[str], bool]:
+        """Run ``ft_launcher``: (its return code, its last stderr lines, whether it started ranks).
+        With ``prewarm_socket``, beside a pre-warmed server there that forks the ranks
+        (:mod:`.prewarm`), which ends with the run. With ``watch`` (a node that is not the store
+        host), a store that stopped answering ends it (:mod:`.store_watch`): its ranks and the
+        launcher are killed, and ``watch.lost`` says why; not once every rank of the node has
+        finished training (the store host has left at the job's end, and the ranks still finish)."""
+        env = self.env
+        server = start_prewarm(prewarm_socket, self.args, env) if prewarm_socket else None
+        if server is not None:
+            env = {**env, prewarm.SOCKET_ENV: prewarm_socket}
+        child = subprocess.Popen([*ft_launcher_executable(), *self.args], env=env, stderr=subprocess.PIPE)
+        tail = _StderrTail(child.stderr)
+        tail.start()
+        self.launcher = child
+        if self.last_signal is not None:
+            _send(child, self.last_signal)  # arrived while the launcher was being started
+        if self.fatal_signalled:
+            _send(child, signal.SIGTERM)
+        sweeper = RankHelperSweeper(child.pid, server.pid if server is not None else None)
+        if watch is not None:
+            watch.start()
+        while True:
+            try:
+                returncode = child.wait(timeout=SWEEP_INTERVAL_S)
                 break
-    finally:
-        if reports is not None:
-            reports.stop()
-        for path in (stop_file, fatal_file):
-            _remove(path)
-        shutil.rmtree(done_dir, ignore_errors=True)
-    if reason is not None:
-        _say(f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
-             f"(exited {returncode}); exiting {code}: {reason}")
-        _termination_message(reason)
-    elif received:
-        _say(f"stopped by {signal.Signals(received[0]).name}; ft_launcher exited {returncode}; exiting {code}")
-    else:
-        if not store_host and code in REJOINED_CODES and rejoin.timeout_s > 0:
-            _say(rejoin.gave_up())
-        if code == exit_codes.UNHEALTHY_NODE:
-            why = unhealthy_reason(lines)
-            done = taint_unhealthy_node(flags.get("--taint-unhealthy-node"), why)
+            except subprocess.TimeoutExpired:
+                sweeper.sweep()
+                if watch is not None and watch.lost and self.ranks_finished():
+                    watch.lost = None  # the job's end: the store host left first, as it may
+                elif watch is not None and watch.lost:
+                    _say(watch.lost)
+                    # Its ranks wait on peers through the lost host, its store client on the host:
+                    # nothing here can end on its own in time.
+                    kill_descendants(timeout=5.0)
+        if watch is not None:
+            watch.stop()
+        kill_descendants(timeout=5.0)
+        tail.join(timeout=5.0)
+        return returncode, list(tail.lines), sweeper.seen_ranks
+
+    def explain(self, ending: LauncherEnding) -> int:
+        """Say why the node ends (and in the pod's termination message); its exit code."""
+        code, returncode = ending.code, ending.returncode
+        if ending.config_failure is not None:
+            _say(f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
+                 f"(exited {returncode}); exiting {code}: {ending.config_failure}")
+            _termination_message(ending.config_failure)
+        elif self.stop_signal is not None:
+            _say(f"stopped by {signal.Signals(self.stop_signal).name}; ft_launcher exited {returncode}; exiting {code}")
+        elif code == exit_codes.UNHEALTHY_NODE:
+            why = unhealthy_reason(ending.lines)
+            done = taint_unhealthy_node(self.flags.get("--taint-unhealthy-node"), why)
             _say(f"NVRx's node health checks found this node unhealthy ({why}); ft_launcher exited {returncode}; "
                  f"exiting {exit_codes.describe_code(code)}: "
                  + (f"{done}, so that the recreated pod lands elsewhere" if done else
@@ -515,21 +598,31 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "lands elsewhere (pod.taintUnhealthyNode.enabled does it from here)"))
             _termination_message(f"unhealthy node (NVRx node health check: {why}); node exit code "
                                  f"{exit_codes.describe_code(code)}" + (f"; {done}" if done else ""))
-        elif code == RENDEZVOUS_LOST_EXIT_CODE:
+        elif code == exit_codes.RENDEZVOUS_LOST:
             _say(f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
                  f"exiting {exit_codes.describe_code(code)}")
         elif code != 0:
             _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
             _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
-        elif not trained:
+        elif not self.trained:
             _say("this pod stood by as a hot spare until the job ended: its launcher started no ranks; exiting 0")
-        if code in exit_codes.RETRIED and "--max-pod-failures" in flags:
-            bounded = bound_pod_failures(args, int(flags["--max-pod-failures"]), code, index)
-            if bounded is not None:
-                _say(f"{bounded}; exiting {exit_codes.CONFIG}")
-                _termination_message(bounded)
-                code = exit_codes.CONFIG
-    return code
+        return code
+
+    def bound_pod_failures(self, code: int) -> int:
+        """``code``, or the configuration code once the job's pod failures pass ``--max-pod-failures``."""
+        if self.stop_signal is not None or code not in exit_codes.RETRIED or "--max-pod-failures" not in self.flags:
+            return code
+        bounded = bound_pod_failures(self.args, int(self.flags["--max-pod-failures"]), code, self.index)
+        if bounded is None:
+            return code
+        _say(f"{bounded}; exiting {exit_codes.CONFIG}")
+        _termination_message(bounded)
+        return exit_codes.CONFIG
+
+    def remove_files(self) -> None:
+        for path in (self.stop_file, self.fatal_file):
+            _remove(path)
+        shutil.rmtree(self.done_dir, ignore_errors=True)
 
 
 def bound_pod_failures(args: list[str], limit: int, code: int, index: Optional[int]) -> Optional[str]:
@@ -598,51 +691,6 @@ def start_metrics(port: int, args: list[str], run_dir: Optional[Path], unknown: 
         _say(f"no metrics endpoint: {exc}; training goes on without it")
         return
     _say(f"metrics of {run_dir} served at /metrics, {where}")
-
-
-def _run_launcher(args: list[str], env: dict[str, str], launcher: dict[str, subprocess.Popen],
-                  received: list[int], fatal: list[bool], prewarm_socket: Optional[str] = None,
-                  watch: Optional[StoreWatch] = None,
-                  finished: Callable[[], bool] = lambda: False) -> tuple[int, list[str], bool]:
-    """One ``ft_launcher`` run to its end: (its return code, its last stderr lines, whether it
-    started ranks, i.e. a rendezvous of every node completed). With ``prewarm_socket``, beside a
-    pre-warmed server there that forks the ranks (:mod:`.prewarm`); it ends with the run. With
-    ``watch`` (a node that is not the store host), a store that stopped answering ends it
-    (:mod:`.store_watch`): its ranks and the launcher are killed, and ``watch.lost`` says why;
-    not once every rank of the node has ``finished`` training (the store host has left at the
-    job's end, and the ranks still finish, a final upload say)."""
-    server = start_prewarm(prewarm_socket, args, env) if prewarm_socket else None
-    if server is not None:
-        env = {**env, prewarm.SOCKET_ENV: prewarm_socket}
-    child = subprocess.Popen([*ft_launcher_executable(), *args], env=env, stderr=subprocess.PIPE)
-    tail = _StderrTail(child.stderr)
-    tail.start()
-    launcher["child"] = child
-    if received:
-        _send(child, received[-1])  # arrived while the launcher was being started
-    if fatal:
-        _send(child, signal.SIGTERM)
-    sweeper = RankHelperSweeper(child.pid, server.pid if server is not None else None)
-    if watch is not None:
-        watch.start()
-    while True:
-        try:
-            returncode = child.wait(timeout=SWEEP_INTERVAL_S)
-            break
-        except subprocess.TimeoutExpired:
-            sweeper.sweep()
-            if watch is not None and watch.lost and finished():
-                watch.lost = None  # the job's end: the store host left first, as it may
-            elif watch is not None and watch.lost:
-                _say(watch.lost)
-                # Its ranks wait on peers through the lost host, its store client on the host:
-                # nothing here can end on its own in time.
-                kill_descendants(timeout=5.0)
-    if watch is not None:
-        watch.stop()
-    kill_descendants(timeout=5.0)
-    tail.join(timeout=5.0)
-    return returncode, list(tail.lines), sweeper.seen_ranks
 
 
 def start_prewarm(path: str, args: list[str], env: dict[str, str]) -> Optional[subprocess.Popen]:

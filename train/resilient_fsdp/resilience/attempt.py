@@ -1,21 +1,12 @@
 """One attempt at the training function, and every resilience hook it runs: one object the loop
 and the checkpointer talk to, instead of a monitor, a ping, a ledger, an injector and marks.
 
-An attempt is one start of the training function in a process: the first, or one after an
-in-process restart (same process), an in-job restart (new processes) or a job-level restart (new
-pods). :class:`Attempt` holds
-
-- the in-job hang detection (:mod:`.rank_monitor`): the ``init``, ``step``, ``checkpoint`` and
-  ``drain`` sections, the learned timeouts;
-- the in-process restart's progress ping (:mod:`.inprocess`), once per step and while draining;
-- fault injection (:mod:`.faults`) and the once-per-job ledger (:mod:`.ledger`);
-- the place it has reached, by which a failure that ends it is judged (:mod:`.deterministic`:
-  the same failure at the same place after a restart is retried by no layer);
-- which layer caused the attempt, where its start-up time went (its marks), and the recoveries
-  it closes after its first step (:mod:`.accounting`).
-
-:class:`NoHooks` is the same interface doing nothing, for a checkpointer used on its own
-(benchmarks, probes).
+An attempt is one start of the training function in a process (the first, or one after any
+restart). :class:`Attempt` holds the in-job hang detection (:mod:`.rank_monitor`), the in-process
+restart's progress ping (:mod:`.inprocess`), fault injection (:mod:`.faults`) and its ledger
+(:mod:`.ledger`), the place it has reached (:mod:`.deterministic`), and its accounting
+(:mod:`.accounting`). :class:`NoHooks` is the same interface doing nothing, for a checkpointer
+used on its own (benchmarks, probes).
 """
 
 from __future__ import annotations
@@ -72,7 +63,7 @@ class NoHooks:
 
 
 class Attempt(NoHooks):
-    """The resilience side of one attempt; see the module docstring.
+    """The resilience side of one attempt.
 
     Built before the process group (its ``init`` section covers building it); :meth:`joined`
     once the group exists, since finding the layer is collective.

@@ -1,34 +1,13 @@
 """The deterministic-failure rule: the same failure at the same place, after a restart that
 replayed it, is no transient fault, and no layer retries it again.
 
-Every restart resumes exactly (the data, the schedule and the random streams replay bitwise from
-any checkpoint), so a step trained again sees what it saw the first time. A transient fault (a
-killed rank, a hang, a lost node, an NCCL error, a GPU's silent corruption) does not come back
-with it; a bug in the user's ``forward``, a shape mismatch, an out-of-memory at a batch that
-cannot fit, a data file that cannot be read at one sample, all do. So:
-
-1. an exception that ends an attempt is given a :class:`Signature`: its type, its message with
-   every number and address replaced by ``N`` (ranks, sizes, pids and tensor values vary between
-   attempts and ranks), and the innermost frame of its traceback outside torch (where the user's or
-   the trainer's code called what failed);
-2. it is recorded with the place the attempt had reached (:data:`START`, ``step S`` while step S
-   ran, ``after step S`` while its checkpoint and log ran) in ``<run_dir>/faults/failures/`` on
-   the storage every rank and every pod shares, so a new process, a new pod or a new rank sees it;
-3. if an earlier attempt of this job recorded the same signature at the same place, the failure
-   is :class:`RepeatedFailure`: configuration-type (:func:`.exit_codes.is_configuration_failure`),
-   retried by no layer, and the node exits 2 naming it, the traceback in the rank's log;
-4. failures of communication and storage (:func:`transient_reason`) are never judged: they keep
-   every retry they have (a peer's death reaches its peers as a gloo or NCCL error, an outage
-   of S3 as a botocore error); so are failures before the attempt's process group exists, which
-   are the rendezvous' and the network's.
-
-Only records since the last one that failed the job count: a job started again in the same run
-directory after one (the bug fixed, the data replaced) gets its one restart again. A non-finite loss
-is this rule with the loss as the failure (:mod:`.non_finite`): one restart, then exit 2.
-
-The same failure at the same place needs the restart to have replayed that place, which any
-resume does: from the checkpoint the first attempt started with, a newer one, or the pod's memory
-snapshot, the step is computed from the same state. Hence the place, not the checkpoint, is the key.
+Every restart resumes exactly, so a step trained again sees what it saw the first time: a
+transient fault (a killed rank, a hang, an NCCL error) does not come back, a bug in ``forward`` or
+an unreadable sample does. :func:`judge` gives a failure its :class:`Signature`, records it with
+its place in ``<run_dir>/faults/failures/`` (shared by every pod) and raises
+:class:`RepeatedFailure` (configuration-type: :func:`.exit_codes.is_configuration_failure`) when
+an earlier attempt recorded the same at the same place. The trainer's attempt
+(:mod:`.attempt`) and the non-finite loss rule (:mod:`.non_finite`) use it.
 """
 
 from __future__ import annotations
@@ -84,7 +63,11 @@ class RepeatedFailure(Exception):
 
 @dataclass(frozen=True)
 class Signature:
-    """What makes two failures the same one."""
+    """What makes two failures the same one.
+
+    Its type, its message with every number and address replaced by ``N`` (ranks, sizes, pids and
+    tensor values vary between attempts), and the innermost frame of its traceback outside torch.
+    """
 
     type: str
     """The exception's class, with its module (``builtins.ValueError``)."""
@@ -205,7 +188,14 @@ def judge(exc: BaseException, where: str, attempt: str, records: FailureRecords,
     """Judge ``exc``, which ends an attempt (``attempt``: its id, the same on every rank) at
     ``where``: raise :class:`RepeatedFailure` (from ``exc``) when an earlier attempt failed the same
     way there, else record it. Returns what to say about it (said by the rank whose record is kept),
-    or None. ``identity``: who failed (rank, node, host, layer), kept in the record."""
+    or None. ``identity``: who failed (rank, node, host, layer), kept in the record.
+
+    The place is the key, not the checkpoint: any resume (the first attempt's checkpoint, a newer
+    one, the pod's memory snapshot) computes the step from the same state. Failures before the
+    attempt's process group exists are the rendezvous' and the network's: never judged. Only records
+    since the last one that failed the job count: a job started again after a fix gets its one
+    restart again.
+    """
     if transient_reason(exc) is not None:
         return None
     sig = signature(exc)

@@ -1,34 +1,10 @@
 """What each layer retries, and the exit code a node (a pod's main process) ends with.
 
-The job-level restart policy sees only a pod's exit code: a PyTorchJob under
-``restartPolicy: ExitCode`` recreates a pod that exits 128-255 and fails the job on 1-127; the
-chart's JobSet rules do the same (``podFailurePolicy``). So the classification is:
-
-- **configuration-type** failures (a retry cannot fix them: a bad key or value, missing data, a
-  model or checkpoint that does not fit, another job's lease, the same failure at the same place
-  after a restart that replayed it (:mod:`.deterministic`; a non-finite loss at a step the job
-  already restarted for among them), a checkpoint failure that ends the job, bad flags) are
-  retried by no layer: in-process restart re-raises them at once, the node stops ``ft_launcher``
-  before it restarts the rank, and the pod exits 2, which fails the job with the reason; so does a
-  PyTorchJob's node past ``job.backoffLimit`` pod failures in a row without progress
-  (:mod:`.pod_failures`), the bound its operator does not apply;
-- **infrastructure-type** failures (signals, hangs, lost peers or rendezvous store, CUDA/NCCL
-  errors, an exception's first time at its place) are retried by every layer in turn; when the in-job restarts are spent
-  the pod exits :data:`INFRASTRUCTURE` (128 + ``EX_TEMPFAIL``), which the job level retries; a
-  node that lost its rendezvous store exits :data:`RENDEZVOUS_LOST`, also retried. A node that
-  does not host the store joins again in its pod after either (:mod:`.rejoin`), so one event is
-  counted once;
-- a node that NVRx's node health checks found **unhealthy** (a GPU, NIC, storage or external node
-  health check failed before a rendezvous) exits :data:`UNHEALTHY_NODE`: retried by the job level
-  like an infrastructure failure, but distinct, so that an operator or an alert can tell a bad
-  node from a bad job, and never joined again in the same pod;
-- a **non-finite loss** is first taken for a hardware fault (a GPU computing silent NaNs): the
-  ranks exit :data:`NON_FINITE_LOSS`, skipping in-process restart, and are restarted in-job from
-  the last checkpoint; the same step non-finite again is configuration-type (:mod:`.non_finite`).
-
-:data:`TABLE` is that classification as data: the node agent (:mod:`.agent`) and the trainer
-(:mod:`resilient_fsdp.train.entrypoint`) act on it, and ``docs/faults-and-restarts.md`` shows
-:func:`markdown_table` of it (a test keeps the two equal).
+:data:`TABLE` holds the rules, one :class:`Row` per kind of ending: its code, who retries it and
+what each kind's job controller does with it. The node agent (:mod:`.agent`), the rejoin rule
+(:mod:`.rejoin`) and the trainer (:mod:`resilient_fsdp.train.entrypoint`) act on it, and
+``docs/faults-and-restarts.md`` shows :func:`markdown_table` of it (a test keeps the two equal).
+Also here: how a rank tells its node agent that it failed for good or finished training.
 """
 
 from __future__ import annotations
@@ -66,6 +42,7 @@ class Row:
     """The exit codes of the row, for the check against the rendered rules."""
     decides: str = ""
     """Which rule puts an ending in this row: the code that reads it, and from what."""
+    rejoined: bool = False  # another node's failure causes it: a node that is not the store host joins again
 
     def pytorchjob(self) -> str:
         return BUDGET[self.budget][0]
@@ -162,7 +139,7 @@ TABLE: tuple[Row, ...] = (
         "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost) and no "
         "store came back within `rendezvous.rejoinTimeoutSeconds`",
         "job level: the pod is recreated", "counted", range(RENDEZVOUS_LOST, RENDEZVOUS_LOST + 1),
-        "`ft_launcher`'s own error lines (`agent.rendezvous_store_lost`)"),
+        "`ft_launcher`'s own error lines (`agent.rendezvous_store_lost`)", rejoined=True),
     Row("unhealthy-node", str(UNHEALTHY_NODE), "infrastructure",
         "NVRx's node health checks found this node unhealthy before a rendezvous (NVRx 0.7: its GPU, NIC "
         "link, storage or external node-health check failed, or a rank asked to exclude the node; 0.4.1: "
@@ -203,8 +180,11 @@ TABLE: tuple[Row, ...] = (
         "in-process (exceptions, hangs), then in-job, then job level (128 + `EX_TEMPFAIL`)", "counted",
         range(INFRASTRUCTURE, INFRASTRUCTURE + 1),
         "what is left: a failure no earlier row claims (an exception is judged first, `deterministic.judge`: a "
-        "communication or storage error every time, any other the first time at its place)"),
+        "communication or storage error every time, any other the first time at its place)", rejoined=True),
 )
+
+# The codes after which a node that is not the store host joins again (:mod:`.rejoin`).
+REJOINED_CODES = tuple(code for r in TABLE if r.rejoined for code in r.codes)
 
 
 def row(name: str) -> Row:
@@ -246,8 +226,7 @@ def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: 
 def describe_code(code: int) -> str:
     """One line for a node's exit code: which row, and whether the job level retries it."""
     if code in RETRIED:
-        named = {INFRASTRUCTURE: "restarts-exhausted", RENDEZVOUS_LOST: "rendezvous-store-lost",
-                 UNHEALTHY_NODE: "unhealthy-node", NON_FINITE_LOSS: "non-finite-loss"}
+        named = {r.codes[0]: r.name for r in TABLE if len(r.codes) == 1}  # the rows of one code each
         name = named.get(code, "stopped or killed")
         try:
             sig = f" ({signal.Signals(code - 128).name})" if code not in named else ""

@@ -1,27 +1,12 @@
-"""Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]``, fired once per job (a kind the
-table marks otherwise, ``nan-loss-repeat`` and ``exception-repeat``, each time its step runs), for
-tests, demos and cluster drills.
+"""Fault injection: ``KIND@STEP[:rank=R | :node=N][:for=SECONDS][:factor=F]``, for tests, demos and
+cluster drills; fired once per job (:mod:`.ledger`) unless its kind says otherwise.
 
 The kinds, where each fires and which layer is expected to recover, are one table,
-:data:`resilient_fsdp.config.FAULT_KINDS` (``resilient-fsdp config --describe`` lists it): the
-injector fires a kind where its ``when`` says (as a step starts, before the step's collective, on
-the rank's loss of the step, while a checkpoint is written, or inside the checkpoint writer), and
-does what the kind names.
-
-The target is ``rank=R`` (default rank 0) or ``node=N``: the lowest rank of node (pod) N, its local
-rank 0. A node's index is its pod's (:func:`node_index`): the operator's ``PET_NODE_RANK``, an
-Indexed Job's ``JOB_COMPLETION_INDEX``, else torchelastic's ``GROUP_RANK``.
-
-**Executors.** ``node-loss`` and ``partition`` act on a pod, which a rank cannot do to itself on
-every platform. When ``RESILIENT_FSDP_FAULT_REQUESTS`` names a directory (the one-machine cluster
-of ``resilient-fsdp local`` sets it in every pod), the firing rank writes a request there,
-``<kind>-step<STEP>-node<N>.json`` = ``{"kind", "node", "step", "for_s", "rank", "time"}``, and the
-cluster executes it (kills the pod, takes its link down). After a ``node-loss`` request the rank
-waits to be killed, at most :data:`NODE_LOSS_WAIT_S`, then kills its pod itself. Without that
-variable (a real cluster, the chart's chaos drill) ``node-loss`` kills the pod's process tree from
-inside and ``partition`` is refused before training starts.
-
-"Once per job" is kept by the ledger on shared storage (:mod:`.ledger`).
+:data:`resilient_fsdp.config.FAULT_KINDS` (``resilient-fsdp config --describe`` lists it). The
+target is ``rank=R`` (default 0) or ``node=N``, the local rank 0 of pod N (:func:`node_index`).
+``node-loss`` and ``partition`` act on a pod, which a rank cannot do to itself on every
+platform: where a cluster executes fault requests (:data:`REQUESTS_ENV`) the rank asks it. The
+attempt (:mod:`.attempt`) and the checkpoint writer fire them.
 """
 
 from __future__ import annotations
@@ -53,7 +38,10 @@ NODE_PID_ENV = "RESILIENT_FSDP_NODE_PID"
 NODE_START_ENV = "RESILIENT_FSDP_NODE_START"
 # The index of this rank's node (pod), set by resilient-fsdp local for each simulated node.
 NODE_INDEX_ENV = "RESILIENT_FSDP_NODE"
-# Where node-level faults are requested from the cluster that can execute them (see the docstring).
+# Where node-level faults are requested from the cluster that can execute them (the local cluster
+# sets it in every pod): the firing rank writes <kind>-step<STEP>-node<N>.json there. Without it
+# (a real cluster, the chart's chaos drill) node-loss kills the pod's process tree from inside and
+# partition is refused before training starts.
 REQUESTS_ENV = "RESILIENT_FSDP_FAULT_REQUESTS"
 NODE_LOSS_WAIT_S = 60.0
 # How often a sigkill-during-save looks at the bytes its checkpoint has on disk.

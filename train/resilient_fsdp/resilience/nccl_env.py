@@ -1,25 +1,10 @@
 """The environment torch.distributed and NCCL read, set by each rank before its process group exists.
 
-- **Per restart layer.** In-process restart (``resilience.in_process.enabled``) needs what NVRx's
-  in-process usage guide lists under known issues and requirements (:data:`IN_PROCESS_ENV`):
-  ``NCCL_NVLS_ENABLE=0`` (NVLink SHARP must be off for an abort to work);
-  ``TORCH_NCCL_RETHROW_CUDA_ERRORS=0`` (else the NCCL watchdog rethrows a CUDA or NCCL error and
-  the process ends before the wrapper can restart it); ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, which
-  aborts the failed communicator and keeps the process, where ``ft_launcher`` injects 1 (abort and
-  tear the process down: right for the in-job restart, fatal for an in-process one); and
-  ``TORCH_CPP_LOG_LEVEL=error`` (the wrapper's store waits time out by design, each a C++ warning).
-  torch reads the log level once, when it is imported: ``python -m resilient_fsdp.train`` applies
-  these before its first torch import (:func:`apply_before_torch`), and the entrypoint again
-  before the process group, logged. Without in-process restart none is set: the in-job restart
-  wants a failed rank torn down.
-- **Where hang dumps go.** NCCL's flight recorder writes one file per rank when a collective times
-  out (``TORCH_NCCL_DUMP_ON_TIMEOUT``, set by the chart on GPU pods) to ``TORCH_FR_DUMP_TEMP_FILE``
-  + the rank (torch 2.13; ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` is its older name), by default under
-  ``$HOME/.cache/torch``, which a pod loses. Each rank points it at the shared volume:
-  ``<run_dir>/nccl-flight-recorder/restart-<N>/rank_<R>`` (:func:`dump_prefix`; ``N`` is
-  ``TORCHELASTIC_RESTART_COUNT``, job-wide under NVRx 0.7). A value set in the pod's environment
-  wins. Gloo (torch 2.13) records collectives too but never dumps on a timeout, so on CPU the
-  directory is left alone.
+Two concerns, each beside its data: what in-process restart needs of NCCL and torch
+(:data:`IN_PROCESS_ENV`, applied before torch's first import by :func:`apply_before_torch`), and
+where NCCL's flight recorder writes its hang dumps (:func:`dump_prefix`: the shared volume, not
+the pod's home). A value set in the pod's environment wins. The entrypoint
+(:mod:`resilient_fsdp.train.entrypoint`) and the pre-warmed server (:mod:`.prewarm`) apply it.
 """
 
 from __future__ import annotations
@@ -31,12 +16,21 @@ from typing import Callable, MutableMapping, Optional
 
 from ..config import Config
 
+# What NVRx's in-process usage guide requires. Without in-process restart none is set: the in-job
+# restart wants a failed rank torn down.
 IN_PROCESS_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_NVLS_ENABLE": "0",  # NVLink SHARP must be off for an abort to work
+    # Abort the failed communicator and keep the process; ft_launcher injects 1 (tear the process
+    # down), right for the in-job restart, fatal for an in-process one.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",  # else the watchdog ends the process before the wrapper restarts it
+    # The wrapper's store waits time out by design, each a C++ warning; torch reads this once, at
+    # import: hence :func:`apply_before_torch`.
     "TORCH_CPP_LOG_LEVEL": "error",
 }
+# NCCL's flight recorder writes one file per rank when a collective times out
+# (TORCH_NCCL_DUMP_ON_TIMEOUT, set by the chart on GPU pods), by default under $HOME/.cache/torch,
+# which a pod loses. The older name second; gloo never dumps, so on CPU the directory is left alone.
 DUMP_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 DUMP_DIR = "nccl-flight-recorder"
 
@@ -47,7 +41,8 @@ def layer_env(cfg: Config) -> dict[str, str]:
 
 
 def dump_prefix(run_dir: Path | str, restart_count: int | str) -> Path:
-    """The flight recorder's file prefix for one in-job restart; torch appends the rank."""
+    """The flight recorder's file prefix for one in-job restart on the shared volume; torch appends
+    the rank. ``restart_count``: ``TORCHELASTIC_RESTART_COUNT``, job-wide under NVRx 0.7."""
     return Path(run_dir) / DUMP_DIR / f"restart-{restart_count}" / "rank_"
 
 

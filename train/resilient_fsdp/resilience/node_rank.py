@@ -1,23 +1,10 @@
 """A node's place in the job: its index (the pod's), who hosts the rendezvous store, its node rank.
 
-Every workload controller numbers its pods, but each says it differently: the training operator
-sets ``PET_NODE_RANK`` (PyTorchJob with a Master; Kubeflow Trainer's torch plugin too), an Indexed
-Job sets ``JOB_COMPLETION_INDEX`` (JobSet), and an elastic PyTorchJob sets neither, so the chart
-passes its ``training.kubeflow.org/replica-index`` label as :data:`NODE_INDEX_ENV`. The node agent
-reads :func:`node_index` and pins two decisions to it, which NVRx otherwise makes on its own:
-
-- **who hosts the store**: ``is_host`` in ``--rdzv-conf`` (index 0 hosts). Without it NVRx 0.7
-  decides by matching the endpoint's name against the machine (name, ``/etc/hosts``, then a DNS
-  lookup compared by address), separately in three places; under a JobSet the endpoint
-  ``<pod>.<subdomain>`` matches only through cluster DNS, so a record published late means that
-  nobody hosts;
-- **the rendezvous id**: ``--rdzv-id`` gets this install's id (:func:`with_install`), so a new
-  install's pods never join an old install's store while its pods terminate;
-- **the node rank**: ``GROUP_RANK`` (NVRx 0.7's infrastructure rank); without it NVRx orders nodes
-  by their FQDN as a string, so in a 16-pod job pods 10..15 would take node ranks 2..7, against
-  the order topology-aware placement used.
-
-Both are left alone when the launcher's arguments or environment already set them.
+Every workload controller numbers its pods in its own variable (:func:`node_index`). The node
+agent (:mod:`.agent`) pins to that index three decisions NVRx otherwise makes on its own: who
+hosts the store (:func:`with_store_host`), the rendezvous id of this install
+(:func:`with_install`) and the node rank (:func:`launcher_env`). Each is left alone when the
+launcher's arguments or environment already set it.
 """
 
 from __future__ import annotations
@@ -39,7 +26,13 @@ class NodeIndexError(ValueError):
 
 def node_index(env: Mapping[str, str]) -> Optional[int]:
     """The pod's index in the job from the first of :data:`INDEX_SOURCES` that is set; None when
-    none is (a node run by hand, outside a workload controller)."""
+    none is (a node run by hand, outside a workload controller).
+
+    Each controller says it differently: the training operator sets ``PET_NODE_RANK`` (PyTorchJob
+    with a Master, Trainer's torch plugin), an Indexed Job ``JOB_COMPLETION_INDEX`` (JobSet); an
+    elastic PyTorchJob sets neither, so the chart passes its replica-index label as
+    :data:`NODE_INDEX_ENV`.
+    """
     for name in INDEX_SOURCES:
         text = env.get(name, "").strip()
         if text:
@@ -84,7 +77,12 @@ def rdzv_endpoint(args: list[str]) -> Optional[tuple[str, int]]:
 
 def with_store_host(args: list[str], is_host: bool) -> list[str]:
     """``args`` with ``is_host`` in its ``--rdzv-conf`` (added to the first, or as a new flag
-    before the training module), unless one already says."""
+    before the training module), unless one already says.
+
+    Index 0 hosts. Without it NVRx 0.7 decides by matching the endpoint's name against the machine,
+    separately in three places; under a JobSet the endpoint matches only through cluster DNS, so a
+    record published late means that nobody hosts.
+    """
     if "is_host" in rdzv_conf(args):
         return list(args)
     flag = f"is_host={'true' if is_host else 'false'}"
@@ -143,7 +141,11 @@ def spares(args: list[str]) -> int:
 
 
 def launcher_env(env: Mapping[str, str], index: Optional[int]) -> dict[str, str]:
-    """``env`` with ``GROUP_RANK`` set to the node's index, unless already set."""
+    """``env`` with ``GROUP_RANK`` set to the node's index, unless already set.
+
+    Without it NVRx 0.7 orders nodes by their FQDN as a string: in a 16-pod job pods 10..15 would
+    take node ranks 2..7, against the order topology-aware placement used.
+    """
     out = dict(env)
     if index is not None:
         out.setdefault("GROUP_RANK", str(index))

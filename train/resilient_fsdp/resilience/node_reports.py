@@ -1,19 +1,10 @@
 """Which pod stopped reporting, named in a minute, with the command that gets it replaced.
 
-A node whose kernel hangs, or whose network driver wedges, leaves its pod Running, then (after
-the taint manager's eviction) Terminating, until the Node object is deleted or tainted
-``node.kubernetes.io/out-of-service``: the Job controller replaces a pod only once it is terminal.
-The job meanwhile waits (without a hot spare) or trains on a spare, and nothing in Kubernetes
-says which of hundreds of pods is the one.
-
-So each pod's node agent writes a report to the run directory every :data:`INTERVAL_S`
-(``<run_dir>/nodes/<index>.json``: the pod's index and name, its node, the time) and a last one,
-``ended``, when it exits. The agents of pods 0 and 1 (1 covers for a silent pod 0) read them: a
-pod whose newest report is older than ``silent_after_s`` and that did not end is named in their
-log once, with its node and the runbook line, and served as a metric
-(:mod:`.metrics_endpoint`: ``silent_nodes``, ``node_silent_seconds``). A pod that reports again is
-said to be back. A pod being replaced after a loss is silent too until its replacement starts: the
-line says both.
+A node whose kernel hangs leaves its pod Running, then Terminating, and the Job controller waits;
+nothing in Kubernetes says which of hundreds of pods it is. So each pod's node agent writes
+``<run_dir>/nodes/<index>.json`` every :data:`INTERVAL_S` and a last ``ended`` one; the agents of
+pods 0 and 1 (1 covers for a silent pod 0) name a pod silent past ``silent_after_s`` in their log
+and as a metric (:mod:`.metrics_endpoint`). :class:`NodeReports` is used by the node agent.
 """
 
 from __future__ import annotations
@@ -69,7 +60,11 @@ def runbook(report: dict, silence_s: float) -> str:
 
 class NodeReports(threading.Thread):
     """Reports this pod every :data:`INTERVAL_S`; on a watcher (:data:`WATCHERS`), also names the
-    pods that stopped reporting through ``say``. :meth:`stop` writes the ``ended`` report."""
+    pods that stopped reporting through ``say``. :meth:`stop` writes the ``ended`` report.
+
+    Pod 1 watches too, covering for a silent pod 0. A pod being replaced after a loss is silent
+    until its replacement starts: the line says both. A pod that reports again is said to be back.
+    """
 
     def __init__(self, run_dir: Path, index: int, pod: str, node: str, silent_after_s: float,
                  say: Callable[[str], None], interval_s: float = INTERVAL_S,

@@ -1,17 +1,10 @@
 """Taint the node this pod runs on, so that the job's next pod is not scheduled there.
 
-A node whose NVRx health checks fail makes its pod exit 201 (:data:`.exit_codes.UNHEALTHY_NODE`),
-which the job level retries; nothing in a PyTorchJob, a Job or a JobSet moves the replacement off
-that node, so it lands there again and fails the same way. With the chart's
-``pod.taintUnhealthyNode.enabled`` the agent taints its node ``<key>=<reason>:NoSchedule`` before it
-exits: the scheduler (and Kueue's topology-aware placement, which leaves out nodes with taints the
-pods do not tolerate) places the replacement elsewhere. Pods already running there stay.
-
-Two requests to the API server the pod reaches in-cluster (``KUBERNETES_SERVICE_HOST``), with the
-pod's service-account token: a GET of the node and a merge patch of its taints that carries the
-node's ``resourceVersion``, so a concurrent change (another taint, a cordon) is never overwritten:
-a conflict reads the node again. The chart's ClusterRole grants ``get`` and ``patch`` on nodes.
-Standard library only: the agent runs before anything heavy is imported.
+A node whose NVRx health checks fail makes its pod exit :data:`.exit_codes.UNHEALTHY_NODE`, and
+nothing in a PyTorchJob, Job or JobSet moves the replacement off that node. With the chart's
+``pod.taintUnhealthyNode.enabled`` the node agent calls :func:`taint_node` before it exits: a GET
+of the node and a merge patch of its taints through the API server, with the pod's
+service-account token. Standard library only: the agent runs before anything heavy is imported.
 """
 
 from __future__ import annotations
@@ -55,7 +48,13 @@ def _request(method: str, url: str, token: str, context: ssl.SSLContext, body: O
 
 def taint_node(key: str, reason: str, node: Optional[str] = None, env: Optional[dict] = None) -> str:
     """Add ``key=<reason>:NoSchedule`` to this pod's node (``node``, else ``$NODE_NAME``); what was
-    done, or :class:`TaintError` saying why it could not be."""
+    done, or :class:`TaintError` saying why it could not be.
+
+    The merge patch carries the node's ``resourceVersion``, so a concurrent change (another taint, a
+    cordon) is never overwritten: a conflict reads the node again. The scheduler, and Kueue's
+    topology-aware placement, then leave the node out; pods already running there stay. The chart's
+    ClusterRole grants ``get`` and ``patch`` on nodes.
+    """
     env = dict(os.environ if env is None else env)
     node = node or env.get(NODE_NAME_ENV)
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")

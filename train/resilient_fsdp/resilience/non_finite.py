@@ -2,28 +2,11 @@
 same step non-finite again fails the job. This is the deterministic-failure rule
 (:mod:`.deterministic`) with the loss as the failure and the step as the place.
 
-On hundreds of GPUs a loss that turns NaN or infinite is as likely a GPU computing wrong values
-(silent data corruption) as a learning rate or data problem, and a restart tells the two apart:
-the data and the schedule replay exactly, so a transient fault does not come back, a
-deterministic cause does. The loss is all-reduced, so every rank sees the same non-finite value
-at the same step and takes this path together:
-
-1. one extra collective, on this path only: every rank's own loss, node (pod) index and host, so
-   the record names the rank(s) whose own loss was non-finite;
-2. it is recorded under ``<run_dir>/faults/non-finite/`` (:class:`.ledger.FaultLedger`), durable
-   on the storage every rank shares (every rank writes the one record; the first wins), and
-   rank 0 logs it;
-3. the first at its step: every rank raises :class:`NonFiniteLoss`, which passes through
-   in-process restart (it would retry with the same processes, CUDA context and memory) and ends
-   the rank with :data:`.exit_codes.NON_FINITE_LOSS`; ``ft_launcher`` restarts every rank in-job,
-   from the last checkpoint, and the job level once the in-job restarts are spent;
-4. a non-finite loss at a step the job already restarted for: :class:`RepeatedNonFiniteLoss`, a
-   configuration-type failure (exit 2, retried by no layer), whose message names the step, the
-   ranks and nodes of every time, and what to check.
-
-A non-finite loss at another step gets its own restart. Only records since the last failure
-count: a job started again in the same run directory after one (a node cordoned, the learning
-rate lowered) gets its one restart at that step again.
+The loss is all-reduced, so every rank takes this path together (:func:`stop`): the ranks whose
+own loss was non-finite are recorded under ``<run_dir>/faults/non-finite/``; the first time at a
+step every rank raises :class:`NonFiniteLoss` (exit :data:`.exit_codes.NON_FINITE_LOSS`, an in-job
+restart), a step the job already restarted for raises :class:`RepeatedNonFiniteLoss`
+(configuration-type). The trainer calls it after each step's loss.
 """
 
 from __future__ import annotations
@@ -93,7 +76,14 @@ def gather(local_loss: float, rank: int) -> list[dict]:
 def stop(step: int, loss: float, local_loss: torch.Tensor, rank: int, ledger: FaultLedger,
          log: Callable[[dict, str], None]) -> NoReturn:
     """Every rank, when step ``step``'s global ``loss`` is non-finite: find the ranks, record and
-    log it (rank 0), and raise :class:`NonFiniteLoss` or :class:`RepeatedNonFiniteLoss`."""
+    log it (rank 0), and raise :class:`NonFiniteLoss` or :class:`RepeatedNonFiniteLoss`.
+
+    A NaN on hundreds of GPUs is as likely a GPU computing wrong values as a learning rate or data
+    problem; the restart tells them apart, since the data and schedule replay exactly.
+    :class:`NonFiniteLoss` passes through in-process restart (it would keep the same processes, CUDA
+    context and memory). Only records since the last failure count: a job started again after one
+    gets its one restart at that step again.
+    """
     # Read before the collective, which every write follows: every rank decides on the same records.
     records = ledger.non_finite()
     earlier = earlier_at_step(records, step)

@@ -1,66 +1,13 @@
 """Every adaptation this project makes to NVRx's restart layers, in one place.
 
-- **CPU (gloo) process groups**: NVRx's in-process restart aborts NCCL only, and gloo's ``abort``
-  does not wake a collective already blocked on a peer. :func:`abort_process_groups` shuts down
-  the TCP connections of the process groups (recorded when they were made,
-  :func:`recording_group_sockets`; a lazily connected group's, by the ports it listens on,
-  :func:`recording_group_listeners`): the local collective fails at once and every peer reads EOF
-  instead of waiting out ``dist.timeout_s``; then it aborts every backend (NCCL's abort is what
-  keeps ``destroy_process_group`` from blocking on a pending collective) and destroys the groups.
-  Helper threads that post messages on a group stop posting first (:func:`before_abort`: gloo
-  never completes a message posted on a connection already shut down), and those a failed attempt
-  left running (:func:`leave_to_abort`) are joined once their connections are shut down, so that nothing of the attempt outlives its abort (NVRx
-  collects the attempt's garbage next, and a thread still running would keep its group alive).
-  :func:`make_abort` hands it to ``inprocess.Wrapper``; the trainer runs it on a failed attempt.
-- **NVRx 0.7's health checks**: 0.7 adds GPU, NVLink and NIC checks to in-process restart when
-  ``LOCAL_RANK`` is set; without a GPU they fail and turn every restart into a termination (and
-  constructing them logs NVML errors in every rank), so :func:`new_wrapper` builds the wrapper
-  without them there (and says so), and keeps them on GPU nodes; :func:`adapt_health_checks`
-  drops any that a wrapper built otherwise carries. The wrapper's own ``health_check`` is NVRx's
-  ``CudaHealthCheck`` on GPU nodes (:func:`rank_health_check`): a restart must wait for the CUDA
-  kernels still queued, and a corrupt CUDA context must end the rank rather than be restarted into.
-- **In-process restart keeps the world whole** (:func:`whole_world_rank_assignment`). NVRx's default
-  rank assignment drops a terminated rank (unresponsive, past its hard timeout) and goes on in
-  the same processes with a smaller world; this job's world is fixed (FSDP's shards, the batch,
-  exact resumes), and replacing a lost rank is the in-job restart's (a hot spare takes its place).
-  So any terminated rank ends every rank's process at once, before NVRx's barriers wait for the
-  lost rank (the store host's termination barrier never gives up).
-- **Rank 0 hosts the in-process wrapper's store, or says why** (:func:`hosting_store_factory`).
-  NVRx's store falls back to a client without a word when rank 0 cannot bind its port (the same
-  fallback lets NVRx's monitor process, which builds the store too, be a client), and every rank
-  then waits 300 s for a store nobody hosts. The port is ``MASTER_PORT`` plus an offset, and
-  ``MASTER_PORT`` is a free port the launcher picked in the ephemeral range, where the pod's own
-  outgoing connections take ports too. Rank 0's own process retries the bind for
-  :data:`STORE_HOST_RETRY_S` and then fails naming the port: the in-job restart's next round picks
-  another.
-- **The c10d rendezvous store** is hosted by pod 0's agent (``--rdzv-conf=is_host=true`` there), on
-  the cluster and locally: NVRx 0.7 keeps only its own barrier rendezvous
-  (``ft_rendezvous_barrier.py``), whose rounds only the agent hosting the store closes, and it
-  refuses two agents with one node address. When that pod is lost the other agents' launchers exit 1;
-  the node agent (:mod:`.agent`) starts them again in their pods to join the replacement's store.
-- **A node whose ranks failed for good leaves the rendezvous open.** ``ft_launcher`` closes the
-  rendezvous permanently when its in-job restarts are spent (NVRx 0.4: ``clean_rdzv_shutdown(close=
-  True)``; 0.7: ``shutdown_due_to_failure``), so the pod the job level recreates, and every other
-  node at its next round, would fail with ``RendezvousClosedError``: the job could never recover.
-  ``python -m resilient_fsdp.resilience.nvrx ARGS`` is ``ft_launcher`` with that closing left out
-  (:func:`keep_rendezvous_open`); the node agent runs it. A stop by a signal never closed it.
-  On 0.4 the same hook keeps pod 0's ``ft_launcher``, the store host, from waiting out
-  ``exit_barrier_timeout`` (300 s) for the other nodes to leave a rendezvous they stay in when
-  its ranks failed or were stopped; 0.7 leaves without that wait.
-- **Hot spares need NVRx 0.6 or newer.** From 0.6, ``ft_launcher --nnodes=N:M`` trains at exactly N
-  nodes and keeps the other pods standby until a node is lost (its own barrier rendezvous, which
-  orders nodes by ``GROUP_RANK``); before 0.6 the same flag is torch elastic membership, a world of
-  every node that joins. :func:`hot_spares_unsupported` names that mismatch before a job starts.
-- **No fixed one-second waits in an in-job restart.** NVRx 0.7 sleeps a whole second after it
-  signals the stopped workers' process groups, a second per look while a node waits for the next
-  rendezvous round (the look that finds it open included), and its store host looks at who joined
-  once a second; 0.4's rendezvous sleeps a second between looks at the store:
-  :func:`quicken_restart_polls` makes each a poll of :data:`RESTART_POLL_S` (with the same
-  one-second grace before SIGKILL), in the ``ft_launcher`` the node agent runs.
-- **Warnings**: torch prints a pynvml deprecation notice in every process when NVRx's pynvml
-  dependency is installed; :data:`QUIET_WARNINGS` silences it in the processes we start.
-
-The checkpointing side has its own folder, :mod:`resilient_fsdp.checkpoint.writer`.
+Each adaptation's why is beside it: aborting gloo process groups (:func:`abort_process_groups`);
+NVRx 0.7's health checks kept to GPU nodes (:func:`new_wrapper`, :func:`rank_health_check`); a
+fixed world under in-process restart (:func:`whole_world_rank_assignment`); rank 0 hosting the
+wrapper's store (:func:`hosting_store_factory`); ``ft_launcher`` leaving the rendezvous open
+(:func:`keep_rendezvous_open`) and polling instead of one-second sleeps
+(:func:`quicken_restart_polls`); hot spares only from NVRx 0.6 (:func:`hot_spares_unsupported`).
+``python -m resilient_fsdp.resilience.nvrx ARGS`` is that ``ft_launcher``, which the node agent
+runs. The checkpointing side is :mod:`resilient_fsdp.checkpoint.writer`.
 """
 
 from __future__ import annotations
@@ -321,7 +268,11 @@ class StoreHostError(RuntimeError):
 
 def hosting_store_factory():
     """The in-process wrapper's ``store_factory``: NVRx's ``TCPStore``, hosted by rank 0's own
-    process or failing there with the port and the reason (see the module docstring)."""
+    process or failing there with the port and the reason. NVRx's store falls back to a client
+    without a word when rank 0 cannot bind its port, and every rank then waits 300 s for a store
+    nobody hosts; the port is ``MASTER_PORT`` plus an offset, in the ephemeral range where the
+    pod's own connections take ports too. So rank 0 retries the bind for
+    :data:`STORE_HOST_RETRY_S`, then fails naming the port: the in-job restart picks another."""
     import time
 
     import torch.distributed as dist
@@ -481,7 +432,10 @@ def _trainer_start(args: list[str]) -> int:
 
 def keep_rendezvous_open(launcher_module) -> str:
     """Patch ``ft_launcher`` (its ``launcher`` module) not to close the rendezvous for good when
-    this node's ranks fail; returns which NVRx hook was patched."""
+    this node's ranks fail; returns which NVRx hook was patched. A closed rendezvous would fail the
+    pod the job level recreates, and every other node at its next round, with
+    ``RendezvousClosedError``. On 0.4 it also keeps the store host from waiting out
+    ``exit_barrier_timeout`` (300 s) for nodes that stay in the rendezvous."""
     agent = getattr(launcher_module, "LocalElasticAgent", None)
     if agent is not None and hasattr(agent, "clean_rdzv_shutdown"):  # 0.4
         original = agent.clean_rdzv_shutdown

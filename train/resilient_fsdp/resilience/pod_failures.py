@@ -1,20 +1,11 @@
 """The job-level bound a PyTorchJob does not have: its pods' failures, counted by the pods.
 
-Under ``restartPolicy: ExitCode`` the training operator (v1.9.4) recreates every pod that exits
-128-255, and its ``backoffLimit`` of 1 or more never ends the job (kubeflow/trainer#2045): a job
-whose pods keep failing holds its GPU nodes for ever. So each pod's agent counts the job's pod
-failures itself, in the run directory every pod shares (``<run_dir>/faults/pod-failures/``, one
-JSON file each): when its node is about to exit with a code the job level retries (not a
-graceful stop), it records the failure with how far training had got (the last step in
-``metrics.jsonl``), and when that makes more than the limit (the chart's ``job.backoffLimit``)
-failures in a row in which no step was trained past the furthest the earlier ones had reached,
-it exits 2 instead: the job fails, naming the failures.
-
-What it counts is what a Job's ``backoffLimit`` counts under a JobSet (pod failures, one per event:
-the nodes that join again in their pods do not exit), except that it forgives failures between
-which training made progress, so a week-long job that fails now and then is never ended by it.
-A pod lost with its node, or evicted, records nothing (as a Job does not count a disruption). A
-job started again in the same run directory after the bound ended one gets its budget back.
+Under ``restartPolicy: ExitCode`` the training operator recreates every pod that exits 128-255
+and its ``backoffLimit`` never ends the job, so a job whose pods keep failing holds its nodes for
+ever. Each pod's node agent records a retried exit in ``<run_dir>/faults/pod-failures/``
+(:func:`judge`); past the limit (``job.backoffLimit``) in a row without training progress, it
+exits 2 instead. Failures between which training progressed are forgiven; a pod lost with its
+node records nothing, as a Job does not count a disruption.
 """
 
 from __future__ import annotations
@@ -91,7 +82,13 @@ def without_progress(records: list[dict], now: int) -> list[dict]:
 def judge(run_dir: Path, limit: int, code: int, pod: str, index: Optional[int]) -> Optional[str]:
     """Record that this pod's node exits ``code`` (retried by the job level); the message to end
     the job with instead (exit 2) when it makes more than ``limit`` failures in a row without
-    progress, else None. Storage that cannot be read or written leaves the failure retried."""
+    progress, else None. Storage that cannot be read or written leaves the failure retried.
+
+    Each failure is one JSON file under ``<run_dir>/faults/pod-failures/`` with the furthest step
+    trained; a failure after which no step passed the furthest the earlier ones reached continues
+    the run of failures. A job started again in the same run directory after the bound ended one
+    gets its budget back.
+    """
     failures = PodFailures(run_dir)
     now = progress(run_dir)
     try:

@@ -1,36 +1,13 @@
 """Pre-warmed ranks: a pod's server that has imported torch and the trainer forks every new rank,
-so an in-job restart does not pay the imports again (several CPU-seconds a rank, on every rank
-of every node, at every restart).
+so an in-job restart does not pay the imports again (several CPU-seconds a rank).
 
-**How.** The node agent starts ``python -m resilient_fsdp.resilience.prewarm --socket=PATH --
-TRAINER_ARGS`` beside each ``ft_launcher`` run and gives ``ft_launcher`` (so every worker)
-:data:`SOCKET_ENV`. ``ft_launcher`` starts each rank as always, ``python -m resilient_fsdp.train
-...``; that process, the *client*, sees the variable before it imports anything heavy and hands
-the server its arguments, environment, working directory, umask and standard streams (the
-descriptors themselves, over the Unix socket). The server forks; the fork becomes the rank: a
-session of its own (as ``ft_launcher`` starts ranks), the client's streams, environment and
-arguments, then ``resilient_fsdp.train`` run as ``__main__``. The client stays the process
-``ft_launcher`` knows: it relays the signals it gets to the rank and ends as the rank ended (its
-exit code, or killed by the same signal). When the client goes first (``ft_launcher`` kills its
-process group), the server kills the rank's. The server binds its socket before it imports, so a
-rank that starts early waits for the imports instead of doing them itself. After the imports,
-before its first rank, the server forks the pod's checkpoint-writer fork server
-(:mod:`resilient_fsdp.checkpoint.writer.fork_server`), under the same fork-safety checks, so
-every rank's writer is forked already imported too.
-
-**Fork safety**, what holds in the server whenever it forks, checked before each fork
-(:func:`refusal`): one OS thread (from ``/proc/self/task``; NumPy's OpenBLAS would start a pool
-at import, so the server imports with ``OPENBLAS_NUM_THREADS=1``: a forked rank's NumPy BLAS is
-single-threaded, the trainer's compute is torch's); no CUDA context (the server imports and never
-touches a device; ``torch.cuda.is_initialized()`` is checked), no process group, no NCCL, no open
-files but its own sockets and pipe (closed in the fork). Variables read when torch and the
-trainer are imported (:data:`IMPORT_TIME_VARS`, and those the restart layers set before torch,
-``nccl_env.layer_env``, which the server sets before its imports and a rank after the hand-over)
-must be the same for the rank, as it will hold them, as in the server's environment, and so must
-the interpreter. ``OMP_NUM_THREADS`` is one of them: the agent sets the ``1`` ft_launcher
-gives the ranks of a node that runs several before it starts either (:func:`with_launcher_threads`),
-so a forked rank runs one intra-op thread, not one per core. When any of this does not hold, or
-the server is not there, the client runs the rank itself, as without a server, and says why.
+The node agent starts ``python -m resilient_fsdp.resilience.prewarm --socket=PATH -- ARGS``
+beside each ``ft_launcher`` run and hands ``ft_launcher`` :data:`SOCKET_ENV`. Each rank ``ft_launcher``
+starts is a *client* that passes its arguments, environment and streams to the server
+(:func:`run_as_client`); the server forks the rank (:func:`serve`), and the client relays signals and
+ends as the rank ended. The fork-safety conditions are checked before every fork
+(:func:`refusal`); when one does not hold, or there is no server, the client runs the rank itself
+and says why.
 """
 
 from __future__ import annotations
@@ -269,7 +246,10 @@ def serve(path: str, trainer_argv: list[str], module: str = TRAINER_MODULE) -> i
 
 
 def refusal(request: dict, environ: Optional[dict] = None) -> Optional[str]:
-    """Why the server must not fork a rank for ``request`` now, or None (see the module's opening)."""
+    """Why the server must not fork a rank for ``request`` now, or None. A fork is safe with one OS
+    thread, no CUDA context, no process group (:func:`_unsafe_to_fork`), and the same interpreter
+    and import-time variables as the rank will hold (:data:`IMPORT_TIME_VARS` and
+    ``nccl_env.layer_env``, read when torch and the trainer are imported)."""
     environ = os.environ if environ is None else environ
     if request.get("executable") != sys.executable:
         return f"the client runs {request.get('executable')}, the server {sys.executable}"
@@ -284,7 +264,8 @@ def refusal(request: dict, environ: Optional[dict] = None) -> Optional[str]:
 
 
 def _unsafe_to_fork() -> Optional[str]:
-    """Why this process must not fork now (see the module's opening), or None."""
+    """Why this process must not fork now, or None: a fork keeps one thread (NumPy's OpenBLAS pool
+    is why the server imports with ``OPENBLAS_NUM_THREADS=1``) and must not copy a CUDA context."""
     threads = _threads()
     if threads != 1:
         return f"the server has {threads} threads (a fork keeps only one)"

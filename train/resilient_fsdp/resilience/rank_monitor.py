@@ -1,21 +1,11 @@
 """In-job hang detection: the trainer's sections, reported to ``ft_launcher``'s rank monitor.
 
-:class:`ProgressMonitor` reports sections through NVRx's ``RankMonitorClient``; a rank that
-overstays a section (a hang) is killed and ``ft_launcher`` respawns the node's workers:
-
-- ``init``: start-up (process group, model, resume);
-- ``step``: a training step;
-- ``checkpoint``: the checkpoint calls after each step (collecting a finished write, starting one);
-- ``drain``: waiting for checkpoint writes and the end of the job: the final save and its wait,
-  a graceful stop's checkpoint, a save that waits for the previous write, ``finish`` and the close.
-  Its budget is ``resilience.hang_detection.checkpoint_timeout_s`` and it is never learned; meanwhile the
-  in-process restart's watchdog is pinged (:meth:`ProgressMonitor.draining`).
-
-Timeouts of ``step``, ``checkpoint`` and out-of-section time are learned from observed durations
-(NVRx's ``calculate_and_set_section_timeouts``) and saved in checkpoints. Configured values are
-floors: learning only raises them, and values restored from a checkpoint are raised to them too
-(:func:`with_floors`). ``checkpoint`` is learned only from calls that saved or committed one.
-Outside ``ft_launcher`` every call is a no-op.
+:class:`ProgressMonitor` reports the ``init``, ``step``, ``checkpoint`` and ``drain`` sections
+through NVRx's ``RankMonitorClient``; a rank that overstays a section (a hang) is killed and
+``ft_launcher`` respawns the node's workers. The timeouts of ``step``, ``checkpoint`` and
+out-of-section time are learned from observed durations and saved in checkpoints, with the
+configured values as floors (:func:`with_floors`). The attempt (:mod:`.attempt`) drives it;
+outside ``ft_launcher`` every call is a no-op.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """One event, one counted pod failure: a node whose launcher ended because of another node joins again.
 
-The job level counts pod exits: a Job counts every exit of 128-255 without ``DisruptionTarget``
-against ``backoffLimit``, and a JobSet restarts whole (every pod) when that is spent. Most of a
-job's nodes end because of something that happened to another: the store host's pod was lost
-(every other agent loses the store: :data:`.exit_codes.RENDEZVOUS_LOST`), a peer's fault spent
-NVRx 0.7's job-wide in-job restart budget (every agent ends), or a peer did not arrive within the
-join timeout. If each of those nodes exited, one event would cost N-1 or N of ``backoffLimit``.
-
-So the node agent keeps such a node in its pod: it starts ``ft_launcher`` again, which joins the
-store pod 0 hosts (its replacement, or the same one), with no pod recreation, no image pull and
-nothing counted. Only the store host (pod 0) exits on those failures, so each event is counted
-once, on one pod, and a store host that is recreated brings a fresh store (a fresh in-job
-budget). It is bounded: a node that has not rejoined a completed rendezvous within
-``timeout_s`` of the event exits with its code, so a job whose store never returns still fails.
-
-Between the ending and the next start the node waits for the store, not for a fixed time
-(:func:`await_store`): first until the old store no longer answers (NVRx 0.7's store host keeps
-it open 3 s after its launcher ends, so that peers read its final state), then until the
-replacement's store listens. A launcher started earlier would join the old store and end again,
-or, on NVRx 0.7, find no store and probe again only every 2-3 s; one started later adds the wait
-to the restart.
-
-A node that reports its own configuration-type failure, one stopped by a signal, and one whose
-launcher was killed exit as before: :class:`Rejoin` only ever turns "exit" into "join again".
+Most of a job's nodes end because of something that happened to another (the store host lost, a
+peer's fault that spent the job-wide in-job restarts, a peer late to join); if each exited, one
+event would cost N-1 pod failures of ``backoffLimit``. So the node agent (:mod:`.agent`) starts
+``ft_launcher`` again in the same pod after the codes :data:`.exit_codes.REJOINED_CODES` lists
+(:class:`Rejoin`), within ``timeout_s`` of the event, waiting for the store rather than a fixed
+time (:func:`await_store`). Only the store host exits on them, so each event is counted once.
 """
 
 from __future__ import annotations
@@ -35,8 +18,6 @@ from typing import Callable, Optional
 
 from . import exit_codes
 
-# What a node that is not the store host joins again after: failures another node causes.
-REJOINED_CODES = (exit_codes.RENDEZVOUS_LOST, exit_codes.INFRASTRUCTURE)
 # Longest wait for the old store to close: longer than NVRx 0.7's 3 s grace after its launcher
 # ends. Also the whole wait when the endpoint is unknown.
 GONE_LIMIT_S = 5.0
@@ -78,7 +59,9 @@ def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool]
     """Wait until the store at ``endpoint`` has closed and then listens again (the store host's
     replacement), each within its limit and all within ``window_s`` (what is left of the rejoin
     window), or until ``stopped()`` (the node got a signal); says what it waited for. Without an
-    endpoint, waits :data:`GONE_LIMIT_S`."""
+    endpoint, waits :data:`GONE_LIMIT_S`. A launcher started before the old store closed would join
+    it and end again (NVRx 0.7's store host keeps it open 3 s so that peers read its final state);
+    one started before the new store listens would, on 0.7, probe again only every 2-3 s."""
     start = clock()
     if endpoint is None:
         while not stopped() and clock() - start < min(GONE_LIMIT_S, window_s):
@@ -148,7 +131,7 @@ class Rejoin:
         now = self.clock()
         if completed_rendezvous or self.since is None:
             self.since = now
-        if self.store_host or code not in REJOINED_CODES or self.timeout_s <= 0:
+        if self.store_host or code not in exit_codes.REJOINED_CODES or self.timeout_s <= 0:
             return None
         waited = now - self.since
         if waited > self.timeout_s:

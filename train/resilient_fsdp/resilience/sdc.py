@@ -1,29 +1,13 @@
 """Silent data corruption under HSDP (``resilience.sdc``): the replicas of each shard compare a
 digest of their parameters, and a mismatch rolls the job back to the state last seen to agree.
 
-**The check.** Under HSDP every shard is held by one rank of each replica group, and the replicas
-are bitwise equal: their gradients are all-reduced across the replicas, so each applies the same
-update. Every ``interval_steps`` steps each rank digests its shards' bits on its device (two
-64-bit sums: the words, and the words weighted by their place; any single flipped bit changes
-the first) and gathers its replicas' digests within its replicate group (16 bytes a rank). The
-ranks agree on the outcome with one small all-reduce.
-
-**A mismatch** names the odd replica out where there is a majority (3 or more replicas), else
-every replica of the group as a suspect (2). Then, before any rank leaves:
-
-- the state last seen to agree is the last passing check's (the step the attempt resumed at, before
-  any check): memory snapshots newer than it are discarded on every rank, and rank 0 sets the
-  durable checkpoints newer than it aside as ``step_N.suspect-<time>-<id>`` (kept for the operator,
-  never loaded; a commit still in flight is set aside by the next start, :func:`suspect_window`);
-- a record goes in ``<run_dir>/faults/sdc/`` and ``summary.json``'s ``silent_corruption``: the
-  step, the last passing check, the suspects (rank, pod, host);
-- an odd replica out that can leave (a hot spare, not pod 0, under ``ft_launcher``: as for
-  stragglers) asks ``ft_launcher`` to leave its node out, and a spare takes its place;
-- every rank exits 205 (:class:`SilentCorruption`), which the in-job restart retries: the job
-  resumes from the newest checkpoint no newer than the last passing check, memory first.
-
-A mismatch again before any check passed after such a rollback (2 replicas, so no odd one out,
-and the same fault again) is not retried: the job fails (exit 2) naming the suspects.
+Under HSDP the replicas of a shard are bitwise equal. Every ``interval_steps`` steps each rank
+digests its shards and compares them with its replicas' (:class:`ReplicaCheck`). A mismatch
+names the odd replica out, or every replica as a suspect; sets aside the checkpoints newer than
+the last passing check (:func:`suspect_window`); records it in ``<run_dir>/faults/sdc/``; lets
+an odd replica out leave for a hot spare; and ends every rank with :class:`SilentCorruption`
+(exit 205, an in-job restart). The same again before any check passed fails the job (exit 2).
+The trainer calls it after each step.
 """
 
 from __future__ import annotations

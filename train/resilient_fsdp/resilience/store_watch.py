@@ -1,18 +1,11 @@
 """A store host that vanished is given up after ``--store-timeout`` seconds, not after TCP's.
 
-When pod 0's node stops (a kernel hang, a wedged network driver, a partition, an instance gone)
-nothing closes its connections. A store client's operation then waits for a reply that never
-comes: torch's ``TCPStore`` applies its timeout (NVRx's ``read_timeout``) to waiting for a key,
-not to a request in flight, so it ends only when the kernel gives the connection up after its
-retransmissions (``net.ipv4.tcp_retries2``: about 15 minutes by default, and not a sysctl a pod
-may set). Every other pod's launcher, and every GPU, waits that long.
-
-So the node agent of each pod that is not the store host watches the store from a thread while
-its launcher runs: a TCP connect every :data:`PROBE_INTERVAL_S` (with jitter), each bounded by
-:data:`PROBE_TIMEOUT_S`. A store that accepted no connection for ``limit_s`` in a row is lost:
-the agent ends its launcher and joins again (:mod:`.rejoin`), exactly as when the store host's
-connections close. A slow store (one serving 1,000 pods at once) still accepts connections; only
-a host that does not answer at all is given up.
+When pod 0's node stops, nothing closes its connections, and a store client's request in flight
+waits until the kernel gives the connection up (``tcp_retries2``: about 15 minutes, not a sysctl
+a pod may set). So the node agent of each pod that is not the store host watches the store from
+a thread while its launcher runs (:class:`StoreWatch`): a store that accepted no TCP connection
+for ``limit_s`` in a row is lost, and the agent joins again (:mod:`.rejoin`). A slow store still
+accepts connections; only a host that does not answer at all is given up.
 """
 
 from __future__ import annotations

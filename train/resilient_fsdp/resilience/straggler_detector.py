@@ -1,16 +1,10 @@
 """NVRx's straggler detector, as this project drives it: ``attribution.straggler`` in NVRx 0.7,
 ``straggler`` in 0.4.1 (the same ``Detector``), found by import, not by version.
 
-NVRx times each detection section on the CPU clock and, on a GPU, every CUDA kernel launched
-inside one with CUPTI; a report (collective) scores each rank per section and for its kernels as
-the fastest rank's median over its own, gathered on rank 0. This module only starts it, opens its
-sections and turns a report into plain numbers; what counts as a straggler, and what is done
-about one, is :mod:`.stragglers`'.
-
-Without a GPU, one adaptation: NVRx's CUPTI manager loads a CUDA extension when the detector
-starts, so it is replaced by one that profiles nothing (section timings only), and the report's
-device synchronisation is skipped (:func:`~..checkpoint.writer.worker.cpu_shim`). On a GPU
-whose CUPTI extension cannot load, the same stand-in is used and :attr:`StragglerDetector.kernels`
+This module only starts the detector, opens its sections and turns a report into plain numbers;
+what counts as a straggler, and what is done about one, is :mod:`.stragglers`'. Without a GPU
+(or with a CUPTI extension that cannot load) NVRx's CUPTI manager is replaced by one that
+profiles nothing, so only section timings are reported, and :attr:`StragglerDetector.kernels`
 says why.
 """
 

@@ -2,29 +2,12 @@
 (:mod:`.straggler_detector`), named in the log, ``summary.json`` and the metrics, and, with
 ``action=replace``, routed around without a job restart.
 
-**Finding one.** The step's parts are the detector's sections: ``forward_backward`` (the
-micro-batches, FSDP's collectives inside) and ``optimizer`` (the rank's own optimizer step, where
-no peer waits). About every ``report_every_s`` seconds (in steps: rank 0's median step since the
-last report, broadcast with the decision; or every ``report_every_steps`` steps) the detector
-scores each rank per section and, on a GPU, for its CUDA kernels: the fastest rank's median time over its own, 1.0 for the fastest.
-A rank is slow in a report when a score is below ``threshold`` and, for a section, its median
-exceeds the fastest rank's by at least ``min_excess`` of the median step (a part of a millisecond
-that varies twofold slows nobody); a straggler when it is slow in ``consecutive_reports`` reports
-in a row. Rank 0 decides and broadcasts, so every rank acts at the same step.
-
-A section that holds a collective is timed on every rank as the slowest rank's pace (the others
-wait inside it): on a GPU the kernels' own times (CUPTI) tell the slow device apart; on CPU the
-rank's own optimizer step does, which is where the ``slow`` fault puts its extra time.
-
-**Replacing one.** The straggler's rank asks ``ft_launcher`` to leave its node out of the next
-rendezvous (NVRx's workload control request, :meth:`.rank_monitor.ProgressMonitor.exclude_this_node`),
-and every rank ends the attempt (:class:`StragglerReplaced`, exit 204, which the launchers retry
-in-job). The excluded node's launcher fails it as unhealthy (the node exits 201 and does not join
-again) and a hot spare takes its node rank, restoring from the memory tier (the replica a peer
-keeps), at the same world size. Reported only, and said why, when that cannot be done: no hot
-spare (``spares``), the straggler on the pod hosting the rendezvous store (pod 0: its leaving is a
-job-level restart), no ``ft_launcher`` to ask, or every spare spent on an earlier straggler (NVRx
-closes its rendezvous for good once more nodes were left out than the job has spares).
+The detector's sections are the step's ``forward_backward`` and ``optimizer``; a rank is a
+straggler when it is slow in ``consecutive_reports`` reports in a row (:class:`Stragglers`).
+Rank 0 decides and broadcasts, so every rank acts at the same step. To replace one, its rank asks
+``ft_launcher`` to leave its node out, every rank ends the attempt (:class:`StragglerReplaced`,
+exit 204) and a hot spare takes its node rank; where that cannot be done (no spare, pod 0, no
+``ft_launcher``) it is reported only, saying why. The trainer calls it after each step.
 """
 
 from __future__ import annotations
@@ -107,7 +90,16 @@ def lowest_scores(scores) -> list[tuple[float, int]]:
 
 
 class Stragglers:
-    """One attempt's straggler detection; every method is collective unless it says otherwise."""
+    """One attempt's straggler detection; every method is collective unless it says otherwise.
+
+    A rank is slow in a report when a score (the fastest rank's median over its own) is below
+    ``threshold`` and, for a section, its median exceeds the fastest rank's by at least
+    ``min_excess`` of the median step (a part of a millisecond that varies twofold slows nobody).
+    A section holding a collective runs at the slowest rank's pace on every rank, so the slow rank
+    shows in its CUDA kernels' own times on a GPU, in its own optimizer step on CPU. Replacing one
+    needs a hot spare left (NVRx closes its rendezvous once more nodes were left out than the job
+    has spares) and a node other than pod 0 (its leaving is a job-level restart).
+    """
 
     def __init__(self, cfg: StragglersConfig, rank: int, device: torch.device, ledger: FaultLedger,
                  exclude_this_node: Callable[[str], bool], launcher_active: bool, spares: int,

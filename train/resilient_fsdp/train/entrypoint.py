@@ -2,11 +2,8 @@
 
 Launched by ``ft_launcher`` (or ``torchrun``) once per rank; without a launcher it is a world of
 one. One process: the arguments, the configuration, one attempt at training (or several under
-in-process restart), and the exit code the restart layers read (0 done, 2 a configuration-type
-failure: a bad configuration, the same failure at the same place after a restart, a checkpoint
-failure that ends the job; it also reports it to the node agent so that no layer retries it; 202
-after the job's first non-finite loss at a step, which the in-job restart retries,
-``resilience.stop.exit_code`` after a graceful stop; :mod:`resilient_fsdp.resilience.exit_codes`).
+in-process restart), and the exit code of its ending, by
+:data:`resilient_fsdp.resilience.exit_codes.TABLE`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The field's faults on the cluster the chart describes, under both NVRx versions.
+"""Four faults in one job on the cluster the chart describes, under both NVRx versions.
 
 ``resilient-fsdp local`` on values/dev-cpu.yaml, 2 pods x 2 ranks, each pod a network namespace,
 pod 0's agent hosting the rendezvous store. One job survives, in order:
@@ -20,7 +20,7 @@ import pytest
 from tests.resilience.fault_jobs import lane_run, run_with_faults
 from tests.support import LANES, netns_required
 
-FIELD_FAULTS = ["node-loss@12:node=0", "sigkill@20:rank=0", "partition@28:node=1:for=20",
+FOUR_FAULTS = ["node-loss@12:node=0", "sigkill@20:rank=0", "partition@28:node=1:for=20",
                 "hang-in-collective@36:rank=2"]
 # Which layer may recover each: the store host's loss takes pod recreations; a killed rank is
 # respawned in-job; a 20 s partition either stalls a step past its timeout (in-job restart) or
@@ -29,7 +29,7 @@ LAYERS = {"node-loss": {"job"}, "sigkill": {"in_job"}, "partition": {"in_job", "
           "hang-in-collective": {"in_job"}}
 
 
-def check_field_faults(summary: dict, run_dir) -> None:
+def check_four_faults(summary: dict, run_dir) -> None:
     output = summary["_stdout"]
     assert "pods as network namespaces" in output
     # Node 0's loss reached every pod: its own recreation, and the other pod's launcher lost the
@@ -56,11 +56,11 @@ def check_field_faults(summary: dict, run_dir) -> None:
 @pytest.mark.extended
 @pytest.mark.timeout(720)
 @pytest.mark.parametrize("lane", LANES)
-def test_field_faults_in_one_job(tmp_path, request, lane, reference_2x2):
+def test_one_job_survives_a_store_host_loss_a_killed_rank_a_partition_and_a_hang(tmp_path, request, lane, reference_2x2):
     netns_required()
     run_dir = tmp_path / "run"
     # 0.7 counts --max-restarts as rendezvous rounds of the whole job, not per pod: every fault
     # here opens at least one round.
-    summary = run_with_faults(run_dir, FIELD_FAULTS, reference_2x2, isolation="netns", timeout=660,
+    summary = run_with_faults(run_dir, FOUR_FAULTS, reference_2x2, isolation="netns", timeout=660,
                               extra=["--max-restarts=8"], **lane_run(request, lane))
-    check_field_faults(summary, run_dir)
+    check_four_faults(summary, run_dir)
