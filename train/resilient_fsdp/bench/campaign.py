@@ -1,31 +1,14 @@
 """``resilient-fsdp bench campaign``: a week of a job's faults in ten minutes, and what must stay true.
 
-One local job (``--nodes`` pods x 1 rank, workload kind JobSet, one run directory) goes through
-four legs, each one ``resilient-fsdp local`` launch, the way an operator drives a long job:
-
-1. ``main``: trains to its stop step with faults injected;
-2. ``rewind``: relaunched with ``checkpoint.resume_from=<checkpoint.dir>/step_N``, N the older
-   of the ``checkpoint.keep_last=2`` checkpoints the ``main`` leg left (:func:`rewind_step`), so
-   steps are trained again;
-3. ``shrink``: relaunched with half the pods (the checkpoint reshards to the smaller world);
-4. ``regrow``: relaunched with every pod again, to ``--steps``.
-
-A job's world is fixed (hot spares keep it), so the world changes size as an operator changes
-it: a relaunch at another size from the newest checkpoint.
-
-Faults: one every ``--fault-every-steps`` steps of each leg, taking ``--kinds`` in turn (the
-fault grammar of ``config.fault_spec``, ``KIND[:rank=R | :node=N][:for=SECONDS]``; R and N are
-taken modulo the leg's world); a kind that is not in ``FAULT_KINDS`` is refused before anything
-starts. A kind this isolation cannot run (``partition`` on loopback pods) keeps its slot and is
-reported as skipped. The S3 tier is on (``--s3 off`` turns it off), against a moto server on this
-machine's loopback; network-namespace pods reach it through the local cluster's relay of its port
-(``local.runtime.netns_pods.host_ports``), so a ``partition`` cuts a pod's uploads too.
-
-While it runs, every ``--sample-every-s`` seconds: the bytes under ``checkpoint.dir`` (set-aside
-``.abandoned-*``/``.superseded-*`` directories counted apart: user data, never deleted), the
-bucket's bytes, and per pod the job's processes and their open files (``/proc``). The same job
-without faults is the reference. The checks (:data:`CHECKS`) and a table of where the time
-went are printed; ``--out`` writes them as JSON. Exit 0 when every check passed.
+One local job (``--nodes`` pods x 1 rank, a JobSet, one run directory) goes through the four legs
+of :data:`LEGS`, with a fault every ``--fault-every-steps`` steps of each leg, ``--kinds`` in turn
+(a kind not in ``FAULT_KINDS`` is refused before anything starts; one this isolation cannot run
+is reported as skipped). The S3 tier runs against a moto server on loopback, which netns pods
+reach through the local cluster's relay, so a ``partition`` cuts a pod's uploads too. Every
+``--sample-every-s`` seconds it samples the checkpoint bytes (set-aside directories apart), the
+bucket's bytes and each pod's processes and open files. The same job without faults is the
+reference. The checks (:data:`CHECKS`) and where the time went are printed; ``--out`` writes
+them as JSON. Exit 0 when every check passed.
 """
 
 from __future__ import annotations
@@ -58,6 +41,10 @@ RUN_MARK_ENV = "RESILIENT_FSDP_BENCH_CAMPAIGN"
 """Set in every leg's environment (inherited by every process a pod runs): how the sampler and the
 leftover check find the job's processes, however they were re-parented."""
 POD_ENV = "RESILIENT_FSDP_LOCAL_POD"  # the local cluster's per-pod mark: ``<run id>/<pod hostname>``
+# Each leg one `resilient-fsdp local` launch: train to the stop step with faults; relaunch from the older
+# kept checkpoint (steps trained again, :func:`rewind_step`); relaunch with half the pods (a
+# reshard); relaunch with every pod to --steps. A job's world is fixed (hot spares keep it), so it
+# changes size as an operator changes it: a relaunch at another size.
 LEGS = ("main", "rewind", "shrink", "regrow")
 SET_ASIDE = (".abandoned-", ".superseded-")
 DEFAULT_KINDS = ("sigkill-during-save:rank=1,node-loss:node=0,hang:rank=2,partition:node=1:for=20,"

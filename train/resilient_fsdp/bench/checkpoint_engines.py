@@ -1,19 +1,10 @@
 """The savers ``bench checkpoint`` compares, behind one interface (:class:`Saver`), and the loop
 that measures each of them on the same trainer (:func:`measure`).
 
-- ``sync``, ``async``, ``torch-async``: the project's :class:`~..checkpoint.checkpointer.Checkpointer`
-  with that engine (commit protocol, checksums, ``COMPLETE``);
-- ``memory``: the memory tier (:class:`~..checkpoint.memory.tier.MemoryTier`, no replicas) into
-  its two slots in ``/dev/shm``: the copy into the slot, awaited like the others, then the slot's
-  CRC32C and record on its helper thread; committed means its record is written;
-- ``dcp_process`` / ``dcp_thread``: torch DCP's own ``async_save`` in process / thread mode with its
-  ``DefaultStager`` (shared memory, pinned on GPUs, staging in a background thread, non-blocking
-  copies on GPUs) and cached save plans (``DefaultSavePlanner(enable_plan_caching=True)``), as
-  torchtitan configures it. Committed means DCP wrote its ``.metadata``.
-
-Every saver's staging is awaited where the trainer awaits it, just before ``optimizer.step()``
-(the trainer calls ``checkpointer.before_optimizer_step()``; the saver stands in for it while it
-is measured). Commits are noticed when the loop polls, after each step, for every saver alike.
+The savers (:data:`ENGINES`): the project's checkpointer with each engine (:class:`OurSaver`),
+the memory tier (:class:`MemorySaver`), and torch DCP's own ``async_save`` (:class:`DcpSaver`).
+Every saver's staging is awaited where the trainer awaits it, just before ``optimizer.step()``,
+and commits are noticed when the loop polls after each step, for every saver alike.
 """
 
 from __future__ import annotations
@@ -56,6 +47,9 @@ class Saver:
 
 
 class OurSaver(Saver):
+    """The project's :class:`~..checkpoint.checkpointer.Checkpointer` with the ``sync``, ``async`` or
+    ``torch-async`` engine (commit protocol, checksums, ``COMPLETE``).
+    """
     def __init__(self, trainer: Any, mode: str, root: Path):
         from ..checkpoint.checkpointer import Checkpointer
 
@@ -105,7 +99,11 @@ def _background(record: dict) -> float:
 
 
 class MemorySaver(Saver):
-    """The memory tier's save, its slots in a job directory of its own under ``/dev/shm``."""
+    """The memory tier's save, its slots in a job directory of its own under ``/dev/shm``.
+
+    The copy into the slot is awaited like the others' staging; the slot's CRC32C and record follow on
+    its helper thread; committed means its record is written.
+    """
 
     def __init__(self, trainer: Any, shm: Path = Path("/dev/shm")):
         import uuid
@@ -146,7 +144,12 @@ class MemorySaver(Saver):
 
 
 class DcpSaver(Saver):
-    """``torch.distributed.checkpoint.async_save`` as its documentation and torchtitan use it."""
+    """``torch.distributed.checkpoint.async_save`` as its documentation and torchtitan use it.
+
+    In process or thread mode, with its ``DefaultStager`` and cached save plans
+    (``DefaultSavePlanner(enable_plan_caching=True)``), as torchtitan configures it. Committed means
+    DCP wrote its ``.metadata``.
+    """
 
     def __init__(self, trainer: Any, mode: str, root: Path):
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner

@@ -1,20 +1,10 @@
 """``python -m resilient_fsdp.bench.commit_scale``: what a checkpoint commit costs rank 0 at a
 world of many ranks, measured without the ranks.
 
-The commit gathers every rank's outcome (:class:`~resilient_fsdp.checkpoint.engines.LocalOutcome`:
-its DCP write results and the checksum of every file it wrote) to rank 0, which writes DCP's
-``.metadata`` from all of them. Both grow with the world: every rank writes a shard of every
-tensor, so the write results are (tensors x world) and so is ``.metadata``. Here the outcomes are
-built for a 70b-like state (FSDP: each rank holds a shard of each of about 720 parameters, plus
-AdamW's two moments of each; one file per writer thread) and measured: the pickled size of the
-gather (what travels on the object group), rank 0's ``.metadata`` written by the code the engine
-uses (:func:`~resilient_fsdp.checkpoint.writer.dcp_plan.write_metadata`), and
-:func:`~resilient_fsdp.checkpoint.integrity.share` at that world.
-
-``--shard-group N`` measures HSDP (``dist.shard_group_size``): each tensor is cut into N shards,
-each replicated across the world / N groups, and DCP's plan has one replica write each shard
-(spread over the replicas, as its de-duplication does), so the results and ``.metadata`` are
-(tensors x N) while the per-rank file checksums stay (world).
+The commit gathers every rank's outcome (its DCP write results and file checksums) to rank 0,
+which writes DCP's ``.metadata`` from all of them; both grow with the world, since every rank
+writes a shard of every tensor. :func:`measure` builds the outcomes synthetically and times them,
+with ``--shard-group N`` for HSDP.
 """
 
 from __future__ import annotations
@@ -83,6 +73,12 @@ def global_metadata(shards: int, names: list[str], shard_rows: int = 1024) -> Me
 
 
 def measure(world: int, layers: int = LAYERS, shard_group: int = 0) -> dict:
+    """The outcomes are built for a 70b-like state (each rank a shard of about 720 parameters, plus
+    AdamW's two moments; one file per writer thread): the pickled size of the gather, rank 0's
+    ``.metadata`` written by the engine's code, and ``integrity.share`` at that world. With
+    ``shard_group`` N (HSDP), each tensor has N shards written once each, so the results and
+    ``.metadata`` are (tensors x N) while the file checksums stay (world).
+    """
     if shard_group and world % shard_group:
         raise SystemExit(f"--shard-group {shard_group} does not divide --world {world}")
     names = fqns(layers)

@@ -1,22 +1,10 @@
 """``resilient-fsdp bench s3``: upload and download throughput, managed transfer vs one stream.
 
 One run, one checkpoint-shaped directory (``--files`` files of random bytes, ``--size-gib`` in
-all), four timed phases against the same S3 endpoint:
-
-- single stream: each file with one ``PutObject`` / one streamed ``GetObject``, one after another;
-- managed: the S3 tier's own code path (:func:`checkpoint.s3.transfer.upload_checkpoint`
-  and :func:`~checkpoint.s3.transfer.download_checkpoint`): boto3's managed transfer, multipart above
-  ``--threshold-mib``, ``--max-concurrency`` parallel requests, every file at once, marker last;
-- ``--ranks`` ranks (default 4), as a job uploads: that many processes, each uploading its share
-  of the files (:func:`~checkpoint.s3.transfer.upload_share`, the files balanced by size) and its
-  receipt, then rank 0 the marker; timed from the moment every process is ready (imports and
-  clients are not counted) until the marker is there. Compared with rank 0 alone (managed).
-
-Without ``--endpoint-url`` it starts moto's standalone S3 server on loopback (the ``test`` extra
-installs it) with throwaway credentials; with it, credentials come from boto3's default chain and
-``--uri`` names an existing bucket and a prefix, under which the benchmark writes a fresh
-sub-prefix and deletes only that.
-Downloads are checked byte for byte against the source files (outside the timings).
+all), timed phases against the same S3 endpoint (:func:`run`). Without ``--endpoint-url`` it
+starts moto's standalone S3 server on loopback (the ``test`` extra installs it) with throwaway
+credentials; with it, credentials come from boto3's default chain and ``--uri`` names a bucket
+and prefix, under which the benchmark writes a fresh sub-prefix and deletes only that.
 """
 
 from __future__ import annotations
@@ -241,6 +229,13 @@ def ranks_upload(cfg: S3Config, loc: s3_client.S3Location, ckpt: Path, ranks: in
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Four timed phases against one endpoint: single stream (one ``PutObject`` / streamed
+    ``GetObject`` per file, in turn); managed (the S3 tier's own path: boto3's managed transfer,
+    multipart above ``--threshold-mib``, ``--max-concurrency`` requests, marker last); and ``--ranks``
+    processes uploading their shares as a job does (:func:`~checkpoint.s3.transfer.upload_share`),
+    timed from every process ready until the marker is there. Downloads are checked byte for byte
+    outside the timings.
+    """
     if args.endpoint_url is not None and args.uri is None:
         raise ConfigError("--endpoint-url needs --uri s3://bucket/prefix (a bucket that exists there)")
     if args.size_gib <= 0 or args.files < 1 or args.ranks < 1:

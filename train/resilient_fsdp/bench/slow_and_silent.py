@@ -2,28 +2,9 @@
 how soon each is found, and how long routing around it takes, on the local cluster (the ``tiny``
 preset).
 
-Slow ranks (2 pods of one rank):
-
-- **Cost**: the same fault-free job with ``resilience.stragglers`` off and on (its defaults),
-  alternated ``--repeats`` times: the median step of each job, and the ratio of the medians of
-  the two sets; beside it, what the detector's reports cost the ranks: a report's time
-  (``straggler_detection`` in ``summary.json``) over the default cadence, ``report_every_s``.
-- **Found and routed around**: ``slow@--fault-step:rank=1:factor=--factor`` with one hot spare,
-  memory snapshots every 2 steps with replicas, ``action=replace`` and a report every 10 steps: the steps and seconds from
-  the fault to the straggler's naming, and from there to the first step trained with the spare
-  (``route_around_s``), each job ending bitwise equal to the fault-free one.
-
-Silent corruption (1 pod of 4 ranks, HSDP in shard groups of 2: two replicas of every shard):
-
-- **Cost**: the same fault-free job with replica checks off and on (every ``--sdc-interval``
-  steps), alternated ``--repeats`` times: the ratio of the median steps, and the checks' own time
-  over the steps they cover (``replica_checks`` in ``summary.json``).
-- **Found and rolled back**: ``bitflip@--flip-step:rank=1``: the steps and seconds from the flip
-  to the mismatch, and from there to the first step trained again from the rolled-back state,
-  each job ending bitwise equal to the fault-free one.
-
-Hot spares need NVRx 0.6 or newer on the path (the test lane's). Results: a table, and JSON with
-``--out``.
+Two parts, each a cost and a found-and-recovered measurement: slow ranks (:func:`stragglers`)
+and silent corruption (:func:`silent_corruption`). Hot spares need NVRx 0.6 or newer on the path
+(the test lane's). Results: a table, and JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -116,6 +97,12 @@ def _first_step_after(run_dir: Path, t: float) -> float:
 
 
 def stragglers(root: Path, args: argparse.Namespace, log: Path) -> dict:
+    """2 pods of one rank. Cost: the fault-free job with ``resilience.stragglers`` off and on,
+    alternated ``--repeats`` times (the ratio of median steps), and a report's time over its cadence.
+    Found and routed around: ``slow@--fault-step:rank=1`` with one hot spare, memory snapshots with
+    replicas and ``action=replace``: the time to the straggler's naming, and from there to the first
+    step trained with the spare (``route_around_s``), each job bitwise equal to the fault-free one.
+    """
     base = [f"train.steps={args.steps}", "checkpoint.interval_steps=20", "train.log_every=20", *COMMON,
             *args.overrides]
     cost, summaries = _paired_cost(root, "stragglers", args, 2, 1, base, ["resilience.stragglers.enabled=true"], log)
@@ -142,6 +129,11 @@ def stragglers(root: Path, args: argparse.Namespace, log: Path) -> dict:
 
 
 def silent_corruption(root: Path, args: argparse.Namespace, log: Path) -> dict:
+    """1 pod of 4 ranks, HSDP in shard groups of 2. Cost: the fault-free job with replica checks off
+    and on (every ``--sdc-interval`` steps), the ratio of median steps and the checks' own time.
+    Found and rolled back: ``bitflip@--flip-step:rank=1``: the time to the mismatch, and from there
+    to the first step trained again, each job bitwise equal to the fault-free one.
+    """
     base = [f"train.steps={args.steps}", "checkpoint.interval_steps=20", "train.log_every=20",
             "dist.shard_group_size=2", "checkpoint.memory.interval_steps=2", *COMMON, *args.overrides]
     checks = [f"resilience.sdc.interval_steps={args.sdc_interval}"]

@@ -1,33 +1,11 @@
 """What the API server and the operators' admission webhooks refuse, beyond any schema.
 
 A CRD's ``openAPIV3Schema`` says which fields exist; it does not say that a JobSet's pod names must
-fit in 63 characters, that a Job with a ``podFailurePolicy`` takes only ``restartPolicy: Never``,
-or that a TrainJob may not set ``PET_NNODES``. Those rules live in Go code, and a manifest that
-breaks one is refused at ``kubectl apply`` (or, worse, its Jobs are refused later, by the JobSet
-controller). Each function here restates one component's rules, at the version the chart targets,
-and returns :class:`Finding` s naming the field:
-
-- :func:`check_job_spec`: batch/v1 Job validation (kubernetes ``pkg/apis/batch/validation``,
-  1.31 and later): ``podFailurePolicy`` needs ``restartPolicy: Never`` and at most 20 rules, each
-  with exactly one of ``onExitCodes`` (1-255 unique, ascending values, no 0 with ``In``, a
-  ``containerName`` that exists) or ``onPodConditions`` (at most 20); ``FailIndex`` and
-  ``maxFailedIndexes`` need ``backoffLimitPerIndex``, which needs Indexed completion.
-- :func:`check_jobset`: the JobSet v0.12.0 webhook (``pkg/webhooks/jobset_webhook.go``), after
-  its defaults (Indexed completion, pod ``restartPolicy: OnFailure`` when empty): Job and pod name
-  lengths, subdomain, failure-policy rule names, reasons, targets and feature-gated actions,
-  ``dependsOn`` and the coordinator; then :func:`check_job_spec` on every replicated Job.
-- :func:`check_training_runtime`: the Trainer v2.3.0 TrainingRuntime webhook
-  (``pkg/webhooks/trainingruntime_webhook.go``): a Job labelled
-  ``trainer.kubeflow.org/trainjob-ancestor-step: trainer`` has one replica and a container
-  ``node``; then the Job API's rules on its Jobs.
-- :func:`check_trainjob`: the TrainJob's CEL rules (RFC 1035 name of at most 63 characters,
-  ``managedBy``) and the Trainer v2.3.0 TrainJob webhook: the torch plugin's reserved ``PET_*``
-  names in ``trainer.env`` (``plugins/torch/torch.go``), runtime patches (domain-prefixed
-  ``manager``, only jobs and containers the runtime has, no ``env`` on ``node``:
-  ``plugins/jobset/jobset.go``), and the JobSet Trainer builds from it (named after the TrainJob,
-  ``trainer.numNodes`` pods), checked as the JobSet webhook will check it.
-
-Standard library only, so it runs wherever ``validate`` does.
+fit in 63 characters or that a TrainJob may not set ``PET_NNODES``. Those rules live in Go code,
+and a manifest that breaks one is refused at ``kubectl apply`` (or its Jobs later, by the JobSet
+controller). Each ``check_*`` function restates one component's rules, at the version the chart
+targets (its docstring names the source), and returns :class:`Finding` s naming the field.
+``validate`` uses it; standard library only, so it runs wherever ``validate`` does.
 """
 
 from __future__ import annotations
@@ -106,7 +84,14 @@ def _is_domain_prefixed_path(value: str) -> bool:
 
 
 def check_job_spec(spec: dict, path: str = "spec") -> list[Finding]:
-    """The Job API's own rules for ``spec`` (a batch/v1 JobSpec), as the API server applies them."""
+    """The Job API's own rules for ``spec`` (a batch/v1 JobSpec), as the API server applies them.
+
+    Kubernetes ``pkg/apis/batch/validation``, 1.31 and later: ``podFailurePolicy`` needs
+    ``restartPolicy: Never`` and at most 20 rules, each with exactly one of ``onExitCodes`` (1-255
+    unique, ascending values, no 0 with ``In``, a ``containerName`` that exists) or
+    ``onPodConditions`` (at most 20); ``FailIndex`` and ``maxFailedIndexes`` need
+    ``backoffLimitPerIndex``, which needs Indexed completion.
+    """
     check = "Job API"
     found: list[Finding] = []
     pod_spec = _dig(spec, "template", "spec", default={})
@@ -208,7 +193,12 @@ def jobset_defaults(spec: dict) -> dict:
 def check_jobset_spec(name: str, spec: dict, path: str = "spec", check: str = "JobSet webhook",
                       jobs: bool = True) -> list[Finding]:
     """The JobSet webhook's create-time rules for a JobSet ``name`` with ``spec``, then (``jobs``) the
-    Job API's rules for each replicated Job as the JobSet controller will create it."""
+    Job API's rules for each replicated Job as the JobSet controller will create it.
+
+    ``pkg/webhooks/jobset_webhook.go`` of v0.12.0, after its defaults (:func:`jobset_defaults`):
+    Job and pod name lengths, subdomain, failure-policy rule names, reasons, targets and
+    feature-gated actions, ``dependsOn`` and the coordinator.
+    """
     found: list[Finding] = []
     spec = jobset_defaults(spec)
     rjobs = spec.get("replicatedJobs") or []
@@ -295,7 +285,12 @@ def check_jobset(doc: dict) -> list[Finding]:
 
 
 def check_training_runtime(doc: dict) -> list[Finding]:
-    """A TrainingRuntime or ClusterTrainingRuntime, as Trainer's webhook sees it."""
+    """A TrainingRuntime or ClusterTrainingRuntime, as Trainer's webhook sees it.
+
+    Trainer v2.3.0's ``pkg/webhooks/trainingruntime_webhook.go``: a Job labelled
+    ``trainer.kubeflow.org/trainjob-ancestor-step: trainer`` has one replica and a container ``node``;
+    then the Job API's rules on its Jobs.
+    """
     check = "Trainer webhook"
     found: list[Finding] = []
     rjobs = _dig(doc, "spec", "template", "spec", "replicatedJobs", default=[])
@@ -337,7 +332,14 @@ def _built_jobset_spec(trainjob: dict, runtime: dict) -> dict:
 
 def check_trainjob(doc: dict, runtime: Optional[dict] = None) -> list[Finding]:
     """A TrainJob: its CRD's CEL rules, Trainer's TrainJob webhook, and (when ``runtime``, the
-    TrainingRuntime it names, is at hand) the JobSet Trainer will build from the two."""
+    TrainingRuntime it names, is at hand) the JobSet Trainer will build from the two.
+
+    The CEL rules: an RFC 1035 name of at most 63 characters, ``managedBy``. The webhook: the torch
+    plugin's reserved ``PET_*`` names in ``trainer.env`` (``plugins/torch/torch.go``); runtime patches
+    (a domain-prefixed ``manager``, only jobs and containers the runtime has, no ``env`` on ``node``:
+    ``plugins/jobset/jobset.go``); the JobSet it builds (named after the TrainJob, ``trainer.numNodes``
+    pods), checked as the JobSet webhook will check it.
+    """
     found: list[Finding] = []
     name = _dig(doc, "metadata", "name", default="")
     found += [Finding("metadata.name", m, "TrainJob CRD rules") for m in _dns1035_problems(name)]

@@ -1,18 +1,9 @@
 """Is this container image sound? ``python -m resilient_fsdp.deploy.image_check`` (``scripts/check-image``).
 
-Two depths, one list of checks:
-
-- ``--build`` (the last step of ``docker build``, no GPU): torch is a CUDA build at the pinned
-  torch, CUDA and NCCL versions, NVRx is at its pin, the trainer imports, ``ft_launcher`` is on
-  PATH, and the EFA libraries (libfabric, the aws-ofi-nccl plugin and its tuner, which the chart
-  names in ``NCCL_TUNER_PLUGIN``) are where NCCL finds them. It
-  then records the pins in the image, so the run-time check compares against the same numbers.
-- default (inside the image on a GPU node, e.g. nightly): the same, then a GPU is visible,
-  ``fi_info -p efa`` finds the EFA provider and the locked-memory limit is unlimited where the
-  node has an EFA device, and the trainer
-  itself runs a few FSDP steps as a world of one (NCCL, bf16) and checkpoints them.
-
-Prints one line per check and exits 1 if any failed.
+Two depths, one list of checks (:func:`run_checks`): ``--build``, the last step of ``docker
+build`` (no GPU), which also records the pins in the image so that the run-time check compares
+against the same numbers; and the default, inside the image on a GPU node (e.g. nightly). Prints
+one line per check and exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -292,6 +283,10 @@ def check_fsdp_step(_pins: Pins, cpu_ok: bool = False, steps: int = 3) -> Result
 
 
 def run_checks(pins: Pins, build: bool, cpu_ok: bool) -> list[Result]:
+    """The checks of one depth. ``build`` (the last step of ``docker build``, no GPU): the pinned
+    torch, CUDA, NCCL and NVRx, the trainer's import, ``ft_launcher`` on PATH, the EFA libraries
+    where NCCL finds them. Otherwise (inside the image on a GPU node) the same, then a GPU, the EFA
+    provider and an unlimited locked-memory limit where the node has EFA, and a few FSDP steps."""
     static: list[Callable[[Pins], Result]] = [check_torch, check_cuda, check_nccl, check_nvrx, check_trainer,
                                               check_ft_launcher, check_libfabric, check_ofi_nccl, check_nccl_tuner]
     results = []

@@ -1,18 +1,11 @@
 """The container image's Python dependencies: this project's pins on top of what the base ships.
 
 Runs inside ``docker build``, before the trainer's source is copied, so it uses the standard
-library only (``python image_deps.py ...`` from a lone copy of this file):
-
-- ``plan``: record the base image's installed distributions (``base-packages.json``), then write
-  ``constraints.txt`` (every base package at the base's version, this project's pins for
-  everything else, NVRx at the image's pin) and ``requirements.txt`` (``[project].dependencies``
-  of ``pyproject.toml``) for ``pip install -c constraints.txt -r requirements.txt``;
-- ``verify``: after the installs, fail if a base package changed version or disappeared (NVRx
-  excepted), or if a package arrived at a version no constraints file pins.
-
-The base's versions win because NVIDIA built its torch, CUDA and NCCL against them: replacing
-any of them risks an ABI mismatch that shows up only on a GPU. NVRx is the one exception: the
-image must run the version the test suite exercises (``constraints-image.txt``).
+library only (``python image_deps.py ...`` from a lone copy of this file): ``plan`` writes the
+constraints and requirements for pip (:func:`plan`), ``verify`` checks the installed set after the
+installs (:func:`verify`). The base's versions win because NVIDIA built its torch, CUDA and NCCL
+against them: replacing one risks an ABI mismatch that shows only on a GPU. NVRx is the one
+exception: the image runs the version the tests exercise (``constraints-image.txt``).
 """
 
 from __future__ import annotations
@@ -154,7 +147,8 @@ def plan(base: dict[str, tuple[str, str]], pins: dict[str, tuple[str, str]],
 
 def verify(base: dict[str, tuple[str, str]], now: dict[str, tuple[str, str]], pins: dict[str, tuple[str, str]],
            extra: Optional[dict[str, str]] = None, owned: Iterable[str] = OWNED) -> list[str]:
-    """Every way the installed set breaks the rules in this module's docstring (empty: none).
+    """Every way the installed set breaks the rules (empty: none): a base package changed version or
+    disappeared (NVRx excepted), or a package arrived at a version no constraints file pins.
 
     ``extra`` allows packages installed from the build context itself (this project: its version).
     """

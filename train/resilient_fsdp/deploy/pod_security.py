@@ -2,24 +2,10 @@
 
 The rules of Kubernetes' pod-security-admission (``staging/src/k8s.io/pod-security-admission/policy``)
 at the newest version of each check as of Kubernetes 1.34, restated so that ``validate`` can answer
-without a cluster. Linux pods only (the Windows exemptions are not modelled).
-
-``baseline`` refuses what lets a pod escape its container:
-
-- ``hostProcess`` (Windows host process), ``hostNetwork``, ``hostPID``, ``hostIPC``;
-- ``privileged`` containers; added capabilities outside :data:`BASELINE_CAPABILITIES`;
-- ``hostPath`` volumes; ``hostPort`` s; probe and lifecycle handlers with a ``host`` (1.34);
-- AppArmor other than ``RuntimeDefault``/``Localhost`` (field or annotation), SELinux types
-  outside :data:`SELINUX_TYPES` or any SELinux user/role, ``procMount`` other than ``Default``,
-  seccomp ``Unconfined``, sysctls outside :data:`SAFE_SYSCTLS`.
-
-``restricted`` adds: only the volume types in :data:`RESTRICTED_VOLUMES`,
-``allowPrivilegeEscalation: false`` on every container, ``runAsNonRoot: true`` (pod or every
-container) and no ``runAsUser: 0``, seccomp ``RuntimeDefault``/``Localhost`` (pod or every
-container), and capabilities ``drop: [ALL]`` with nothing added but ``NET_BIND_SERVICE``.
-
-Each rule returns :class:`~resilient_fsdp.deploy.admission.Finding` s naming the field, as the
-admission controller's message does. Standard library only.
+without a cluster; :func:`check_pod_spec` lists the rules of each level. Linux pods only (the
+Windows exemptions are not modelled). Each rule returns
+:class:`~resilient_fsdp.deploy.admission.Finding` s naming the field, as the admission controller's
+message does. Standard library only.
 """
 
 from __future__ import annotations
@@ -59,7 +45,18 @@ def _containers(spec: dict, path: str) -> Iterable[tuple[str, dict]]:
 
 def check_pod_spec(spec: dict, metadata: Optional[dict] = None, level: str = "baseline",
                    path: str = "spec") -> list[Finding]:
-    """Every rule of ``level`` that the pod (``spec``, and the AppArmor annotations in ``metadata``) breaks."""
+    """Every rule of ``level`` that the pod (``spec``, and the AppArmor annotations in ``metadata``) breaks.
+
+    ``baseline`` refuses what lets a pod escape its container: ``hostProcess``, ``hostNetwork``,
+    ``hostPID``, ``hostIPC``; ``privileged`` containers; capabilities added outside
+    :data:`BASELINE_CAPABILITIES`; ``hostPath`` volumes, ``hostPort`` s, probe and lifecycle handlers
+    with a ``host``; AppArmor other than ``RuntimeDefault``/``Localhost``, SELinux types outside
+    :data:`SELINUX_TYPES` or any SELinux user/role, ``procMount`` other than ``Default``, seccomp
+    ``Unconfined``, sysctls outside :data:`SAFE_SYSCTLS`. ``restricted`` adds: only the volume types
+    in :data:`RESTRICTED_VOLUMES`, ``allowPrivilegeEscalation: false``, ``runAsNonRoot: true`` and
+    no ``runAsUser: 0``, seccomp ``RuntimeDefault``/``Localhost``, and capabilities ``drop: [ALL]``
+    with nothing added but ``NET_BIND_SERVICE``.
+    """
     if level not in LEVELS:
         raise ValueError(f"Pod Security level {level!r}: expected one of {', '.join(LEVELS)}")
     if level == "privileged":

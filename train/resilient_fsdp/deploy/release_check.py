@@ -1,35 +1,11 @@
 """The chart's ``helm test`` check: can this release's pods train, before they spend GPU hours?
 
 Run in a Pod with the training pods' image, user, volumes and placement
-(``templates/tests/release-check.yaml``)::
-
-    python -m resilient_fsdp.deploy.release_check --shared-dir /fsx \\
-        --check-dir /fsx/runs/job/checkpoints --rdzv-host job-node-0-0.job --rdzv-port 29400 \\
-        [--gpus 8 --efa 32] [--memlock]
-
-Each check prints one line, ``ok`` or ``FAIL`` with what was found and what to change; the exit
-code is 1 when any failed:
-
-- **shared volume**: the checkpoint directory (created if missing, as the trainer would) takes a
-  file from this process's user: written, synced, read back and removed. A new FSx for Lustre
-  file system's root belongs to root, and a pod running as UID 10001 cannot write there: the
-  failure names both fixes, ``storage.prepare`` and ``pod.securityContext.runAsUser``.
-- **GPUs** / **EFA**, only when requested: the device nodes the NVIDIA and EFA device plugins
-  give a pod (``/dev/nvidiaN``, ``/dev/infiniband/uverbsN``) number at least what was requested.
-- **memlock**, where the training pods use EFA (``--memlock``): the container's locked-memory limit
-  (``ulimit -l``) is unlimited. EFA registers its buffers as locked memory; the limit is the node's
-  container runtime's to give (containerd's ``LimitMEMLOCK``), and no pod setting raises it.
-- **rendezvous host**: the name every agent passes to ``--rdzv-endpoint`` resolves. It resolves
-  once the job's first pod exists, so the check keeps trying for ``--rdzv-timeout`` seconds.
-- **inputs** (``--input KEY=PATH``, one per trainer path the values set): the prepared data of
-  ``data.path`` (``tokens.bin`` and ``tokens.json``, or a flat ``.bin``), the ``config.json`` of
-  ``model.hf_config`` and the safetensors files of ``model.init_from`` exist and this user can read
-  them. ``transformers`` writes weights owner-only (0600) and the pods run as another user, so a
-  copy that works for whoever made it can fail every rank at start. An ``s3://`` ``data.path`` is
-  the trainer's to check (its bucket's access is the pods' role's).
-
-Standard library, ``resilient_fsdp.atomic`` and the trainer's own shared-volume message
-(:mod:`resilient_fsdp.checkpoint.shared_volume`, torch-free) only: it runs in the trainer image
+(``templates/tests/release-check.yaml``): ``python -m resilient_fsdp.deploy.release_check
+--shared-dir /fsx --check-dir DIR --rdzv-host HOST --rdzv-port PORT [--gpus N --efa N] [--memlock]``.
+Each ``check_*`` prints one line, ``ok`` or ``FAIL`` with what was found and what to change; the
+exit code is 1 when any failed. Standard library, ``resilient_fsdp.atomic`` and
+:mod:`resilient_fsdp.checkpoint.shared_volume` (torch-free) only: it runs in the trainer image
 without touching torch or CUDA.
 """
 
@@ -98,7 +74,12 @@ def check_memlock(required: bool, limits: Callable[[int], tuple[int, int]] = res
 
 
 def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
-    """The checkpoint directory is on the shared volume and this user can create it and write there."""
+    """The checkpoint directory is on the shared volume and this user can create it and write there.
+
+    A file from this process's user is written, synced, read back and removed. A new FSx for Lustre
+    file system's root belongs to root, and a pod running as UID 10001 cannot write there: the
+    failure names both fixes, ``storage.prepare`` and ``pod.securityContext.runAsUser``.
+    """
     name = "shared volume"
     who = f"uid {os.getuid()} gid {os.getgid()}"
     shared, target = Path(shared_dir), Path(check_dir)
@@ -145,7 +126,11 @@ def _count(directory: Path, pattern: str) -> int:
 
 
 def check_devices(name: str, requested: int, directory: Path, pattern: str, plugin: str) -> Result:
-    """At least ``requested`` device nodes matching ``pattern`` in ``directory``; skipped when none requested."""
+    """At least ``requested`` device nodes matching ``pattern`` in ``directory``; skipped when none requested.
+
+    The device nodes the NVIDIA and EFA device plugins give a pod: ``/dev/nvidiaN``,
+    ``/dev/infiniband/uverbsN``.
+    """
     if requested <= 0:
         return Result(name, True, "not requested (skipped)")
     found = _count(directory, pattern)
@@ -159,7 +144,11 @@ def check_devices(name: str, requested: int, directory: Path, pattern: str, plug
 def check_rendezvous_host(host: str, port: int, timeout_s: float, interval_s: float = 5.0,
                           resolve: Callable = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic,
                           sleep: Callable[[float], None] = time.sleep) -> Result:
-    """``host`` resolves within ``timeout_s`` seconds (tried every ``interval_s``)."""
+    """``host`` resolves within ``timeout_s`` seconds (tried every ``interval_s``).
+
+    The name every agent passes to ``--rdzv-endpoint`` resolves once the job's first pod exists,
+    hence the retries.
+    """
     name = "rendezvous host"
     deadline = clock() + timeout_s
     while True:
@@ -186,7 +175,13 @@ INPUTS = {
 
 
 def check_input(key: str, value: str) -> Result:
-    """``value`` (trainer key ``key``) exists and this process's user can read what it names."""
+    """``value`` (trainer key ``key``) exists and this process's user can read what it names.
+
+    The prepared data of ``data.path``, the ``config.json`` of ``model.hf_config``, the safetensors
+    of ``model.init_from``. ``transformers`` writes weights owner-only (0600) and the pods run as
+    another user, so a copy that works for whoever made it can fail every rank at start. An
+    ``s3://`` ``data.path`` is the trainer's to check (its bucket's access is the pods' role's).
+    """
     name = f"input {key}"
     if value.startswith("s3://"):
         return Result(name, True, f"{value}: in S3, checked by the trainer at start")

@@ -1,17 +1,11 @@
 """A committed checkpoint as a Hugging Face model directory (``checkpoints export``).
 
-The model's tensors are read from the DCP checkpoint a group at a time (each group one
-safetensors file of at most ``max_shard_bytes``, so the workstation holds one file's worth, not
-the model) and written with ``safetensors``, with ``model.safetensors.index.json`` when there are
-several, the ``config.json`` and the tokenizer files the run trained with. What it writes:
-
-- the built-in model: ``LlamaForCausalLM`` (:mod:`.names`);
-- a ``model.hf_config`` model: its own architecture and names, its ``config.json``;
-- a custom factory's model: its state dict under its own names, no ``config.json``.
-
-The directory appears whole or not at all: it is written beside its final name
-(``<out>.partial-<id>``, which the next export to ``<out>`` removes if a kill left it) and renamed.
-An existing directory is never replaced.
+The tensors are read from the DCP checkpoint a group at a time, each group one safetensors file
+of at most ``max_shard_bytes`` (so the workstation holds one file's worth, not the model), with the
+``config.json`` and tokenizer files the run trained with. The built-in model becomes
+``LlamaForCausalLM`` (:mod:`.names`), a ``model.hf_config`` model keeps its own names, a custom
+factory's its state dict's. The directory appears whole or not at all: written beside its final
+name and renamed; an existing one is never replaced. ``resilient-fsdp checkpoints export`` runs it.
 """
 
 from __future__ import annotations

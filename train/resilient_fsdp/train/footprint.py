@@ -1,17 +1,11 @@
 """What a rank's process holds at the start of an attempt: its threads, open descriptors, TCP
-connections and child processes, and the helper threads a failed attempt left blocked on a
-group past its abort (``helpers_blocked``: gloo never wakes a message posted on a pair that its
-abort's shutdown did not reach; each holds its group, whose threads and sockets count in the other
-figures, until the group's timeout).
+connections, child processes and blocked helper threads (:data:`FIGURES`).
 
 A process that outlives its attempts (an in-process restart re-enters training in it) must hold
-as much at its tenth start as at its second: a group, a thread or a connection an aborted attempt
-left behind grows with every restart, for the life of the job. Every rank measures at the same
-point of each start (built and resumed, before its first step); rank 0 records every rank's
-figures in the ``start`` event (``footprint``: one list per figure, by rank), where the tests
-and the campaign compare them across restarts. A rank whose threads outnumber its previous
-restart's says which ones (:func:`grown`), and so does one whose open descriptors do, so a leak
-names its owner in the log.
+as much at its tenth start as at its second: what an aborted attempt left behind would grow with
+every restart. Every rank measures at the same point of each start (:func:`gather`); rank 0
+records the figures in the ``start`` event, where the tests and the campaign compare them, and a
+rank whose threads or descriptors grew names them (:func:`grown`). The trainer calls it.
 """
 
 from __future__ import annotations
@@ -28,6 +22,9 @@ import torch.distributed as dist
 
 from ..resilience import nvrx
 
+# helpers_blocked: a failed attempt's helper threads still blocked on a group past its abort (gloo
+# never wakes a message posted on a pair the abort's shutdown did not reach); each holds its group,
+# whose threads and sockets count in the other figures, until the group's timeout.
 FIGURES = ("threads", "open_files", "tcp_connections", "child_processes", "helpers_blocked")
 
 

@@ -1,18 +1,11 @@
 """A rank's process ends without the interpreter's finalization.
 
-Once a rank has closed what it owns (the process group, the checkpoint writer, the uploads, the
-metrics log), what remains of a normal exit is the interpreter tearing down torch's modules and
-freeing every object one by one: about a second of CPU for one rank alone, and 2.3-2.9 s when the
-four ranks of a 2-core node end together. The launcher sees a failed rank only once its process
-has ended, so that time is added to every in-job restart, and to the end of every run.
-
-:func:`run_and_exit` does what the interpreter does up to finalization, in its order (threading's
-shutdown callbacks, then the non-daemon threads joined; ``atexit`` handlers; the standard streams
-flushed; an uncaught exception printed by ``sys.excepthook``, the hook torch.distributed prefixes
-with the rank), then ends the process with ``os._exit``. Nothing the rank writes is lost: its
-files are closed by their owners before ``main`` returns, and the metrics log is line-buffered.
-A thread that never ends (blocked on a peer whose pod froze) holds the exit at most
-:data:`EXIT_GRACE_S`, then the process ends anyway and names it.
+Once a rank has closed what it owns, the interpreter's teardown of torch's modules costs about a
+second of CPU a rank (2.3-2.9 s when four ranks of a 2-core node end together), and the launcher
+sees a failed rank only once its process has ended: that time would be added to every in-job
+restart. :func:`run_and_exit` ends the process with ``os._exit`` after what a normal exit does
+before finalization; a thread that never ends holds it at most :data:`EXIT_GRACE_S`. The trainer's
+``__main__`` uses it.
 """
 
 from __future__ import annotations
@@ -27,7 +20,11 @@ ExitCode = Union[int, str, None]
 
 
 def run_and_exit(main: Callable[[], ExitCode]) -> NoReturn:
-    """Run ``main`` and end the process with its exit code, as ``sys.exit(main())`` would."""
+    """Run ``main`` and end the process with its exit code, as ``sys.exit(main())`` would: what the
+    interpreter does up to finalization, in its order (threading's shutdown, ``atexit``, the
+    streams flushed, an uncaught exception through ``sys.excepthook``), then ``os._exit``. Nothing
+    written is lost: owners close their files before ``main`` returns; the metrics log is
+    line-buffered."""
     try:
         code = exit_status(main())
     except SystemExit as stop:

@@ -1,25 +1,13 @@
 """``python -m resilient_fsdp.bench.gpu.check``: the CUDA path, measured in one call on one GPU.
 
-Run through ``scripts/gpu-check`` (which first installs the wheels the machine lacks). Sections:
-
-1. ``throughput``: steps/s and MFU of the ``1b`` preset, bf16 compute, FSDP2 on one GPU;
-2. ``checkpoint``: every checkpoint engine on that state (``sync``, NVRx ``async`` and
-   ``torch-async``, torch DCP's ``async_save`` in process and thread mode): the time inside the
-   save, the wait before ``optimizer.step()``, the stall, the time until committed and the step
-   time while the write runs; then the ``8b`` preset the same way if it fits the machine;
-3. ``in_process``: an injected exception recovered by in-process restart on NCCL;
-4. ``in_job``: a rank killed (SIGKILL) and respawned by ``ft_launcher``;
-5. ``exact_resume``: a run stopped and resumed against one that never stopped.
-
-Each section runs in its own process under its own time budget, inside a budget for the whole
-check: a section that fails or overruns is recorded with its error (and killed) and the next one
-runs, so one CUDA or NCCL problem costs one section, not the call. ``gpu-check.json`` and
-``gpu-check.md`` in ``--out`` are rewritten after every section, so whatever finished comes back
-even if the call itself is cut short.
-
-``--cpu --tiny`` rehearses the same sections on CPU (gloo, the ``tiny`` preset, few steps) and
-skips only what needs CUDA, saying why in the report. The parent process uses the standard
-library alone, so it can report a missing package instead of dying on the import.
+Run through ``scripts/gpu-check`` (which first installs the wheels the machine lacks). The
+sections (:data:`RUN_ORDER`, titled in :data:`TITLES`): throughput and MFU, every checkpoint
+engine, in-process and in-job restarts, exact resume, node-local checkpoints. Each runs in its
+own process under its own budget (:data:`BUDGET_S`) inside the whole check's
+(:func:`run_section`); ``gpu-check.json`` and ``gpu-check.md`` in ``--out`` are rewritten after
+every section, so whatever finished comes back even if the call is cut short. ``--cpu --tiny``
+rehearses the sections on CPU and skips only what needs CUDA, saying why. The parent uses the
+standard library alone, so it can report a missing package instead of dying on the import.
 """
 
 from __future__ import annotations
@@ -107,7 +95,11 @@ def sweep_descendants() -> int:
 
 
 def run_section(name: str, args: argparse.Namespace, work: Path, timeout: float, log: Path) -> dict:
-    """One section in a child process; its result file, or what is known when it failed."""
+    """One section in a child process; its result file, or what is known when it failed.
+
+    A section that fails or overruns is recorded with its error (and killed) and the next one runs,
+    so one CUDA or NCCL problem costs one section, not the call.
+    """
     result_file = work / f"{name}.json"
     result_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "resilient_fsdp.bench.gpu.check", "--section", name, "--work-dir", str(work),

@@ -1,20 +1,10 @@
 """NVRx's node-local checkpoints (``checkpointing.local``: ``LocalCheckpointManager`` and
 ``BasicTensorAwareStateDict``, saved asynchronously through ``AsyncCallsQueue``), driven as NVRx's
 documentation drives them, on this rank's shards of the same FSDP2 state the memory tier saves:
-one side of the GPU check's comparison (:mod:`.local_checkpoints`). It implements the measuring
-loop's saver interface (:class:`~..checkpoint_engines.Saver`), so both are timed by one loop.
-
-What NVRx does, and so what is measured: the save call replicates (when a strategy is given),
-copies every tensor to the host without pinning and synchronises the device before it returns;
-a forked process ``torch.save``\\ s the copy; finalizing (every rank: an all-gather of the
-checkpoints each holds) renames it complete and removes older ones. The load reads the newest
-complete one with ``torch.load`` and moves it back to the device.
-
-On CPU (the rehearsal) two stand-ins, named in the section's results: ``BasicTensorAwareStateDict``
-asserts CUDA tensors, so the shards are wrapped in a subclass whose host copy is a clone (the
-device-to-host copy's stand-in: a CPU tensor's ``.to("cpu")`` is the live tensor itself) and whose
-restore leaves them on the host; NVRx's caller synchronises the device first, a no-op under
-:func:`~...checkpoint.writer.worker.cpu_shim`.
+one side of the GPU check's comparison (:mod:`.local_checkpoints`). :class:`LocalManagerSaver`
+implements the measuring loop's saver interface (:class:`~..checkpoint_engines.Saver`), so both
+are timed by one loop. On CPU (the rehearsal) two stand-ins are used, named in the section's
+results (:data:`CPU_STAND_INS`).
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ CPU_STAND_INS = ("BasicTensorAwareStateDict asserts CUDA tensors: on CPU the sha
 
 
 class HostStateDict(BasicTensorAwareStateDict):
-    """The CPU rehearsal's stand-in for ``BasicTensorAwareStateDict`` (module docstring); at module
+    """The CPU rehearsal's stand-in for ``BasicTensorAwareStateDict`` (:data:`CPU_STAND_INS`); at module
     level, since ``torch.save`` pickles it by name and ``torch.load`` finds it again."""
 
     def __init__(self, state_dict: dict):
@@ -56,7 +46,13 @@ class HostStateDict(BasicTensorAwareStateDict):
 
 class LocalManagerSaver(Saver):
     """``LocalCheckpointManager`` under ``root``, its saves asynchronous (a forked writer per save,
-    NVRx's ``persistent=False`` caller), one rank's shards of ``trainer``'s state."""
+    NVRx's ``persistent=False`` caller), one rank's shards of ``trainer``'s state.
+
+    What NVRx does, and so what is measured: the save call replicates (given a strategy), copies
+    every tensor to the host without pinning and synchronises the device; a forked process
+    ``torch.save``\\ s the copy; finalizing (an all-gather) renames it complete and removes older
+    ones. The load reads the newest complete one and moves it back to the device.
+    """
 
     def __init__(self, trainer: Any, root: Path):
         self.state = trainer.checkpointer.state

@@ -1,23 +1,12 @@
-"""The infrastructure faults a rank asks the local cluster for: ``node-loss`` and ``partition``.
+"""The infrastructure faults a rank asks the local cluster for: ``node-loss``, ``partition``,
+``node-freeze``.
 
-A rank cannot take its own pod's network down, nor kill its pod the way a lost machine dies
-(everything at once, the agent hosting the rendezvous store included). When such a fault fires,
-the rank writes a request, atomically, to ``<run_dir>/faults/requests/<kind>-step<S>-node<N>.json``
-(``{"kind", "node", "step", "for_s", "rank", "time"}``; the trainer finds the folder through
-``RESILIENT_FSDP_FAULT_REQUESTS``, which the local cluster sets in every pod). The launcher polls the
-folder, and :class:`FaultExecutor` carries each request out:
-
-- ``node-loss``: every process of pod N is killed at once (``Runtime.kill``); the workload
-  controller then sees the pod fail and recreates it with the same name;
-- ``partition``: pod N's link goes down, for ``for_s`` seconds or for good (netns only);
-- ``node-freeze``: pod N's node stops reporting: its link goes down and every process in it is
-  stopped, closing no connection, and the pod stays as it is (a real controller sees it running,
-  then Terminating). After ``for_s`` seconds its node is deleted (node auto-repair, or the
-  ``node.kubernetes.io/out-of-service`` taint): its processes are killed and, as after a
-  ``node-loss``, the workload controller recreates it (netns only).
-
-A request carried out is renamed ``<name>.done``; one that could not be is renamed ``<name>.failed``
-with the reason printed. Whether a fault fires at all, once per job, is the trainer's ledger.
+A rank cannot take its own pod's network down, nor kill its pod the way a lost machine dies.
+When such a fault fires, the rank writes a request to ``<run_dir>/faults/requests/``
+(``RESILIENT_FSDP_FAULT_REQUESTS`` names the folder in every pod); the launcher
+(:mod:`.launcher`) polls it, and :class:`FaultExecutor` carries each request out on the pod's
+runtime, then renames it ``<name>.done`` (or ``<name>.failed``, the reason printed). Whether a
+fault fires at all, once per job, is the trainer's ledger.
 """
 
 from __future__ import annotations
@@ -70,6 +59,10 @@ class FaultExecutor:
         return done
 
     def execute(self, request: dict) -> dict:
+        """Carry out one request: ``node-loss`` kills every process of pod N at once (as a lost
+        machine dies; its controller recreates it); ``partition`` takes its link down for
+        ``for_s`` seconds or for good; ``node-freeze`` takes its link down and stops its processes,
+        and after ``for_s`` deletes its node, as node auto-repair would (netns only, both)."""
         kind, node = request["kind"], int(request["node"])
         if kind not in KINDS:
             raise ValueError(f"unknown infrastructure fault {kind!r} (the local cluster carries out {', '.join(KINDS)})")

@@ -1,24 +1,12 @@
 """``resilient-fsdp local``: the rendered chart's job on one machine, pods and controller included.
 
-The job is what ``helm install`` would create (:mod:`resilient_fsdp.local.manifests` reads it from
-the rendered manifests); this module plays the parts of the cluster around it:
-
-- the **kubelet**: each pod's container runs its rendered ``command`` + ``args`` with its ``env``
-  and volumes (:mod:`resilient_fsdp.local.runtime`: a network namespace per pod, or plain
-  processes on loopback); its output goes to the console with a ``[node<N>/local<L>]`` prefix
-  and in full to ``logs/node<N>.log``; a pod given a start delay (``--pod-start-delay``) is
-  first started that long after the others, as a pod whose image a fresh node still pulls;
-- the **workload controller**: it injects the variables the operator injects, and applies the
-  rendered restart policy when a pod ends (PyTorchJob ``ExitCode``: 128-255 recreates the pod
-  with the same name, 1-127 fails the job; ``backoffLimit`` as training-operator v1.9.4 applies
-  it). A local safety cap (``max_recreations``, not an operator feature) ends a job that would
-  otherwise recreate pods forever;
-- the **infrastructure faults** a rank asks for (``node-loss``, ``partition``): a rank writes a
-  request to ``<run_dir>/faults/requests/``; :class:`FaultExecutor` kills the pod's every process
-  or cuts its link, and marks the request ``.done``.
-
-The rendezvous store is served by pod 0's agent, as on the cluster. No orphans: the launcher is a
-child subreaper, and the close kills every process of every pod.
+The job is what ``helm install`` would create (:mod:`resilient_fsdp.local.manifests` reads it);
+this module plays the cluster around it: the **kubelet** (each pod's container run with its
+``command``, ``env`` and volumes by a :mod:`resilient_fsdp.local.runtime`, its output prefixed on
+the console and saved in ``logs/node<N>.log``), the **workload controller** (the operator's
+variables and the rendered restart policy; ``max_recreations`` is a local safety cap, not an
+operator feature) and the **infrastructure faults** a rank asks for (:mod:`.fault_requests`).
+No orphans: the launcher is a child subreaper, and the close kills every process of every pod.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """The JobSet reader of the local cluster: its pods, and the restart rules of its Jobs and itself.
 
-After JobSet v0.12.0 (``jobset.x-k8s.io/v1alpha2``) and the batch/v1 Job controller:
-
-- each replicated Job ``<jobset>-<rjob>-<j>`` (``replicas`` of them) runs ``completions`` pods in
-  Indexed mode; pod ``p``'s hostname is ``<jobset>-<rjob>-<j>-<p>``, under the headless Service
-  ``<subdomain>`` (default: the JobSet's name), so ``<hostname>.<subdomain>`` resolves; the Job
-  controller adds ``JOB_COMPLETION_INDEX``; JobSet itself injects no variables;
-- a failed pod goes through its Job's ``podFailurePolicy`` rules in order (``Ignore`` on the
-  ``DisruptionTarget`` condition a pod lost with its node gets; ``FailJob`` on exit codes ``In``
-  / ``NotIn`` a list; ``Count``); a counted failure past ``backoffLimit`` fails the Job
-  (``BackoffLimitExceeded``), ``FailJob`` fails it with ``PodFailurePolicy``; otherwise the Job
-  creates the pod again, with the same hostname;
-- a failed Job goes through the JobSet's ``failurePolicy.rules`` in order (the first whose
-  ``onJobFailureReasons`` is empty or names the reason): ``FailJobSet`` fails the JobSet,
-  ``RestartJobSet`` recreates every pod of every Job (counting towards ``maxRestarts``; past it the
-  JobSet fails with ``ReachedMaxRestarts``), ``RestartJobSetAndIgnoreMaxRestarts`` without
-  counting; no rule matching means ``RestartJobSet``; no ``failurePolicy`` fails the JobSet at the
-  first failed Job (``FailedJobs``);
-- the JobSet succeeds when every Job has (``successPolicy`` All, the default).
+After JobSet v0.12.0 (``jobset.x-k8s.io/v1alpha2``) and the batch/v1 Job controller: each
+replicated Job runs ``completions`` pods in Indexed mode with stable hostnames under the headless
+Service; a failed pod goes through its Job's ``podFailurePolicy`` rules, a failed Job through the
+JobSet's ``failurePolicy.rules`` (:meth:`JobSetPolicy.on_failure`), and the JobSet succeeds when
+every Job has. The local launcher (:mod:`resilient_fsdp.local.cluster.launcher`) applies it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """A container's runtime identity and limits, as the kubelet and a container runtime derive them.
 
 :func:`security_of` merges the pod's ``securityContext`` with the container's (the container's
-field wins, as the API documents for the fields both carry) into a :class:`Security`: the user and
-groups the process runs as, the capabilities it keeps, ``no_new_privs``, a read-only root. Nothing
-here starts a process; the netns runtime hands the result to the pod-side setup, which applies it
-last, after the mounts.
-
-The runtime defaults modelled are containerd's (runc's) for a non-privileged container:
-
-- capabilities: the 14 of containerd's ``defaultUnixCaps`` (the same list as Docker's default),
-  before the container's ``drop`` (``ALL`` drops them all) and ``add``;
-- user: the image's, which here is whoever runs the local cluster (root) unless ``runAsUser``;
-- ``nofile``: the launcher's ``--nofile``, default ``1024:524288``: systemd's default since v240,
-  which containers started by a containerd unit without ``LimitNOFILE`` inherit
-  (containerd/containerd#8924, containerd 2.0); the hard part is capped at the launcher's own
-  where it lacks CAP_SYS_RESOURCE. EKS AMIs have shipped higher limits
-  (awslabs/amazon-eks-ami#1551), so a job must not rely on more than the soft 1024.
+field wins) into a :class:`Security`: the user and groups, the capabilities kept,
+``no_new_privs``, a read-only root, the ``nofile`` limit. The defaults modelled are containerd's
+(runc's) for a non-privileged container, each beside its constant. Nothing here starts a
+process; the netns runtime hands the result to the pod-side setup, which applies it last.
 """
 
 from __future__ import annotations
@@ -40,6 +29,9 @@ CAPABILITIES = {
 # containerd pkg/oci defaultUnixCaps: what a non-privileged container starts with.
 RUNTIME_DEFAULT_CAPS = ("CHOWN", "DAC_OVERRIDE", "FSETID", "FOWNER", "MKNOD", "NET_RAW", "SETGID", "SETUID",
                         "SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL", "AUDIT_WRITE")
+# systemd's default since v240, which containers of a containerd unit without LimitNOFILE inherit
+# (containerd/containerd#8924). EKS AMIs have shipped higher limits (awslabs/amazon-eks-ami#1551),
+# so a job must not rely on more than the soft 1024.
 DEFAULT_NOFILE = (1024, 524288)
 # Fields the local cluster applies; the others (seccompProfile, seLinuxOptions, ...) are accepted
 # and not applied (docs/local-runs.md).

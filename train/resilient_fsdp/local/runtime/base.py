@@ -1,34 +1,9 @@
 """Where the local cluster's pods run, as the launcher sees it: what both isolation modes share.
 
 A pod runs as a network namespace (``netns``) or as processes on loopback. :class:`Runtime` is
-the interface the launcher uses and the part the two modes share: each starts a
-pod's container as rendered (:class:`~resilient_fsdp.local.manifests.spec.PodSpec`), kills every
-process of a pod at once, and gives each pod what its volumes promise:
-
-============================  =====================================  ===============================
-rendered                      ``netns`` (root)                       ``loopback`` (anyone)
-============================  =====================================  ===============================
-pod hostname, Service names   UTS hostname; the run's cluster DNS    mapped to 127.0.0.<index+1> in
-                              (resolv.conf), a kubelet's /etc/hosts  args and env (``PET_LOCAL_ADDR``)
-ConfigMap volume              files under ``<run_dir>/cluster``,     the same files; the mount path
-                              bind-mounted read-only (items,         in args and env is rewritten to
-                              subPath)                               where they are
-the shared claim (PVC)        the run directory, bind-mounted        the run directory, rendered as
-                                                                     the mount path itself
-``emptyDir``                  a fresh directory per pod start        a fresh directory per pod start
-                              (``medium: Memory``: a tmpfs)          (``/tmp``: ``TMPDIR``)
-node loss                     every process in the pod's namespace   every process carrying the
-                                                                     pod's mark in its environment
-partition                     the pod's veth goes down               refused
-node freeze                   veth down, every process SIGSTOPped    refused
-============================  =====================================  ===============================
-
-The image is this machine's Python environment: ``python`` is this interpreter, ``PYTHONPATH``
-is kept, and PYTHONPATH entries a pod volume would hide (``/tmp``) are bound read-only at the same
-path. In netns mode each container runs as its security context says (user, groups, fsGroup on
-the volumes the kubelet manages, read-only root, capabilities) with the container runtime's
-``nofile`` limit, after its pod's init containers (:mod:`.netns_pods.podinit`); loopback applies
-none of that. Resources, probes and scheduling fields are not applied.
+the interface the launcher (:mod:`resilient_fsdp.local.cluster.launcher`) uses and the part the
+two modes share; its docstring compares what each mode gives a pod. The image is this machine's
+Python environment. Resources, probes and scheduling fields are not applied.
 """
 
 from __future__ import annotations
@@ -51,7 +26,35 @@ pod's processes, re-parented ones included."""
 
 
 class Runtime:
-    """What both isolation modes share: the volumes' host side and the pod's environment."""
+    """What both isolation modes share: the volumes' host side and the pod's environment. Each
+    mode starts a pod's container as rendered, kills every process of a pod at once, and gives
+    each pod what its volumes promise:
+
+    ============================  =====================================  ===============================
+    rendered                      ``netns`` (root)                       ``loopback`` (anyone)
+    ============================  =====================================  ===============================
+    pod hostname, Service names   UTS hostname; the run's cluster DNS    mapped to 127.0.0.<index+1> in
+                                  (resolv.conf), a kubelet's /etc/hosts  args and env (``PET_LOCAL_ADDR``)
+    ConfigMap volume              files under ``<run_dir>/cluster``,     the same files; the mount path
+                                  bind-mounted read-only (items,         in args and env is rewritten to
+                                  subPath)                               where they are
+    the shared claim (PVC)        the run directory, bind-mounted        the run directory, rendered as
+                                                                         the mount path itself
+    ``emptyDir``                  a fresh directory per pod start        a fresh directory per pod start
+                                  (``medium: Memory``: a tmpfs)          (``/tmp``: ``TMPDIR``)
+    node loss                     every process in the pod's namespace   every process carrying the
+                                                                         pod's mark in its environment
+    partition                     the pod's veth goes down               refused
+    node freeze                   veth down, every process SIGSTOPped    refused
+    ============================  =====================================  ===============================
+
+    The image is this machine's Python environment: ``python`` is this interpreter, ``PYTHONPATH``
+    is kept, and PYTHONPATH entries a pod volume would hide (``/tmp``) are bound read-only at the same
+    path. In netns mode each container runs as its security context says (user, groups, fsGroup on
+    the volumes the kubelet manages, read-only root, capabilities) with the container runtime's
+    ``nofile`` limit, after its pod's init containers (:mod:`.netns_pods.podinit`); loopback applies
+    none of that. Resources, probes and scheduling fields are not applied.
+    """
 
     mode = ""
 

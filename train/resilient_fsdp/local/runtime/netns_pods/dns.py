@@ -1,18 +1,10 @@
 """The local run's cluster DNS: a name server for the pods, as CoreDNS is on a cluster.
 
-``ClusterDNS`` answers, over UDP, from the names one ``PodNetwork`` knows and nothing else:
-
-- ``A`` for every pod hostname and alias (case-insensitive; a name ending in a dot is the same
-  name), ``PTR`` for every pod address under ``in-addr.arpa`` (glibc asks there for an IPv4-mapped
-  ``::ffff:<ip>`` too, e.g. when a dual-stack server such as c10d's TCPStore names its peers);
-- an empty answer (NODATA) for any other type of a known name (``AAAA``: the pods have no IPv6);
-- ``NXDOMAIN`` for every other name, and ``NOTIMP`` for anything but a query.
-
-It never forwards a query: pods resolve each other and nothing else, as their traffic reaches
-nothing outside their /24. The server is a daemon thread of the process that owns the run; its
-socket is made inside the run's DNS namespace (``plumbing.dns_netns_name``), so it listens at an
-address on the pods' bridge while the host itself keeps no address there. ``set_records``
-replaces the names at once; ``close`` stops the thread. A killed owner takes the socket with it.
+:class:`ClusterDNS` answers, over UDP, from the names one ``PodNetwork`` knows and nothing else:
+``A`` for every pod hostname and alias, ``PTR`` for every pod address, an empty answer for other
+types of a known name (the pods have no IPv6), ``NXDOMAIN`` for other names. It never forwards:
+pods resolve each other and nothing else. It is a daemon thread of the process that owns the
+run, its socket made inside the run's DNS namespace (:mod:`.network` starts it).
 """
 
 from __future__ import annotations

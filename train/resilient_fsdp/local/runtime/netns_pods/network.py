@@ -1,35 +1,12 @@
 """Kubernetes pods simulated on one machine: ``PodNetwork`` (one local run) and its ``NetnsPod``s.
 
-A ``PodNetwork`` owns a Linux bridge and, per pod, a network namespace joined to the bridge by a
-veth pair, with an address in the run's own /24 of 10.0.0.0/8. The bridge has no address on the
-host and nothing forwards or NATs: the host has no route into the /24 and the pods have no route
-out of it (their only route is the /24 itself), so pods reach each other and nothing else.
-
-Names resolve as on a cluster. One more namespace on the bridge, the run's DNS namespace, holds
-the last address of the /24, where the run's name server (``dns.ClusterDNS``, a thread of the
-process that owns the network) answers for every pod hostname and alias and for the pods'
-addresses (reverse lookups), and for nothing else. A port of the host's loopback a run is given
-(``forward_host_port``: a local S3-API server) is relayed from each pod's own loopback
-(``host_ports``), the one way out of a pod, to that port alone. Every pod's ``/etc/resolv.conf`` names that
-server with a pod's search path (``<namespace>.svc.cluster.local svc.cluster.local
-cluster.local``, ``ndots:5``); its ``/etc/hosts`` is the kubelet's: localhost and the pod's own
-names only, so other pods' names come from DNS.
-
-Each process a pod runs gets its own UTS and mount namespaces on top of the pod's network
-namespace: the pod's hostname, those two files, and bind mounts (see ``podinit``). Names and
-stale-run cleanup are in ``plumbing``, state files in ``run_state``, cleanup at exit and on
-signals in ``exit_cleanup``.
-
-Typical use::
-
-    cleanup_stale()                      # done by PodNetwork() too, unless reap_stale=False
-    with PodNetwork() as net:
-        restore = exit_cleanup.install_signal_cleanup([net])
-        master = net.add_pod("myjob-master-0", aliases=["myjob-master-0.myjob.default.svc"])
-        worker = net.add_pod("myjob-worker-0")
-        proc = master.spawn(["python", "-m", "resilient_fsdp.train"], ro_mounts={cfg: "/etc/app/config.yaml"})
-        worker.kill_all()                # node loss
-        worker.partition_for(30)         # network partition
+A ``PodNetwork`` owns a Linux bridge and, per pod, a network namespace joined to it by a veth
+pair, with an address in the run's own /24; nothing forwards or NATs, so pods reach each other
+and nothing else, except a host port relayed into every pod (``forward_host_port``). Names
+resolve as on a cluster: the run's name server (:mod:`.dns`), a pod's search path and the
+kubelet's ``/etc/hosts``. Each process a pod runs gets its own UTS and mount namespaces
+(:mod:`.podinit`). Names and stale-run cleanup are in :mod:`.plumbing`, state files in
+``run_state``, cleanup at exit in ``exit_cleanup``. The netns runtime uses it.
 """
 
 from __future__ import annotations
@@ -262,6 +239,17 @@ class PodNetwork:
 
     Raises:
         NetnsError: naming the failed step and its fix; nothing is left behind then.
+
+    Typical use::
+
+        cleanup_stale()                      # done by PodNetwork() too, unless reap_stale=False
+        with PodNetwork() as net:
+            restore = exit_cleanup.install_signal_cleanup([net])
+            master = net.add_pod("myjob-master-0", aliases=["myjob-master-0.myjob.default.svc"])
+            worker = net.add_pod("myjob-worker-0")
+            proc = master.spawn(["python", "-m", "resilient_fsdp.train"], ro_mounts={cfg: "/etc/app/config.yaml"})
+            worker.kill_all()                # node loss
+            worker.partition_for(30)         # network partition
     """
 
     def __init__(self, run_id: str | None = None, *, namespace: str = "default", reap_stale: bool = True):

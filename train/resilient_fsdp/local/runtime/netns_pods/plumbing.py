@@ -1,19 +1,10 @@
 """Linux plumbing for local pods: names, subnets, process kills, teardown, stale-run cleanup.
 
-Every resource a run creates carries ``PREFIX`` and the run id:
-
-- the bridge ``rfn<id>-br`` and the host ends of the pods' veth pairs ``rfn<id>-v<index>``;
-- the network namespaces ``rfn<id>-<pod hostname>`` (the pod ends of the veths live inside them,
-  named ``eth0``, so they never appear among the host's links);
-- the run's DNS namespace ``rfn<id>--dns`` (no pod hostname starts with ``-``), where the pods'
-  name server listens, joined to the bridge by the veth ``rfn<id>-dns``.
-
-Each run also has a state file and a temp directory (``run_state``). ``cleanup_stale()`` removes
-what runs whose owner is gone left behind, by those records and by a prefix scan. Nothing without
-the prefix is ever touched.
-
-Only the ``ip`` (iproute2) and ``unshare`` (util-linux) commands are used: Python 3.11 has no
-``os.setns``/``os.unshare``.
+Every resource a run creates carries :data:`PREFIX` and the run id (:func:`bridge_name`,
+:func:`veth_name`, :func:`netns_name`, :func:`dns_netns_name`); ``cleanup_stale()`` removes what
+runs whose owner is gone left behind, by their state files and by a prefix scan, and nothing
+without the prefix is ever touched. Only the ``ip`` (iproute2) and ``unshare`` (util-linux)
+commands are used: Python 3.11 has no ``os.setns``/``os.unshare``.
 """
 
 from __future__ import annotations
@@ -118,6 +109,7 @@ def bridge_name(run_id: str) -> str:
 
 
 def veth_name(run_id: str, index: int) -> str:
+    # The host end; the pod end lives in the pod's namespace as eth0, never among the host's links.
     return f"{PREFIX}{run_id}-v{index}"
 
 
@@ -126,7 +118,7 @@ def netns_name(run_id: str, hostname: str) -> str:
 
 
 def dns_netns_name(run_id: str) -> str:
-    return f"{PREFIX}{run_id}--dns"
+    return f"{PREFIX}{run_id}--dns"  # no pod hostname starts with "-"
 
 
 def dns_veth_name(run_id: str) -> str:

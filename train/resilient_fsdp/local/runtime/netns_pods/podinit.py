@@ -1,42 +1,13 @@
 """Pod-side setup: sets the hostname and the mounts inside a pod, then execs the pod's command.
 
-``NetnsPod.spawn`` runs this file between ``unshare`` and the command; every step of the chain execs
-the next, so the pid ``Popen`` returns is the command's own::
-
-    ip netns exec rfn<id>-<host>   joins the pod's network namespace (ip also unshares a mount
-                                   namespace, makes / a slave and mounts a sysfs for that netns)
-    unshare --uts --mount --propagation private
-                                   own hostname; own mounts, none of which reach the host
-    python -I -S podinit.py SPEC -- COMMAND...
-                                   this file: hostname; then each init container in a child
-                                   with a mount namespace of its own, in order, each waited
-                                   for; then the trainer container's bind mounts (/etc/hosts and
-                                   /etc/resolv.conf among them) and tmpfs mounts, cwd; then,
-                                   last, what a container runtime applies (below); then exec
-    COMMAND...
-
-What a container runtime applies, after the mounts, for each container (``security`` in SPEC,
-:class:`resilient_fsdp.local.manifests.security.Security`): the ``nofile`` limit; a read-only
-root (every mount but the container's writable volumes and /proc, /sys, /dev remounted
-read-only, in this mount namespace only); the capability bounding set (dropped capabilities
-cannot come back; a non-root user starts with none effective); the supplementary groups, group
-and user; ``no_new_privs``. Directories a non-root user could not traverse to reach the image
-(``traverse``: this machine's interpreter under a 0700 /root) get a private copy whose mode adds
-search permission, as an image installs its Python readable by every user.
+``NetnsPod.spawn`` runs this file between ``unshare`` and the command (:func:`main` shows the
+chain): the hostname, each init container in order, the container's mounts, then what a container
+runtime applies (:func:`become`), then exec. A mount point whose parent is missing is made
+without writing to the host (:class:`Layers`).
 
 It runs by path with ``-I -S`` and imports only the standard library, so the pod's environment
 (PYTHONPATH, a venv) cannot change it. Exit status 125 means the setup failed (the reason is on
 stderr); 126 and 127 mean the command could not be executed or was not found.
-
-A mount point whose parent is missing (``/checkpoints``, ``/etc/resilient-fsdp/config.yaml``) is
-made without writing to the host: the deepest existing ancestor is shadowed by a tmpfs holding a
-bind mount of each of its entries, plus the new directories. Unlike an overlay with that ancestor
-as lowerdir, the binds keep the mounts beneath it and keep writes to existing paths reaching the
-host. The root itself cannot be mounted over for this process (a process keeps its old root), so
-for a missing top-level directory the pod gets a new root built that way, entered with chroot.
-A shadowed directory's own entry list is a snapshot: entries the pod creates directly in it stay
-in the pod's tmpfs, and entries the host adds to it later do not appear in the pod (everything
-below those entries is the host's, live).
 """
 
 import ctypes
@@ -152,7 +123,18 @@ def split_existing(path):
 class Layers:
     """Private copies of existing directories (a tmpfs holding a bind of each entry) on the
     stage directory, each moved over its original: where a missing mount point can be made, or
-    a directory's mode changed, without touching the host."""
+    a directory's mode changed, without touching the host.
+
+    A mount point whose parent is missing (``/checkpoints``, ``/etc/resilient-fsdp/config.yaml``) is
+    made without writing to the host: the deepest existing ancestor is shadowed by a tmpfs holding a
+    bind mount of each of its entries, plus the new directories. Unlike an overlay with that ancestor
+    as lowerdir, the binds keep the mounts beneath it and keep writes to existing paths reaching the
+    host. The root itself cannot be mounted over for this process (a process keeps its old root), so
+    for a missing top-level directory the pod gets a new root built that way, entered with chroot.
+    A shadowed directory's own entry list is a snapshot: entries the pod creates directly in it stay
+    in the pod's tmpfs, and entries the host adds to it later do not appear in the pod (everything
+    below those entries is the host's, live).
+    """
 
     def __init__(self, stage, ours):
         self.stage, self.ours, self.scratch, self.count = stage, ours, None, 0
@@ -178,7 +160,9 @@ class Layers:
 
 
 def make_traversable(spec):
-    """Search permission for every user on the ``traverse`` directories (shallowest first)."""
+    """Search permission for every user on the ``traverse`` directories (shallowest first): a
+    private copy whose mode adds it, as an image installs its Python readable by every user (this
+    machine's interpreter may sit under a 0700 /root)."""
     layers = Layers(spec["stage"], set())
     for path in sorted(spec.get("traverse") or [], key=lambda p: p.count("/")):
         search = stat.S_IXGRP | stat.S_IXOTH  # group too: a user in the owner's group is judged by it
@@ -282,7 +266,8 @@ def prctl(option, arg2=0):
 def become(security, nofile):
     """Last, after the mounts: the ``nofile`` limit, the capability bounding set, no inheritable
     or ambient capabilities, the groups and the user; ``no_new_privs``. For root, exec makes the
-    bounding set the effective one; another user starts with no capabilities."""
+    bounding set the effective one; another user starts with no capabilities. Dropped capabilities
+    cannot come back."""
     if nofile:
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, tuple(nofile))
@@ -345,6 +330,21 @@ def exec_command(spec, command, env=None, what=""):
 
 
 def main(argv):
+    """``NetnsPod.spawn`` runs this file between ``unshare`` and the command; every step of the chain execs
+    the next, so the pid ``Popen`` returns is the command's own::
+
+        ip netns exec rfn<id>-<host>   joins the pod's network namespace (ip also unshares a mount
+                                       namespace, makes / a slave and mounts a sysfs for that netns)
+        unshare --uts --mount --propagation private
+                                       own hostname; own mounts, none of which reach the host
+        python -I -S podinit.py SPEC -- COMMAND...
+                                       this file: hostname; then each init container in a child
+                                       with a mount namespace of its own, in order, each waited
+                                       for; then the trainer container's bind mounts (/etc/hosts and
+                                       /etc/resolv.conf among them) and tmpfs mounts, cwd; then,
+                                       last, what a container runtime applies (:func:`become`); then exec
+        COMMAND...
+    """
     spec = json.loads(argv[1])
     command = argv[3:]  # argv[2] is "--"
     try:
