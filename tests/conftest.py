@@ -32,6 +32,7 @@ def no_test_processes_outlive_their_test():
 # compares a faulty run with it (bitwise). Numerics do not depend on the NVRx version or on how
 # pods are isolated, so these 0.4.1 runs are the reference of every lane.
 
+
 @pytest.fixture(scope="session")
 def reference_2x2(tmp_path_factory):
     """2 pods x 2 ranks: final parameters and the loss curve."""
@@ -60,8 +61,10 @@ def nvrx_lane() -> Path:
     lane = os.environ.get("RESILIENT_FSDP_NVRX_LANE")
     if lane and (Path(lane) / "nvidia_resiliency_ext").is_dir():
         return Path(lane)
-    message = ("RESILIENT_FSDP_NVRX_LANE is not set up: run the suite through ./scripts/test, which "
-               "prepares the NVRx lane named in constraints-image.txt")
+    message = (
+        "RESILIENT_FSDP_NVRX_LANE is not set up: run the suite through ./scripts/test, which "
+        "prepares the NVRx lane named in constraints-image.txt"
+    )
     if os.environ.get("CI"):
         pytest.fail(message)  # in CI a missing lane is a failure, never a silent skip
     pytest.skip(message)
@@ -72,8 +75,10 @@ def nvrx07_lane(nvrx_lane) -> Path:
     """The lane with what 0.7's restart paths import (httpx, grpcio, protobuf), for the fault tests."""
     missing = [m for m in ("httpx", "grpc", "google/protobuf") if not (nvrx_lane / m).is_dir()]
     if missing:
-        message = (f"the NVRx lane {nvrx_lane} lacks {', '.join(missing)}: it was prepared by an older "
-                   "scripts/lib/venv.sh; ./scripts/test prepares it again")
+        message = (
+            f"the NVRx lane {nvrx_lane} lacks {', '.join(missing)}: it was prepared by an older "
+            "scripts/lib/venv.sh; ./scripts/test prepares it again"
+        )
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
@@ -81,6 +86,7 @@ def nvrx07_lane(nvrx_lane) -> Path:
 
 
 # ---- the S3 tier's tests: moto's standalone server, a real S3 API over HTTP on loopback ----------
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):

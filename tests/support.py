@@ -50,38 +50,69 @@ def _env(pythonpath: list[Path] | None = None, mark: Path | None = None, extra: 
     return env
 
 
-def run_local(run_dir: Path, nodes: int = 1, nproc: int = 2, overrides: list[str] | None = None,
-              pythonpath: list[Path] | None = None, timeout: float = 240, extra: list[str] | None = None,
-              env: dict | None = None, isolation: str | None = None,
-              open_files: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
+def run_local(
+    run_dir: Path,
+    nodes: int = 1,
+    nproc: int = 2,
+    overrides: list[str] | None = None,
+    pythonpath: list[Path] | None = None,
+    timeout: float = 240,
+    extra: list[str] | None = None,
+    env: dict | None = None,
+    isolation: str | None = None,
+    open_files: tuple[int, int] | None = None,
+) -> subprocess.CompletedProcess:
     """``resilient-fsdp local`` as a user runs it (the dev-cpu values, each pod a network namespace
     when root); returns the finished process (output captured). ``open_files``: as for
     :func:`run_guarded`."""
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={nodes}", f"--nproc-per-node={nproc}",
-           f"--run-dir={run_dir}", *([f"--isolation={isolation}"] if isolation else []), *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.cli",
+        "local",
+        f"--nodes={nodes}",
+        f"--nproc-per-node={nproc}",
+        f"--run-dir={run_dir}",
+        *([f"--isolation={isolation}"] if isolation else []),
+        *(extra or []),
+    ]
     for o in FAST + (overrides or []):
         cmd += ["--set", o]
     return run_guarded(cmd, run_dir, pythonpath, timeout, env, open_files=open_files)
 
 
-def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, timeout: float,
-                env: dict | None = None, file_size_limit: int | None = None,
-                open_files: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
+def run_guarded(
+    cmd: list[str],
+    run_dir: Path,
+    pythonpath: list[Path] | None,
+    timeout: float,
+    env: dict | None = None,
+    file_size_limit: int | None = None,
+    open_files: tuple[int, int] | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``cmd`` to completion; on timeout kill it and everything it started, then fail.
 
     ``file_size_limit`` (bytes) caps every file the processes write (RLIMIT_FSIZE): writes past
     it fail with EFBIG, as they would with ENOSPC on a full disk. ``open_files``: the (soft, hard)
     ``nofile`` limit (RLIMIT_NOFILE) every process started inherits, as a container runtime sets it.
     """
+
     def limit() -> None:
         if file_size_limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
         if open_files is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, open_files)
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(pythonpath, run_dir, env), cwd=REPO, start_new_session=True,
-                            preexec_fn=limit)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(pythonpath, run_dir, env),
+        cwd=REPO,
+        start_new_session=True,
+        preexec_fn=limit,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -91,13 +122,21 @@ def run_guarded(cmd: list[str], run_dir: Path, pythonpath: list[Path] | None, ti
             except psutil.NoSuchProcess:
                 pass
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
+        pytest.fail(
+            f"timed out after {timeout} s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_trainer(run_dir: Path, overrides: list[str] | None = None, pythonpath: list[Path] | None = None,
-                timeout: float = 120, env: dict | None = None, file_size_limit: int | None = None,
-                open_files: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
+def run_trainer(
+    run_dir: Path,
+    overrides: list[str] | None = None,
+    pythonpath: list[Path] | None = None,
+    timeout: float = 120,
+    env: dict | None = None,
+    file_size_limit: int | None = None,
+    open_files: tuple[int, int] | None = None,
+) -> subprocess.CompletedProcess:
     """One trainer process without a launcher (a world of one)."""
     cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir)]
     for o in FAST + (overrides or []):
@@ -185,8 +224,10 @@ def netns_required() -> None:
     ok, reason = available()
     if ok:
         return
-    message = (f"local pods (network namespaces) are not available here: {reason}; run the suite as root "
-               "(sudo ./scripts/test, or a container with CAP_NET_ADMIN and CAP_SYS_ADMIN) to include it")
+    message = (
+        f"local pods (network namespaces) are not available here: {reason}; run the suite as root "
+        "(sudo ./scripts/test, or a container with CAP_NET_ADMIN and CAP_SYS_ADMIN) to include it"
+    )
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
@@ -202,12 +243,22 @@ def write_module(directory: Path, name: str, source: str) -> Path:
 
 # Throwaway credentials for the local server; no shared config or instance metadata is consulted,
 # so nothing here can reach AWS.
-FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-            "AWS_EC2_METADATA_DISABLED": "true"}
+FAKE_AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": "/nonexistent",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 # Short timeouts and backoffs, so outages are noticed in seconds.
-S3_FAST = ["checkpoint.s3.connect_timeout_s=1", "checkpoint.s3.read_timeout_s=2", "checkpoint.s3.max_attempts=2",
-           "checkpoint.s3.retry_backoff_s=0.5", "checkpoint.s3.retry_backoff_max_s=2"]
+S3_FAST = [
+    "checkpoint.s3.connect_timeout_s=1",
+    "checkpoint.s3.read_timeout_s=2",
+    "checkpoint.s3.max_attempts=2",
+    "checkpoint.s3.retry_backoff_s=0.5",
+    "checkpoint.s3.retry_backoff_max_s=2",
+]
 
 
 class S3Sandbox:

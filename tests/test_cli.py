@@ -39,14 +39,14 @@ BAD_INPUTS = [
     (["train", "--inject", "explode@5"], "unknown fault kind 'explode'"),
     # the chart's values
     (["render", "--set", "train.steps=300"], "--set trainer.train.steps=300"),
-    (["render", "--set-json", "model.preset=\"1b\""], "--set-json trainer.model.preset"),
+    (["render", "--set-json", 'model.preset="1b"'], "--set-json trainer.model.preset"),
     (["render", "--set", "nodez=2"], "did you mean 'nodes'"),
     (["render", "--set", "efa.enabledd=true"], "did you mean 'efa.enabled'"),
     (["render", "--set", "nodes=0"], "nodes: got 0; allowed: 1 or more"),
-    (["render", "--set", "image.tag=latest"], "image.tag: got \"latest\"; allowed: anything but \"latest\""),
+    (["render", "--set", "image.tag=latest"], 'image.tag: got "latest"; allowed: anything but "latest"'),
     (["render", "--set", "workload.kind=PytorchJob"], "did you mean 'PyTorchJob'"),
-    (["render", "--set", "spares=yes"], "spares: got \"yes\" (text); allowed: a whole number"),
-    (["render", "--set", "chaos.inject={explode@5}"], "chaos.inject[0]: got \"explode@5\""),
+    (["render", "--set", "spares=yes"], 'spares: got "yes" (text); allowed: a whole number'),
+    (["render", "--set", "chaos.inject={explode@5}"], 'chaos.inject[0]: got "explode@5"'),
     (["render", "--set", "noequals"], "--set 'noequals'"),
     (["render", "--set-json", "nodes=[bad"], "--set-json"),
     (["render", "-f", "{tmp}/missing.yaml"], "-f {tmp}/missing.yaml"),
@@ -99,10 +99,23 @@ BAD_INPUTS = [
     (["checkpoints", "list", "--dir", "{tmp}"], "unrecognized arguments: --dir"),
     # data
     (["data", "prepare", "--input", "{tmp}/x.jsonl", "--tokenizer", "t.json", "--out", "s3://b/p"], "--out"),
-    (["data", "prepare", "--input", "{tmp}/x.jsonl", "--tokenizer", "{tmp}/missing-tok.json", "--out", "{tmp}/tok"],
-     "--tokenizer"),
-    (["data", "prepare", "--input", "{tmp}/missing.jsonl", "--tokenizer", "{tmp}/missing-tok.json",
-      "--out", "{tmp}/tokens"], "missing"),
+    (
+        ["data", "prepare", "--input", "{tmp}/x.jsonl", "--tokenizer", "{tmp}/missing-tok.json", "--out", "{tmp}/tok"],
+        "--tokenizer",
+    ),
+    (
+        [
+            "data",
+            "prepare",
+            "--input",
+            "{tmp}/missing.jsonl",
+            "--tokenizer",
+            "{tmp}/missing-tok.json",
+            "--out",
+            "{tmp}/tokens",
+        ],
+        "missing",
+    ),
     # local
     (["local"], "--run-dir"),
     ([*LOCAL, "--nodes", "abc"], "--nodes"),
@@ -190,8 +203,19 @@ COMMANDS = list(_commands(cli.build_parser(), []))
 
 def test_every_command_is_walked():
     names = {" ".join(c) for c in COMMANDS}
-    assert {"local", "render", "validate", "advise", "report", "simulate", "bench scale", "checkpoints pull",
-            "data prepare", "config", "train"} <= names
+    assert {
+        "local",
+        "render",
+        "validate",
+        "advise",
+        "report",
+        "simulate",
+        "bench scale",
+        "checkpoints pull",
+        "data prepare",
+        "config",
+        "train",
+    } <= names
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c) or "(top)" for c in COMMANDS])
@@ -212,6 +236,10 @@ def test_version_names_the_package_nvrx_torch_and_the_chart(capsys):
 
 
 def test_the_installed_command_exits_2_without_a_traceback():
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "abc"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "abc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--nodes 'abc'" in proc.stderr and "Traceback" not in proc.stderr

@@ -29,15 +29,29 @@ import pytest
 
 from tests.support import REPO
 
-PAGES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md"), REPO / "charts" / "resilient-fsdp" / "README.md",
-                REPO / "images" / "custom-model" / "README.md"])
+PAGES = sorted(
+    [
+        REPO / "README.md",
+        *(REPO / "docs").glob("*.md"),
+        REPO / "charts" / "resilient-fsdp" / "README.md",
+        REPO / "images" / "custom-model" / "README.md",
+    ]
+)
 OURS = ("resilient-fsdp ", "./scripts/", "scripts/", "python -m resilient_fsdp", "helm install ", "helm test ")
 MY_CLUSTER = REPO / "values" / "examples" / "my-cluster.yaml"
 # Run as shown: quick, and they touch nothing outside their output.
 RUNS_HERE = {"render", "validate", "advise", "config", "simulate"}
 # Placeholders the pages write for what the reader fills in.
-PLACEHOLDERS = {"runs/demo-…": "{run_dir}", "mine.yaml": str(MY_CLUSTER), "FILE": "{tmp}/file", "KIND": "JobSet",
-                "k=v": "train.steps=1", "job.yaml": "{tmp}/job.yaml", "DIR": "{tmp}/dir", "N": "1"}
+PLACEHOLDERS = {
+    "runs/demo-…": "{run_dir}",
+    "mine.yaml": str(MY_CLUSTER),
+    "FILE": "{tmp}/file",
+    "KIND": "JobSet",
+    "k=v": "train.steps=1",
+    "job.yaml": "{tmp}/job.yaml",
+    "DIR": "{tmp}/dir",
+    "N": "1",
+}
 
 
 @dataclass(frozen=True)
@@ -106,8 +120,20 @@ def test_a_command_the_docs_show_runs_or_renders_as_shown(shown, tmp_path):
     (tmp_path / "file").write_text("{}\n")
     (tmp_path / "job.yaml").write_text("checkpoint:\n  dir: " + str(tmp_path / "ckpt") + "\n")
     if words[0] in ("./scripts/demo", "scripts/demo"):
-        _check_local(["--nodes", "2", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
-                      "--set", "train.steps=100", *words[1:]], shown)
+        _check_local(
+            [
+                "--nodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--set",
+                "train.steps=100",
+                *words[1:],
+            ],
+            shown,
+        )
     elif words[0].startswith(("./scripts/", "scripts/")):
         script = REPO / words[0].removeprefix("./")
         assert script.is_file() and os.access(script, os.X_OK), f"{shown}: no executable {script}"
@@ -144,13 +170,13 @@ def _check_resilient_fsdp(argv: list[str], shown: Shown, tmp: Path) -> None:
         _check_local(argv[1:], shown)
     elif args.command in RUNS_HERE:
         # Outputs go to the test's directory, never into the checkout.
-        argv = [str(tmp / Path(a).name) if n and argv[n - 1] in ("--out", "--plot") else a
-                for n, a in enumerate(argv)]
+        argv = [str(tmp / Path(a).name) if n and argv[n - 1] in ("--out", "--plot") else a for n, a in enumerate(argv)]
         if args.command == "simulate":  # the page's many runs make its table; two show it runs
             argv = [a for n, a in enumerate(argv) if a != "--runs" and (n == 0 or argv[n - 1] != "--runs")]
             argv += ["--runs", "2"]
-        proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", *argv], capture_output=True, text=True,
-                              cwd=REPO, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "resilient_fsdp.cli", *argv], capture_output=True, text=True, cwd=REPO, timeout=300
+        )
         expected = 2 if "presett" in shown.text else 0  # docs/config.md shows the error a typo gives
         assert proc.returncode == expected, f"{shown}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
 
@@ -198,8 +224,9 @@ def _check_helm_install(words: list[str], shown: Shown) -> None:
         if flag == "--timeout":
             assert re.fullmatch(r"\d+[smh]", value), f"{shown}: --timeout {value}"
             continue
-        (files if flag == "-f" else sets).append(value if flag == "--set" else REPO / value if not
-                                                  value.startswith("/") else value)
+        (files if flag == "-f" else sets).append(
+            value if flag == "--set" else REPO / value if not value.startswith("/") else value
+        )
     sets = [s.replace("<account>", "123456789012") for s in sets]
     rendered = chart.render(chart.load_values(files, sets), release=release)
     # A job's release has its config; a storage-only one (storage.only=true) its claim.
@@ -231,7 +258,9 @@ def test_the_pages_show_commands_of_every_kind():
     texts = [s.text for s in shown_commands()]
     assert "./scripts/demo" in texts
     assert any(t.startswith("resilient-fsdp advise") for t in texts)
-    assert any(t.startswith("helm install") for t in texts) and any(t.startswith("resilient-fsdp render") for t in texts)
+    assert any(t.startswith("helm install") for t in texts) and any(
+        t.startswith("resilient-fsdp render") for t in texts
+    )
     assert any(t.startswith("./scripts/demo --") for t in texts)
 
 
@@ -239,8 +268,13 @@ def test_the_error_docs_config_shows_is_the_one_a_typo_gives():
     text = (REPO / "docs" / "config.md").read_text()
     block = re.search(r"```\n\$ (resilient-fsdp local [^\n]*presett[^\n]*)\n(.*?)```", text, re.S)
     assert block, "docs/config.md shows a typo's error"
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", *shlex.split(block[1])[1:]],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.cli", *shlex.split(block[1])[1:]],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr == block[2], proc.stderr
 
 
@@ -253,7 +287,10 @@ def test_every_test_the_docs_cite_exists():
             for path, name in re.findall(r"`(?:tests/)?([a-z_]+/test_[a-z0-9_]+\.py)::(test_[a-z0-9_]+)", raw):
                 cited.append((f"{page.relative_to(REPO)}:{number}", path, name))
     assert len(cited) > 10
-    missing = [f"{where}: tests/{path}::{name}" for where, path, name in cited
-               if not (REPO / "tests" / path).is_file()
-               or not re.search(rf"^def {name}\(", (REPO / "tests" / path).read_text(), re.M)]
+    missing = [
+        f"{where}: tests/{path}::{name}"
+        for where, path, name in cited
+        if not (REPO / "tests" / path).is_file()
+        or not re.search(rf"^def {name}\(", (REPO / "tests" / path).read_text(), re.M)
+    ]
     assert missing == [], "the docs cite tests that do not exist:\n" + "\n".join(missing)

@@ -31,8 +31,11 @@ def test_the_readme_starts_with_the_demo_then_the_tests():
 
 
 def test_ci_runs_the_readmes_commands_in_its_order():
-    commands = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
-                if line.strip() and not line.strip().startswith("#") and "scripts/" in line]
+    commands = [
+        line.strip()
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.strip().startswith("#") and "scripts/" in line
+    ]
     assert [c.removeprefix("exec ").strip() for c in commands] == readme_commands()
 
 
@@ -99,10 +102,12 @@ def test_the_demo_installs_every_package_resilient_fsdp_local_imports():
     installed = distributions_of(demo_extra())
     # What the installed distributions bring along (helm-python-sdk's own imports and the like)
     # is theirs to declare; only what this package imports must be declared by it.
-    missing = {dist: where for dist, where in needed.items() if dist not in installed
-               and not _required_by(dist, installed)}
-    assert missing == {}, (f"scripts/demo installs .[{demo_extra()}], which lacks what `resilient-fsdp local` "
-                           f"imports: {missing}")
+    missing = {
+        dist: where for dist, where in needed.items() if dist not in installed and not _required_by(dist, installed)
+    }
+    assert missing == {}, (
+        f"scripts/demo installs .[{demo_extra()}], which lacks what `resilient-fsdp local` imports: {missing}"
+    )
     assert "helm-python-sdk" in installed  # local renders the chart
 
 
@@ -134,14 +139,16 @@ def test_the_venv_helpers_cover_table_matches_pyprojects_extras():
 
 def test_an_install_without_the_chart_extra_names_it(tmp_path):
     """A command that needs a missing extra says which and how, and exits 2."""
-    code = ("import sys, builtins\n"
-            "real = builtins.__import__\n"
-            "def refuse(name, *a, **k):\n"
-            "    if name.split('.')[0] == 'helm_python': raise ImportError(name)\n"
-            "    return real(name, *a, **k)\n"
-            "builtins.__import__ = refuse\n"
-            "from resilient_fsdp.cli import main\n"
-            f"sys.exit(main(['local', '--run-dir', {str(tmp_path / 'run')!r}]))\n")
+    code = (
+        "import sys, builtins\n"
+        "real = builtins.__import__\n"
+        "def refuse(name, *a, **k):\n"
+        "    if name.split('.')[0] == 'helm_python': raise ImportError(name)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = refuse\n"
+        "from resilient_fsdp.cli import main\n"
+        f"sys.exit(main(['local', '--run-dir', {str(tmp_path / 'run')!r}]))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2
     assert "the chart commands need the `chart` extra: pip install -c constraints.txt -e '.[chart]'" in proc.stderr

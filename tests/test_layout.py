@@ -22,21 +22,48 @@ from tests.support import REPO
 
 PACKAGE = REPO / "train" / "resilient_fsdp"
 # What runs in a pod, and what it may never import.
-POD_SIDE = ("resilient_fsdp.config", "resilient_fsdp.atomic", "resilient_fsdp.train", "resilient_fsdp.data",
-            "resilient_fsdp.hf", "resilient_fsdp.checkpoint", "resilient_fsdp.resilience")
-NOT_IN_PODS = ("resilient_fsdp.local", "resilient_fsdp.deploy", "resilient_fsdp.bench", "resilient_fsdp.goodput",
-               "resilient_fsdp.cli")
+POD_SIDE = (
+    "resilient_fsdp.config",
+    "resilient_fsdp.atomic",
+    "resilient_fsdp.train",
+    "resilient_fsdp.data",
+    "resilient_fsdp.hf",
+    "resilient_fsdp.checkpoint",
+    "resilient_fsdp.resilience",
+)
+NOT_IN_PODS = (
+    "resilient_fsdp.local",
+    "resilient_fsdp.deploy",
+    "resilient_fsdp.bench",
+    "resilient_fsdp.goodput",
+    "resilient_fsdp.cli",
+)
 # The only modules that import nvidia_resiliency_ext or adapt to it, each named for what it wraps.
-NVRX_MODULES = {"resilient_fsdp.checkpoint.writer.process", "resilient_fsdp.checkpoint.writer.worker",
-                "resilient_fsdp.checkpoint.writer.dcp_plan", "resilient_fsdp.resilience.nvrx",
-                "resilient_fsdp.resilience.inprocess", "resilient_fsdp.resilience.rank_monitor",
-                "resilient_fsdp.bench.gpu.nvrx_local", "resilient_fsdp.resilience.straggler_detector"}
+NVRX_MODULES = {
+    "resilient_fsdp.checkpoint.writer.process",
+    "resilient_fsdp.checkpoint.writer.worker",
+    "resilient_fsdp.checkpoint.writer.dcp_plan",
+    "resilient_fsdp.resilience.nvrx",
+    "resilient_fsdp.resilience.inprocess",
+    "resilient_fsdp.resilience.rank_monitor",
+    "resilient_fsdp.bench.gpu.nvrx_local",
+    "resilient_fsdp.resilience.straggler_detector",
+}
 # Names that only code adapting to NVRx's internals has reason to use: its CPU-only worker mode,
 # its local (CUDA-free) polling, its 0.7 health checks, its private queue and worker handles, its
 # plan cache's fields.
-NVRX_INTERNALS = {"cpu_shm_mode", "no_dist", "restart_health_check", "_async_calls_queue", "persistent_caller",
-                  "_set_calculated_timeouts", "cached_central_plan", "cached_local_plan", "cached_global_metadata",
-                  "validated_cache_reuse"}
+NVRX_INTERNALS = {
+    "cpu_shm_mode",
+    "no_dist",
+    "restart_health_check",
+    "_async_calls_queue",
+    "persistent_caller",
+    "_set_calculated_timeouts",
+    "cached_central_plan",
+    "cached_local_plan",
+    "cached_global_metadata",
+    "validated_cache_reuse",
+}
 # Calls that replace, rename or flush files: only the atomic-write helper makes them.
 FILE_COMMIT_CALLS = {("os", "replace"), ("os", "rename"), ("os", "fsync"), ("os", "link"), ("shutil", "move")}
 TOP_LEVEL = {"__init__", "atomic", "cli"}
@@ -69,7 +96,7 @@ def resolve(importer: str, level: int, module: str | None) -> str:
     base = importer.split(".")
     if not is_package(importer):
         base = base[:-1]
-    base = base[:len(base) - (level - 1)] if level > 1 else base
+    base = base[: len(base) - (level - 1)] if level > 1 else base
     return ".".join(base + ([module] if module else []))
 
 
@@ -93,8 +120,9 @@ def imported(name: str) -> list[tuple[str, int]]:
 def _literal_import(node: ast.Call) -> bool:
     """``importlib.import_module("...")`` or ``__import__("...")`` with a literal name."""
     fn = node.func
-    named = (isinstance(fn, ast.Attribute) and fn.attr == "import_module") or \
-        (isinstance(fn, ast.Name) and fn.id in ("import_module", "__import__"))
+    named = (isinstance(fn, ast.Attribute) and fn.attr == "import_module") or (
+        isinstance(fn, ast.Name) and fn.id in ("import_module", "__import__")
+    )
     return named and bool(node.args) and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
 
 
@@ -179,28 +207,45 @@ def test_config_and_atomic_import_nothing_of_the_package():
     for name in modules():
         if not under(name, ("resilient_fsdp.config", "resilient_fsdp.atomic")):
             continue
-        mine = [f"line {line}: {m}" for m, line in imported(name) if ours(m) and not under(m, ("resilient_fsdp.config",))]
+        mine = [
+            f"line {line}: {m}" for m, line in imported(name) if ours(m) and not under(m, ("resilient_fsdp.config",))
+        ]
         assert mine == [], f"{name} imports {mine}"
 
 
 def test_the_pod_side_imports_nothing_of_the_workstation_simulator_or_measurements():
-    wrong = [f"{name} line {line}: {module}" for name in modules() if under(name, POD_SIDE)
-             for module, line in imported(name) if under(module, NOT_IN_PODS)]
+    wrong = [
+        f"{name} line {line}: {module}"
+        for name in modules()
+        if under(name, POD_SIDE)
+        for module, line in imported(name)
+        if under(module, NOT_IN_PODS)
+    ]
     assert wrong == [], "pod-side modules import:\n" + "\n".join(wrong)
 
 
 def test_the_checkpoint_package_imports_nothing_of_the_trainer():
     """The checkpoint layer sits below ``train/``: the trainer hands it what it needs (the batch a
     resume trains with, the summed votes), and no checkpoint module reaches back."""
-    wrong = [f"{name} line {line}: {module}" for name in modules() if under(name, ("resilient_fsdp.checkpoint",))
-             for module, line in imported(name) if under(module, ("resilient_fsdp.train",))]
+    wrong = [
+        f"{name} line {line}: {module}"
+        for name in modules()
+        if under(name, ("resilient_fsdp.checkpoint",))
+        for module, line in imported(name)
+        if under(module, ("resilient_fsdp.train",))
+    ]
     assert wrong == [], "checkpoint modules import train/:\n" + "\n".join(wrong)
 
 
 def test_nvrx_is_imported_only_by_the_modules_named_for_it():
     assert NVRX_MODULES <= set(modules()), "an allowlisted NVRx module is missing"
-    wrong = [f"{name} line {line}: {module}" for name in modules() if name not in NVRX_MODULES
-             for module, line in imported(name) if under(module, ("nvidia_resiliency_ext",))]
+    wrong = [
+        f"{name} line {line}: {module}"
+        for name in modules()
+        if name not in NVRX_MODULES
+        for module, line in imported(name)
+        if under(module, ("nvidia_resiliency_ext",))
+    ]
     assert wrong == [], "NVRx imported outside " + ", ".join(sorted(NVRX_MODULES)) + ":\n" + "\n".join(wrong)
 
 
@@ -210,11 +255,22 @@ def test_nvrx_internals_and_cpu_workarounds_stay_in_the_nvrx_modules():
         if name in NVRX_MODULES:
             continue
         # torch DCP's own single-process load takes a ``no_dist`` of its own: not NVRx's polling.
-        torchs = {id(k) for n in ast.walk(tree(name)) if isinstance(n, ast.Call) and ast.unparse(n.func) == "dcp.load"
-                  for k in n.keywords}
+        torchs = {
+            id(k)
+            for n in ast.walk(tree(name))
+            if isinstance(n, ast.Call) and ast.unparse(n.func) == "dcp.load"
+            for k in n.keywords
+        }
         for node in ast.walk(tree(name)):
-            used = (node.attr if isinstance(node, ast.Attribute) else node.arg if isinstance(node, ast.keyword)
-                    else node.id if isinstance(node, ast.Name) else None)
+            used = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.arg
+                if isinstance(node, ast.keyword)
+                else node.id
+                if isinstance(node, ast.Name)
+                else None
+            )
             if used in NVRX_INTERNALS and id(node) not in torchs:
                 wrong.append(f"{name} line {node.lineno if hasattr(node, 'lineno') else '?'}: {used}")
             # Patching torch.cuda (the CPU shim) is an NVRx workaround too.
@@ -243,9 +299,15 @@ def test_files_are_replaced_in_place_only_through_the_atomic_helper():
 def test_the_atomic_helper_is_what_the_writers_use():
     users = {name for name in modules() for module, _ in imported(name) if module == "resilient_fsdp.atomic"}
     # summary.json, the fault ledger, the GPU check's reports, the checkpoint commit, S3 downloads.
-    assert {"resilient_fsdp.train.resources", "resilient_fsdp.resilience.ledger", "resilient_fsdp.resilience.faults",
-            "resilient_fsdp.bench.gpu.check", "resilient_fsdp.bench.gpu.section", "resilient_fsdp.checkpoint.store",
-            "resilient_fsdp.checkpoint.s3.transfer"} <= users
+    assert {
+        "resilient_fsdp.train.resources",
+        "resilient_fsdp.resilience.ledger",
+        "resilient_fsdp.resilience.faults",
+        "resilient_fsdp.bench.gpu.check",
+        "resilient_fsdp.bench.gpu.section",
+        "resilient_fsdp.checkpoint.store",
+        "resilient_fsdp.checkpoint.s3.transfer",
+    } <= users
 
 
 def test_every_module_says_what_it_is():
@@ -261,8 +323,10 @@ def test_every_package_docstring_names_each_of_its_modules():
         if path.name != "__init__.py":
             continue
         doc = ast.get_docstring(tree(name)) or ""
-        children = sorted({p.stem for p in path.parent.glob("*.py") if p.stem not in ("__init__", "__main__")} |
-                          {p.parent.name for p in path.parent.glob("*/__init__.py")})
+        children = sorted(
+            {p.stem for p in path.parent.glob("*.py") if p.stem not in ("__init__", "__main__")}
+            | {p.parent.name for p in path.parent.glob("*/__init__.py")}
+        )
         unnamed += [f"{name}.{child}" for child in children if f"``{child}``" not in doc and f"``{child}/``" not in doc]
     assert unnamed == [], "name these in their package's docstring:\n" + "\n".join(unnamed)
 
@@ -271,8 +335,9 @@ def test_the_top_level_holds_only_the_command_atomic_writes_and_the_packages():
     files = {p.stem for p in PACKAGE.glob("*.py")}
     assert files == TOP_LEVEL, f"move {sorted(files - TOP_LEVEL)} into a subpackage"
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert packages == PACKAGES, f"top-level packages {sorted(packages)}; the layout (README, docs/tests.md) names "\
-                                 f"{sorted(PACKAGES)}"
+    assert packages == PACKAGES, (
+        f"top-level packages {sorted(packages)}; the layout (README, docs/tests.md) names {sorted(PACKAGES)}"
+    )
 
 
 def test_tests_mirror_the_package():
@@ -284,9 +349,17 @@ def test_tests_mirror_the_package():
 # ---- one source for the fault_tolerance: settings -----------------------------------------------
 
 # Every key of ft_config.yaml away from its default, a timeout switched off (null) included.
-FT_SETTINGS = {"hang_detection": {"init_timeout_s": 1200, "step_timeout_s": None, "checkpoint_timeout_s": 450.5,
-                                  "out_of_section_timeout_s": 700, "safety_factor": 3.5,
-                                  "termination_signal": "SIGTERM", "workload_check_interval_s": 2.5}}
+FT_SETTINGS = {
+    "hang_detection": {
+        "init_timeout_s": 1200,
+        "step_timeout_s": None,
+        "checkpoint_timeout_s": 450.5,
+        "out_of_section_timeout_s": 700,
+        "safety_factor": 3.5,
+        "termination_signal": "SIGTERM",
+        "workload_check_interval_s": 2.5,
+    }
+}
 
 
 @pytest.mark.parametrize("profile", ["dev-cpu", "p5-4node"])
@@ -299,7 +372,9 @@ def test_the_chart_and_the_local_launcher_write_the_same_fault_tolerance_setting
     from resilient_fsdp.resilience.ft_config import ft_config, write_ft_config
 
     profiles = REPO / "values"
-    files = [profiles / f"{profile}.yaml"] + ([] if profile == "dev-cpu" else [profiles / "examples" / "my-cluster.yaml"])
+    files = [profiles / f"{profile}.yaml"] + (
+        [] if profile == "dev-cpu" else [profiles / "examples" / "my-cluster.yaml"]
+    )
     values = chart.deep_merge(chart.load_values(files), {"trainer": {"resilience": settings}})
     rendered = chart.render(values)
     data = rendered.find("ConfigMap")["data"]
@@ -319,8 +394,14 @@ def test_module_headers_are_short():
     long = []
     for name, path in modules().items():
         lines = len((ast.get_docstring(tree(name)) or "").splitlines())
-        children = ({p.stem for p in path.parent.glob("*.py") if p.stem not in ("__init__", "__main__")} |
-                    {p.parent.name for p in path.parent.glob("*/__init__.py")}) if is_package(name) else set()
+        children = (
+            (
+                {p.stem for p in path.parent.glob("*.py") if p.stem not in ("__init__", "__main__")}
+                | {p.parent.name for p in path.parent.glob("*/__init__.py")}
+            )
+            if is_package(name)
+            else set()
+        )
         if lines > 13 + len(children):
             long.append(f"{name}: {lines} lines (at most {13 + len(children)})")
     assert long == [], "shorten these module docstrings:\n" + "\n".join(long)

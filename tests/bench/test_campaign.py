@@ -22,8 +22,10 @@ from resilient_fsdp.bench.campaign import CHECKS
 from tests.support import netns_required, run_guarded
 
 STEPS, INTERVAL, EVERY = 44, 4, 8
-KINDS = ("sigkill-during-save:rank=1,partition:node=1:for=20,node-loss:node=0,hang-in-collective:rank=2,"
-         "sigkill:rank=0,nan-loss:rank=0,node-loss:node=0")
+KINDS = (
+    "sigkill-during-save:rank=1,partition:node=1:for=20,node-loss:node=0,hang-in-collective:rank=2,"
+    "sigkill:rank=0,nan-loss:rank=0,node-loss:node=0"
+)
 # What the CI schedule must inject: every kind it lists.
 EXPECTED_KINDS = {"sigkill-during-save", "partition", "node-loss", "hang-in-collective", "sigkill", "nan-loss"}
 
@@ -33,8 +35,17 @@ def run_campaign(root: Path, lane: Path, arguments: list[str], timeout: float) -
     launch's output. On a timeout every process of the campaign (marked with root) is killed,
     then the test fails."""
     out = root / "results.json"
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "bench", "campaign", f"--run-dir={root / 'run'}",
-           "--isolation=netns", f"--out={out}", *arguments]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.cli",
+        "bench",
+        "campaign",
+        f"--run-dir={root / 'run'}",
+        "--isolation=netns",
+        f"--out={out}",
+        *arguments,
+    ]
     proc = run_guarded(cmd, root, [lane], timeout=timeout)
     assert out.exists(), proc.stdout[-6000:] + proc.stderr[-6000:]
     results = json.loads(out.read_text())
@@ -46,9 +57,18 @@ def run_campaign(root: Path, lane: Path, arguments: list[str], timeout: float) -
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory, nvrx07_lane):
     netns_required()
-    return run_campaign(tmp_path_factory.mktemp("campaign"), nvrx07_lane,
-                        [f"--steps={STEPS}", f"--interval-steps={INTERVAL}", f"--fault-every-steps={EVERY}",
-                         f"--kinds={KINDS}", "--leg-timeout-s=400"], timeout=1500)
+    return run_campaign(
+        tmp_path_factory.mktemp("campaign"),
+        nvrx07_lane,
+        [
+            f"--steps={STEPS}",
+            f"--interval-steps={INTERVAL}",
+            f"--fault-every-steps={EVERY}",
+            f"--kinds={KINDS}",
+            "--leg-timeout-s=400",
+        ],
+        timeout=1500,
+    )
 
 
 @pytest.mark.timeout(1600)
@@ -80,12 +100,13 @@ def test_the_ci_campaign_uploads_through_the_pods_relay(campaign):
 
 # In-process restart, the memory tier with replicas, a hot spare, HSDP in groups of 2 and the S3
 # tier, through kinds that each take another layer, repeated on rank 0 and on pod 0 (the store host).
-EVERYTHING = ["--in-process", "--memory-interval-steps=2", "--memory-replicas=1", "--spares=1",
-              "--shard-group-size=2"]
-EVERYTHING_KINDS = ("exception:rank=0,sigkill-during-save:rank=1,hang:rank=2,node-loss:node=0,exception:rank=0,"
-                    "sigkill-during-commit:rank=0,memory-corrupt:rank=3,sigkill:rank=0,sigkill-during-restore:rank=1,"
-                    "hang-in-collective:rank=1,sigkill-during-replication:rank=2,writer-raise:rank=2,"
-                    "node-loss:node=0,exception:rank=3,nan-loss:rank=1")
+EVERYTHING = ["--in-process", "--memory-interval-steps=2", "--memory-replicas=1", "--spares=1", "--shard-group-size=2"]
+EVERYTHING_KINDS = (
+    "exception:rank=0,sigkill-during-save:rank=1,hang:rank=2,node-loss:node=0,exception:rank=0,"
+    "sigkill-during-commit:rank=0,memory-corrupt:rank=3,sigkill:rank=0,sigkill-during-restore:rank=1,"
+    "hang-in-collective:rank=1,sigkill-during-replication:rank=2,writer-raise:rank=2,"
+    "node-loss:node=0,exception:rank=3,nan-loss:rank=1"
+)
 # Pods x ranks: one rank a pod, and two (the replicas then go to the other pod's rank).
 LAYOUTS = {"4x1": [], "2x2": ["--nodes=2", "--nproc-per-node=2"]}
 
@@ -93,10 +114,20 @@ LAYOUTS = {"4x1": [], "2x2": ["--nodes=2", "--nproc-per-node=2"]}
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def everything(request, tmp_path_factory, nvrx07_lane):
     netns_required()
-    return run_campaign(tmp_path_factory.mktemp(f"campaign-everything-{request.param}"), nvrx07_lane,
-                        ["--steps=64", f"--interval-steps={INTERVAL}", "--fault-every-steps=6",
-                         f"--kinds={EVERYTHING_KINDS}", "--leg-timeout-s=600", *EVERYTHING, *LAYOUTS[request.param]],
-                        timeout=2400)
+    return run_campaign(
+        tmp_path_factory.mktemp(f"campaign-everything-{request.param}"),
+        nvrx07_lane,
+        [
+            "--steps=64",
+            f"--interval-steps={INTERVAL}",
+            "--fault-every-steps=6",
+            f"--kinds={EVERYTHING_KINDS}",
+            "--leg-timeout-s=600",
+            *EVERYTHING,
+            *LAYOUTS[request.param],
+        ],
+        timeout=2400,
+    )
 
 
 @pytest.mark.extended
@@ -119,6 +150,7 @@ def test_with_every_feature_on_each_layer_recovers_and_every_fault_is_measured_a
 
 # ---- the schedule and the checks on synthetic inputs (no processes) -------------------------------
 
+
 def test_the_schedule_keeps_a_slot_for_a_kind_it_cannot_run_and_says_why():
     from resilient_fsdp.bench import campaign as c
 
@@ -127,10 +159,15 @@ def test_the_schedule_keeps_a_slot_for_a_kind_it_cannot_run_and_says_why():
     pods = {"main": 4, "rewind": 4, "shrink": 2, "regrow": 4}
     placed = c.place_faults(bounds, pods, ["partition:node=3:for=5", "sigkill:rank=3"], 8, "loopback")
     specs = [(f.spec, f.skipped is None) for leg in c.LEGS for f in placed[leg]]
-    assert specs == [("partition@2:node=3:for=5", False), ("sigkill@10:rank=3", True),
-                     ("partition@14:node=3:for=5", False), ("sigkill@22:rank=3", True),
-                     ("partition@30:node=1:for=5", False), ("sigkill@34:rank=3", True),
-                     ("partition@42:node=3:for=5", False)]
+    assert specs == [
+        ("partition@2:node=3:for=5", False),
+        ("sigkill@10:rank=3", True),
+        ("partition@14:node=3:for=5", False),
+        ("sigkill@22:rank=3", True),
+        ("partition@30:node=1:for=5", False),
+        ("sigkill@34:rank=3", True),
+        ("partition@42:node=3:for=5", False),
+    ]
     assert "network-namespace pods" in placed["main"][0].skipped
     with pytest.raises(ValueError, match="--kinds: 'no-such-kind' is not a fault kind; the kinds are"):
         c.place_faults(bounds, pods, ["sigkill:rank=1", "no-such-kind:rank=3"], 8, "netns")
@@ -149,13 +186,18 @@ def test_a_fault_inside_the_writer_goes_to_the_first_periodic_save_of_its_slot()
     # Main's slot 10 is not the save at 12, the one the rewind resumes from (a failed write there
     # leaves nothing to rewind to), nor the leg's final save at 16; the rewind leg's slot 14 is
     # the save at 16.
-    assert specs[:4] == [("writer-raise@4:rank=1", None),
-                         ("writer-raise@16:rank=1", "no periodic save left in the main leg for a fault inside the "
-                                                    "writer or the commit"),
-                         ("writer-raise@16:rank=1", None), ("writer-raise@24:rank=1", None)]
+    assert specs[:4] == [
+        ("writer-raise@4:rank=1", None),
+        ("writer-raise@16:rank=1", "no periodic save left in the main leg for a fault inside the writer or the commit"),
+        ("writer-raise@16:rank=1", None),
+        ("writer-raise@24:rank=1", None),
+    ]
     assert all(int(spec.split("@")[1].split(":")[0]) % 4 == 0 for spec, _ in specs)
     shrink = [f for f in placed["shrink"]]
-    assert shrink and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer or the commit"
+    assert (
+        shrink
+        and shrink[0].skipped == "no periodic save left in the shrink leg for a fault inside the writer or the commit"
+    )
 
 
 def test_the_rewind_resumes_from_the_older_kept_checkpoint_even_when_a_fault_tore_the_planned_one(tmp_path):
@@ -198,12 +240,18 @@ def test_a_fault_inside_a_restore_keeps_its_slot_only_where_a_later_fault_causes
     from resilient_fsdp.bench import campaign as c
 
     bounds = {"main": (0, 16), "rewind": (12, 28), "shrink": (28, 32), "regrow": (32, 44)}
-    placed = c.place_faults(bounds, dict.fromkeys(c.LEGS, 4), ["sigkill-during-restore:rank=1", "sigkill:rank=2"], 6,
-                            "netns")
+    placed = c.place_faults(
+        bounds, dict.fromkeys(c.LEGS, 4), ["sigkill-during-restore:rank=1", "sigkill:rank=2"], 6, "netns"
+    )
     main = [(f.spec, f.skipped) for f in placed["main"]]
-    assert main == [("sigkill-during-restore@2:rank=1", None), ("sigkill@8:rank=2", None),
-                    ("sigkill-during-restore@14:rank=1",
-                     "no later fault in the main leg causes the restart a fault inside a restore needs")]
+    assert main == [
+        ("sigkill-during-restore@2:rank=1", None),
+        ("sigkill@8:rank=2", None),
+        (
+            "sigkill-during-restore@14:rank=1",
+            "no later fault in the main leg causes the restart a fault inside a restore needs",
+        ),
+    ]
 
 
 def test_a_rewound_step_never_repeats_a_fault_the_ledger_already_holds():
@@ -223,25 +271,40 @@ def test_a_restart_after_the_rewind_must_stay_on_the_rewound_line():
 
     good = [{"event": "start", "resumed_from_step": 12}, *steps(13, 18), {"event": "start", "resumed_from_step": 16}]
     assert rewound_line(good, 12)["ok"]
-    old_line = [{"event": "start", "resumed_from_step": 12}, *steps(13, 15), {"event": "start", "resumed_from_step": 16}]
+    old_line = [
+        {"event": "start", "resumed_from_step": 12},
+        *steps(13, 15),
+        {"event": "start", "resumed_from_step": 16},
+    ]
     assert not rewound_line(old_line, 12)["ok"]  # 16 was the set-aside line's checkpoint
     assert not rewound_line([{"event": "start", "resumed_from_step": 8}], 12)["ok"]
     # A later start dropped the step records past its own resume point; the recovery a restart
     # writes says how far the leg had trained when its fault hit.
-    dropped = [{"event": "start", "resumed_from_step": 12}, *steps(13, 15), {"event": "start", "resumed_from_step": 20},
-               {"event": "recovery", "fault_step": 20}, {"event": "start", "resumed_from_step": 14}, *steps(15, 22)]
+    dropped = [
+        {"event": "start", "resumed_from_step": 12},
+        *steps(13, 15),
+        {"event": "start", "resumed_from_step": 20},
+        {"event": "recovery", "fault_step": 20},
+        {"event": "start", "resumed_from_step": 14},
+        *steps(15, 22),
+    ]
     assert rewound_line(dropped, 12)["ok"]
     assert not rewound_line([*dropped[:4], {"event": "recovery", "fault_step": 18}], 12)["ok"]  # 20: the old line's
-    assert not rewound_line([{"event": "start", "resumed_from_step": 12}, {"event": "start",
-                                                                          "resumed_from_step": None}], 12)["ok"]
+    assert not rewound_line(
+        [{"event": "start", "resumed_from_step": 12}, {"event": "start", "resumed_from_step": None}], 12
+    )["ok"]
 
 
 def test_losses_are_compared_exactly_and_only_up_to_the_shrink():
     from resilient_fsdp.bench.campaign import compare_losses
 
     reference = {1: 6.0, 2: 5.5, 3: 5.0}
-    records = [{"event": "step", "step": 1, "loss": 6.0}, {"event": "step", "step": 2, "loss": 5.5},
-               {"event": "step", "step": 2, "loss": 5.5}, {"event": "step", "step": 3, "loss": 5.0 + 1e-7}]
+    records = [
+        {"event": "step", "step": 1, "loss": 6.0},
+        {"event": "step", "step": 2, "loss": 5.5},
+        {"event": "step", "step": 2, "loss": 5.5},
+        {"event": "step", "step": 3, "loss": 5.0 + 1e-7},
+    ]
     assert compare_losses(records, reference, 3)["ok"]
     off = compare_losses(records, reference, 4)
     assert not off["ok"] and off["detail"]["differ"] == [{"step": 3, "loss": 5.0 + 1e-7, "fault_free": 5.0}]
@@ -251,8 +314,13 @@ def test_losses_are_compared_exactly_and_only_up_to_the_shrink():
 def test_the_volume_is_counted_with_set_asides_apart(tmp_path):
     from resilient_fsdp.bench.campaign import tree_bytes
 
-    for name, size in (("step_00000008/a", 100), ("step_00000012.incomplete-ab12/a", 30),
-                       ("step_00000016.abandoned-1/a", 7), ("step_00000004.superseded-2/b", 5), ("LEASE", 2)):
+    for name, size in (
+        ("step_00000008/a", 100),
+        ("step_00000012.incomplete-ab12/a", 30),
+        ("step_00000016.abandoned-1/a", 7),
+        ("step_00000004.superseded-2/b", 5),
+        ("LEASE", 2),
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x" * size)
     assert tree_bytes(tmp_path) == (132, 12, 1)
@@ -264,8 +332,12 @@ def test_the_bucket_is_measured_and_a_step_without_its_marker_is_found(tmp_path)
 
     s3 = LocalS3(tmp_path)
     try:
-        for key, size in (("job/step_00000004/a.distcp", 10), ("job/step_00000004/COMPLETE", 2),
-                          ("job/step_00000008/a.distcp", 5), ("other/step_00000001/a", 100)):
+        for key, size in (
+            ("job/step_00000004/a.distcp", 10),
+            ("job/step_00000004/COMPLETE", 2),
+            ("job/step_00000008/a.distcp", 5),
+            ("other/step_00000001/a", 100),
+        ):
             s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"x" * size)
         assert s3.total_bytes("job") == 17
         assert s3.markerless("job") == ["step_00000008"]
@@ -281,8 +353,18 @@ def test_what_grows_fault_after_fault_in_a_leg_fails_the_growth_check_and_what_e
     from resilient_fsdp.bench.campaign import check_after_faults
 
     peaks = {"pod_fds": 100, "pod_threads": 200, "pod_processes": 6, "shm_bytes": 1 << 20}
-    leaking = [{"fault": f"exception@{i}:rank=1", "leg": "main", "layer": "in_process", "pod_fds": 60, "pod_threads": 40 + 10 * i,
-                "pod_processes": 5, "shm_bytes": 1 << 20} for i in range(10)]
+    leaking = [
+        {
+            "fault": f"exception@{i}:rank=1",
+            "leg": "main",
+            "layer": "in_process",
+            "pod_fds": 60,
+            "pod_threads": 40 + 10 * i,
+            "pod_processes": 5,
+            "shm_bytes": 1 << 20,
+        }
+        for i in range(10)
+    ]
     checks = check_after_faults(leaking, peaks)
     assert checks["resources_bounded_after_every_fault"]["ok"] is True
     assert checks["resources_do_not_grow_fault_after_fault"]["ok"] is False
@@ -293,7 +375,8 @@ def test_what_grows_fault_after_fault_in_a_leg_fails_the_growth_check_and_what_e
     assert checks["resources_do_not_grow_fault_after_fault"]["ok"] is True
     assert checks["resources_bounded_after_every_fault"]["ok"] is False
     assert checks["resources_bounded_after_every_fault"]["detail"]["over"] == [
-        {"fault": "exception@3:rank=1", "pod_processes": 13, "bound": 12}]
+        {"fault": "exception@3:rank=1", "pod_processes": 13, "bound": 12}
+    ]
     assert check_after_faults([], peaks)["resources_bounded_after_every_fault"]["ok"] is False  # nothing measured
     # New processes (an in-job or job-level restart) owe nothing to the faults before them.
     fresh = [dict(r, layer="in_job") for r in leaking]

@@ -39,10 +39,33 @@ def test_page_faults_count_the_pages_this_process_touches_first():
 def test_the_memory_save_is_measured_beside_the_async_one_and_leaves_nothing_in_dev_shm(tmp_path):
     out = tmp_path / "bench.json"
     before = {p.name for p in Path("/dev/shm").iterdir()}
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "bench", "checkpoint", "--preset", "tiny",
-                           "--modes", "sync", "async", "memory", "--saves", "2", "--idle-steps", "2",
-                           "--run-dir", str(tmp_path / "run"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "bench",
+            "checkpoint",
+            "--preset",
+            "tiny",
+            "--modes",
+            "sync",
+            "async",
+            "memory",
+            "--saves",
+            "2",
+            "--idle-steps",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     memory = r["memory"]
@@ -57,9 +80,13 @@ def test_the_memory_save_is_measured_beside_the_async_one_and_leaves_nothing_in_
     # The async saves commit in rank 0's commit process: the stall counts the training thread's
     # share of the commit (gather, broadcast), the rest is background beside training.
     saves = r["async"]
-    for call, wait, commit, background, stall in zip(saves["save_call_s_all"], saves["wait_before_step_s_all"],
-                                                     saves["commit_s_all"], saves["commit_background_s_all"],
-                                                     saves["stall_s_all"]):
+    for call, wait, commit, background, stall in zip(
+        saves["save_call_s_all"],
+        saves["wait_before_step_s_all"],
+        saves["commit_s_all"],
+        saves["commit_background_s_all"],
+        saves["stall_s_all"],
+    ):
         assert stall == pytest.approx(call + wait + commit) and background > 0, saves
     # The host copy floor: the state's bytes copied once, at a plausible rate, judged against the target.
     assert r["host_copy_bytes"] == pytest.approx(state_bytes, rel=0.01) and 0 < r["host_copy_s"] < 1.0

@@ -23,8 +23,13 @@ from resilient_fsdp.bench.gpu.wheels import PINS, decide, install, read_pins
 @pytest.mark.timeout(900)  # every section of the check, each with its own budget, runs for real
 def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = run_guarded(["bash", str(REPO / "scripts" / "gpu-check"), "--cpu", "--tiny", "--out", str(out),
-                        "--work-dir", str(work)], tmp_path, None, timeout=900, env={"PYTHON": sys.executable})
+    proc = run_guarded(
+        ["bash", str(REPO / "scripts" / "gpu-check"), "--cpu", "--tiny", "--out", str(out), "--work-dir", str(work)],
+        tmp_path,
+        None,
+        timeout=900,
+        env={"PYTHON": sys.executable},
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert_no_leftovers(tmp_path)
     data = json.loads((out / "gpu-check.json").read_text())
@@ -52,8 +57,9 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
     for engine in ("async", "dcp_process", "torch_async", "dcp_thread"):
         f = c[engine]
         # The stall is the save call, the wait before the step and the commit on the training thread.
-        assert f["stall_s"] == pytest.approx(f["save_call_s"] + f["wait_before_step_s"] + f["commit_s"],
-                                             rel=1e-6, abs=1e-9)
+        assert f["stall_s"] == pytest.approx(
+            f["save_call_s"] + f["wait_before_step_s"] + f["commit_s"], rel=1e-6, abs=1e-9
+        )
         assert f["write_s"] > 0 and f["bytes"] > 0 and c["ratios"][f"{engine}_stall_over_sync"] > 0
         # Who used the cores while the write ran: this process's threads and every core's states.
         cpu = f["cpu_s_during_write"]
@@ -99,13 +105,25 @@ def test_cpu_rehearsal_runs_every_section_and_says_what_it_skipped(tmp_path):
 
 @pytest.mark.parametrize("lane", LANES)
 def test_the_memory_tier_and_nvrxs_local_checkpoints_are_timed_on_one_state_and_load_back_bitwise(
-        tmp_path, request, lane):
+    tmp_path, request, lane
+):
     """The side-by-side section alone, on CPU: both save the same shards under the same loop, both
     load back what they saved after training moved the state on, and what a GPU would do
     differently (NVRx's CUDA-only state dict, replication with one GPU) is said in the results."""
     work = tmp_path / "work"
-    cmd = [sys.executable, "-m", "resilient_fsdp.bench.gpu.check", "--section", "local_checkpoints", "--work-dir",
-           str(work), "--budget-s", "300", "--cpu", "--tiny"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.bench.gpu.check",
+        "--section",
+        "local_checkpoints",
+        "--work-dir",
+        str(work),
+        "--budget-s",
+        "300",
+        "--cpu",
+        "--tiny",
+    ]
     proc = run_guarded(cmd, tmp_path, lane_path(request, lane), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((work / "local_checkpoints.json").read_text())
@@ -137,11 +155,19 @@ def test_a_section_over_its_budget_is_killed_and_recorded(tmp_path):
 
 
 def test_bad_flags_are_named_with_the_fix(tmp_path):
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check"), "--cpu", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu-check"), "--cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    )
     assert proc.returncode == 2 and "--cpu needs --tiny" in proc.stderr
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check"), "--wheels", str(tmp_path / "none")],
-                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu-check"), "--wheels", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    )
     assert proc.returncode == 2 and "run scripts/gpu-wheels" in proc.stderr
 
 
@@ -166,10 +192,11 @@ def _wheel(folder: Path, name: str, version: str, module: str) -> Path:
     path = folder / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{module}/__init__.py", f"VERSION = {version!r}\n")
-        z.writestr(f"{name}-{version}.dist-info/METADATA",
-                   f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        z.writestr(f"{name}-{version}.dist-info/WHEEL",
-                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}-{version}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(
+            f"{name}-{version}.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr(f"{name}-{version}.dist-info/RECORD", "")
     return path
 
@@ -200,29 +227,56 @@ def test_the_in_job_section_reads_whether_every_memory_save_copied_into_page_loc
 
     metrics = tmp_path / "metrics.jsonl"
     assert memory_slots_pinned(metrics) is None  # no run
-    saves = [{"event": "memory_checkpoint", "pinned": True, "error": None},
-             {"event": "memory_checkpoint", "pinned": None, "error": "its commit did not finish"},
-             {"event": "step", "step": 3}]
+    saves = [
+        {"event": "memory_checkpoint", "pinned": True, "error": None},
+        {"event": "memory_checkpoint", "pinned": None, "error": "its commit did not finish"},
+        {"event": "step", "step": 3},
+    ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in saves) + '{"event": "memo')
     assert memory_slots_pinned(metrics) is True
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in [*saves, {"event": "memory_checkpoint", "pinned": False,
-                                                                         "error": None}]))
+    metrics.write_text(
+        "".join(json.dumps(r) + "\n" for r in [*saves, {"event": "memory_checkpoint", "pinned": False, "error": None}])
+    )
     assert memory_slots_pinned(metrics) is False
 
 
 def test_the_report_renders_gpu_figures_and_keeps_the_table_intact():
     """The GPU-only figures cannot be produced here; the report's rendering of them can be checked."""
-    data = {"mode": {"cpu": False, "tiny": False}, "status": "some sections failed",
-            "environment": {"gpu_name": "NVIDIA H200", "driver": "580.159.04", "nccl": "2.27.7", "nvrx": "0.7.0"},
-            "sections": {
-                "environment": {"status": "ok", "results": {"ceilings": {"bf16_matmul_tflops": 790.1,
-                                                                         "d2h_pinned_gb_per_s": 53.2}}},
-                "throughput": {"status": "ok", "results": {"steps_per_s": 5.1, "tokens_per_s": 41800.0, "mfu": 0.309,
-                                                           "peak_flops": 989.4e12, "preset": "1b"}},
-                "checkpoint": {"status": "timeout", "error": "exceeded its time budget",
-                               "results": {"sync": {"stall_s": 9.8}, "state_bytes": 13_200_580_608}},
-                "exact_resume": {"status": "ok", "results": {"bitwise_equal": False, "losses_equal": False,
-                                                             "within_tolerance": True, "verdict": "a | b"}}}}
+    data = {
+        "mode": {"cpu": False, "tiny": False},
+        "status": "some sections failed",
+        "environment": {"gpu_name": "NVIDIA H200", "driver": "580.159.04", "nccl": "2.27.7", "nvrx": "0.7.0"},
+        "sections": {
+            "environment": {
+                "status": "ok",
+                "results": {"ceilings": {"bf16_matmul_tflops": 790.1, "d2h_pinned_gb_per_s": 53.2}},
+            },
+            "throughput": {
+                "status": "ok",
+                "results": {
+                    "steps_per_s": 5.1,
+                    "tokens_per_s": 41800.0,
+                    "mfu": 0.309,
+                    "peak_flops": 989.4e12,
+                    "preset": "1b",
+                },
+            },
+            "checkpoint": {
+                "status": "timeout",
+                "error": "exceeded its time budget",
+                "results": {"sync": {"stall_s": 9.8}, "state_bytes": 13_200_580_608},
+            },
+            "exact_resume": {
+                "status": "ok",
+                "results": {
+                    "bitwise_equal": False,
+                    "losses_equal": False,
+                    "within_tolerance": True,
+                    "verdict": "a | b",
+                },
+            },
+        },
+    }
     md = gpu_check.markdown(data)
     assert "# resilient-fsdp GPU check: NVIDIA H200" in md and "driver 580.159.04" in md and "NCCL 2.27.7" in md
     assert "MFU 30.9% of 989.4 TFLOP/s" in md and "bf16 matmul 790 TFLOP/s" in md
@@ -246,4 +300,3 @@ def test_every_configuration_the_gpu_plan_uses_is_valid(tmp_path):
     assert runs.model.preset == "125m" and runs.resilience.in_process.enabled
     assert runs.dist.timeout_s > runs.resilience.in_process.hard_timeout_s == 90
     assert load_config(None, s.run_overrides(tmp_path) + [f"train.stop_at_step={s.plan.stop_step}"])
-

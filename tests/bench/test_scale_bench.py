@@ -37,17 +37,24 @@ def test_a_case_is_measured_in_every_phase_and_judged_by_its_targets():
     assert phases and all(v >= 0 for v in phases.values()) and phases["save_rank0_global_plan"] > 0
     # Planned alone: rank 0 digests its structure, reads every rank's vote and plans with the metadata.
     assert record["cold_save_plan_s"] == pytest.approx(
-        phases["alone_digest_structure"] + phases["alone_vote_unpickle_every_digest"]
-        + phases["alone_rank0_plan_and_metadata"])
+        phases["alone_digest_structure"]
+        + phases["alone_vote_unpickle_every_digest"]
+        + phases["alone_rank0_plan_and_metadata"]
+    )
     assert record["max_rank_blocked_s"] >= record["cold_save_plan_s"]
     assert record["resume_metadata_and_plan_s"] == pytest.approx(
-        phases["resume_read_index"] + phases["resume_decode_index"] + phases["resume_local_load_plan"]
-        + phases["resume_index_lookups"])
+        phases["resume_read_index"]
+        + phases["resume_decode_index"]
+        + phases["resume_local_load_plan"]
+        + phases["resume_index_lookups"]
+    )
     assert 0 < record["index_bytes"] and 0 < record["metadata_bytes"]
     # DCP's collective planning, measured beside it: the gather, global plan and scatter on rank 0.
     assert record["collective_cold_save_plan_s"] == pytest.approx(
-        phases["save_rank0_unpickle_every_plan"] + phases["save_rank0_global_plan"]
-        + phases["save_rank0_pickle_every_central_plan"])
+        phases["save_rank0_unpickle_every_plan"]
+        + phases["save_rank0_global_plan"]
+        + phases["save_rank0_pickle_every_central_plan"]
+    )
     assert record["collective_max_rank_blocked_s"] > record["collective_cold_save_plan_s"]
     # HSDP in groups of 4: each shard is written once, by one of the two replicas.
     assert record["items_written"] < 2 * record["items_per_rank"] * 4
@@ -60,8 +67,7 @@ def test_a_case_is_measured_in_every_phase_and_judged_by_its_targets():
 
 
 def test_a_world_beyond_the_measured_is_extrapolated_from_three_smaller_ones():
-    record = scale.run_case({"ranks": 32, "preset": "tiny", "layout": "hsdp-2"}, max_measured=8,
-                            say=lambda _m: None)
+    record = scale.run_case({"ranks": 32, "preset": "tiny", "layout": "hsdp-2"}, max_measured=8, say=lambda _m: None)
     assert sorted(record["extrapolated_from"], key=int) == ["2", "4", "8"]
     assert scale._fit([2, 4, 8], [1.0, 2.0, 4.0], 32) == pytest.approx(16.0)
     assert scale._fit([2, 4, 8], [5.2, 5.0, 4.6], 32) == pytest.approx(4.933, abs=1e-3)  # noise around a constant
@@ -71,13 +77,24 @@ def test_a_world_beyond_the_measured_is_extrapolated_from_three_smaller_ones():
 
 
 def test_a_bad_case_exits_2_naming_the_flag():
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "resilient_fsdp.cli", "bench", "scale",
-                           "--case", "1000:70b:hsdp-64"], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env=_env())
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "resilient_fsdp.cli", "bench", "scale", "--case", "1000:70b:hsdp-64"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=_env(),
+    )
     assert proc.returncode == 2, proc.stderr
     assert "hsdp-64" in proc.stderr and "1000" in proc.stderr
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "resilient_fsdp.cli", "bench", "scale",
-                           "--case", "8:huge:fsdp"], capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "resilient_fsdp.cli", "bench", "scale", "--case", "8:huge:fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=_env(),
+    )
     assert proc.returncode == 2 and "--case" in proc.stderr and "huge" in proc.stderr, proc.stderr
 
 
@@ -86,6 +103,11 @@ def test_the_recorded_figures_hold_the_thousand_and_sixteen_thousand_rank_cases(
     cases = {(r["ranks"], r["preset"], r["layout"]) for r in records}
     assert {(1024, "70b", "fsdp"), (16384, "70b", "hsdp-64")} <= cases
     for r in records:
-        for key in ("cold_save_plan_s", "max_rank_blocked_s", "resume_metadata_and_plan_s",
-                    "rank0_training_process_python_s", "extra_connections_per_rank"):
+        for key in (
+            "cold_save_plan_s",
+            "max_rank_blocked_s",
+            "resume_metadata_and_plan_s",
+            "rank0_training_process_python_s",
+            "extra_connections_per_rank",
+        ):
             assert key in r, (key, r["ranks"])

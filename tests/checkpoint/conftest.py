@@ -17,6 +17,6 @@ def shm_job(tmp_path):
     memory-backed /dev/shm; removed after the test."""
     if not SHM.is_dir():
         pytest.fail("/dev/shm is missing: the memory tier's tests need a tmpfs there")
-    job = f"test-{tmp_path.name[-20:]}-{id(tmp_path) & 0xffff:x}"
+    job = f"test-{tmp_path.name[-20:]}-{id(tmp_path) & 0xFFFF:x}"
     yield job
     remove_job(SHM, job)

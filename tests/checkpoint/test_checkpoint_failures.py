@@ -17,13 +17,23 @@ import pytest
 from tests.checkpoint.probes import run_probe
 from resilient_fsdp.checkpoint import integrity, store
 from tests.resilience.node import attempts
-from tests.support import (LANES, assert_no_leftovers, lane_path, netns_required, read_events, read_losses,
-                           read_summary, run_local, run_trainer)
+from tests.support import (
+    LANES,
+    assert_no_leftovers,
+    lane_path,
+    netns_required,
+    read_events,
+    read_losses,
+    read_summary,
+    run_local,
+    run_trainer,
+)
 
 
 def test_a_writer_killed_mid_save_is_reported_training_commits_the_next_and_the_torn_write_is_swept(tmp_path):
-    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=4", "resilience.inject=[writer-exit@8]"],
-                       timeout=300)
+    proc = run_trainer(
+        tmp_path, ["train.steps=12", "checkpoint.interval_steps=4", "resilience.inject=[writer-exit@8]"], timeout=300
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "checkpoint of step 8 failed" in out and "exited with code 137" in out and "training goes on" in out
@@ -71,8 +81,12 @@ def test_unreadable_complete_checkpoint_falls_back_to_the_previous_one(tmp_path)
 def test_saves_that_keep_failing_end_the_job_at_max_consecutive_failures_naming_the_cause(tmp_path):
     # The tiny model's checkpoint files are ~1 MB: a 256 KB file-size cap makes every write fail
     # part-way (EFBIG); the second failure in a row ends the job.
-    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_steps=3", "checkpoint.max_consecutive_failures=2"],
-                       file_size_limit=256 * 1024, timeout=300)
+    proc = run_trainer(
+        tmp_path,
+        ["train.steps=12", "checkpoint.interval_steps=3", "checkpoint.max_consecutive_failures=2"],
+        file_size_limit=256 * 1024,
+        timeout=300,
+    )
     assert proc.returncode == 2  # retried by no layer: the next attempt's saves would fail alike
     assert "checkpoint of step 3 failed" in proc.stdout and "training goes on" in proc.stdout, proc.stdout[-3000:]
     assert "2 checkpoint save(s) in a row failed (checkpoint.max_consecutive_failures=2)" in proc.stderr
@@ -89,13 +103,16 @@ def test_a_full_checkpoint_volume_says_so_and_keeps_the_committed_checkpoint(tmp
     # A real full volume: checkpoint.dir on a tmpfs that holds one checkpoint (~1.8 MB) but not two.
     volume = tmp_path / "volume"
     volume.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(volume)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(volume)], capture_output=True, text=True
+    )
     assert mounted.returncode == 0, f"this test mounts a tmpfs and needs root: {mounted.stderr}"
     try:
-        proc = run_trainer(tmp_path / "run", ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.keep_last=1",
-                                              f"checkpoint.dir={volume}"],
-                           timeout=180)
+        proc = run_trainer(
+            tmp_path / "run",
+            ["train.steps=12", "checkpoint.interval_steps=4", "checkpoint.keep_last=1", f"checkpoint.dir={volume}"],
+            timeout=180,
+        )
         committed = [p.name for p in volume.glob("step_????????")]
         kept = store.read_manifest(volume / "step_00000004") if committed else None
     finally:
@@ -123,15 +140,27 @@ def test_a_full_volume_ends_a_two_pod_job_at_once_naming_it_and_keeps_the_commit
     run_dir = tmp_path / "run"
     volume = run_dir / "checkpoints"
     volume.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(volume)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(volume)], capture_output=True, text=True
+    )
     assert mounted.returncode == 0, f"this test mounts a tmpfs and needs root: {mounted.stderr}"
     try:
-        proc = run_local(run_dir, nodes=2, nproc=2, timeout=240,
-                         overrides=["train.steps=16", "checkpoint.interval_steps=4", "checkpoint.max_consecutive_failures=2",
-                                    "resilience.launcher.max_restarts=3"])
+        proc = run_local(
+            run_dir,
+            nodes=2,
+            nproc=2,
+            timeout=240,
+            overrides=[
+                "train.steps=16",
+                "checkpoint.interval_steps=4",
+                "checkpoint.max_consecutive_failures=2",
+                "resilience.launcher.max_restarts=3",
+            ],
+        )
         kept = store.read_manifest(volume / "step_00000004")
-        problems = integrity.verify(volume / "step_00000004", kept["checksums"], sorted(kept["checksums"])) if kept else None
+        problems = (
+            integrity.verify(volume / "step_00000004", kept["checksums"], sorted(kept["checksums"])) if kept else None
+        )
         committed = sorted(p.name for p in volume.glob("step_????????"))
     finally:
         subprocess.run(["umount", str(volume)], check=True)
@@ -166,9 +195,15 @@ def test_saves_after_a_failed_attempt_with_a_write_in_flight_all_load_bitwise(tm
 
 
 # Each engine once in CI (NVRx's on the image's lane, torch's on the pinned one), the rest extended.
-@pytest.mark.parametrize("lane,mode", [("image", "async"), ("pinned", "torch-async"),
-                                       pytest.param("pinned", "async", marks=pytest.mark.extended),
-                                       pytest.param("image", "torch-async", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "lane,mode",
+    [
+        ("image", "async"),
+        ("pinned", "torch-async"),
+        pytest.param("pinned", "async", marks=pytest.mark.extended),
+        pytest.param("image", "torch-async", marks=pytest.mark.extended),
+    ],
+)
 def test_a_writer_that_died_between_saves_is_replaced_and_close_does_not_wait(tmp_path, request, lane, mode):
     report = run_probe("engine.py", tmp_path, "dead-worker", mode, pythonpath=lane_path(request, lane))
     assert report["first"] and report["after_dead_worker"] and report["close_s"] < 5, report
@@ -176,7 +211,9 @@ def test_a_writer_that_died_between_saves_is_replaced_and_close_does_not_wait(tm
 
 
 # The writer is NVRx's worker on either engine; one lane in CI, the other extended.
-@pytest.mark.parametrize("lane,mode", [("image", "async"), pytest.param("pinned", "torch-async", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "lane,mode", [("image", "async"), pytest.param("pinned", "torch-async", marks=pytest.mark.extended)]
+)
 def test_a_writer_whose_trainer_is_killed_mid_write_exits_by_itself_and_commits_nothing(tmp_path, request, lane, mode):
     report = run_probe("engine.py", tmp_path, "orphan", mode, pythonpath=lane_path(request, lane))
     assert report["committed"] and report["writer_alive_before"], report
@@ -198,8 +235,9 @@ def test_a_hung_writer_fails_at_the_deadline_once_and_the_restarted_attempt_gets
 def _in_process_importable(pythonpath) -> str:
     code = "import nvidia_resiliency_ext.inprocess"
     env = {"PYTHONPATH": ":".join(map(str, pythonpath))}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**__import__("os").environ, **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**__import__("os").environ, **env}
+    )
     return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
 
 
@@ -208,10 +246,17 @@ def _in_process_importable(pythonpath) -> str:
 # attempt 2 resumes from step 4), between the saves of steps 8 and 12. Saves from then on have a
 # non-tensor item of another size, which is what a stale write result turns into a corrupted
 # checkpoint.
-IN_PROCESS = ["resilience.in_process.enabled=true", "dist.timeout_s=8", "resilience.in_process.soft_timeout_s=20",
-              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
-              "resilience.in_process.barrier_timeout_s=120", "resilience.hang_detection.step_timeout_s=60",
-              "resilience.hang_detection.learn_timeouts=true", "resilience.hang_detection.learn_after_steps=12"]
+IN_PROCESS = [
+    "resilience.in_process.enabled=true",
+    "dist.timeout_s=8",
+    "resilience.in_process.soft_timeout_s=20",
+    "resilience.in_process.hard_timeout_s=40",
+    "resilience.in_process.heartbeat_timeout_s=20",
+    "resilience.in_process.barrier_timeout_s=120",
+    "resilience.hang_detection.step_timeout_s=60",
+    "resilience.hang_detection.learn_timeouts=true",
+    "resilience.hang_detection.learn_after_steps=12",
+]
 
 
 RUN = ["train.steps=24", "checkpoint.interval_steps=4", "checkpoint.keep_last=0", "train.log_every=4"]
@@ -225,24 +270,41 @@ def test_in_process_restart_with_a_write_in_flight_commits_only_checkpoints_that
     pythonpath = lane_path(request, lane)
     missing = _in_process_importable(pythonpath)
     if missing:
-        pytest.skip(f"in-process restart cannot be imported from this NVRx lane ({missing}); its lane lacks "
-                    "packages NVRx 0.7's inprocess needs (httpx, grpcio, protobuf)")
+        pytest.skip(
+            f"in-process restart cannot be imported from this NVRx lane ({missing}); its lane lacks "
+            "packages NVRx 0.7's inprocess needs (httpx, grpcio, protobuf)"
+        )
     ref = run_local(tmp_path / "ref", nodes=1, nproc=2, overrides=RUN + IN_PROCESS, pythonpath=pythonpath)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     # The write of step 8 starts at the end of step 8; the fault fires at the start of step 9.
-    run = run_local(tmp_path / "run", nodes=1, nproc=2, overrides=RUN + IN_PROCESS, pythonpath=pythonpath,
-                    extra=["--inject=exception@9:rank=1"], timeout=300)
+    run = run_local(
+        tmp_path / "run",
+        nodes=1,
+        nproc=2,
+        overrides=RUN + IN_PROCESS,
+        pythonpath=pythonpath,
+        extra=["--inject=exception@9:rank=1"],
+        timeout=300,
+    )
     out = run.stdout[-6000:] + run.stderr[-3000:]
     assert run.returncode == 0, out
     summary = read_summary(tmp_path / "run")
     assert [r["layer"] for r in summary["recoveries"]] == ["in_process"], out
     assert summary["params_sha256"] == read_summary(tmp_path / "ref")["params_sha256"]
     assert read_losses(tmp_path / "run") == read_losses(tmp_path / "ref")
-    learned = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-               if '"timeouts_learned"' in line]
+    learned = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"timeouts_learned"' in line
+    ]
     assert learned, "timeouts were never learned: no save had a larger non-tensor item"
-    compared = run_probe("compare.py", tmp_path / "cmp", tmp_path / "run" / "checkpoints",
-                     tmp_path / "ref" / "checkpoints", pythonpath=pythonpath)
+    compared = run_probe(
+        "compare.py",
+        tmp_path / "cmp",
+        tmp_path / "run" / "checkpoints",
+        tmp_path / "ref" / "checkpoints",
+        pythonpath=pythonpath,
+    )
     assert compared == {str(s): True for s in range(4, 25, 4)}, compared
     assert_no_leftovers(tmp_path / "run")
 
@@ -250,8 +312,14 @@ def test_in_process_restart_with_a_write_in_flight_commits_only_checkpoints_that
 def test_a_writer_error_on_one_rank_is_one_failed_save_on_every_rank_and_training_goes_on(tmp_path):
     # Every rank must take the same branch: one that raised while the other went on would hang
     # the next collective, so a job that finishes with step 12 committed shows they agreed.
-    proc = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=12", "checkpoint.interval_steps=4"],
-                     extra=["--max-restarts=0", "--max-pod-recreations=0", "--inject=writer-raise@8:rank=1"], timeout=180)
+    proc = run_local(
+        tmp_path,
+        nodes=1,
+        nproc=2,
+        overrides=["train.steps=12", "checkpoint.interval_steps=4"],
+        extra=["--max-restarts=0", "--max-pod-recreations=0", "--inject=writer-raise@8:rank=1"],
+        timeout=180,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     expected = "checkpoint of step 8 failed (rank 1: OSError: injected writer failure"
@@ -259,8 +327,10 @@ def test_a_writer_error_on_one_rank_is_one_failed_save_on_every_rank_and_trainin
     assert expected in out + logs, out[-5000:]
     failed = read_events(tmp_path, "checkpoint_failed")
     assert [(r["step"], r["cause"], r["consecutive"]) for r in failed] == [(8, "writer", 1)]
-    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_????????"))] == ["step_00000004",
-                                                                                          "step_00000012"]
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_????????"))] == [
+        "step_00000004",
+        "step_00000012",
+    ]
     assert_no_leftovers(tmp_path)
 
 
@@ -268,9 +338,18 @@ def test_a_write_that_never_finishes_fails_at_the_deadline_and_the_next_save_get
     # The first save hangs and is waited for at step 8 (the next save), 3 s at most; the save of
     # step 8 goes to a new writer. Whether that one beats the 3 s deadline too depends on the
     # machine's load, so the run does not promise it (no final save, two failures allowed).
-    proc = run_trainer(tmp_path, ["train.steps=8", "checkpoint.interval_steps=4", "checkpoint.write_timeout_s=3",
-                                  "checkpoint.save_final=false", "checkpoint.max_consecutive_failures=3",
-                                  "resilience.inject=[writer-hang@4]"], timeout=300)
+    proc = run_trainer(
+        tmp_path,
+        [
+            "train.steps=8",
+            "checkpoint.interval_steps=4",
+            "checkpoint.write_timeout_s=3",
+            "checkpoint.save_final=false",
+            "checkpoint.max_consecutive_failures=3",
+            "resilience.inject=[writer-hang@4]",
+        ],
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "did not finish within checkpoint.write_timeout_s=3" in out, out[-3000:]

@@ -42,9 +42,15 @@ def _job(tmp_path, step: int, metadata, key: str) -> commit.CommitJob:
     where = tmp_path / store.partial_name(step, "t")
     where.mkdir(parents=True)
     outcome, planned = _written(where, float(step))
-    return commit.CommitJob(step=step, where=str(where), gathered=[pickle.dumps(outcome)],
-                            manifest={"step": step, "mode": "async", "world_size": 1}, started_unix=time.time(),
-                            metadata_key=key, metadata=metadata if metadata is not None else planned)
+    return commit.CommitJob(
+        step=step,
+        where=str(where),
+        gathered=[pickle.dumps(outcome)],
+        manifest={"step": step, "mode": "async", "world_size": 1},
+        started_unix=time.time(),
+        metadata_key=key,
+        metadata=metadata if metadata is not None else planned,
+    )
 
 
 def _loaded(path) -> float:

@@ -43,19 +43,25 @@ def _state(rank: int, world: int, mesh_shape: tuple, hsdp: bool, rows: int = 8) 
         return DTensor.from_local(part, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
     top, own = per_rank_path(rank)
-    return {"model": {"w": sharded(rows, 4), "b": sharded(3), "tiny": sharded(1, 2)},
-            "optim": {"state": {"w": {"step": torch.tensor(2.0), "exp_avg": sharded(rows, 4)}},
-                      "param_groups": [{"lr": 0.1, "params": ["w"]}]},
-            "trainer": {"step": 5}, "resilience": "{}",
-            top: {own: {"cpu": torch.get_rng_state(), "python": (3, (1, 2), None)}}}
+    return {
+        "model": {"w": sharded(rows, 4), "b": sharded(3), "tiny": sharded(1, 2)},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(2.0), "exp_avg": sharded(rows, 4)}},
+            "param_groups": [{"lr": 0.1, "params": ["w"]}],
+        },
+        "trainer": {"step": 5},
+        "resilience": "{}",
+        top: {own: {"cpu": torch.get_rng_state(), "python": (3, (1, 2), None)}},
+    }
 
 
 def _chunks(md) -> list:
     return sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
 
 
-@pytest.mark.parametrize("world,mesh_shape,hsdp", [(1, (1,), False), (4, (4,), False), (4, (2, 2), True),
-                                                   (6, (3, 2), True)])
+@pytest.mark.parametrize(
+    "world,mesh_shape,hsdp", [(1, (1,), False), (4, (4,), False), (4, (2, 2), True), (6, (3, 2), True)]
+)
 def test_each_ranks_plan_made_alone_writes_what_dcps_collective_plan_writes_with_its_metadata(world, mesh_shape, hsdp):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -73,6 +79,7 @@ def test_each_ranks_plan_made_alone_writes_what_dcps_collective_plan_writes_with
     central, metadata = DefaultSavePlanner().create_global_plan(local_plans)
 
     assert len(digests) == 1  # the RNG states' names differ by rank; the structure does not
+
     # Every item DCP writes is written by exactly one rank, and nothing else is.
     def written(plans):
         return sorted((i.index.fqn, tuple(i.index.offset or ())) for p in plans for i in p.items)
@@ -97,9 +104,14 @@ def test_each_ranks_plan_made_alone_writes_what_dcps_collective_plan_writes_with
                 assert tuple(chunk.offsets) == tuple(item.index.offset)
     if hsdp:  # both replicas write a share of the model, not replica 0 all of it
         replicas = world // mesh_shape[1]
-        writers = {r // mesh_shape[1] for r, p in enumerate(alone) if any(i.tensor_data and i.index.fqn != "optim.state.w.step"
-                                                                          and not i.index.fqn.startswith("rng.")
-                                                                          for i in p.central.items)}
+        writers = {
+            r // mesh_shape[1]
+            for r, p in enumerate(alone)
+            if any(
+                i.tensor_data and i.index.fqn != "optim.state.w.step" and not i.index.fqn.startswith("rng.")
+                for i in p.central.items
+            )
+        }
         assert writers == set(range(replicas))
 
 
@@ -142,8 +154,9 @@ def test_an_hsdp_job_planned_alone_trains_saves_and_reshards_as_one_planned_coll
     for planning in ("decentralized", "collective"):
         run_dir = tmp_path / planning
         common = ["train.steps=10", "checkpoint.interval_steps=3", f"checkpoint.planning={planning}"]
-        first = run_local(run_dir, nodes=1, nproc=4,
-                          overrides=common + ["dist.shard_group_size=2", "train.stop_at_step=6"])
+        first = run_local(
+            run_dir, nodes=1, nproc=4, overrides=common + ["dist.shard_group_size=2", "train.stop_at_step=6"]
+        )
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         second = run_local(run_dir, nodes=1, nproc=2, overrides=common)
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -154,8 +167,10 @@ def test_an_hsdp_job_planned_alone_trains_saves_and_reshards_as_one_planned_coll
     # Each process's first save is planned alone (or collectively, twice, before the cache is
     # validated); every later one uses the cached plan.
     plans = {name: [e["plan"] for e in read_events(run_dir, "checkpoint")] for name, run_dir in runs.items()}
-    assert plans == {"decentralized": ["decentralized", "cached", "decentralized", "cached"],
-                     "collective": ["collective", "collective", "collective", "collective"]}, plans
+    assert plans == {
+        "decentralized": ["decentralized", "cached", "decentralized", "cached"],
+        "collective": ["collective", "collective", "collective", "collective"],
+    }, plans
     assert read_losses(alone) == read_losses(collective)
     assert read_summary(alone)["params_sha256"] == read_summary(collective)["params_sha256"]
     ours = dcp.FileSystemReader(str(alone / "checkpoints/step_00000006")).read_metadata()

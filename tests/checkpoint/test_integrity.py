@@ -76,8 +76,11 @@ def test_staged_dtensors_wrap_the_host_buffers_themselves():
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-    live = {"w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]), "step": torch.tensor(3.0),
-            "meta": {"lr": 0.1, "rng": (random.getstate(), np.random.get_state())}}
+    live = {
+        "w": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]),
+        "step": torch.tensor(3.0),
+        "meta": {"lr": 0.1, "rng": (random.getstate(), np.random.get_state())},
+    }
     stager = StateStager()
     first = stager.stage(live)
     buffer = stager.buffers["w"]
@@ -110,8 +113,11 @@ def test_buffers_allocated_in_the_background_are_the_ones_the_first_save_fills()
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-    live = {"w": distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)]), "b": torch.randn(32),
-            "step": torch.tensor(1.0)}
+    live = {
+        "w": distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)]),
+        "b": torch.randn(32),
+        "step": torch.tensor(1.0),
+    }
     stager = StateStager()
     stager.allocate_in_background(live)
     live["w"].to_local().mul_(2.0)  # training goes on while the buffers are allocated

@@ -16,15 +16,31 @@ from tests.support import read_events
 
 
 def _rank(rank: int, world: int, port: int, run_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     import torch.distributed as dist
 
     from resilient_fsdp.config import load_config
     from resilient_fsdp.train.trainer import Trainer
 
-    trainer = Trainer(load_config(None, [f"run_dir={run_dir}", "train.steps=400", "checkpoint.interval_s=3600",
-                                         "checkpoint.save_final=false", "train.log_every=100"]))
+    trainer = Trainer(
+        load_config(
+            None,
+            [
+                f"run_dir={run_dir}",
+                "train.steps=400",
+                "checkpoint.interval_s=3600",
+                "checkpoint.save_final=false",
+                "train.log_every=100",
+            ],
+        )
+    )
     ckpt = trainer.checkpointer
     counted = {"in_after_step": False, "calls": 0}
     real_all_reduce = dist.all_reduce
@@ -50,9 +66,15 @@ def _rank(rank: int, world: int, port: int, run_dir: str) -> None:
             return after_step(step, agreed=agreed)
         finally:
             counted["in_after_step"] = False
-            per_step.append({"step": step, "agreed": dataclasses.asdict(agreed), "saved": ckpt.last_saved_step != saved_before,
-                             "committed": ckpt.last_committed_step != committed_before,
-                             "all_reduces": counted["calls"]})
+            per_step.append(
+                {
+                    "step": step,
+                    "agreed": dataclasses.asdict(agreed),
+                    "saved": ckpt.last_saved_step != saved_before,
+                    "committed": ckpt.last_committed_step != committed_before,
+                    "all_reduces": counted["calls"],
+                }
+            )
 
     ckpt.votes, ckpt.after_step = skewed_votes, counting_after_step
     trainer.train()
@@ -76,10 +98,10 @@ def test_ranks_whose_clocks_disagree_save_together_without_a_collective_a_step(t
     # that it still writes, and learned committed at the first step after it at which rank 0
     # voted that its commit no longer runs.
     handoff = next(i for i, s in enumerate(steps) if i > 0 and s["agreed"]["writing"] == 0.0)
-    assert all(s["agreed"]["writing"] > 0 for s in steps[1:handoff]), steps[:handoff + 1]
+    assert all(s["agreed"]["writing"] > 0 for s in steps[1:handoff]), steps[: handoff + 1]
     commit = next(i for i, s in enumerate(steps) if s["committed"])
-    assert commit > handoff and steps[commit]["agreed"]["committing"] == 0.0, steps[:commit + 1]
-    assert all(s["agreed"]["committing"] > 0 for s in steps[handoff + 1:commit]), steps[:commit + 1]
+    assert commit > handoff and steps[commit]["agreed"]["committing"] == 0.0, steps[: commit + 1]
+    assert all(s["agreed"]["committing"] > 0 for s in steps[handoff + 1 : commit]), steps[: commit + 1]
     assert [e["step"] for e in read_events(tmp_path, "checkpoint")] == [1]
     # Every other step adds no all-reduce of the checkpointer's own.
     assert all(s["all_reduces"] == 0 for i, s in enumerate(steps) if i not in (0, commit)), steps

@@ -77,8 +77,9 @@ def test_a_corrupt_moment_found_by_the_read_ahead_sets_the_snapshot_aside(shm_jo
     slots = MemorySlots(job_root(SHM, shm_job, RUN), owner_name(0))
     older, _ = snapshot(slots, model, optimizer, step=2)
     newest, _ = snapshot(slots, model, optimizer, step=4)
-    moment = sorted(Prefetch(MemorySlots(job_root(SHM, shm_job, RUN), owner_name(0)), 1, torch.device("cpu"))
-                    .take(newest).moved)[0]
+    moment = sorted(
+        Prefetch(MemorySlots(job_root(SHM, shm_job, RUN), owner_name(0)), 1, torch.device("cpu")).take(newest).moved
+    )[0]
     offset = newest.spans[moment][0]
     data = slots.dir / f"slot-{newest.slot}.bin"
     with open(data, "r+b") as f:
@@ -91,8 +92,16 @@ def test_a_corrupt_moment_found_by_the_read_ahead_sets_the_snapshot_aside(shm_jo
         Prefetch(MemorySlots(job_root(SHM, shm_job, RUN), owner_name(0)), 1, torch.device("cpu")).take(newest)
 
     said: list[str] = []
-    tier = MemoryTier(2, SHM, shm_job, RUN, 0, 1, say=said.append,
-                      prefetch=Prefetch(MemorySlots(job_root(SHM, shm_job, RUN), owner_name(0)), 1, torch.device("cpu")))
+    tier = MemoryTier(
+        2,
+        SHM,
+        shm_job,
+        RUN,
+        0,
+        1,
+        say=said.append,
+        prefetch=Prefetch(MemorySlots(job_root(SHM, shm_job, RUN), owner_name(0)), 1, torch.device("cpu")),
+    )
     report = tier.report()
     assert report.own == (older.step,)
     assert (slots.dir / f"slot-{newest.slot}.invalid").exists()
@@ -140,6 +149,7 @@ def test_a_failed_read_ahead_leaves_the_restore_to_read_the_slot(shm_job):
 def test_a_read_ahead_starts_only_where_a_start_may_restore_from_memory(shm_job, tmp_path):
     """Only with the memory tier and ``resume`` on, and only for a checkpoint directory started
     before (one with no run id has nothing of its run in memory); it reads the slots of that run."""
+
     def cfg(*overrides):
         sets = [f"checkpoint.memory.dir={SHM}", f"checkpoint.job_id={shm_job}", *overrides]
         return load_config(None, sets).checkpoint
@@ -150,8 +160,12 @@ def test_a_read_ahead_starts_only_where_a_start_may_restore_from_memory(shm_job,
     run = run_identity(checkpoints)
     assert run_identity(checkpoints) == read_run_identity(checkpoints) == run
     assert prefetch.start(cfg("checkpoint.memory.interval_steps=0"), checkpoints, 0, 1, torch.device("cpu")) is None
-    assert prefetch.start(cfg("checkpoint.memory.interval_steps=2", "checkpoint.resume=false"), checkpoints, 0, 1,
-                          torch.device("cpu")) is None
+    assert (
+        prefetch.start(
+            cfg("checkpoint.memory.interval_steps=2", "checkpoint.resume=false"), checkpoints, 0, 1, torch.device("cpu")
+        )
+        is None
+    )
     started = prefetch.start(on, checkpoints, 0, 1, torch.device("cpu"))
     assert isinstance(started, Prefetch) and started.slots.dir == job_root(SHM, shm_job, run) / owner_name(0)
     started.drop()

@@ -19,7 +19,7 @@ from tests.support import REPO
 SHM = Path("/dev/shm")
 RUN = "test-run"  # the run id (``run_identity``) the slots of these tests are kept under
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, os, sys, time, torch
     import torch.distributed as dist
     from pathlib import Path
@@ -105,18 +105,31 @@ WORKER = textwrap.dedent('''
             out["corrupt_replica"] = exc.reason
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
-''')
+""")
 
 
 def test_replicas_reach_the_next_pod_whole_and_come_back_to_a_replacement_pod(tmp_path):
     job = f"replicas-{os.getpid()}-{tmp_path.name[-12:]}"
     root = job_root(SHM, job, RUN)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "3"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "train"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "3",
+    }
     try:
-        procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(root)], env={**env, "RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, str(root)],
+                env={**env, "RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(3)
+        ]
         outs = []
         for p in procs:
             out, err = p.communicate(timeout=120)
@@ -141,7 +154,7 @@ def test_replicas_reach_the_next_pod_whole_and_come_back_to_a_replacement_pod(tm
         remove_job(SHM, job)
 
 
-ABORTING = textwrap.dedent('''
+ABORTING = textwrap.dedent("""
     import os, sys, time, torch
     import torch.distributed as dist
     from pathlib import Path
@@ -165,7 +178,7 @@ ABORTING = textwrap.dedent('''
     print("peer closed while this rank still ran" if marker.exists() else "peer still waiting", flush=True)
     rep.close(timeout_s=5)
     os._exit(0)
-''')
+""")
 
 
 def test_a_failed_rank_leaves_without_waiting_for_its_peers_goodbye(tmp_path):
@@ -174,12 +187,24 @@ def test_a_failed_rank_leaves_without_waiting_for_its_peers_goodbye(tmp_path):
     for the replicator's 30 s; an aborting close returns at once."""
     job = f"replicas-abort-{os.getpid()}-{tmp_path.name[-12:]}"
     root = job_root(SHM, job, RUN)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "train"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+    }
     try:
-        procs = [subprocess.Popen([sys.executable, "-c", ABORTING, str(root), str(tmp_path / "closed")],
-                                  env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", ABORTING, str(root), str(tmp_path / "closed")],
+                env={**env, "RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
         outs = [p.communicate(timeout=120) for p in procs]
         assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
         assert outs[0][0].strip() == "peer closed while this rank still ran", outs[0]
@@ -187,7 +212,7 @@ def test_a_failed_rank_leaves_without_waiting_for_its_peers_goodbye(tmp_path):
         remove_job(SHM, job)
 
 
-BROKEN = textwrap.dedent('''
+BROKEN = textwrap.dedent("""
     import os, sys, time, torch
     import torch.distributed as dist
     from pathlib import Path
@@ -229,7 +254,7 @@ BROKEN = textwrap.dedent('''
     print(f"healthy={rep.healthy} sent={rep.sent}", flush=True)
     print("errors: " + " | ".join(rep.errors), flush=True)
     os._exit(0)
-''')
+""")
 
 
 def test_replication_that_stops_is_said_at_once_and_reported_unhealthy(tmp_path):
@@ -238,12 +263,24 @@ def test_replication_that_stops_is_said_at_once_and_reported_unhealthy(tmp_path)
     ``memory_replication`` record) and its error names the peer, for the training thread to say."""
     job = f"replicas-broken-{os.getpid()}-{tmp_path.name[-12:]}"
     root = job_root(SHM, job, RUN)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "train"), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "train"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+    }
     try:
-        procs = [subprocess.Popen([sys.executable, "-c", BROKEN, str(root), str(tmp_path / "gone")],
-                                  env={**env, "RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", BROKEN, str(root), str(tmp_path / "gone")],
+                env={**env, "RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
         outs = [p.communicate(timeout=120) for p in procs]
         assert procs[1].returncode == 9 and outs[1][0].strip() == "received [2]", outs[1]
         assert procs[0].returncode == 0, outs[0][1][-3000:]

@@ -63,7 +63,7 @@ def test_two_neighbouring_lost_pods_or_a_newer_durable_commit_go_to_the_durable_
 def test_the_newest_step_every_rank_can_get_wins_over_a_newer_one_some_lack():
     reports = ring(4, 1, (10, 12))
     reports[3] = Report(3, (10,), reports[3].replicas)  # rank 3's save of 12 was cut off
-    reports[0] = Report(0, (10, 12), {3: (10,)})         # and rank 0 keeps only its 10
+    reports[0] = Report(0, (10, 12), {3: (10,)})  # and rank 0 keeps only its 10
     decision = decide(reports, 4, durable_step=None)
     assert decision.step == 10 and set(decision.sources.values()) == {None}
 

@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient_fsdp.checkpoint.memory.slots import (MemorySlots, SlotInvalid, job_root, owner_name, remove_job,
-                                                    slot_bytes, structure_digest)
+from resilient_fsdp.checkpoint.memory.slots import (
+    MemorySlots,
+    SlotInvalid,
+    job_root,
+    owner_name,
+    remove_job,
+    slot_bytes,
+    structure_digest,
+)
 from resilient_fsdp.checkpoint.memory.tier import MemoryTier
 from resilient_fsdp.checkpoint.staging import structure
 from tests.support import REPO
@@ -32,8 +39,12 @@ def root(shm_job):
 
 def state(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(33, 7, generator=g), torch.randn(5, generator=g).to(torch.bfloat16),
-            torch.randint(0, 100, (3, 3), generator=g), torch.empty(0)]
+    return [
+        torch.randn(33, 7, generator=g),
+        torch.randn(5, generator=g).to(torch.bfloat16),
+        torch.randint(0, 100, (3, 3), generator=g),
+        torch.empty(0),
+    ]
 
 
 def save(slots: MemorySlots, tensors: list[torch.Tensor], step: int, digest: str = "d"):
@@ -41,8 +52,18 @@ def save(slots: MemorySlots, tensors: list[torch.Tensor], step: int, digest: str
     spans, views = slots.open(slot, tensors)
     for view, t in zip(views, tensors):
         view.copy_(t)
-    return slots.commit(slot, spans, step, digest, world_size=4, rank=1, job="j", attempt=0, meta={"mesh": [4]},
-                        extra=f"values of step {step}".encode())
+    return slots.commit(
+        slot,
+        spans,
+        step,
+        digest,
+        world_size=4,
+        rank=1,
+        job="j",
+        attempt=0,
+        meta={"mesh": [4]},
+        extra=f"values of step {step}".encode(),
+    )
 
 
 def test_saves_alternate_and_the_newest_complete_snapshot_loads_bitwise(root):
@@ -117,8 +138,10 @@ def test_a_newest_snapshot_failing_its_checksum_is_set_aside_when_reported_and_i
     path.write_bytes(bytes(data))
     assert tier.report().own == (2,)
     (message,) = said
-    assert f"slot-{newest.slot}.bin: tensor 0 fails its CRC32C (step 4)" in message and \
-        f"set aside as slot-{newest.slot}.invalid" in message
+    assert (
+        f"slot-{newest.slot}.bin: tensor 0 fails its CRC32C (step 4)" in message
+        and f"set aside as slot-{newest.slot}.invalid" in message
+    )
     assert (tier.slots.dir / f"slot-{newest.slot}.invalid").exists()
     assert tier.slots.next_slot() == newest.slot
     save(tier.slots, state(3), 6)
@@ -169,8 +192,13 @@ def test_another_process_finds_and_loads_what_an_earlier_one_saved_and_the_job_e
         slots.load_into(record, live)
         print(json.dumps({{"step": record.step, "sums": [float(t.double().sum()) for t in live]}}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={"PYTHONPATH": str(REPO / "train"), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(REPO / "train"), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"step": 20, "sums": [float(t.double().sum()) for t in state(5)]}
@@ -183,7 +211,9 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_killed_process(tmp_path):
     the file is mapped, so the save fails with ENOSPC naming the fix instead of a SIGBUS."""
     mount = tmp_path / "shm"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if made.returncode != 0:
         pytest.fail(f"mounting a tmpfs needs root: {made.stderr.strip()}")
     try:
@@ -208,7 +238,9 @@ def test_a_dev_shm_too_small_for_the_pods_slots_turns_the_tier_off_once_and_take
     assert shm_needed(100, ranks_per_pod=8, replicas=0, durable_copies=0) == 8 * 100 * 2
     mount = tmp_path / "shm"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if made.returncode != 0:
         pytest.fail(f"mounting a tmpfs needs root: {made.stderr.strip()}")
     sd = {"w": torch.zeros(50 * 1024)}  # 200 KiB of float32
@@ -241,7 +273,9 @@ def test_a_dev_shm_too_small_for_the_pods_slots_turns_the_tier_off_once_and_take
         crowded = MemoryTier(1, mount, "fits", RUN, 0, 2, ranks_per_pod=2, durable_copies=1)
         crowded.save(1, sd)
         (said,) = crowded.poll()
-        assert "the memory tier is off for this job" in said["error"] and "need 0.78 MiB for their slots" in said["error"]
+        assert (
+            "the memory tier is off for this job" in said["error"] and "need 0.78 MiB for their slots" in said["error"]
+        )
         assert f"{stale.parent} holds 0.59 MiB" in said["error"] and "Durable checkpoints go on" in said["error"], said
         assert (stale / "slot-a.bin").stat().st_size == 600 * 1024 and not any(mount.rglob("slot-b*"))
         crowded.close(remove=True)

@@ -34,15 +34,23 @@ def slots_of(run_dir: Path, job: str, owner: str = "rank-0") -> Path:
 
 
 def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_peers_replica_bitwise(
-        tmp_path, reference_1x2):
+    tmp_path, reference_1x2
+):
     """Two pods of one rank, durable checkpoints every 4 steps, memory ones every 2, replicas on.
     Rank 0 killed after step 11: the in-job restart restores every rank from its own slot (step
     10: one step lost, not three). Pod 0, the store host, lost after step 19: its replacement comes
     back with an empty /dev/shm, and its rank's snapshot of step 18 comes back from pod 1, which
     kept its replica."""
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["sigkill@12:rank=0", "node-loss@20:node=0"], reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=400)
+    summary = run_with_faults(
+        run_dir,
+        ["sigkill@12:rank=0", "node-loss@20:node=0"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1"],
+        timeout=400,
+    )
     killed, lost = summary["recoveries"]
     assert (killed["resumed_from_step"], killed["lost_steps"]) == (10, 1), killed
     assert (lost["resumed_from_step"], lost["lost_steps"]) == (18, 1), lost
@@ -50,10 +58,15 @@ def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_
     assert "resumed from memory: step 10 on every rank (step 10 from memory on every rank)" in out, summary["_output"]
     # The new process read its slot ahead while it built the model, and the restore took that;
     # the log says the load's CPU time beside its phases.
-    assert re.search(r"resumed from memory: step 10 .* \(the load \d+\.\d\d s on the CPU\), read ahead beside "
-                     r"the build in \d", out), summary["_output"]
-    assert "resumed from memory: step 18 on every rank (step 18 from memory on every rank, 1 rank(s) from the " \
-           "replica a peer keeps)" in out, summary["_output"]
+    assert re.search(
+        r"resumed from memory: step 10 .* \(the load \d+\.\d\d s on the CPU\), read ahead beside "
+        r"the build in \d",
+        out,
+    ), summary["_output"]
+    assert (
+        "resumed from memory: step 18 on every rank (step 18 from memory on every rank, 1 rank(s) from the "
+        "replica a peer keeps)" in out
+    ), summary["_output"]
     saved = read_events(run_dir, "memory_checkpoint")
     assert {r["step"] for r in saved} >= {2, 6, 10, 14, 18} and not {r["step"] for r in saved} & {4, 8, 12, 16}
     assert all(r["error"] is None and r["bytes"] > 0 for r in saved)
@@ -63,16 +76,24 @@ def test_a_killed_rank_0_restores_from_its_own_memory_and_a_lost_pod_0_from_its_
     assert not job_folder(job_of(run_dir)).exists()
 
 
-def test_a_rank_killed_between_its_replicas_record_and_bytes_restarts_from_memory_bitwise(tmp_path, reference_1x2,
-                                                                                         request):
+def test_a_rank_killed_between_its_replicas_record_and_bytes_restarts_from_memory_bitwise(
+    tmp_path, reference_1x2, request
+):
     """sigkill-during-replication@10: rank 0's sender has sent the record of its step 10 replica to
     pod 1 and is about to send the bytes when rank 0 is killed. The send never completes (no
     replica event for step 10); every rank still holds its own snapshot of step 10, so the in-job
     restart resumes from memory there, and the job ends bitwise equal. The image's NVRx lane."""
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["sigkill-during-replication@10:rank=0"], reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=300,
-                              **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["sigkill-during-replication@10:rank=0"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1"],
+        timeout=300,
+        **lane_run(request, "image"),
+    )
     (killed,) = summary["recoveries"]
     assert killed["layer"] == "in_job" and killed["during_replication"] is True, killed
     assert killed["replica_step"] == 10 and killed["resumed_from_step"] == 10, killed
@@ -82,8 +103,9 @@ def test_a_rank_killed_between_its_replicas_record_and_bytes_restarts_from_memor
     assert not job_folder(job_of(run_dir)).exists()
 
 
-def test_a_rank_killed_inside_its_restore_from_memory_restores_the_same_snapshot_again(tmp_path, reference_1x2,
-                                                                                        request):
+def test_a_rank_killed_inside_its_restore_from_memory_restores_the_same_snapshot_again(
+    tmp_path, reference_1x2, request
+):
     """sigkill-during-restore@6:rank=1 is armed at step 6; exception@12:rank=0 makes the in-job
     restart that restores every rank from memory at step 10, and rank 1 is killed inside that
     restore, its snapshot chosen, the live state not yet loaded. The next in-job restart restores
@@ -91,9 +113,16 @@ def test_a_rank_killed_inside_its_restore_from_memory_restores_the_same_snapshot
     short never trained: one restart closes both faults, and only it counts as a restart."""
     run_dir = tmp_path / "run"
     # Listed as they fire (summary.json's order): the armed fault fires after the exception.
-    summary = run_with_faults(run_dir, ["exception@12:rank=0", "sigkill-during-restore@6:rank=1"], reference_1x2,
-                              nodes=2, nproc=1, overrides=[*MEMORY, "checkpoint.memory.replicas=1"], timeout=300,
-                              **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["exception@12:rank=0", "sigkill-during-restore@6:rank=1"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1"],
+        timeout=300,
+        **lane_run(request, "image"),
+    )
     by_kind = {r["kind"]: r for r in summary["recoveries"]}
     restore, exception = by_kind["sigkill-during-restore"], by_kind["exception"]
     assert restore["during_restore"] is True and restore["rank"] == 1, restore
@@ -109,8 +138,13 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
     """A world of one, killed after step 11, its snapshot of step 10 flipped: set aside when the
     start reports, and the older snapshot (step 6) is older than the durable checkpoint of step 8
     (sync saves: committed before step 9 runs), so the run resumes from step 8."""
-    common = ["train.steps=16", "checkpoint.interval_steps=4", "checkpoint.mode=sync", *MEMORY,
-              "checkpoint.job_id=memory-fallback"]
+    common = [
+        "train.steps=16",
+        "checkpoint.interval_steps=4",
+        "checkpoint.mode=sync",
+        *MEMORY,
+        "checkpoint.job_id=memory-fallback",
+    ]
     reference = run_trainer(tmp_path / "reference", ["train.steps=16", "checkpoint.interval_steps=4"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -118,7 +152,9 @@ def test_a_corrupt_snapshot_falls_back_to_the_durable_checkpoint_and_the_run_sta
     assert killed.returncode == -9, killed.stderr[-3000:]
     slots = slots_of(run_dir, "memory-fallback")
     try:
-        (record,) = [json.loads(p.read_text()) for p in slots.glob("slot-*.json") if json.loads(p.read_text())["step"] == 10]
+        (record,) = [
+            json.loads(p.read_text()) for p in slots.glob("slot-*.json") if json.loads(p.read_text())["step"] == 10
+        ]
         data = slots / f"slot-{record['slot']}.bin"
         flipped = bytearray(data.read_bytes())
         flipped[record["spans"][0][0]] ^= 0x10
@@ -156,7 +192,9 @@ def test_a_new_run_with_the_same_job_id_never_loads_the_snapshots_an_earlier_run
         out = second.stdout + second.stderr
         assert second.returncode == 0, out[-3000:]
         assert "resumed from" not in out, out[-3000:]
-        assert read_run_identity(tmp_path / "seed-2" / "checkpoints") != read_run_identity(tmp_path / "seed-1" / "checkpoints")
+        assert read_run_identity(tmp_path / "seed-2" / "checkpoints") != read_run_identity(
+            tmp_path / "seed-1" / "checkpoints"
+        )
         assert {json.loads(p.read_text())["step"] for p in earlier.glob("slot-*.json")} == {6, 10}
         # The killed run's own restart still finds its snapshot of step 10.
         resumed = run_trainer(tmp_path / "seed-1", [*common, "seed=1"])
@@ -170,9 +208,9 @@ def test_a_new_run_with_the_same_job_id_never_loads_the_snapshots_an_earlier_run
         remove_job(SHM, job)
 
 
-
 def test_a_corrupt_slot_comes_back_from_its_replica_and_a_corrupt_replica_from_the_durable_checkpoint(
-        tmp_path, reference_1x2, request):
+    tmp_path, reference_1x2, request
+):
     """Two pods of one rank on the image's NVRx lane, replicas on. After step 11, a bit of rank 0's
     snapshot of step 10 flips (its replica already on pod 1) and rank 0 is killed: the start sets
     the slot aside and restores rank 0 from the replica pod 1 keeps, rank 1 from its own slot.
@@ -181,17 +219,31 @@ def test_a_corrupt_slot_comes_back_from_its_replica_and_a_corrupt_replica_from_t
     the load, and every rank resumes from the durable checkpoint of step 16 (saved synchronously, so it is
     committed whatever the machine's speed)."""
     run_dir = tmp_path / "run"
-    faults = ["memory-corrupt@12:rank=0", "sigkill@12:rank=0", "replica-corrupt@19:rank=1",
-              "memory-corrupt@20:rank=0", "sigkill@20:rank=0"]
-    summary = run_with_faults(run_dir, faults, reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1", "checkpoint.mode=sync"],
-                              timeout=400, **lane_run(request, "image"))
+    faults = [
+        "memory-corrupt@12:rank=0",
+        "sigkill@12:rank=0",
+        "replica-corrupt@19:rank=1",
+        "memory-corrupt@20:rank=0",
+        "sigkill@20:rank=0",
+    ]
+    summary = run_with_faults(
+        run_dir,
+        faults,
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1", "checkpoint.mode=sync"],
+        timeout=400,
+        **lane_run(request, "image"),
+    )
     from_replica, from_durable = summary["recoveries"]
     out = summary["_stdout"] + summary["_output"]
     assert (from_replica["resumed_from_step"], from_replica["lost_steps"]) == (10, 1), from_replica
     assert "rank-0/slot-" in out and "fails its CRC32C (step 10)" in out and ".invalid" in out, out[-4000:]
-    assert "resumed from memory: step 10 on every rank (step 10 from memory on every rank, 1 rank(s) from the " \
-           "replica a peer keeps)" in out, out[-4000:]
+    assert (
+        "resumed from memory: step 10 on every rank (step 10 from memory on every rank, 1 rank(s) from the "
+        "replica a peer keeps)" in out
+    ), out[-4000:]
     assert (from_durable["resumed_from_step"], from_durable["lost_steps"]) == (16, 3), from_durable
     assert "memory checkpoint of step 18 not loaded" in out and "resuming from the durable checkpoint" in out
     assert "resumed from memory: step 18" not in out

@@ -21,8 +21,9 @@ ITEM_FRAMING = 4096
 
 
 @pytest.mark.parametrize("lane", LANES)
-def test_a_state_of_thousands_of_tensors_saves_and_resumes_bitwise_under_a_1024_open_files_limit(tmp_path, request,
-                                                                                                    lane):
+def test_a_state_of_thousands_of_tensors_saves_and_resumes_bitwise_under_a_1024_open_files_limit(
+    tmp_path, request, lane
+):
     report = run_probe("open_files.py", tmp_path, "async", pythonpath=lane_path(request, lane), open_files=LOW)
     assert report["tensors"] > 3000, report
     assert report["open_files_limit"] == {"trainer": list(LOW), "writer": list(LOW)}, report
@@ -47,8 +48,9 @@ def test_torch_async_saves_thousands_of_tensors_under_a_1024_open_files_limit(tm
 # launcher, every process of the job under the limit.
 @pytest.mark.extended
 @pytest.mark.parametrize("lane", ["pinned", "image"])
-def test_two_ranks_stopped_and_resumed_under_a_1024_open_files_limit_equal_an_uninterrupted_run(tmp_path, request,
-                                                                                                   lane):
+def test_two_ranks_stopped_and_resumed_under_a_1024_open_files_limit_equal_an_uninterrupted_run(
+    tmp_path, request, lane
+):
     pythonpath = [PROBES_DIR, *lane_path(request, lane)]
     common = ["train.steps=4", "checkpoint.interval_steps=2", "model.factory=many_tensors:build"]
     reference = run_local(tmp_path / "ref", overrides=common, pythonpath=pythonpath, timeout=400)
@@ -66,15 +68,17 @@ def test_two_ranks_stopped_and_resumed_under_a_1024_open_files_limit_equal_an_un
 def writer_report(request, tmp_path_factory) -> dict:
     """The writer probe on one lane, its soft limit 1024 under a hard limit of 4096."""
     run_dir = tmp_path_factory.mktemp(f"writer-{request.param}")
-    report = run_probe("writer_requests.py", run_dir, pythonpath=lane_path(request, request.param),
-                       open_files=(1024, 4096))
+    report = run_probe(
+        "writer_requests.py", run_dir, pythonpath=lane_path(request, request.param), open_files=(1024, 4096)
+    )
     assert_no_leftovers(run_dir)
     return report
 
 
 def test_the_soft_open_files_limit_is_raised_to_the_hard_one_at_start_and_said_once(writer_report):
-    assert writer_report["said"] == ["[resilient-fsdp] open files (RLIMIT_NOFILE): soft limit 1024, hard limit "
-                                     "4096; soft limit raised to 4096"], writer_report
+    assert writer_report["said"] == [
+        "[resilient-fsdp] open files (RLIMIT_NOFILE): soft limit 1024, hard limit 4096; soft limit raised to 4096"
+    ], writer_report
     assert writer_report["later_call_first"] is False
     assert writer_report["trainer_limit"] == [4096, 4096]
     assert writer_report["writer"]["open_files_limit"] == [4096, 4096]  # inherited from the trainer

@@ -63,8 +63,12 @@ def test_resume_from_applies_to_the_jobs_first_start_and_survives_retention_dele
     ckpts = tmp_path / "checkpoints"
     target = ckpts / "step_00000008"
     # The documented rewind: a step_N inside the job's own checkpoint.dir, with retention on.
-    rewind = common + [f"checkpoint.resume_from={target}", "checkpoint.job_id=job-b", "checkpoint.keep_last=2",
-                       f"checkpoint.dir={ckpts}"]
+    rewind = common + [
+        f"checkpoint.resume_from={target}",
+        "checkpoint.job_id=job-b",
+        "checkpoint.keep_last=2",
+        f"checkpoint.dir={ckpts}",
+    ]
     second = run_trainer(tmp_path / "b", rewind + ["train.stop_at_step=16"], timeout=300)
     assert second.returncode == 0, second.stderr
     assert "resumed from step 8" in second.stdout
@@ -122,23 +126,35 @@ def test_python_and_numpy_random_streams_resume_exactly(tmp_path, plugin_dir):
 def test_a_world_that_cannot_make_the_global_batch_trains_on_at_the_nearest_or_is_refused(tmp_path):
     """3 ranks x 1 sample x accum 3 (9 a step), then 2 ranks, which cannot make 9: ``exact``
     refuses, ``nearest`` trains on at 8 (accum 4; 8 and 10 tie, the smaller wins)."""
-    three = run_local(tmp_path, nodes=1, nproc=3, overrides=["train.steps=8", "train.stop_at_step=4",
-                                                             "data.micro_batch_size=1", "train.grad_accum_steps=3"])
+    three = run_local(
+        tmp_path,
+        nodes=1,
+        nproc=3,
+        overrides=["train.steps=8", "train.stop_at_step=4", "data.micro_batch_size=1", "train.grad_accum_steps=3"],
+    )
     assert three.returncode == 0, three.stdout + three.stderr
-    refused = run_trainer(tmp_path, ["train.steps=8", "data.micro_batch_size=2", "train.grad_accum_steps=3",
-                                     "train.elastic_batch=exact"])
+    refused = run_trainer(
+        tmp_path, ["train.steps=8", "data.micro_batch_size=2", "train.grad_accum_steps=3", "train.elastic_batch=exact"]
+    )
     assert refused.returncode == 2
-    assert ("train.elastic_batch=exact: cannot keep the global batch of 9 samples per step" in refused.stderr
-            and "train.grad_accum_steps" in refused.stderr and "data.micro_batch_size" in refused.stderr
-            and "train.elastic_batch=nearest" in refused.stderr), refused.stderr[-2000:]
-    two = run_local(tmp_path, nodes=1, nproc=2, overrides=["train.steps=8", "data.micro_batch_size=1",
-                                                           "train.grad_accum_steps=3"])
+    assert (
+        "train.elastic_batch=exact: cannot keep the global batch of 9 samples per step" in refused.stderr
+        and "train.grad_accum_steps" in refused.stderr
+        and "data.micro_batch_size" in refused.stderr
+        and "train.elastic_batch=nearest" in refused.stderr
+    ), refused.stderr[-2000:]
+    two = run_local(
+        tmp_path, nodes=1, nproc=2, overrides=["train.steps=8", "data.micro_batch_size=1", "train.grad_accum_steps=3"]
+    )
     assert two.returncode == 0, two.stdout + two.stderr
     assert "resharded from world size 3 to 2; RNG streams start fresh" in two.stdout
-    assert ("train.grad_accum_steps=4 instead of 3: global batch 8 samples per step instead of the run's 9 "
-            "(train.elastic_batch=nearest" in two.stdout), two.stdout[-3000:]
-    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if '"event": "step"' in line]
+    assert (
+        "train.grad_accum_steps=4 instead of 3: global batch 8 samples per step instead of the run's 9 "
+        "(train.elastic_batch=nearest" in two.stdout
+    ), two.stdout[-3000:]
+    steps = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"event": "step"' in line
+    ]
     assert [(s["step"], s["global_batch"]) for s in steps] == [(n, 9 if n <= 4 else 8) for n in range(1, 9)]
     assert all(s["tokens"] == s["global_batch"] * 64 for s in steps)
     summary = read_summary(tmp_path)

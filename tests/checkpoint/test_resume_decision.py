@@ -44,7 +44,10 @@ def test_an_applied_rewind_resumes_from_the_newest_commit_after_retention_delete
     for step in (12, 16, 20):
         _commit(tmp_path, step, token="ef012345")
     assert [p.name for p in store.apply_retention(tmp_path, keep_last=2)] == [
-        "step_00000004", "step_00000008", "step_00000012"]
+        "step_00000004",
+        "step_00000008",
+        "step_00000012",
+    ]
     assert not target.exists()
     later, said = _decide(tmp_path, target)
     assert later == {"candidate": later["candidate"]} and later["candidate"]["step"] == 20
@@ -86,8 +89,16 @@ def _rank(rank, world, port, root, out):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
     cfg = CheckpointConfig(dir=root, resume_from=os.path.join(root, "step_00000099"))
     try:
-        resume_.resume(RankGroup(rank, world, torch.device("cpu")), cfg, __import__("pathlib").Path(root), "job",
-                       None, {}, {}, lambda _m: None)
+        resume_.resume(
+            RankGroup(rank, world, torch.device("cpu")),
+            cfg,
+            __import__("pathlib").Path(root),
+            "job",
+            None,
+            {},
+            {},
+            lambda _m: None,
+        )
         result = ("returned", "")
     except Exception as exc:  # noqa: BLE001 - the type and message are what is compared
         result = (type(exc).__name__, str(exc))
@@ -101,8 +112,7 @@ def test_a_decision_error_reaches_every_rank_with_its_type_and_message(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(2, port, str(tmp_path), str(tmp_path)), nprocs=2, start_method="spawn",
-                       join=True)
+    mp.start_processes(_rank, args=(2, port, str(tmp_path), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0] == results[1] and results[0][0] == "ConfigError", results
     assert "checkpoint.resume_from=" in results[0][1]

@@ -51,13 +51,20 @@ def synthetic_checkpoint(path: Path, sizes: dict[str, int], created: float) -> s
     for name, size in sizes.items():
         (path / name).write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
         checksums[name] = {"crc32c": integrity.file_crc32c(path / name), "bytes": size}
-    manifest = {"step": 4, "created_unix": created, "job": "job-a", "world_size": 1, "mode": "async",
-                "checksums": checksums}
+    manifest = {
+        "step": 4,
+        "created_unix": created,
+        "job": "job-a",
+        "world_size": 1,
+        "mode": "async",
+        "checksums": checksums,
+    }
     return store.CheckpointInfo(4, path, manifest)
 
 
-def test_a_checkpoint_is_read_to_verify_it_once_per_process_and_a_corrupted_one_still_fails(tmp_path, group,
-                                                                                         crc_reads, monkeypatch):
+def test_a_checkpoint_is_read_to_verify_it_once_per_process_and_a_corrupted_one_still_fails(
+    tmp_path, group, crc_reads, monkeypatch
+):
     cfg = CheckpointConfig(verify="load")
     sizes = {"__0_0.distcp": 300_000, "__0_1.distcp": 200_000, ".metadata": 5_000}
     ckpt = synthetic_checkpoint(tmp_path / "step_00000004", sizes, created=1000.0)
@@ -207,7 +214,8 @@ def test_hash_throughput_is_measured_per_rank():
 
 
 def test_the_commits_index_holds_every_place_of_the_metadata_and_a_resume_reads_it_not_the_metadata(
-        tmp_path, group, metadata_opens, monkeypatch):
+    tmp_path, group, metadata_opens, monkeypatch
+):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 

@@ -10,7 +10,16 @@ import sys
 import pytest
 
 from tests.checkpoint.probes import HERE as PROBES_DIR, run_probe
-from tests.support import REPO, assert_no_leftovers, read_events, read_losses, read_summary, run_guarded, run_local, run_trainer
+from tests.support import (
+    REPO,
+    assert_no_leftovers,
+    read_events,
+    read_losses,
+    read_summary,
+    run_guarded,
+    run_local,
+    run_trainer,
+)
 
 
 MODES = ["async", "torch-async", "sync"]
@@ -38,14 +47,16 @@ def test_image_nvrx_version_round_trip(tmp_path, nvrx_lane, mode):
 
 
 @pytest.mark.parametrize("lane", [pytest.param("pinned", marks=pytest.mark.extended), "image"])
-def test_a_cached_plan_writes_checkpoints_that_load_bitwise_and_a_changed_structure_invalidates_it(tmp_path, request,
-                                                                                                   lane):
+def test_a_cached_plan_writes_checkpoints_that_load_bitwise_and_a_changed_structure_invalidates_it(
+    tmp_path, request, lane
+):
     """The plan cache (an explicit CheckpointMetadataCache) is validated at the second save
     of a structure and skips planning from the third; an added key and a changed shape each start
     a fresh cache. The staging buffers travel to the writer once per structure, not per save."""
     pythonpath = [REPO] + ([] if lane == "pinned" else [request.getfixturevalue("nvrx_lane")])
-    proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")],
-                       tmp_path, pythonpath, timeout=240)
+    proc = run_guarded(
+        [sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")], tmp_path, pythonpath, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saves = json.loads(proc.stdout.strip().splitlines()[-1])["saves"]
     # 1-4 unchanged, 5-7 with an added key, 8-10 with a changed shape: fresh, keep, cached...
@@ -61,8 +72,13 @@ def test_a_plan_made_alone_is_validated_at_the_first_save_of_a_structure_and_loa
     by the rank alone and handed to NVRx as a validated cache: every later save of that
     structure skips planning; each save loads back bitwise with DCP's own loader."""
     pythonpath = [REPO] + ([] if lane == "pinned" else [request.getfixturevalue("nvrx_lane")])
-    proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")],
-                       tmp_path, pythonpath, timeout=240, env={"PROBE_PLANNING": "decentralized"})
+    proc = run_guarded(
+        [sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")],
+        tmp_path,
+        pythonpath,
+        timeout=240,
+        env={"PROBE_PLANNING": "decentralized"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saves = json.loads(proc.stdout.strip().splitlines()[-1])["saves"]
     # 1-4 unchanged, 5-7 with an added key, 8-10 with a changed shape: planned alone, then cached
@@ -75,8 +91,13 @@ def test_a_plan_made_alone_is_validated_at_the_first_save_of_a_structure_and_loa
 def test_a_plan_that_cannot_be_made_alone_fails_one_save_named_and_the_rank_plans_collectively_after(tmp_path):
     """Planning alone that raises would raise again for the same state: that save fails once,
     naming why, and every later save is planned collectively and loads bitwise."""
-    proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")], tmp_path, [REPO],
-                       timeout=240, env={"PROBE_PLANNING": "decentralized", "PROBE_BREAK_ALONE": "1"})
+    proc = run_guarded(
+        [sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / "c")],
+        tmp_path,
+        [REPO],
+        timeout=240,
+        env={"PROBE_PLANNING": "decentralized", "PROBE_BREAK_ALONE": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saves = json.loads(proc.stdout.strip().splitlines()[-1])["saves"]
     # The failed save left a fresh cache for the structure: the collective plans fill and validate it.
@@ -114,8 +135,12 @@ def test_a_ranks_next_process_saves_with_the_plan_its_pod_kept_and_only_with_its
     kept = tmp_path / "shm" / "plans" / "rank-0.pickle"
 
     def process(name: str, rank: int, rows: str, end: str = "abort") -> dict:
-        proc = run_guarded([sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / name), str(kept),
-                            str(rank), rows, end], tmp_path, pythonpath, timeout=240)
+        proc = run_guarded(
+            [sys.executable, str(PROBES_DIR / "plan_cache.py"), str(tmp_path / name), str(kept), str(rank), rows, end],
+            tmp_path,
+            pythonpath,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         report = json.loads(proc.stdout.strip().splitlines()[-1])
         assert all(s["bitwise"] for s in report["saves"]) and not report["notes"], report
@@ -134,8 +159,12 @@ def test_a_ranks_next_process_saves_with_the_plan_its_pod_kept_and_only_with_its
 def _metadata(chunks: int):
     """A DCP ``Metadata`` of one tensor cut into ``chunks`` chunks."""
     import torch
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     parts = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 4])) for i in range(chunks)]
     return Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([chunks, 4]), parts)})
@@ -262,8 +291,9 @@ def test_checkpoint_figures_are_reported(uninterrupted):
 def test_dcp_checkpoints_reshard_and_torch_async_ones_refuse(tmp_path):
     for mode in ("async", "torch-async"):
         run_dir = tmp_path / mode
-        two = run_local(run_dir, nodes=1, nproc=2, overrides=["train.steps=8", "train.stop_at_step=4",
-                                                              f"checkpoint.mode={mode}"])
+        two = run_local(
+            run_dir, nodes=1, nproc=2, overrides=["train.steps=8", "train.stop_at_step=4", f"checkpoint.mode={mode}"]
+        )
         assert two.returncode == 0, two.stdout + two.stderr
         one = run_trainer(run_dir, ["train.steps=8", f"checkpoint.mode={mode}"])
         if mode == "async":
@@ -282,8 +312,10 @@ def test_a_different_model_is_refused(tmp_path):
 
 
 def test_time_interval_triggers_saves(tmp_path):
-    proc = run_trainer(tmp_path, ["train.steps=12", "checkpoint.interval_s=0.001", "checkpoint.save_final=false",
-                                  "checkpoint.keep_last=0"])
+    proc = run_trainer(
+        tmp_path,
+        ["train.steps=12", "checkpoint.interval_s=0.001", "checkpoint.save_final=false", "checkpoint.keep_last=0"],
+    )
     assert proc.returncode == 0, proc.stderr
     steps = [e["step"] for e in read_events(tmp_path, "checkpoint")]
     # Every step is past the interval; a save still in flight delays the next one, never skips

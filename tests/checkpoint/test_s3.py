@@ -31,8 +31,15 @@ def make_checkpoint(root, step, sizes=(6 * MIB, 100_000, 0), world_size=1):
 
 
 def s3_config(s3, prefix, **kw):
-    fast = {"connect_timeout_s": 1, "read_timeout_s": 2, "max_attempts": 2, "retry_backoff_s": 0.3,
-            "retry_backoff_max_s": 1, "multipart_threshold_mb": 5, "multipart_chunksize_mb": 5}
+    fast = {
+        "connect_timeout_s": 1,
+        "read_timeout_s": 2,
+        "max_attempts": 2,
+        "retry_backoff_s": 0.3,
+        "retry_backoff_max_s": 1,
+        "multipart_threshold_mb": 5,
+        "multipart_chunksize_mb": 5,
+    }
     return S3Config(uri=s3.uri(prefix), endpoint_url=s3.endpoint, **{**fast, **kw})
 
 
@@ -50,14 +57,26 @@ class Calls:
         return [(op, key) for op, key in self.seen if op in names]
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("checkpoint.s3.uri=bucket/prefix", "checkpoint.s3.uri='bucket/prefix' must look like s3://bucket/prefix"),
-    ("checkpoint.s3.uri=s3://Bad_Bucket/x", "'Bad_Bucket' is not a valid bucket name"),
-    ("checkpoint.s3.endpoint_url=localhost:9000", "checkpoint.s3.endpoint_url='localhost:9000' must look like http"),
-    ("checkpoint.s3.multipart_chunksize_mb=1", "checkpoint.s3.multipart_chunksize_mb: Input should be greater than or equal to 5"),
-    ("checkpoint.s3.keep_lst=2", "did you mean 'checkpoint.s3.keep_last'"),
-    ("checkpoint.s3.retry_backoff_s=500", "checkpoint.s3.retry_backoff_s=500.0 must not exceed checkpoint.s3.retry_backoff_max_s"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("checkpoint.s3.uri=bucket/prefix", "checkpoint.s3.uri='bucket/prefix' must look like s3://bucket/prefix"),
+        ("checkpoint.s3.uri=s3://Bad_Bucket/x", "'Bad_Bucket' is not a valid bucket name"),
+        (
+            "checkpoint.s3.endpoint_url=localhost:9000",
+            "checkpoint.s3.endpoint_url='localhost:9000' must look like http",
+        ),
+        (
+            "checkpoint.s3.multipart_chunksize_mb=1",
+            "checkpoint.s3.multipart_chunksize_mb: Input should be greater than or equal to 5",
+        ),
+        ("checkpoint.s3.keep_lst=2", "did you mean 'checkpoint.s3.keep_last'"),
+        (
+            "checkpoint.s3.retry_backoff_s=500",
+            "checkpoint.s3.retry_backoff_s=500.0 must not exceed checkpoint.s3.retry_backoff_max_s",
+        ),
+    ],
+)
 def test_bad_s3_settings_name_the_key(override, expected):
     with pytest.raises(ConfigError) as info:
         load_config(None, ["checkpoint.s3.uri=s3://bucket/prefix", override])
@@ -75,8 +94,9 @@ def test_upload_sends_the_marker_last_and_a_restore_is_byte_exact(s3, tmp_path):
     writes = calls.ops("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload")
     assert writes[-1] == ("PutObject", "run/ckpts/step_00000040/COMPLETE")  # nothing after the marker
     assert ("CreateMultipartUpload", "run/ckpts/step_00000040/__0_0.distcp") in writes  # 6 MiB > 5 MiB threshold
-    assert s3.keys("run/") == ["run/ckpts/step_00000040/COMPLETE"] + [f"run/ckpts/step_00000040/__{i}_0.distcp"
-                                                                     for i in range(3)]
+    assert s3.keys("run/") == ["run/ckpts/step_00000040/COMPLETE"] + [
+        f"run/ckpts/step_00000040/__{i}_0.distcp" for i in range(3)
+    ]
     # Uploading the same commit again sends no data.
     calls.seen.clear()
     assert s3_transfer.upload_checkpoint(client, cfg, loc, ckpt)["status"] == "already-there"
@@ -89,7 +109,9 @@ def test_upload_sends_the_marker_last_and_a_restore_is_byte_exact(s3, tmp_path):
     for f in ckpt.glob("*.distcp"):
         assert (restored.path / f.name).read_bytes() == f.read_bytes()
     local, remote = store.read_manifest(ckpt), store.read_manifest(restored.path)
-    assert s3_remote.checkpoint_id(local) == s3_remote.checkpoint_id(remote) and remote["files"]["__1_0.distcp"] == 100_000
+    assert (
+        s3_remote.checkpoint_id(local) == s3_remote.checkpoint_id(remote) and remote["files"]["__1_0.distcp"] == 100_000
+    )
 
 
 def test_a_cut_off_upload_is_never_restored_and_its_retry_sends_only_what_is_missing(s3, tmp_path):
@@ -100,16 +122,38 @@ def test_a_cut_off_upload_is_never_restored_and_its_retry_sends_only_what_is_mis
     ident = s3_remote.checkpoint_id(store.read_manifest(step8))
     # What an upload cut off after one file leaves: that file with its checkpoint id, no marker;
     # and a file of another commit of the same step, which must not be kept.
-    client.put_object(Bucket=s3.bucket, Key="job/step_00000008/__1_0.distcp",
-                      Body=(step8 / "__1_0.distcp").read_bytes(), Metadata={s3_remote.ID_METADATA: ident})
-    client.put_object(Bucket=s3.bucket, Key="job/step_00000008/__2_0.distcp", Body=b"",
-                      Metadata={s3_remote.ID_METADATA: "another-commit"})
+    client.put_object(
+        Bucket=s3.bucket,
+        Key="job/step_00000008/__1_0.distcp",
+        Body=(step8 / "__1_0.distcp").read_bytes(),
+        Metadata={s3_remote.ID_METADATA: ident},
+    )
+    client.put_object(
+        Bucket=s3.bucket,
+        Key="job/step_00000008/__2_0.distcp",
+        Body=b"",
+        Metadata={s3_remote.ID_METADATA: "another-commit"},
+    )
     said = []
     remote, manifest = s3_remote.newest_complete(client, loc, say=said.append)
-    assert remote.step == 4 and said == [f"skipping s3://{s3.bucket}/job/step_00000008/: no COMPLETE marker "
-                                         "(an upload in progress or cut off)"]
-    assert cli_main(["checkpoints", "pull", "--uri", cfg.uri, "--endpoint-url", s3.endpoint,
-                     "--set", f"checkpoint.dir={tmp_path / 'pulled'}"]) == 0
+    assert remote.step == 4 and said == [
+        f"skipping s3://{s3.bucket}/job/step_00000008/: no COMPLETE marker (an upload in progress or cut off)"
+    ]
+    assert (
+        cli_main(
+            [
+                "checkpoints",
+                "pull",
+                "--uri",
+                cfg.uri,
+                "--endpoint-url",
+                s3.endpoint,
+                "--set",
+                f"checkpoint.dir={tmp_path / 'pulled'}",
+            ]
+        )
+        == 0
+    )
     assert [p.name for p in (tmp_path / "pulled").iterdir()] == ["step_00000004"]
 
     calls = Calls(client)
@@ -133,8 +177,12 @@ def test_retention_keeps_the_newest_complete_ones_and_never_touches_incomplete_o
     assert "r/step_00000001/__0_0.distcp" in s3.keys("r/")
     # Each victim's marker goes before its data: never a marker without its files.
     deletes = [(op, key) for op, key in calls.seen if op.startswith("Delete")]
-    assert deletes == [("DeleteObject", "r/step_00000002/COMPLETE"), ("DeleteObjects", ""),
-                       ("DeleteObject", "r/step_00000004/COMPLETE"), ("DeleteObjects", "")]
+    assert deletes == [
+        ("DeleteObject", "r/step_00000002/COMPLETE"),
+        ("DeleteObjects", ""),
+        ("DeleteObject", "r/step_00000004/COMPLETE"),
+        ("DeleteObjects", ""),
+    ]
     # With one complete checkpoint left, no keep_last deletes it.
     for step in (6,):
         client.delete_object(Bucket=s3.bucket, Key=f"r/step_{step:08d}/COMPLETE")
@@ -276,8 +324,9 @@ def test_operator_commands_list_push_and_pull(s3, tmp_path, capsys):
     assert "INCOMPLETE" in capsys.readouterr().out
     assert cli_main(["checkpoints", "pull", "--set", f"checkpoint.dir={tmp_path / 'new'}", *base]) == 0
     assert "pulled step 6" in capsys.readouterr().out
-    assert (tmp_path / "new" / "step_00000006" / "__0_0.distcp").read_bytes() == \
-        (local / "step_00000006" / "__0_0.distcp").read_bytes()
+    assert (tmp_path / "new" / "step_00000006" / "__0_0.distcp").read_bytes() == (
+        local / "step_00000006" / "__0_0.distcp"
+    ).read_bytes()
     assert cli_main(["checkpoints", "pull", "--step", "5", "--set", f"checkpoint.dir={tmp_path / 'new'}", *base]) == 1
     assert "no complete step 5" in capsys.readouterr().err
     # Without an S3 URI, the local checkpoints alone (push and pull still need one).
@@ -307,8 +356,10 @@ def test_uploads_ask_s3_for_checksums_and_a_download_is_resumed_and_verified(s3,
     loc, client = s3_client.parse_s3_uri(cfg.uri), s3_client.make_client(cfg)
     ckpt = make_checksummed_checkpoint(tmp_path / "local", 5)
     sent = []
-    client.meta.events.register("before-parameter-build.s3",
-                                lambda model, params, **_: sent.append((model.name, params.get("ChecksumAlgorithm"))))
+    client.meta.events.register(
+        "before-parameter-build.s3",
+        lambda model, params, **_: sent.append((model.name, params.get("ChecksumAlgorithm"))),
+    )
     s3_transfer.upload_checkpoint(client, cfg, loc, ckpt)
     assert {alg for op, alg in sent if op in ("CreateMultipartUpload", "PutObject") and alg} == {"CRC32"}
     remote, manifest = s3_remote.newest_complete(client, loc)
@@ -325,7 +376,11 @@ def test_uploads_ask_s3_for_checksums_and_a_download_is_resumed_and_verified(s3,
     # An object changed in S3 after it was uploaded (same size): the download names it and fails.
     body = bytearray((ckpt / "__1_0.distcp").read_bytes())
     body[1000] ^= 0x01
-    client.put_object(Bucket=s3.bucket, Key="sum/step_00000005/__1_0.distcp", Body=bytes(body),
-                      Metadata={s3_remote.ID_METADATA: ident})
+    client.put_object(
+        Bucket=s3.bucket,
+        Key="sum/step_00000005/__1_0.distcp",
+        Body=bytes(body),
+        Metadata={s3_remote.ID_METADATA: ident},
+    )
     with pytest.raises(RuntimeError, match=r"step_00000005/__1_0.distcp: crc32c .*same size"):
         s3_transfer.download_checkpoint(client, cfg, loc, remote, manifest, tmp_path / "other")

@@ -11,8 +11,16 @@ import time
 
 import pytest
 
-from tests.support import (REPO, _env, assert_no_leftovers, processes_of, read_events, read_summary,
-                           run_local, run_trainer)
+from tests.support import (
+    REPO,
+    _env,
+    assert_no_leftovers,
+    processes_of,
+    read_events,
+    read_summary,
+    run_local,
+    run_trainer,
+)
 from resilient_fsdp.checkpoint.s3 import client as s3_client
 from resilient_fsdp.checkpoint.s3 import remote as s3_remote
 
@@ -31,8 +39,15 @@ class Background:
         for o in ["dist.timeout_s=60"] + overrides:
             cmd += ["--set", o]
         self.run_dir, self.deadline = run_dir, time.monotonic() + timeout
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                     env=_env(None, run_dir), start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=_env(None, run_dir),
+            start_new_session=True,
+        )
 
     def wait_for(self, what, condition, interval=0.05):
         while not condition():
@@ -99,8 +114,9 @@ def test_a_cut_off_upload_is_ignored_on_restore_then_completed_and_the_restored_
     job = tmp_path / "job"
     # Slow uploads (1 MB/s for ~1.8 MB checkpoints) so the server can be stopped in the middle
     # of one; a long final wait for uploads, which the test ends with SIGTERM.
-    cut = Background(job, CKPT + s3.overrides("p") + ["checkpoint.s3.max_bandwidth_mb_s=1",
-                                                      "checkpoint.s3.drain_timeout_s=300"])
+    cut = Background(
+        job, CKPT + s3.overrides("p") + ["checkpoint.s3.max_bandwidth_mb_s=1", "checkpoint.s3.drain_timeout_s=300"]
+    )
     started = lambda: any(not k.endswith("/COMPLETE") for k in s3.keys("p/step_00000012/"))  # noqa: E731
     cut.wait_for("the upload of step 12 started", started)
     s3.pause()
@@ -137,15 +153,25 @@ def test_a_cut_off_upload_is_ignored_on_restore_then_completed_and_the_restored_
 
 def test_training_goes_on_while_s3_is_down_and_uploads_catch_up(tmp_path, s3):
     s3.pause()  # down from the start: uploads pile up and fail while the steps go on
-    run = Background(tmp_path, ["train.steps=80", "checkpoint.interval_steps=5", "checkpoint.s3.restore=false",
-                                "checkpoint.s3.max_pending=2", "checkpoint.s3.drain_timeout_s=60"]
-                     + s3.overrides("down"))
+    run = Background(
+        tmp_path,
+        [
+            "train.steps=80",
+            "checkpoint.interval_steps=5",
+            "checkpoint.s3.restore=false",
+            "checkpoint.s3.max_pending=2",
+            "checkpoint.s3.drain_timeout_s=60",
+        ]
+        + s3.overrides("down"),
+    )
     commits = lambda: read_events(tmp_path, "checkpoint") if (tmp_path / "metrics.jsonl").exists() else []  # noqa: E731
     errors = lambda: read_events(tmp_path, "s3_error") if (tmp_path / "metrics.jsonl").exists() else []  # noqa: E731
     # The outage lasts until steps and commits went on and an upload has failed (timed out): on a
     # fast machine five commits can come before the first upload attempt gives up.
-    run.wait_for("5 checkpoints committed and an upload failed during the outage",
-                 lambda: len(commits()) >= 5 and len(errors()) >= 1)
+    run.wait_for(
+        "5 checkpoints committed and an upload failed during the outage",
+        lambda: len(commits()) >= 5 and len(errors()) >= 1,
+    )
     resumed_at = time.time()
     s3.resume()
     out, err = run.finish()
@@ -164,7 +190,7 @@ def test_training_goes_on_while_s3_is_down_and_uploads_catch_up(tmp_path, s3):
     # out during the outage may still land once the server resumes (the request had reached it):
     # that checkpoint is whole, its files went up before its marker, and it is one given up on.
     complete, newest = complete_steps(s3, "down"), sorted(status["uploaded"])[-3:]  # the bucket keeps 3
-    assert complete[-len(newest):] == newest and complete[-1] == 80, complete
+    assert complete[-len(newest) :] == newest and complete[-1] == 80, complete
     assert set(complete) - set(status["uploaded"]) <= set(status["superseded"]), complete
     # Local retention caught up once the uploads no longer held older checkpoints.
     assert len(list((tmp_path / "checkpoints").glob("step_????????"))) == 3
@@ -172,8 +198,10 @@ def test_training_goes_on_while_s3_is_down_and_uploads_catch_up(tmp_path, s3):
 
 
 def test_a_missing_bucket_stops_the_job_before_training_with_the_key_named(tmp_path, s3):
-    proc = run_trainer(tmp_path, ["train.steps=2", f"checkpoint.s3.uri=s3://{s3.bucket}-missing/x",
-                                  f"checkpoint.s3.endpoint_url={s3.endpoint}"])
+    proc = run_trainer(
+        tmp_path,
+        ["train.steps=2", f"checkpoint.s3.uri=s3://{s3.bucket}-missing/x", f"checkpoint.s3.endpoint_url={s3.endpoint}"],
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"checkpoint.s3.uri='s3://{s3.bucket}-missing/x': bucket '{s3.bucket}-missing' does not exist" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists() or not read_events(tmp_path, "step")

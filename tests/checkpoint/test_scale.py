@@ -33,8 +33,10 @@ def test_share_matches_the_linear_scan_on_random_inputs():
     for _ in range(30):
         world = rng.randint(1, 40)
         # Few distinct sizes, so ties (and their breaking by rank) are exercised.
-        files = {f"f{i:04d}": {"bytes": rng.choice([0, 1, 2, 5, 100, rng.randint(0, 10**6)])}
-                 for i in range(rng.randint(0, 120))}
+        files = {
+            f"f{i:04d}": {"bytes": rng.choice([0, 1, 2, 5, 100, rng.randint(0, 10**6)])}
+            for i in range(rng.randint(0, 120))
+        }
         for rank in range(world):
             assert integrity.share(files, world, rank) == share_by_scan(files, world, rank)
     parts = [integrity.share(files, world, r) for r in range(world)]
@@ -109,8 +111,14 @@ def test_side_groups_connect_a_rank_only_to_the_peers_its_collectives_reach():
     from tests.support import REPO, _env
 
     world = 10
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "object_group.py"), str(world)],
-                          capture_output=True, text=True, timeout=180, cwd=REPO, env=_env([HERE]))
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(HERE / "object_group.py"), str(world)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=_env([HERE]),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted(ranks) == [str(r) for r in range(world)]
@@ -128,4 +136,3 @@ def test_side_groups_connect_a_rank_only_to_the_peers_its_collectives_reach():
         children = len(range(rank * fanout + 1, min(rank * fanout + 1 + fanout, world)))
         assert got["lazy_used"] == children + (rank > 0), (r, got)
     assert max(got["lazy_used"] for got in ranks.values()) <= fanout + 1
-

@@ -38,8 +38,9 @@ def test_a_sequence_of_scalars_is_walked_whole_and_gives_what_a_walk_of_each_wou
     sd = {"rng": {"python": py_state}, "mixed": [1, t, (2.5, "x")], "model": {"w": t}}
     places = structure(sd)
     assert ("/rng/python/1", "tuple", 625) in places
-    assert [p for p in places if p[0].startswith("/rng/python/1/")] == \
-        [(f"/rng/python/1/{i}", "object") for i in range(625)]
+    assert [p for p in places if p[0].startswith("/rng/python/1/")] == [
+        (f"/rng/python/1/{i}", "object") for i in range(625)
+    ]
     assert ("/mixed/1", "tensor", (4,), torch.float32) in places and ("/mixed/2/1", "object") in places
     assert [x.data_ptr() for x in local_tensors(sd)] == [t.data_ptr(), t.data_ptr()]
     views = [torch.zeros(4), torch.ones(4)]

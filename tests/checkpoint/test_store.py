@@ -96,22 +96,27 @@ def test_retention_killed_mid_delete_never_leaves_a_checkpoint_that_scans_as_goo
         for i in range(400):
             (path / f"__{i}_0.distcp").write_bytes(b"x")
         store.commit(path, {"step": step})
-    code = ("import os, signal, sys\n"
-            "from pathlib import Path\n"
-            "from resilient_fsdp.checkpoint import store\n"
-            "removed = [0]\n"
-            "def stop_midway(event, args):\n"
-            "    if event == 'os.remove':\n"
-            "        removed[0] += 1\n"
-            "        if removed[0] == 100:\n"
-            "            os.kill(os.getpid(), signal.SIGSTOP)\n"
-            "sys.addaudithook(stop_midway)\n"
-            "store.apply_retention(Path(sys.argv[1]), keep_last=1)\n")
+    code = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from resilient_fsdp.checkpoint import store\n"
+        "removed = [0]\n"
+        "def stop_midway(event, args):\n"
+        "    if event == 'os.remove':\n"
+        "        removed[0] += 1\n"
+        "        if removed[0] == 100:\n"
+        "            os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "sys.addaudithook(stop_midway)\n"
+        "store.apply_retention(Path(sys.argv[1]), keep_last=1)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=_env())
     victim_files = lambda: sum(len(list(p.iterdir())) for p in tmp_path.iterdir() if p.name.startswith("step_00000001"))
     deadline = time.monotonic() + 60
-    while proc.poll() is None and psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED \
-            and time.monotonic() < deadline:
+    while (
+        proc.poll() is None
+        and psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     proc.kill()
     proc.wait()
@@ -127,8 +132,10 @@ def test_retention_that_cannot_delete_is_reported_and_raises_nothing(tmp_path):
         store.commit(_partial(tmp_path, step), {"step": step})
     stuck = tmp_path / "step_00000001" / "data.distcp"
     if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
-        pytest.skip("chattr +i is not available here (needs CAP_LINUX_IMMUTABLE and ext4/xfs); it makes a "
-                    "real deletion fail even for root")
+        pytest.skip(
+            "chattr +i is not available here (needs CAP_LINUX_IMMUTABLE and ext4/xfs); it makes a "
+            "real deletion fail even for root"
+        )
     said = []
     try:
         store.apply_retention(tmp_path, keep_last=1, say=said.append)
@@ -158,8 +165,10 @@ def test_a_lease_names_its_job_refuses_another_and_is_taken_over_after_a_crash(t
     first.release()  # it no longer holds it: nothing to remove
     assert not (tmp_path / "LEASE").exists()
     # A job that crashed holding the lease: its process is gone, so another job may take it.
-    code = ("import os, sys; from pathlib import Path; from resilient_fsdp.checkpoint.lease import Lease; "
-            "Lease(Path(sys.argv[1]), 'job-crashed', print).acquire(); os._exit(9)")
+    code = (
+        "import os, sys; from pathlib import Path; from resilient_fsdp.checkpoint.lease import Lease; "
+        "Lease(Path(sys.argv[1]), 'job-crashed', print).acquire(); os._exit(9)"
+    )
     assert subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_env()).returncode == 9
     taker = Lease(tmp_path, "job-c", said.append)
     taker.acquire()
@@ -168,7 +177,8 @@ def test_a_lease_names_its_job_refuses_another_and_is_taken_over_after_a_crash(t
 
 
 def test_a_new_install_of_the_job_waits_for_the_old_ones_live_lease_and_a_restart_of_either_takes_it_over(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """The install is RESILIENT_FSDP_INSTALL_ID (the chart's JobSet UID): an earlier install that
     still lives is waited for, never written beside; a restart of the same install, or a lease
     without an install (a job before the chart passed one), is taken over as before."""
@@ -182,11 +192,16 @@ def test_a_new_install_of_the_job_waits_for_the_old_ones_live_lease_and_a_restar
     monkeypatch.setenv(INSTALL_ENV, "22222222-new")
     new = Lease(tmp_path, "release", said.append)
     waiting = new.try_acquire()
-    assert waiting.startswith("waiting for the earlier install 11111111 of job 'release' (host ") and \
-        "its process is running on this host" in waiting
+    assert (
+        waiting.startswith("waiting for the earlier install 11111111 of job 'release' (host ")
+        and "its process is running on this host" in waiting
+    )
     assert old.check() is None  # nothing was written: the old install still holds it
-    with pytest.raises(ConfigError, match=r"still held by the earlier install 11111111 of job 'release'.* after 7 s "
-                                          r"\(checkpoint.lease_wait_s\).*jobset-uid=11111111-old"):
+    with pytest.raises(
+        ConfigError,
+        match=r"still held by the earlier install 11111111 of job 'release'.* after 7 s "
+        r"\(checkpoint.lease_wait_s\).*jobset-uid=11111111-old",
+    ):
         raise ConfigError(new.refusal_after_wait(7.0))
     with pytest.raises(ConfigError, match="in use by job 'release'"):
         Lease(tmp_path, "other-job", said.append).try_acquire()  # another job is refused, not waited for

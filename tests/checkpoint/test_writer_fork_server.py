@@ -25,7 +25,7 @@ from tests.support import REPO, _env
 
 # The rank a test server forks: starts its writer, has it run ``writer_probe.report`` and prints
 # what the writer reported; then exits (``close``) or waits to be killed (``stay``).
-RANK = textwrap.dedent('''
+RANK = textwrap.dedent("""
     import json, os, sys, time
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
     from resilient_fsdp.checkpoint.writer.process import WriterProcess
@@ -44,9 +44,9 @@ RANK = textwrap.dedent('''
             while True:
                 time.sleep(1)
         writer.close()
-''')
+""")
 # Runs in the writer: what it is and what it has, into ``out``; a line on its standard error.
-WRITER_PROBE = textwrap.dedent('''
+WRITER_PROBE = textwrap.dedent("""
     import json, os, sys
     def report(out):
         umask = os.umask(0)
@@ -62,9 +62,11 @@ WRITER_PROBE = textwrap.dedent('''
                        "spawned": any(b"multiprocessing" in part for part in cmdline),
                        "cuda_hidden": os.environ.get("CUDA_VISIBLE_DEVICES") == ""}, f)
         os.rename(out + ".tmp", out)
-''')
-CLIENT = ("import sys; from resilient_fsdp.resilience import prewarm; r = prewarm.run_as_client(sys.argv[1:]); "
-          "sys.exit(99 if r is None else r)")
+""")
+CLIENT = (
+    "import sys; from resilient_fsdp.resilience import prewarm; r = prewarm.run_as_client(sys.argv[1:]); "
+    "sys.exit(99 if r is None else r)"
+)
 
 
 def _start_server(tmp) -> dict:
@@ -72,8 +74,20 @@ def _start_server(tmp) -> dict:
     (tmp / "writer_probe.py").write_text(WRITER_PROBE)
     path = str(tmp / "prewarm.sock")
     env = {**_env(), "PYTHONPATH": f"{tmp}:{REPO / 'train'}:{_env().get('PYTHONPATH', '')}".rstrip(":")}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
-                             "--module=rank_probe", "--"], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "resilient_fsdp.resilience.prewarm",
+            f"--socket={path}",
+            "--module=rank_probe",
+            "--",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -93,9 +107,16 @@ def _rank(server, name: str, then: str = "close") -> tuple[subprocess.Popen, dic
     """A client whose rank starts its writer; (the client, what the writer reported)."""
     out = server["tmp"] / f"{name}.json"
     env = {**server["env"], prewarm.SOCKET_ENV: server["path"], "PROBE": f"from client {name}"}
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(out), then], env=env, cwd=server["tmp"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            umask=0o027)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(out), then],
+        env=env,
+        cwd=server["tmp"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        umask=0o027,
+    )
     line = proc.stdout.readline()
     assert line, proc.communicate(timeout=60)[1][-3000:]
     return proc, json.loads(line)

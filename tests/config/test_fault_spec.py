@@ -16,10 +16,15 @@ def test_fault_specs_parse_and_bad_ones_name_the_fix():
     assert partition == FaultSpec("partition", 28, node=1, for_s=20.0)
     assert str(partition) == "partition@28:node=1:for=20" and partition.key == "partition@28-node1"
     assert str(parse_fault("hang-in-collective@36:rank=2")) == "hang-in-collective@36:rank=2"
-    with pytest.raises(ConfigError, match="unknown fault kind 'segfault'; choose one of exception, exception-repeat, hang"):
+    with pytest.raises(
+        ConfigError, match="unknown fault kind 'segfault'; choose one of exception, exception-repeat, hang"
+    ):
         parse_fault("segfault@3")
-    with pytest.raises(ConfigError, match=r"expected KIND@STEP\[:rank=R \| :node=N\]\[:for=SECONDS\]\[:factor=F\], e.g. "
-                                          "sigkill@20:rank=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"expected KIND@STEP\[:rank=R \| :node=N\]\[:for=SECONDS\]\[:factor=F\], e.g. "
+        "sigkill@20:rank=1",
+    ):
         parse_fault("sigkill:3")
     with pytest.raises(ConfigError, match="STEP must be 1 or more"):
         parse_fault("hang@0")
@@ -42,11 +47,18 @@ def test_fault_specs_parse_and_bad_ones_name_the_fix():
 
 
 def test_a_memory_fault_without_the_memory_tier_or_its_replicas_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="memory-corrupt fault acts on memory checkpoints, and "
-                                          "checkpoint.memory.interval_steps is 0"):
+    with pytest.raises(
+        ConfigError, match="memory-corrupt fault acts on memory checkpoints, and checkpoint.memory.interval_steps is 0"
+    ):
         load_config(None, ["resilience.inject=[memory-corrupt@4]"])
     with pytest.raises(ConfigError, match="checkpoint.memory.replicas is 0; set it to 1"):
         load_config(None, ["resilience.inject=[replica-corrupt@4:rank=1]", "checkpoint.memory.interval_steps=2"])
-    config = load_config(None, ["resilience.inject=[replica-corrupt@4:rank=1]", "checkpoint.memory.interval_steps=2",
-                                "checkpoint.memory.replicas=1"])
+    config = load_config(
+        None,
+        [
+            "resilience.inject=[replica-corrupt@4:rank=1]",
+            "checkpoint.memory.interval_steps=2",
+            "checkpoint.memory.replicas=1",
+        ],
+    )
     assert parse_faults(config.resilience.inject, world_size=2) == [FaultSpec("replica-corrupt", 4, 1)]

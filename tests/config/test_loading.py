@@ -38,16 +38,19 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     assert load_config(path) == cfg
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("model.presett=1b", ["unknown key 'model.presett'", "did you mean 'model.preset'", "valid keys in model"]),
-    ("trian.steps=3", ["unknown key 'trian'", "did you mean 'train'"]),
-    ("model.preset=huge", ["model.preset", "'huge'", "'tiny'", "'70b'"]),
-    ("data.source=csv", ["data.source", "'synthetic'", "'tokens'"]),
-    ("train.steps=abc", ["train.steps", "integer", "'abc'"]),
-    ("train.steps=0", ["train.steps", "greater than 0"]),
-    ("optim.lr=-1", ["optim.lr", "greater than 0"]),
-    ("model=3", ["model", "expected a section"]),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.presett=1b", ["unknown key 'model.presett'", "did you mean 'model.preset'", "valid keys in model"]),
+        ("trian.steps=3", ["unknown key 'trian'", "did you mean 'train'"]),
+        ("model.preset=huge", ["model.preset", "'huge'", "'tiny'", "'70b'"]),
+        ("data.source=csv", ["data.source", "'synthetic'", "'tokens'"]),
+        ("train.steps=abc", ["train.steps", "integer", "'abc'"]),
+        ("train.steps=0", ["train.steps", "greater than 0"]),
+        ("optim.lr=-1", ["optim.lr", "greater than 0"]),
+        ("model=3", ["model", "expected a section"]),
+    ],
+)
 def test_bad_values_name_the_key(override, expected):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
@@ -58,7 +61,9 @@ def test_bad_values_name_the_key(override, expected):
 def test_bad_file_key_is_named(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("checkpoint:\n  interval_step: 5\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'checkpoint.interval_step' \(did you mean 'checkpoint.interval_steps'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'checkpoint.interval_step' \(did you mean 'checkpoint.interval_steps'"
+    ):
         load_config(path)
 
 
@@ -79,8 +84,15 @@ def test_missing_file_and_malformed_set():
 
 def test_describe_lists_every_key_with_its_docstring():
     text = describe()
-    for key in ("seed", "model.preset", "model.factory", "data.factory", "train.steps", "checkpoint.dir",
-                "checkpoint.interval_steps"):
+    for key in (
+        "seed",
+        "model.preset",
+        "model.factory",
+        "data.factory",
+        "train.steps",
+        "checkpoint.dir",
+        "checkpoint.interval_steps",
+    ):
         assert f"\n{key} = " in "\n" + text
     assert "Optimizer steps to train for." in text
 
@@ -124,12 +136,27 @@ def _set_value(key: str, text: str):
     return value
 
 
-@pytest.mark.parametrize("text, number", [("3e-4", 3e-4), ("1e-5", 1e-5), ("2.5E+3", 2500.0), ("-1e-3", -1e-3),
-                                          ("1e30", 1e30), ("1.0e30", 1e30), ("0.0003", 3e-4), (".5", 0.5)])
+@pytest.mark.parametrize(
+    "text, number",
+    [
+        ("3e-4", 3e-4),
+        ("1e-5", 1e-5),
+        ("2.5E+3", 2500.0),
+        ("-1e-3", -1e-3),
+        ("1e30", 1e30),
+        ("1.0e30", 1e30),
+        ("0.0003", 3e-4),
+        (".5", 0.5),
+    ],
+)
 def test_every_float_key_takes_a_number_however_it_is_written(text, number):
     """YAML 1.1 reads ``3e-4`` as a string; a number key takes it as the number."""
     keys = _keys_of_kind()["float"]
-    assert "optim.lr" in keys and "resilience.hang_detection.step_timeout_s" in keys and "checkpoint.s3.max_bandwidth_mb_s" in keys
+    assert (
+        "optim.lr" in keys
+        and "resilience.hang_detection.step_timeout_s" in keys
+        and "checkpoint.s3.max_bandwidth_mb_s" in keys
+    )
     for key in keys:
         value = _set_value(key, text)
         assert isinstance(value, float) and value == number, key
@@ -172,29 +199,37 @@ def test_the_fault_kinds_the_docs_list_are_the_table():
 
     text = (REPO / "docs" / "faults-and-restarts.md").read_text()
     rows = re.findall(r"^\| `([a-z-]+)` \| ", text.split("## Injecting faults", 1)[1], re.M)
-    assert rows[:len(FAULT_KINDS)] == list(FAULT_KINDS)
+    assert rows[: len(FAULT_KINDS)] == list(FAULT_KINDS)
     assert all(f"\n{kind}\n" in describe() for kind in FAULT_KINDS)
 
 
 def test_an_unknown_key_is_refused_naming_the_closest_valid_key():
-    with pytest.raises(ConfigError, match=r"unknown key 'resilience.launcher.max_restart' \(did you mean "
-                                          r"'resilience.launcher.max_restarts'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'resilience.launcher.max_restart' \(did you mean "
+        r"'resilience.launcher.max_restarts'\?\)",
+    ):
         load_config(None, ["resilience.launcher.max_restart=2"])
 
 
 def test_in_process_restart_is_switched_on_inside_its_section():
-    with pytest.raises(ConfigError, match="resilience.in_process: a section, not a value: set "
-                                          "resilience.in_process.enabled=true"):
+    with pytest.raises(
+        ConfigError, match="resilience.in_process: a section, not a value: set resilience.in_process.enabled=true"
+    ):
         load_config(None, ["resilience.in_process=true"])
     assert load_config(None, ["resilience.in_process.enabled=true"]).resilience.in_process.enabled
 
 
 def test_in_process_timeouts_must_be_ordered():
-    with pytest.raises(ConfigError, match="resilience.in_process.soft_timeout_s=90.0 must be less than "
-                                          "resilience.in_process.hard_timeout_s=90.0"):
+    with pytest.raises(
+        ConfigError,
+        match="resilience.in_process.soft_timeout_s=90.0 must be less than resilience.in_process.hard_timeout_s=90.0",
+    ):
         load_config(None, ["resilience.in_process.enabled=true", "resilience.in_process.soft_timeout_s=90"])
-    with pytest.raises(ConfigError, match="resilience.hang_detection.step_timeout_s=30.0 must exceed "
-                                          "resilience.in_process.hard_timeout_s=90.0"):
+    with pytest.raises(
+        ConfigError,
+        match="resilience.hang_detection.step_timeout_s=30.0 must exceed resilience.in_process.hard_timeout_s=90.0",
+    ):
         load_config(None, ["resilience.in_process.enabled=true", "resilience.hang_detection.step_timeout_s=30"])
     with pytest.raises(ConfigError, match="stop.exit_code"):
         load_config(None, ["resilience.stop.exit_code=1"])  # would fail the job instead of restarting it
@@ -205,23 +240,41 @@ def test_on_nccl_the_collective_timeout_must_fire_and_dump_before_hang_detection
     sees a GPU, calls the same check); gloo (cpu) is not held to them."""
     from resilient_fsdp.config import check_collective_timeouts
 
-    with pytest.raises(ConfigError, match=r"dist.timeout_s=600 must be at least 60 s below "
-                                          r"resilience.hang_detection.step_timeout_s=300: .*set dist.timeout_s=240 "
-                                          r"or less, or raise resilience.hang_detection.step_timeout_s"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dist.timeout_s=600 must be at least 60 s below "
+        r"resilience.hang_detection.step_timeout_s=300: .*set dist.timeout_s=240 "
+        r"or less, or raise resilience.hang_detection.step_timeout_s",
+    ):
         load_config(None, ["dist.device=cuda", "dist.timeout_s=600", "resilience.hang_detection.step_timeout_s=300"])
     with pytest.raises(ConfigError, match="resilience.hang_detection.out_of_section_timeout_s=200"):
-        load_config(None, ["dist.device=cuda", "dist.timeout_s=240", "resilience.hang_detection.step_timeout_s=300",
-                           "resilience.hang_detection.out_of_section_timeout_s=200"])
-    with pytest.raises(ConfigError, match="dist.init_timeout_s=600 must be at least 60 s below "
-                                          "resilience.hang_detection.init_timeout_s=620"):
+        load_config(
+            None,
+            [
+                "dist.device=cuda",
+                "dist.timeout_s=240",
+                "resilience.hang_detection.step_timeout_s=300",
+                "resilience.hang_detection.out_of_section_timeout_s=200",
+            ],
+        )
+    with pytest.raises(
+        ConfigError,
+        match="dist.init_timeout_s=600 must be at least 60 s below resilience.hang_detection.init_timeout_s=620",
+    ):
         load_config(None, ["dist.device=cuda", "resilience.hang_detection.init_timeout_s=620"])
     with pytest.raises(ConfigError, match="dist.timeout_s=80 must exceed resilience.in_process.hard_timeout_s=90"):
         load_config(None, ["dist.device=cuda", "dist.timeout_s=80", "resilience.in_process.enabled=true"])
     ok = load_config(None, ["dist.device=cuda", "dist.timeout_s=240", "resilience.hang_detection.step_timeout_s=300"])
     assert ok.dist.timeout_s == 240
     # A disabled section timeout is no bound; on CPU none of this applies.
-    load_config(None, ["dist.device=cuda", "resilience.hang_detection.step_timeout_s=null",
-                       "resilience.hang_detection.out_of_section_timeout_s=null"])
+    load_config(
+        None,
+        [
+            "dist.device=cuda",
+            "resilience.hang_detection.step_timeout_s=null",
+            "resilience.hang_detection.out_of_section_timeout_s=null",
+        ],
+    )
     cpu = load_config(None, ["dist.device=cpu", "dist.timeout_s=600", "resilience.hang_detection.step_timeout_s=8"])
     auto = load_config(None, ["dist.timeout_s=600", "resilience.hang_detection.step_timeout_s=300"])
     with pytest.raises(ConfigError, match="dist.timeout_s=600 must be at least 60 s below"):
@@ -234,8 +287,11 @@ def test_s3_restore_must_fit_the_init_section():
     assert load_config(None, s3 + ["checkpoint.s3.restore_timeout_s=600"]).checkpoint.s3.restore_timeout_s == 600
     with pytest.raises(ConfigError) as err:
         load_config(None, s3 + ["checkpoint.s3.restore_timeout_s=3600"])
-    for text in ("checkpoint.s3.restore_timeout_s=3600", "resilience.hang_detection.init_timeout_s=900",
-                 "checkpoint.s3.restore=false"):
+    for text in (
+        "checkpoint.s3.restore_timeout_s=3600",
+        "resilience.hang_detection.init_timeout_s=900",
+        "checkpoint.s3.restore=false",
+    ):
         assert text in str(err.value)
     # Without a restore at start the restore's timeout is not used.
     load_config(None, s3 + ["checkpoint.s3.restore_timeout_s=3600", "checkpoint.s3.restore=false"])
@@ -248,14 +304,32 @@ def test_a_fault_added_by_inject_needs_what_it_acts_on_as_one_in_the_config_does
     from resilient_fsdp.config import ConfigError
     from resilient_fsdp.train.arguments import parse_args, resolve_config
 
-    for fault, key in (("sigkill-during-replication@4", "checkpoint.memory.interval_steps is 0"),
-                       ("memory-corrupt@4", "checkpoint.memory.interval_steps is 0")):
+    for fault, key in (
+        ("sigkill-during-replication@4", "checkpoint.memory.interval_steps is 0"),
+        ("memory-corrupt@4", "checkpoint.memory.interval_steps is 0"),
+    ):
         with pytest.raises(ConfigError, match=key):
             resolve_config(parse_args([f"--inject={fault}"]))
     with pytest.raises(ConfigError, match="checkpoint.memory.replicas is 0; set it to 1"):
-        resolve_config(parse_args(["--inject=sigkill-during-replication@4", "--set",
-                                   "checkpoint.memory.interval_steps=2", "--set", "checkpoint.memory.replicas=0"]))
-    assert resolve_config(parse_args(["--inject=sigkill-during-replication@4", "--set",
-                                      "checkpoint.memory.interval_steps=2", "--set",
-                                      "checkpoint.memory.replicas=1"])).resilience.inject == [
-        "sigkill-during-replication@4"]
+        resolve_config(
+            parse_args(
+                [
+                    "--inject=sigkill-during-replication@4",
+                    "--set",
+                    "checkpoint.memory.interval_steps=2",
+                    "--set",
+                    "checkpoint.memory.replicas=0",
+                ]
+            )
+        )
+    assert resolve_config(
+        parse_args(
+            [
+                "--inject=sigkill-during-replication@4",
+                "--set",
+                "checkpoint.memory.interval_steps=2",
+                "--set",
+                "checkpoint.memory.replicas=1",
+            ]
+        )
+    ).resilience.inject == ["sigkill-during-replication@4"]

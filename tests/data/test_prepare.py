@@ -37,9 +37,25 @@ def expected_tokens(tokenizer_path, docs) -> list[int]:
 
 def test_prepare_writes_each_document_between_separators_with_its_metadata(corpus, tmp_path):
     docs, text, tokenizer = corpus
-    out = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "data", "prepare", "--input", str(text),
-                          "--tokenizer", str(tokenizer), "--out", str(tmp_path / "data")],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "data",
+            "prepare",
+            "--input",
+            str(text),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert f"prepared {len(docs)} documents" in out.stderr
     meta = token_files.read_meta(tmp_path / "data" / token_files.META)
@@ -80,16 +96,51 @@ def test_an_s3_prefix_is_read_over_http(corpus, tmp_path, s3):
     docs, text, tokenizer = corpus
     s3.client.upload_file(str(text), s3.bucket, "raw/part-0.jsonl")
     s3.client.put_object(Bucket=s3.bucket, Key="raw/notes.md", Body=b"not an input")
-    out = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "data", "prepare", "--input", s3.uri("raw"),
-                          "--tokenizer", str(tokenizer), "--out", str(tmp_path / "data"), "--endpoint-url",
-                          s3.endpoint], capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "data",
+            "prepare",
+            "--input",
+            s3.uri("raw"),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(tmp_path / "data"),
+            "--endpoint-url",
+            s3.endpoint,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     meta = token_files.read_meta(tmp_path / "data" / token_files.META)
     assert meta.sources == [s3.uri("raw/part-0.jsonl")] and meta.num_documents == len(docs)
-    missing = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "data", "prepare", "--input",
-                              "s3://no-such-bucket-here/raw", "--tokenizer", str(tokenizer), "--out",
-                              str(tmp_path / "other"), "--endpoint-url", s3.endpoint],
-                             capture_output=True, text=True, cwd=REPO, timeout=120)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "data",
+            "prepare",
+            "--input",
+            "s3://no-such-bucket-here/raw",
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(tmp_path / "other"),
+            "--endpoint-url",
+            s3.endpoint,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "error: NoSuchBucket" in missing.stderr
     assert "Traceback" not in missing.stderr and not (tmp_path / "other" / "tokens.json").exists()
 
@@ -98,8 +149,11 @@ def test_a_run_that_fails_midway_leaves_no_token_file_and_the_next_clears_its_sc
     docs, text, tokenizer = corpus
     broken = tmp_path / "broken.jsonl"
     broken.write_text(text.read_text() + '{"title": "no text here"}\n')
-    with pytest.raises(ConfigError, match=r"broken.jsonl:61: no string field 'text' \(it has: title\); pass "
-                                          r"--text-field"):
+    with pytest.raises(
+        ConfigError,
+        match=r"broken.jsonl:61: no string field 'text' \(it has: title\); pass "
+        r"--text-field",
+    ):
         prepare([str(broken)], str(tokenizer), tmp_path / "data", progress=False)
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == []
     # A killed run leaves its partial file; no reader takes it for data, the next run removes it.
@@ -114,11 +168,14 @@ def test_an_s3_destination_is_refused_with_the_upload_to_run(corpus, tmp_path, c
     from resilient_fsdp.cli import main as cli_main
 
     docs, text, tokenizer = corpus
-    code = cli_main(["data", "prepare", "--input", str(text), "--tokenizer", str(tokenizer), "--out",
-                     "s3://my-bucket/data/text"])
+    code = cli_main(
+        ["data", "prepare", "--input", str(text), "--tokenizer", str(tokenizer), "--out", "s3://my-bucket/data/text"]
+    )
     assert code == 2
-    assert ("data prepare writes a local directory; write it there, then upload it (aws s3 cp --recursive DIR "
-            "s3://my-bucket/data/text/) and set data.path=s3://my-bucket/data/text") in capsys.readouterr().err
+    assert (
+        "data prepare writes a local directory; write it there, then upload it (aws s3 cp --recursive DIR "
+        "s3://my-bucket/data/text/) and set data.path=s3://my-bucket/data/text"
+    ) in capsys.readouterr().err
     assert not (REPO / "s3:").exists()
 
 
@@ -134,13 +191,19 @@ def test_prepared_data_is_never_overwritten(corpus, tmp_path):
 def test_the_trainer_refuses_a_vocabulary_its_model_cannot_embed_and_a_cut_file(corpus, tmp_path):
     docs, text, tokenizer = corpus
     prepare([str(text)], str(tokenizer), tmp_path / "data", progress=False)
-    with pytest.raises(ConfigError, match=r"tokenized with a vocabulary of 300 .* larger than model.preset=tiny's "
-                                          r"256: set model.vocab_size=300"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenized with a vocabulary of 300 .* larger than model.preset=tiny's "
+        r"256: set model.vocab_size=300",
+    ):
         TokenFile(tmp_path / "data", "uint16", 16, vocab_size=256, model_name="model.preset=tiny")
     with open(tmp_path / "data" / "tokens.bin", "r+b") as f:
         f.truncate(1000)
-    with pytest.raises(ConfigError, match=r"has 1000 bytes, its tokens.json says \d+ tokens of uint16 .* the file "
-                                          r"was cut or replaced"):
+    with pytest.raises(
+        ConfigError,
+        match=r"has 1000 bytes, its tokens.json says \d+ tokens of uint16 .* the file "
+        r"was cut or replaced",
+    ):
         TokenFile(tmp_path / "data", "uint16", 16, vocab_size=300)
 
 
@@ -153,7 +216,6 @@ def test_a_tokenizer_without_a_known_separator_must_be_told_one(tmp_path):
     text = write_jsonl(tmp_path / "t.jsonl", ["a b"])
     with pytest.raises(ConfigError, match=r"no end-of-sequence token found .* --eos-token TOKEN"):
         prepare([str(text)], str(tmp_path / "tokenizer.json"), tmp_path / "data", progress=False)
-    meta = prepare([str(text)], str(tmp_path / "tokenizer.json"), tmp_path / "data", eos_token="[END]",
-                   progress=False)
+    meta = prepare([str(text)], str(tmp_path / "tokenizer.json"), tmp_path / "data", eos_token="[END]", progress=False)
     assert meta.eos_id == 2 and meta.bos_id is None
     assert json.loads((tmp_path / "data" / "tokens.json").read_text())["num_tokens"] == 3

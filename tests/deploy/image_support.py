@@ -46,9 +46,13 @@ def aws_server(tmp_path_factory):
 def aws_env(endpoint: str | None, region: str = "us-west-2", credentials: bool = True) -> dict:
     """A clean AWS environment: no profile files, no instance metadata, the given endpoint."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-               # Never ask the EC2 instance metadata service (an address outside this machine).
-               AWS_EC2_METADATA_DISABLED="true", AWS_REGION=region)
+    env.update(
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        # Never ask the EC2 instance metadata service (an address outside this machine).
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_REGION=region,
+    )
     if endpoint:
         env["AWS_ENDPOINT_URL"] = endpoint
     if credentials:
@@ -66,7 +70,8 @@ def docker_stand_in(directory: Path, repo_digest: str = "sha256:" + "ab" * 32) -
     """
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / "docker"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!{sys.executable}
         import json, sys
         args = sys.argv[1:]
@@ -78,7 +83,8 @@ def docker_stand_in(directory: Path, repo_digest: str = "sha256:" + "ab" * 32) -
         elif args[:2] == ["image", "inspect"]:
             ref = args[-1].rsplit(":", 1)[0]
             print(json.dumps([ref + "@{repo_digest}"]))
-        """))
+        """)
+    )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return directory
 

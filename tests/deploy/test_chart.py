@@ -8,15 +8,39 @@ import re
 import pytest
 import yaml
 
-from tests.deploy.chart_support import (IMAGE, MY_CLUSTER, REGISTRY, PROFILES, REPO, VALUES_DIR, config_map, container, crds, env, job,  # noqa: F401
-                           mount, pod_spec, profile_files, render, render_error, volume)
+from tests.deploy.chart_support import (
+    IMAGE,
+    MY_CLUSTER,
+    REGISTRY,
+    PROFILES,
+    REPO,
+    VALUES_DIR,
+    config_map,
+    container,
+    crds,
+    env,
+    job,  # noqa: F401
+    mount,
+    pod_spec,
+    profile_files,
+    render,
+    render_error,
+    volume,
+)
 from resilient_fsdp.deploy import chart, validate
 from resilient_fsdp.config import Config, load_config, to_dict
 from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
 
 # The profiles the chart ships; more may be added, none of these removed.
-REQUIRED_PROFILES = {"dev-cpu", "g5-12xlarge-1node", "p4d-2node", "p5-4node", "p5-16node", "p5en-64node",
-                     "p6-b200-8node"}
+REQUIRED_PROFILES = {
+    "dev-cpu",
+    "g5-12xlarge-1node",
+    "p4d-2node",
+    "p5-4node",
+    "p5-16node",
+    "p5en-64node",
+    "p6-b200-8node",
+}
 INSTANCE_TYPES = yaml.safe_load((REPO / "charts/resilient-fsdp/values.yaml").read_text())["instanceTypes"]
 
 
@@ -48,8 +72,9 @@ def test_should_load_with_the_trainers_own_loader_when_config_map_is_rendered(pr
     args = container(rendered)["args"]
     for flag in ft_launcher_flags(cfg.resilience):
         assert flag in args
-    mount_path = yaml.safe_load(VALUES_DIR.joinpath(f"{profile}.yaml").read_text()).get("storage", {}).get(
-        "mountPath", "/fsx")
+    mount_path = (
+        yaml.safe_load(VALUES_DIR.joinpath(f"{profile}.yaml").read_text()).get("storage", {}).get("mountPath", "/fsx")
+    )
     assert str(cfg.checkpoint_dir).startswith(mount_path + "/")
     assert cfg.run_dir.startswith(mount_path + "/")
 
@@ -87,8 +112,11 @@ def test_should_say_how_to_pass_a_number_when_helm_set_made_it_text():
 
 
 def test_should_take_a_number_in_exponent_notation_when_given_with_set_json():
-    values = chart.load_values([VALUES_DIR / "dev-cpu.yaml"], ["trainer.train.steps=7"],
-                               ["trainer.optim.lr=3e-4", 'trainer.optim.betas=[0.8, 0.9]'])
+    values = chart.load_values(
+        [VALUES_DIR / "dev-cpu.yaml"],
+        ["trainer.train.steps=7"],
+        ["trainer.optim.lr=3e-4", "trainer.optim.betas=[0.8, 0.9]"],
+    )
     cfg = config_map(chart.render(values), "config.yaml")
     assert cfg["optim"]["lr"] == 3e-4 and cfg["optim"]["betas"] == [0.8, 0.9] and cfg["train"]["steps"] == 7
     with pytest.raises(chart.ChartError, match="--set-json 'trainer.optim.lr=3e-'.*expected key=<JSON>"):
@@ -177,25 +205,42 @@ def test_should_dump_nccl_flight_recorder_on_timeout_and_leave_the_path_to_the_t
 
 
 def test_should_run_the_node_wrapper_with_an_explicit_rendezvous_when_job_has_fixed_size():
-    rendered = render("nodes=4", "rendezvous.port=29500", "trainer.resilience.launcher.max_restarts=7",
-                      "trainer.resilience.launcher.workers_stop_timeout_s=20", "trainer.resilience.stop.timeout_s=300",
-                      release="run1")
+    rendered = render(
+        "nodes=4",
+        "rendezvous.port=29500",
+        "trainer.resilience.launcher.max_restarts=7",
+        "trainer.resilience.launcher.workers_stop_timeout_s=20",
+        "trainer.resilience.stop.timeout_s=300",
+        release="run1",
+    )
     c = container(rendered)
     assert c["command"] == ["python", "-m", "resilient_fsdp.resilience.agent"]
     args = c["args"]
     # The agent's own flags, then ft_launcher's; the store connect wait follows the join timeout,
     # the store's read timeout and the agent's give-up time are the store timeout.
-    assert args[:14] == ["--rejoin-timeout=1800", "--store-timeout=60", "--max-pod-failures=3", "--metrics-port=9410", "--prewarm=true", "--",
-                         "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
-                         "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
-                         "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500", "--rdzv-id=run1-resilient-fsdp",
-                         "--rdzv-conf=join_timeout=900,read_timeout=60,store_connect_wait_seconds=900",
-                         "--max-restarts=7"]
+    assert args[:14] == [
+        "--rejoin-timeout=1800",
+        "--store-timeout=60",
+        "--max-pod-failures=3",
+        "--metrics-port=9410",
+        "--prewarm=true",
+        "--",
+        "--ft-cfg-path=/etc/resilient-fsdp/ft_config.yaml",
+        "--nnodes=4",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=run1-resilient-fsdp-master-0:29500",
+        "--rdzv-id=run1-resilient-fsdp",
+        "--rdzv-conf=join_timeout=900,read_timeout=60,store_connect_wait_seconds=900",
+        "--max-restarts=7",
+    ]
     assert "--workers-stop-timeout=20" in args and "--term-timeout=300" in args
-    trainer = args[args.index("-m"):]
+    trainer = args[args.index("-m") :]
     assert trainer == ["-m", "resilient_fsdp.train", "--config=/etc/resilient-fsdp/config.yaml"]
-    assert c["ports"] == [{"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"},
-                          {"name": "metrics", "containerPort": 9410, "protocol": "TCP"}]
+    assert c["ports"] == [
+        {"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9410, "protocol": "TCP"},
+    ]
     specs = job(rendered)["spec"]["pytorchReplicaSpecs"]
     assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 3)
     assert "elasticPolicy" not in job(rendered)["spec"]
@@ -217,7 +262,10 @@ def test_should_add_spare_workers_and_train_at_nodes_when_spares_are_set():
     `nodes` and keeps the rest standby; the Master still hosts the store."""
     rendered = render("nodes=4", "spares=2")
     spec = job(rendered)["spec"]
-    assert (spec["pytorchReplicaSpecs"]["Master"]["replicas"], spec["pytorchReplicaSpecs"]["Worker"]["replicas"]) == (1, 5)
+    assert (spec["pytorchReplicaSpecs"]["Master"]["replicas"], spec["pytorchReplicaSpecs"]["Worker"]["replicas"]) == (
+        1,
+        5,
+    )
     assert "elasticPolicy" not in spec
     for role in ("Master", "Worker"):
         args = container(rendered, role)["args"]
@@ -246,8 +294,9 @@ def test_should_carry_the_trainers_resilience_defaults_as_generated_when_values_
     text = (REPO / "charts/resilient-fsdp/values.yaml").read_text()
     lines = text.splitlines()
     start, end = lines.index(chart.RESILIENCE_START), lines.index(chart.RESILIENCE_END)
-    assert lines[start:end + 1] == chart.resilience_defaults(), \
+    assert lines[start : end + 1] == chart.resilience_defaults(), (
         "values.yaml's trainer.resilience is stale: python -m resilient_fsdp.deploy.chart --update-schema"
+    )
     defaults = {k: v for k, v in to_dict(Config())["resilience"].items() if k != "inject"}
     assert yaml.safe_load(text)["trainer"]["resilience"] == defaults
 
@@ -269,14 +318,24 @@ def test_should_mount_the_existing_claim_at_checkpoint_dir_when_storage_is_exist
 
 
 def test_should_create_fsx_storage_class_and_rwx_claim_when_storage_is_fsx():
-    rendered = render("storage.type=fsx", "storage.fsx.subnetId=subnet-0abc",
-                      "storage.fsx.securityGroupIds={sg-01,sg-02}",
-                      "storage.fsx.perUnitStorageThroughput=500", "storage.size=2400Gi", base=IMAGE, namespace="ml")
+    rendered = render(
+        "storage.type=fsx",
+        "storage.fsx.subnetId=subnet-0abc",
+        "storage.fsx.securityGroupIds={sg-01,sg-02}",
+        "storage.fsx.perUnitStorageThroughput=500",
+        "storage.size=2400Gi",
+        base=IMAGE,
+        namespace="ml",
+    )
     sc, pvc = rendered.find("StorageClass"), rendered.find("PersistentVolumeClaim")
     assert sc["provisioner"] == "fsx.csi.aws.com"
-    assert sc["parameters"] == {"subnetId": "subnet-0abc", "securityGroupIds": "sg-01,sg-02",
-                                "deploymentType": "PERSISTENT_2", "perUnitStorageThroughput": "500",
-                                "dataCompressionType": "NONE"}
+    assert sc["parameters"] == {
+        "subnetId": "subnet-0abc",
+        "securityGroupIds": "sg-01,sg-02",
+        "deploymentType": "PERSISTENT_2",
+        "perUnitStorageThroughput": "500",
+        "dataCompressionType": "NONE",
+    }
     assert sc["reclaimPolicy"] == "Retain" and sc["mountOptions"] == ["flock"]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc["spec"]["storageClassName"] == sc["metadata"]["name"] == "ml-resilient-fsdp-fsx"
@@ -290,32 +349,54 @@ FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.secu
 
 def test_should_give_an_efa_file_system_the_metadata_configuration_and_lustre_version_fsx_needs():
     """FSx creates an EFA-enabled file system only with a metadata configuration and Lustre 2.15."""
+
     def params(*sets):
         return render(*FSX, *sets, base=IMAGE).find("StorageClass")["parameters"]
 
     efa = params("storage.fsx.efaEnabled=true")
-    assert (efa["efaEnabled"], efa["metadataConfigurationMode"], efa["fileSystemTypeVersion"]) == ("true", "AUTOMATIC",
-                                                                                                   "2.15")
+    assert (efa["efaEnabled"], efa["metadataConfigurationMode"], efa["fileSystemTypeVersion"]) == (
+        "true",
+        "AUTOMATIC",
+        "2.15",
+    )
     assert "metadataIops" not in efa
-    provisioned = params("storage.fsx.efaEnabled=true", "storage.fsx.metadataConfigurationMode=USER_PROVISIONED",
-                         "storage.fsx.metadataIops=6000", "storage.fsx.fileSystemTypeVersion=2.16")
-    assert (provisioned["metadataConfigurationMode"], provisioned["metadataIops"],
-            provisioned["fileSystemTypeVersion"]) == ("USER_PROVISIONED", "6000", "2.16")
+    provisioned = params(
+        "storage.fsx.efaEnabled=true",
+        "storage.fsx.metadataConfigurationMode=USER_PROVISIONED",
+        "storage.fsx.metadataIops=6000",
+        "storage.fsx.fileSystemTypeVersion=2.16",
+    )
+    assert (
+        provisioned["metadataConfigurationMode"],
+        provisioned["metadataIops"],
+        provisioned["fileSystemTypeVersion"],
+    ) == ("USER_PROVISIONED", "6000", "2.16")
     plain = params()
     assert not {"efaEnabled", "metadataConfigurationMode", "metadataIops", "fileSystemTypeVersion"} & set(plain)
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["storage.fsx.efaEnabled=true", "storage.fsx.fileSystemTypeVersion=2.12"],
-     "storage.fsx.efaEnabled=true needs Lustre 2.15 or newer, and storage.fsx.fileSystemTypeVersion=2.12"),
-    (["storage.fsx.metadataConfigurationMode=USER_PROVISIONED"],
-     "storage.fsx.metadataConfigurationMode=USER_PROVISIONED needs storage.fsx.metadataIops"),
-    (["storage.fsx.metadataIops=3000"],
-     "storage.fsx.metadataIops=3000 applies only with storage.fsx.metadataConfigurationMode=USER_PROVISIONED"),
-    (["storage.fsx.deploymentType=SCRATCH_2", "storage.fsx.metadataConfigurationMode=AUTOMATIC"],
-     "storage.fsx.metadataConfigurationMode=AUTOMATIC needs storage.fsx.deploymentType=PERSISTENT_2 (it is "
-     "SCRATCH_2): remove it"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["storage.fsx.efaEnabled=true", "storage.fsx.fileSystemTypeVersion=2.12"],
+            "storage.fsx.efaEnabled=true needs Lustre 2.15 or newer, and storage.fsx.fileSystemTypeVersion=2.12",
+        ),
+        (
+            ["storage.fsx.metadataConfigurationMode=USER_PROVISIONED"],
+            "storage.fsx.metadataConfigurationMode=USER_PROVISIONED needs storage.fsx.metadataIops",
+        ),
+        (
+            ["storage.fsx.metadataIops=3000"],
+            "storage.fsx.metadataIops=3000 applies only with storage.fsx.metadataConfigurationMode=USER_PROVISIONED",
+        ),
+        (
+            ["storage.fsx.deploymentType=SCRATCH_2", "storage.fsx.metadataConfigurationMode=AUTOMATIC"],
+            "storage.fsx.metadataConfigurationMode=AUTOMATIC needs storage.fsx.deploymentType=PERSISTENT_2 (it is "
+            "SCRATCH_2): remove it",
+        ),
+    ],
+)
 def test_should_refuse_a_metadata_configuration_fsx_would_refuse_naming_the_key(sets, message):
     assert message in render_error(*FSX, *sets, base=IMAGE)
 
@@ -327,20 +408,27 @@ def test_should_change_volume_ownership_only_when_the_root_does_not_match_on_eve
 
 
 def test_should_claim_from_a_named_class_when_fsx_storage_class_is_not_created():
-    rendered = render("storage.type=fsx", "storage.fsx.createStorageClass=false", "storage.fsx.storageClassName=fsx-sc",
-                      base=IMAGE)
+    rendered = render(
+        "storage.type=fsx", "storage.fsx.createStorageClass=false", "storage.fsx.storageClassName=fsx-sc", base=IMAGE
+    )
     assert rendered.find("PersistentVolumeClaim")["spec"]["storageClassName"] == "fsx-sc"
     assert not [d for d in rendered.documents() if d["kind"] == "StorageClass"]
 
 
 def test_should_bind_a_static_fsx_volume_when_storage_is_fsx_static():
-    rendered = render("storage.type=fsxStatic", "storage.fsxStatic.volumeHandle=fs-0123abcd",
-                      "storage.fsxStatic.dnsname=fs-0123abcd.fsx.us-west-2.amazonaws.com",
-                      "storage.fsxStatic.mountname=abcdefgh", base=IMAGE)
+    rendered = render(
+        "storage.type=fsxStatic",
+        "storage.fsxStatic.volumeHandle=fs-0123abcd",
+        "storage.fsxStatic.dnsname=fs-0123abcd.fsx.us-west-2.amazonaws.com",
+        "storage.fsxStatic.mountname=abcdefgh",
+        base=IMAGE,
+    )
     pv, pvc = rendered.find("PersistentVolume"), rendered.find("PersistentVolumeClaim")
-    assert pv["spec"]["csi"] == {"driver": "fsx.csi.aws.com", "volumeHandle": "fs-0123abcd",
-                                 "volumeAttributes": {"dnsname": "fs-0123abcd.fsx.us-west-2.amazonaws.com",
-                                                      "mountname": "abcdefgh"}}
+    assert pv["spec"]["csi"] == {
+        "driver": "fsx.csi.aws.com",
+        "volumeHandle": "fs-0123abcd",
+        "volumeAttributes": {"dnsname": "fs-0123abcd.fsx.us-west-2.amazonaws.com", "mountname": "abcdefgh"},
+    }
     assert pv["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
     assert pv["spec"]["accessModes"] == pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc["spec"]["storageClassName"] == "" and pvc["spec"]["volumeName"] == pv["metadata"]["name"]
@@ -367,42 +455,81 @@ def test_should_restart_on_exit_code_with_defaults_when_job_policy_is_not_set():
 
 
 def test_should_pass_job_policy_through_when_set():
-    rendered = render("job.backoffLimit=9", "job.cleanPodPolicy=All", "job.ttlSecondsAfterFinished=3600",
-                      "job.activeDeadlineSeconds=864000", "job.schedulingPolicy.minAvailable=4",
-                      "job.schedulingPolicy.queue=gpu", "job.kueueQueue=team-a", "job.restartPolicy=OnFailure")
+    rendered = render(
+        "job.backoffLimit=9",
+        "job.cleanPodPolicy=All",
+        "job.ttlSecondsAfterFinished=3600",
+        "job.activeDeadlineSeconds=864000",
+        "job.schedulingPolicy.minAvailable=4",
+        "job.schedulingPolicy.queue=gpu",
+        "job.kueueQueue=team-a",
+        "job.restartPolicy=OnFailure",
+    )
     spec, meta = job(rendered)["spec"], job(rendered)["metadata"]
-    assert spec["runPolicy"] == {"cleanPodPolicy": "All", "backoffLimit": 9, "ttlSecondsAfterFinished": 3600,
-                                 "activeDeadlineSeconds": 864000,
-                                 "schedulingPolicy": {"minAvailable": 4, "queue": "gpu"}}
+    assert spec["runPolicy"] == {
+        "cleanPodPolicy": "All",
+        "backoffLimit": 9,
+        "ttlSecondsAfterFinished": 3600,
+        "activeDeadlineSeconds": 864000,
+        "schedulingPolicy": {"minAvailable": 4, "queue": "gpu"},
+    }
     assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert spec["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"
 
 
 def test_should_pass_scheduling_settings_through_when_set():
-    values = {"storage": {"existingClaim": "ckpt"}, "image": {"repository": REGISTRY}, "pod": {
-        "nodeSelector": {"pool": "train"}, "priorityClassName": "high", "avoidUnhealthyNodes": False,
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}}}
+    values = {
+        "storage": {"existingClaim": "ckpt"},
+        "image": {"repository": REGISTRY},
+        "pod": {
+            "nodeSelector": {"pool": "train"},
+            "priorityClassName": "high",
+            "avoidUnhealthyNodes": False,
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                        ]
+                    }
+                }
+            },
+        },
+    }
     spec = pod_spec(chart.render(values))
     assert spec["nodeSelector"] == {"pool": "train", "node.kubernetes.io/instance-type": "p5.48xlarge"}
     # The user's tolerations first, then the short eviction from a node that stopped reporting.
-    unreachable = [{"key": f"node.kubernetes.io/{k}", "operator": "Exists", "effect": "NoExecute",
-                    "tolerationSeconds": 60} for k in ("unreachable", "not-ready")]
+    unreachable = [
+        {"key": f"node.kubernetes.io/{k}", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60}
+        for k in ("unreachable", "not-ready")
+    ]
     assert spec["tolerations"] == values["pod"]["tolerations"] + unreachable
     assert spec["affinity"] == values["pod"]["affinity"]
     assert spec["priorityClassName"] == "high"
 
 
 def test_should_evict_from_a_node_that_stopped_reporting_after_the_set_time_unless_the_user_tolerates_it():
-    assert [t["tolerationSeconds"] for t in pod_spec(render("pod.unreachableTolerationSeconds=20"))["tolerations"]] \
-        == [20, 20]
+    assert [t["tolerationSeconds"] for t in pod_spec(render("pod.unreachableTolerationSeconds=20"))["tolerations"]] == [
+        20,
+        20,
+    ]
     assert "tolerations" not in pod_spec(render("pod.unreachableTolerationSeconds=null"))
-    own = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 900}
-    spec = pod_spec(chart.render({"storage": {"existingClaim": "c"}, "image": {"repository": REGISTRY},
-                                  "pod": {"tolerations": [own]}}))
-    assert spec["tolerations"] == [own, {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
-                                         "effect": "NoExecute", "tolerationSeconds": 60}]
+    own = {
+        "key": "node.kubernetes.io/unreachable",
+        "operator": "Exists",
+        "effect": "NoExecute",
+        "tolerationSeconds": 900,
+    }
+    spec = pod_spec(
+        chart.render(
+            {"storage": {"existingClaim": "c"}, "image": {"repository": REGISTRY}, "pod": {"tolerations": [own]}}
+        )
+    )
+    assert spec["tolerations"] == [
+        own,
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60},
+    ]
 
 
 def test_should_annotate_do_not_disrupt_when_enabled():
@@ -428,11 +555,18 @@ def test_should_use_a_named_service_account_when_creation_is_off():
 
 
 def test_should_reference_secrets_and_pass_env_through_when_secret_env_is_set():
-    values = {"storage": {"existingClaim": "ckpt"}, "image": {"repository": REGISTRY}, "pod": {
-        "secretEnv": {"HF_TOKEN": {"secretName": "hf", "key": "token"}},
-        "env": [{"name": "LOGLEVEL", "value": "INFO"},
-                {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "key"}}}],
-        "envFrom": [{"configMapRef": {"name": "site-env"}}]}}
+    values = {
+        "storage": {"existingClaim": "ckpt"},
+        "image": {"repository": REGISTRY},
+        "pod": {
+            "secretEnv": {"HF_TOKEN": {"secretName": "hf", "key": "token"}},
+            "env": [
+                {"name": "LOGLEVEL", "value": "INFO"},
+                {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "key"}}},
+            ],
+            "envFrom": [{"configMapRef": {"name": "site-env"}}],
+        },
+    }
     rendered = chart.render(values)
     e, c = env(rendered), container(rendered)
     assert e["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
@@ -492,8 +626,9 @@ def test_should_tell_how_to_follow_resume_and_stop_when_notes_are_printed():
 
 def test_should_match_the_trainer_config_when_values_schema_is_generated():
     schema = (REPO / "charts/resilient-fsdp/values.schema.json").read_text()
-    assert json.loads(schema)["properties"]["trainer"] == chart.trainer_schema(), \
+    assert json.loads(schema)["properties"]["trainer"] == chart.trainer_schema(), (
         "run: python -m resilient_fsdp.deploy.chart --update-schema"
+    )
     assert json.loads(schema)["$schema"] == "http://json-schema.org/draft-07/schema#"
 
 
@@ -528,8 +663,21 @@ def test_should_document_every_value_when_values_yaml_is_read():
 def test_should_print_manifests_when_render_command_runs(capsys):
     from resilient_fsdp.cli import main
 
-    assert main(["render", "-f", str(VALUES_DIR / "dev-cpu.yaml"), "--set", "trainer.train.steps=50",
-                 "--release", "demo", "--notes"]) == 0
+    assert (
+        main(
+            [
+                "render",
+                "-f",
+                str(VALUES_DIR / "dev-cpu.yaml"),
+                "--set",
+                "trainer.train.steps=50",
+                "--release",
+                "demo",
+                "--notes",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     docs = [d for d in yaml.safe_load_all(out) if d]
     (pj,) = [d for d in docs if d["kind"] == "PyTorchJob"]
@@ -559,7 +707,7 @@ def test_should_pass_when_validate_command_checks_a_profile(capsys, crds):
 def test_should_fail_naming_the_field_when_validate_finds_a_bad_object(capsys, crds):
     from resilient_fsdp.cli import main
 
-    bad = ("extraObjects[0]=apiVersion: v1\nkind: Service\nmetadata:\n  name: x\nspec:\n  portz: []")
+    bad = "extraObjects[0]=apiVersion: v1\nkind: Service\nmetadata:\n  name: x\nspec:\n  portz: []"
     code = main(["validate", "-f", str(VALUES_DIR / "dev-cpu.yaml"), "--set", bad])
     out = capsys.readouterr().out
     assert code == 1

@@ -15,16 +15,20 @@ from tests.deploy.chart_support import render
 
 ON = "gitops.admissionPolicy.enabled=true"
 LABEL = "resilient-fsdp.io/values-hash"
-KINDS = {"PyTorchJob": ("kubeflow.org", "pytorchjobs"), "JobSet": ("jobset.x-k8s.io", "jobsets"),
-         "TrainJob": ("trainer.kubeflow.org", "trainjobs")}
+KINDS = {
+    "PyTorchJob": ("kubeflow.org", "pytorchjobs"),
+    "JobSet": ("jobset.x-k8s.io", "jobsets"),
+    "TrainJob": ("trainer.kubeflow.org", "trainjobs"),
+}
 
 
 def admitted(policy: dict, old: dict, new: dict) -> bool:
     """Every validation of ``policy`` on an UPDATE from ``old`` to ``new``."""
     env = celpy.Environment()
     activation = {"object": celpy.json_to_cel(new), "oldObject": celpy.json_to_cel(old)}
-    return all(bool(env.program(env.compile(v["expression"])).evaluate(activation))
-               for v in policy["spec"]["validations"])
+    return all(
+        bool(env.program(env.compile(v["expression"])).evaluate(activation)) for v in policy["spec"]["validations"]
+    )
 
 
 def test_should_render_no_policy_and_no_label_by_default():
@@ -39,12 +43,18 @@ def test_should_deny_an_update_with_other_values_and_admit_the_controllers_own(k
     policy, binding = before.find("ValidatingAdmissionPolicy"), before.find("ValidatingAdmissionPolicyBinding")
     job = before.find(kind)
     (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
-    assert (rule["apiGroups"], rule["resources"], rule["operations"]) == ([KINDS[kind][0]], [KINDS[kind][1]], ["UPDATE"])
+    assert (rule["apiGroups"], rule["resources"], rule["operations"]) == (
+        [KINDS[kind][0]],
+        [KINDS[kind][1]],
+        ["UPDATE"],
+    )
     selector = policy["spec"]["matchConstraints"]["objectSelector"]["matchLabels"]
     assert selector.items() <= job["metadata"]["labels"].items()
     assert binding["spec"]["policyName"] == policy["metadata"]["name"] == "ml-resilient-fsdp-keep-values"
     assert binding["spec"]["validationActions"] == ["Deny"]
-    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ml"}
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "ml"
+    }
     # The same values rendered again (a GitOps re-sync) carry the same label: admitted.
     assert render(ON, f"workload.kind={kind}", "nodes=2", namespace="ml").find(kind) == job
     assert admitted(policy, job, job)

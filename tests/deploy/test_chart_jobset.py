@@ -35,8 +35,10 @@ def test_should_run_nodes_indexed_pods_that_never_restart_in_place_when_kind_is_
 def test_should_ignore_disruptions_first_and_fail_on_exit_codes_1_to_127_when_kind_is_jobset():
     rules = node_job(jobset())["spec"]["podFailurePolicy"]["rules"]
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
-    assert rules[1] == {"action": "FailJob", "onExitCodes": {"containerName": "node", "operator": "In",
-                                                              "values": list(range(1, 128))}}
+    assert rules[1] == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "node", "operator": "In", "values": list(range(1, 128))},
+    }
     assert len(rules) == 2  # 128-255 (143 graceful stop, 137 kill) match nothing: counted, pod replaced
 
 
@@ -60,8 +62,11 @@ def test_should_rendezvous_on_pod_zeros_stable_hostname_when_kind_is_jobset():
     args = pod(js)["spec"]["containers"][0]["args"]
     assert "--rdzv-endpoint=run1-resilient-fsdp-node-0-0.run1-resilient-fsdp:29410" in args
     assert "--nnodes=3" in args
-    assert pod(js)["spec"]["containers"][0]["ports"][0] == {"name": "rendezvous", "containerPort": 29410,
-                                                             "protocol": "TCP"}
+    assert pod(js)["spec"]["containers"][0]["ports"][0] == {
+        "name": "rendezvous",
+        "containerPort": 29410,
+        "protocol": "TCP",
+    }
 
 
 def test_should_run_spares_as_more_indexes_of_the_job_when_kind_is_jobset_and_spares_are_set():
@@ -93,13 +98,20 @@ def test_should_run_the_same_pod_as_a_pytorchjob_when_kind_changes():
 
 
 def test_should_pass_deadline_ttl_labels_and_queue_to_the_jobset_when_set():
-    js = jobset("job.activeDeadlineSeconds=86400", "job.ttlSecondsAfterFinished=600", "job.kueueQueue=team-a",
-                "job.labels.team=ml", "job.annotations.owner=me")
+    js = jobset(
+        "job.activeDeadlineSeconds=86400",
+        "job.ttlSecondsAfterFinished=600",
+        "job.kueueQueue=team-a",
+        "job.labels.team=ml",
+        "job.annotations.owner=me",
+    )
     assert node_job(js)["spec"]["activeDeadlineSeconds"] == 86400
     assert js["spec"]["ttlSecondsAfterFinished"] == 600
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert js["metadata"]["labels"]["team"] == "ml" and js["metadata"]["annotations"] == {"owner": "me"}
-    assert "activeDeadlineSeconds" not in node_job(jobset())["spec"] and "ttlSecondsAfterFinished" not in jobset()["spec"]
+    assert (
+        "activeDeadlineSeconds" not in node_job(jobset())["spec"] and "ttlSecondsAfterFinished" not in jobset()["spec"]
+    )
 
 
 def test_should_annotate_the_pod_template_for_kueue_topology_when_topology_is_required():
@@ -108,30 +120,42 @@ def test_should_annotate_the_pod_template_for_kueue_topology_when_topology_is_re
     assert annotations["kueue.x-k8s.io/podset-required-topology"] == "topology.k8s.aws/network-node-layer-3"
     assert "kueue.x-k8s.io/podset-group-name" not in annotations  # one PodSet: nothing to group
     js = jobset("job.kueueQueue=q", "scheduling.topology.preferred=topology.k8s.aws/network-node-layer-4")
-    assert pod(js)["metadata"]["annotations"]["kueue.x-k8s.io/podset-preferred-topology"] == \
-        "topology.k8s.aws/network-node-layer-4"
+    assert (
+        pod(js)["metadata"]["annotations"]["kueue.x-k8s.io/podset-preferred-topology"]
+        == "topology.k8s.aws/network-node-layer-4"
+    )
 
 
 def test_should_place_the_job_exclusively_in_one_domain_when_exclusive_topology_is_set():
     js = jobset("workload.jobSet.exclusiveTopology=topology.k8s.aws/network-node-layer-3")
     assert node_job(js)["metadata"]["annotations"] == {
-        "alpha.jobset.sigs.k8s.io/exclusive-topology": "topology.k8s.aws/network-node-layer-3"}
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "topology.k8s.aws/network-node-layer-3"
+    }
     assert "metadata" not in node_job(jobset())
 
 
-@pytest.mark.parametrize("sets, fragments", [
-    (["job.restartPolicy=OnFailure"], ["job.restartPolicy=OnFailure", "PyTorchJob only", "podFailurePolicy"]),
-    (["job.cleanPodPolicy=All"], ["job.cleanPodPolicy=All", "remove job.cleanPodPolicy"]),
-    (["job.schedulingPolicy.minAvailable=2"], ["job.schedulingPolicy", "job.kueueQueue"]),
-    (["nodes=200", "fullnameOverride=" + "a" * 48], ["too long", "200 pods", "at most 46 characters"]),
-    (["job.kueueQueue=q", "scheduling.topology.required=a/b", "scheduling.topology.preferred=a/c"],
-     ["scheduling.topology.required=a/b", "keep one"]),
-    (["scheduling.topology.required=a/b"], ["job.kueueQueue is empty"]),
-    (["job.kueueQueue=q", "scheduling.topology.required=a/b", "workload.jobSet.exclusiveTopology=a/b"],
-     ["workload.jobSet.exclusiveTopology", "keep one"]),
-    (["workload.trainJob.clusterTrainingRuntime=torch-distributed"],
-     ["workload.trainJob.clusterTrainingRuntime=torch-distributed", "set workload.kind=TrainJob"]),
-])
+@pytest.mark.parametrize(
+    "sets, fragments",
+    [
+        (["job.restartPolicy=OnFailure"], ["job.restartPolicy=OnFailure", "PyTorchJob only", "podFailurePolicy"]),
+        (["job.cleanPodPolicy=All"], ["job.cleanPodPolicy=All", "remove job.cleanPodPolicy"]),
+        (["job.schedulingPolicy.minAvailable=2"], ["job.schedulingPolicy", "job.kueueQueue"]),
+        (["nodes=200", "fullnameOverride=" + "a" * 48], ["too long", "200 pods", "at most 46 characters"]),
+        (
+            ["job.kueueQueue=q", "scheduling.topology.required=a/b", "scheduling.topology.preferred=a/c"],
+            ["scheduling.topology.required=a/b", "keep one"],
+        ),
+        (["scheduling.topology.required=a/b"], ["job.kueueQueue is empty"]),
+        (
+            ["job.kueueQueue=q", "scheduling.topology.required=a/b", "workload.jobSet.exclusiveTopology=a/b"],
+            ["workload.jobSet.exclusiveTopology", "keep one"],
+        ),
+        (
+            ["workload.trainJob.clusterTrainingRuntime=torch-distributed"],
+            ["workload.trainJob.clusterTrainingRuntime=torch-distributed", "set workload.kind=TrainJob"],
+        ),
+    ],
+)
 def test_should_fail_naming_the_key_when_values_do_not_fit_a_jobset(sets, fragments):
     message = render_error(JOBSET, *sets)
     for fragment in fragments:

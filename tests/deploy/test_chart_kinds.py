@@ -22,6 +22,7 @@ def test_should_render_lint_and_validate_when_profile_runs_as_each_kind(profile,
     if profile == "my-cluster":
         # The example cluster file on its own, over the chart's defaults.
         from tests.deploy.chart_support import MY_CLUSTER
+
         values = chart.load_values([MY_CLUSTER], [f"workload.kind={kind}", "storage.type=fsx"])
     else:
         values = kind_values(profile, kind)
@@ -38,7 +39,9 @@ def test_should_render_lint_and_validate_when_profile_runs_as_each_kind(profile,
 def test_should_create_every_pod_spares_included_when_a_profile_with_a_spare_runs_as_each_kind(kind):
     """The p5en-64node profile with one spare: each kind creates 65 pods, and every pod's launcher
     trains at 64 (--nnodes=64:65)."""
-    docs = chart.render(chart.load_values(profile_files("p5en-64node"), [f"workload.kind={kind}", "spares=1"])).documents()
+    docs = chart.render(
+        chart.load_values(profile_files("p5en-64node"), [f"workload.kind={kind}", "spares=1"])
+    ).documents()
     if kind == "PyTorchJob":
         specs = next(d for d in docs if d["kind"] == "PyTorchJob")["spec"]["pytorchReplicaSpecs"]
         pods = sum(r["replicas"] for r in specs.values())
@@ -56,8 +59,16 @@ def test_should_create_every_pod_spares_included_when_a_profile_with_a_spare_run
     # A JobSet's pods (a TrainJob's too) name their install by its UID, for the rendezvous id and
     # the lease; a PyTorchJob's pods have no such label to read.
     install = [e for e in template["spec"]["containers"][0]["env"] if e["name"] == "RESILIENT_FSDP_INSTALL_ID"]
-    assert install == ([] if kind == "PyTorchJob" else [{"name": "RESILIENT_FSDP_INSTALL_ID", "valueFrom": {
-        "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"}}}])
+    assert install == (
+        []
+        if kind == "PyTorchJob"
+        else [
+            {
+                "name": "RESILIENT_FSDP_INSTALL_ID",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"}},
+            }
+        ]
+    )
 
 
 def test_should_say_what_backoff_limit_really_does_when_pytorchjob_notes_are_printed():
@@ -77,8 +88,14 @@ def test_should_warn_that_kueue_ignores_pytorchjobs_by_default_when_queue_is_set
 
 
 def test_should_group_master_and_workers_in_one_domain_when_pytorchjob_uses_topology():
-    pj = job(render("nodes=3", "job.kueueQueue=q", "scheduling.topology.required=topology.k8s.aws/network-node-layer-3",
-                    release="r"))
+    pj = job(
+        render(
+            "nodes=3",
+            "job.kueueQueue=q",
+            "scheduling.topology.required=topology.k8s.aws/network-node-layer-3",
+            release="r",
+        )
+    )
     for role in ("Master", "Worker"):
         annotations = pj["spec"]["pytorchReplicaSpecs"][role]["template"]["metadata"]["annotations"]
         assert annotations["kueue.x-k8s.io/podset-required-topology"] == "topology.k8s.aws/network-node-layer-3"

@@ -43,8 +43,12 @@ def test_should_admit_the_scraper_to_the_metrics_port_only_when_network_policy_i
     own, scraper = policy["spec"]["ingress"]
     assert own["from"][0]["podSelector"] == policy["spec"]["podSelector"] and "ports" not in own
     assert scraper["ports"] == [{"port": 9410, "protocol": "TCP"}]
-    assert scraper["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-                                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert scraper["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
     # Other scrapers verbatim (the managed collector reaches pods from the VPC: an ipBlock).
     peers = [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
     custom = chart.render(chart.load_values([], BASE, [f"metrics.scrapers={json.dumps(peers)}"]))
@@ -55,8 +59,10 @@ def test_should_admit_the_scraper_to_the_metrics_port_only_when_network_policy_i
     # An Amazon Managed Service for Prometheus collector scrapes from its subnets: CIDRs beside the
     # default scraper, without restating it.
     managed = render("metrics.scraperCIDRs={10.0.16.0/20,10.0.32.0/20}").find("NetworkPolicy")["spec"]["ingress"][1]
-    assert managed["from"] == scraper["from"] + [{"ipBlock": {"cidr": "10.0.16.0/20"}},
-                                                 {"ipBlock": {"cidr": "10.0.32.0/20"}}]
+    assert managed["from"] == scraper["from"] + [
+        {"ipBlock": {"cidr": "10.0.16.0/20"}},
+        {"ipBlock": {"cidr": "10.0.32.0/20"}},
+    ]
     alone = render("metrics.scrapers=null", "metrics.scraperCIDRs={10.0.16.0/20}").find("NetworkPolicy")
     assert alone["spec"]["ingress"][1]["from"] == [{"ipBlock": {"cidr": "10.0.16.0/20"}}]
     assert "metrics.scraperCIDRs" in render_error("metrics.scraperCIDRs={sg-0123}")
@@ -64,13 +70,19 @@ def test_should_admit_the_scraper_to_the_metrics_port_only_when_network_policy_i
 
 def test_should_render_a_pod_monitor_of_the_jobs_pods_when_enabled():
     assert not [d for d in render().documents() if d["kind"] == "PodMonitor"]  # off by default
-    rendered = render("metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=kps",
-                      "metrics.podMonitor.interval=15s", "metrics.podMonitor.scrapeTimeout=5s", release="run1")
+    rendered = render(
+        "metrics.podMonitor.enabled=true",
+        "metrics.podMonitor.labels.release=kps",
+        "metrics.podMonitor.interval=15s",
+        "metrics.podMonitor.scrapeTimeout=5s",
+        release="run1",
+    )
     monitor = rendered.find("PodMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["name"] == "run1-resilient-fsdp" and monitor["metadata"]["labels"]["release"] == "kps"
-    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
-                                                       "scrapeTimeout": "5s"}]
+    assert monitor["spec"]["podMetricsEndpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "5s"}
+    ]
     # It selects every pod of this job, and each has the port it names.
     selector = monitor["spec"]["selector"]["matchLabels"]
     job = rendered.find("PyTorchJob")
@@ -83,15 +95,23 @@ def test_should_render_a_pod_monitor_of_the_jobs_pods_when_enabled():
     assert pod_spec(rendered)["containers"][0]["name"] == "pytorch"
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["metrics.enabled=false", "metrics.podMonitor.enabled=true"],
-     "metrics.podMonitor.enabled=true but metrics.enabled=false: the PodMonitor would scrape an endpoint no pod "
-     "serves; set metrics.enabled=true, or metrics.podMonitor.enabled=false"),
-    (["metrics.port=29400"], "metrics.port=29400 is also rendezvous.port: pod 0's agent listens on both; choose "
-                             "another metrics.port, e.g. 9410"),
-    (["workload.kind=TrainJob", "metrics.port=29500"], "metrics.port=29500 with workload.kind=TrainJob"),
-    (["metrics.podMonitor.interval=30 seconds"], "metrics.podMonitor.interval"),
-    (["metrics.port=80"], "metrics.port"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["metrics.enabled=false", "metrics.podMonitor.enabled=true"],
+            "metrics.podMonitor.enabled=true but metrics.enabled=false: the PodMonitor would scrape an endpoint no pod "
+            "serves; set metrics.enabled=true, or metrics.podMonitor.enabled=false",
+        ),
+        (
+            ["metrics.port=29400"],
+            "metrics.port=29400 is also rendezvous.port: pod 0's agent listens on both; choose "
+            "another metrics.port, e.g. 9410",
+        ),
+        (["workload.kind=TrainJob", "metrics.port=29500"], "metrics.port=29500 with workload.kind=TrainJob"),
+        (["metrics.podMonitor.interval=30 seconds"], "metrics.podMonitor.interval"),
+        (["metrics.port=80"], "metrics.port"),
+    ],
+)
 def test_should_fail_naming_the_key_when_metrics_values_conflict(sets, message):
     assert message in render_error(*sets)

@@ -14,8 +14,14 @@ def test_should_train_and_exit_0_when_the_rendered_pod_command_runs(tmp_path):
     paths mapped into a temporary directory: the node wrapper, ft_launcher with the rendered flags
     and fault_tolerance file, and the trainer with the rendered ConfigMap."""
     shared = tmp_path / "fsx"
-    rendered = render(f"storage.mountPath={shared}", "trainer.train.steps=6", "trainer.checkpoint.interval_steps=3",
-                      files=[VALUES_DIR / "dev-cpu.yaml"], base=[], release="smoke")
+    rendered = render(
+        f"storage.mountPath={shared}",
+        "trainer.train.steps=6",
+        "trainer.checkpoint.interval_steps=3",
+        files=[VALUES_DIR / "dev-cpu.yaml"],
+        base=[],
+        release="smoke",
+    )
     etc = tmp_path / "etc"
     etc.mkdir()
     data = rendered.find("ConfigMap")["data"]

@@ -18,8 +18,11 @@ GPU_PROFILES = [p for p in PROFILES if p != "dev-cpu"]
 
 
 def pods(docs: list[dict]) -> list[str]:
-    return [f"{doc['kind']}/{doc['metadata']['name']}:{at or 'spec'}" for doc in docs
-            for at, _ in pod_security.pod_templates(doc)]
+    return [
+        f"{doc['kind']}/{doc['metadata']['name']}:{at or 'spec'}"
+        for doc in docs
+        for at, _ in pod_security.pod_templates(doc)
+    ]
 
 
 # The JobSet's pods come from the same pod template; their check is the extended tier's.
@@ -50,8 +53,10 @@ def test_should_add_no_capability_to_an_efa_pod_when_a_gpu_profile_is_rendered(p
 def test_should_refuse_a_hostpath_volume_at_baseline_naming_the_volume():
     docs = render("pod.extraVolumes[0].name=node-logs", "pod.extraVolumes[0].hostPath.path=/var/log/nccl").documents()
     found = [(name, f.path) for name, f in pod_security.check_documents(docs, "baseline")]
-    assert found == [("PyTorchJob/resilient-fsdp", f"spec.pytorchReplicaSpecs.{role}.template.spec.volumes[4].hostPath")
-                     for role in ("Master", "Worker")]
+    assert found == [
+        ("PyTorchJob/resilient-fsdp", f"spec.pytorchReplicaSpecs.{role}.template.spec.volumes[4].hostPath")
+        for role in ("Master", "Worker")
+    ]
 
 
 def test_should_refuse_an_added_capability_when_a_user_adds_ipc_lock_back():
@@ -63,10 +68,22 @@ def test_should_refuse_an_added_capability_when_a_user_adds_ipc_lock_back():
 def test_should_fail_validate_on_the_pod_security_finding_alone_naming_the_field(capsys):
     # One validate run costs ~10 s here (the Kubernetes schemas); the profile without the hostPath
     # passes validate at the default level in test_chart.py.
-    args = ["validate", "-f", str(VALUES_DIR / "p5-4node.yaml"), "-f", str(MY_CLUSTER),
-            "--set", "pod.extraVolumes[0].name=node-logs", "--set", "pod.extraVolumes[0].hostPath.path=/var/log/nccl"]
+    args = [
+        "validate",
+        "-f",
+        str(VALUES_DIR / "p5-4node.yaml"),
+        "-f",
+        str(MY_CLUSTER),
+        "--set",
+        "pod.extraVolumes[0].name=node-logs",
+        "--set",
+        "pod.extraVolumes[0].hostPath.path=/var/log/nccl",
+    ]
     assert main(args) == 1
     out = capsys.readouterr().out
     problems = [ln.strip() for ln in out.splitlines() if ln.startswith("  ")]
-    assert len(problems) == 2 and all("volumes[4].hostPath: hostPath volumes are forbidden" in p
-                                      and p.endswith("[Pod Security baseline (Kubernetes 1.34)]") for p in problems)
+    assert len(problems) == 2 and all(
+        "volumes[4].hostPath: hostPath volumes are forbidden" in p
+        and p.endswith("[Pod Security baseline (Kubernetes 1.34)]")
+        for p in problems
+    )

@@ -36,16 +36,24 @@ def test_should_request_little_and_check_no_devices_when_devices_are_off():
 
 def test_should_request_and_check_one_pods_gpus_and_efa_when_devices_are_on():
     c = check_pod(render("releaseCheck.devices=true", "nodes=2"))["spec"]["containers"][0]
-    assert c["resources"]["requests"] == {"cpu": "500m", "memory": "512Mi", "nvidia.com/gpu": 8,
-                                          "vpc.amazonaws.com/efa": 32, "hugepages-2Mi": "5120Mi"}
+    assert c["resources"]["requests"] == {
+        "cpu": "500m",
+        "memory": "512Mi",
+        "nvidia.com/gpu": 8,
+        "vpc.amazonaws.com/efa": 32,
+        "hugepages-2Mi": "5120Mi",
+    }
     assert "--gpus=8" in c["args"] and "--efa=32" in c["args"]
 
 
-@pytest.mark.parametrize("kind, host", [
-    ("PyTorchJob", "r-resilient-fsdp-master-0"),
-    ("JobSet", "r-resilient-fsdp-node-0-0.r-resilient-fsdp"),
-    ("TrainJob", "r-resilient-fsdp-node-0-0.r-resilient-fsdp"),
-])
+@pytest.mark.parametrize(
+    "kind, host",
+    [
+        ("PyTorchJob", "r-resilient-fsdp-master-0"),
+        ("JobSet", "r-resilient-fsdp-node-0-0.r-resilient-fsdp"),
+        ("TrainJob", "r-resilient-fsdp-node-0-0.r-resilient-fsdp"),
+    ],
+)
 def test_should_check_the_kinds_rendezvous_host_and_the_checkpoint_dir_when_kind_is_set(kind, host):
     c = check_pod(render(f"workload.kind={kind}", "rendezvous.port=29411", release="r"))["spec"]["containers"][0]
     assert f"--rdzv-host={host}" in c["args"] and "--rdzv-port=29411" in c["args"]
@@ -70,14 +78,21 @@ def test_should_reject_a_bad_quantity_naming_the_key_when_resources_are_set():
 def test_should_check_the_trainers_input_paths_the_values_set():
     """data.path only when the job trains on a token file (not a factory's dataset), the Hugging Face
     config and weights whenever they are set; none by default."""
+
     def inputs(*sets):
         (c,) = check_pod(render(*sets))["spec"]["containers"]
         return [a for a in c["args"] if a.startswith("--input=")]
 
     assert inputs() == []
-    assert inputs("trainer.data.source=tokens", "trainer.data.path=/fsx/data/text",
-                  "trainer.model.hf_config=/fsx/models/llama", "trainer.model.init_from=/fsx/models/llama") == [
-        "--input=data.path=/fsx/data/text", "--input=model.hf_config=/fsx/models/llama",
-        "--input=model.init_from=/fsx/models/llama"]
+    assert inputs(
+        "trainer.data.source=tokens",
+        "trainer.data.path=/fsx/data/text",
+        "trainer.model.hf_config=/fsx/models/llama",
+        "trainer.model.init_from=/fsx/models/llama",
+    ) == [
+        "--input=data.path=/fsx/data/text",
+        "--input=model.hf_config=/fsx/models/llama",
+        "--input=model.init_from=/fsx/models/llama",
+    ]
     assert inputs("trainer.data.path=/fsx/data/text") == []  # source synthetic: the path is not read
     assert inputs("trainer.data.source=tokens", "trainer.data.path=/fsx/d", "trainer.data.factory=my.data:build") == []

@@ -8,33 +8,56 @@ import pytest
 from tests.deploy.chart_support import IMAGE, pod_spec, profile_files, render, render_error
 
 FSX = ["storage.type=fsx", "storage.fsx.subnetId=subnet-0abc", "storage.fsx.securityGroupIds={sg-01}"]
-STATIC = ["storage.type=fsxStatic", "storage.fsxStatic.volumeHandle=fs-0123abcd",
-          "storage.fsxStatic.dnsname=fs-0123abcd.fsx.us-west-2.amazonaws.com", "storage.fsxStatic.mountname=abc"]
+STATIC = [
+    "storage.type=fsxStatic",
+    "storage.fsxStatic.volumeHandle=fs-0123abcd",
+    "storage.fsxStatic.dnsname=fs-0123abcd.fsx.us-west-2.amazonaws.com",
+    "storage.fsxStatic.mountname=abc",
+]
 
 
 def init_containers(rendered) -> list[dict]:
     return pod_spec(rendered).get("initContainers") or []
 
 
-@pytest.mark.parametrize("sets, on", [(FSX, True), (STATIC, True), (["storage.existingClaim=ckpt"], False),
-                                      (["storage.type=emptyDir", "nodes=1"], False),
-                                      (["storage.existingClaim=ckpt", "storage.prepare=true"], True),
-                                      (FSX + ["storage.prepare=false"], False)])
+@pytest.mark.parametrize(
+    "sets, on",
+    [
+        (FSX, True),
+        (STATIC, True),
+        (["storage.existingClaim=ckpt"], False),
+        (["storage.type=emptyDir", "nodes=1"], False),
+        (["storage.existingClaim=ckpt", "storage.prepare=true"], True),
+        (FSX + ["storage.prepare=false"], False),
+    ],
+)
 def test_should_prepare_a_new_or_static_fsx_when_storage_prepare_is_auto_or_forced(sets, on):
     assert [c["name"] for c in init_containers(render(*sets, base=IMAGE))] == (["prepare-storage"] if on else [])
 
 
 def test_should_own_only_the_run_and_checkpoint_directories_with_chown_alone_when_preparing():
-    rendered = render(*FSX, "pod.securityContext.runAsUser=2000", "pod.securityContext.runAsGroup=3000",
-                      "trainer.checkpoint.dir=/fsx/ckpt/a", base=IMAGE, release="r")
+    rendered = render(
+        *FSX,
+        "pod.securityContext.runAsUser=2000",
+        "pod.securityContext.runAsGroup=3000",
+        "trainer.checkpoint.dir=/fsx/ckpt/a",
+        base=IMAGE,
+        release="r",
+    )
     (init,) = init_containers(rendered)
     assert init["args"] == ["/fsx/runs/r-resilient-fsdp", "/fsx/ckpt/a", "2000:3000"]
     script = init["command"][2]
     assert "chown -- " in script and "-R" not in script  # two directories, never what is in them
     assert init["image"] == pod_spec(rendered)["containers"][0]["image"]
-    assert init["securityContext"] == {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "privileged": False,
-                                       "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                       "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}}
+    assert init["securityContext"] == {
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+    }
     assert init["volumeMounts"] == [{"name": "shared", "mountPath": "/fsx"}]
     assert init["resources"]["limits"] == init["resources"]["requests"]
 
@@ -89,21 +112,34 @@ def test_should_create_a_new_fsx_in_a_release_of_its_own_and_mount_it_from_the_j
     kinds = {d["kind"] for d in job.documents() if d}
     assert not kinds & {"PersistentVolumeClaim", "StorageClass", "PersistentVolume"} and kind in kinds
     owner = job.find(kind)
-    spec = owner["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"] if kind == "PyTorchJob" else \
-        owner["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    spec = (
+        owner["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        if kind == "PyTorchJob"
+        else owner["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    )
     (shared,) = [v for v in spec["volumes"] if v["name"] == "shared"]
     assert shared["persistentVolumeClaim"]["claimName"] == claim["name"] == "run1-fs-resilient-fsdp-shared"
     # The new file system's root still belongs to root: the job prepares its directories.
     assert [c["name"] for c in spec["initContainers"]] == ["prepare-storage"]
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["storage.existingClaim=ckpt", "storage.only=true"],
-     "storage.only=true with storage.type=existingClaim: there is no volume to create first"),
-    ([*FSX, "storage.only=true", "storage.fromRelease=run1-fs"], "storage.only=true with storage.fromRelease=run1-fs"),
-    (["storage.existingClaim=ckpt", "storage.fromRelease=run1-fs"],
-     "storage.fromRelease=run1-fs with storage.type=existingClaim: it names the release that made an fsx or fsxStatic "
-     "volume"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["storage.existingClaim=ckpt", "storage.only=true"],
+            "storage.only=true with storage.type=existingClaim: there is no volume to create first",
+        ),
+        (
+            [*FSX, "storage.only=true", "storage.fromRelease=run1-fs"],
+            "storage.only=true with storage.fromRelease=run1-fs",
+        ),
+        (
+            ["storage.existingClaim=ckpt", "storage.fromRelease=run1-fs"],
+            "storage.fromRelease=run1-fs with storage.type=existingClaim: it names the release that made an fsx or fsxStatic "
+            "volume",
+        ),
+    ],
+)
 def test_should_refuse_a_storage_only_or_from_release_that_has_nothing_to_create_or_mount(sets, message):
     assert message in render_error(*sets, base=IMAGE)

@@ -22,8 +22,14 @@ NVRX_HERE = importlib.metadata.version("nvidia-resiliency-ext")  # this venv's (
 
 
 def check_image(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([str(REPO / "scripts/check-image"), *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [str(REPO / "scripts/check-image"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def lines(out: subprocess.CompletedProcess) -> dict[str, tuple[str, str]]:
@@ -44,10 +50,13 @@ def test_on_this_machine_the_missing_cuda_nccl_and_efa_are_named_and_the_fsdp_st
     assert got["nccl"][0] == "FAIL" and "has no NCCL backend" in got["nccl"][1]
     assert got["libfabric"][0] == "FAIL" and "libfabric.so.1 not found" in got["libfabric"][1]
     assert got["aws-ofi-nccl"][0] == "FAIL" and "libnccl-net-ofi.so" in got["aws-ofi-nccl"][1]
-    assert got["nccl-tuner"] == ("FAIL", "/opt/amazon/ofi-nccl/lib/libnccl-ofi-tuner.so (the chart's "
-                                 "efa.ncclTunerPlugin) is not in the image: NCCL would keep its own algorithm "
-                                 "choices on EFA; set efa.ncclTunerPlugin to where this aws-ofi-nccl puts its tuner, "
-                                 "or to an empty string")
+    assert got["nccl-tuner"] == (
+        "FAIL",
+        "/opt/amazon/ofi-nccl/lib/libnccl-ofi-tuner.so (the chart's "
+        "efa.ncclTunerPlugin) is not in the image: NCCL would keep its own algorithm "
+        "choices on EFA; set efa.ncclTunerPlugin to where this aws-ofi-nccl puts its tuner, "
+        "or to an empty string",
+    )
     assert got["nvrx"] == ("ok", f"nvidia-resiliency-ext {NVRX_HERE}")
     assert got["trainer"][0] == "ok"
     assert got["gpu"][0] == "skip" and got["efa-device"][0] == "skip" and got["memlock"][0] == "skip"
@@ -60,8 +69,17 @@ def test_on_this_machine_the_missing_cuda_nccl_and_efa_are_named_and_the_fsdp_st
 def test_build_mode_skips_the_node_checks_and_compares_versions():
     out = check_image("--build", "--expect-nvrx", "0.7.0")
     got = lines(out)
-    assert set(got) == {"torch", "cuda", "nccl", "nvrx", "trainer", "ft_launcher", "libfabric", "aws-ofi-nccl",
-                        "nccl-tuner"}
+    assert set(got) == {
+        "torch",
+        "cuda",
+        "nccl",
+        "nvrx",
+        "trainer",
+        "ft_launcher",
+        "libfabric",
+        "aws-ofi-nccl",
+        "nccl-tuner",
+    }
     assert got["nvrx"] == ("FAIL", f"nvidia-resiliency-ext {NVRX_HERE}, pinned 0.7.0 (NVRX_VERSION)")
     assert out.returncode == 1 and out.stdout.rstrip().endswith("(build-time checks)")
 
@@ -73,8 +91,19 @@ def test_pins_are_saved_only_when_every_check_passed(tmp_path, monkeypatch):
     # A passing run needs a CUDA build of torch, NCCL and EFA, which cannot exist here: the checks'
     # results stand in for that one case, and the saved file is read back by the real loader.
     monkeypatch.setattr(image_check, "run_checks", lambda *a, **k: [image_check.Result("torch", "ok", "")])
-    args = ["--build", "--expect-torch", "2.13.0a0", "--expect-cuda", "13.3", "--expect-nccl", "2.30.7",
-            "--expect-nvrx", "0.7.0", "--save-pins", str(pins)]
+    args = [
+        "--build",
+        "--expect-torch",
+        "2.13.0a0",
+        "--expect-cuda",
+        "13.3",
+        "--expect-nccl",
+        "2.30.7",
+        "--expect-nvrx",
+        "0.7.0",
+        "--save-pins",
+        str(pins),
+    ]
     assert image_check.main(args) == 0
     assert image_check.load_pins(pins) == Pins(torch="2.13.0a0", cuda="13.3", nccl="2.30.7", nvrx="0.7.0")
 
@@ -109,6 +138,7 @@ def test_memlock_must_be_unlimited_only_where_the_node_has_efa():
     # No EFA device exists here and this process cannot be given an unlimited limit: the devices
     # and the limits are handed in.
     import resource
+
     finite = lambda _: (8 * 1024 * 1024, 8 * 1024 * 1024)  # noqa: E731
     unlimited = lambda _: (resource.RLIM_INFINITY, resource.RLIM_INFINITY)  # noqa: E731
     assert image_check.check_memlock(Pins(), devices=[], limits=finite).status == "skip"

@@ -48,9 +48,14 @@ def test_values_select_the_factory_and_the_custom_image(tmp_path):
 def test_the_package_trains_through_model_factory_in_a_local_run(tmp_path):
     _, config = rendered_config(tmp_path)
     run_dir = tmp_path / "run"
-    out = run_local(run_dir, nodes=1, nproc=2, pythonpath=[EXAMPLE], extra=["--config", str(config)],
-                    overrides=["train.steps=4", "train.log_every=1", "checkpoint.interval_steps=2",
-                               "data.seq_len=32"])
+    out = run_local(
+        run_dir,
+        nodes=1,
+        nproc=2,
+        pythonpath=[EXAMPLE],
+        extra=["--config", str(config)],
+        overrides=["train.steps=4", "train.log_every=1", "checkpoint.interval_steps=2", "data.seq_len=32"],
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     sys.path.insert(0, str(EXAMPLE))
     try:
@@ -75,8 +80,11 @@ def test_the_example_renders_on_every_gpu_profile_within_its_sequence_limit(prof
     config = config_map(rendered, "config.yaml")
     assert config["model"]["factory"] == FACTORY
     assert config["data"]["seq_len"] <= config["model"]["max_seq_len"] == _declared_max_seq_len()
-    longer = render_error(f"trainer.data.seq_len={config['model']['max_seq_len'] + 1}",
-                          files=profile_files(profile) + [VALUES], base=IMAGE)
+    longer = render_error(
+        f"trainer.data.seq_len={config['model']['max_seq_len'] + 1}",
+        files=profile_files(profile) + [VALUES],
+        base=IMAGE,
+    )
     assert "is above trainer.model.max_seq_len" in longer
 
 
@@ -92,29 +100,37 @@ def _declared_max_seq_len() -> int:
 
 
 def test_a_missing_vocabulary_size_is_a_configuration_error(tmp_path):
-    out = run_trainer(tmp_path / "run", overrides=[f"model.factory={FACTORY}", "train.steps=2"],
-                      pythonpath=[EXAMPLE])
+    out = run_trainer(tmp_path / "run", overrides=[f"model.factory={FACTORY}", "train.steps=2"], pythonpath=[EXAMPLE])
     assert out.returncode == 2
     assert "my_models.gpt needs model.vocab_size" in out.stderr
 
 
 def test_dockerfile_starts_from_the_trainer_image_and_adds_only_the_package():
     text = (EXAMPLE / "Dockerfile").read_text()
-    assert dockerfile_args(EXAMPLE / "Dockerfile") == {"TRAINER_IMAGE": f"resilient-fsdp:{project_version()}",
-                                                       "EXTRA_PIP_PACKAGES": "", "TRAINER_UID": "10001"}
+    assert dockerfile_args(EXAMPLE / "Dockerfile") == {
+        "TRAINER_IMAGE": f"resilient-fsdp:{project_version()}",
+        "EXTRA_PIP_PACKAGES": "",
+        "TRAINER_UID": "10001",
+    }
     # Extra packages install as root, under the trainer image's constraints, and the user is restored.
     trainer_uid = dockerfile_args(REPO / "images/trainer/Dockerfile")["TRAINER_UID"]
     assert trainer_uid == "10001"
     steps = re.findall(r"^(USER .*|RUN .*|COPY .*)$", text, re.M)
-    assert steps[:3] == ["USER 0:0", "RUN if [ -n \"${EXTRA_PIP_PACKAGES}\" ]; then \\", "USER ${TRAINER_UID}:${TRAINER_UID}"]
+    assert steps[:3] == [
+        "USER 0:0",
+        'RUN if [ -n "${EXTRA_PIP_PACKAGES}" ]; then \\',
+        "USER ${TRAINER_UID}:${TRAINER_UID}",
+    ]
     assert "--constraint /opt/resilient-fsdp/deps/constraints.txt" in text
     assert re.search(r"^WORKDIR /opt/resilient-fsdp$", (REPO / "images/trainer/Dockerfile").read_text(), re.M)
     assert "image_deps.py plan --project . --out deps" in (REPO / "images/trainer/Dockerfile").read_text()
     assert re.search(r"^FROM \$\{TRAINER_IMAGE\} AS custom-model$", text, re.M)
     assert "COPY my_models/ /opt/resilient-fsdp/models/my_models/" in text
     # That directory is on the trainer image's sys.path, and the build imports the same factory.
-    assert "resilient-fsdp-models.pth').write_text('/opt/resilient-fsdp/models" in \
-        (REPO / "images/trainer/Dockerfile").read_text()
+    assert (
+        "resilient-fsdp-models.pth').write_text('/opt/resilient-fsdp/models"
+        in (REPO / "images/trainer/Dockerfile").read_text()
+    )
     assert f"load_factory('{FACTORY}', 'model.factory')" in text
     assert yaml.safe_load(VALUES.read_text())["trainer"]["model"]["factory"] == FACTORY
 

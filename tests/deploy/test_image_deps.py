@@ -29,8 +29,9 @@ PINS = base(numpy="2.4.6", pydantic="2.14.4", fastapi="0.165.0", **{"nvidia-resi
 
 
 def test_base_versions_win_project_pins_fill_in_nvrx_is_replaced():
-    lines, notes = plan(base(torch="2.13.0a0+9186a08b2c.nv26.07", numpy="1.26.4",
-                             **{"nvidia-resiliency-ext": "0.5.0"}), PINS)
+    lines, notes = plan(
+        base(torch="2.13.0a0+9186a08b2c.nv26.07", numpy="1.26.4", **{"nvidia-resiliency-ext": "0.5.0"}), PINS
+    )
     assert "torch==2.13.0a0+9186a08b2c.nv26.07" in lines  # the base's CUDA build, exactly
     assert "numpy==1.26.4" in lines and "numpy==2.4.6" not in lines
     assert "nvidia-resiliency-ext==0.7.0" in lines and "nvidia-resiliency-ext==0.5.0" not in lines
@@ -54,8 +55,12 @@ def test_verify_accepts_additions_at_their_pins_only():
     before = base(torch="2.13.0a0", numpy="1.26.4", **{"nvidia-resiliency-ext": "0.5.0"})
     after = {**before, **base(fastapi="0.165.0", **{"nvidia-resiliency-ext": "0.7.0", "resilient-fsdp": "0.1.0"})}
     assert verify(before, after, PINS, extra={"resilient-fsdp": "0.1.0"}) == []
-    problems = verify(before, {**after, **base(numpy="2.4.6", torch="2.13.0", uvloop="0.23.0", fastapi="0.1")},
-                      PINS, extra={"resilient-fsdp": "0.1.0"})
+    problems = verify(
+        before,
+        {**after, **base(numpy="2.4.6", torch="2.13.0", uvloop="0.23.0", fastapi="0.1")},
+        PINS,
+        extra={"resilient-fsdp": "0.1.0"},
+    )
     assert problems == [
         "numpy (from the base image) was replaced: 1.26.4 -> 2.4.6; the base's versions must stay "
         "(see images/trainer/Dockerfile)",
@@ -67,10 +72,12 @@ def test_verify_accepts_additions_at_their_pins_only():
     ]
     gone = {k: v for k, v in after.items() if k != "numpy"}
     assert verify(before, gone, PINS, extra={"resilient-fsdp": "0.1.0"}) == [
-        "numpy 1.26.4 (from the base image) was uninstalled"]
+        "numpy 1.26.4 (from the base image) was uninstalled"
+    ]
     missing = {k: v for k, v in after.items() if k != "nvidia-resiliency-ext"}
-    assert "nvidia-resiliency-ext==0.7.0 is not installed" in verify(before, missing, PINS,
-                                                                       extra={"resilient-fsdp": "0.1.0"})
+    assert "nvidia-resiliency-ext==0.7.0 is not installed" in verify(
+        before, missing, PINS, extra={"resilient-fsdp": "0.1.0"}
+    )
 
 
 def test_constraints_files_hold_exact_pins_only(tmp_path):
@@ -138,16 +145,51 @@ def test_lock_covers_everything_pip_installs_in_the_image(tmp_path):
     (tmp_path / "requirements.txt").write_text("\n".join(project_requirements(REPO / "pyproject.toml")) + "\n")
     report = tmp_path / "report.json"
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--dry-run",
-         "--ignore-installed", "--report", str(report), "--target", str(tmp_path / "target"),
-         "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
-         *[a for p in ("manylinux_2_39_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
-                       "manylinux2014_x86_64") for a in ("--platform", p)],
-         "--find-links", str(_stand_in_torch(tmp_path / "wheels")),
-         "--constraint", str(tmp_path / "constraints.txt"), "--requirement", str(tmp_path / "requirements.txt")],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            "--target",
+            str(tmp_path / "target"),
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            "--abi",
+            "cp312",
+            *[
+                a
+                for p in (
+                    "manylinux_2_39_x86_64",
+                    "manylinux_2_28_x86_64",
+                    "manylinux_2_17_x86_64",
+                    "manylinux2014_x86_64",
+                )
+                for a in ("--platform", p)
+            ],
+            "--find-links",
+            str(_stand_in_torch(tmp_path / "wheels")),
+            "--constraint",
+            str(tmp_path / "constraints.txt"),
+            "--requirement",
+            str(tmp_path / "requirements.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    resolved = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    resolved = {
+        canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
     assert resolved["nvidia-resiliency-ext"] == "0.7.0"
     assert resolved["torch"] == "2.13.0+base"
     pins = merged_pins(REPO)

@@ -24,8 +24,14 @@ CUSTOM = REPO / "images/custom-model/Dockerfile"
 HADOLINT_CONFIG = REPO / "images/.hadolint.yaml"
 DOCKERFILES = [TRAINER, CUSTOM]
 # Every version the trainer image depends on is one of these ARGs, with a default.
-VERSION_ARGS = ("BASE_IMAGE", "BASE_TORCH_VERSION", "BASE_CUDA_VERSION", "BASE_NCCL_VERSION",
-                "EFA_INSTALLER_VERSION", "NVRX_VERSION")
+VERSION_ARGS = (
+    "BASE_IMAGE",
+    "BASE_TORCH_VERSION",
+    "BASE_CUDA_VERSION",
+    "BASE_NCCL_VERSION",
+    "EFA_INSTALLER_VERSION",
+    "NVRX_VERSION",
+)
 
 
 def hadolint() -> str:
@@ -67,8 +73,9 @@ def stages(path: Path) -> list[tuple[str, list[tuple[str, str]]]]:
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_hadolint_finds_nothing(dockerfile):
-    out = subprocess.run([hadolint(), "--config", str(HADOLINT_CONFIG), str(dockerfile)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [hadolint(), "--config", str(HADOLINT_CONFIG), str(dockerfile)], capture_output=True, text=True
+    )
     assert (out.returncode, out.stdout + out.stderr) == (0, "")
 
 
@@ -115,8 +122,9 @@ def test_nothing_floats(dockerfile):
             image = rest.split()[0]
             if image.startswith("${"):
                 default = dockerfile_args(dockerfile)[image.strip("${}")]
-                assert default and re.search(r":[\w.-]+$|@sha256:", default) and not default.endswith(":latest"), \
+                assert default and re.search(r":[\w.-]+$|@sha256:", default) and not default.endswith(":latest"), (
                     f"{image} has no pinned default tag"
+                )
             elif image not in {name for name, _ in stages(dockerfile)}:
                 pytest.fail(f"FROM {image}: name the image through a pinned ARG")
         if word == "RUN":
@@ -186,8 +194,12 @@ def test_efa_installer_runs_in_container_mode():
 def test_build_checks_itself_against_the_pins():
     run = [rest for word, rest in dict(stages(TRAINER))["trainer"] if word == "RUN"][-1]
     assert "python -m resilient_fsdp.deploy.image_check --build" in run
-    for flag, arg in (("--expect-torch", "BASE_TORCH_VERSION"), ("--expect-cuda", "BASE_CUDA_VERSION"),
-                      ("--expect-nccl", "BASE_NCCL_VERSION"), ("--expect-nvrx", "NVRX_VERSION")):
+    for flag, arg in (
+        ("--expect-torch", "BASE_TORCH_VERSION"),
+        ("--expect-cuda", "BASE_CUDA_VERSION"),
+        ("--expect-nccl", "BASE_NCCL_VERSION"),
+        ("--expect-nvrx", "NVRX_VERSION"),
+    ):
         assert f'{flag} "${{{arg}}}"' in run
     assert "image_deps.py verify" in run and "--allow-project" in run
 

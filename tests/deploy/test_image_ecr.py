@@ -110,8 +110,15 @@ def test_unreachable_endpoint_is_named(monkeypatch):
 
 
 def _build_image(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.image", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.deploy.image", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_push_creates_the_repository_logs_in_with_the_token_and_pushes(aws_server, tmp_path):
@@ -136,8 +143,10 @@ def test_push_creates_the_repository_logs_in_with_the_token_and_pushes(aws_serve
     assert tag == ["tag", "pushed/trainer:9.9.9", remote] and push == ["push", remote]
     repos = _client(aws_server, "ecr", "eu-west-1").describe_repositories()["repositories"]
     assert [r["repositoryName"] for r in repos] == ["pushed/trainer"]
-    assert f"--set image.repository={registry}/pushed/trainer --set image.tag=9.9.9 --set image.digest=sha256:" \
+    assert (
+        f"--set image.repository={registry}/pushed/trainer --set image.tag=9.9.9 --set image.digest=sha256:"
         in out.stdout
+    )
 
 
 def test_push_without_credentials_fails_before_building(aws_server, tmp_path):

@@ -97,16 +97,36 @@ def test_should_retry_then_fail_naming_the_wait_when_rendezvous_host_does_not_re
         calls.append(host)
         raise socket.gaierror(-2, "Name or service not known")
 
-    result = rc.check_rendezvous_host("job-node-0-0.job", 29400, timeout_s=12, interval_s=5, resolve=resolve,
-                                      clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    result = rc.check_rendezvous_host(
+        "job-node-0-0.job",
+        29400,
+        timeout_s=12,
+        interval_s=5,
+        resolve=resolve,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+    )
     assert not result.ok and len(calls) == 3  # t = 0, 5, 10
     assert "job-node-0-0.job" in result.detail and "joinTimeoutSeconds" in result.detail
 
 
 def test_should_exit_1_listing_failures_when_run_as_a_module(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.release_check", f"--shared-dir={tmp_path}",
-                           f"--check-dir={tmp_path}/ckpt", "--rdzv-host=localhost", "--rdzv-timeout=0", "--gpus=1",
-                           f"--dev-dir={tmp_path}"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.deploy.release_check",
+            f"--shared-dir={tmp_path}",
+            f"--check-dir={tmp_path}/ckpt",
+            "--rdzv-host=localhost",
+            "--rdzv-timeout=0",
+            "--gpus=1",
+            f"--dev-dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ok   shared volume") and lines[1].startswith("FAIL GPUs")
@@ -114,8 +134,19 @@ def test_should_exit_1_listing_failures_when_run_as_a_module(tmp_path):
 
 
 def test_should_exit_0_when_every_check_passes(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.release_check", f"--shared-dir={tmp_path}",
-                           "--rdzv-host=localhost", "--rdzv-timeout=0"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.deploy.release_check",
+            f"--shared-dir={tmp_path}",
+            "--rdzv-host=localhost",
+            "--rdzv-timeout=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "5 ok, 0 failed" in proc.stdout
 
@@ -124,13 +155,26 @@ def _limited_memlock():
     # Lowering a limit needs no privilege: the child starts with a finite memlock, as under a
     # container runtime that sets none.
     import resource
+
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, 64 * 1024))
 
 
 def test_should_fail_naming_the_runtime_limit_when_memlock_is_finite_on_an_efa_pod(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.deploy.release_check", f"--shared-dir={tmp_path}",
-                           "--rdzv-host=localhost", "--rdzv-timeout=0", "--memlock"],
-                          capture_output=True, text=True, timeout=60, preexec_fn=_limited_memlock)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.deploy.release_check",
+            f"--shared-dir={tmp_path}",
+            "--rdzv-host=localhost",
+            "--rdzv-timeout=0",
+            "--memlock",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_limited_memlock,
+    )
     line = next(ln for ln in proc.stdout.splitlines() if " memlock:" in ln)
     assert proc.returncode == 1 and line.startswith("FAIL"), proc.stdout
     assert "64 KiB" in line and "LimitMEMLOCK" in line and "container runtime" in line
@@ -140,6 +184,7 @@ def test_should_pass_memlock_when_unlimited_and_skip_it_without_efa():
     # An unlimited limit cannot be granted to this test process (raising the hard limit needs the
     # runtime's or CAP_SYS_RESOURCE's say), so the limits are handed in here.
     import resource
+
     unlimited = rc.check_memlock(True, limits=lambda _: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert unlimited.ok and unlimited.detail == "unlimited"
     finite = rc.check_memlock(True, limits=lambda _: (8 * 1024 * 1024, resource.RLIM_INFINITY))
@@ -171,12 +216,33 @@ def test_should_find_each_trainer_input_readable_by_the_pods_user_or_name_the_fi
         f.write_bytes(b"{}")
         f.chmod(0o644)
     (model / "model.safetensors").chmod(0o600)
-    args = [f"--shared-dir={root}", f"--check-dir={root}", "--rdzv-host=localhost", "--rdzv-timeout=0",
-            f"--input=data.path={data}", f"--input=model.hf_config={model}", f"--input=model.init_from={model}",
-            f"--input=model.init_from={root / 'absent'}", "--input=data.path=s3://bucket/data/text"]
-    proc = subprocess.run(["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", sys.executable, "-m",
-                           "resilient_fsdp.deploy.release_check", *args], capture_output=True, text=True, timeout=60,
-                          cwd=REPO)
+    args = [
+        f"--shared-dir={root}",
+        f"--check-dir={root}",
+        "--rdzv-host=localhost",
+        "--rdzv-timeout=0",
+        f"--input=data.path={data}",
+        f"--input=model.hf_config={model}",
+        f"--input=model.init_from={model}",
+        f"--input=model.init_from={root / 'absent'}",
+        "--input=data.path=s3://bucket/data/text",
+    ]
+    proc = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=10001",
+            "--regid=10001",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "resilient_fsdp.deploy.release_check",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"ok   input data.path: {data}: 2 file(s) readable by uid 10001" in proc.stdout
     assert any(line.startswith("ok   input model.hf_config") for line in proc.stdout.splitlines())
@@ -186,7 +252,9 @@ def test_should_find_each_trainer_input_readable_by_the_pods_user_or_name_the_fi
     assert "chmod a+r" in failed[0]
     assert f"{root / 'absent'} does not exist in this pod (uid 10001)" in failed[1]
     assert "s3://bucket/data/text: in S3, checked by the trainer at start" in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "release check: 8 ok, 2 failed (input model.init_from, input model.init_from)"
+    assert (
+        proc.stdout.splitlines()[-1] == "release check: 8 ok, 2 failed (input model.init_from, input model.init_from)"
+    )
 
 
 def test_should_refuse_an_input_it_does_not_know(capsys):

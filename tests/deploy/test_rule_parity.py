@@ -67,17 +67,28 @@ CASES = {
     "collective timeout at the step timeout": (["trainer.dist.timeout_s=600"], True),
     "collective timeout a minute below it": (["trainer.dist.timeout_s=540"], True),
     "collective timeout against a lowered checkpoint timeout": (
-        ["trainer.dist.timeout_s=240", "trainer.resilience.hang_detection.checkpoint_timeout_s=290"], True),
+        ["trainer.dist.timeout_s=240", "trainer.resilience.hang_detection.checkpoint_timeout_s=290"],
+        True,
+    ),
     "collective timeout against no step timeout": (
-        ["trainer.dist.timeout_s=900", "trainer.resilience.hang_detection.step_timeout_s=null",
-         "trainer.resilience.hang_detection.checkpoint_timeout_s=null",
-         "trainer.resilience.hang_detection.out_of_section_timeout_s=null"], True),
+        [
+            "trainer.dist.timeout_s=900",
+            "trainer.resilience.hang_detection.step_timeout_s=null",
+            "trainer.resilience.hang_detection.checkpoint_timeout_s=null",
+            "trainer.resilience.hang_detection.out_of_section_timeout_s=null",
+        ],
+        True,
+    ),
     "start-up timeout at the init timeout": (["trainer.dist.init_timeout_s=900"], True),
     "collective timeout at in-process restart's hard timeout": (
-        ["trainer.resilience.in_process.enabled=true", "trainer.dist.timeout_s=90"], True),
+        ["trainer.resilience.in_process.enabled=true", "trainer.dist.timeout_s=90"],
+        True,
+    ),
     "collective timeouts on CPU nodes": (["instanceType=cpu", "trainer.dist.timeout_s=600"], False),
-    "collective timeouts with the device forced to CPU": (["trainer.dist.device=cpu", "trainer.dist.timeout_s=600"],
-                                                          False),
+    "collective timeouts with the device forced to CPU": (
+        ["trainer.dist.device=cpu", "trainer.dist.timeout_s=600"],
+        False,
+    ),
 }
 
 
@@ -93,26 +104,48 @@ def test_should_decide_alike_in_the_same_words_when_chart_and_trainer_get_the_sa
 def test_should_refuse_every_rule_of_the_cases_at_least_once():
     """The cases cover each shared rule both ways: a refusal and an acceptance for each."""
     refused = {case for case in CASES if chart_outcome(CASES[case][0]) is not None}
-    assert {"token file without a path", "sequences longer than the model takes",
-            "collective timeout at the step timeout", "start-up timeout at the init timeout",
-            "collective timeout at in-process restart's hard timeout"} <= refused
-    assert {"token file with a path", "sequences as long as the model takes",
-            "collective timeout a minute below it", "collective timeouts on CPU nodes"}.isdisjoint(refused)
+    assert {
+        "token file without a path",
+        "sequences longer than the model takes",
+        "collective timeout at the step timeout",
+        "start-up timeout at the init timeout",
+        "collective timeout at in-process restart's hard timeout",
+    } <= refused
+    assert {
+        "token file with a path",
+        "sequences as long as the model takes",
+        "collective timeout a minute below it",
+        "collective timeouts on CPU nodes",
+    }.isdisjoint(refused)
 
 
 # ---- whether the training state fits: the same arithmetic, the chart from the instance type's
 # table, the trainer (on a GPU node) from the device's memory ----------------------------------
 
-FITS = [("70b", "p5.48xlarge", 1, 0), ("70b", "p5.48xlarge", 2, 0), ("70b", "p5.48xlarge", 3, 0),
-        ("70b", "p5.48xlarge", 4, 8), ("70b", "p5en.48xlarge", 2, 0), ("70b", "p4d.24xlarge", 4, 0),
-        ("8b", "g5.xlarge", 2, 0), ("8b", "g5.48xlarge", 1, 0), ("8b", "g6.12xlarge", 2, 0), ("1b", "g6.xlarge", 1, 0),
-        ("8b", "p5.48xlarge", 4, 8), ("70b", "p6-b200.48xlarge", 2, 0)]
+FITS = [
+    ("70b", "p5.48xlarge", 1, 0),
+    ("70b", "p5.48xlarge", 2, 0),
+    ("70b", "p5.48xlarge", 3, 0),
+    ("70b", "p5.48xlarge", 4, 8),
+    ("70b", "p5en.48xlarge", 2, 0),
+    ("70b", "p4d.24xlarge", 4, 0),
+    ("8b", "g5.xlarge", 2, 0),
+    ("8b", "g5.48xlarge", 1, 0),
+    ("8b", "g6.12xlarge", 2, 0),
+    ("1b", "g6.xlarge", 1, 0),
+    ("8b", "p5.48xlarge", 4, 8),
+    ("70b", "p6-b200.48xlarge", 2, 0),
+]
 
 
 @pytest.mark.parametrize("preset,instance,nodes,group", FITS)
 def test_should_fit_a_state_alike_when_chart_and_trainer_size_the_same_job(preset, instance, nodes, group):
-    sets = [f"instanceType={instance}", f"nodes={nodes}", f"trainer.model.preset={preset}",
-            f"trainer.dist.shard_group_size={group}"]
+    sets = [
+        f"instanceType={instance}",
+        f"nodes={nodes}",
+        f"trainer.model.preset={preset}",
+        f"trainer.dist.shard_group_size={group}",
+    ]
     gpus = INSTANCE_TYPES[instance]["gpus"]
     memory = INSTANCE_TYPES[instance]["gpuMemoryGB"] * 10**9
     params = parameter_count(PRESETS[preset])
@@ -139,8 +172,10 @@ def test_should_size_a_preset_with_another_vocabulary_as_the_trainer_builds_it()
 
 def test_should_leave_a_factory_models_size_to_the_trainer():
     """The chart cannot import a factory: the trainer checks its size on the GPU before allocating."""
-    assert chart_outcome(["nodes=1", "trainer.model.preset=70b", "trainer.model.factory=my_models.gpt:build_model"]) \
+    assert (
+        chart_outcome(["nodes=1", "trainer.model.preset=70b", "trainer.model.factory=my_models.gpt:build_model"])
         is None
+    )
 
 
 def test_should_know_each_gpu_instance_types_memory_as_the_advisor_does():
@@ -152,9 +187,16 @@ def test_should_know_each_gpu_instance_types_memory_as_the_advisor_does():
 
 
 def test_should_refuse_a_gpu_instance_type_without_its_gpu_memory():
-    message = chart_outcome(["instanceTypes.p9\\.48xlarge.gpus=8", "instanceTypes.p9\\.48xlarge.efa=0",
-                             "instanceTypes.p9\\.48xlarge.gpuDirectRdma=false", "instanceTypes.p9\\.48xlarge.cpu=100",
-                             "instanceTypes.p9\\.48xlarge.memory=1000Gi", "instanceType=p9.48xlarge"])
+    message = chart_outcome(
+        [
+            "instanceTypes.p9\\.48xlarge.gpus=8",
+            "instanceTypes.p9\\.48xlarge.efa=0",
+            "instanceTypes.p9\\.48xlarge.gpuDirectRdma=false",
+            "instanceTypes.p9\\.48xlarge.cpu=100",
+            "instanceTypes.p9\\.48xlarge.memory=1000Gi",
+            "instanceType=p9.48xlarge",
+        ]
+    )
     assert message is not None and "gpuMemoryGB" in message, message
 
 

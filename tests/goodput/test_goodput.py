@@ -98,8 +98,20 @@ def test_hsdp_commits_in_seconds_at_16384_gpus_and_the_advisor_suggests_the_grou
     """2,048 p5 nodes, 70b: FSDP's commit is 16,384 x 250 kB x 2.05 / 5 MB/s = 1,679 s; the
     fewest pods whose share of 70.55e9 x 16 B fits in 40 GB is 4 (32 GPUs: 35.3 GB), and HSDP over
     them commits (32 x 250 kB x 2.05 + 16,384 x 500 B) / 5 MB/s = 4.9184 s."""
-    flags = ("--instance", "p5.48xlarge", "--nodes", "2048", "--preset", "70b", "--storage-size", "115200Gi",
-             "--deployment-type", "PERSISTENT_2", "--storage-throughput", "1000")
+    flags = (
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "2048",
+        "--preset",
+        "70b",
+        "--storage-size",
+        "115200Gi",
+        "--deployment-type",
+        "PERSISTENT_2",
+        "--storage-throughput",
+        "1000",
+    )
     fsdp = _advice(*flags)
     assert fsdp.inputs.estimate.commit_s == pytest.approx(1679.36, abs=0.01)
     assert fsdp.inputs.suggested_shard_group == 32
@@ -122,25 +134,73 @@ def test_advisor_estimates_the_checkpoint_costs_from_the_model_and_the_storage()
     commit 128 ranks x 250 kB x 2.05 / 5 MB/s = 13.12 s, in rank 0's commit process; stall 6.614 / 53
     + 0.5 = 0.6248 s; W = 846.64 GB / (14,400 GiB / 1,024 x 500 MB/s/TiB = 7.031 GB/s) = 120.41 s,
     then the commit: 133.53 s."""
-    a = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--preset", "70b", "--storage-size", "14400Gi",
-                "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
+    a = _advice(
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "16",
+        "--preset",
+        "70b",
+        "--storage-size",
+        "14400Gi",
+        "--deployment-type",
+        "PERSISTENT_2",
+        "--storage-throughput",
+        "500",
+    )
     assert a.inputs.ckpt_stall_s == pytest.approx(0.6248, abs=1e-4)
     assert a.inputs.estimate.commit_s == pytest.approx(13.12, abs=1e-9)
     # The commit grows with the world: twice the ranks, twice the commit.
-    wide = _advice("--instance", "p5.48xlarge", "--nodes", "32", "--preset", "70b", "--storage-size", "14400Gi",
-                   "--deployment-type", "PERSISTENT_2", "--storage-throughput", "500")
+    wide = _advice(
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "32",
+        "--preset",
+        "70b",
+        "--storage-size",
+        "14400Gi",
+        "--deployment-type",
+        "PERSISTENT_2",
+        "--storage-throughput",
+        "500",
+    )
     assert wide.inputs.estimate.commit_s == pytest.approx(2 * a.inputs.estimate.commit_s)
     assert a.inputs.ckpt_write_s == pytest.approx(133.53, abs=0.01)
-    assert dict(a.inputs.cost_sources) == {"ckpt_stall_s": "estimated", "ckpt_write_s": "estimated",
-                                           "restart_s": "default"}
+    assert dict(a.inputs.cost_sources) == {
+        "ckpt_stall_s": "estimated",
+        "ckpt_write_s": "estimated",
+        "restart_s": "default",
+    }
     # --params is the same model by its count; SCRATCH_2 has one throughput, 200 MB/s/TiB.
-    same = _advice("--instance", "p5.48xlarge", "--nodes", "16", "--params", "70553706496", "--storage-size",
-                   "14400Gi", "--storage-throughput", "500")
+    same = _advice(
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "16",
+        "--params",
+        "70553706496",
+        "--storage-size",
+        "14400Gi",
+        "--storage-throughput",
+        "500",
+    )
     assert same.inputs.ckpt_write_s == a.inputs.ckpt_write_s
-    scratch = _advice("--instance", "g5.12xlarge", "--nodes", "1", "--preset", "1b", "--storage-size", "1200Gi",
-                      "--deployment-type", "SCRATCH_2")
-    assert scratch.inputs.ckpt_write_s == pytest.approx(1_100_048_384 * 12 / (1200 / 1024 * 200e6)
-                                                        + 4 * 250e3 * 2.05 / 5e6)
+    scratch = _advice(
+        "--instance",
+        "g5.12xlarge",
+        "--nodes",
+        "1",
+        "--preset",
+        "1b",
+        "--storage-size",
+        "1200Gi",
+        "--deployment-type",
+        "SCRATCH_2",
+    )
+    assert scratch.inputs.ckpt_write_s == pytest.approx(
+        1_100_048_384 * 12 / (1200 / 1024 * 200e6) + 4 * 250e3 * 2.05 / 5e6
+    )
     assert scratch.inputs.ckpt_stall_s == pytest.approx(1_100_048_384 * 12 / 4 / 25e9 + 0.5)
 
 
@@ -160,29 +220,65 @@ def test_advisor_lets_each_measured_cost_replace_its_estimate(tmp_path):
 def test_advise_with_only_what_a_user_knows_prints_a_full_recommendation():
     """The README's call: instance, nodes, model; storage: the chart's default volume, too slow
     for a 70b state at a small stall, which the table says along with the size that would do."""
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
-                           "--nodes", "16", "--preset", "70b"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "advise",
+            "--instance",
+            "p5.48xlarge",
+            "--nodes",
+            "16",
+            "--preset",
+            "70b",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     for key in ("checkpoint.interval_s", "max_restarts", "step_timeout_s", "init_timeout_s", "expected goodput"):
         assert any(line.startswith(key) for line in proc.stdout.splitlines()), key
     assert "(estimated)" in proc.stdout and "847 GB" in proc.stdout
     assert "(1.17 TiB x 250 MB/s/TiB, PERSISTENT_2)" in proc.stdout  # the chart's default volume
     # With a small measured stall, Daly's interval is shorter than the default volume's write.
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
-                           "--nodes", "16", "--preset", "70b", "--ckpt-stall-s", "0.625"], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "advise",
+            "--instance",
+            "p5.48xlarge",
+            "--nodes",
+            "16",
+            "--preset",
+            "70b",
+            "--ckpt-stall-s",
+            "0.625",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "W is longer than Daly's interval" in proc.stdout and "storage.size 4800Gi" in proc.stdout
 
 
-@pytest.mark.parametrize("argv, words", [
-    ([], ["--preset, or --params", "--ckpt-stall-s and --ckpt-write-s", "--from-bench"]),
-    (["--preset", "70b", "--params", "7e10"], ["--preset and --params both"]),
-    (["--preset", "huge"], ["--preset 'huge'", "70b"]),
-    (["--preset", "8b", "--deployment-type", "SCRATCH_2", "--storage-throughput", "500"], ["SCRATCH_2", "200"]),
-    (["--preset", "8b", "--storage-throughput", "300"], ["PERSISTENT_2 offers 125, 250, 500, 1000"]),
-    (["--preset", "8b", "--storage-size", "2TB"], ["--storage-size '2TB'", "1200Gi"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], ["--preset, or --params", "--ckpt-stall-s and --ckpt-write-s", "--from-bench"]),
+        (["--preset", "70b", "--params", "7e10"], ["--preset and --params both"]),
+        (["--preset", "huge"], ["--preset 'huge'", "70b"]),
+        (["--preset", "8b", "--deployment-type", "SCRATCH_2", "--storage-throughput", "500"], ["SCRATCH_2", "200"]),
+        (["--preset", "8b", "--storage-throughput", "300"], ["PERSISTENT_2 offers 125, 250, 500, 1000"]),
+        (["--preset", "8b", "--storage-size", "2TB"], ["--storage-size '2TB'", "1200Gi"]),
+    ],
+)
 def test_advisor_estimate_refuses_bad_input_naming_the_flag(argv, words):
     with pytest.raises(settings.AdviseError) as info:
         _advice("--instance", "p5.48xlarge", "--nodes", "4", *argv)
@@ -193,13 +289,24 @@ def test_advisor_estimate_refuses_bad_input_naming_the_flag(argv, words):
 def _scale_results(path):
     """``bench scale`` records: 70b FSDP measured at 1,024 ranks (300 s of start-up), 70b HSDP-64
     extrapolated from 256 and 1,024 ranks (30 s and 120 s)."""
+
     def phases(blocked, resume):
         return {"cold_save_plan_s": blocked, "max_rank_blocked_s": blocked, "resume_metadata_and_plan_s": resume}
 
-    path.write_text(json.dumps([
-        {"ranks": 1024, "preset": "70b", "layout": "fsdp", **phases(100.0, 200.0)},
-        {"ranks": 16384, "preset": "70b", "layout": "hsdp-64", **phases(999.0, 999.0),
-         "extrapolated_from": {"256": phases(10.0, 20.0), "1024": phases(40.0, 80.0)}}]))
+    path.write_text(
+        json.dumps(
+            [
+                {"ranks": 1024, "preset": "70b", "layout": "fsdp", **phases(100.0, 200.0)},
+                {
+                    "ranks": 16384,
+                    "preset": "70b",
+                    "layout": "hsdp-64",
+                    **phases(999.0, 999.0),
+                    "extrapolated_from": {"256": phases(10.0, 20.0), "1024": phases(40.0, 80.0)},
+                },
+            ]
+        )
+    )
     return path
 
 
@@ -215,26 +322,63 @@ def test_the_start_up_a_restart_adds_is_read_from_bench_scale_at_the_jobs_size(t
         gs.startup_from_bench(scale, "8b:fsdp", 1024)
     # The simulator adds it to every recovery and says where it came from.
     _, without = _simulate_cli(tmp_path, "--nodes", "128", "--recovery-range", "1")
-    _, with_startup = _simulate_cli(tmp_path, "--nodes", "128", "--recovery-range", "1", "--startup-from-bench",
-                                    str(scale))
+    _, with_startup = _simulate_cli(
+        tmp_path, "--nodes", "128", "--recovery-range", "1", "--startup-from-bench", str(scale)
+    )
     assert all(a["goodput"] < b["goodput"] for a, b in zip(with_startup["rows"], without["rows"]))
     assert with_startup["inputs"]["start-up planning and resume metadata"].startswith(f"measured (bench scale {scale}")
     assert without["inputs"]["start-up planning and resume metadata"].startswith("not counted")
-    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8",
-                          "--startup-from-bench", str(scale), "--startup-case", "8b:fsdp"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "8",
+            "--startup-from-bench",
+            str(scale),
+            "--startup-case",
+            "8b:fsdp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "8b fsdp" in bad.stderr and "Traceback" not in bad.stderr
     # The advisor adds it to the restart, for the job's model and layout.
     rec = tmp_path / "rec.json"
     rec.write_text(json.dumps({"in_job": {"recovery_s_median": 9.5}}))
-    a = _advice("--instance", "p5.48xlarge", "--nodes", "128", "--preset", "70b", "--from-bench", str(rec),
-                "--from-bench", str(scale))
+    a = _advice(
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "128",
+        "--preset",
+        "70b",
+        "--from-bench",
+        str(rec),
+        "--from-bench",
+        str(scale),
+    )
     assert a.inputs.restart_s == pytest.approx(9.5 + 300.0)
-    assert f"start-up planning and resume metadata (measured, --from-bench {scale}, 70b:fsdp)" in \
-        dict(a.inputs.cost_sources)["restart_s"]
+    assert (
+        f"start-up planning and resume metadata (measured, --from-bench {scale}, 70b:fsdp)"
+        in dict(a.inputs.cost_sources)["restart_s"]
+    )
     with pytest.raises(settings.AdviseError, match="--preset"):
-        _advice("--instance", "p5.48xlarge", "--nodes", "8", "--ckpt-stall-s", "1", "--ckpt-write-s", "9",
-                "--from-bench", str(scale))
+        _advice(
+            "--instance",
+            "p5.48xlarge",
+            "--nodes",
+            "8",
+            "--ckpt-stall-s",
+            "1",
+            "--ckpt-write-s",
+            "9",
+            "--from-bench",
+            str(scale),
+        )
 
 
 def test_advisor_reads_measured_costs_from_benchmark_results(tmp_path):
@@ -259,26 +403,31 @@ def test_profile_restart_settings_are_the_advisors(profile):
     assert args.preset == values["trainer"]["model"]["preset"], f"{profile}: --preset is not trainer.model.preset"
     storage = values["storage"]
     assert (args.storage_size, args.deployment_type) == (storage["size"], storage["fsx"]["deploymentType"])
-    assert args.storage_throughput == storage["fsx"].get("perUnitStorageThroughput"), \
+    assert args.storage_throughput == storage["fsx"].get("perUnitStorageThroughput"), (
         f"{profile}: --storage-throughput is not storage.fsx.perUnitStorageThroughput"
+    )
     # Its header is the advisor's arithmetic for those inputs, as generated.
     lines = text.splitlines()
     start, end = profiles.block_span(lines)
-    assert lines[start:end + 1] == profiles.header_block(line), \
+    assert lines[start : end + 1] == profiles.header_block(line), (
         f"{profile}: the restart-settings block is stale: python -m resilient_fsdp.goodput.profiles"
+    )
     assert values["trainer"]["checkpoint"]["interval_s"] == expected["trainer"]["checkpoint"]["interval_s"]
     for group, keys in expected["trainer"]["resilience"].items():
         for key, value in keys.items():
             assert values["trainer"]["resilience"][group][key] == value, f"{profile}: trainer.resilience.{group}.{key}"
     assert values["job"]["backoffLimit"] == expected["job"]["backoffLimit"]
     assert values.get("spares", 0) == expected.get("spares", 0), f"{profile}: spares is not the advisor's"
-    assert values["workload"]["jobSet"]["maxRestarts"] == expected["workload"]["jobSet"]["maxRestarts"], \
+    assert values["workload"]["jobSet"]["maxRestarts"] == expected["workload"]["jobSet"]["maxRestarts"], (
         f"{profile}: workload.jobSet.maxRestarts"
-    assert values["trainer"]["dist"]["timeout_s"] == expected["trainer"]["dist"]["timeout_s"], \
+    )
+    assert values["trainer"]["dist"]["timeout_s"] == expected["trainer"]["dist"]["timeout_s"], (
         f"{profile}: trainer.dist.timeout_s"
+    )
     # The memory tier is on in every profile, at the advisor's interval, with /dev/shm to hold it.
-    assert values["trainer"]["checkpoint"]["memory"] == expected["trainer"]["checkpoint"]["memory"], \
+    assert values["trainer"]["checkpoint"]["memory"] == expected["trainer"]["checkpoint"]["memory"], (
         f"{profile}: trainer.checkpoint.memory"
+    )
     assert values["trainer"]["checkpoint"]["memory"]["interval_steps"] > 0
     assert values["shm"]["sizeLimit"] == expected["shm"]["sizeLimit"], f"{profile}: shm.sizeLimit"
 
@@ -300,8 +449,9 @@ def test_profile_collective_timeout_fires_and_dumps_before_hang_detection_kills(
 def test_the_docs_table_of_profiles_is_the_profiles():
     lines = profiles.DOCS_PAGE.read_text().splitlines()
     start, end = lines.index(profiles.TABLE_START), lines.index(profiles.TABLE_END)
-    assert lines[start:end + 1] == profiles.profile_table(), \
+    assert lines[start : end + 1] == profiles.profile_table(), (
         "docs/eks-helm.md's profile table is stale: python -m resilient_fsdp.goodput.profiles"
+    )
     p5 = next(line for line in lines[start:end] if line.startswith("| `p5-16node`"))
     assert "| 16 x p5.48xlarge (8 GPUs, 32 EFA each) | 70b | 2,520 s | 4 / 4 / 2 |" in p5  # read off the profile
 
@@ -309,15 +459,35 @@ def test_the_docs_table_of_profiles_is_the_profiles():
 def test_advise_command_prints_a_values_snippet_the_chart_accepts(tmp_path):
     from resilient_fsdp.deploy.chart import load_values, render
 
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "advise", "--instance", "p5.48xlarge",
-                           "--nodes", "4", "--ckpt-stall-s", "0.5", "--ckpt-write-s", "60", "--values"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "advise",
+            "--instance",
+            "p5.48xlarge",
+            "--nodes",
+            "4",
+            "--ckpt-stall-s",
+            "0.5",
+            "--ckpt-write-s",
+            "60",
+            "--values",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     snippet = tmp_path / "advised.yaml"
     snippet.write_text(proc.stdout)
     assert yaml.safe_load(proc.stdout)["job"]["backoffLimit"] >= 3
-    rendered = render(load_values([str(VALUES_DIR / "p5-4node.yaml"), str(VALUES_DIR / "examples" / "my-cluster.yaml"),
-                                   str(snippet)], []))
+    rendered = render(
+        load_values(
+            [str(VALUES_DIR / "p5-4node.yaml"), str(VALUES_DIR / "examples" / "my-cluster.yaml"), str(snippet)], []
+        )
+    )
     job = rendered.find("PyTorchJob")
     assert "resilient-fsdp advise" in proc.stdout
     assert job["spec"]["runPolicy"]["backoffLimit"] == yaml.safe_load(proc.stdout)["job"]["backoffLimit"]
@@ -339,8 +509,21 @@ def test_the_memory_tier_model_reduces_to_the_durable_one_and_adds_up():
 def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path):
     from resilient_fsdp.deploy.chart import load_values, render
 
-    a = _advice("--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--storage-size", "115200Gi",
-                "--deployment-type", "PERSISTENT_2", "--storage-throughput", "1000", "--memory")
+    a = _advice(
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "512",
+        "--preset",
+        "70b",
+        "--storage-size",
+        "115200Gi",
+        "--deployment-type",
+        "PERSISTENT_2",
+        "--storage-throughput",
+        "1000",
+        "--memory",
+    )
     m, mi = a.memory, a.inputs.memory
     mtbf = a.job_mtbf_s
     assert m["daly_s"] == pytest.approx(gm.daly_interval(mi.stall_s, mtbf / 0.75))
@@ -367,57 +550,120 @@ def test_advisor_sizes_the_memory_tier_its_shm_and_the_goodput_it_gains(tmp_path
     assert "checkpoint.interval_s with it     280 (Daly" in advice_table.render_table(h)
     # With a stall of seconds (a commit on the training thread) it pays in the advisor's own
     # model, the quarter's longer lost work and all: 660 s instead of 340 s.
-    slow = _advice("--instance", "p5.48xlarge", "--nodes", "2048", "--ckpt-stall-s", "5.92", "--ckpt-write-s", "7.53",
-                   "--memory", "--memory-stall-s", "0.52")
+    slow = _advice(
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "2048",
+        "--ckpt-stall-s",
+        "5.92",
+        "--ckpt-write-s",
+        "7.53",
+        "--memory",
+        "--memory-stall-s",
+        "0.52",
+    )
     sm, smi = slow.memory, slow.inputs.memory
     assert (slow.interval_s, sm["durable_interval_s"]) == (340, 660)
-    at_durable_only = gm.expected_goodput_with_memory(slow.interval_s, 5.92, 7.53, slow.inputs.restart_s,
-                                                      slow.job_mtbf_s, sm["interval_s"], 0.52, smi.restart_s,
-                                                      smi.coverage)
+    at_durable_only = gm.expected_goodput_with_memory(
+        slow.interval_s,
+        5.92,
+        7.53,
+        slow.inputs.restart_s,
+        slow.job_mtbf_s,
+        sm["interval_s"],
+        0.52,
+        smi.restart_s,
+        smi.coverage,
+    )
     assert sm["goodput"]["productive"] > at_durable_only.productive + 0.002
     # Every failure covered: nothing sets it but the cap.
-    every = _advice("--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--memory",
-                    "--memory-coverage", "1").memory
+    every = _advice(
+        "--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--memory", "--memory-coverage", "1"
+    ).memory
     assert every["durable_interval_s"] == settings.MAX_INTERVAL_S
     snippet = tmp_path / "advised.yaml"
     snippet.write_text(yaml.safe_dump(values))
-    pod = render(load_values([str(VALUES_DIR / "p5-4node.yaml"), str(VALUES_DIR / "examples" / "my-cluster.yaml"),
-                              str(snippet)], [])).find("PyTorchJob")
+    pod = render(
+        load_values(
+            [str(VALUES_DIR / "p5-4node.yaml"), str(VALUES_DIR / "examples" / "my-cluster.yaml"), str(snippet)], []
+        )
+    ).find("PyTorchJob")
     assert f"{m['shm_gib']}Gi" in json.dumps(pod)  # the chart takes the values as they are
-    alone = _advice("--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--memory",
-                    "--memory-replicas", "0").memory
+    alone = _advice(
+        "--instance", "p5.48xlarge", "--nodes", "512", "--preset", "70b", "--memory", "--memory-replicas", "0"
+    ).memory
     assert alone["shm_gib"] == math.ceil(3 * shard_gib * 8) + settings.SHM_MARGIN_GIB
     with pytest.raises(settings.AdviseError, match="--memory-coverage"):
         _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b", "--memory", "--memory-coverage", "1.5")
     # The coverage a run measured: its restarts' start records, by where each resumed from.
     run = tmp_path / "run"
     run.mkdir()
-    starts = [("start", None), ("in_job", "memory"), ("in_job", "memory"), ("job", "durable"), ("in_process", "memory"),
-              ("in_job", None)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"event": "start", "layer": layer, "resumed_from_tier": tier})
-                                               + "\n" for layer, tier in starts) + '{"event": "sta\n')
+    starts = [
+        ("start", None),
+        ("in_job", "memory"),
+        ("in_job", "memory"),
+        ("job", "durable"),
+        ("in_process", "memory"),
+        ("in_job", None),
+    ]
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"event": "start", "layer": layer, "resumed_from_tier": tier}) + "\n" for layer, tier in starts
+        )
+        + '{"event": "sta\n'
+    )
     assert adv.coverage_from_run(run) == (0.75, 4)
-    measured = _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run", str(run))
+    measured = _advice(
+        "--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run", str(run)
+    )
     assert measured.inputs.memory.coverage == 0.75
-    assert f"75% of failures (measured, --from-run {run}: 3 of 4 restarts from memory)" in advice_table.render_table(measured)
-    given = _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run", str(run),
-                    "--memory-coverage", "0.5")
+    assert f"75% of failures (measured, --from-run {run}: 3 of 4 restarts from memory)" in advice_table.render_table(
+        measured
+    )
+    given = _advice(
+        "--instance",
+        "p5.48xlarge",
+        "--nodes",
+        "64",
+        "--preset",
+        "70b",
+        "--memory",
+        "--from-run",
+        str(run),
+        "--memory-coverage",
+        "0.5",
+    )
     assert given.inputs.memory.coverage == 0.5  # what is given wins over what was measured
     (run / "metrics.jsonl").write_text(json.dumps({"event": "start", "layer": "start"}) + "\n")
     with pytest.raises(settings.AdviseError, match="no restart of that run resumed from a checkpoint"):
         _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run", str(run))
     with pytest.raises(settings.AdviseError, match="cannot read"):
-        _advice("--instance", "p5.48xlarge", "--nodes", "64", "--preset", "70b", "--memory", "--from-run",
-                str(tmp_path / "missing"))
-    assert "memory" not in _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b").values()["trainer"][
-        "checkpoint"]
+        _advice(
+            "--instance",
+            "p5.48xlarge",
+            "--nodes",
+            "64",
+            "--preset",
+            "70b",
+            "--memory",
+            "--from-run",
+            str(tmp_path / "missing"),
+        )
+    assert (
+        "memory"
+        not in _advice("--instance", "p5.48xlarge", "--nodes", "4", "--preset", "8b").values()["trainer"]["checkpoint"]
+    )
 
 
-@pytest.mark.parametrize("kind, words", [
-    ("PyTorchJob", ["in a row without a step trained past", "pods' agents count", "kubeflow/trainer#2045"]),
-    ("JobSet", ["the Job absorbs", "workload.jobSet.maxRestarts"]),
-    ("TrainJob", ["as JobSet", "TrainingRuntime"]),
-])
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("PyTorchJob", ["in a row without a step trained past", "pods' agents count", "kubeflow/trainer#2045"]),
+        ("JobSet", ["the Job absorbs", "workload.jobSet.maxRestarts"]),
+        ("TrainJob", ["as JobSet", "TrainingRuntime"]),
+    ],
+)
 def test_advise_says_what_backoff_limit_does_under_each_workload_kind(kind, words):
     args = ["--instance", "p5.48xlarge", "--nodes", "4", "--ckpt-stall-s", "0.5", "--ckpt-write-s", "60"]
     parser = argparse.ArgumentParser()
@@ -451,8 +697,9 @@ def test_advise_help_prints_without_a_traceback(capsys):
 def _scenario(nodes: int, **kw) -> sim.Scenario:
     mtbf_h = gm.node_mtbf_hours(8)
     interval = gm.daly_interval(1.0, mtbf_h * 3600 / nodes)
-    base = dict(nodes=nodes, node_mtbf_h=mtbf_h, horizon_h=24 * 60, interval_s=max(interval, 60),
-                stall_s=1.0, write_s=60.0)
+    base = dict(
+        nodes=nodes, node_mtbf_h=mtbf_h, horizon_h=24 * 60, interval_s=max(interval, 60), stall_s=1.0, write_s=60.0
+    )
     base.update(kw)
     return sim.Scenario(**base)
 
@@ -490,48 +737,137 @@ def test_the_memory_tier_simulated_agrees_with_its_closed_form_and_cuts_the_lost
     assert memory["checkpoint_stalls"] > in_job["checkpoint_stalls"]  # the snapshots' own stalls
     assert memory["restarts"] == pytest.approx(in_job["restarts"], rel=0.1)  # the same layers recover
     if replicas == 0:  # a lost node goes back to the durable checkpoint
-        with_replicas = sim.simulate(sim.Scenario(**{**s.__dict__, "memory_replicas": 1}), sim.MEMORY_STRATEGY,
-                                     runs=60, seed=1)
+        with_replicas = sim.simulate(
+            sim.Scenario(**{**s.__dict__, "memory_replicas": 1}), sim.MEMORY_STRATEGY, runs=60, seed=1
+        )
         assert with_replicas["lost_work"] < memory["lost_work"]
 
 
 def test_simulate_command_writes_table_json_and_plot(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8,64", "--runs", "5",
-                           "--out", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "8,64",
+            "--runs",
+            "5",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {(r["nodes"], r["strategy"]) for r in rows} == {(n, k) for n in (8, 64) for k in sim.STRATEGIES}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    memory = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "64", "--runs", "5",
-                             "--memory-stall-s", "0.5", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    memory = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "64",
+            "--runs",
+            "5",
+            "--memory-stall-s",
+            "0.5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert memory.returncode == 0, memory.stderr
     rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {*sim.STRATEGIES, sim.MEMORY_STRATEGY} and sim.MEMORY_STRATEGY in memory.stdout
     assert 0 < rows[sim.MEMORY_STRATEGY]["memory_interval_s"] < rows["in-job"]["interval_s"]
     assert rows[sim.MEMORY_STRATEGY]["interval_s"] == rows["in-job"]["interval_s"]
     # The memory strategies' own durable interval; the others keep Daly's.
-    longer = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "64", "--runs", "5",
-                             "--memory-stall-s", "0.5", "--memory-durable-interval-s", "3000", "--spares", "1",
-                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    longer = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "64",
+            "--runs",
+            "5",
+            "--memory-stall-s",
+            "0.5",
+            "--memory-durable-interval-s",
+            "3000",
+            "--spares",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert longer.returncode == 0, longer.stderr
     longer_rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
     assert {k: r["interval_s"] for k, r in longer_rows.items()} == {
         **{k: rows["in-job"]["interval_s"] for k in (*sim.STRATEGIES, "in-job+spares")},
-        sim.MEMORY_STRATEGY: 3000, "in-job+memory+spares": 3000}
-    short = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "64", "--runs", "1",
-                            "--memory-stall-s", "0.5", "--memory-durable-interval-s", "30"],
-                           capture_output=True, text=True, timeout=120)
+        sim.MEMORY_STRATEGY: 3000,
+        "in-job+memory+spares": 3000,
+    }
+    short = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "64",
+            "--runs",
+            "1",
+            "--memory-stall-s",
+            "0.5",
+            "--memory-durable-interval-s",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert short.returncode != 0 and "--memory-durable-interval-s 30 is shorter than the write" in short.stderr
-    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--mix", "1,2"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--mix", "1,2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--mix" in bad.stderr
 
 
 # ---- hot spares -----------------------------------------------------------------------------
 
-P5_70B_HSDP = ("--instance", "p5.48xlarge", "--preset", "70b", "--storage-size", "115200Gi", "--deployment-type",
-               "PERSISTENT_2", "--storage-throughput", "1000", "--shard-group-size", "32")
+P5_70B_HSDP = (
+    "--instance",
+    "p5.48xlarge",
+    "--preset",
+    "70b",
+    "--storage-size",
+    "115200Gi",
+    "--deployment-type",
+    "PERSISTENT_2",
+    "--storage-throughput",
+    "1000",
+    "--shard-group-size",
+    "32",
+)
 
 
 def test_spare_counts_are_poisson_tails_worked_by_hand():
@@ -560,14 +896,16 @@ def test_advisor_recommends_more_spares_for_more_nodes_and_slower_replacements()
     # node-hours for less goodput than that: none is recommended, and the table says why.
     small = _advice(*P5_70B_HSDP, "--nodes", "64", "--spares")
     s = small.spares
-    assert counts[64] == 0 and s["recommended"] and s["goodput_per_paid_node_hour"] == pytest.approx(s["goodput_without"])
+    assert (
+        counts[64] == 0 and s["recommended"] and s["goodput_per_paid_node_hour"] == pytest.approx(s["goodput_without"])
+    )
     paid_one = _advice(*P5_70B_HSDP, "--nodes", "64", "--spares", "1").spares
     assert paid_one["goodput"] > s["goodput_without"] > paid_one["goodput_per_paid_node_hour"]
     assert "none recommended: 1 spare(s) would cost 1.54% of the node-hours" in advice_table.render_table(small)
     # A replacement that takes an hour: m = 0.2156, P(X >= 2) = 1 - e^-m (1 + m) = 0.020, three.
     slow = _advice(*P5_70B_HSDP, "--nodes", "2048", "--spares", "auto", "--replacement-s", "3600").spares
     assert slow["count"] == 3 and slow["busy_mean"] == pytest.approx(0.2156, abs=1e-4)
-    assert slow["p_no_spare"] == pytest.approx(1 - math.exp(-0.2156) * (1 + 0.2156 + 0.2156 ** 2 / 2), abs=1e-4)
+    assert slow["p_no_spare"] == pytest.approx(1 - math.exp(-0.2156) * (1 + 0.2156 + 0.2156**2 / 2), abs=1e-4)
     assert slow["p_no_spare"] <= settings.SPARE_MISS_TARGET < gm.p_no_spare(2, slow["busy_mean"])
 
 
@@ -617,9 +955,13 @@ def test_advise_values_print_spares_at_the_top_level_and_nothing_changes_without
     # The spare rows come after every row of the table without them, which they leave as it is.
     plain, spared = run().splitlines(), run("--spares").splitlines()
     assert not any("spare" in line for line in plain)
-    assert [" ".join(ln.split()) for ln in spared[:len(plain)]] == [" ".join(ln.split()) for ln in plain]
-    assert [re.split(r"\s{2,}", ln.strip())[0] for ln in spared[len(plain):]] == [
-        "spares", *["spares"] * 4, "goodput with spares", "goodput per paid node-hour"]
+    assert [" ".join(ln.split()) for ln in spared[: len(plain)]] == [" ".join(ln.split()) for ln in plain]
+    assert [re.split(r"\s{2,}", ln.strip())[0] for ln in spared[len(plain) :]] == [
+        "spares",
+        *["spares"] * 4,
+        "goodput with spares",
+        "goodput per paid node-hour",
+    ]
     assert _advice(*args).spares is None
 
 
@@ -636,8 +978,9 @@ def test_simulated_spares_beat_none_on_node_losses_and_change_nothing_without_th
     assert with_spares["restarts"] < without["restarts"] / 3
     # No node losses: nothing for a spare to take, the same job to the second.
     no_nodes = _scenario(2048, spares=2, mix=(0.5, 0.5, 0.0), **memory)
-    assert _without_spare_keys(sim.simulate(no_nodes, spared, runs=10, seed=2)) == sim.simulate(no_nodes, base, runs=10,
-                                                                                                seed=2)
+    assert _without_spare_keys(sim.simulate(no_nodes, spared, runs=10, seed=2)) == sim.simulate(
+        no_nodes, base, runs=10, seed=2
+    )
 
 
 def test_a_lost_pod_0_is_a_job_level_restart_whatever_the_spares():
@@ -664,7 +1007,7 @@ def test_spares_simulated_agree_with_their_closed_form(strategy, nodes, spares, 
     # which the Poisson tail bounds from above; for one spare, B = m / (1 + m).
     m = s.busy_spares_mean
     bound = gm.p_no_spare(spares, m)
-    erlang = m / (1 + m) if spares == 1 else m ** 2 / 2 / (1 + m + m ** 2 / 2)
+    erlang = m / (1 + m) if spares == 1 else m**2 / 2 / (1 + m + m**2 / 2)
     assert result["p_no_spare"] == pytest.approx(erlang, abs=0.006)
     assert erlang <= bound
     if (spares, replacement_s, nodes) == (1, 3600.0, 2048):  # m = 0.216: B = 0.177, the tail 0.194
@@ -675,18 +1018,39 @@ def test_the_low_end_of_a_range_is_the_same_job_at_rscs_rate_and_slower_recoveri
     s = _scenario(2048, node_mtbf_low_h=gm.rsc_node_mtbf_hours(8), recovery_range=3.0, replacement_s=600.0)
     low = s.low_end()
     # RSC-1: 6.50 failures per 1,000 node-days -> 1,000 x 24 / 6.5 = 3,692.3 h per node of 8 GPUs.
-    assert low.node_mtbf_h == pytest.approx(3692.3, abs=0.1) and gm.rsc_gpu_mtbf_hours() == pytest.approx(29538.5, abs=0.1)
+    assert low.node_mtbf_h == pytest.approx(3692.3, abs=0.1) and gm.rsc_gpu_mtbf_hours() == pytest.approx(
+        29538.5, abs=0.1
+    )
     assert low.recovery_s == {k: 3 * v for k, v in s.recovery_s.items()} and low.replacement_s == 1800.0
     assert (low.interval_s, low.stall_s, low.write_s, low.nodes) == (s.interval_s, s.stall_s, s.write_s, s.nodes)
-    assert sim.simulate(low, "in-job", runs=20, seed=2)["goodput"] < sim.simulate(s, "in-job", runs=20, seed=2)["goodput"]
+    assert (
+        sim.simulate(low, "in-job", runs=20, seed=2)["goodput"] < sim.simulate(s, "in-job", runs=20, seed=2)["goodput"]
+    )
     # Nothing to widen: the low end is the scenario itself.
     assert _scenario(64).low_end() == _scenario(64)
 
 
 def _simulate_cli(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "512", "--runs", "5",
-                           "--out", str(out), *flags], capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "512",
+            "--runs",
+            "5",
+            "--out",
+            str(out),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc, json.loads(out.read_text())
 
@@ -694,7 +1058,9 @@ def _simulate_cli(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, d
 def test_every_simulated_figure_has_its_range_and_its_inputs_sources(tmp_path):
     proc, data = _simulate_cli(tmp_path)
     for r in data["rows"]:
-        assert r["goodput_low"] < r["goodput"] and r["goodput_mid"] == pytest.approx((r["goodput_low"] + r["goodput"]) / 2)
+        assert r["goodput_low"] < r["goodput"] and r["goodput_mid"] == pytest.approx(
+            (r["goodput_low"] + r["goodput"]) / 2
+        )
         assert f"{r['goodput_low']:.4f}-{r['goodput']:.4f} {r['goodput_mid']:>7.4f}" in proc.stdout
     inputs = data["inputs"]
     assert "Llama 3" in inputs["failure rate"] and "RSC-1" in inputs["failure rate"]
@@ -704,33 +1070,74 @@ def test_every_simulated_figure_has_its_range_and_its_inputs_sources(tmp_path):
     # Measured recovery times are named as such; a rate the user gives is theirs, and with
     # --recovery-range 1 nothing is widened: the range closes on the figure.
     bench = REPO / "docs" / "benchmarks" / "recovery.json"
-    _, measured = _simulate_cli(tmp_path, "--recovery-from-bench", str(bench), "--node-mtbf-hours", "4000",
-                                "--recovery-range", "1", "--ckpt-write-s", "30")
+    _, measured = _simulate_cli(
+        tmp_path,
+        "--recovery-from-bench",
+        str(bench),
+        "--node-mtbf-hours",
+        "4000",
+        "--recovery-range",
+        "1",
+        "--ckpt-write-s",
+        "30",
+    )
     assert f"in_job measured ({bench})" in measured["inputs"]["recovery times"]
     _, given = _simulate_cli(tmp_path, "--recovery-s", "in_job=90")
     assert "in_job given, job assumed (600 s)" in given["inputs"]["recovery times"]
-    assert measured["inputs"]["failure rate"].startswith("given") and "write given" in measured["inputs"]["checkpoint stall and write"]
+    assert (
+        measured["inputs"]["failure rate"].startswith("given")
+        and "write given" in measured["inputs"]["checkpoint stall and write"]
+    )
     assert all(r["goodput_low"] == r["goodput"] for r in measured["rows"])
-    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8", "--recovery-range", "0.5"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--recovery-range 0.5: give 1 or more" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8", "--recovery-range", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        bad.returncode == 2 and "--recovery-range 0.5: give 1 or more" in bad.stderr and "Traceback" not in bad.stderr
+    )
 
 
 def test_simulate_command_adds_the_spare_strategies(tmp_path):
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "512,2048", "--runs", "3",
-                           "--memory-stall-s", "0.5", "--spares", "auto", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "512,2048",
+            "--runs",
+            "3",
+            "--memory-stall-s",
+            "0.5",
+            "--spares",
+            "auto",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {(r["nodes"], r["strategy"]) for r in rows} == {
-        (n, k) for n in (512, 2048) for k in (*sim.STRATEGIES, sim.MEMORY_STRATEGY, *sim.SPARE_STRATEGIES)}
+        (n, k) for n in (512, 2048) for k in (*sim.STRATEGIES, sim.MEMORY_STRATEGY, *sim.SPARE_STRATEGIES)
+    }
     spares = {r["nodes"]: r["spares"] for r in rows if r["strategy"] == "in-job+spares"}
     assert spares == {512: 1, 2048: 2}  # the advisor's recommendation per size
     assert all(r["replacement_s"] == 600 for r in rows if "spares" in r)
     assert "in-job+memory+spares" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8", "--spares", "-1"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8", "--spares", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--spares" in bad.stderr
 
 
@@ -741,8 +1148,9 @@ def test_the_docs_spare_rows_are_the_simulations():
         rows = json.loads((REPO / "docs" / "benchmarks" / f"simulate-spares-{n}.json").read_text())["rows"]
         for r in rows:
             if r["strategy"] in sim.SPARE_STRATEGIES:
-                line = next(ln for ln in text.splitlines()
-                            if ln.startswith(f"| {n} |") and f"| {r['strategy']} |" in ln)
+                line = next(
+                    ln for ln in text.splitlines() if ln.startswith(f"| {n} |") and f"| {r['strategy']} |" in ln
+                )
                 assert f"{r['goodput']:.4f}" in line and f"| {r['spares']} |" in line, line
                 assert f"| {r['goodput_low']:.4f}-{r['goodput']:.4f} | {r['goodput_mid']:.4f} |" in line, line
     top = json.loads((REPO / "docs" / "benchmarks" / "simulate-spares-2048.json").read_text())["rows"]
@@ -760,21 +1168,47 @@ def test_the_docs_spare_rows_are_the_simulations():
 @pytest.mark.extended
 def test_report_of_a_real_run_with_faults(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=2, nproc=2,
-                     overrides=["train.steps=16", "checkpoint.interval_steps=4", "resilience.launcher.workers_stop_timeout_s=2",
-                                "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.learn_timeouts=false"],
-                     extra=["--inject=sigkill@9:rank=3"], timeout=300)
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=2,
+        overrides=[
+            "train.steps=16",
+            "checkpoint.interval_steps=4",
+            "resilience.launcher.workers_stop_timeout_s=2",
+            "resilience.hang_detection.workload_check_interval_s=0.5",
+            "resilience.hang_detection.learn_timeouts=false",
+        ],
+        extra=["--inject=sigkill@9:rank=3"],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     png, parts_json = tmp_path / "report.png", tmp_path / "parts.json"
-    rep = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "report", "--run-dir", str(run_dir), "--out", str(png),
-                          "--json", str(parts_json)], capture_output=True, text=True, timeout=120)
+    rep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "report",
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(png),
+            "--json",
+            str(parts_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rep.returncode == 0, rep.stderr
     summary = read_summary(run_dir)
     parts = json.loads(parts_json.read_text())
     assert parts["goodput"] == pytest.approx(summary["goodput"])
     assert f"goodput {summary['goodput']:.4f}" in rep.stdout
-    assert sum(parts[k] for k in ("productive_s", "checkpoint_stalls_s", "lost_work_s", "recovery_s", "other_s")) \
-        == pytest.approx(parts["wall_s"])
+    assert sum(
+        parts[k] for k in ("productive_s", "checkpoint_stalls_s", "lost_work_s", "recovery_s", "other_s")
+    ) == pytest.approx(parts["wall_s"])
     assert parts["recovery_s"] == pytest.approx(summary["recoveries"][0]["recovery_s"])
     assert parts["lost_work_s"] > 0  # the work since step 8's checkpoint was trained again
     assert "sigkill@9:rank=3" in rep.stdout and "in_job" in rep.stdout
@@ -782,8 +1216,12 @@ def test_report_of_a_real_run_with_faults(tmp_path):
 
 
 def test_report_names_what_is_missing(tmp_path):
-    rep = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "report", "--run-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    rep = subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.cli", "report", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rep.returncode == 2 and "--run-dir" in rep.stderr and "summary.json not found" in rep.stderr
 
 
@@ -793,8 +1231,11 @@ def test_the_local_measurements_docs_goodput_quotes_are_the_benchmarks_results(t
     text = (REPO / "docs" / "goodput.md").read_text()
     recovery = json.loads((REPO / "docs" / "benchmarks" / "recovery.json").read_text())
     checkpoint = json.loads((REPO / "docs" / "benchmarks" / "checkpoint.json").read_text())
-    for row, layer in (("recovery: in-process", "in_process"), ("recovery: in-job", "in_job"),
-                       ("recovery: job level", "full_relaunch")):
+    for row, layer in (
+        ("recovery: in-process", "in_process"),
+        ("recovery: in-job", "in_job"),
+        ("recovery: job level", "full_relaunch"),
+    ):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"| {row} |"))
         quoted = float(re.search(r"Measured locally[^:]*: ([\d.]+) s", line)[1])
         assert quoted == round(recovery[layer]["recovery_s_median"], 2), row
@@ -802,9 +1243,28 @@ def test_the_local_measurements_docs_goodput_quotes_are_the_benchmarks_results(t
     assert f"{checkpoint['async']['stall_s']:.2f} s for a 1.6 GB state" in stall
     low, high = map(float, re.search(r"\((0\.\d+)-(0\.\d+) at 2,048\s+nodes\)", text).groups())
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "2048", "--runs", "200",
-                           "--seed", "0", "--recovery-from-bench", str(REPO / "docs" / "benchmarks" / "recovery.json"),
-                           "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "2048",
+            "--runs",
+            "200",
+            "--seed",
+            "0",
+            "--recovery-from-bench",
+            str(REPO / "docs" / "benchmarks" / "recovery.json"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     goodputs = [round(r["goodput"], 4) for r in json.loads(out.read_text())["rows"]]
     assert (min(goodputs), max(goodputs)) == (low, high)
@@ -815,8 +1275,9 @@ def test_stragglers_and_silent_corruption_cost_what_their_published_rates_say_an
     corruption its share of Llama 3's interruptions, each costing a day of training; found and
     replaced, or caught by replica checks, each costs its detection and an in-job restart."""
     job_mtbf_s = 10 * gm.HOUR
-    c = gm.slow_and_silent(job_mtbf_s, find_s=100, replace_s=121, check_interval_s=500, check_cost=0.001,
-                           rollback_s=620, job_restart_s=600)
+    c = gm.slow_and_silent(
+        job_mtbf_s, find_s=100, replace_s=121, check_interval_s=500, check_cost=0.001, rollback_s=620, job_restart_s=600
+    )
     assert c.stragglers_unmitigated == pytest.approx(1 - 1 / gm.FALCON_JCT_INFLATION)
     episodes_per_s = c.stragglers_unmitigated / (gm.STRAGGLER_EPISODE_H * gm.HOUR * (1 - 1 / gm.STRAGGLER_SLOWDOWN))
     assert c.stragglers_replaced == pytest.approx(episodes_per_s * (100 * (1 - 1 / gm.STRAGGLER_SLOWDOWN) + 121))
@@ -831,14 +1292,34 @@ def test_stragglers_and_silent_corruption_cost_what_their_published_rates_say_an
 
 def test_simulate_and_advise_show_the_slow_and_silent_classes_with_their_sources(tmp_path):
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--nodes", "8,2048", "--runs", "2",
-                           "--step-s", "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "simulate",
+            "--nodes",
+            "8,2048",
+            "--runs",
+            "2",
+            "--step-s",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     slow = {r["nodes"]: r for r in json.loads(out.read_text())["slow_and_silent"]}
     assert slow[2048]["sdc_unchecked"] > slow[8]["sdc_unchecked"]  # more nodes, more corruption met
     assert "2048 nodes: stragglers 25.37% ->" in proc.stdout
-    assert "published: Falcon (Wu et al., 2024)" in proc.stdout and "found after 150 s (assumed (default 150.0))" \
-        in proc.stdout and "steps of 4 s" in proc.stdout
+    assert (
+        "published: Falcon (Wu et al., 2024)" in proc.stdout
+        and "found after 150 s (assumed (default 150.0))" in proc.stdout
+        and "steps of 4 s" in proc.stdout
+    )
     assert "published: Llama 3 (Meta, 2024): 1.4%" in proc.stdout
     parser, advice = argparse.ArgumentParser(), io.StringIO()
     adv.add_parser(parser.add_subparsers())
@@ -847,6 +1328,10 @@ def test_simulate_and_advise_show_the_slow_and_silent_classes_with_their_sources
     text = advice.getvalue()
     assert "stragglers" in text and "with resilience.stragglers.action=replace and a standby pod" in text
     assert "with resilience.sdc.interval_steps=100 (needs HSDP: --shard-group-size)" in text
-    bad = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--straggler-find-s", "-5"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "resilient_fsdp.cli", "simulate", "--straggler-find-s", "-5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--straggler-find-s 0 or more" in bad.stderr and "Traceback" not in bad.stderr

@@ -41,12 +41,23 @@ def trained(tmp_path_factory):
     docs = documents(300)
     text, tokenizer = write_jsonl(root / "in/text.jsonl", docs), train_tokenizer(root / "in/tokenizer.json", docs)
     run_dir = root / "run"
-    out = cli("data", "prepare", "--input", str(text), "--tokenizer", str(tokenizer), "--out",
-              str(run_dir / "data/text"))
+    out = cli(
+        "data", "prepare", "--input", str(text), "--tokenizer", str(tokenizer), "--out", str(run_dir / "data/text")
+    )
     assert out.returncode == 0, out.stderr
-    job = run_local(run_dir, nodes=2, nproc=1, overrides=[
-        "data.source=tokens", "data.path=/fsx/data/text", "model.vocab_size=300", f"data.seq_len={SEQ}",
-        f"train.steps={STEPS}", "checkpoint.interval_steps=15"])
+    job = run_local(
+        run_dir,
+        nodes=2,
+        nproc=1,
+        overrides=[
+            "data.source=tokens",
+            "data.path=/fsx/data/text",
+            "model.vocab_size=300",
+            f"data.seq_len={SEQ}",
+            f"train.steps={STEPS}",
+            "checkpoint.interval_steps=15",
+        ],
+    )
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert_no_leftovers(run_dir)
     return run_dir
@@ -62,7 +73,7 @@ def test_the_exported_model_loads_in_transformers_and_learned_the_text(trained, 
     assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched keys
     assert type(model).__name__ == "LlamaForCausalLM"
     tokens = np.fromfile(trained / "data/text/tokens.bin", dtype=np.uint16).astype(np.int64)
-    windows = torch.from_numpy(tokens[:8 * SEQ + 1]).unfold(0, SEQ + 1, SEQ)[:8]
+    windows = torch.from_numpy(tokens[: 8 * SEQ + 1]).unfold(0, SEQ + 1, SEQ)[:8]
     with torch.no_grad():
         logits = model(windows[:, :-1]).logits
     loss = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
@@ -84,8 +95,9 @@ def test_list_and_verify_read_a_run_directory_without_s3(trained):
     rows = [line.split() for line in listed.stdout.splitlines() if line.strip().split()[0].isdigit()]
     assert [(r[0], r[1], r[6]) for r in rows] == [("15", "committed", "2"), (str(STEPS), "committed", "2")]
     for action in ("list", "verify", "export"):  # a mistyped run directory is a usage error, not "no checkpoint"
-        wrong = cli("checkpoints", action, "--run-dir", str(trained) + "-typo", *(["--out", "x"] if action == "export"
-                                                                                  else []))
+        wrong = cli(
+            "checkpoints", action, "--run-dir", str(trained) + "-typo", *(["--out", "x"] if action == "export" else [])
+        )
         assert wrong.returncode == 2 and f"--run-dir {trained}-typo: no such directory" in wrong.stderr, action
     verified = cli("checkpoints", "verify", "--run-dir", str(trained))
     assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -22,8 +22,17 @@ from resilient_fsdp.train.model import build_model
 from tests.support import LANES, lane_path, read_events, read_losses, read_summary, run_local, run_trainer
 
 # The tiny preset's shapes as a Llama: the built-in model and transformers' read the same weights.
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 
 def llama_dir(path, seed: int = 3, dtype: torch.dtype = torch.float32, **overrides):
@@ -57,9 +66,20 @@ def test_an_hf_llama_trains_on_two_pods_and_resumes_bitwise_from_its_pretrained_
     for name, inject in (("clean", []), ("faulted", ["--inject", "sigkill@7:rank=1"])):
         run_dir = tmp_path / name
         llama_dir(run_dir / "llama")
-        out = run_local(run_dir, nodes=2, nproc=1, extra=inject, pythonpath=lane_path(request, lane), overrides=[
-            "model.hf_config=/fsx/llama", "model.init_from=/fsx/llama", "model.activation_checkpointing=true",
-            "train.steps=12", "checkpoint.interval_steps=4"])
+        out = run_local(
+            run_dir,
+            nodes=2,
+            nproc=1,
+            extra=inject,
+            pythonpath=lane_path(request, lane),
+            overrides=[
+                "model.hf_config=/fsx/llama",
+                "model.init_from=/fsx/llama",
+                "model.activation_checkpointing=true",
+                "train.steps=12",
+                "checkpoint.interval_steps=4",
+            ],
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         runs[name] = run_dir
     clean, faulted = (read_summary(runs[n]) for n in ("clean", "faulted"))
@@ -67,8 +87,7 @@ def test_an_hf_llama_trains_on_two_pods_and_resumes_bitwise_from_its_pretrained_
     assert faulted["params_sha256"] == clean["params_sha256"]
     assert read_losses(runs["faulted"])[-12:] == read_losses(runs["clean"])
     # Started from the pretrained weights: transformers' loss on the same first batch.
-    assert read_losses(runs["clean"])[0] == pytest.approx(first_batch_loss(runs["clean"] / "llama", ranks=2),
-                                                          rel=1e-5)
+    assert read_losses(runs["clean"])[0] == pytest.approx(first_batch_loss(runs["clean"] / "llama", ranks=2), rel=1e-5)
     assert (runs["clean"] / "model" / "config.json").is_file()  # what `checkpoints export` writes out
 
 
@@ -96,8 +115,22 @@ def test_a_tied_output_projection_is_loaded_trained_and_exported_once(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "model.init_from: 20 tensors" in out.stderr + out.stdout
     assert read_losses(run_dir)[0] == pytest.approx(first_batch_loss(source, ranks=1), rel=1e-5)
-    export = subprocess.run([sys.executable, "-m", "resilient_fsdp.cli", "checkpoints", "export", "--run-dir",
-                             str(run_dir), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    export = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.cli",
+            "checkpoints",
+            "export",
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert export.returncode == 0, export.stderr
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
@@ -120,9 +153,12 @@ def test_the_built_in_names_map_to_llama_and_back():
 def test_weights_of_another_size_or_architecture_are_refused_naming_a_tensor(tmp_path):
     model = build_model("tiny")
     wider = llama_dir(tmp_path / "wider", intermediate_size=256)
-    with pytest.raises(ConfigError, match=r"model.init_from=.*: model.layers.0.mlp.gate_proj.weight is \[256, 64\] "
-                                          r"in .*, the model's is \[192, 64\]; the weights belong to a model of "
-                                          r"another size"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.init_from=.*: model.layers.0.mlp.gate_proj.weight is \[256, 64\] "
+        r"in .*, the model's is \[192, 64\]; the weights belong to a model of "
+        r"another size",
+    ):
         load_pretrained(model, str(wider), names.to_hf)
     deeper = build_model("tiny")
     deeper.layers.append(type(deeper.layers[0])(deeper.args))
@@ -145,19 +181,28 @@ def test_weights_the_pods_user_cannot_read_are_refused_naming_the_file_and_the_f
     request.addfinalizer(lambda: shutil.rmtree(shared, ignore_errors=True))
     source = llama_dir(shared / "llama")
     (source / "model.safetensors").chmod(0o600)
-    code = ("from resilient_fsdp.hf.weights import safetensors_dir\n"
-            f"safetensors_dir({str(source)!r})\n")
-    out = subprocess.run(["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", sys.executable, "-c", code],
-                         capture_output=True, text=True, timeout=60, cwd="/")
+    code = f"from resilient_fsdp.hf.weights import safetensors_dir\nsafetensors_dir({str(source)!r})\n"
+    out = subprocess.run(
+        ["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
     assert out.returncode != 0
-    assert (f"{source / 'model.safetensors'} is not readable by this process's user (uid 10001, groups []): mode "
-            "-rw-------, owner uid 0") in out.stderr
+    assert (
+        f"{source / 'model.safetensors'} is not readable by this process's user (uid 10001, groups []): mode "
+        "-rw-------, owner uid 0"
+    ) in out.stderr
     assert "chmod a+r" in out.stderr
 
 
 def test_hf_config_mistakes_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=f"model.hf_config='{tmp_path / 'missing'}': no config.json there; set "
-                                          "model.hf_config to a model's config.json or to a local directory"):
+    with pytest.raises(
+        ConfigError,
+        match=f"model.hf_config='{tmp_path / 'missing'}': no config.json there; set "
+        "model.hf_config to a model's config.json or to a local directory",
+    ):
         hf_model.build(str(tmp_path / "missing"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")

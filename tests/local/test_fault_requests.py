@@ -30,15 +30,20 @@ def test_fault_requests_are_carried_out_once_and_marked(tmp_path):
     executor = FaultExecutor(tmp_path, runtime, workload, said.append, lost)
     folder = requests_dir(tmp_path)
     folder.mkdir(parents=True)
-    requests = {"node-loss-step12-node0": {"kind": "node-loss", "node": 0, "step": 12, "for_s": None},
-                "partition-step28-node1": {"kind": "partition", "node": 1, "step": 28, "for_s": 20},
-                "partition-step30-node7": {"kind": "partition", "node": 7, "step": 30, "for_s": None}}
+    requests = {
+        "node-loss-step12-node0": {"kind": "node-loss", "node": 0, "step": 12, "for_s": None},
+        "partition-step28-node1": {"kind": "partition", "node": 1, "step": 28, "for_s": 20},
+        "partition-step30-node7": {"kind": "partition", "node": 7, "step": 30, "for_s": None},
+    }
     for name, body in requests.items():
         (folder / f"{name}.json").write_text(json.dumps({**body, "rank": 0, "time": 1.0}))
     done = executor.poll()
     assert len(done) == 3 and executor.poll() == []
     assert runtime.calls == [("kill", "job-resilient-fsdp-master-0"), ("partition", "job-resilient-fsdp-worker-0", 20)]
     assert lost == {"job-resilient-fsdp-master-0"}
-    assert sorted(p.name for p in folder.iterdir()) == ["node-loss-step12-node0.done", "partition-step28-node1.done",
-                                                         "partition-step30-node7.failed"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "node-loss-step12-node0.done",
+        "partition-step28-node1.done",
+        "partition-step30-node7.failed",
+    ]
     assert any("node 7 does not exist: the job has 2 pod(s)" in line for line in said)

@@ -20,13 +20,11 @@ import pytest
 from tests.resilience.fault_jobs import lane_run, run_with_faults
 from tests.support import LANES, netns_required
 
-FOUR_FAULTS = ["node-loss@12:node=0", "sigkill@20:rank=0", "partition@28:node=1:for=20",
-                "hang-in-collective@36:rank=2"]
+FOUR_FAULTS = ["node-loss@12:node=0", "sigkill@20:rank=0", "partition@28:node=1:for=20", "hang-in-collective@36:rank=2"]
 # Which layer may recover each: the store host's loss takes pod recreations; a killed rank is
 # respawned in-job; a 20 s partition either stalls a step past its timeout (in-job restart) or
 # cuts pod 1 off the store long enough for its agent to give up (its pod is recreated).
-LAYERS = {"node-loss": {"job"}, "sigkill": {"in_job"}, "partition": {"in_job", "job"},
-          "hang-in-collective": {"in_job"}}
+LAYERS = {"node-loss": {"job"}, "sigkill": {"in_job"}, "partition": {"in_job", "job"}, "hang-in-collective": {"in_job"}}
 
 
 def check_four_faults(summary: dict, run_dir) -> None:
@@ -36,8 +34,10 @@ def check_four_faults(summary: dict, run_dir) -> None:
     # store; that pod joined again in place, without exiting.
     assert "resilient-fsdp-master-0 was lost (its processes were killed): recreating it" in output
     assert "resilient-fsdp-worker-0 exited with code 200" not in output
-    assert "ft_launcher ended (200: rendezvous-store-lost), which another node's failure causes; joining again" \
+    assert (
+        "ft_launcher ended (200: rendezvous-store-lost), which another node's failure causes; joining again"
         in (run_dir / "logs" / "node1.log").read_text()
+    )
     requests = sorted(p.name for p in (run_dir / "faults" / "requests").iterdir())
     assert requests == ["node-loss-step12-node0.done", "partition-step28-node1.done"]
     by_kind = {r["kind"]: r for r in summary["recoveries"]}
@@ -56,11 +56,20 @@ def check_four_faults(summary: dict, run_dir) -> None:
 @pytest.mark.extended
 @pytest.mark.timeout(720)
 @pytest.mark.parametrize("lane", LANES)
-def test_one_job_survives_a_store_host_loss_a_killed_rank_a_partition_and_a_hang(tmp_path, request, lane, reference_2x2):
+def test_one_job_survives_a_store_host_loss_a_killed_rank_a_partition_and_a_hang(
+    tmp_path, request, lane, reference_2x2
+):
     netns_required()
     run_dir = tmp_path / "run"
     # 0.7 counts --max-restarts as rendezvous rounds of the whole job, not per pod: every fault
     # here opens at least one round.
-    summary = run_with_faults(run_dir, FOUR_FAULTS, reference_2x2, isolation="netns", timeout=660,
-                              extra=["--max-restarts=8"], **lane_run(request, lane))
+    summary = run_with_faults(
+        run_dir,
+        FOUR_FAULTS,
+        reference_2x2,
+        isolation="netns",
+        timeout=660,
+        extra=["--max-restarts=8"],
+        **lane_run(request, lane),
+    )
     check_four_faults(summary, run_dir)

@@ -13,9 +13,18 @@ from resilient_fsdp.local import job as local_job
 def test_flags_become_chart_values(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("train:\n  steps: 7\n")
-    args = argparse.Namespace(values_files=[], chart_values=["job.backoffLimit=0"], chart_values_json=[],
-                              config=str(config), overrides=["seed=3", "resilience.in_process.enabled=true"], nodes=3, nproc_per_node=1,
-                              max_restarts=1, inject=["sigkill@5:rank=0"], rdzv_port=None)
+    args = argparse.Namespace(
+        values_files=[],
+        chart_values=["job.backoffLimit=0"],
+        chart_values_json=[],
+        config=str(config),
+        overrides=["seed=3", "resilience.in_process.enabled=true"],
+        nodes=3,
+        nproc_per_node=1,
+        max_restarts=1,
+        inject=["sigkill@5:rank=0"],
+        rdzv_port=None,
+    )
     values = local_job.chart_values(args, tmp_path, "netns")
     assert values["nodes"] == 3 and values["cpuRanksPerNode"] == 1 and values["job"]["backoffLimit"] == 0
     assert values["storage"]["type"] == "existingClaim" and values["trainer"]["run_dir"] == "/fsx"
@@ -32,10 +41,23 @@ def test_flags_become_chart_values(tmp_path):
 def test_paths_under_the_volume_name_the_same_files_where_it_is_mounted_elsewhere(tmp_path):
     """Loopback renders the shared volume at the run directory: a path the user wrote under the
     chart's mount path (/fsx) follows it; other paths and look-alikes do not."""
-    args = argparse.Namespace(values_files=[], chart_values=[], chart_values_json=[], config=None,
-                              overrides=["data.path=/fsx/data/text", "model.hf_config=/fsx", "model.init_from=/fsxy/w",
-                                         "checkpoint.dir=/data/ckpt"], nodes=1, nproc_per_node=1, max_restarts=None,
-                              inject=[], rdzv_port=None)
+    args = argparse.Namespace(
+        values_files=[],
+        chart_values=[],
+        chart_values_json=[],
+        config=None,
+        overrides=[
+            "data.path=/fsx/data/text",
+            "model.hf_config=/fsx",
+            "model.init_from=/fsxy/w",
+            "checkpoint.dir=/data/ckpt",
+        ],
+        nodes=1,
+        nproc_per_node=1,
+        max_restarts=None,
+        inject=[],
+        rdzv_port=None,
+    )
     loop = local_job.chart_values(args, tmp_path, "loopback", mount_path=str(tmp_path))["trainer"]
     assert loop["data"]["path"] == f"{tmp_path}/data/text" and loop["model"]["hf_config"] == str(tmp_path)
     assert loop["model"]["init_from"] == "/fsxy/w" and loop["checkpoint"]["dir"] == "/data/ckpt"
@@ -45,10 +67,23 @@ def test_paths_under_the_volume_name_the_same_files_where_it_is_mounted_elsewher
 
 def test_the_rendered_manifests_are_kept_with_the_run(tmp_path, capsys):
     """``local`` writes what it rendered beside the run, and refuses a partition it cannot make."""
-    args = argparse.Namespace(values_files=[], chart_values=[], chart_values_json=[], config=None,
-                              overrides=["train.steps=3"], nodes=2, nproc_per_node=1, max_restarts=None, inject=["partition@2:node=1"], rdzv_port=None,
-                              run_dir=str(tmp_path / "run"), isolation="loopback", release="t",
-                              max_recreations=3, verbose=False)
+    args = argparse.Namespace(
+        values_files=[],
+        chart_values=[],
+        chart_values_json=[],
+        config=None,
+        overrides=["train.steps=3"],
+        nodes=2,
+        nproc_per_node=1,
+        max_restarts=None,
+        inject=["partition@2:node=1"],
+        rdzv_port=None,
+        run_dir=str(tmp_path / "run"),
+        isolation="loopback",
+        release="t",
+        max_recreations=3,
+        verbose=False,
+    )
     with pytest.raises(Exception, match="partition faults need --isolation netns"):
         local_job.prepare(args)
     args.inject = ["partition@2:node=1", "node-freeze@3:node=1:for=30"]

@@ -36,23 +36,39 @@ def test_a_jobset_survives_two_store_host_losses_and_a_late_pod_0_counting_nothi
     so they wait for it instead of failing. Four pods x one rank trains what 2 x 2 trains, bitwise."""
     netns_required()
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["node-loss@10:node=0", "node-loss@26:node=0"], reference_2x2, nodes=NODES,
-                              nproc=1, timeout=540,
-                              extra=JOBSET + ["--value=job.backoffLimit=2", "--value=workload.jobSet.maxRestarts=0",
-                                              "--pod-start-delay=0=90"])
+    summary = run_with_faults(
+        run_dir,
+        ["node-loss@10:node=0", "node-loss@26:node=0"],
+        reference_2x2,
+        nodes=NODES,
+        nproc=1,
+        timeout=540,
+        extra=JOBSET
+        + ["--value=job.backoffLimit=2", "--value=workload.jobSet.maxRestarts=0", "--pod-start-delay=0=90"],
+    )
     out = summary["_stdout"]
     check_recoveries(summary, ["job", "job"])
-    assert out.count("resilient-fsdp-node-0-0 was lost (its processes were killed): ignored by Job "
-                     "resilient-fsdp-node-0's podFailurePolicy (not counted: DisruptionTarget") == 2
+    assert (
+        out.count(
+            "resilient-fsdp-node-0-0 was lost (its processes were killed): ignored by Job "
+            "resilient-fsdp-node-0's podFailurePolicy (not counted: DisruptionTarget"
+        )
+        == 2
+    )
     assert "counted by Job" not in out and "RestartJobSet" not in out and "recreation 3" not in out
     for index, log in enumerate(node_logs(run_dir)):
         hosts = "hosts" if index == 0 else "joins"
         # The node rank and the store host come from the pod's index, not from name matching.
-        assert f"[resilient-fsdp agent] node {index} of the job (GROUP_RANK={index}); {hosts} the rendezvous store" in log
+        assert (
+            f"[resilient-fsdp agent] node {index} of the job (GROUP_RANK={index}); {hosts} the rendezvous store" in log
+        )
         ranks = set(re.findall(r"\] rank (\d+) of 4: node (\d+), local rank 0, \d+ CPU threads?, host (\S+)", log))
         assert ranks == {(str(index), str(index), f"resilient-fsdp-node-0-{index}")}, ranks
-        joins = re.findall(r"ft_launcher ended \(200: rendezvous-store-lost\), which another node's failure causes; "
-                           r"joining again in this pod, not counted", log)
+        joins = re.findall(
+            r"ft_launcher ended \(200: rendezvous-store-lost\), which another node's failure causes; "
+            r"joining again in this pod, not counted",
+            log,
+        )
         # Once per loss of the store host, never for the late start (the connect wait covered it).
         assert len(joins) == (0 if index == 0 else 2), (index, log[-3000:])
 
@@ -77,16 +93,23 @@ def test_a_jobset_whose_restart_budget_is_spent_fails_naming_the_reason(tmp_path
     (203, counted: 1 > backoffLimit 0); the JobSet may not restart, so it fails."""
     netns_required()
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=2, nproc=1, overrides=COMMON[1:] + ["train.steps=6",
-                                                                        "resilience.launcher.max_restarts=0"],
-                     timeout=200, extra=JOBSET + ["--value=job.backoffLimit=0", "--value=workload.jobSet.maxRestarts=0",
-                                                  "--inject=sigkill@3:rank=1"])
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=1,
+        overrides=COMMON[1:] + ["train.steps=6", "resilience.launcher.max_restarts=0"],
+        timeout=200,
+        extra=JOBSET
+        + ["--value=job.backoffLimit=0", "--value=workload.jobSet.maxRestarts=0", "--inject=sigkill@3:rank=1"],
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "resilient-fsdp-node-0-0 exited with code 203" in out, out[-4000:]
     assert "(BackoffLimitExceeded: 1 counted pod failures, past backoffLimit: 0)" in out, out[-4000:]
-    assert ("JobSet failurePolicy rule podFailureBudgetSpent: RestartJobSet, but 0 of maxRestarts: 0 are spent: "
-            "the JobSet fails (ReachedMaxRestarts)") in out, out[-4000:]
+    assert (
+        "JobSet failurePolicy rule podFailureBudgetSpent: RestartJobSet, but 0 of maxRestarts: 0 are spent: "
+        "the JobSet fails (ReachedMaxRestarts)"
+    ) in out, out[-4000:]
     assert "job FAILED" in out
     assert_no_leftovers(run_dir)
 
@@ -102,8 +125,15 @@ def test_a_node_that_finishes_after_the_store_host_is_gone_exits_0(tmp_path, req
     netns_required()
     run_dir = tmp_path / "run"
     lane = lane_run(request, "image")
-    proc = run_local(run_dir, nodes=2, nproc=1, overrides=COMMON[1:] + ["train.steps=8"], timeout=840,
-                     pythonpath=lane["pythonpath"], extra=JOBSET + ["--inject=slow-exit@8:node=1:for=320"])
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=1,
+        overrides=COMMON[1:] + ["train.steps=8"],
+        timeout=840,
+        pythonpath=lane["pythonpath"],
+        extra=JOBSET + ["--inject=slow-exit@8:node=1:for=320"],
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "job finished: every pod exited 0" in out

@@ -16,8 +16,17 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import (REPO, _env, assert_no_leftovers, netns_required, processes_of, read_losses, read_summary,
-                           run_local, write_module)
+from tests.support import (
+    REPO,
+    _env,
+    assert_no_leftovers,
+    netns_required,
+    processes_of,
+    read_losses,
+    read_summary,
+    run_local,
+    write_module,
+)
 from resilient_fsdp.local.cluster.launcher import find_root_cause
 from resilient_fsdp.local.runtime.netns_pods import plumbing
 
@@ -47,7 +56,10 @@ def test_two_nodes_by_two_ranks_completes_with_a_valid_summary(tmp_path):
 
 
 def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
-    write_module(plugin_dir, "raising_model", """
+    write_module(
+        plugin_dir,
+        "raising_model",
+        """
         import os
         from resilient_fsdp.train.model import build_model
 
@@ -61,13 +73,20 @@ def test_a_rank_that_raises_fails_the_job_with_its_error(tmp_path, plugin_dir):
                 return forward(tokens)
             model.forward = failing_forward
             return model
-    """)
+    """,
+    )
     run_dir = tmp_path / "run"
     # An exception is an infrastructure-type failure (retried by every layer); with no in-job
     # restarts and backoffLimit 0 (the job level spent at the first pod failure) the job fails.
     # Two pods of one rank: the failing rank is pod 1's, not the store host's.
-    proc = run_local(run_dir, nodes=2, nproc=1, pythonpath=[plugin_dir], extra=["--max-restarts=0",
-                     "--value=job.backoffLimit=0"], overrides=["train.steps=50", "model.factory=raising_model:build"])
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=1,
+        pythonpath=[plugin_dir],
+        extra=["--max-restarts=0", "--value=job.backoffLimit=0"],
+        overrides=["train.steps=50", "model.factory=raising_model:build"],
+    )
     assert proc.returncode == 203, proc.stdout[-4000:]
     assert "job FAILED" in proc.stdout
     assert "RuntimeError: injected failure on rank 1 at step 3" in proc.stdout.split("job FAILED", 1)[1]
@@ -110,8 +129,10 @@ def test_loopback_runs_the_same_pods_as_processes(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_local(run_dir, nodes=2, nproc=1, overrides=["train.steps=4"], isolation="loopback")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "pods as processes on loopback (resilient-fsdp-master-0=127.0.0.1, resilient-fsdp-worker-0=127.0.0.2" \
+    assert (
+        "pods as processes on loopback (resilient-fsdp-master-0=127.0.0.1, resilient-fsdp-worker-0=127.0.0.2"
         in proc.stdout
+    )
     assert read_summary(run_dir)["world_size"] == 2
     assert_no_leftovers(run_dir)
 
@@ -122,10 +143,19 @@ def test_a_sigkilled_launcher_leaves_nothing_after_the_next_start(tmp_path):
     (any PodNetwork) removes them, processes included."""
     netns_required()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", "--nodes=2", "--nproc-per-node=1",
-           f"--run-dir={run_dir}", "--isolation=netns", "--set", "train.steps=100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(mark=run_dir),
-                            cwd=REPO)
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.cli",
+        "local",
+        "--nodes=2",
+        "--nproc-per-node=1",
+        f"--run-dir={run_dir}",
+        "--isolation=netns",
+        "--set",
+        "train.steps=100000",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(mark=run_dir), cwd=REPO)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
         time.sleep(0.5)
@@ -146,20 +176,34 @@ def scrape_pod0(command: str) -> dict:
     argv = argv[1:] if argv[0] == "sudo" else argv  # the tests run as root, where sudo may be absent
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"{command}: {out.stderr}"
-    return {s.name: s.value for f in text_string_to_metric_families(out.stdout) for s in f.samples
-            if s.labels.get("node") == "0" and "layer" not in s.labels}
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(out.stdout)
+        for s in f.samples
+        if s.labels.get("node") == "0" and "layer" not in s.labels
+    }
 
 
 def test_a_running_job_serves_metrics_and_interrupting_the_launcher_stops_every_process(tmp_path):
     """While the job trains, pod 0's endpoint, read with the command the launcher prints, shows the
     step and the goodput moving; SIGTERM to the launcher then stops every process."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", "--nodes=2", "--nproc-per-node=1",
-           f"--run-dir={run_dir}", "--set", "train.steps=100000", "--set", "dist.timeout_s=60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.cli",
+        "local",
+        "--nodes=2",
+        "--nproc-per-node=1",
+        f"--run-dir={run_dir}",
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "dist.timeout_s=60",
+    ]
     log = tmp_path / "launcher.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=_env(mark=run_dir),
-                                cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=_env(mark=run_dir), cwd=REPO)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and '"event": "step"' not in _read(run_dir / "metrics.jsonl"):
@@ -194,9 +238,12 @@ def _read(path) -> str:
 
 def test_root_cause_prefers_the_rank_that_failed_first(tmp_path):
     import json
-    for node, local, ts, msg in [(0, 0, 100, "RuntimeError: Connection closed by peer [127.0.0.1]:1"),
-                                 (1, 1, 100, "ValueError: the real problem"),
-                                 (1, 0, 99, "RuntimeError: Connection closed by peer [127.0.0.1]:2")]:
+
+    for node, local, ts, msg in [
+        (0, 0, 100, "RuntimeError: Connection closed by peer [127.0.0.1]:1"),
+        (1, 1, 100, "ValueError: the real problem"),
+        (1, 0, 99, "RuntimeError: Connection closed by peer [127.0.0.1]:2"),
+    ]:
         d = tmp_path / f"node{node}" / "job_x" / "attempt_0" / str(local)
         d.mkdir(parents=True)
         (d / "error.json").write_text(json.dumps({"message": {"message": msg, "extraInfo": {"timestamp": ts}}}))
@@ -207,7 +254,8 @@ def test_root_cause_prefers_the_rank_that_failed_first(tmp_path):
     # A job no layer retried ended on its newest error; the earlier ones were retried.
     d = tmp_path / "node0" / "job_x" / "attempt_1" / "0"
     d.mkdir(parents=True)
-    (d / "error.json").write_text(json.dumps({"message": {"message": "RepeatedNonFiniteLoss: step 3 again",
-                                                          "extraInfo": {"timestamp": 130}}}))
+    (d / "error.json").write_text(
+        json.dumps({"message": {"message": "RepeatedNonFiniteLoss: step 3 again", "extraInfo": {"timestamp": 130}}})
+    )
     assert find_root_cause(tmp_path)["message"] == "ValueError: the real problem"
     assert find_root_cause(tmp_path, last=True)["where"] == "node0 local rank 0 (attempt_1)"

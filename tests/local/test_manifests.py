@@ -23,8 +23,11 @@ def test_each_pod_runs_the_rendered_container_with_the_operators_variables():
     out = rendered("nodes=3", "cpuRanksPerNode=4")
     spec = out.find("PyTorchJob")["spec"]["pytorchReplicaSpecs"]
     workload = pods_of(out.documents())
-    assert [p.hostname for p in workload.pods] == ["job-resilient-fsdp-master-0", "job-resilient-fsdp-worker-0",
-                                                    "job-resilient-fsdp-worker-1"]
+    assert [p.hostname for p in workload.pods] == [
+        "job-resilient-fsdp-master-0",
+        "job-resilient-fsdp-worker-0",
+        "job-resilient-fsdp-worker-1",
+    ]
     for pod, role in zip(workload.pods, ["Master", "Worker", "Worker"]):
         (container,) = spec[role]["template"]["spec"]["containers"]
         assert pod.argv == container["command"] + container["args"]  # exactly what the pod runs
@@ -60,8 +63,11 @@ def test_no_hand_written_pod_command_is_left():
 def test_spares_are_more_workers_whose_index_orders_them_after_the_training_pods():
     out = rendered("nodes=2", "spares=1")
     workload = pods_of(out.documents())
-    assert [p.hostname for p in workload.pods] == ["job-resilient-fsdp-master-0", "job-resilient-fsdp-worker-0",
-                                                    "job-resilient-fsdp-worker-1"]
+    assert [p.hostname for p in workload.pods] == [
+        "job-resilient-fsdp-master-0",
+        "job-resilient-fsdp-worker-0",
+        "job-resilient-fsdp-worker-1",
+    ]
     assert [p.env["PET_NODE_RANK"] for p in workload.pods] == ["0", "1", "2"]
     assert all("--nnodes=2:3" in p.argv for p in workload.pods)
     # The operator counts every replica; the explicit --nnodes is what ft_launcher follows.
@@ -87,18 +93,24 @@ def test_an_elastic_pytorchjob_gets_the_elastic_variables_and_succeeds_with_one_
 
 
 def test_a_trainjob_is_refused_until_its_runtime_is_simulated():
-    with pytest.raises(WorkloadError, match="workload.kind=TrainJob: the local cluster runs PyTorchJob and JobSet only"):
+    with pytest.raises(
+        WorkloadError, match="workload.kind=TrainJob: the local cluster runs PyTorchJob and JobSet only"
+    ):
         pods_of(rendered("workload.kind=TrainJob").documents())
 
 
 def test_a_jobset_runs_its_pods_with_the_job_and_jobset_restart_rules():
     """Pods as the Indexed Job names them; the Job's podFailurePolicy and backoffLimit, then the
     JobSet's failurePolicy rules and maxRestarts (each restart recreates every pod)."""
-    workload = pods_of(rendered("workload.kind=JobSet", "nodes=2", "job.backoffLimit=1",
-                                "workload.jobSet.maxRestarts=1").documents())
+    workload = pods_of(
+        rendered("workload.kind=JobSet", "nodes=2", "job.backoffLimit=1", "workload.jobSet.maxRestarts=1").documents()
+    )
     first, second = workload.pods
-    assert (workload.kind, first.hostname, second.hostname) == ("JobSet", "job-resilient-fsdp-node-0-0",
-                                                                 "job-resilient-fsdp-node-0-1")
+    assert (workload.kind, first.hostname, second.hostname) == (
+        "JobSet",
+        "job-resilient-fsdp-node-0-0",
+        "job-resilient-fsdp-node-0-1",
+    )
     assert "job-resilient-fsdp-node-0-1.job-resilient-fsdp" in second.aliases
     assert second.env["JOB_COMPLETION_INDEX"] == "1" and "MASTER_ADDR" not in second.env  # JobSet injects none
     assert second.ranks == 2  # from the rendered --nproc-per-node: nothing injects PET_NPROC_PER_NODE
@@ -130,11 +142,15 @@ def test_the_restart_policy_is_the_operators_not_the_docs():
     assert RestartPolicy("OnFailure", None).retryable(1) and not RestartPolicy("Never", None).retryable(137)
 
 
-NVRX_07_LOST = ["2026-12-01 00:04:26,886 [ERROR] [job-worker-0] launcher.py:3750 Agent run ended with exception, "
-                "e=DistNetworkError('Failed to recv, got 0 bytes.'). Agent's exit code = 1\n"]
-NVRX_041_LOST = ["[ERROR] [ft_launcher8012@job-worker-0] Agent run ended with exception, e=RendezvousConnectionError("
-                 "'The connection to the C10d store has failed. See inner exception for details.'). Agent's exit "
-                 "code = 1\n"]
+NVRX_07_LOST = [
+    "2026-12-01 00:04:26,886 [ERROR] [job-worker-0] launcher.py:3750 Agent run ended with exception, "
+    "e=DistNetworkError('Failed to recv, got 0 bytes.'). Agent's exit code = 1\n"
+]
+NVRX_041_LOST = [
+    "[ERROR] [ft_launcher8012@job-worker-0] Agent run ended with exception, e=RendezvousConnectionError("
+    "'The connection to the C10d store has failed. See inner exception for details.'). Agent's exit "
+    "code = 1\n"
+]
 
 
 def test_an_agent_that_lost_the_rendezvous_store_exits_retryably():

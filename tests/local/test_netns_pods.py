@@ -33,11 +33,11 @@ from resilient_fsdp.local.runtime.netns_pods.plumbing import NetnsError, availab
 from tests.support import netns_required
 
 
-
 @pytest.fixture(autouse=True)
 def needs_netns():
     """Skipped where pods cannot be made (not root), with how to run them; a failure under CI."""
     netns_required()
+
 
 PY = sys.executable
 TRAIN_DIR = Path(resilient_fsdp.__file__).resolve().parents[1]
@@ -73,8 +73,9 @@ def net():
 def run_py(pod, code: str, timeout: float = 15, argv: tuple[str, ...] = (), **kwargs) -> str:
     """Run Python code in ``pod`` (``argv``: its ``sys.argv[1:]``); return its stdout, failing the
     test on a non-zero exit."""
-    proc = pod.spawn([PY, "-c", textwrap.dedent(code), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                     text=True, **kwargs)
+    proc = pod.spawn(
+        [PY, "-c", textwrap.dedent(code), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode} in {pod.hostname}:\n{out}\n{err}"
     return out
@@ -236,8 +237,13 @@ def test_pods_resolve_each_other_by_the_runs_dns_as_on_a_cluster(net):
     finally:
         proc.stdin.close()
         proc.wait(timeout=15)
-    expected = {MASTER: master.ip, **{a: master.ip for a in ALIASES}, "js-w-0-0.js": store.ip, fqdn: store.ip,
-                WORKER: worker.ip}
+    expected = {
+        MASTER: master.ip,
+        **{a: master.ip for a in ALIASES},
+        "js-w-0-0.js": store.ip,
+        fqdn: store.ip,
+        WORKER: worker.ip,
+    }
     assert {n: seen["lookup"][n] for n in expected} == {n: [ip] for n, ip in expected.items()}
     assert {n: seen["getent"][n][0] for n in expected} == expected
     # Every other name is unknown, outside names too: the server never forwards a query.
@@ -251,8 +257,11 @@ def test_pods_resolve_each_other_by_the_runs_dns_as_on_a_cluster(net):
     assert MASTER not in seen["hosts"] and "js-w-0-0" not in seen["hosts"]
     assert store.hosts_file.read_text().endswith(f"\n{store.ip}\t{fqdn}\tjs-w-0-0\n")  # as the kubelet writes it
     resolv = [line for line in seen["resolv"].splitlines() if not line.startswith("#")]
-    assert resolv == ["search default.svc.cluster.local svc.cluster.local cluster.local",
-                      f"nameserver {net.dns_address}", "options ndots:5"]
+    assert resolv == [
+        "search default.svc.cluster.local svc.cluster.local cluster.local",
+        f"nameserver {net.dns_address}",
+        "options ndots:5",
+    ]
     assert ipaddress.ip_address(net.dns_address) in net.subnet
     assert net.dns_address not in {pod.ip for pod in net.pods.values()}
 
@@ -295,7 +304,9 @@ def test_mount_with_missing_parents_creates_nothing_on_the_host(net, tmp_path):
     ckpt.mkdir()
     hosts_before = Path("/etc/hosts").read_bytes()
     assert not Path("/checkpoints").exists() and not Path("/etc/resilient-fsdp").exists()
-    out = run_py(net.pods[WORKER], f"""
+    out = run_py(
+        net.pods[WORKER],
+        f"""
         import errno, json, os
         open("/checkpoints/from-pod", "w").write("saved")
         open({str(tmp_path / "via-root-fs")!r}, "w").write("x")  # an existing path still reaches the host
@@ -307,7 +318,11 @@ def test_mount_with_missing_parents_creates_nothing_on_the_host(net, tmp_path):
         print(json.dumps({{"cwd": os.getcwd(), "config": open("/etc/resilient-fsdp/config.yaml").read(),
                            "ro": ro, "passwd": os.path.exists("/etc/passwd"),
                            "hosts": open("/etc/hosts").read(), "proc": os.path.exists("/proc/self/ns/net")}}))
-    """, cwd="/checkpoints", mounts={ckpt: "/checkpoints"}, ro_mounts={config: "/etc/resilient-fsdp/config.yaml"})
+    """,
+        cwd="/checkpoints",
+        mounts={ckpt: "/checkpoints"},
+        ro_mounts={config: "/etc/resilient-fsdp/config.yaml"},
+    )
     seen = json.loads(out)
     assert seen["cwd"] == "/checkpoints"
     assert seen["config"] == "model: tiny\n"
@@ -402,12 +417,21 @@ def test_kill_all_kills_the_whole_pod_and_it_can_be_recreated(net):
     sleepers = [master.spawn(["sleep", "300"]) for _ in range(2)]
     for proc in sleepers:
         wait_exec(proc, "sleep")
-    parent = master.spawn([PY, "-c", textwrap.dedent("""
+    parent = master.spawn(
+        [
+            PY,
+            "-c",
+            textwrap.dedent("""
         import subprocess, time
         child = subprocess.Popen(["sleep", "300"], start_new_session=True)
         print(child.pid, flush=True)
         time.sleep(300)
-    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     grandchild = int(read_line(parent))
     bystander = worker.spawn(["sleep", "300"])
     wait_exec(bystander, "sleep")
@@ -473,8 +497,13 @@ def start_launcher(tmp_path: Path, mode: str, sigint=signal.SIG_DFL) -> tuple[su
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": str(TRAIN_DIR)}
-    proc = subprocess.Popen([PY, str(script), mode], stdout=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    proc = subprocess.Popen(
+        [PY, str(script), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
+    )
     return proc, json.loads(read_line(proc))
 
 
@@ -568,8 +597,10 @@ def test_available_and_clear_errors(net, tmp_path):
 def test_available_says_why_not_without_capabilities():
     # Root without CAP_NET_ADMIN/CAP_SYS_ADMIN, as in an unprivileged container.
     drop = ["--bounding-set=-net_admin,-sys_admin", "--inh-caps=-net_admin,-sys_admin"]
-    code = ("import json; from resilient_fsdp.local.runtime.netns_pods.plumbing import available; "
-            "print(json.dumps(available()))")
+    code = (
+        "import json; from resilient_fsdp.local.runtime.netns_pods.plumbing import available; "
+        "print(json.dumps(available()))"
+    )
     env = {**os.environ, "PYTHONPATH": str(TRAIN_DIR)}
     out = subprocess.run(["setpriv", *drop, PY, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     ok, reason = json.loads(out.stdout)

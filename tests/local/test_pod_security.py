@@ -25,7 +25,7 @@ from tests.checkpoint.probes import HERE as CHECKPOINT_PROBES
 from tests.local.manifest_support import rendered
 from tests.support import netns_required, run_local
 
-PROBE = textwrap.dedent('''
+PROBE = textwrap.dedent("""
     import json, os, resource, sys
     def writes(path):
         try:
@@ -42,7 +42,7 @@ PROBE = textwrap.dedent('''
                       "shm_bytes": st.f_blocks * st.f_frsize,
                       "group_of": {p: os.stat(p).st_gid for p in ("/tmp", "/dev/shm", "/fsx")},
                       "setgid": {p: bool(os.stat(p).st_mode & 0o2000) for p in ("/tmp", "/fsx")}}))
-''')
+""")
 
 
 @pytest.fixture(autouse=True)
@@ -99,12 +99,17 @@ def test_the_chart_pod_runs_as_its_security_context_says(tmp_path):
 def test_other_ids_capabilities_limits_and_an_fsgroup_driver_are_applied_as_given(tmp_path):
     """Root with only CHOWN, a writable root, other groups, --nofile 512:4096, and a shared volume
     whose driver applies fsGroup: each follows the values, so none of the above is a default."""
-    workload = pods_of(rendered(
-        "pod.securityContext.runAsNonRoot=false", "pod.securityContext.runAsUser=0",
-        "pod.securityContext.runAsGroup=3000", "pod.securityContext.fsGroup=4000",
-        "pod.securityContext.supplementalGroups={5000}",
-        "pod.containerSecurityContext.readOnlyRootFilesystem=false",
-        "pod.containerSecurityContext.capabilities.add={CHOWN}").documents())
+    workload = pods_of(
+        rendered(
+            "pod.securityContext.runAsNonRoot=false",
+            "pod.securityContext.runAsUser=0",
+            "pod.securityContext.runAsGroup=3000",
+            "pod.securityContext.fsGroup=4000",
+            "pod.securityContext.supplementalGroups={5000}",
+            "pod.containerSecurityContext.readOnlyRootFilesystem=false",
+            "pod.containerSecurityContext.capabilities.add={CHOWN}",
+        ).documents()
+    )
     run_dir = shared_volume(tmp_path)
     seen = probe(workload, run_dir, shared_fs_group="apply", nofile=(512, 4096))
     assert (seen["uid"], seen["gid"], seen["groups"]) == (0, 3000, [4000, 5000])
@@ -138,8 +143,9 @@ def test_init_containers_run_first_in_order_and_a_failing_one_fails_the_pod(tmp_
     assert code == 0 and out.strip().endswith("made"), out
 
     spec = {"securityContext": {"runAsUser": 10001}}
-    failing = InitContainer("fails", ["sh", "-c", "touch /fsx/second-ran; exit 3"], {}, pod.mounts[1:2],
-                            security_of(spec, {}, "test"))
+    failing = InitContainer(
+        "fails", ["sh", "-c", "touch /fsx/second-ran; exit 3"], {}, pod.mounts[1:2], security_of(spec, {}, "test")
+    )
     pod.init_containers.append(failing)
     code, out = start(workload, run_dir, ["sh", "-c", "touch /fsx/trainer-ran"])
     assert code == 3 and "init container fails exited with status 3" in out, out
@@ -159,12 +165,14 @@ def test_prepare_storage_passes_when_another_pod_takes_the_volume_root_mid_scrip
     shims = tmp_path / "shims"
     shims.mkdir()
     real = shutil.which("chown")
-    (shims / "chown").write_text(textwrap.dedent(f"""\
+    (shims / "chown").write_text(
+        textwrap.dedent(f"""\
         #!/bin/sh
         for last; do :; done
         if [ "$last" = /fsx/checkpoints ]; then {real} 10001:10001 /fsx/checkpoints /fsx; fi
         exec {real} "$@"
-    """))
+    """)
+    )
     os.chmod(shims / "chown", 0o755)
     pod = workload.pods[0]
     (init,) = pod.init_containers
@@ -185,10 +193,15 @@ def test_prepare_storage_that_cannot_prepare_passes_and_the_trainer_names_its_lo
     os.chown(run_dir, 20000, 20000)
     pod = workload.pods[0]
     (init,) = pod.init_containers
-    init.security = security_of({"securityContext": {"runAsUser": 0, "runAsGroup": 0}},
-                                {"securityContext": {"capabilities": {"drop": ["ALL"]}}}, "squashed root")
-    check = "from pathlib import Path; from resilient_fsdp.checkpoint.shared_volume import require_writable; " \
-            "require_writable(Path('/fsx/checkpoints'), 'checkpoint.dir')"
+    init.security = security_of(
+        {"securityContext": {"runAsUser": 0, "runAsGroup": 0}},
+        {"securityContext": {"capabilities": {"drop": ["ALL"]}}},
+        "squashed root",
+    )
+    check = (
+        "from pathlib import Path; from resilient_fsdp.checkpoint.shared_volume import require_writable; "
+        "require_writable(Path('/fsx/checkpoints'), 'checkpoint.dir')"
+    )
     code, out = start(workload, run_dir, [sys.executable, "-c", check])
     assert "prepare-storage: could not give /fsx to 10001:10001" in out, out
     assert "init container prepare-storage exited" not in out  # it passed: the trainer container ran
@@ -206,9 +219,15 @@ def test_loopback_runs_init_containers_before_the_command_and_stops_at_a_failing
 
     workload = pods_of(rendered("storage.prepare=true").documents())
     pod = workload.pods[0]
-    pod.init_containers.append(InitContainer("second", ["sh", "-c", 'echo $STEP > "$1/second"', "sh", "/fsx"],
-                                             {"STEP": "2"},
-                                             pod.mounts[1:2], security_of({}, {}, "test")))
+    pod.init_containers.append(
+        InitContainer(
+            "second",
+            ["sh", "-c", 'echo $STEP > "$1/second"', "sh", "/fsx"],
+            {"STEP": "2"},
+            pod.mounts[1:2],
+            security_of({}, {}, "test"),
+        )
+    )
     pod.command, pod.args = ["sh", "-c", 'cat "$1/second"', "sh", "/fsx"], []
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -221,7 +240,9 @@ def test_loopback_runs_init_containers_before_the_command_and_stops_at_a_failing
         pod.init_containers[1].argv = ["sh", "-c", "exit 4"]
         failed = runtime.start(pod, {})
         out = failed.communicate(timeout=60)[0]
-        assert failed.returncode == 4 and out.strip() == "init container second exited with status 4: the pod fails", out
+        assert failed.returncode == 4 and out.strip() == "init container second exited with status 4: the pod fails", (
+            out
+        )
     finally:
         runtime.close()
 
@@ -233,8 +254,10 @@ def test_without_storage_prepare_a_root_owned_volume_is_refused_naming_the_value
     assert workload.pods[0].init_containers == []
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    check = "from pathlib import Path; from resilient_fsdp.checkpoint.shared_volume import require_writable; " \
-            "require_writable(Path('/fsx'), 'run_dir')"
+    check = (
+        "from pathlib import Path; from resilient_fsdp.checkpoint.shared_volume import require_writable; "
+        "require_writable(Path('/fsx'), 'run_dir')"
+    )
     code, out = start(workload, run_dir, [sys.executable, "-c", check])
     assert code == 1 and "ConfigError: run_dir='/fsx' is not writable by uid 10001" in out, out
     assert "storage.prepare=true" in out and "pod.securityContext.runAsUser" in out
@@ -256,9 +279,14 @@ def test_a_first_run_on_a_root_owned_volume_trains_through_storage_prepare(tmp_p
     of this file in CI; the refusal without it is extended)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    result = run_local(run_dir, nproc=1, overrides=["train.steps=2", "checkpoint.interval_steps=2",
-                                                    "model.factory=many_tensors:build"],
-                       pythonpath=[CHECKPOINT_PROBES], extra=["--nofile", "1024:1024"], timeout=240)
+    result = run_local(
+        run_dir,
+        nproc=1,
+        overrides=["train.steps=2", "checkpoint.interval_steps=2", "model.factory=many_tensors:build"],
+        pythonpath=[CHECKPOINT_PROBES],
+        extra=["--nofile", "1024:1024"],
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     step = run_dir / "checkpoints" / "step_00000002"
     assert step.is_dir() and step.stat().st_uid == 10001
@@ -271,8 +299,9 @@ def test_a_first_run_on_a_root_owned_volume_trains_through_storage_prepare(tmp_p
 def test_a_first_run_without_storage_prepare_is_refused_before_training(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    result = run_local(run_dir, nproc=1, overrides=["train.steps=2"], extra=["--value", "storage.prepare=false"],
-                       timeout=180)
+    result = run_local(
+        run_dir, nproc=1, overrides=["train.steps=2"], extra=["--value", "storage.prepare=false"], timeout=180
+    )
     assert result.returncode == 2, result.stdout[-3000:]
     assert "is not writable by uid 10001" in result.stdout and "storage.prepare=true" in result.stdout
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()

@@ -76,14 +76,29 @@ finally:
 """
 
 
-def run_trivial(tmp_path: Path, delays: dict[int, float], fail_first: str, lose_first: str = "none",
-                replacement_delay: float = 0.0) -> tuple[int, str, dict[str, list[float]]]:
+def run_trivial(
+    tmp_path: Path, delays: dict[int, float], fail_first: str, lose_first: str = "none", replacement_delay: float = 0.0
+) -> tuple[int, str, dict[str, list[float]]]:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(resilient_fsdp.__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-c", LAUNCH, str(run_dir), json.dumps(delays), fail_first, POD,
-                           lose_first, str(replacement_delay)],
-                          env=env, capture_output=True, text=True, timeout=45)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LAUNCH,
+            str(run_dir),
+            json.dumps(delays),
+            fail_first,
+            POD,
+            lose_first,
+            str(replacement_delay),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
     starts: dict[str, list[float]] = {}
     for line in (run_dir / "starts").read_text().splitlines():
         pod, when = line.split()
@@ -129,10 +144,14 @@ def test_a_lost_pods_replacement_starts_after_the_replacement_delay_and_an_exite
 def test_start_delays_parse_and_check_the_flag():
     assert start_delays(["0=30", "2=1.5"], pods=3) == {0: 30.0, 2: 1.5}
     assert start_delays([]) == {}
-    for flag, message in [("x=3", "give INDEX=SECONDS"), ("3", "give INDEX=SECONDS"), ("-1=3", "give INDEX=SECONDS"),
-                          ("0=soon", "SECONDS must be a number of seconds, 0 or more"),
-                          ("0=-2", "SECONDS must be a number of seconds, 0 or more"),
-                          ("0=nan", "SECONDS must be a number of seconds, 0 or more")]:
+    for flag, message in [
+        ("x=3", "give INDEX=SECONDS"),
+        ("3", "give INDEX=SECONDS"),
+        ("-1=3", "give INDEX=SECONDS"),
+        ("0=soon", "SECONDS must be a number of seconds, 0 or more"),
+        ("0=-2", "SECONDS must be a number of seconds, 0 or more"),
+        ("0=nan", "SECONDS must be a number of seconds, 0 or more"),
+    ]:
         with pytest.raises(ConfigError, match=message) as raised:
             start_delays([flag])
         assert f"--pod-start-delay {flag}:" in str(raised.value) and "e.g. --pod-start-delay 0=30" in str(raised.value)

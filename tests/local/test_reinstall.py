@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import (FAST, REPO, _env, assert_no_leftovers, read_losses, read_summary, run_local)
+from tests.support import FAST, REPO, _env, assert_no_leftovers, read_losses, read_summary, run_local
 
 STEPS = 600
 # JobSet: its UID is the install's id. checkpoint.dir is on each run's volume (the chart requires
@@ -30,8 +30,17 @@ COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=25", "train.log_eve
 def _local_command(run_dir: Path, ckpt: Path) -> list[str]:
     run_dir.mkdir()
     (run_dir / "shared").symlink_to(ckpt, target_is_directory=True)
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", "--nodes=2", "--nproc-per-node=1",
-           f"--run-dir={run_dir}", "--isolation=loopback", "--value=workload.kind=JobSet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.cli",
+        "local",
+        "--nodes=2",
+        "--nproc-per-node=1",
+        f"--run-dir={run_dir}",
+        "--isolation=loopback",
+        "--value=workload.kind=JobSet",
+    ]
     for o in [*FAST, *COMMON, "checkpoint.dir=/fsx/shared"]:
         cmd += ["--set", o]
     return cmd
@@ -47,16 +56,30 @@ def test_a_new_install_waits_for_the_old_one_to_commit_and_resumes_from_it_bitwi
     ckpt = tmp_path / "shared-checkpoints"
     ckpt.mkdir()
     old_dir, new_dir = tmp_path / "old", tmp_path / "new"
-    old = subprocess.Popen(_local_command(old_dir, ckpt), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=_env(None, old_dir), cwd=REPO, start_new_session=True)
+    old = subprocess.Popen(
+        _local_command(old_dir, ckpt),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(None, old_dir),
+        cwd=REPO,
+        start_new_session=True,
+    )
     new = None
     try:
         deadline = time.monotonic() + 180
         while not (ckpt / "step_00000025").is_dir():  # the old install trains
             assert old.poll() is None and time.monotonic() < deadline, old.communicate()
             time.sleep(0.2)
-        new = subprocess.Popen(_local_command(new_dir, ckpt), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=_env(None, new_dir), cwd=REPO, start_new_session=True)
+        new = subprocess.Popen(
+            _local_command(new_dir, ckpt),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(None, new_dir),
+            cwd=REPO,
+            start_new_session=True,
+        )
         log = new_dir / "logs" / "node0.log"
         while "waiting for the earlier install" not in (log.read_text() if log.exists() else ""):
             assert new.poll() is None and old.poll() is None and time.monotonic() < deadline, new.communicate()

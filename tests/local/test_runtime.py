@@ -14,8 +14,9 @@ def test_loopback_rewrites_names_and_paths_and_says_so(tmp_path):
     out = rendered("nodes=2", f"storage.mountPath={tmp_path}", f"trainer.run_dir={tmp_path}")
     workload = pods_of(out.documents())
     # This machine's own variables are the image: a checkout under /tmp (a pod mount path) stays put.
-    runtime = LoopbackRuntime(workload, tmp_path, "t1", {"PATH": "/tmp/clone/.venv/bin:/usr/bin",
-                                                         "PYTHONPATH": "/tmp/clone/train"})
+    runtime = LoopbackRuntime(
+        workload, tmp_path, "t1", {"PATH": "/tmp/clone/.venv/bin:/usr/bin", "PYTHONPATH": "/tmp/clone/train"}
+    )
     try:
         argv, env = runtime.command(workload.pods[1], {"X": "1"})
     finally:
@@ -32,8 +33,9 @@ def test_loopback_rewrites_names_and_paths_and_says_so(tmp_path):
 
 
 def test_code_under_a_pod_volume_is_bound_back_into_the_pod():
-    assert hidden_image_paths(["/tmp/clone/.venv/bin", "/tmp/clone/train", "/usr/lib/python3", "/tmpx/a"],
-                              ["/tmp", "/fsx", "/dev/shm"]) == [("/tmp/clone", "/tmp")]
+    assert hidden_image_paths(
+        ["/tmp/clone/.venv/bin", "/tmp/clone/train", "/usr/lib/python3", "/tmpx/a"], ["/tmp", "/fsx", "/dev/shm"]
+    ) == [("/tmp/clone", "/tmp")]
 
 
 def test_a_mount_path_is_rewritten_where_it_stands_as_a_path_and_only_there():
@@ -41,8 +43,10 @@ def test_a_mount_path_is_rewritten_where_it_stands_as_a_path_and_only_there():
     path; a longer name that merely begins with it is left alone, and a rewritten path never again."""
     line = "summary /fsx/summary.json, config=/fsx/config.yaml (/fsx) [/fsx/a] '/fsx' /fsxy/z x/fsx /fsx:"
     out = replace_paths(line, [("/fsx", "/home/u/run"), ("/home", "/elsewhere")], IN_TEXT)
-    assert out == ("summary /home/u/run/summary.json, config=/home/u/run/config.yaml (/home/u/run) "
-                   "[/home/u/run/a] '/home/u/run' /fsxy/z x/fsx /home/u/run:")
+    assert out == (
+        "summary /home/u/run/summary.json, config=/home/u/run/config.yaml (/home/u/run) "
+        "[/home/u/run/a] '/home/u/run' /fsxy/z x/fsx /home/u/run:"
+    )
 
 
 def test_a_relative_pythonpath_reaches_the_pods_as_this_shell_meant_it(tmp_path, monkeypatch):

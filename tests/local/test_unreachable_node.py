@@ -62,16 +62,25 @@ class Noticed(threading.Thread):
 # (tests/resilience/test_hot_spares.py), and so does the frozen store host below.
 @pytest.mark.extended
 def test_a_frozen_training_pods_place_goes_to_the_hot_spare_before_its_node_is_deleted(
-        tmp_path, request, reference_1x2):
+    tmp_path, request, reference_1x2
+):
     """Two training pods of one rank and one spare, memory snapshots every 2 steps with replicas.
     The pod of rank 1 freezes after step 7 and its node is deleted 45 s later. Pod 0's rank finds
     its step hung (8 s), the in-job restart's rendezvous closes with the spare instead of the
     silent pod (NVRx's last call), and the spare restores rank 1 from the replica pod 0 keeps."""
     netns_required()
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["node-freeze@8:rank=1:for=45"], reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"], extra=["--value=spares=1"],
-                              timeout=400, **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["node-freeze@8:rank=1:for=45"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1"],
+        extra=["--value=spares=1"],
+        timeout=400,
+        **lane_run(request, "image"),
+    )
     out = summary["_stdout"]
     (frozen,) = summary["recoveries"]
     assert frozen["layer"] == "in_job", summary["_output"]
@@ -87,16 +96,25 @@ def test_a_frozen_training_pods_place_goes_to_the_hot_spare_before_its_node_is_d
 
 
 def test_with_in_process_restart_a_frozen_pods_place_still_goes_to_the_hot_spare_at_the_same_world_size(
-        tmp_path, request, reference_1x2):
+    tmp_path, request, reference_1x2
+):
     """As above, with in-process restart on: the wrapper finds rank 1 unresponsive (its heartbeat
     timeout), and rather than going on in-process with a world of one rank, which NVRx's default
     rank assignment does, every rank leaves to the in-job restart, where the spare takes rank 1's
     place; the job ends bitwise equal, at world size 2 throughout."""
     netns_required()
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["node-freeze@8:rank=1:for=60"], reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1", *IN_PROCESS],
-                              extra=["--value=spares=1"], timeout=400, **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["node-freeze@8:rank=1:for=60"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1", *IN_PROCESS],
+        extra=["--value=spares=1"],
+        timeout=400,
+        **lane_run(request, "image"),
+    )
     (frozen,) = summary["recoveries"]
     assert frozen["layer"] == "in_job", summary["_output"]
     assert frozen["recovery_s"] < 55, frozen  # before the node's deletion at 60 s
@@ -107,7 +125,8 @@ def test_with_in_process_restart_a_frozen_pods_place_still_goes_to_the_hot_spare
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("lane", LANES)
 def test_a_frozen_store_host_is_noticed_by_every_pod_within_the_store_timeout_and_the_job_recovers(
-        tmp_path, request, lane, reference_3x1):
+    tmp_path, request, lane, reference_3x1
+):
     """Three pods of one rank; pod 0 (the store host) freezes after step 9 and its node is deleted
     110 s later. Every other pod's launcher ends within the store timeout (60 s) plus the hung
     step's detection (8 s), well before pod 0's node is deleted; they then join pod 0's replacement,
@@ -117,8 +136,15 @@ def test_a_frozen_store_host_is_noticed_by_every_pod_within_the_store_timeout_an
     watch = Noticed(run_dir, [1, 2])
     watch.start()
     try:
-        summary = run_with_faults(run_dir, ["node-freeze@10:node=0:for=110"], reference_3x1, nodes=3, nproc=1,
-                                  timeout=500, **lane_run(request, lane))
+        summary = run_with_faults(
+            run_dir,
+            ["node-freeze@10:node=0:for=110"],
+            reference_3x1,
+            nodes=3,
+            nproc=1,
+            timeout=500,
+            **lane_run(request, lane),
+        )
     finally:
         watch.done.set()
         watch.join()
@@ -139,6 +165,7 @@ def test_a_frozen_store_host_is_noticed_by_every_pod_within_the_store_timeout_an
     watcher = (run_dir / "logs" / "node1.log").read_text()
     master = "resilient-fsdp-master-0"
     assert f"pod index 0 ({master}, node local-node-{master}) has not reported for " in watcher
-    assert f"`kubectl taint nodes local-node-{master} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`" \
-        in watcher
+    assert (
+        f"`kubectl taint nodes local-node-{master} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`" in watcher
+    )
     assert watcher.index("pod index 0 reports again") > watcher.index("pod index 0 (")

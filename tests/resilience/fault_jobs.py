@@ -22,20 +22,33 @@ def lane_run(request, lane: str) -> dict:
         return {"pythonpath": [], "nvrx_version": NVRX_VERSION}
     return {"pythonpath": [request.getfixturevalue("nvrx07_lane")], "nvrx_version": IMAGE_NVRX}
 
+
 # 40 steps: room for four faults 8 steps apart (tests/local/test_four_faults_in_one_job.py), one reference for all.
 STEPS = 40
-COMMON = [f"train.steps={STEPS}", "checkpoint.interval_steps=4", "train.log_every=4",
-          # Short enough for tests: a stuck rank is killed 2 s after SIGTERM, a hung step is
-          # detected after 8 s, rank monitors check twice a second.
-          "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5",
-          "resilience.hang_detection.step_timeout_s=8", "resilience.hang_detection.learn_timeouts=false"]
+COMMON = [
+    f"train.steps={STEPS}",
+    "checkpoint.interval_steps=4",
+    "train.log_every=4",
+    # Short enough for tests: a stuck rank is killed 2 s after SIGTERM, a hung step is
+    # detected after 8 s, rank monitors check twice a second.
+    "resilience.launcher.workers_stop_timeout_s=2",
+    "resilience.hang_detection.workload_check_interval_s=0.5",
+    "resilience.hang_detection.step_timeout_s=8",
+    "resilience.hang_detection.learn_timeouts=false",
+]
 # Gloo cannot be aborted: ranks waiting on a failed peer wait out dist.timeout_s, so in-process
 # restart tests keep it short (it applies after the first step; start-up has its own). The soft
 # timeout must outlast any legitimate wait inside C++ (NVRx sees no progress then), such as ranks
 # of an overloaded two-core machine reaching the first collective seconds apart.
-IN_PROCESS = ["resilience.in_process.enabled=true", "dist.timeout_s=8", "resilience.in_process.soft_timeout_s=20",
-              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
-              "resilience.in_process.barrier_timeout_s=120", "resilience.hang_detection.step_timeout_s=60"]
+IN_PROCESS = [
+    "resilience.in_process.enabled=true",
+    "dist.timeout_s=8",
+    "resilience.in_process.soft_timeout_s=20",
+    "resilience.in_process.hard_timeout_s=40",
+    "resilience.in_process.heartbeat_timeout_s=20",
+    "resilience.in_process.barrier_timeout_s=120",
+    "resilience.hang_detection.step_timeout_s=60",
+]
 
 
 def fault_free_run(run_dir: Path, nodes: int, nproc: int) -> tuple[dict, list[float]]:
@@ -45,15 +58,31 @@ def fault_free_run(run_dir: Path, nodes: int, nproc: int) -> tuple[dict, list[fl
     return read_summary(run_dir), read_losses(run_dir)
 
 
-def run_with_faults(run_dir: Path, specs: list[str], reference: tuple[dict, list[float]], nodes: int = 2,
-                    nproc: int = 2, overrides: list[str] | None = None, extra: list[str] | None = None,
-                    timeout: float = 400, nvrx_version: str = NVRX_VERSION, **kwargs) -> dict:
+def run_with_faults(
+    run_dir: Path,
+    specs: list[str],
+    reference: tuple[dict, list[float]],
+    nodes: int = 2,
+    nproc: int = 2,
+    overrides: list[str] | None = None,
+    extra: list[str] | None = None,
+    timeout: float = 400,
+    nvrx_version: str = NVRX_VERSION,
+    **kwargs,
+) -> dict:
     """Run the job with ``specs`` injected; it must finish bitwise equal to ``reference`` with
     every fault recorded and nothing left running, and say which NVRx and torch it ran.
     Returns its summary."""
     baseline, baseline_losses = reference
-    proc = run_local(run_dir, nodes=nodes, nproc=nproc, overrides=COMMON + (overrides or []),
-                     extra=[f"--inject={s}" for s in specs] + (extra or []), timeout=timeout, **kwargs)
+    proc = run_local(
+        run_dir,
+        nodes=nodes,
+        nproc=nproc,
+        overrides=COMMON + (overrides or []),
+        extra=[f"--inject={s}" for s in specs] + (extra or []),
+        timeout=timeout,
+        **kwargs,
+    )
     out = proc.stdout[-8000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, out
     summary = read_summary(run_dir)

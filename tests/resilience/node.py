@@ -24,24 +24,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_command(run_dir: Path, overrides: list[str], nproc: int = 2,
-                 inject: list[str] | None = None, trainer_args: list[str] | None = None) -> list[str]:
+def node_command(
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int = 2,
+    inject: list[str] | None = None,
+    trainer_args: list[str] | None = None,
+) -> list[str]:
     """The agent's command line for a one-node job of ``nproc`` ranks in ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     sets = [a for o in FAST + overrides for a in ("--set", o)]
-    trainer = ["-m", "resilient_fsdp.train", "--run-dir", str(run_dir), *sets,
-               *[f"--inject={s}" for s in inject or []], *(trainer_args or [])]
-    rdzv = ["--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5", f"--log-dir={run_dir / 'logs'}"]
+    trainer = [
+        "-m",
+        "resilient_fsdp.train",
+        "--run-dir",
+        str(run_dir),
+        *sets,
+        *[f"--inject={s}" for s in inject or []],
+        *(trainer_args or []),
+    ]
+    rdzv = [
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--monitor-interval=0.5",
+        f"--log-dir={run_dir / 'logs'}",
+    ]
     resilience = load_config(None, overrides).resilience
     ft_cfg = write_ft_config(run_dir / "ft_config.yaml", resilience)
-    return [*AGENT, f"--ft-cfg-path={ft_cfg}", *rdzv, f"--rdzv-id=node-{run_dir.name}",
-            RDZV_STORE_IN_NODE, *ft_launcher_flags(resilience), *trainer]
+    return [
+        *AGENT,
+        f"--ft-cfg-path={ft_cfg}",
+        *rdzv,
+        f"--rdzv-id=node-{run_dir.name}",
+        RDZV_STORE_IN_NODE,
+        *ft_launcher_flags(resilience),
+        *trainer,
+    ]
 
 
-def run_node(run_dir: Path, overrides: list[str], pythonpath: list[Path] | None = None,
-             inject: list[str] | None = None, timeout: float = 300, trainer_args: list[str] | None = None
-             ) -> subprocess.CompletedProcess:
+def run_node(
+    run_dir: Path,
+    overrides: list[str],
+    pythonpath: list[Path] | None = None,
+    inject: list[str] | None = None,
+    timeout: float = 300,
+    trainer_args: list[str] | None = None,
+) -> subprocess.CompletedProcess:
     """Run one node to its end; the agent's exit code is the pod's."""
     cmd = node_command(run_dir, overrides, inject=inject, trainer_args=trainer_args)
     env = {"PYTHONUNBUFFERED": "1"}
@@ -52,8 +82,14 @@ def start_node(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
     """Start one node in the background (output to ``run_dir/node.log``)."""
     cmd = node_command(run_dir, overrides)
     log = open(run_dir / "node.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env=_env(None, run_dir, {"PYTHONUNBUFFERED": "1"}))
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+        env=_env(None, run_dir, {"PYTHONUNBUFFERED": "1"}),
+    )
 
 
 def attempts(log_dir: Path) -> list[str]:

@@ -25,9 +25,17 @@ def test_peers_blocked_on_a_failed_rank_fail_at_once_not_at_the_collective_timeo
     until rank 0 exits or the timeout)."""
     port = free_port()
     env = _env(None, tmp_path)
-    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(PROBES / "abort.py"), str(r), "3", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-             for r in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-W", "ignore", str(PROBES / "abort.py"), str(r), "3", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        for r in range(3)
+    ]
     try:
         reports = {}
         for proc in procs[1:]:
@@ -50,11 +58,25 @@ def test_a_rank_that_fails_with_a_write_in_flight_releases_its_peers_before_clos
     so rank 0 fails on the closed connection; had rank 1 closed its checkpointer first (waiting
     for that write), rank 0 would have failed at its collective timeout. In-job restart off."""
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=1, nproc=2, timeout=240, extra=["--max-restarts=0", "--max-pod-recreations=0",
-                                                                  "--inject=exception@5:rank=1",
-                                                                  "--inject=writer-slow@4:rank=1:for=60"],
-                     overrides=["train.steps=8", "checkpoint.interval_steps=4", "dist.timeout_s=20",
-                                "checkpoint.write_timeout_s=120", "resilience.hang_detection.learn_timeouts=false"])
+    proc = run_local(
+        run_dir,
+        nodes=1,
+        nproc=2,
+        timeout=240,
+        extra=[
+            "--max-restarts=0",
+            "--max-pod-recreations=0",
+            "--inject=exception@5:rank=1",
+            "--inject=writer-slow@4:rank=1:for=60",
+        ],
+        overrides=[
+            "train.steps=8",
+            "checkpoint.interval_steps=4",
+            "dist.timeout_s=20",
+            "checkpoint.write_timeout_s=120",
+            "resilience.hang_detection.learn_timeouts=false",
+        ],
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     (rank0,) = (run_dir / "logs" / "node0").glob("*/attempt_0/0/stderr.log")
@@ -64,8 +86,9 @@ def test_a_rank_that_fails_with_a_write_in_flight_releases_its_peers_before_clos
 
 
 def _probe(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(PROBES / "sweeper.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(PROBES / "sweeper.py"), *args], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -92,9 +115,17 @@ def test_a_failed_attempts_helper_threads_are_joined_by_its_abort_and_their_grou
     helpers wake and are joined within it; once collected, nothing of either group is left: the
     process's threads and TCP connections are what they were before the groups."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-W", "ignore", str(PROBES / "left_threads.py"), str(r), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(None, tmp_path),
-                              cwd=REPO) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-W", "ignore", str(PROBES / "left_threads.py"), str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(None, tmp_path),
+            cwd=REPO,
+        )
+        for r in range(2)
+    ]
     reports = []
     try:
         for proc in procs:

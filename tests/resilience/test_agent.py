@@ -40,19 +40,46 @@ def _lonely_node_cmd(run_dir, rejoin_timeout: int, steps: int, nnodes: str = "2"
     """Node 1 of a job whose store host never starts, training ``train.steps=steps`` in ``run_dir``."""
     from tests.resilience.node import AGENT, free_port
 
-    return [*AGENT, f"--rejoin-timeout={rejoin_timeout}", "--", f"--nnodes={nnodes}", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=lonely",
-            "--rdzv-conf=join_timeout=2,read_timeout=2,store_connect_wait_seconds=2", "--max-restarts=0",
-            "-m", "resilient_fsdp.train", "--set", f"run_dir={run_dir}", "--set", f"train.steps={steps}", *(extra or [])]
+    return [
+        *AGENT,
+        f"--rejoin-timeout={rejoin_timeout}",
+        "--",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=lonely",
+        "--rdzv-conf=join_timeout=2,read_timeout=2,store_connect_wait_seconds=2",
+        "--max-restarts=0",
+        "-m",
+        "resilient_fsdp.train",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        f"train.steps={steps}",
+        *(extra or []),
+    ]
 
 
-def _lonely_node(run_dir, rejoin_timeout: int, steps: int, lane: list | None = None, nnodes: str = "2",
-                 index: str = "1", extra: list | None = None):
+def _lonely_node(
+    run_dir,
+    rejoin_timeout: int,
+    steps: int,
+    lane: list | None = None,
+    nnodes: str = "2",
+    index: str = "1",
+    extra: list | None = None,
+):
     """Run :func:`_lonely_node_cmd` as the pod of ``index`` to its end: the process, the agent's lines."""
     from tests.support import run_guarded
 
-    proc = run_guarded(_lonely_node_cmd(run_dir, rejoin_timeout, steps, nnodes, extra), run_dir, lane, 120,
-                       {"JOB_COMPLETION_INDEX": index})
+    proc = run_guarded(
+        _lonely_node_cmd(run_dir, rejoin_timeout, steps, nnodes, extra),
+        run_dir,
+        lane,
+        120,
+        {"JOB_COMPLETION_INDEX": index},
+    )
     return proc, [line for line in proc.stderr.splitlines() if line.startswith("[resilient-fsdp agent]")]
 
 
@@ -73,9 +100,15 @@ def test_a_pod_that_lost_the_store_exits_0_once_the_run_directory_says_the_job_t
 
     run_dir = tmp_path / "run"
     _records(run_dir, {"event": "start", "t": 1.0, "layer": "start"}, {"event": "step", "step": 5, "t": 2.0})
-    proc = subprocess.Popen(_lonely_node_cmd(run_dir, rejoin_timeout=60, steps=5), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=_env(None, run_dir, {"JOB_COMPLETION_INDEX": "1"}),
-                            cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        _lonely_node_cmd(run_dir, rejoin_timeout=60, steps=5),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(None, run_dir, {"JOB_COMPLETION_INDEX": "1"}),
+        cwd=REPO,
+        start_new_session=True,
+    )
     guard = threading.Timer(120, proc.kill)
     guard.start()
     agent, written = [], False
@@ -145,8 +178,12 @@ def test_training_complete_reads_only_a_last_finish_at_the_configured_steps(tmp_
     assert training_complete(args) is None
     # Records rank 0 writes after its finish (the final upload, S3 retention) and a line torn by a
     # crash mid-write do not hide it; a finish before the last start does not count.
-    _records(run_dir, {"event": "finish", "step": 5, "t": 3.0}, {"event": "s3_upload", "step": 5, "t": 3.1},
-             {"event": "s3_retention", "deleted": [1], "t": 3.2})
+    _records(
+        run_dir,
+        {"event": "finish", "step": 5, "t": 3.0},
+        {"event": "s3_upload", "step": 5, "t": 3.1},
+        {"event": "s3_retention", "deleted": [1], "t": 3.2},
+    )
     assert "finish at step 5 of train.steps=5" in training_complete(args)
     (run_dir / "metrics.jsonl").write_text(json.dumps({"event": "finish", "step": 5}) + '\n{"event": "fin')
     assert "finish at step 5" in training_complete(args)

@@ -14,8 +14,15 @@ import pytest
 import torch.distributed as dist
 
 from resilient_fsdp.resilience import deterministic, exit_codes
-from resilient_fsdp.resilience.deterministic import (FailureRecords, RepeatedFailure, earlier, judge, normalised,
-                                                     signature, transient_reason)
+from resilient_fsdp.resilience.deterministic import (
+    FailureRecords,
+    RepeatedFailure,
+    earlier,
+    judge,
+    normalised,
+    signature,
+    transient_reason,
+)
 from resilient_fsdp.resilience.non_finite import RepeatedNonFiniteLoss
 from tests.resilience.node import attempts
 from tests.support import assert_no_leftovers, netns_required, run_local, write_module
@@ -57,19 +64,22 @@ def _raised_from(fn) -> BaseException:
     raise AssertionError("did not raise")
 
 
-@pytest.mark.parametrize("exc,transient", [
-    (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:1234"), True),
-    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"), True),
-    (dist.DistBackendError("NCCL communicator was aborted"), True),
-    (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), True),
-    (TimeoutError("timed out"), True),
-    (OSError(errno.EIO, "Input/output error"), True),
-    (OSError(errno.ESTALE, "Stale file handle"), True),
-    (ValueError("sequence of 4096 tokens; this model handles up to 2048"), False),
-    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)"), False),
-    (OSError(errno.ENOENT, "No such file or directory"), False),
-    (KeyError("tok_embeddings.weight"), False),
-])
+@pytest.mark.parametrize(
+    "exc,transient",
+    [
+        (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:1234"), True),
+        (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"), True),
+        (dist.DistBackendError("NCCL communicator was aborted"), True),
+        (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), True),
+        (TimeoutError("timed out"), True),
+        (OSError(errno.EIO, "Input/output error"), True),
+        (OSError(errno.ESTALE, "Stale file handle"), True),
+        (ValueError("sequence of 4096 tokens; this model handles up to 2048"), False),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)"), False),
+        (OSError(errno.ENOENT, "No such file or directory"), False),
+        (KeyError("tok_embeddings.weight"), False),
+    ],
+)
 def test_communication_and_storage_failures_keep_their_retries(exc, transient):
     assert (transient_reason(exc) is not None) == transient
 
@@ -110,8 +120,13 @@ def test_the_second_attempt_at_the_same_place_raises_a_configuration_failure(tmp
     # Another place: its own first time.
     assert judge(exc, "step 2", "attempt-1", records, {"rank": 0, "node": 0, "layer": "start"})
     with pytest.raises(RepeatedFailure) as repeated:
-        judge(_raised(ValueError("sequence of 4096 tokens; this model handles up to 2048")), "step 1", "attempt-2",
-              records, {"rank": 0, "node": 0, "layer": "in_job"})
+        judge(
+            _raised(ValueError("sequence of 4096 tokens; this model handles up to 2048")),
+            "step 1",
+            "attempt-2",
+            records,
+            {"rank": 0, "node": 0, "layer": "in_job"},
+        )
     message = str(repeated.value)
     assert "the same failure at step 1 after a restart" in message and "ValueError: sequence of 4096" in message
     assert "It first ended attempt attempt-1 on rank 2 (node 1" in message
@@ -119,7 +134,10 @@ def test_the_second_attempt_at_the_same_place_raises_a_configuration_failure(tmp
     assert isinstance(repeated.value.__cause__, ValueError)
     kept = records.read()
     assert [(r["where"], r["attempt"], r["outcome"]) for r in kept] == [
-        ("step 1", "attempt-1", "restart"), ("step 2", "attempt-1", "restart"), ("step 1", "attempt-2", "failed")]
+        ("step 1", "attempt-1", "restart"),
+        ("step 2", "attempt-1", "restart"),
+        ("step 1", "attempt-2", "failed"),
+    ]
     assert "Traceback" in kept[0]["traceback"] and kept[0]["rank"] == 2
 
 
@@ -162,8 +180,14 @@ def test_a_forward_that_always_raises_ends_a_two_pod_job_after_one_restart(tmp_p
     write_module(plugin_dir, "raising_model", RAISING_MODEL)
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = run_local(run_dir, nodes=2, nproc=2, pythonpath=[plugin_dir], timeout=240,
-                     overrides=["model.factory=raising_model:build", "resilience.launcher.max_restarts=3"])
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=2,
+        pythonpath=[plugin_dir],
+        timeout=240,
+        overrides=["model.factory=raising_model:build", "resilience.launcher.max_restarts=3"],
+    )
     seconds = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == exit_codes.CONFIG, out[-5000:]
@@ -192,9 +216,15 @@ def test_under_in_process_restart_the_same_failure_ends_after_one_in_process_res
     from tests.resilience.test_exit_codes import IN_PROCESS, RUN
 
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=1, nproc=2, pythonpath=[nvrx07_lane], timeout=240,
-                     overrides=RUN + IN_PROCESS + ["resilience.launcher.max_restarts=3"],
-                     extra=["--inject=exception-repeat@3:rank=1"])
+    proc = run_local(
+        run_dir,
+        nodes=1,
+        nproc=2,
+        pythonpath=[nvrx07_lane],
+        timeout=240,
+        overrides=RUN + IN_PROCESS + ["resilience.launcher.max_restarts=3"],
+        extra=["--inject=exception-repeat@3:rank=1"],
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == exit_codes.CONFIG, out[-5000:]
     assert "restarted (in-process)" in proc.stdout, out[-4000:]
@@ -203,8 +233,10 @@ def test_under_in_process_restart_the_same_failure_ends_after_one_in_process_res
     kept = FailureRecords(run_dir).read()
     assert [(r["where"], r["rank"], r["outcome"]) for r in kept] == [("step 3", 1, "restart"), ("step 3", 1, "failed")]
     assert [r["layer"] for r in kept] == ["start", "in_process"]
-    assert json.loads((run_dir / "faults" / "exception-repeat@3-rank1.json").read_text())["fault"] \
+    assert (
+        json.loads((run_dir / "faults" / "exception-repeat@3-rank1.json").read_text())["fault"]
         == "exception-repeat@3:rank=1"
+    )
     assert_no_leftovers(run_dir)
 
 

@@ -18,11 +18,23 @@ from tests.resilience.node import attempts, run_node, start_node
 from tests.support import REPO, assert_no_leftovers, run_local, write_module
 
 # A few steps, a checkpoint every 2, quick restarts.
-RUN = ["train.steps=6", "checkpoint.interval_steps=2", "train.log_every=2", "resilience.launcher.workers_stop_timeout_s=2",
-       "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.learn_timeouts=false"]
-IN_PROCESS = ["resilience.in_process.enabled=true", "dist.timeout_s=8", "resilience.in_process.soft_timeout_s=20",
-              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
-              "resilience.in_process.barrier_timeout_s=120", "resilience.hang_detection.step_timeout_s=60"]
+RUN = [
+    "train.steps=6",
+    "checkpoint.interval_steps=2",
+    "train.log_every=2",
+    "resilience.launcher.workers_stop_timeout_s=2",
+    "resilience.hang_detection.workload_check_interval_s=0.5",
+    "resilience.hang_detection.learn_timeouts=false",
+]
+IN_PROCESS = [
+    "resilience.in_process.enabled=true",
+    "dist.timeout_s=8",
+    "resilience.in_process.soft_timeout_s=20",
+    "resilience.in_process.hard_timeout_s=40",
+    "resilience.in_process.heartbeat_timeout_s=20",
+    "resilience.in_process.barrier_timeout_s=120",
+    "resilience.hang_detection.step_timeout_s=60",
+]
 
 # What the PyTorchJob controller retries under the chart's ``restartPolicy: ExitCode``.
 retryable = RestartPolicy("ExitCode", backoff_limit=4).retryable
@@ -43,18 +55,21 @@ def test_configuration_codes_fail_the_job_and_infrastructure_codes_are_retried()
     assert retryable(INFRASTRUCTURE) and INFRASTRUCTURE == 128 + 75
 
 
-@pytest.mark.parametrize("returncode,stop,config_failure,expected,row", [
-    (0, None, False, 0, "done"),
-    (0, signal.SIGTERM, False, 0, "done"),               # SIGTERM arrived as training finished
-    (1, None, True, CONFIG, "configuration"),            # a rank reported it; ft_launcher was stopped
-    (-15, None, True, CONFIG, "configuration"),
-    (2, None, False, CONFIG, "configuration"),           # ft_launcher's own bad flags (argparse)
-    (93, None, False, 93, "nvrx-no-restart"),            # not reachable with this project's flags
-    (1, signal.SIGTERM, False, 143, "stopped"),          # evicted: ranks checkpointed, ft_launcher says 1
-    (1, signal.SIGINT, False, 130, "stopped"),
-    (-9, None, False, 137, "killed"),
-    (1, None, False, INFRASTRUCTURE, "restarts-exhausted"),
-])
+@pytest.mark.parametrize(
+    "returncode,stop,config_failure,expected,row",
+    [
+        (0, None, False, 0, "done"),
+        (0, signal.SIGTERM, False, 0, "done"),  # SIGTERM arrived as training finished
+        (1, None, True, CONFIG, "configuration"),  # a rank reported it; ft_launcher was stopped
+        (-15, None, True, CONFIG, "configuration"),
+        (2, None, False, CONFIG, "configuration"),  # ft_launcher's own bad flags (argparse)
+        (93, None, False, 93, "nvrx-no-restart"),  # not reachable with this project's flags
+        (1, signal.SIGTERM, False, 143, "stopped"),  # evicted: ranks checkpointed, ft_launcher says 1
+        (1, signal.SIGINT, False, 130, "stopped"),
+        (-9, None, False, 137, "killed"),
+        (1, None, False, INFRASTRUCTURE, "restarts-exhausted"),
+    ],
+)
 def test_node_exit_code_follows_the_table(returncode, stop, config_failure, expected, row):
     code = node_exit_code(returncode, stop, config_failure)
     assert code == expected
@@ -62,12 +77,15 @@ def test_node_exit_code_follows_the_table(returncode, stop, config_failure, expe
     assert retryable(code) == (kind in ("stop", "infrastructure"))
 
 
-@pytest.mark.parametrize("returncode,stop,config_failure,expected", [
-    (1, None, False, RENDEZVOUS_LOST),                   # the store's host went away: this node is healthy
-    (1, signal.SIGTERM, False, 143),                     # stopped: the stop's code, not the store's
-    (1, None, True, CONFIG),                             # a configuration failure still fails the job
-    (0, None, False, 0),
-])
+@pytest.mark.parametrize(
+    "returncode,stop,config_failure,expected",
+    [
+        (1, None, False, RENDEZVOUS_LOST),  # the store's host went away: this node is healthy
+        (1, signal.SIGTERM, False, 143),  # stopped: the stop's code, not the store's
+        (1, None, True, CONFIG),  # a configuration failure still fails the job
+        (0, None, False, 0),
+    ],
+)
 def test_a_lost_rendezvous_store_is_retried_by_the_job_level(returncode, stop, config_failure, expected):
     """The row only: a node that loses its store is run by the local cluster's tests
     (tests/local/test_four_faults_in_one_job.py)."""
@@ -114,9 +132,11 @@ REFUSING_MODEL = """
 """
 
 
-@pytest.mark.parametrize("in_process,lane", [(False, "pinned"), pytest.param(True, "pinned", marks=pytest.mark.extended),
-                                             (True, "image")],
-                         ids=["in-job", "in-process", "in-process-nvrx07"])
+@pytest.mark.parametrize(
+    "in_process,lane",
+    [(False, "pinned"), pytest.param(True, "pinned", marks=pytest.mark.extended), (True, "image")],
+    ids=["in-job", "in-process", "in-process-nvrx07"],
+)
 def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugin_dir, in_process, lane):
     """A missing data file (in-job only) or a model that raises a configuration error at step 3
     (in-process restart on, on both NVRx lanes):
@@ -124,13 +144,22 @@ def test_a_configuration_failure_is_retried_by_no_layer(tmp_path, request, plugi
     ranks once."""
     write_module(plugin_dir, "refusing_model", REFUSING_MODEL)
     run_dir = tmp_path / "run"
-    cause = ["model.factory=refusing_model:build"] if in_process else ["data.source=tokens",
-                                                                   f"data.path={tmp_path / 'missing.bin'}"]
+    cause = (
+        ["model.factory=refusing_model:build"]
+        if in_process
+        else ["data.source=tokens", f"data.path={tmp_path / 'missing.bin'}"]
+    )
     lanes = [request.getfixturevalue("nvrx_lane")] if lane == "image" else []
     t0 = time.monotonic()
-    proc = run_local(run_dir, nodes=1, nproc=2, pythonpath=[plugin_dir, *lanes], timeout=240,
-                     overrides=RUN + (IN_PROCESS if in_process else []) + cause + ["resilience.launcher.max_restarts=3"],
-                     extra=["--max-pod-recreations=2"])
+    proc = run_local(
+        run_dir,
+        nodes=1,
+        nproc=2,
+        pythonpath=[plugin_dir, *lanes],
+        timeout=240,
+        overrides=RUN + (IN_PROCESS if in_process else []) + cause + ["resilience.launcher.max_restarts=3"],
+        extra=["--max-pod-recreations=2"],
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == CONFIG, out[-4000:]
     assert "exited with code 2: not retried" in proc.stdout and "recreating" not in proc.stdout, proc.stdout[-3000:]
@@ -157,7 +186,9 @@ def test_bad_trainer_flags_stop_the_node_without_a_restart(tmp_path):
 
 def test_spent_in_job_restarts_exit_with_the_infrastructure_code(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_node(run_dir, RUN + ["resilience.launcher.max_restarts=1"], inject=["exception@2:rank=1", "exception@4:rank=0"])
+    proc = run_node(
+        run_dir, RUN + ["resilience.launcher.max_restarts=1"], inject=["exception@2:rank=1", "exception@4:rank=0"]
+    )
     assert proc.returncode == INFRASTRUCTURE, proc.stderr[-3000:]
     assert f"exiting {INFRASTRUCTURE}: restarts-exhausted, retried by the job level" in proc.stderr
     assert attempts(run_dir / "logs") == ["attempt_0", "attempt_1"]
@@ -191,16 +222,31 @@ def test_a_node_nvrx_finds_unhealthy_exits_with_its_own_retried_code(tmp_path, n
     from tests.resilience.node import AGENT, free_port
     from tests.support import run_guarded
 
-    cmd = [*AGENT, "--rejoin-timeout=30", "--", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=unhealthy", "--rdzv-conf=is_host=true",
-           "--max-restarts=0", "-m", "resilient_fsdp.train", "--describe-config"]
-    proc = run_guarded(cmd, tmp_path, [nvrx07_lane], 120, {"JOB_COMPLETION_INDEX": "0",
-                                                           "NVRX_INJECT_GPU_FAILURE": "0:0"})
+    cmd = [
+        *AGENT,
+        "--rejoin-timeout=30",
+        "--",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=unhealthy",
+        "--rdzv-conf=is_host=true",
+        "--max-restarts=0",
+        "-m",
+        "resilient_fsdp.train",
+        "--describe-config",
+    ]
+    proc = run_guarded(
+        cmd, tmp_path, [nvrx07_lane], 120, {"JOB_COMPLETION_INDEX": "0", "NVRX_INJECT_GPU_FAILURE": "0:0"}
+    )
     assert proc.returncode == exit_codes.UNHEALTHY_NODE == 201, proc.stderr[-3000:]
     assert exit_codes.UNHEALTHY_NODE in exit_codes.RETRIED
     agent = [line for line in proc.stderr.splitlines() if line.startswith("[resilient-fsdp agent]")]
-    assert any("found this node unhealthy" in line and "201: unhealthy-node, retried by the job level" in line
-               for line in agent), agent
+    assert any(
+        "found this node unhealthy" in line and "201: unhealthy-node, retried by the job level" in line
+        for line in agent
+    ), agent
     # A node that does not host the store never joins again in its pod after it: the node is the fault.
     assert exit_codes.UNHEALTHY_NODE not in exit_codes.REJOINED_CODES
 

@@ -12,8 +12,15 @@ import json
 
 import pytest
 
-from tests.resilience.fault_jobs import (COMMON, IMAGE_NVRX, IN_PROCESS, check_landed_mid_write, check_recoveries, lane_run,
-                                        run_with_faults)
+from tests.resilience.fault_jobs import (
+    COMMON,
+    IMAGE_NVRX,
+    IN_PROCESS,
+    check_landed_mid_write,
+    check_recoveries,
+    lane_run,
+    run_with_faults,
+)
 from tests.support import LANES, assert_no_leftovers, netns_required, read_events, run_local
 
 # Faults that need their own job: their recovery is asserted in detail below.
@@ -55,8 +62,9 @@ def test_fault_is_recovered_bitwise(tmp_path, request, spec, layer, nodes):
         assert swept["kind"] == "incomplete" and swept["bytes"] >= recovery["bytes_on_disk"] > 0, swept
 
 
-def test_a_kill_inside_rank_0s_commit_lands_there_and_the_torn_checkpoint_is_never_loaded(tmp_path, request,
-                                                                                           reference_1x2):
+def test_a_kill_inside_rank_0s_commit_lands_there_and_the_torn_checkpoint_is_never_loaded(
+    tmp_path, request, reference_1x2
+):
     """sigkill-during-commit@10, two pods of one rank, checkpoints every 4 steps: the commit of step
     12 stops once DCP's metadata is written, and its marker names the process committing it (rank
     0's commit process between steps, or rank 0 itself when the save of step 16 finds the write
@@ -64,8 +72,15 @@ def test_a_kill_inside_rank_0s_commit_lands_there_and_the_torn_checkpoint_is_nev
     and rank 0 are killed there. The step 12 checkpoint never got its manifest: the in-job restart
     resumes from step 8 and sweeps it. The image's NVRx lane."""
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["sigkill-during-commit@10:rank=0"], reference_1x2, nodes=2, nproc=1,
-                              timeout=300, **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["sigkill-during-commit@10:rank=0"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        timeout=300,
+        **lane_run(request, "image"),
+    )
     check_recoveries(summary, ["in_job"])
     (killed,) = summary["recoveries"]
     assert killed["during_commit"] is True and killed["checkpoint_step"] == 12, killed
@@ -84,17 +99,24 @@ def test_a_commit_fault_names_rank_0_the_only_rank_that_commits():
             parse_fault(text)
 
 
-
 # must be recovered by the layer named, and the job must still end bitwise equal.
 MULTI = [
     # faults, extra overrides, the layer expected for each fault
-    pytest.param(["exception@6:rank=0", "hang@12:rank=0", "sigkill@18:rank=0"], [], ["in_job", "in_job", "in_job"],
-                 marks=pytest.mark.extended),
+    pytest.param(
+        ["exception@6:rank=0", "hang@12:rank=0", "sigkill@18:rank=0"],
+        [],
+        ["in_job", "in_job", "in_job"],
+        marks=pytest.mark.extended,
+    ),
     # In-process restart on: a process-killing fault in between goes to the in-job restart, which
     # respawns every rank (new processes, whose nodes' restart counts differ), and the next fault
     # is again recovered in-process; rank 1's peers block inside the loss all-reduce.
-    pytest.param(["exception@6:rank=0", "sigkill@12:rank=2", "hang@18:rank=0", "hang-in-collective@22:rank=1"],
-                 IN_PROCESS, ["in_process", "in_job", "in_process", "in_process"], marks=pytest.mark.extended),
+    pytest.param(
+        ["exception@6:rank=0", "sigkill@12:rank=2", "hang@18:rank=0", "hang-in-collective@22:rank=1"],
+        IN_PROCESS,
+        ["in_process", "in_job", "in_process", "in_process"],
+        marks=pytest.mark.extended,
+    ),
 ]
 
 
@@ -112,8 +134,12 @@ def test_new_kinds_in_one_job_with_node_faults_executed_by_the_cluster(tmp_path,
     local cluster (RESILIENT_FSDP_FAULT_REQUESTS, set in every pod) for the node-level faults."""
     netns_required()
     run_dir = tmp_path / "run"
-    specs = ["node-loss@6:node=1", "partition@8:node=0:for=0.5", "sigkill-during-save@13:rank=3",
-             "hang-in-collective@19:rank=2"]
+    specs = [
+        "node-loss@6:node=1",
+        "partition@8:node=0:for=0.5",
+        "sigkill-during-save@13:rank=3",
+        "hang-in-collective@19:rank=2",
+    ]
     summary = run_with_faults(run_dir, specs, reference_2x2)
     requests = run_dir / "faults" / "requests"
     assert sorted(p.name for p in requests.iterdir()) == ["node-loss-step6-node1.done", "partition-step8-node0.done"]
@@ -136,8 +162,15 @@ def test_new_kinds_in_one_job_with_node_faults_executed_by_the_cluster(tmp_path,
 
 def test_a_partition_is_refused_before_any_process_starts_where_nothing_executes_it(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=2, nproc=1, overrides=COMMON, extra=["--inject=partition@3:node=1:for=5"],
-                     isolation="loopback", timeout=60)
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=1,
+        overrides=COMMON,
+        extra=["--inject=partition@3:node=1:for=5"],
+        isolation="loopback",
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "partition faults need --isolation netns" in proc.stderr
     assert not (run_dir / "logs").exists()
@@ -147,8 +180,14 @@ def test_a_partition_is_refused_before_any_process_starts_where_nothing_executes
 @pytest.mark.extended
 def test_too_many_faults_fail_with_the_last_fault_named(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=2, nproc=2, overrides=COMMON,
-                     extra=["--inject=sigkill@10:rank=3", "--max-restarts=0", "--max-pod-recreations=0"], timeout=240)
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=2,
+        overrides=COMMON,
+        extra=["--inject=sigkill@10:rank=3", "--max-restarts=0", "--max-pod-recreations=0"],
+        timeout=240,
+    )
     assert proc.returncode != 0
     report = proc.stdout.split("job FAILED", 1)[1]
     assert "last fault: sigkill@10:rank=3 (injected after step 9)" in report
@@ -156,7 +195,9 @@ def test_too_many_faults_fail_with_the_last_fault_named(tmp_path):
     assert not (run_dir / "summary.json").exists()
     # The newest checkpoint is intact: committed, with its manifest, and the newest the job logged
     # as committed (step 8's write may still be in flight at step 10; then it is step 4's).
-    committed = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_") and "." not in p.name)
+    committed = sorted(
+        p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_") and "." not in p.name
+    )
     logged = max(e["step"] for e in read_events(run_dir, "checkpoint"))
     assert logged in (4, 8) and committed[-1].name == f"step_{logged:08d}"
     assert json.loads((committed[-1] / "COMPLETE").read_text())["step"] == logged
@@ -169,12 +210,24 @@ def test_every_kind_in_one_pod_is_recovered_by_in_job_restart(tmp_path, request,
     # sigterm: 0.7's checkpoint worker installs its own SIGTERM handler (async_ckpt/core.py) that
     # exits 143; the trainer starts it with SIGTERM blocked, so the SIGTERM ft_launcher sends a
     # stopping node's ranks reaches the trainer only, and the graceful stop's checkpoint commits.
-    specs = ["exception@3:rank=0", "hang@7:rank=1", "hang-in-collective@11:rank=0", "sigkill-during-save@13:rank=1",
-             "sigterm@18:node=0"]
+    specs = [
+        "exception@3:rank=0",
+        "hang@7:rank=1",
+        "hang-in-collective@11:rank=0",
+        "sigkill-during-save@13:rank=1",
+        "sigterm@18:node=0",
+    ]
     # 0.7 counts --max-restarts as rounds of the whole job (its _handle_restart_decision), not per
     # node: four in-job restarts need four.
-    summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, extra=["--max-restarts=4"],
-                              timeout=600, **lane_run(request, lane))
+    summary = run_with_faults(
+        tmp_path / "run",
+        specs,
+        reference_1x2,
+        nodes=1,
+        extra=["--max-restarts=4"],
+        timeout=600,
+        **lane_run(request, lane),
+    )
     check_recoveries(summary, ["in_job"] * 4 + ["job"])
     check_landed_mid_write(summary["recoveries"][3])
     # Every rank of every attempt was forked from the pod's pre-warmed server (on by default).
@@ -188,10 +241,17 @@ def test_every_kind_in_one_pod_is_recovered_by_in_job_restart(tmp_path, request,
 def test_every_kind_in_one_pod_is_recovered_by_in_process_restart(tmp_path, request, lane, reference_1x2):
     # nan-loss: a suspected bad GPU skips in-process restart (same processes, same CUDA state) for
     # the in-job one, once; the loss curve after it is the fault-free one.
-    specs = ["exception@3:rank=0", "hang@6:rank=1", "nan-loss@8:rank=1", "hang-in-collective@10:rank=0",
-             "sigkill@13:rank=1", "node-loss@18:node=0"]
-    summary = run_with_faults(tmp_path / "run", specs, reference_1x2, nodes=1, overrides=IN_PROCESS, timeout=600,
-                              **lane_run(request, lane))
+    specs = [
+        "exception@3:rank=0",
+        "hang@6:rank=1",
+        "nan-loss@8:rank=1",
+        "hang-in-collective@10:rank=0",
+        "sigkill@13:rank=1",
+        "node-loss@18:node=0",
+    ]
+    summary = run_with_faults(
+        tmp_path / "run", specs, reference_1x2, nodes=1, overrides=IN_PROCESS, timeout=600, **lane_run(request, lane)
+    )
     check_recoveries(summary, ["in_process", "in_process", "in_job", "in_process", "in_job", "job"])
     (nan,) = summary["non_finite_losses"]
     assert (nan["step"], nan["outcome"], [(r["rank"], r["node"]) for r in nan["ranks"]]) == (8, "restart", [(1, 0)])
@@ -207,8 +267,15 @@ def test_two_loopback_pods_under_the_image_nvrx(tmp_path, nvrx07_lane):
     endpoint makes every agent try to host the store; distinct 127.0.0.x addresses and is_host
     per pod (the loopback deviations) make it work."""
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=2, nproc=1, overrides=["train.steps=4"], pythonpath=[nvrx07_lane],
-                     isolation="loopback", timeout=200)
+    proc = run_local(
+        run_dir,
+        nodes=2,
+        nproc=1,
+        overrides=["train.steps=4"],
+        pythonpath=[nvrx07_lane],
+        isolation="loopback",
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"NVRx {IMAGE_NVRX}" in proc.stdout
     assert_no_leftovers(run_dir)

@@ -11,16 +11,27 @@ from resilient_fsdp.resilience.ft_config import ft_config, ft_launcher_flags
 
 
 def test_ft_config_carries_the_resilience_settings_for_every_nvrx_version():
-    cfg = load_config(None, ["resilience.hang_detection.step_timeout_s=30", "resilience.hang_detection.termination_signal=SIGTERM",
-                             "resilience.launcher.max_restarts=5", "resilience.launcher.workers_stop_timeout_s=4"]).resilience
+    cfg = load_config(
+        None,
+        [
+            "resilience.hang_detection.step_timeout_s=30",
+            "resilience.hang_detection.termination_signal=SIGTERM",
+            "resilience.launcher.max_restarts=5",
+            "resilience.launcher.workers_stop_timeout_s=4",
+        ],
+    ).resilience
     ft = ft_config(cfg)["fault_tolerance"]
     assert ft["rank_section_timeouts"] == {"init": 900.0, "step": 30.0, "checkpoint": 900.0, "drain": 900.0}
     assert ft["rank_out_of_section_timeout"] == 600.0 and ft["rank_termination_signal"] == "SIGTERM"
     assert ft["rank_heartbeat_timeout"] is None and ft["enable_nic_monitor"] is False
     yaml.safe_dump(ft_config(cfg))  # plain YAML types only
     assert ft["gpu_memory_poll_interval"] == 0.2
-    assert ft_launcher_flags(cfg) == ["--max-restarts=5", "--workers-stop-timeout=4", "--term-timeout=600",
-                                      "--monitor-interval=0.1"]
+    assert ft_launcher_flags(cfg) == [
+        "--max-restarts=5",
+        "--workers-stop-timeout=4",
+        "--term-timeout=600",
+        "--monitor-interval=0.1",
+    ]
     # Both NVRx versions read these keys from the YAML file.
     from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
 

@@ -16,8 +16,14 @@ import pytest
 from tests.resilience.node import run_node
 from tests.support import assert_no_leftovers, read_events, read_losses, read_summary
 
-RUN = ["train.steps=12", "checkpoint.interval_steps=4", "train.log_every=4", "resilience.hang_detection.learn_timeouts=false",
-       "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5"]
+RUN = [
+    "train.steps=12",
+    "checkpoint.interval_steps=4",
+    "train.log_every=4",
+    "resilience.hang_detection.learn_timeouts=false",
+    "resilience.launcher.workers_stop_timeout_s=2",
+    "resilience.hang_detection.workload_check_interval_s=0.5",
+]
 # Extended tier: in CI, sigterm@10:node=0 (tests/resilience/test_faults.py, 0.4.1) and
 # sigterm@18:node=0 (test_faults.py, one pod on each lane) cover a graceful stop on each lane.
 pytestmark = pytest.mark.extended
@@ -67,8 +73,9 @@ def test_a_drain_the_chart_budget_lets_through_is_a_graceful_stop_with_a_checkpo
     from resilient_fsdp.deploy import chart
     from tests.support import REPO, run_local
 
-    values = chart.load_values([REPO / "values/dev-cpu.yaml"], ["nodes=2", "storage.type=existingClaim",
-                                                                  "storage.existingClaim=local"])
+    values = chart.load_values(
+        [REPO / "values/dev-cpu.yaml"], ["nodes=2", "storage.type=existingClaim", "storage.existingClaim=local"]
+    )
     budget = chart.render(values).find("PodDisruptionBudget")  # the budget resilient-fsdp local renders
     assert int(budget["spec"]["maxUnavailable"]) - 0 >= 1  # disruptionsAllowed with every pod ready
     run_dir = tmp_path / "run"

@@ -25,8 +25,9 @@ def _health_checks(names):
 def test_without_a_gpu_only_the_gpu_nvlink_and_nic_checks_are_dropped_and_said(capsys):
     from resilient_fsdp.resilience.nvrx import adapt_health_checks
 
-    wrapper, (user, *_hw) = _health_checks(["UserCheck", "ChainedGPUHealthCheck", "ChainedNVLHealthCheck",
-                                             "ChainedNicHealthCheck"])
+    wrapper, (user, *_hw) = _health_checks(
+        ["UserCheck", "ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck"]
+    )
     dropped = adapt_health_checks(wrapper, gpu_present=False)
     assert dropped == ["ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck"]
     assert wrapper.restart_health_check is user
@@ -83,8 +84,14 @@ def test_nvrx07_wrapper_is_built_without_gpu_checks_only_without_a_gpu(nvrx_lane
 
     from tests.support import REPO, _env
 
-    proc = subprocess.run([sys.executable, "-c", NVRX07_WRAPPER, "gpu" if gpu else "cpu"], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env=_env([nvrx_lane]))
+    proc = subprocess.run(
+        [sys.executable, "-c", NVRX07_WRAPPER, "gpu" if gpu else "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=_env([nvrx_lane]),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOCAL_RANK: 0" in proc.stdout
     if gpu:
@@ -94,5 +101,7 @@ def test_nvrx07_wrapper_is_built_without_gpu_checks_only_without_a_gpu(nvrx_lane
     else:
         assert "checks: none" in proc.stdout
         assert "NVMLError" not in proc.stderr and "Failed to shut down NVML" not in proc.stderr, proc.stderr[-3000:]
-        assert ("no GPU: in-process restart runs without NVRx's ChainedGPUHealthCheck, ChainedNVLHealthCheck, "
-                "ChainedNicHealthCheck") in proc.stderr
+        assert (
+            "no GPU: in-process restart runs without NVRx's ChainedGPUHealthCheck, ChainedNVLHealthCheck, "
+            "ChainedNicHealthCheck"
+        ) in proc.stderr

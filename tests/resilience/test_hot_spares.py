@@ -19,7 +19,8 @@ from tests.support import netns_required, read_events
 
 
 def test_a_lost_pods_rank_goes_to_the_hot_spare_within_an_in_job_restart_and_its_replacement_stands_by(
-        tmp_path, request, reference_1x2):
+    tmp_path, request, reference_1x2
+):
     """Two training pods of one rank and one spare; memory snapshots every 2 steps with replicas.
     The pod of rank 1 is lost after step 7; its replacement takes 3 s to start (a new node). The
     spare takes rank 1 in the in-job restart (not the job level: no pod had to be recreated for the
@@ -27,10 +28,17 @@ def test_a_lost_pods_rank_goes_to_the_hot_spare_within_an_in_job_restart_and_its
     job ends."""
     netns_required()
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["node-loss@8:rank=1"], reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1"],
-                              extra=["--value=spares=1", "--replacement-delay=3"], timeout=400,
-                              **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["node-loss@8:rank=1"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1"],
+        extra=["--value=spares=1", "--replacement-delay=3"],
+        timeout=400,
+        **lane_run(request, "image"),
+    )
     out = summary["_stdout"]
     (lost,) = summary["recoveries"]
     assert lost["layer"] == "in_job", summary["_output"]
@@ -76,13 +84,20 @@ def test_more_live_agents_than_max_nodes_stand_by_and_the_job_trains_on(tmp_path
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = 2  # a Master and 2 Workers: 3 agents, max 2
     surplus = tmp_path / "surplus.yaml"
     surplus.write_text(yaml.safe_dump_all([d for d in documents if d]))
-    proc = run_guarded([sys.executable, "-m", "resilient_fsdp.cli", "local", f"--manifests={surplus}",
-                        f"--run-dir={run_dir}"], run_dir, lane_run(request, "image")["pythonpath"], 300)
+    proc = run_guarded(
+        [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--manifests={surplus}", f"--run-dir={run_dir}"],
+        run_dir,
+        lane_run(request, "image")["pythonpath"],
+        300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert "job finished: every pod exited 0" in proc.stdout
     summary = read_summary(run_dir)
     assert summary["final_step"] == 12 and summary["world_size"] == 2
-    stood_by = [i for i in range(3) if "stood by as a hot spare until the job ended"
-                in (run_dir / "logs" / f"node{i}.log").read_text()]
+    stood_by = [
+        i
+        for i in range(3)
+        if "stood by as a hot spare until the job ended" in (run_dir / "logs" / f"node{i}.log").read_text()
+    ]
     assert len(stood_by) == 1 and stood_by != [0], stood_by  # pod 0 hosts the store and always trains
     assert_no_leftovers(run_dir)

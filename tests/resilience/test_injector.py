@@ -22,14 +22,16 @@ def test_node_targets_fire_on_the_nodes_local_rank_zero(tmp_path, monkeypatch):
     assert FaultInjector(specs, rank=3, ledger=FaultLedger(tmp_path)).mine == []
     monkeypatch.setenv(NODE_INDEX_ENV, "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert [s.kind for s in FaultInjector(specs, rank=0, ledger=FaultLedger(tmp_path)).mine] == ["sigkill",
-                                                                                                   "exception"]
+    assert [s.kind for s in FaultInjector(specs, rank=0, ledger=FaultLedger(tmp_path)).mine] == ["sigkill", "exception"]
 
 
 def test_a_partition_is_refused_where_nothing_can_execute_it(tmp_path, monkeypatch):
     monkeypatch.delenv(REQUESTS_ENV, raising=False)
-    with pytest.raises(ConfigError, match=r"'partition@9:node=0:for=5': a partition takes a pod's network link "
-                                          r"down.*RESILIENT_FSDP_FAULT_REQUESTS"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'partition@9:node=0:for=5': a partition takes a pod's network link "
+        r"down.*RESILIENT_FSDP_FAULT_REQUESTS",
+    ):
         FaultInjector(parse_faults(["partition@9:node=0:for=5"]), rank=0, ledger=FaultLedger(tmp_path))
     monkeypatch.setenv(REQUESTS_ENV, str(tmp_path / "requests"))
     FaultInjector(parse_faults(["partition@9:node=0:for=5"]), rank=0, ledger=FaultLedger(tmp_path))
@@ -62,8 +64,9 @@ def test_a_partition_request_is_written_atomically_and_training_goes_on(tmp_path
 
 def test_a_writer_fault_is_claimed_once_and_handed_to_the_checkpoint_writer(tmp_path):
     ledger = FaultLedger(tmp_path)
-    injector = FaultInjector(parse_faults(["writer-slow@4:rank=1:for=2.5", "writer-hang@8:rank=1", "writer-exit@8"]),
-                             rank=1, ledger=ledger)
+    injector = FaultInjector(
+        parse_faults(["writer-slow@4:rank=1:for=2.5", "writer-hang@8:rank=1", "writer-exit@8"]), rank=1, ledger=ledger
+    )
     assert injector.writer_fault(3) is None
     assert injector.writer_fault(4) == "slow=2.5"
     assert injector.writer_fault(4) is None  # once per job: the save after a restart writes normally

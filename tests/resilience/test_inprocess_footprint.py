@@ -26,9 +26,20 @@ RESTARTS = 10
 def test_ten_in_process_restarts_with_the_memory_tier_leave_nothing_behind(tmp_path, reference_1x2):
     specs = [f"exception@{3 * (i + 1)}:rank={i % 2}" for i in range(RESTARTS)]
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, specs, reference_1x2, nodes=2, nproc=1, timeout=800,
-                              overrides=[*IN_PROCESS, f"resilience.in_process.max_iterations={RESTARTS + 2}",
-                                         "checkpoint.memory.interval_steps=2", "checkpoint.memory.replicas=1"])
+    summary = run_with_faults(
+        run_dir,
+        specs,
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        timeout=800,
+        overrides=[
+            *IN_PROCESS,
+            f"resilience.in_process.max_iterations={RESTARTS + 2}",
+            "checkpoint.memory.interval_steps=2",
+            "checkpoint.memory.replicas=1",
+        ],
+    )
     assert [r["layer"] for r in summary["recoveries"]] == ["in_process"] * RESTARTS, summary["_output"]
     # Each from the newest snapshot: memory every 2 steps, a durable checkpoint (committed a step or
     # two later) every 4.

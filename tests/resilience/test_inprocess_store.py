@@ -17,11 +17,13 @@ ENTER_S = 0.5  # time given to the waiter thread to enter its wait
 
 def _blocked_waiter(store: dist.Store) -> threading.Thread:
     """What NVRx's monitor thread does: a blocking wait on a key nobody sets."""
+
     def wait():
         try:
             store.wait(["never-set"], datetime.timedelta(seconds=WAIT_S))
         except dist.DistStoreError:
             pass  # the wait's timeout; the monitor thread loops on it
+
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
     time.sleep(ENTER_S)
@@ -68,8 +70,13 @@ def _free_port() -> int:
 def _as_rank_0(monkeypatch, port: int, host_pid: int) -> None:
     from resilient_fsdp.resilience import nvrx
 
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                        nvrx.HOSTING_PID_ENV: str(host_pid)}.items():
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        nvrx.HOSTING_PID_ENV: str(host_pid),
+    }.items():
         monkeypatch.setenv(name, value)
 
 
@@ -115,8 +122,11 @@ def test_rank_0_that_cannot_host_the_wrappers_store_fails_naming_the_port(monkey
         monkeypatch.delenv(nvrx.HOSTING_PID_ENV, raising=False)  # the factory sets it: undone after the test
         factory = nvrx.hosting_store_factory()
         _as_rank_0(monkeypatch, port, os.getpid())
-        with pytest.raises(nvrx.StoreHostError, match=rf"could not host the in-process restart store on port {port} "
-                                                        r"\(MASTER_PORT \+ resilience.in_process.store_port_offset\)"):
+        with pytest.raises(
+            nvrx.StoreHostError,
+            match=rf"could not host the in-process restart store on port {port} "
+            r"\(MASTER_PORT \+ resilience.in_process.store_port_offset\)",
+        ):
             factory(port=port, wait_for_workers=False, timeout=datetime.timedelta(seconds=2))
 
 

@@ -30,8 +30,11 @@ def append(path, *records, newline=True):
 def scrape(port: int) -> dict:
     """{(name, labels as a sorted tuple): value} of every sample, parsed as Prometheus parses it."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -53,10 +56,15 @@ def test_should_serve_the_runs_records_and_follow_them_when_scraped(tmp_path, en
     assert value(empty, "resilient_fsdp_restarts_total", layer="job") == 0
     assert not [k for k in empty if k[0] in ("resilient_fsdp_step", "resilient_fsdp_goodput_ratio")]
 
-    append(metrics, {"event": "start", "t": 100.0, "layer": "start"},
-           *({"event": "step", "step": s, "loss": 5.0 - s / 10, "step_time_s": 0.5, "tokens": 1024,
-              "t": 100.0 + s} for s in range(1, 5)),
-           {"event": "checkpoint", "t": 104.5, "step": 4, "stall_s": 0.25, "write_s": 2.0, "bytes": 10})
+    append(
+        metrics,
+        {"event": "start", "t": 100.0, "layer": "start"},
+        *(
+            {"event": "step", "step": s, "loss": 5.0 - s / 10, "step_time_s": 0.5, "tokens": 1024, "t": 100.0 + s}
+            for s in range(1, 5)
+        ),
+        {"event": "checkpoint", "t": 104.5, "step": 4, "stall_s": 0.25, "write_s": 2.0, "bytes": 10},
+    )
     first = scrape(endpoint)
     assert value(first, "resilient_fsdp_step") == 4 and value(first, "resilient_fsdp_loss") == pytest.approx(4.6)
     assert value(first, "resilient_fsdp_tokens_per_second") == 2048.0
@@ -79,8 +87,12 @@ def test_should_serve_the_runs_records_and_follow_them_when_scraped(tmp_path, en
     # The resumed attempt rewrites the file without step 5, as the trainer does, and goes on.
     kept = [line for line in metrics.read_text().splitlines() if '"step": 5' not in line]
     metrics.write_text("".join(line + "\n" for line in kept))
-    append(metrics, {"event": "start", "t": 110.0, "layer": "in_job"},
-           {"event": "step", "step": 5, "loss": 4.4, "step_time_s": 1.0, "tokens": 1024, "t": 111.0}, newline=False)
+    append(
+        metrics,
+        {"event": "start", "t": 110.0, "layer": "in_job"},
+        {"event": "step", "step": 5, "loss": 4.4, "step_time_s": 1.0, "tokens": 1024, "t": 111.0},
+        newline=False,
+    )
     record_recoveries(ledger, "in_job", resumed_step=4, now=111.5)
     second = scrape(endpoint)
     assert value(second, "resilient_fsdp_step") == 5 and value(second, "resilient_fsdp_loss") == pytest.approx(4.4)
@@ -112,20 +124,26 @@ def test_should_serve_the_runs_records_and_follow_them_when_scraped(tmp_path, en
 
 def test_should_count_failed_saves_and_the_s3_backlog_until_a_commit_and_a_marker_clear_them(tmp_path, endpoint):
     metrics = tmp_path / "metrics.jsonl"
-    append(metrics, {"event": "start", "t": 100.0, "layer": "start"},
-           {"event": "checkpoint_failed", "t": 101.0, "step": 4, "cause": "volume_full", "consecutive": 1},
-           {"event": "checkpoint_failed", "t": 102.0, "step": 8, "cause": "volume_full", "consecutive": 2},
-           {"event": "s3_lagging", "t": 103.0, "ranks": [1, 3], "awaiting": 2},
-           {"event": "s3_released", "t": 104.0, "step": 4, "waiting_for": [1, 3], "awaiting": 2})
+    append(
+        metrics,
+        {"event": "start", "t": 100.0, "layer": "start"},
+        {"event": "checkpoint_failed", "t": 101.0, "step": 4, "cause": "volume_full", "consecutive": 1},
+        {"event": "checkpoint_failed", "t": 102.0, "step": 8, "cause": "volume_full", "consecutive": 2},
+        {"event": "s3_lagging", "t": 103.0, "ranks": [1, 3], "awaiting": 2},
+        {"event": "s3_released", "t": 104.0, "step": 4, "waiting_for": [1, 3], "awaiting": 2},
+    )
     failing = scrape(endpoint)
     assert value(failing, "resilient_fsdp_checkpoint_failures_total") == 2
     assert value(failing, "resilient_fsdp_checkpoint_consecutive_failures") == 2
     assert value(failing, "resilient_fsdp_s3_lagging_ranks") == 2
     assert value(failing, "resilient_fsdp_s3_awaiting_checkpoints") == 2
     assert value(failing, "resilient_fsdp_s3_released_total") == 1
-    append(metrics, {"event": "checkpoint", "t": 105.0, "step": 12, "stall_s": 0.1, "write_s": 1.0, "bytes": 10},
-           {"event": "s3_lagging", "t": 106.0, "ranks": [], "awaiting": 1},
-           {"event": "s3_upload", "t": 107.0, "step": 12, "awaiting": 0})
+    append(
+        metrics,
+        {"event": "checkpoint", "t": 105.0, "step": 12, "stall_s": 0.1, "write_s": 1.0, "bytes": 10},
+        {"event": "s3_lagging", "t": 106.0, "ranks": [], "awaiting": 1},
+        {"event": "s3_upload", "t": 107.0, "step": 12, "awaiting": 0},
+    )
     healed = scrape(endpoint)
     assert value(healed, "resilient_fsdp_checkpoint_failures_total") == 2  # a counter: it only grows
     assert value(healed, "resilient_fsdp_checkpoint_consecutive_failures") == 0
@@ -137,8 +155,11 @@ def test_should_name_the_port_when_it_is_in_use_and_leave_the_agent_running(tmp_
     taken = socket.create_server(("127.0.0.1", 0))
     port = taken.getsockname()[1]
     try:
-        with pytest.raises(MetricsError, match=rf"--metrics-port={port}: port {port} is already in use on "
-                                               r"127\.0\.0\.1; choose another \(the chart's metrics\.port\), or 0"):
+        with pytest.raises(
+            MetricsError,
+            match=rf"--metrics-port={port}: port {port} is already in use on "
+            r"127\.0\.0\.1; choose another \(the chart's metrics\.port\), or 0",
+        ):
             serve(port, tmp_path, node="0", address="127.0.0.1")
         # The agent says so once and carries on (the training matters more than its metrics).
         args = ["--nnodes=1", "-m", "resilient_fsdp.train", f"--run-dir={tmp_path}"]
@@ -164,11 +185,16 @@ def test_should_read_the_run_directory_as_the_trainer_resolves_it(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--metrics-port=http", "--metrics-port=70000", "--metrics-port=-1"])
 def test_should_refuse_a_metrics_port_that_is_not_one(flag):
-    with pytest.raises(ValueError, match=rf"{flag}: give --metrics-port=PORT, a whole number from 1 to 65535 "
-                                         r"\(0: no metrics\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{flag}: give --metrics-port=PORT, a whole number from 1 to 65535 "
+        r"\(0: no metrics\)",
+    ):
         agent.parse_agent_args([flag, "--", "--nnodes=1"])
     assert agent.parse_agent_args(["--metrics-port=9410", "--rejoin-timeout=5", "--", "x"]) == (
-        {"--metrics-port": 9410, "--rejoin-timeout": 5.0}, ["x"])
+        {"--metrics-port": 9410, "--rejoin-timeout": 5.0},
+        ["x"],
+    )
 
 
 def test_should_document_every_metric_when_docs_are_read():
@@ -179,14 +205,20 @@ def test_should_document_every_metric_when_docs_are_read():
 
 def test_should_serve_stopped_replication_until_the_next_attempt_and_count_resumes_by_tier(tmp_path, endpoint):
     metrics = tmp_path / "metrics.jsonl"
-    append(metrics, {"event": "start", "t": 100.0, "layer": "start", "resumed_from_tier": None},
-           {"event": "memory_replication", "t": 101.0, "step": 7, "stopped_ranks": 2})
+    append(
+        metrics,
+        {"event": "start", "t": 100.0, "layer": "start", "resumed_from_tier": None},
+        {"event": "memory_replication", "t": 101.0, "step": 7, "stopped_ranks": 2},
+    )
     stopped = scrape(endpoint)
     assert value(stopped, "resilient_fsdp_memory_replication_stopped_ranks") == 2
     assert value(stopped, "resilient_fsdp_resumes_total", tier="memory") == 0
-    append(metrics, {"event": "start", "t": 110.0, "layer": "in_job", "resumed_from_tier": "memory"},
-           {"event": "start", "t": 120.0, "layer": "job", "resumed_from_tier": "durable"},
-           {"event": "start", "t": 130.0, "layer": "in_job", "resumed_from_tier": "memory"})
+    append(
+        metrics,
+        {"event": "start", "t": 110.0, "layer": "in_job", "resumed_from_tier": "memory"},
+        {"event": "start", "t": 120.0, "layer": "job", "resumed_from_tier": "durable"},
+        {"event": "start", "t": 130.0, "layer": "in_job", "resumed_from_tier": "memory"},
+    )
     again = scrape(endpoint)
     assert value(again, "resilient_fsdp_memory_replication_stopped_ranks") == 0  # the restart made it again
     assert [value(again, "resilient_fsdp_resumes_total", tier=t) for t in ("memory", "durable", "s3")] == [2, 1, 0]
@@ -194,16 +226,27 @@ def test_should_serve_stopped_replication_until_the_next_attempt_and_count_resum
 
 def test_should_serve_straggler_scores_and_count_stragglers_and_replica_mismatches(tmp_path, endpoint):
     metrics = tmp_path / "metrics.jsonl"
-    append(metrics, {"event": "start", "t": 100.0, "layer": "start"},
-           {"event": "straggler_report", "t": 101.0, "step": 10, "slowest": {"0": 0.97, "1": 1.0}, "slow": {}})
+    append(
+        metrics,
+        {"event": "start", "t": 100.0, "layer": "start"},
+        {"event": "straggler_report", "t": 101.0, "step": 10, "slowest": {"0": 0.97, "1": 1.0}, "slow": {}},
+    )
     before = scrape(endpoint)
     assert value(before, "resilient_fsdp_straggler_score", rank="0") == 0.97
     assert value(before, "resilient_fsdp_stragglers_total", action="replaced") == 0
     ledger = FaultLedger(tmp_path)
     ledger.record_straggler({"key": "step00000020-rank1", "rank": 1, "t_found": 105.0, "action": "replaced"})
     ledger.record_straggler({"key": "step00000030-rank2", "rank": 2, "t_found": 106.0, "action": "reported"})
-    append(metrics, {"event": "straggler_report", "t": 106.0, "step": 20, "slowest": {"1": 0.4, "0": 1.0},
-                     "slow": {"1": {"part": "optimizer", "score": 0.4, "reports": 2}}})
+    append(
+        metrics,
+        {
+            "event": "straggler_report",
+            "t": 106.0,
+            "step": 20,
+            "slowest": {"1": 0.4, "0": 1.0},
+            "slow": {"1": {"part": "optimizer", "score": 0.4, "reports": 2}},
+        },
+    )
     after = scrape(endpoint)
     assert value(after, "resilient_fsdp_straggler_score", rank="1") == 0.4  # the newest report's
     assert [value(after, "resilient_fsdp_stragglers_total", action=a) for a in ("replaced", "reported")] == [1, 1]

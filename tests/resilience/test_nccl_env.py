@@ -45,13 +45,32 @@ def run_rank(tmp_path, in_process: bool) -> tuple[dict, str]:
     """``python -m resilient_fsdp.train`` as ft_launcher starts a rank (its variables, its injected
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``); the probe's report and the rank's stderr."""
     write_module(tmp_path / "plugins", "env_probe", PROBE)
-    env = _env([tmp_path / "plugins"], None, {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    env = _env(
+        [tmp_path / "plugins"],
+        None,
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        },
+    )
     env.pop("TORCH_CPP_LOG_LEVEL", None)
-    cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(tmp_path / "run"),
-           "--set", "dist.device=cpu", "--set", "model.factory=env_probe:build",
-           "--set", f"resilience.in_process.enabled={str(in_process).lower()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "dist.device=cpu",
+        "--set",
+        "model.factory=env_probe:build",
+        "--set",
+        f"resilience.in_process.enabled={str(in_process).lower()}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("ENV "))
@@ -89,9 +108,13 @@ def test_in_process_restart_sets_nvrx_nccl_settings_before_torch_loads_over_ft_l
     process has them, over ft_launcher's injected value, and that the log level, which torch reads
     only when it loads, took effect. Without in-process restart nothing is set (the control)."""
     env, err = run_main(in_process=True)
-    assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-                   "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_CPP_LOG_LEVEL": "error",
-                   "TORCH_FR_DUMP_TEMP_FILE": None}
+    assert env == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+        "TORCH_CPP_LOG_LEVEL": "error",
+        "TORCH_FR_DUMP_TEMP_FILE": None,
+    }
     assert "waitForInput" not in err, err[-2000:]
     env, err = run_main(in_process=False)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the in-job restart keeps ft_launcher's
@@ -104,9 +127,13 @@ def test_a_rank_under_in_process_restart_trains_with_the_settings_and_says_so(tm
     """The whole rank: launcher variables, in-process restart's wrapper, the process group; a model
     factory reads the environment back where the model is built, then ends the run."""
     env, err = run_rank(tmp_path / "on", in_process=True)
-    assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-                   "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_CPP_LOG_LEVEL": "error",
-                   "TORCH_FR_DUMP_TEMP_FILE": None}  # gloo: no flight-recorder dumps to place
+    assert env == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+        "TORCH_CPP_LOG_LEVEL": "error",
+        "TORCH_FR_DUMP_TEMP_FILE": None,
+    }  # gloo: no flight-recorder dumps to place
     assert "[resilient-fsdp] rank 0: in-process restart: NCCL_NVLS_ENABLE=0" in err
     assert "waitForInput" not in err, err[-2000:]
 
@@ -125,7 +152,8 @@ def test_on_nccl_the_flight_recorder_dumps_under_the_run_directory_unless_the_po
     env = {"RANK": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/logs/fr_"}
     nccl_env.apply(cfg, nccl=True, environ=env, say=said.append)
     assert "TORCH_FR_DUMP_TEMP_FILE" not in env and said == [
-        "[resilient-fsdp] rank 0: NCCL flight-recorder dumps go to /logs/fr_<rank> (set in the environment)"]
+        "[resilient-fsdp] rank 0: NCCL flight-recorder dumps go to /logs/fr_<rank> (set in the environment)"
+    ]
     env = {}
     assert nccl_env.apply(cfg, nccl=False, environ=env) == {} and env == {}
 

@@ -19,8 +19,12 @@ def _freeze(reports: NodeReports) -> None:
 
 def test_a_pod_that_stops_reporting_is_named_once_by_the_watchers_and_one_that_ends_is_not(tmp_path):
     said: dict[int, list[str]] = {0: [], 1: [], 2: [], 3: []}
-    pods = {i: NodeReports(tmp_path, i, f"job-node-0-{i}", f"ip-10-0-0-{i}", silent_after_s=0.6,
-                           say=said[i].append, interval_s=0.1) for i in range(4)}
+    pods = {
+        i: NodeReports(
+            tmp_path, i, f"job-node-0-{i}", f"ip-10-0-0-{i}", silent_after_s=0.6, say=said[i].append, interval_s=0.1
+        )
+        for i in range(4)
+    }
     for p in pods.values():
         p.start()
     time.sleep(0.5)
@@ -33,8 +37,9 @@ def test_a_pod_that_stops_reporting_is_named_once_by_the_watchers_and_one_that_e
         assert "`kubectl taint nodes ip-10-0-0-3 node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`" in line
     assert said[2] == said[3] == []  # only pods 0 and 1 watch
     # The frozen pod's node comes back (or its replacement starts): said once more.
-    back = NodeReports(tmp_path, 3, "job-node-0-3", "ip-10-0-0-9", silent_after_s=0.6, say=said[3].append,
-                       interval_s=0.1)
+    back = NodeReports(
+        tmp_path, 3, "job-node-0-3", "ip-10-0-0-9", silent_after_s=0.6, say=said[3].append, interval_s=0.1
+    )
     back.start()
     time.sleep(0.5)
     assert said[0][-1] == "pod index 3 reports again"

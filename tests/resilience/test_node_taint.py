@@ -33,16 +33,23 @@ def _certificate(directory):
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = directory / "ca.crt", directory / "server.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -110,12 +117,19 @@ class StandInApiServer:
         self.thread.start()
 
     def object(self) -> dict:
-        return {"kind": "Node", "metadata": {"name": self.node, "resourceVersion": str(self.version)},
-                "spec": {"taints": self.taints}}
+        return {
+            "kind": "Node",
+            "metadata": {"name": self.node, "resourceVersion": str(self.version)},
+            "spec": {"taints": self.taints},
+        }
 
     def env(self) -> dict:
-        return {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(self.httpd.server_port),
-                node_taint.NODE_NAME_ENV: self.node, node_taint.SERVICE_ACCOUNT_ENV: str(self.account)}
+        return {
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": str(self.httpd.server_port),
+            node_taint.NODE_NAME_ENV: self.node,
+            node_taint.SERVICE_ACCOUNT_ENV: str(self.account),
+        }
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -134,8 +148,10 @@ def api(tmp_path):
 def test_the_node_is_tainted_once_beside_its_own_taints(api):
     done = node_taint.taint_node(KEY, "Node n0 has an unhealthy GPU.", env=api.env())
     assert done == f"tainted node {api.node} {KEY}=Node-n0-has-an-unhealthy-GPU:NoSchedule"
-    assert api.taints == [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
-                          {"key": KEY, "value": "Node-n0-has-an-unhealthy-GPU", "effect": "NoSchedule"}]
+    assert api.taints == [
+        {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+        {"key": KEY, "value": "Node-n0-has-an-unhealthy-GPU", "effect": "NoSchedule"},
+    ]
     patch = next(r for r in api.requests if r[0] == "PATCH")[2]
     assert patch["content_type"] == "application/merge-patch+json" and patch["metadata"]["resourceVersion"] == "7"
     again = node_taint.taint_node(KEY, "again", env=api.env())
@@ -170,17 +186,36 @@ def test_an_unhealthy_nodes_agent_taints_its_node_then_exits_201(api, tmp_path, 
 
     message = tmp_path / "termination-log"
     message.write_text("")
-    cmd = [*AGENT, "--rejoin-timeout=30", f"--taint-unhealthy-node={KEY}", "--", "--nnodes=1", "--nproc-per-node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=taint",
-           "--rdzv-conf=is_host=true", "--max-restarts=0", "-m", "resilient_fsdp.train", "--describe-config"]
-    env = {"JOB_COMPLETION_INDEX": "0", "NVRX_INJECT_GPU_FAILURE": "0:0", exit_codes.TERMINATION_LOG_ENV: str(message),
-           **api.env()}
+    cmd = [
+        *AGENT,
+        "--rejoin-timeout=30",
+        f"--taint-unhealthy-node={KEY}",
+        "--",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=taint",
+        "--rdzv-conf=is_host=true",
+        "--max-restarts=0",
+        "-m",
+        "resilient_fsdp.train",
+        "--describe-config",
+    ]
+    env = {
+        "JOB_COMPLETION_INDEX": "0",
+        "NVRX_INJECT_GPU_FAILURE": "0:0",
+        exit_codes.TERMINATION_LOG_ENV: str(message),
+        **api.env(),
+    }
     proc = run_guarded(cmd, tmp_path, [nvrx07_lane], 120, env)
     assert proc.returncode == exit_codes.UNHEALTHY_NODE, proc.stderr[-3000:]
     assert [t["key"] for t in api.taints] == ["nvidia.com/gpu", KEY], api.requests
     agent = [line for line in proc.stderr.splitlines() if line.startswith("[resilient-fsdp agent]")]
-    assert any(f"tainted node {api.node} {KEY}=" in line and "so that the recreated pod lands elsewhere" in line
-               for line in agent), agent
+    assert any(
+        f"tainted node {api.node} {KEY}=" in line and "so that the recreated pod lands elsewhere" in line
+        for line in agent
+    ), agent
     assert f"tainted node {api.node}" in message.read_text()
 
 

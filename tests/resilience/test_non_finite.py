@@ -18,8 +18,13 @@ from resilient_fsdp.resilience import exit_codes
 from resilient_fsdp.resilience.faults import FaultInjector
 from resilient_fsdp.resilience.inprocess import NotRetried
 from resilient_fsdp.resilience.ledger import FaultLedger
-from resilient_fsdp.resilience.non_finite import (NonFiniteLoss, RepeatedNonFiniteLoss, earlier_at_step,
-                                                  non_finite_ranks, stop)
+from resilient_fsdp.resilience.non_finite import (
+    NonFiniteLoss,
+    RepeatedNonFiniteLoss,
+    earlier_at_step,
+    non_finite_ranks,
+    stop,
+)
 from tests.resilience.fault_jobs import COMMON
 from tests.support import assert_no_leftovers, read_events, run_local
 
@@ -41,21 +46,26 @@ def _record(step: int, t: float, outcome: str = "restart") -> dict:
     return {"step": step, "t": t, "outcome": outcome, "ranks": [], "loss": math.nan}
 
 
-@pytest.mark.parametrize("records,step,repeated", [
-    ([], 7, False),                                                   # the first: one restart
-    ([_record(7, 1)], 7, True),                                       # the same step after it: fail
-    ([_record(5, 1)], 7, False),                                      # another step gets its own restart
-    ([_record(5, 1), _record(7, 2)], 5, True),
-    ([_record(7, 1), _record(7, 2, "failed")], 7, False),             # started again after the failure
-    ([_record(7, 1), _record(7, 2, "failed"), _record(7, 3)], 7, True),
-])
+@pytest.mark.parametrize(
+    "records,step,repeated",
+    [
+        ([], 7, False),  # the first: one restart
+        ([_record(7, 1)], 7, True),  # the same step after it: fail
+        ([_record(5, 1)], 7, False),  # another step gets its own restart
+        ([_record(5, 1), _record(7, 2)], 5, True),
+        ([_record(7, 1), _record(7, 2, "failed")], 7, False),  # started again after the failure
+        ([_record(7, 1), _record(7, 2, "failed"), _record(7, 3)], 7, True),
+    ],
+)
 def test_the_same_step_rule_counts_the_records_since_the_last_failure(records, step, repeated):
     assert bool(earlier_at_step(records, step)) == repeated
 
 
 def test_the_ranks_named_are_those_whose_own_loss_was_non_finite():
-    entries = [{"rank": r, "node": r // 2, "host": f"pod-{r // 2}", "loss": loss}
-               for r, loss in enumerate([2.5, math.nan, 2.4, math.inf])]
+    entries = [
+        {"rank": r, "node": r // 2, "host": f"pod-{r // 2}", "loss": loss}
+        for r, loss in enumerate([2.5, math.nan, 2.4, math.inf])
+    ]
     assert [e["rank"] for e in non_finite_ranks(entries)] == [1, 3]
 
 
@@ -76,7 +86,8 @@ def world_of_one():
 
 
 def test_stop_restarts_once_per_step_then_fails_naming_the_step_the_ranks_and_what_to_check(
-        tmp_path, world_of_one, monkeypatch):
+    tmp_path, world_of_one, monkeypatch
+):
     monkeypatch.setenv("GROUP_RANK", "3")
     for name in ("RESILIENT_FSDP_NODE", "PET_NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -118,7 +129,8 @@ def test_nan_loss_poisons_the_rank_loss_once_per_job_and_the_repeat_each_time(tm
     assert [f["fault"] for f in ledger.fired()] == [f"{kind}@4:rank=1"]
     untouched = torch.tensor(2.0)
     FaultInjector(parse_faults([f"{kind}@4:rank=1"]), rank=0, ledger=FaultLedger(tmp_path / "other")).local_loss(
-        4, untouched)
+        4, untouched
+    )
     assert untouched.item() == 2.0  # another rank's loss
 
 
@@ -128,8 +140,14 @@ def test_a_nan_at_the_same_step_after_the_restart_fails_the_job_with_exit_2(tmp_
     """One pod of 2 ranks: the step's loss is NaN on rank 1 each time it runs; after one in-job
     restart from the last checkpoint the job fails for good, naming the step and the rank."""
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=1, nproc=2, overrides=COMMON[1:] + ["train.steps=6", "checkpoint.interval_steps=2"],
-                     extra=["--inject=nan-loss-repeat@3:rank=1"], timeout=240)
+    proc = run_local(
+        run_dir,
+        nodes=1,
+        nproc=2,
+        overrides=COMMON[1:] + ["train.steps=6", "checkpoint.interval_steps=2"],
+        extra=["--inject=nan-loss-repeat@3:rank=1"],
+        timeout=240,
+    )
     out = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == exit_codes.CONFIG, out
     assert "exited with code 2: not retried" in proc.stdout, out
@@ -138,6 +156,8 @@ def test_a_nan_at_the_same_step_after_the_restart_fails_the_job_with_exit_2(tmp_
     assert "restarted (in-job)" in proc.stdout
     records = FaultLedger(run_dir).non_finite()
     assert [(r["step"], r["outcome"], [x["rank"] for x in r["ranks"]]) for r in records] == [
-        (3, "restart", [1]), (3, "failed", [1])]
+        (3, "restart", [1]),
+        (3, "failed", [1]),
+    ]
     assert [r["step"] for r in read_events(run_dir, "step")] == [1, 2]  # step 3 never completed
     assert_no_leftovers(run_dir)

@@ -16,8 +16,11 @@ from tests.support import assert_no_leftovers, read_summary, run_local, write_mo
 
 def _metrics(run_dir, steps: list[int]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    records = [{"event": "start", "t": 1.0}] + [{"event": "step", "step": s, "loss": 1.0} for s in steps] \
+    records = (
+        [{"event": "start", "t": 1.0}]
+        + [{"event": "step", "step": s, "loss": 1.0} for s in steps]
         + [{"event": "checkpoint", "step": steps[-1] if steps else 0}]
+    )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
 
 
@@ -77,16 +80,27 @@ KILLING_MODEL = """
         model.forward = killing_forward
         return model
 """
-JOB = ["resilience.launcher.max_restarts=0", "checkpoint.interval_steps=2", "checkpoint.mode=sync",
-       "train.log_every=1", "resilience.hang_detection.learn_timeouts=false"]
+JOB = [
+    "resilience.launcher.max_restarts=0",
+    "checkpoint.interval_steps=2",
+    "checkpoint.mode=sync",
+    "train.log_every=1",
+    "resilience.hang_detection.learn_timeouts=false",
+]
 
 
 def run_killing_job(run_dir, plugin_dir, at: int):
     """6 steps, job.backoffLimit 1, rank 1 killed at its process's ``at``-th forward."""
     write_module(plugin_dir, "killing_model", KILLING_MODEL.format(at=at))
-    return run_local(run_dir, nodes=1, nproc=2, pythonpath=[plugin_dir], timeout=240,
-                     overrides=JOB + ["model.factory=killing_model:build", "train.steps=6"],
-                     extra=["--value", "job.backoffLimit=1"])
+    return run_local(
+        run_dir,
+        nodes=1,
+        nproc=2,
+        pythonpath=[plugin_dir],
+        timeout=240,
+        overrides=JOB + ["model.factory=killing_model:build", "train.steps=6"],
+        extra=["--value", "job.backoffLimit=1"],
+    )
 
 
 @pytest.mark.timeout(300)
@@ -100,7 +114,9 @@ def test_pods_that_keep_failing_at_the_same_step_end_a_pytorchjob_past_its_backo
     node_log = (run_dir / "logs" / "node0.log").read_text()
     assert "2 pod failures in a row without training past step 0 (job.backoffLimit=1)" in node_log, node_log[-3000:]
     assert [(r["code"], r["progress"], r["outcome"]) for r in PodFailures(run_dir).read()] == [
-        (203, 0, "failed"), (203, 0, "ended")]
+        (203, 0, "failed"),
+        (203, 0, "ended"),
+    ]
     assert_no_leftovers(run_dir)
 
 

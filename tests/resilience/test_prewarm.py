@@ -22,7 +22,7 @@ from resilient_fsdp.resilience import nccl_env, prewarm
 from tests.support import REPO, _env, read_summary, run_trainer
 
 # The rank a test server forks: what it does is its first argument.
-PROBE = textwrap.dedent('''
+PROBE = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     what = sys.argv[1]
     out = sys.argv[2] if len(sys.argv) > 2 else None
@@ -47,10 +47,12 @@ PROBE = textwrap.dedent('''
             json.dump({"pid": os.getpid(), "child": child and child.pid}, f)
         while True:
             time.sleep(0.05)
-''')
+""")
 
-CLIENT = ("import sys; from resilient_fsdp.resilience import prewarm; r = prewarm.run_as_client(sys.argv[1:]); "
-          "sys.exit(99 if r is None else r)")
+CLIENT = (
+    "import sys; from resilient_fsdp.resilience import prewarm; r = prewarm.run_as_client(sys.argv[1:]); "
+    "sys.exit(99 if r is None else r)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +71,21 @@ def start_server(tmp: Path, trainer_args: tuple[str, ...] = ()) -> dict:
     path = str(tmp / "prewarm.sock")
     env = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}
     env = prewarm.with_launcher_threads({**env, "PYTHONPATH": f"{tmp}:{REPO / 'train'}"}, nproc_per_node=2)
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
-                             "--module=probe_rank", "--", *trainer_args], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "resilient_fsdp.resilience.prewarm",
+            f"--socket={path}",
+            "--module=probe_rank",
+            "--",
+            *trainer_args,
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60  # bound before the imports: a client then waits for them
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -80,8 +95,16 @@ def start_server(tmp: Path, trainer_args: tuple[str, ...] = ()) -> dict:
 
 def client(server, *args, env=None, **kwargs) -> subprocess.Popen:
     env = {**server["env"], prewarm.SOCKET_ENV: server["path"], "PROBE": "from the client", **(env or {})}
-    return subprocess.Popen([sys.executable, "-c", CLIENT, *args], env=env, cwd=server["tmp"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", CLIENT, *args],
+        env=env,
+        cwd=server["tmp"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
 
 
 def test_a_forked_rank_has_the_clients_streams_environment_and_directory_and_its_exit_code_comes_back(server):
@@ -210,8 +233,12 @@ def test_a_server_with_a_second_thread_or_another_interpreter_does_not_fork():
 
 def test_a_trainer_forked_from_the_server_trains_bitwise_like_one_started_afresh(tmp_path):
     path = str(tmp_path / "trainer.sock")
-    server = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
-                               "--"], env=_env(), stderr=subprocess.PIPE, text=True)  # the trainer's environment
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}", "--"],
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # the trainer's environment
     Path(f"{path}.starting").write_text(str(server.pid))  # as the agent does: the rank waits for the server
     try:
         steps = ["train.steps=4", "checkpoint.interval_steps=2"]
@@ -230,7 +257,7 @@ def test_a_trainer_forked_from_the_server_trains_bitwise_like_one_started_afresh
 # A trainer run in a process that first made the server's preload (the server's own function);
 # prints the modules the run imported after that. Guarded: the writer process it spawns imports
 # this script again.
-AFTER_PRELOAD = textwrap.dedent('''
+AFTER_PRELOAD = textwrap.dedent("""
     import json, sys
     if __name__ == "__main__":
         from resilient_fsdp.resilience import nccl_env, prewarm
@@ -242,19 +269,43 @@ AFTER_PRELOAD = textwrap.dedent('''
         except SystemExit as exc:
             assert exc.code in (0, None), exc.code
         print("IMPORTED AFTER " + json.dumps(sorted(set(sys.modules) - before)), flush=True)
-''')
+""")
 # What a rank must find imported in the server: each costs a forked rank tenths of a second or more.
-HEAVY = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx", "torch.distributed", "torch.nn",
-         "torch.optim", "torch.testing", "numpy")
+HEAVY = (
+    "torch._dynamo",
+    "torch._inductor",
+    "torch._functorch",
+    "torch.fx",
+    "torch.distributed",
+    "torch.nn",
+    "torch.optim",
+    "torch.testing",
+    "numpy",
+)
 
 
 def test_a_trainers_heavy_imports_are_all_made_by_the_server_before_it_forks(tmp_path):
     run_dir = tmp_path / "run"
     script = tmp_path / "after_preload.py"
     script.write_text(AFTER_PRELOAD)
-    proc = subprocess.run([sys.executable, str(script), "--run-dir", str(run_dir), "--set", "train.steps=3",
-                           "--set", "checkpoint.interval_steps=2", "--set", "dist.timeout_s=60"],
-                          env=_env(mark=run_dir), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "train.steps=3",
+            "--set",
+            "checkpoint.interval_steps=2",
+            "--set",
+            "dist.timeout_s=60",
+        ],
+        env=_env(mark=run_dir),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("IMPORTED AFTER "))
     imported = json.loads(line.removeprefix("IMPORTED AFTER "))

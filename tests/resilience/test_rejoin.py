@@ -7,9 +7,15 @@ import threading
 import time
 
 from resilient_fsdp.resilience import exit_codes
-from resilient_fsdp.resilience.rejoin import (GONE_LIMIT_S, PROBE_INTERVAL_S, UP_LIMIT_S, Rejoin, await_first_store,
-                                              await_store,
-                                              store_listens)
+from resilient_fsdp.resilience.rejoin import (
+    GONE_LIMIT_S,
+    PROBE_INTERVAL_S,
+    UP_LIMIT_S,
+    Rejoin,
+    await_first_store,
+    await_store,
+    store_listens,
+)
 
 
 class Clock:
@@ -84,16 +90,18 @@ def test_a_store_that_never_closes_or_never_returns_bounds_the_wait():
     assert f"none listened within {UP_LIMIT_S:g} s; starting anyway" in said
     assert UP_LIMIT_S <= clock.now - 1000.0 < UP_LIMIT_S + 1
     clock = Clock()  # what is left of the rejoin window bounds it too
-    said = await_store(("pod-0.job", 29400), window_s=3, probe=gone.probe, clock=clock,
-                       sleep=FakeStore([False], clock).sleep)
+    said = await_store(
+        ("pod-0.job", 29400), window_s=3, probe=gone.probe, clock=clock, sleep=FakeStore([False], clock).sleep
+    )
     assert "none listened within 3 s" in said and 3 <= clock.now - 1000.0 < 4
 
 
 def test_a_signal_ends_the_wait_and_no_endpoint_waits_the_fixed_time():
     clock = Clock()
     gone = FakeStore([False], clock)
-    said = await_store(("pod-0.job", 29400), stopped=lambda: clock.now > 1002, probe=gone.probe, clock=clock,
-                       sleep=gone.sleep)
+    said = await_store(
+        ("pod-0.job", 29400), stopped=lambda: clock.now > 1002, probe=gone.probe, clock=clock, sleep=gone.sleep
+    )
     assert said.startswith("stopped while waiting") and clock.now < 1003
     clock = Clock()
     said = await_store(None, clock=clock, sleep=FakeStore([False], clock).sleep)

@@ -13,8 +13,13 @@ from tests.support import _env
 
 
 def test_the_image_nvrxs_restart_waits_end_when_their_condition_does(nvrx07_lane):
-    proc = subprocess.run([sys.executable, str(PROBES / "restart_polls.py")], capture_output=True, text=True,
-                          timeout=120, env=_env([nvrx07_lane]))
+    proc = subprocess.run(
+        [sys.executable, str(PROBES / "restart_polls.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env([nvrx07_lane]),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["changed"] == ["terminate_mp_processes", "_compute_step2_poll_interval", "step 0's poll"]

@@ -13,9 +13,16 @@ from resilient_fsdp.resilience.sdc import digest, odd_ones
 from resilient_fsdp.resilience.stragglers import NOT_REPLACED
 from tests.support import assert_no_leftovers, read_events, read_losses, read_summary, run_local
 
-HSDP = ["train.steps=24", "checkpoint.interval_steps=4", "train.log_every=4", "dist.shard_group_size=2",
-        "checkpoint.memory.interval_steps=2", "resilience.launcher.workers_stop_timeout_s=2",
-        "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.learn_timeouts=false"]
+HSDP = [
+    "train.steps=24",
+    "checkpoint.interval_steps=4",
+    "train.log_every=4",
+    "dist.shard_group_size=2",
+    "checkpoint.memory.interval_steps=2",
+    "resilience.launcher.workers_stop_timeout_s=2",
+    "resilience.hang_detection.workload_check_interval_s=0.5",
+    "resilience.hang_detection.learn_timeouts=false",
+]
 # Synchronous saves: step 12's checkpoint is committed at step 12, before the check that finds the
 # flip (an asynchronous one still in flight then is set aside by the next start: below).
 CHECKED = [*HSDP, "resilience.sdc.interval_steps=5", "checkpoint.mode=sync"]
@@ -32,7 +39,7 @@ def test_a_digest_changes_with_any_one_bit_and_not_with_a_copy(monkeypatch):
     assert torch.equal(digest([t.clone() for t in tensors]), base)
     for tensor, index, bit in ((0, 0, 0), (0, 999, 31), (1, 20, 22)):
         flipped = [t.clone() for t in tensors]
-        word = flipped[tensor].view(-1)[index:index + 1].view(torch.int32)
+        word = flipped[tensor].view(-1)[index : index + 1].view(torch.int32)
         word ^= 1 << bit if bit < 31 else -(1 << 31)
         assert not torch.equal(digest(flipped), base), (tensor, index, bit)
     # Two tensors swapped hold the same words: the places tell them apart.
@@ -53,8 +60,12 @@ def hsdp_reference(tmp_path_factory):
     proc = run_local(run_dir, nodes=1, nproc=4, overrides=CHECKED, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["replica_checks"] == {"interval_steps": 5, "replicas": 2, "checks": 4,
-                                         "check_s_median": summary["replica_checks"]["check_s_median"]}
+    assert summary["replica_checks"] == {
+        "interval_steps": 5,
+        "replicas": 2,
+        "checks": 4,
+        "check_s_median": summary["replica_checks"]["check_s_median"],
+    }
     assert summary["silent_corruption"] == []
     return summary, read_losses(run_dir)
 
@@ -66,8 +77,7 @@ def test_a_bit_flipped_in_a_replica_is_found_at_the_next_check_and_rolled_back_b
     in-job restart resumes from step 10's memory snapshot; the check at step 15 then passes."""
     reference, losses = hsdp_reference
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=1, nproc=4, overrides=CHECKED, extra=["--inject", "bitflip@12:rank=1"],
-                     timeout=300)
+    proc = run_local(run_dir, nodes=1, nproc=4, overrides=CHECKED, extra=["--inject", "bitflip@12:rank=1"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = read_summary(run_dir)
     assert summary["params_sha256"] == reference["params_sha256"], proc.stdout[-4000:]
@@ -107,11 +117,14 @@ def test_a_start_after_a_mismatch_sets_aside_what_was_committed_in_the_suspect_w
 
 
 def test_replica_checks_without_replicas_are_refused_naming_the_key(tmp_path):
-    proc = run_local(tmp_path / "run", nodes=1, nproc=2, overrides=["train.steps=4", "resilience.sdc.interval_steps=2"],
-                     timeout=200)
+    proc = run_local(
+        tmp_path / "run", nodes=1, nproc=2, overrides=["train.steps=4", "resilience.sdc.interval_steps=2"], timeout=200
+    )
     assert proc.returncode != 0
-    assert "resilience.sdc.interval_steps compares the replicas of each shard, which only HSDP has: set " \
-           "dist.shard_group_size" in proc.stdout + proc.stderr
+    assert (
+        "resilience.sdc.interval_steps compares the replicas of each shard, which only HSDP has: set "
+        "dist.shard_group_size" in proc.stdout + proc.stderr
+    )
 
 
 def test_with_three_replicas_the_odd_one_out_is_named_and_a_store_host_replica_stays(tmp_path):
@@ -119,9 +132,16 @@ def test_with_three_replicas_the_odd_one_out_is_named_and_a_store_host_replica_s
     2's copy makes it the odd one out by majority; it alone is the suspect. The job has no hot
     spare, so it stays (said in the record): the job rolls back and ends bitwise equal to the same
     job without the fault."""
-    common = ["train.steps=16", "checkpoint.interval_steps=4", "dist.shard_group_size=1", "checkpoint.mode=sync",
-              "checkpoint.memory.interval_steps=2", "resilience.sdc.interval_steps=5",
-              "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.learn_timeouts=false"]
+    common = [
+        "train.steps=16",
+        "checkpoint.interval_steps=4",
+        "dist.shard_group_size=1",
+        "checkpoint.mode=sync",
+        "checkpoint.memory.interval_steps=2",
+        "resilience.sdc.interval_steps=5",
+        "resilience.launcher.workers_stop_timeout_s=2",
+        "resilience.hang_detection.learn_timeouts=false",
+    ]
     clean = run_local(tmp_path / "clean", nodes=1, nproc=3, overrides=common, timeout=300)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     run_dir = tmp_path / "run"

@@ -15,8 +15,11 @@ from tests.checkpoint.test_memory_tier import MEMORY
 from tests.resilience.fault_jobs import STEPS, lane_run, run_with_faults
 from tests.support import LANES, netns_required, read_events
 
-DETECT = ["resilience.stragglers.enabled=true", "resilience.stragglers.report_every_steps=5",
-          "resilience.stragglers.consecutive_reports=2"]
+DETECT = [
+    "resilience.stragglers.enabled=true",
+    "resilience.stragglers.report_every_steps=5",
+    "resilience.stragglers.consecutive_reports=2",
+]
 
 
 def test_a_slow_fault_names_its_factor_and_only_slow_takes_one():
@@ -48,9 +51,15 @@ def test_a_slow_rank_is_reported_on_one_pod_and_training_goes_on_bitwise(tmp_pat
     replace it with, and says so), the job never restarts, and its numbers are those of the job
     without the fault: a slow rank changes when, not what. NVRx's detector on either version."""
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["slow@10:rank=1:factor=3"], reference_1x2, nodes=1, nproc=2,
-                              overrides=[*DETECT, "resilience.stragglers.action=replace"],
-                              **lane_run(request, lane))
+    summary = run_with_faults(
+        run_dir,
+        ["slow@10:rank=1:factor=3"],
+        reference_1x2,
+        nodes=1,
+        nproc=2,
+        overrides=[*DETECT, "resilience.stragglers.action=replace"],
+        **lane_run(request, lane),
+    )
     assert summary["recoveries"] == [] and sum(summary["restarts"].values()) == 0, summary["_output"]
     (found,) = summary["stragglers"]
     assert found["rank"] == 1 and found["part"] == "optimizer" and found["score"] < 0.75, found
@@ -66,8 +75,7 @@ def test_a_slow_rank_is_reported_on_one_pod_and_training_goes_on_bitwise(tmp_pat
     assert not reports[0]["slow"] and all(r["slow"].get("1", {}).get("part") == "optimizer" for r in reports[3:])
 
 
-def test_a_straggler_is_replaced_by_the_hot_spare_within_an_in_job_restart_bitwise(tmp_path, request,
-                                                                                     reference_1x2):
+def test_a_straggler_is_replaced_by_the_hot_spare_within_an_in_job_restart_bitwise(tmp_path, request, reference_1x2):
     """Two training pods of one rank and one spare, memory snapshots every 2 steps with replicas:
     rank 1 is made twice as slow at step 10, found within 20 steps, and its pod leaves the job;
     the spare takes rank 1 in an in-job restart (no job-level restart), restored from the replica
@@ -76,10 +84,17 @@ def test_a_straggler_is_replaced_by_the_hot_spare_within_an_in_job_restart_bitwi
     one node left out per spare, and a second would end the job."""
     netns_required()
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["slow@10:rank=1:factor=2", "slow@25:rank=1:factor=2"], reference_1x2,
-                              nodes=2, nproc=1, overrides=[*MEMORY, "checkpoint.memory.replicas=1", *DETECT,
-                                                           "resilience.stragglers.action=replace"],
-                              extra=["--value=spares=1"], timeout=400, **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["slow@10:rank=1:factor=2", "slow@25:rank=1:factor=2"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1", *DETECT, "resilience.stragglers.action=replace"],
+        extra=["--value=spares=1"],
+        timeout=400,
+        **lane_run(request, "image"),
+    )
     out = summary["_output"]
     assert summary["restarts"]["job"] == 0 and summary["restarts"]["in_job"] == 1, out
     assert summary["recoveries"] == [], out  # a slow rank stops nothing: no fault to recover from
@@ -103,10 +118,17 @@ def test_a_straggler_on_the_store_hosts_pod_is_reported_not_replaced(tmp_path, r
     on without a restart, bitwise."""
     netns_required()
     run_dir = tmp_path / "run"
-    summary = run_with_faults(run_dir, ["slow@10:rank=0:factor=3"], reference_1x2, nodes=2, nproc=1,
-                              overrides=[*MEMORY, "checkpoint.memory.replicas=1", *DETECT,
-                                         "resilience.stragglers.action=replace"],
-                              extra=["--value=spares=1"], timeout=400, **lane_run(request, "image"))
+    summary = run_with_faults(
+        run_dir,
+        ["slow@10:rank=0:factor=3"],
+        reference_1x2,
+        nodes=2,
+        nproc=1,
+        overrides=[*MEMORY, "checkpoint.memory.replicas=1", *DETECT, "resilience.stragglers.action=replace"],
+        extra=["--value=spares=1"],
+        timeout=400,
+        **lane_run(request, "image"),
+    )
     assert sum(summary["restarts"].values()) == 0, summary["_output"]
     (found,) = summary["stragglers"]
     assert (found["rank"], found["pod"], found["action"]) == (0, 0, "reported"), found
@@ -123,13 +145,19 @@ def test_a_gpu_node_without_cuptis_library_times_sections_and_says_why(request, 
 
     from tests.support import _env, lane_path
 
-    code = ("from resilient_fsdp.resilience.straggler_detector import StragglerDetector\n"
-            "d = StragglerDetector(cuda=True, node_name='n')\n"
-            "print(repr((d.profile_cuda, d.kernels)))\n"
-            "d.close()\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=_env(lane_path(request, lane)))
+    code = (
+        "from resilient_fsdp.resilience.straggler_detector import StragglerDetector\n"
+        "d = StragglerDetector(cuda=True, node_name='n')\n"
+        "print(repr((d.profile_cuda, d.kernels)))\n"
+        "d.close()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(lane_path(request, lane))
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     profile, kernels = eval(proc.stdout.strip().splitlines()[-1])
-    assert profile is False and kernels.startswith("NVRx's CUPTI extension did not load (") and \
-        kernels.endswith("): section timings only"), kernels
+    assert (
+        profile is False
+        and kernels.startswith("NVRx's CUPTI extension did not load (")
+        and kernels.endswith("): section timings only")
+    ), kernels

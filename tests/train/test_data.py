@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from resilient_fsdp.config import ConfigError, DataConfig
-from resilient_fsdp.train.data import BatchLoader, Permutation, ResumableSampler, SyntheticTokens, TokenFile, build_dataset
+from resilient_fsdp.train.data import (
+    BatchLoader,
+    Permutation,
+    ResumableSampler,
+    SyntheticTokens,
+    TokenFile,
+    build_dataset,
+)
 from resilient_fsdp.train.global_batch import choose
 
 
@@ -104,7 +111,7 @@ def test_the_global_sample_order_is_the_same_at_every_world_size(before, after):
     reference, _ = stream(1, 0, 60 * before * after)
     head, state = stream(before, 0, 20 * after)
     tail, _ = stream(after, state["consumed"], 20 * before)
-    assert head + tail == reference[:len(head) + len(tail)]
+    assert head + tail == reference[: len(head) + len(tail)]
 
 
 def test_a_resume_whose_global_batch_changes_neither_repeats_nor_skips_samples():

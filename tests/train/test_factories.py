@@ -15,7 +15,10 @@ from tests.support import write_module
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    write_module(tmp_path, "my_plugins", """
+    write_module(
+        tmp_path,
+        "my_plugins",
+        """
         import torch
         from torch import nn
         NOT_CALLABLE = 3
@@ -34,7 +37,8 @@ def plugins(tmp_path, monkeypatch):
             return Tokens(cfg, vocab)
         def build_no_len(cfg, vocab):
             return object()
-    """)
+    """,
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     sys.modules.pop("my_plugins", None)
@@ -47,12 +51,15 @@ def test_factory_is_imported_and_called(plugins):
     assert len(ds) == 10 and ds[3].tolist() == [3] * 6
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    ("my_plugins", "expected 'pkg.module:function'"),
-    ("no_such_pkg.mod:build", "cannot import module 'no_such_pkg.mod'"),
-    ("my_plugins:missing", "has no attribute 'missing'; callables there: Tokens, build_dataset"),
-    ("my_plugins:NOT_CALLABLE", "is a int, not a callable"),
-])
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("my_plugins", "expected 'pkg.module:function'"),
+        ("no_such_pkg.mod:build", "cannot import module 'no_such_pkg.mod'"),
+        ("my_plugins:missing", "has no attribute 'missing'; callables there: Tokens, build_dataset"),
+        ("my_plugins:NOT_CALLABLE", "is a int, not a callable"),
+    ],
+)
 def test_bad_spec_names_key_and_fix(plugins, spec, fragment):
     with pytest.raises(ConfigError) as info:
         load_factory(spec, "model.factory")

@@ -10,8 +10,10 @@ from resilient_fsdp.config import ConfigError, load_config
 from resilient_fsdp.train.global_batch import at_resume, choose, keeping_sizes
 
 
-@pytest.mark.parametrize("world, accum, batch", [(512, 1, 512), (504, 1, 504), (496, 1, 496), (256, 2, 512),
-                                                 (1024, 1, 1024), (300, 2, 600), (100, 5, 500)])
+@pytest.mark.parametrize(
+    "world, accum, batch",
+    [(512, 1, 512), (504, 1, 504), (496, 1, 496), (256, 2, 512), (1024, 1, 1024), (300, 2, 600), (100, 5, 500)],
+)
 def test_nearest_keeps_the_target_when_it_can_else_the_nearest_the_ranks_make(world, accum, batch):
     choice = choose(512, world, 1, "nearest")
     assert (choice.grad_accum_steps, choice.global_batch, choice.target) == (accum, batch, 512)
@@ -60,8 +62,10 @@ def test_a_resume_goes_back_to_the_runs_target_after_a_nearest_choice():
     regrown = at_resume(_manifest(496, 1, 1, target=512), 512, batch, "nearest")
     assert (regrown.grad_accum_steps, regrown.global_batch, regrown.exact) == (1, 512, True)
     # At its target, at the same world size: the configuration as it is (accum may be changed).
-    assert at_resume(_manifest(512, 1, 1, target=512), 512, {"grad_accum_steps": 2, "micro_batch_size": 1},
-                     "exact") is None
+    assert (
+        at_resume(_manifest(512, 1, 1, target=512), 512, {"grad_accum_steps": 2, "micro_batch_size": 1}, "exact")
+        is None
+    )
     # A checkpoint without batch records (written before they were): nothing to choose.
     assert at_resume({"world_size": 4}, 3, batch, "exact") is None
     with pytest.raises(ConfigError, match="the run's target; the checkpoint was trained at 496"):

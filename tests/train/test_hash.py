@@ -16,12 +16,25 @@ def hash_at(world: int, shard_group: int = 0) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(PROBES / "params_hash.py")], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=_env(extra={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                              "SHARD_GROUP": str(shard_group)}))
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(PROBES / "params_hash.py")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(
+                extra={
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "SHARD_GROUP": str(shard_group),
+                }
+            ),
+        )
+        for r in range(world)
+    ]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=180)

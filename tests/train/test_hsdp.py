@@ -38,7 +38,8 @@ def test_an_hsdp_job_resumes_bitwise_after_a_killed_rank_and_writes_each_shard_o
     # Every tensor in at most 2 chunks (its shard group's), not 4 (the world's); each written once.
     assert chunks and max(chunks.values()) == 2, chunks
     assert len({(i.fqn, tuple(i.offset)) for i in metadata.storage_data if i.offset is not None}) == sum(
-        chunks.values())
+        chunks.values()
+    )
 
 
 def test_a_shard_group_that_does_not_divide_the_world_is_refused_naming_the_key():
@@ -50,11 +51,15 @@ def test_a_shard_group_that_does_not_divide_the_world_is_refused_naming_the_key(
 
 def test_a_torch_async_checkpoint_cut_by_another_shard_group_is_refused(tmp_path):
     identity = {"model": "tiny", "num_params": 1, "shape_digest": "d"}
-    ckpt = store.CheckpointInfo(4, tmp_path, {**identity, "world_size": 4, "mode": "torch-async",
-                                              "shard_group_size": 2})
+    ckpt = store.CheckpointInfo(
+        4, tmp_path, {**identity, "world_size": 4, "mode": "torch-async", "shard_group_size": 2}
+    )
     check_compatible(ckpt, {**identity, "shard_group_size": 2}, 4)
-    with pytest.raises(ConfigError, match=r"sharded over 2 ranks; this run shards them over 4.*"
-                                          r"dist.shard_group_size=2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sharded over 2 ranks; this run shards them over 4.*"
+        r"dist.shard_group_size=2",
+    ):
         check_compatible(ckpt, {**identity, "shard_group_size": 4}, 4)
     resharding = store.CheckpointInfo(4, tmp_path, {**ckpt.manifest, "mode": "async"})
     check_compatible(resharding, {**identity, "shard_group_size": 4}, 4)  # DCP reshards

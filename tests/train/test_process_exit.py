@@ -52,13 +52,20 @@ def run(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess, Path]:
     written = tmp_path / "written"
     env = {**os.environ, "PYTHONPATH": str(Path(resilient_fsdp.__file__).resolve().parents[1])}
     # Written to stdout through a pipe: block-buffered, as a rank's streams are under a launcher.
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PROGRAM).format(body=body), str(written)],
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PROGRAM).format(body=body), str(written)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return proc, written
 
 
-@pytest.mark.parametrize("body, status", [("return 0", 0), ("return 3", 3), ("return None", 0),
-                                          ("sys.exit(7)", 7), ("return 300", 300 & 0xFF)])
+@pytest.mark.parametrize(
+    "body, status",
+    [("return 0", 0), ("return 3", 3), ("return None", 0), ("sys.exit(7)", 7), ("return 300", 300 & 0xFF)],
+)
 def test_the_exit_status_is_mains_and_threads_atexit_and_streams_finish_first(tmp_path, body, status):
     proc, written = run(tmp_path, body)
     assert proc.returncode == status, proc.stderr
@@ -70,8 +77,10 @@ def test_the_exit_status_is_mains_and_threads_atexit_and_streams_finish_first(tm
 
 
 def test_an_uncaught_exception_is_printed_by_the_excepthook_and_exits_1(tmp_path):
-    proc, written = run(tmp_path, "sys.excepthook = lambda *e: print('hook:', e[1], file=sys.stderr)\n"
-                                  "    raise RuntimeError('the rank failed')")
+    proc, written = run(
+        tmp_path,
+        "sys.excepthook = lambda *e: print('hook:', e[1], file=sys.stderr)\n    raise RuntimeError('the rank failed')",
+    )
     assert proc.returncode == 1
     assert "hook: the rank failed" in proc.stderr
     assert written.read_text() == "written" and "atexit ran" in proc.stdout
@@ -94,12 +103,14 @@ def test_keyboard_interrupt_ends_the_process_as_the_interpreter_does(tmp_path):
 def test_a_thread_that_never_ends_holds_the_exit_only_for_the_grace_and_is_named(tmp_path):
     """A non-daemon thread blocked for good (on a peer whose pod froze) would hold the exit, and
     the in-job restart that waits for it, for ever: past the grace the process ends, naming it."""
-    body = ("import resilient_fsdp.train.process_exit as process_exit\n"
-            "    process_exit.EXIT_GRACE_S = 1.0\n"
-            "    def wait_for_a_peer_that_is_gone():\n"
-            "        threading.Event().wait()\n"
-            "    threading.Thread(target=wait_for_a_peer_that_is_gone, name='replica-receive').start()\n"
-            "    return 4")
+    body = (
+        "import resilient_fsdp.train.process_exit as process_exit\n"
+        "    process_exit.EXIT_GRACE_S = 1.0\n"
+        "    def wait_for_a_peer_that_is_gone():\n"
+        "        threading.Event().wait()\n"
+        "    threading.Thread(target=wait_for_a_peer_that_is_gone, name='replica-receive').start()\n"
+        "    return 4"
+    )
     proc, written = run(tmp_path, body)
     assert proc.returncode == 4, proc.stderr
     assert "did not end within 1 s of its exit" in proc.stderr

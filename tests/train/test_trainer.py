@@ -7,7 +7,15 @@ import pytest
 import yaml
 
 from resilient_fsdp.train.data import TokenFile
-from tests.support import assert_no_leftovers, read_events, read_losses, read_summary, run_local, run_trainer, write_module
+from tests.support import (
+    assert_no_leftovers,
+    read_events,
+    read_losses,
+    read_summary,
+    run_local,
+    run_trainer,
+    write_module,
+)
 
 STEPS = 40
 
@@ -91,7 +99,10 @@ def test_memory_mapped_token_file(tmp_path):
 
 @pytest.mark.extended  # the same path as images/custom-model's local run (tests/deploy), another model
 def test_custom_model_factory_is_used(tmp_path, plugin_dir):
-    write_module(plugin_dir, "tiny_mlp_lm", """
+    write_module(
+        plugin_dir,
+        "tiny_mlp_lm",
+        """
         import torch
         from torch import nn
 
@@ -111,10 +122,16 @@ def test_custom_model_factory_is_used(tmp_path, plugin_dir):
         def build(cfg):
             assert torch.empty(1).is_meta, "factories are called under the meta device"
             return MlpLM(cfg.vocab_size or 256)
-    """)
+    """,
+    )
     run_dir = tmp_path / "run"
-    proc = run_local(run_dir, nodes=1, nproc=2, pythonpath=[plugin_dir],
-                     overrides=["train.steps=4", "model.factory=tiny_mlp_lm:build"])
+    proc = run_local(
+        run_dir,
+        nodes=1,
+        nproc=2,
+        pythonpath=[plugin_dir],
+        overrides=["train.steps=4", "model.factory=tiny_mlp_lm:build"],
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = read_summary(run_dir)
     assert summary["num_params"] == 256 * 32 + 2 * (32 * 32 + 32) + 32 * 256 + 256

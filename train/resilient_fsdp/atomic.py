@@ -57,8 +57,15 @@ def write_text(path: Path, text: str) -> None:
     write_bytes(path, text.encode())
 
 
-def write_json(path: Path, data: Any, *, indent: Optional[int] = 2, sort_keys: bool = True,
-               default: Optional[Callable[[Any], Any]] = None, newline: bool = True) -> None:
+def write_json(
+    path: Path,
+    data: Any,
+    *,
+    indent: Optional[int] = 2,
+    sort_keys: bool = True,
+    default: Optional[Callable[[Any], Any]] = None,
+    newline: bool = True,
+) -> None:
     """:func:`write_bytes` of ``data`` as JSON (by default indented, sorted, one final newline)."""
     text = json.dumps(data, indent=indent, sort_keys=sort_keys, default=default)
     write_text(path, text + "\n" if newline else text)

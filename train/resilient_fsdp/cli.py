@@ -55,8 +55,10 @@ def versions() -> str:
 
         meta = yaml.safe_load(CHART_YAML.read_text())
         chart = f"{meta.get('version')} (appVersion {meta.get('appVersion')})"
-    return (f"resilient-fsdp {installed('resilient-fsdp')}\nnvidia-resiliency-ext {installed('nvidia-resiliency-ext')}\n"
-            f"torch {installed('torch')}\nchart {chart}")
+    return (
+        f"resilient-fsdp {installed('resilient-fsdp')}\nnvidia-resiliency-ext {installed('nvidia-resiliency-ext')}\n"
+        f"torch {installed('torch')}\nchart {chart}"
+    )
 
 
 class _VersionAction(argparse.Action):
@@ -72,15 +74,21 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="resilient-fsdp", description="Fault-tolerant FSDP2 training with NVRx.")
-    parser.add_argument("--version", action=_VersionAction,
-                        help="print the versions of resilient-fsdp, NVRx, torch and the chart, and exit")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print the versions of resilient-fsdp, NVRx, torch and the chart, and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    local = sub.add_parser("local", help="run the chart's job on this machine: one pod per simulated node",
-                           description="Render the Helm chart (values/dev-cpu.yaml unless -f) and run its pods on "
-                                       "this machine: each a network namespace (root) or processes on loopback, "
-                                       "running the rendered command, with the operator's variables and restart "
-                                       "policy (docs/local-runs.md).")
+    local = sub.add_parser(
+        "local",
+        help="run the chart's job on this machine: one pod per simulated node",
+        description="Render the Helm chart (values/dev-cpu.yaml unless -f) and run its pods on "
+        "this machine: each a network namespace (root) or processes on loopback, "
+        "running the rendered command, with the operator's variables and restart "
+        "policy (docs/local-runs.md).",
+    )
     from .local.job import add_arguments as add_local_arguments
 
     add_local_arguments(local)
@@ -166,10 +174,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     from .checkpoint.commands import run as cmd_checkpoints
 
-    handler = {"local": cmd_local, "train": cmd_train, "config": cmd_config,
-               "bench": lambda a: a.bench(a), "checkpoints": cmd_checkpoints,
-               "data": lambda a: a.run(a), "render": lambda a: a.run(a), "validate": lambda a: a.run(a),
-               "advise": lambda a: a.run(a), "report": lambda a: a.run(a), "simulate": lambda a: a.run(a)}[args.command]
+    handler = {
+        "local": cmd_local,
+        "train": cmd_train,
+        "config": cmd_config,
+        "bench": lambda a: a.bench(a),
+        "checkpoints": cmd_checkpoints,
+        "data": lambda a: a.run(a),
+        "render": lambda a: a.run(a),
+        "validate": lambda a: a.run(a),
+        "advise": lambda a: a.run(a),
+        "report": lambda a: a.run(a),
+        "simulate": lambda a: a.run(a),
+    }[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

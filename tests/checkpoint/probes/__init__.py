@@ -20,7 +20,12 @@ HERE = Path(__file__).parent
 def run_probe(script: str, run_dir: Path, *args, pythonpath=None, timeout: float = 240, open_files=None) -> dict:
     """Run ``HERE/script`` with ``run_dir`` and ``args`` (``open_files``: its (soft, hard) ``nofile``
     limit); its JSON line."""
-    proc = run_guarded([sys.executable, str(HERE / script), str(run_dir), *map(str, args)], run_dir, pythonpath,
-                       timeout=timeout, open_files=open_files)
+    proc = run_guarded(
+        [sys.executable, str(HERE / script), str(run_dir), *map(str, args)],
+        run_dir,
+        pythonpath,
+        timeout=timeout,
+        open_files=open_files,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

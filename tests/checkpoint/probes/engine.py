@@ -63,8 +63,17 @@ def step(trainer):
 def stale(run_dir, mode):
     # 64 samples a step: the sampler's position, a pickled int, crosses 255 -> 256 between the saves
     # of steps 3 and 4 and takes a byte more from then on.
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false", "checkpoint.keep_last=0", "data.micro_batch_size=64"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"checkpoint.mode={mode}",
+            "train.steps=100",
+            "checkpoint.save_final=false",
+            "checkpoint.keep_last=0",
+            "data.micro_batch_size=64",
+        ],
+    )
     resources = ProcessResources(cfg)
     first = Trainer(cfg, resources)
     step(first)
@@ -102,8 +111,9 @@ def stale(run_dir, mode):
 
 
 def dead_worker(run_dir, mode):
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false"])
+    cfg = load_config(
+        None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100", "checkpoint.save_final=false"]
+    )
     trainer = Trainer(cfg)
     out = {}
     step(trainer)
@@ -131,9 +141,17 @@ def dead_worker(run_dir, mode):
 def hung_writer(run_dir, mode):
     # The healthy writes get a deadline a loaded machine meets (the writer runs niced, so other
     # processes on the machine slow it down); the hung one gets 2 s.
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false", "checkpoint.write_timeout_s=120",
-                             "resilience.inject=[writer-hang@2]"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"checkpoint.mode={mode}",
+            "train.steps=100",
+            "checkpoint.save_final=false",
+            "checkpoint.write_timeout_s=120",
+            "resilience.inject=[writer-hang@2]",
+        ],
+    )
     resources = ProcessResources(cfg)
     first = Trainer(cfg, resources)
     out = {}
@@ -170,8 +188,16 @@ def hung_writer(run_dir, mode):
 def slow_second_write(run_dir, mode, seconds):
     """A trainer (a world of one) whose save of step 1 is committed, so its writer is up, and
     whose write of step 2 will finish ``seconds`` late; and whether step 1 was committed."""
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false", f"resilience.inject=[writer-slow@2:for={seconds}]"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"checkpoint.mode={mode}",
+            "train.steps=100",
+            "checkpoint.save_final=false",
+            f"resilience.inject=[writer-slow@2:for={seconds}]",
+        ],
+    )
     trainer = Trainer(cfg)
     step(trainer)
     trainer.checkpointer.save(1)
@@ -212,8 +238,9 @@ def orphan(run_dir, mode):
 
     PR_SET_CHILD_SUBREAPER = 36
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    child = subprocess.Popen([sys.executable, __file__, run_dir, "orphan-child", mode], stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, run_dir, "orphan-child", mode], stdout=subprocess.PIPE, text=True
+    )
     line = child.stdout.readline()
     while line and not line.startswith("{"):  # the trainer's own lines (its open-files limit) come first
         line = child.stdout.readline()
@@ -253,8 +280,11 @@ def back_to_back(run_dir, mode):
     records = {r["step"]: r for r in trainer.checkpointer.records}
     trainer.close(failed=False)
     distributed.shutdown()
-    return {"waited_s": waited, "stall_s": {s: r["stall_s"] for s, r in records.items()},
-            "previous_s": {s: r["save_call_parts_s"]["previous_s"] for s, r in records.items()}}
+    return {
+        "waited_s": waited,
+        "stall_s": {s: r["stall_s"] for s, r in records.items()},
+        "previous_s": {s: r["save_call_parts_s"]["previous_s"] for s, r in records.items()},
+    }
 
 
 def commit_started_marker(job) -> Path:
@@ -303,8 +333,9 @@ def handed_off(trainer, step_no):
 
 def slow_commit_trainer(run_dir, mode):
     """(config, resources, trainer) whose rank 0 commits with :func:`slow_commit`."""
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false"])
+    cfg = load_config(
+        None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100", "checkpoint.save_final=false"]
+    )
     resources = ProcessResources(cfg)
     trainer = Trainer(cfg, resources)
     trainer.checkpointer.commits.process = commit.CommitProcess(slow_commit)
@@ -323,8 +354,14 @@ def commit_in_flight(run_dir, mode):
     committed = [c.step for c in store.scan(cfg.checkpoint_dir)[0]]
     distributed.shutdown(clean=False)
     resources.close(False)
-    return {"handoff_poll_s": polls[-1], "in_flight": in_flight, "close_s": close_s, "committed": committed,
-            "commit_pid": future.result().pid, "rank_pid": os.getpid()}
+    return {
+        "handoff_poll_s": polls[-1],
+        "in_flight": in_flight,
+        "close_s": close_s,
+        "committed": committed,
+        "commit_pid": future.result().pid,
+        "rank_pid": os.getpid(),
+    }
 
 
 def commit_process_dies(run_dir, mode):
@@ -360,8 +397,16 @@ def commit_hangs(run_dir, mode):
     the hand-over (8 s: a new commit process's start counts in it) every rank learns a failed save
     (a timeout, counted), the process is killed, the checkpoint stays incomplete; step 2 commits
     in a new commit process."""
-    cfg = load_config(None, [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=100",
-                             "checkpoint.save_final=false", f"checkpoint.write_timeout_s={HUNG_COMMIT_TIMEOUT_S}"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"checkpoint.mode={mode}",
+            "train.steps=100",
+            "checkpoint.save_final=false",
+            f"checkpoint.write_timeout_s={HUNG_COMMIT_TIMEOUT_S}",
+        ],
+    )
     resources = ProcessResources(cfg)
     trainer = Trainer(cfg, resources)
     ckpt = trainer.checkpointer
@@ -395,6 +440,7 @@ def commit_inline(run_dir, mode):
     """No commit process can start (as with the open-files limit reached: the start raises
     EMFILE): step 1's commit is made on the training thread, and its record says so: not
     background work, and its seconds in the stall."""
+
     class NoProcesses:
         @staticmethod
         def get_context(method=None):
@@ -414,8 +460,12 @@ def commit_inline(run_dir, mode):
         trainer.close(failed=False)
         distributed.shutdown()
         resources.close(False)
-    return {"stall_s": record["stall_s"], "commit_s": record["commit_s"], "background": record["commit_background"],
-            "commit_on_thread_s": record["commit_on_thread_s"]}
+    return {
+        "stall_s": record["stall_s"],
+        "commit_s": record["commit_s"],
+        "background": record["commit_background"],
+        "commit_on_thread_s": record["commit_on_thread_s"],
+    }
 
 
 def gone_within(pid: int, seconds: float) -> bool:
@@ -435,8 +485,10 @@ def warm(run_dir, mode):
     background for a job that will save, and the first save fills them (no second allocation);
     a job that never saves allocates none."""
     out = {}
-    for name, saves in (("never", ["checkpoint.interval_steps=0", "checkpoint.save_final=false"]),
-                        ("saves", ["checkpoint.interval_steps=2", "checkpoint.save_final=false"])):
+    for name, saves in (
+        ("never", ["checkpoint.interval_steps=0", "checkpoint.save_final=false"]),
+        ("saves", ["checkpoint.interval_steps=2", "checkpoint.save_final=false"]),
+    ):
         cfg = load_config(None, [f"run_dir={run_dir}/{name}", f"checkpoint.mode={mode}", *saves])
         trainer = Trainer(cfg)
         step(trainer)
@@ -455,9 +507,17 @@ def warm(run_dir, mode):
 
 if __name__ == "__main__":
     run_dir, scenario, mode = sys.argv[1:4]
-    report = {"stale": stale, "dead-worker": dead_worker, "hung-writer": hung_writer,
-              "warm": warm, "orphan": orphan, "orphan-child": orphan_child,
-              "back-to-back": back_to_back, "commit-in-flight": commit_in_flight,
-              "commit-process-dies": commit_process_dies, "commit-hangs": commit_hangs,
-              "commit-inline": commit_inline}[scenario](run_dir, mode)
+    report = {
+        "stale": stale,
+        "dead-worker": dead_worker,
+        "hung-writer": hung_writer,
+        "warm": warm,
+        "orphan": orphan,
+        "orphan-child": orphan_child,
+        "back-to-back": back_to_back,
+        "commit-in-flight": commit_in_flight,
+        "commit-process-dies": commit_process_dies,
+        "commit-hangs": commit_hangs,
+        "commit-inline": commit_inline,
+    }[scenario](run_dir, mode)
     print(json.dumps({"nvrx_version": NVRX_VERSION, **{k: v for k, v in report.items()}}, default=str))

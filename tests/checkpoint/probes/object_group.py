@@ -27,8 +27,11 @@ STORE_PORT = 0  # the rendezvous store's: rank 0 hosts it, and its clients come 
 
 def connections() -> int:
     """Established TCP connections of this rank's groups (the store's are not a group's)."""
-    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
-               if c.status == psutil.CONN_ESTABLISHED and STORE_PORT not in (c.laddr.port, c.raddr.port))
+    return sum(
+        1
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED and STORE_PORT not in (c.laddr.port, c.raddr.port)
+    )
 
 
 def rank_main(rank: int, world: int, port: int, out: dict) -> None:
@@ -53,8 +56,15 @@ def rank_main(rank: int, world: int, port: int, out: dict) -> None:
     dist.barrier()
     eager_made = connections() - before_eager
     dist.barrier()  # every rank has counted before any tears its groups down
-    out[rank] = {"lazy_made": made, "lazy_used": used, "eager_made": eager_made, "told": told,
-                 "gathered": gathered, "all_gathered": everyone, "listeners_recorded": len(nvrx._GROUP_LISTENERS)}
+    out[rank] = {
+        "lazy_made": made,
+        "lazy_used": used,
+        "eager_made": eager_made,
+        "told": told,
+        "gathered": gathered,
+        "all_gathered": everyone,
+        "listeners_recorded": len(nvrx._GROUP_LISTENERS),
+    }
     dist.destroy_process_group(eager)
     dist.destroy_process_group()
 

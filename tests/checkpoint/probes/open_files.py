@@ -34,8 +34,14 @@ def held_fds(trainer):
 
 
 def main(run_dir, mode):
-    overrides = [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "model.factory=many_tensors:build", "train.steps=4",
-                 "checkpoint.save_final=false", "optim.warmup_steps=2"]
+    overrides = [
+        f"run_dir={run_dir}",
+        f"checkpoint.mode={mode}",
+        "model.factory=many_tensors:build",
+        "train.steps=4",
+        "checkpoint.save_final=false",
+        "optim.warmup_steps=2",
+    ]
     trainer = Trainer(load_config(None, overrides))
     step(trainer)
     step(trainer)
@@ -53,18 +59,25 @@ def main(run_dir, mode):
     resumed_step = fresh.checkpointer.resume()
     after = snapshot(fresh)
     fresh.close(failed=False)
-    print(json.dumps({
-        "nvrx_version": NVRX_VERSION,
-        "tensors": len(tensors),
-        "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors),
-        "open_files_limit": {"trainer": list(resource.getrlimit(resource.RLIMIT_NOFILE)), "writer": list(writer_limit)},
-        "fds_before": fds_before,
-        "fds_after": fds_after,
-        "committed": record is not None,
-        "bytes": record["bytes"] if record else None,
-        "resumed_step": resumed_step,
-        "equal": {k: equal(before[k], after[k]) for k in before},
-    }))
+    print(
+        json.dumps(
+            {
+                "nvrx_version": NVRX_VERSION,
+                "tensors": len(tensors),
+                "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "open_files_limit": {
+                    "trainer": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+                    "writer": list(writer_limit),
+                },
+                "fds_before": fds_before,
+                "fds_after": fds_after,
+                "committed": record is not None,
+                "bytes": record["bytes"] if record else None,
+                "resumed_step": resumed_step,
+                "equal": {k: equal(before[k], after[k]) for k in before},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -50,9 +50,14 @@ handoff.Registry.payload_for = recording_payload_for
 
 def make_state(mesh, step, extra_key=False, rows=8):
     g = torch.Generator().manual_seed(step)
-    sd = {"model": {"w": distribute_tensor(torch.randn(rows, 4, generator=g), mesh, [Shard(0)]),
-                    "b": distribute_tensor(torch.randn(6, generator=g), mesh, [Shard(0)])},
-          "step": step, "note": "x" * step}
+    sd = {
+        "model": {
+            "w": distribute_tensor(torch.randn(rows, 4, generator=g), mesh, [Shard(0)]),
+            "b": distribute_tensor(torch.randn(6, generator=g), mesh, [Shard(0)]),
+        },
+        "step": step,
+        "note": "x" * step,
+    }
     if extra_key:
         sd["model"]["extra"] = distribute_tensor(torch.randn(5, 3, generator=g), mesh, [Shard(0)])
     return sd
@@ -71,8 +76,9 @@ def save(engine, sd, root, step):
     path = Path(root) / f"step_{step}"
     path.mkdir(parents=True)
     engine.start(sd, path, step, f"t{step}", vote)
-    expected = {k: (v if not isinstance(v, dict) else {n: t.to_local().clone() for n, t in v.items()})
-                for k, v in sd.items()}
+    expected = {
+        k: (v if not isinstance(v, dict) else {n: t.to_local().clone() for n, t in v.items()}) for k, v in sd.items()
+    }
     engine.staged()
     for t in sd["model"].values():
         t.to_local().add_(1.0)  # the training step after the save changes the live state
@@ -90,8 +96,11 @@ def save(engine, sd, root, step):
     dcp_plan.write_metadata(path, metadata, [outcome.results])
     loaded = {"model": {n: torch.zeros_like(t) for n, t in sd["model"].items()}, "step": 0, "note": ""}
     dcp.load(loaded, checkpoint_id=str(path))
-    got = {"model": {n: t.to_local() for n, t in loaded["model"].items()}, "step": loaded["step"],
-           "note": loaded["note"]}
+    got = {
+        "model": {n: t.to_local() for n, t in loaded["model"].items()},
+        "step": loaded["step"],
+        "note": loaded["note"],
+    }
     return vote, equal(expected, got)
 
 
@@ -100,6 +109,7 @@ def main(root, kept=None, rank=0, rows=None, end="end"):
     ``rows``: one save per item, of that many rows (otherwise the fixed sequence above); ``end``:
     ``end`` (the job ended: the kept plan goes) or ``abort`` (the process fails: it stays)."""
     if os.environ.get("PROBE_BREAK_ALONE"):
+
         def broken(*_args, **_kwargs):
             raise AssertionError("a chunk this plan cannot place")
 
@@ -110,14 +120,24 @@ def main(root, kept=None, rank=0, rows=None, end="end"):
     engine.attach(1, rank, Path(kept) if kept else None)
     report = []
     try:
-        plan = ([dict()] * 4 + [dict(extra_key=True)] * 3 + [dict(extra_key=True, rows=10)] * 3 if rows is None
-                else [dict(rows=r) for r in rows])
+        plan = (
+            [dict()] * 4 + [dict(extra_key=True)] * 3 + [dict(extra_key=True, rows=10)] * 3
+            if rows is None
+            else [dict(rows=r) for r in rows]
+        )
         for step, kwargs in enumerate(plan, start=1):
             sent_before = len(SENT)
             vote, ok = save(engine, make_state(mesh, step, **kwargs), root, step)
             sent = len(SENT) > sent_before and SENT[-1]  # a save that failed before its hand-off sent nothing
-            report.append({"step": step, "vote": vote, "bitwise": ok is True, "buffers_sent": sent,
-                           "error": ok if isinstance(ok, str) else None})
+            report.append(
+                {
+                    "step": step,
+                    "vote": vote,
+                    "bitwise": ok is True,
+                    "buffers_sent": sent,
+                    "error": ok if isinstance(ok, str) else None,
+                }
+            )
     finally:
         if end == "end":
             engine.job_ended()

@@ -30,8 +30,9 @@ def snapshot(trainer):
     sd = trainer.checkpointer.state.state_dict()
     return {
         "model": {k: local(v) for k, v in sd["model"].items()},
-        "optim": {k: {n: local(x) if torch.is_tensor(x) else x for n, x in v.items()}
-                  for k, v in sd["optim"]["state"].items()},
+        "optim": {
+            k: {n: local(x) if torch.is_tensor(x) else x for n, x in v.items()} for k, v in sd["optim"]["state"].items()
+        },
         "lr_scheduler": copy.deepcopy(sd["lr_scheduler"]),
         "trainer": dict(sd["trainer"]),
         "data": dict(sd["data"]),
@@ -52,8 +53,13 @@ def equal(a, b):
 
 
 def main(run_dir, mode):
-    overrides = [f"run_dir={run_dir}", f"checkpoint.mode={mode}", "train.steps=3", "checkpoint.save_final=false",
-                 "optim.warmup_steps=2"]
+    overrides = [
+        f"run_dir={run_dir}",
+        f"checkpoint.mode={mode}",
+        "train.steps=3",
+        "checkpoint.save_final=false",
+        "optim.warmup_steps=2",
+    ]
     trainer = Trainer(load_config(None, overrides))
     for _ in range(3):
         trainer.train_step()

@@ -35,9 +35,15 @@ from resilient_fsdp.train.resources import ProcessResources
 
 def writer_facts(path):
     """Runs in the writer process."""
-    Path(path).write_text(json.dumps({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                      "cuda_initialized": torch.cuda.is_initialized(),
-                                      "open_files_limit": list(resource.getrlimit(resource.RLIMIT_NOFILE))}))
+    Path(path).write_text(
+        json.dumps(
+            {
+                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "cuda_initialized": torch.cuda.is_initialized(),
+                "open_files_limit": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+            }
+        )
+    )
 
 
 def until_done(poll, timeout_s=120):
@@ -62,8 +68,10 @@ def ask_writer(writer, run_dir, name):
 
 def unpicklable():
     """A value ``copy.deepcopy`` copies (staging does) but pickle cannot: its class is local."""
+
     class Local:
         pass
+
     return Local()
 
 
@@ -84,11 +92,14 @@ def main(run_dir):
         resources = ProcessResources(load_config(None, [f"run_dir={run_dir}", "checkpoint.mode=torch-async"]))
         ProcessResources(load_config(None, [f"run_dir={run_dir}", "checkpoint.mode=sync"])).close(False)
     engine = resources.engine
-    out = {"nvrx_version": NVRX_VERSION, "said": [ln for ln in said.getvalue().splitlines() if "RLIMIT_NOFILE" in ln],
-           "later_call_first": open_files.raise_soft_limit()[1],
-           "trainer_limit": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
-           "cpu_shm_mode": getattr(engine.writer.queue, "cpu_shm_mode", None),
-           "writer": ask_writer(engine.writer, run_dir, "facts")}
+    out = {
+        "nvrx_version": NVRX_VERSION,
+        "said": [ln for ln in said.getvalue().splitlines() if "RLIMIT_NOFILE" in ln],
+        "later_call_first": open_files.raise_soft_limit()[1],
+        "trainer_limit": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+        "cpu_shm_mode": getattr(engine.writer.queue, "cpu_shm_mode", None),
+        "writer": ask_writer(engine.writer, run_dir, "facts"),
+    }
 
     state = {"w": torch.randn(4, 3), "data": {"position": 7, "sampler": unpicklable()}}
     out["unsendable"] = save(engine, run_dir, 1, state)

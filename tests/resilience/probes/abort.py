@@ -27,8 +27,9 @@ from resilient_fsdp.train import distributed
 
 def main() -> None:
     rank, world, port = (int(a) for a in sys.argv[1:4])
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     cfg = load_config(None, ["dist.device=cpu", "dist.timeout_s=60", "dist.init_timeout_s=60"]).dist
     distributed.init_distributed(cfg)
     t = torch.ones(4)

@@ -31,8 +31,9 @@ from resilient_fsdp.train import distributed, footprint
 
 def main() -> None:
     rank, port = (int(a) for a in sys.argv[1:3])
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     before = footprint.measure()
     cfg = load_config(None, ["dist.device=cpu", "dist.timeout_s=60", "dist.init_timeout_s=60"]).dist
     distributed.init_distributed(cfg)
@@ -56,9 +57,20 @@ def main() -> None:
     distributed.shutdown(clean=False)
     abort_s = time.monotonic() - t0
     gc.collect()
-    print(json.dumps({"rank": rank, "helper_alive": helper.is_alive(), "helper_error": errors,
-                      "abort_s": abort_s, "before": before, "after": footprint.measure(),
-                      "threads_after": footprint.thread_names()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "helper_alive": helper.is_alive(),
+                "helper_error": errors,
+                "abort_s": abort_s,
+                "before": before,
+                "after": footprint.measure(),
+                "threads_after": footprint.thread_names(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ changed = nvrx.quicken_restart_polls(launcher)
 
 def group(ignore_term: bool) -> subprocess.Popen:
     """A process group of its own (a worker's, as ft_launcher starts them) with a child in it."""
-    code = ("import signal, subprocess, sys, time\n"
-            + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
-            + "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-            + "print('ready', flush=True)\ntime.sleep(60)\n")
+    code = (
+        "import signal, subprocess, sys, time\n"
+        + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
+        + "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        + "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
     proc.stdout.readline()
     return proc
@@ -41,13 +43,19 @@ def timed_termination(ignore_term: bool) -> dict:
 t0 = time.monotonic()
 barrier.time.sleep(1.0)
 step0_look = time.monotonic() - t0
-print(json.dumps({
-    "changed": changed,
-    "step2_interval": {str(n): barrier._RendezvousBarrierState._compute_step2_poll_interval(n, 5.0)
-                       for n in (2, 200, 2000, 4000, 20000)},
-    "step2_interval_nvrx": original_interval,
-    "step0_look_s": step0_look,
-    "terminate_exits_on_term": timed_termination(False),
-    "terminate_ignores_term": timed_termination(True),
-    "sigkill": -signal.SIGKILL,
-}))
+print(
+    json.dumps(
+        {
+            "changed": changed,
+            "step2_interval": {
+                str(n): barrier._RendezvousBarrierState._compute_step2_poll_interval(n, 5.0)
+                for n in (2, 200, 2000, 4000, 20000)
+            },
+            "step2_interval_nvrx": original_interval,
+            "step0_look_s": step0_look,
+            "terminate_exits_on_term": timed_termination(False),
+            "terminate_ignores_term": timed_termination(True),
+            "sigkill": -signal.SIGKILL,
+        }
+    )
+)

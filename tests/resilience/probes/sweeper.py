@@ -23,7 +23,7 @@ import psutil
 from resilient_fsdp.resilience.agent import RankHelperSweeper
 from resilient_fsdp.resilience.processes import become_subreaper
 
-RANK = r'''
+RANK = r"""
 import os, signal, subprocess, sys, time
 helper = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
@@ -34,9 +34,9 @@ if os.fork() == 0:            # the detached monitor: fork, setsid, fork again
     os._exit(0)
 print(helper.pid, flush=True)
 time.sleep(120)
-'''
+"""
 
-LAUNCHER = r'''
+LAUNCHER = r"""
 import os, signal, subprocess, sys, time
 rank = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, stdout=subprocess.PIPE, text=True)
 helper = int(rank.stdout.readline())
@@ -45,18 +45,18 @@ sys.stdin.readline()          # wait until the wrapper has seen the rank
 os.kill(rank.pid, signal.SIGKILL)
 rank.wait()
 time.sleep(120)
-'''
+"""
 
 
-RANK_PLAIN = r'''
+RANK_PLAIN = r"""
 import subprocess, sys, time
 helper = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); time.sleep(120)"])
 print(helper.pid, flush=True)
 time.sleep(120)
-'''
+"""
 
-DETACHED = r'''
+DETACHED = r"""
 import os, sys, time
 sys.stdin.readline()          # started in a session of its own: wait until the launcher keeps this one
 pid = os.fork()
@@ -64,9 +64,9 @@ if pid == 0:
     time.sleep(120)
     os._exit(0)
 print(pid, flush=True)
-'''
+"""
 
-LAUNCHER_REUSE = r'''
+LAUNCHER_REUSE = r"""
 import os, signal, subprocess, sys, time
 rank = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, stdout=subprocess.PIPE, text=True)
 helper = int(rank.stdout.readline())
@@ -95,11 +95,10 @@ else:
     print(int(found.stdout.readline()), flush=True)
     found.wait()
 time.sleep(120)
-'''
+"""
 
 
-def kill_rank_and_sweep(launcher: subprocess.Popen, sweeper: RankHelperSweeper, helper: int
-                        ) -> tuple[list[int], float]:
+def kill_rank_and_sweep(launcher: subprocess.Popen, sweeper: RankHelperSweeper, helper: int) -> tuple[list[int], float]:
     """Let the sweeper learn the rank while it is alive, tell the launcher to kill it, and sweep
     until the rank's helper is killed (at most 20 s): (the pids killed, that deadline)."""
     sweeper.sweep()
@@ -115,8 +114,12 @@ def kill_rank_and_sweep(launcher: subprocess.Popen, sweeper: RankHelperSweeper, 
 
 def reuse() -> None:
     become_subreaper()
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_REUSE, RANK_PLAIN, DETACHED], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_REUSE, RANK_PLAIN, DETACHED],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     rank, helper = (int(x) for x in launcher.stdout.readline().split())
     sweeper = RankHelperSweeper(launcher.pid)
     killed, deadline = kill_rank_and_sweep(launcher, sweeper, helper)
@@ -136,8 +139,19 @@ def reuse() -> None:
         return pid > 0 and psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
 
     session = os.getsid(detached) if alive(detached) else None
-    print(json.dumps({"rank": rank, "helper": helper, "detached": detached, "detached_session": session,
-                      "killed": killed, "alive": {"helper": helper_alive, "detached": alive(detached)}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "helper": helper,
+                "detached": detached,
+                "detached_session": session,
+                "killed": killed,
+                "alive": {"helper": helper_alive, "detached": alive(detached)},
+            }
+        ),
+        flush=True,
+    )
     if alive(detached):
         os.kill(detached, signal.SIGKILL)
     launcher.kill()
@@ -147,8 +161,9 @@ def main() -> None:
     if sys.argv[1:] == ["reuse"]:
         return reuse()
     become_subreaper()
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     rank, helper = (int(x) for x in launcher.stdout.readline().split())
     sweeper = RankHelperSweeper(launcher.pid)
     killed, deadline = kill_rank_and_sweep(launcher, sweeper, helper)
@@ -156,11 +171,23 @@ def main() -> None:
         time.sleep(0.3)
         sweeper.sweep()
     monitors = [p.pid for p in psutil.Process().children() if p.pid not in (launcher.pid, helper)]
-    alive = {pid: psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-             for pid in [helper, *monitors]}
-    print(json.dumps({"rank": rank, "helper": helper, "monitors": monitors, "killed": killed,
-                      "alive": {str(k): v for k, v in alive.items()}, "forgotten": rank not in sweeper.ranks}),
-          flush=True)
+    alive = {
+        pid: psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        for pid in [helper, *monitors]
+    }
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "helper": helper,
+                "monitors": monitors,
+                "killed": killed,
+                "alive": {str(k): v for k, v in alive.items()},
+                "forgotten": rank not in sweeper.ranks,
+            }
+        ),
+        flush=True,
+    )
     for pid in monitors:
         os.kill(pid, signal.SIGKILL)
     launcher.kill()

@@ -49,9 +49,18 @@ def main():
         full.view(-1).view(torch.int32)[-1] ^= 1
         p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
     flipped = params_sha256(model)
-    print(json.dumps({"rank": info.rank, "digest": digest, "flipped": flipped, "allocated": allocated,
-                      "model_bytes": model_bytes,
-                      "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters())}))
+    print(
+        json.dumps(
+            {
+                "rank": info.rank,
+                "digest": digest,
+                "flipped": flipped,
+                "allocated": allocated,
+                "model_bytes": model_bytes,
+                "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
+            }
+        )
+    )
     distributed.shutdown()
     # Exit as a rank does (train/process_exit.py), without the interpreter's finalization: the
     # profiler's threads torn down there can abort the process after its work is done.

@@ -47,9 +47,11 @@ POD_ENV = "RESILIENT_FSDP_LOCAL_POD"  # the local cluster's per-pod mark: ``<run
 # changes size as an operator changes it: a relaunch at another size.
 LEGS = ("main", "rewind", "shrink", "regrow")
 SET_ASIDE = (".abandoned-", ".superseded-")
-DEFAULT_KINDS = ("sigkill-during-save:rank=1,node-loss:node=0,hang:rank=2,partition:node=1:for=20,"
-                 "sigkill-during-save:rank=3,nan-loss:rank=0,hang-in-collective:rank=2,sigkill:rank=0,"
-                 "node-loss:node=1,exception:rank=3,node-loss:node=0,writer-raise:rank=1")
+DEFAULT_KINDS = (
+    "sigkill-during-save:rank=1,node-loss:node=0,hang:rank=2,partition:node=1:for=20,"
+    "sigkill-during-save:rank=3,nan-loss:rank=0,hang-in-collective:rank=2,sigkill:rank=0,"
+    "node-loss:node=1,exception:rank=3,node-loss:node=0,writer-raise:rank=1"
+)
 KEEP_LAST = 2
 # Each launch's restart budgets: in-job restarts (ft_launcher) and pod recreations (the local
 # cluster); what a launch used of them is reported, and must stay within one per fault.
@@ -57,46 +59,61 @@ MAX_RESTARTS, MAX_POD_RECREATIONS = 50, 50
 # The fault tests' settings: a stuck rank is killed 2 s after SIGTERM, a hung step is detected
 # after 8 s, rank monitors look twice a second; a write or commit that has not finished in 30 s
 # (a writer-hang: a save of the tiny model takes milliseconds) fails its save.
-COMMON = ["dist.timeout_s=60", "resilience.launcher.workers_stop_timeout_s=2",
-          "resilience.hang_detection.workload_check_interval_s=0.5", "resilience.hang_detection.step_timeout_s=8",
-          "resilience.hang_detection.learn_timeouts=false", f"checkpoint.keep_last={KEEP_LAST}",
-          "checkpoint.write_timeout_s=30"]
-S3_SETTINGS = [f"checkpoint.s3.keep_last={KEEP_LAST}", "checkpoint.s3.connect_timeout_s=1", "checkpoint.s3.read_timeout_s=2",
-               "checkpoint.s3.max_attempts=2", "checkpoint.s3.retry_backoff_s=0.5",
-               "checkpoint.s3.retry_backoff_max_s=2"]
-FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-            "AWS_EC2_METADATA_DISABLED": "true"}
+COMMON = [
+    "dist.timeout_s=60",
+    "resilience.launcher.workers_stop_timeout_s=2",
+    "resilience.hang_detection.workload_check_interval_s=0.5",
+    "resilience.hang_detection.step_timeout_s=8",
+    "resilience.hang_detection.learn_timeouts=false",
+    f"checkpoint.keep_last={KEEP_LAST}",
+    "checkpoint.write_timeout_s=30",
+]
+S3_SETTINGS = [
+    f"checkpoint.s3.keep_last={KEEP_LAST}",
+    "checkpoint.s3.connect_timeout_s=1",
+    "checkpoint.s3.read_timeout_s=2",
+    "checkpoint.s3.max_attempts=2",
+    "checkpoint.s3.retry_backoff_s=0.5",
+    "checkpoint.s3.retry_backoff_max_s=2",
+]
+FAKE_AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": "/nonexistent",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 CHECKS = {
     "legs_finished": "every leg's launch ended 0 at its stop step",
     "disk_bounded": "checkpoint.dir (set-asides apart) <= (keep_last + 1 in flight + 1 torn) x checkpoint + margin",
     "bucket_bounded": "the bucket <= (s3.keep_last + 1 in flight + 1 torn by a fault, swept after the next "
-                      "upload) x checkpoint + margin",
+    "upload) x checkpoint + margin",
     "open_files_bounded": "per pod, the job's open files <= 2 x the fault-free job's peak",
     "processes_bounded": "per pod, the job's processes <= 2 x the fault-free job's peak",
     "threads_bounded": "per pod, the job's threads <= 2 x the fault-free job's peak",
     "shm_bounded": "the memory tier's bytes in the pods' /dev/shm <= 2 x the fault-free job's peak + 1 MiB",
     "resources_bounded_after_every_fault": "once each fault is recovered, every pod's descriptors, threads and "
-                                           "processes and the /dev/shm bytes are within those bounds",
+    "processes and the /dev/shm bytes are within those bounds",
     "resources_do_not_grow_fault_after_fault": "in each run of in-process restarts that no other restart cuts (the "
-                                               "same processes), the figures after its last exceed those after its "
-                                               "first by no more than a margin (descriptors 64, threads 16, "
-                                               "processes 2): no leak per restart in the same processes",
+    "same processes), the figures after its last exceed those after its "
+    "first by no more than a margin (descriptors 64, threads 16, "
+    "processes 2): no leak per restart in the same processes",
     "ledger_is_the_schedule": "the ledger (<run_dir>/faults) holds each scheduled fault once, and nothing else",
     "summary_is_the_ledger": "summary.json's faults_injected are the ledger's faults",
     "one_recovery_per_stopping_fault": "every fired fault that stops training has one recovery (a partition may "
-                                       "instead have gone on)",
+    "instead have gone on)",
     "restarts_count_the_recoveries": "restarts by layer (summary.json: attempts that reached training) = the "
-                                     "attempts of that layer that closed recoveries",
+    "attempts of that layer that closed recoveries",
     "pod_budget_counts_real_failures": "pod failures counted against backoffLimit <= job-level recoveries of "
-                                       "faults other than node-loss (a lost node is a disruption, not counted); "
-                                       "no whole-JobSet restart",
+    "faults other than node-loss (a lost node is a disruption, not counted); "
+    "no whole-JobSet restart",
     "rewind_resumed_at_its_step": "the rewind leg's first step is N + 1 (resume_from=step_N)",
     "rewind_restarts_stay_on_its_line": "every restart within the rewind leg resumed from step N or a later "
-                                        "checkpoint of the rewound line, never an older one or a set-aside one",
+    "checkpoint of the rewound line, never an older one or a set-aside one",
     "losses_equal_fault_free": "every step trained at the reference's world size on its line (main and "
-                               "rewind legs) has the fault-free job's loss, exactly",
+    "rewind legs) has the fault-free job's loss, exactly",
     "no_processes_left": "no process of the job outlives it",
     "no_pods_left": "no network namespace, veth or bridge outlives it",
     "incomplete_dirs_at_most_one": "at most one .incomplete-* checkpoint directory is left",
@@ -107,7 +124,7 @@ CHECKS = {
 @dataclasses.dataclass
 class Fault:
     leg: str
-    spec: str                   # KIND@STEP:target, or the slot's entry when skipped
+    spec: str  # KIND@STEP:target, or the slot's entry when skipped
     kind: str
     step: int
     skipped: Optional[str] = None
@@ -117,37 +134,62 @@ class Fault:
 class Leg:
     name: str
     pods: int
-    first_step: int             # the step it resumes from (0: a fresh start)
+    first_step: int  # the step it resumes from (0: a fresh start)
     stop_step: int
     overrides: list[str]
     faults: list[Fault]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("campaign", help="a long mixed schedule of faults, rewinds and resizes: what stays bounded",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "campaign",
+        help="a long mixed schedule of faults, rewinds and resizes: what stays bounded",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--run-dir", default="runs/bench-campaign", help="scratch directory for the jobs")
     p.add_argument("--nodes", type=int, default=4, help="pods (one rank each) of the main, rewind and regrow legs")
-    p.add_argument("--steps", type=int, default=3600, help="steps of the whole campaign (default 3600: about ten "
-                                                           "minutes of training at 6 steps/s)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3600,
+        help="steps of the whole campaign (default 3600: about ten minutes of training at 6 steps/s)",
+    )
     p.add_argument("--interval-steps", type=int, default=40, help="checkpoint.interval_steps")
     p.add_argument("--fault-every-steps", type=int, default=120, help="one fault this many steps apart in each leg")
-    p.add_argument("--kinds", default=DEFAULT_KINDS,
-                   help="comma-separated KIND[:rank=R|:node=N][:for=S] entries, used in turn")
-    p.add_argument("--isolation", choices=("netns", "loopback"), default="netns",
-                   help="netns: pods as network namespaces (partition runs); loopback: plain processes "
-                        "(partition skipped)")
-    p.add_argument("--s3", choices=("on", "off"), default="on",
-                   help="the S3 tier against a local moto server (default on)")
+    p.add_argument(
+        "--kinds", default=DEFAULT_KINDS, help="comma-separated KIND[:rank=R|:node=N][:for=S] entries, used in turn"
+    )
+    p.add_argument(
+        "--isolation",
+        choices=("netns", "loopback"),
+        default="netns",
+        help="netns: pods as network namespaces (partition runs); loopback: plain processes (partition skipped)",
+    )
+    p.add_argument(
+        "--s3", choices=("on", "off"), default="on", help="the S3 tier against a local moto server (default on)"
+    )
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per pod (default 1)")
     p.add_argument("--in-process", action="store_true", help="in-process restart on as well")
-    p.add_argument("--memory-interval-steps", type=int, default=0,
-                   help="checkpoint.memory.interval_steps: the memory tier's snapshots (default 0: off)")
-    p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
-                   help="checkpoint.memory.replicas with the memory tier on (default 1)")
+    p.add_argument(
+        "--memory-interval-steps",
+        type=int,
+        default=0,
+        help="checkpoint.memory.interval_steps: the memory tier's snapshots (default 0: off)",
+    )
+    p.add_argument(
+        "--memory-replicas",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="checkpoint.memory.replicas with the memory tier on (default 1)",
+    )
     p.add_argument("--spares", type=int, default=0, help="hot spares beside the pods (the chart's spares)")
-    p.add_argument("--shard-group-size", type=int, default=0,
-                   help="dist.shard_group_size: HSDP in groups of this many ranks (default 0: FSDP over every rank)")
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=0,
+        help="dist.shard_group_size: HSDP in groups of this many ranks (default 0: FSDP over every rank)",
+    )
     p.add_argument("--sample-every-s", type=float, default=1.0)
     p.add_argument("--leg-timeout-s", type=float, default=3600.0)
     p.add_argument("--out", help="write the results as JSON here")
@@ -161,8 +203,10 @@ def feature_overrides(args: argparse.Namespace) -> list[str]:
     if getattr(args, "in_process", False):
         out += IN_PROCESS
     if getattr(args, "memory_interval_steps", 0):
-        out += [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
-                f"checkpoint.memory.replicas={args.memory_replicas}"]
+        out += [
+            f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
+            f"checkpoint.memory.replicas={args.memory_replicas}",
+        ]
     if getattr(args, "shard_group_size", 0):
         out.append(f"dist.shard_group_size={args.shard_group_size}")
     return out
@@ -170,26 +214,39 @@ def feature_overrides(args: argparse.Namespace) -> list[str]:
 
 # In-process restart's timeouts as the fault tests set them: a soft timeout that outlasts the
 # longest legitimate wait of a loaded two-core machine, hang detection left to it.
-IN_PROCESS = ["resilience.in_process.enabled=true", "resilience.in_process.max_iterations=50",
-              "resilience.in_process.soft_timeout_s=20", "resilience.in_process.hard_timeout_s=40",
-              "resilience.in_process.heartbeat_timeout_s=20", "resilience.in_process.barrier_timeout_s=120",
-              "resilience.hang_detection.step_timeout_s=60"]
+IN_PROCESS = [
+    "resilience.in_process.enabled=true",
+    "resilience.in_process.max_iterations=50",
+    "resilience.in_process.soft_timeout_s=20",
+    "resilience.in_process.hard_timeout_s=40",
+    "resilience.in_process.heartbeat_timeout_s=20",
+    "resilience.in_process.barrier_timeout_s=120",
+    "resilience.hang_detection.step_timeout_s=60",
+]
 
 
 # ---- the schedule -----------------------------------------------------------------------------
 
+
 def leg_bounds(steps: int, interval: int) -> dict[str, tuple[int, int]]:
     """(first, stop) step per leg: main 45%, the rewind from main's older kept checkpoint to 65%,
     shrink to 80%, regrow to the end; each stop a checkpoint step."""
+
     def at(fraction: float) -> int:
         return max(interval, int(steps * fraction) // interval * interval)
 
     main_stop, rewind_stop, shrink_stop = at(0.45), at(0.65), at(0.80)
     if not (2 * interval <= main_stop < rewind_stop < shrink_stop < steps):
-        raise ValueError(f"--steps {steps} with --interval-steps {interval}: each leg needs its own checkpoints; "
-                         f"give at least {8 * interval} steps")
-    return {"main": (0, main_stop), "rewind": (main_stop - interval, rewind_stop),
-            "shrink": (rewind_stop, shrink_stop), "regrow": (shrink_stop, steps)}
+        raise ValueError(
+            f"--steps {steps} with --interval-steps {interval}: each leg needs its own checkpoints; "
+            f"give at least {8 * interval} steps"
+        )
+    return {
+        "main": (0, main_stop),
+        "rewind": (main_stop - interval, rewind_stop),
+        "shrink": (rewind_stop, shrink_stop),
+        "regrow": (shrink_stop, steps),
+    }
 
 
 def available(kind: str, isolation: str) -> Optional[str]:
@@ -199,8 +256,15 @@ def available(kind: str, isolation: str) -> Optional[str]:
     return None
 
 
-def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entries: list[str], every: int,
-                 isolation: str, save_every: int = 1, ranks_per_pod: int = 1) -> dict[str, list[Fault]]:
+def place_faults(
+    bounds: dict[str, tuple[int, int]],
+    pods: dict[str, int],
+    entries: list[str],
+    every: int,
+    isolation: str,
+    save_every: int = 1,
+    ranks_per_pod: int = 1,
+) -> dict[str, list[Fault]]:
     """The faults of every leg: in each leg's new steps, one every ``every``, entries in turn. A
     fault inside the checkpoint writer or rank 0's commit (``when: write``, ``commit``) fires only
     while a periodic save is written or committed, so it goes to the first periodic save (every
@@ -235,10 +299,16 @@ def place_faults(bounds: dict[str, tuple[int, int]], pods: dict[str, int], entri
             skipped = available(kind, isolation)
             if writes and skipped is None and step >= stop:
                 skipped = f"no periodic save left in the {leg} leg for a fault inside the writer or the commit"
-            if skipped is None and leg == "main" and FAULT_KINDS[kind].recovered_by.startswith("graceful stop") and \
-                    any(step > rewind for rewind in rewound_to):
-                skipped = (f"a graceful stop after step {min(rewound_to)} checkpoints its step, which retention "
-                           "keeps in place of the checkpoint the rewind leg resumes from")
+            if (
+                skipped is None
+                and leg == "main"
+                and FAULT_KINDS[kind].recovered_by.startswith("graceful stop")
+                and any(step > rewind for rewind in rewound_to)
+            ):
+                skipped = (
+                    f"a graceful stop after step {min(rewound_to)} checkpoints its step, which retention "
+                    "keeps in place of the checkpoint the rewind leg resumes from"
+                )
             if skipped is None:
                 taken.add(f"{kind}@{step}{suffix}")
             placed[leg].append(Fault(leg, f"{kind}@{step}{suffix}", kind, step, skipped))
@@ -250,9 +320,14 @@ def _skip_restores_with_no_restart_after(faults: list[Fault]) -> None:
     """A fault inside a restore (``when: restore``) fires in the restart a later fault of its leg
     causes: with no later fault that stops training, its slot is skipped, saying so."""
     for i, fault in enumerate(faults):
-        if fault.skipped is None and FAULT_KINDS[fault.kind].when == "restore" and not any(
+        if (
+            fault.skipped is None
+            and FAULT_KINDS[fault.kind].when == "restore"
+            and not any(
                 later.skipped is None and FAULT_KINDS[later.kind].stops and FAULT_KINDS[later.kind].when != "restore"
-                for later in faults[i + 1:]):
+                for later in faults[i + 1 :]
+            )
+        ):
             fault.skipped = f"no later fault in the {fault.leg} leg causes the restart a fault inside a restore needs"
 
 
@@ -270,13 +345,22 @@ def plan(args: argparse.Namespace) -> list[Leg]:
     bounds = leg_bounds(args.steps, args.interval_steps)
     pods = {"main": args.nodes, "rewind": args.nodes, "shrink": max(1, args.nodes // 2), "regrow": args.nodes}
     entries = [e.strip() for e in args.kinds.split(",") if e.strip()]
-    faults = place_faults(bounds, pods, entries, args.fault_every_steps, args.isolation, args.interval_steps,
-                          getattr(args, "nproc_per_node", 1))
-    return [Leg(name, pods[name], *bounds[name], [f"train.stop_at_step={bounds[name][1]}"], faults[name])
-            for name in LEGS]
+    faults = place_faults(
+        bounds,
+        pods,
+        entries,
+        args.fault_every_steps,
+        args.isolation,
+        args.interval_steps,
+        getattr(args, "nproc_per_node", 1),
+    )
+    return [
+        Leg(name, pods[name], *bounds[name], [f"train.stop_at_step={bounds[name][1]}"], faults[name]) for name in LEGS
+    ]
 
 
 # ---- sampling ---------------------------------------------------------------------------------
+
 
 def tree_bytes(path: Path) -> tuple[int, int, int]:
     """(bytes outside set-asides, bytes in set-asides, .incomplete-* directories) under ``path``."""
@@ -366,8 +450,15 @@ class Sampler:
                 bucket = self.bucket_bytes()
             except Exception:  # noqa: BLE001 - a listing racing a delete; the next sample counts
                 bucket = None
-        return {"t": time.time(), "checkpoint_bytes": kept, "set_aside_bytes": aside, "incomplete_dirs": incomplete,
-                "bucket_bytes": bucket, "pods": pods, "shm_bytes": sum(shm_seen.values())}
+        return {
+            "t": time.time(),
+            "checkpoint_bytes": kept,
+            "set_aside_bytes": aside,
+            "incomplete_dirs": incomplete,
+            "bucket_bytes": bucket,
+            "pods": pods,
+            "shm_bytes": sum(shm_seen.values()),
+        }
 
 
 def pod_shm(pid: int, run: str) -> Optional[tuple[tuple[int, int], int]]:
@@ -395,17 +486,21 @@ def peaks(samples: list[dict]) -> dict:
         return max([v for v in values if v is not None], default=0)
 
     per_pod = [p for s in samples for name, p in s["pods"].items() if name != "launcher"]
-    return {"checkpoint_bytes": top(s["checkpoint_bytes"] for s in samples),
-            "shm_bytes": top(s.get("shm_bytes", 0) for s in samples),
-            "pod_threads": top(p.get("threads", 0) for p in per_pod),
-            "set_aside_bytes": top(s["set_aside_bytes"] for s in samples),
-            "incomplete_dirs": top(s["incomplete_dirs"] for s in samples),
-            "bucket_bytes": top(s["bucket_bytes"] for s in samples),
-            "pod_processes": top(p["processes"] for p in per_pod), "pod_fds": top(p["fds"] for p in per_pod),
-            "samples": len(samples)}
+    return {
+        "checkpoint_bytes": top(s["checkpoint_bytes"] for s in samples),
+        "shm_bytes": top(s.get("shm_bytes", 0) for s in samples),
+        "pod_threads": top(p.get("threads", 0) for p in per_pod),
+        "set_aside_bytes": top(s["set_aside_bytes"] for s in samples),
+        "incomplete_dirs": top(s["incomplete_dirs"] for s in samples),
+        "bucket_bytes": top(s["bucket_bytes"] for s in samples),
+        "pod_processes": top(p["processes"] for p in per_pod),
+        "pod_fds": top(p["fds"] for p in per_pod),
+        "samples": len(samples),
+    }
 
 
 # ---- running the legs -------------------------------------------------------------------------
+
 
 class LocalS3:
     """A moto server on loopback and one bucket: the campaign's S3 tier."""
@@ -417,15 +512,19 @@ class LocalS3:
 
         self.server = LocalS3Server(root / "s3-server.log")
         self.bucket = f"campaign-{uuid.uuid4().hex[:8]}"
-        self.client = boto3.session.Session(aws_access_key_id=FAKE_AWS["AWS_ACCESS_KEY_ID"],
-                                            aws_secret_access_key=FAKE_AWS["AWS_SECRET_ACCESS_KEY"],
-                                            region_name=FAKE_AWS["AWS_DEFAULT_REGION"]).client(
-            "s3", endpoint_url=self.server.endpoint)
+        self.client = boto3.session.Session(
+            aws_access_key_id=FAKE_AWS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=FAKE_AWS["AWS_SECRET_ACCESS_KEY"],
+            region_name=FAKE_AWS["AWS_DEFAULT_REGION"],
+        ).client("s3", endpoint_url=self.server.endpoint)
         self.client.create_bucket(Bucket=self.bucket)
 
     def overrides(self, prefix: str) -> list[str]:
-        return [f"checkpoint.s3.uri=s3://{self.bucket}/{prefix}",
-                f"checkpoint.s3.endpoint_url={self.server.endpoint}", *S3_SETTINGS]
+        return [
+            f"checkpoint.s3.uri=s3://{self.bucket}/{prefix}",
+            f"checkpoint.s3.endpoint_url={self.server.endpoint}",
+            *S3_SETTINGS,
+        ]
 
     def objects(self, prefix: str) -> list[dict]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix + "/")
@@ -437,7 +536,7 @@ class LocalS3:
     def markerless(self, prefix: str) -> list[str]:
         steps: dict[str, bool] = {}
         for o in self.objects(prefix):
-            top, _, rel = o["Key"][len(prefix) + 1:].partition("/")
+            top, _, rel = o["Key"][len(prefix) + 1 :].partition("/")
             if top.startswith("step_") and rel:
                 steps[top] = steps.get(top, False) or rel == MARKER
         return sorted(name for name, complete in steps.items() if not complete)
@@ -457,21 +556,43 @@ def rewind_step(checkpoints: Path, last: int) -> Optional[int]:
     return max(older) if older else None
 
 
-def launch(run_dir: Path, pods: int, overrides: list[str], faults: list[str], isolation: str, mark: str, log: Path,
-           timeout_s: float, env: Optional[dict] = None, nproc: int = 1, spares: int = 0) -> tuple[int, float, str]:
+def launch(
+    run_dir: Path,
+    pods: int,
+    overrides: list[str],
+    faults: list[str],
+    isolation: str,
+    mark: str,
+    log: Path,
+    timeout_s: float,
+    env: Optional[dict] = None,
+    nproc: int = 1,
+    spares: int = 0,
+) -> tuple[int, float, str]:
     """One ``resilient-fsdp local`` launch of the JobSet: (exit code, wall seconds, output)."""
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={pods}", f"--nproc-per-node={nproc}",
-           f"--run-dir={run_dir}", f"--isolation={isolation}", "--value=workload.kind=JobSet",
-           *([f"--value=spares={spares}"] if spares else []),
-           f"--max-restarts={MAX_RESTARTS}", f"--max-pod-recreations={MAX_POD_RECREATIONS}",
-           *(f"--inject={f}" for f in faults)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.cli",
+        "local",
+        f"--nodes={pods}",
+        f"--nproc-per-node={nproc}",
+        f"--run-dir={run_dir}",
+        f"--isolation={isolation}",
+        "--value=workload.kind=JobSet",
+        *([f"--value=spares={spares}"] if spares else []),
+        f"--max-restarts={MAX_RESTARTS}",
+        f"--max-pod-recreations={MAX_POD_RECREATIONS}",
+        *(f"--inject={f}" for f in faults),
+    ]
     for o in overrides:
         cmd += ["--set", o]
     # The local server's throwaway credentials (with S3 on): nothing reaches AWS.
     env = {**os.environ, **(env or {}), RUN_MARK_ENV: mark}
     start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -498,7 +619,7 @@ def leg_start_index(records: list[dict], leg: int) -> int:
 
 def leg_records(records: list[dict], leg: int) -> list[dict]:
     start = leg_start_index(records, leg)
-    return records[start:leg_start_index(records, leg + 1)] if start < len(records) else []
+    return records[start : leg_start_index(records, leg + 1)] if start < len(records) else []
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -521,12 +642,16 @@ def pod_checkpoint_dir(run_dir: Path) -> str:
 
 
 def checkpoint_size(checkpoint_dir: Path) -> int:
-    sizes = [sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-             for d in checkpoint_dir.glob("step_*") if d.is_dir() and d.name[5:].isdigit()]
+    sizes = [
+        sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        for d in checkpoint_dir.glob("step_*")
+        if d.is_dir() and d.name[5:].isdigit()
+    ]
     return max(sizes, default=0)
 
 
 # ---- the checks -------------------------------------------------------------------------------
+
 
 def check_accounting(run_dir: Path, fired_specs: list[str], outputs: str) -> dict[str, dict]:
     from ..resilience.ledger import FaultLedger
@@ -537,8 +662,11 @@ def check_accounting(run_dir: Path, fired_specs: list[str], outputs: str) -> dic
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     ledger_specs = [f["fault"] for f in fired]
     stopping = [f for f in fired if FAULT_KINDS.get(f["kind"]) is None or FAULT_KINDS[f["kind"]].stops]
-    missing = [f["fault"] for f in stopping
-               if f["key"] not in recoveries and not (f["kind"] == "partition" and f["key"] in went_on)]
+    missing = [
+        f["fault"]
+        for f in stopping
+        if f["key"] not in recoveries and not (f["kind"] == "partition" and f["key"] in went_on)
+    ]
     # Each restart that trained closes the faults before it: two closed by one attempt (a fault
     # inside the restart of another) count as that one restart.
     closing: dict[str, set] = {}
@@ -550,21 +678,29 @@ def check_accounting(run_dir: Path, fired_specs: list[str], outputs: str) -> dic
     restarts = summary.get("restarts", {})
     # The local JobSet's words for a pod failure counted against its Job's backoffLimit.
     counted = len(re.findall(r"counted by Job \S+ \(\d+ of backoffLimit", outputs))
-    allowed = sum(1 for f in fired if f["key"] in recoveries and recoveries[f["key"]]["layer"] == "job"
-                  and f["kind"] != "node-loss")
+    allowed = sum(
+        1
+        for f in fired
+        if f["key"] in recoveries and recoveries[f["key"]]["layer"] == "job" and f["kind"] != "node-loss"
+    )
     whole = outputs.count("RestartJobSet")
     return {
-        "ledger_is_the_schedule": result(sorted(ledger_specs) == sorted(fired_specs),
-                                         {"ledger": ledger_specs, "scheduled": fired_specs}),
-        "summary_is_the_ledger": result(sorted(summary.get("faults_injected", [])) == sorted(ledger_specs),
-                                        {"summary": summary.get("faults_injected")}),
+        "ledger_is_the_schedule": result(
+            sorted(ledger_specs) == sorted(fired_specs), {"ledger": ledger_specs, "scheduled": fired_specs}
+        ),
+        "summary_is_the_ledger": result(
+            sorted(summary.get("faults_injected", [])) == sorted(ledger_specs),
+            {"summary": summary.get("faults_injected")},
+        ),
         "one_recovery_per_stopping_fault": result(not missing, {"without_recovery": missing}),
         "restarts_count_the_recoveries": result(
             all(restarts.get(layer, 0) == by_layer.get(layer, 0) for layer in ("in_process", "in_job", "job")),
-            {"restarts": restarts, "recoveries_by_layer": by_layer}),
-        "pod_budget_counts_real_failures": result(counted <= allowed and whole == 0,
-                                                  {"counted_pod_failures": counted, "allowed": allowed,
-                                                   "whole_jobset_restarts": whole}),
+            {"restarts": restarts, "recoveries_by_layer": by_layer},
+        ),
+        "pod_budget_counts_real_failures": result(
+            counted <= allowed and whole == 0,
+            {"counted_pod_failures": counted, "allowed": allowed, "whole_jobset_restarts": whole},
+        ),
     }
 
 
@@ -586,8 +722,10 @@ def after_each_fault(run_dir: Path, samples: list[dict], legs: list[dict]) -> li
 
     ledger = FaultLedger(run_dir)
     fired = {f["key"]: f for f in ledger.fired()}
-    recovered = sorted(((fired[k]["t_fault"] + r["recovery_s"], r) for k, r in ledger.recoveries().items()
-                        if k in fired), key=lambda item: item[0])
+    recovered = sorted(
+        ((fired[k]["t_fault"] + r["recovery_s"], r) for k, r in ledger.recoveries().items() if k in fired),
+        key=lambda item: item[0],
+    )
     ends = [(leg["t_end"], leg["leg"]) for leg in legs]
     out = []
     for t, record in recovered:
@@ -596,12 +734,20 @@ def after_each_fault(run_dir: Path, samples: list[dict], legs: list[dict]) -> li
             continue
         pods = [p for name, p in sample["pods"].items() if name != "launcher"]
         leg = next((name for end, name in ends if t <= end), ends[-1][1] if ends else None)
-        out.append({"fault": record["fault"], "layer": record["layer"], "leg": leg, "t": sample["t"],
-                    "pod_fds": max((p["fds"] for p in pods), default=0),
-                    "pod_threads": max((p.get("threads", 0) for p in pods), default=0),
-                    "pod_processes": max((p["processes"] for p in pods), default=0),
-                    "shm_bytes": sample.get("shm_bytes", 0), "checkpoint_bytes": sample["checkpoint_bytes"],
-                    "bucket_bytes": sample["bucket_bytes"]})
+        out.append(
+            {
+                "fault": record["fault"],
+                "layer": record["layer"],
+                "leg": leg,
+                "t": sample["t"],
+                "pod_fds": max((p["fds"] for p in pods), default=0),
+                "pod_threads": max((p.get("threads", 0) for p in pods), default=0),
+                "pod_processes": max((p["processes"] for p in pods), default=0),
+                "shm_bytes": sample.get("shm_bytes", 0),
+                "checkpoint_bytes": sample["checkpoint_bytes"],
+                "bucket_bytes": sample["bucket_bytes"],
+            }
+        )
     return out
 
 
@@ -611,12 +757,17 @@ def check_after_faults(records: list[dict], ref_peaks: dict) -> dict[str, dict]:
     beyond :data:`GROWTH_MARGIN` (a leak: what an aborted attempt left behind)."""
     over = []
     for r in records:
-        for name, peak in (("pod_fds", ref_peaks["pod_fds"]), ("pod_threads", ref_peaks["pod_threads"]),
-                           ("pod_processes", ref_peaks["pod_processes"])):
+        for name, peak in (
+            ("pod_fds", ref_peaks["pod_fds"]),
+            ("pod_threads", ref_peaks["pod_threads"]),
+            ("pod_processes", ref_peaks["pod_processes"]),
+        ):
             if r[name] > 2 * peak:
                 over.append({"fault": r["fault"], name: r[name], "bound": 2 * peak})
         if r["shm_bytes"] > 2 * ref_peaks["shm_bytes"] + (1 << 20):
-            over.append({"fault": r["fault"], "shm_bytes": r["shm_bytes"], "bound": 2 * ref_peaks["shm_bytes"] + (1 << 20)})
+            over.append(
+                {"fault": r["fault"], "shm_bytes": r["shm_bytes"], "bound": 2 * ref_peaks["shm_bytes"] + (1 << 20)}
+            )
     grew = []
     # Only an in-process restart keeps its processes: any other layer starts new ones, whose
     # figures owe nothing to the faults before (and a sample may meet them still starting). So
@@ -636,13 +787,23 @@ def check_after_faults(records: list[dict], ref_peaks: dict) -> dict[str, dict]:
         first, last = mine[0], mine[-1]
         for name, margin in GROWTH_MARGIN.items():
             if last[name] > first[name] + margin:
-                grew.append({"leg": first["leg"], "figure": name, "first": first[name], "last": last[name],
-                             "margin": margin, "faults": len(mine)})
+                grew.append(
+                    {
+                        "leg": first["leg"],
+                        "figure": name,
+                        "first": first[name],
+                        "last": last[name],
+                        "margin": margin,
+                        "faults": len(mine),
+                    }
+                )
     return {
-        "resources_bounded_after_every_fault": result(bool(records) and not over,
-                                                      {"faults": len(records), "over": over[:10]}),
-        "resources_do_not_grow_fault_after_fault": result(not grew, grew or f"{len(kept)} in-process restart(s) "
-                                                          "measured, none growing beyond its margin"),
+        "resources_bounded_after_every_fault": result(
+            bool(records) and not over, {"faults": len(records), "over": over[:10]}
+        ),
+        "resources_do_not_grow_fault_after_fault": result(
+            not grew, grew or f"{len(kept)} in-process restart(s) measured, none growing beyond its margin"
+        ),
     }
 
 
@@ -651,8 +812,12 @@ def budgets(leg_records_: list[dict], faults: int) -> dict:
     and what was left."""
     starts = [r for r in leg_records_ if r.get("event") == "start"]
     used = {layer: sum(1 for r in starts if r.get("layer") == layer) for layer in ("in_process", "in_job", "job")}
-    return {"faults": faults, "used": used, "in_job_left": MAX_RESTARTS - used["in_job"],
-            "pod_recreations_left": MAX_POD_RECREATIONS - used["job"]}
+    return {
+        "faults": faults,
+        "used": used,
+        "in_job_left": MAX_RESTARTS - used["in_job"],
+        "pod_recreations_left": MAX_POD_RECREATIONS - used["job"],
+    }
 
 
 def result(ok: bool, detail: object = None) -> dict:
@@ -676,13 +841,14 @@ def rewound_line(records: list[dict], rewind_step: int) -> dict:
             first = len(starts) == 1
             reach = trained
             if not first:  # the recovery this start makes, written before the next start
-                after = next((n for n in records[i + 1:] if n.get("event") in ("recovery", "start")), {})
+                after = next((n for n in records[i + 1 :] if n.get("event") in ("recovery", "start")), {})
                 if after.get("event") == "recovery" and isinstance(after.get("fault_step"), int):
                     reach = max(reach, after["fault_step"])
             if resumed is None or (resumed != rewind_step if first else not rewind_step <= resumed <= reach):
                 wrong.append({"resumed_from_step": resumed, "trained_up_to": reach})
-    return result(bool(starts) and not wrong, {"resumed_from_steps": starts, "rewind_step": rewind_step,
-                                               "off_the_line": wrong})
+    return result(
+        bool(starts) and not wrong, {"resumed_from_steps": starts, "rewind_step": rewind_step, "off_the_line": wrong}
+    )
 
 
 def compare_losses(records: list[dict], reference: dict[int, float], upto: int) -> dict:
@@ -698,8 +864,10 @@ def compare_losses(records: list[dict], reference: dict[int, float], upto: int) 
         compared += 1
         if reference.get(r["step"]) != loss:
             differ.append({"step": r["step"], "loss": loss, "fault_free": reference.get(r["step"])})
-    return result(compared > 0 and not differ, {"compared": compared, "differ": differ[:10], "n_differ": len(differ),
-                                                "nonfinite_skipped": nonfinite})
+    return result(
+        compared > 0 and not differ,
+        {"compared": compared, "differ": differ[:10], "n_differ": len(differ), "nonfinite_skipped": nonfinite},
+    )
 
 
 def time_table(legs: list[dict], records: list[dict], run_dir: Path) -> dict:
@@ -707,8 +875,11 @@ def time_table(legs: list[dict], records: list[dict], run_dir: Path) -> dict:
     checkpoint stalls, recoveries (each fault to the first step after its restore; the work lost
     to it is inside) and the rest (each launch's start-up and shutdown). Steps trained again:
     the recoveries' lost steps and the rewind's."""
-    rewound = sum(max(0, legs[i - 1]["stop_step"] - leg["first_step"]) for i, leg in enumerate(legs)
-                  if i and leg["leg"] == "rewind")
+    rewound = sum(
+        max(0, legs[i - 1]["stop_step"] - leg["first_step"])
+        for i, leg in enumerate(legs)
+        if i and leg["leg"] == "rewind"
+    )
     from ..resilience.ledger import FaultLedger
 
     last: dict[int, float] = {}
@@ -720,9 +891,15 @@ def time_table(legs: list[dict], records: list[dict], run_dir: Path) -> dict:
     stalls = sum(r.get("stall_s", 0.0) for r in records if r.get("event") == "checkpoint")
     recoveries = list(FaultLedger(run_dir).recoveries().values())
     recovery = sum(r["recovery_s"] for r in recoveries)
-    return {"wall_s": wall, "productive_s": productive, "checkpoint_stalls_s": stalls, "recovery_s": recovery,
-            "other_s": wall - productive - stalls - recovery, "goodput": productive / wall if wall else 0.0,
-            "steps_trained_again": sum(r["lost_steps"] for r in recoveries) + rewound}
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "checkpoint_stalls_s": stalls,
+        "recovery_s": recovery,
+        "other_s": wall - productive - stalls - recovery,
+        "goodput": productive / wall if wall else 0.0,
+        "steps_trained_again": sum(r["lost_steps"] for r in recoveries) + rewound,
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -747,8 +924,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Optional[LocalS3], log: Path) -> dict:
-    common = COMMON + [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
-                       f"train.log_every={max(1, args.interval_steps)}", *feature_overrides(args)]
+    common = COMMON + [
+        f"train.steps={args.steps}",
+        f"checkpoint.interval_steps={args.interval_steps}",
+        f"train.log_every={max(1, args.interval_steps)}",
+        *feature_overrides(args),
+    ]
     nproc, spares = getattr(args, "nproc_per_node", 1), getattr(args, "spares", 0)
     started = time.time()
     # The fault-free job: the loss curve, the checkpoint size and the process and file peaks.
@@ -756,8 +937,18 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     fresh_dir(reference_dir)
     mark = f"{root}:fault-free"
     with Sampler(mark, reference_dir / "checkpoints", args.sample_every_s, None) as ref_sampler:
-        code, ref_wall, _ = launch(reference_dir, args.nodes, common, [], args.isolation, mark, log,
-                                   args.leg_timeout_s, nproc=nproc, spares=spares)
+        code, ref_wall, _ = launch(
+            reference_dir,
+            args.nodes,
+            common,
+            [],
+            args.isolation,
+            mark,
+            log,
+            args.leg_timeout_s,
+            nproc=nproc,
+            spares=spares,
+        )
     if code != 0:
         raise RuntimeError(f"the fault-free job failed with code {code}; see {log}")
     reference = {r["step"]: r["loss"] for r in read_records(reference_dir) if r.get("event") == "step"}
@@ -779,11 +970,16 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
             if leg.name == "rewind":
                 kept = rewind_step(run_dir / "checkpoints", leg_results[-1]["stop_step"])
                 if kept is None:
-                    raise RuntimeError(f"the main leg left no committed checkpoint before its last in "
-                                       f"{run_dir / 'checkpoints'}: nothing to rewind to")
+                    raise RuntimeError(
+                        f"the main leg left no committed checkpoint before its last in "
+                        f"{run_dir / 'checkpoints'}: nothing to rewind to"
+                    )
                 if kept != leg.first_step:
-                    print(f"[campaign] leg rewind: the main leg's older kept checkpoint is step {kept} (a fault "
-                          f"tore the save of step {leg.first_step} or a stop saved another): resuming there", flush=True)
+                    print(
+                        f"[campaign] leg rewind: the main leg's older kept checkpoint is step {kept} (a fault "
+                        f"tore the save of step {leg.first_step} or a stop saved another): resuming there",
+                        flush=True,
+                    )
                     leg = dataclasses.replace(leg, first_step=kept)
                 target = f"{pod_checkpoint_dir(run_dir)}/step_{leg.first_step:08d}"
                 overrides.append(f"checkpoint.resume_from={target}")
@@ -791,25 +987,50 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
             t_leg = time.time()
             # A leg of one pod has no spare: its one pod hosts the store, whose loss no spare takes
             # (the chart refuses spares beside a single node).
-            code, wall, out = launch(run_dir, leg.pods, overrides, faults, args.isolation, mark, log,
-                                     args.leg_timeout_s, FAKE_AWS if s3 else None, nproc=nproc,
-                                     spares=spares if leg.pods > 1 else 0)
+            code, wall, out = launch(
+                run_dir,
+                leg.pods,
+                overrides,
+                faults,
+                args.isolation,
+                mark,
+                log,
+                args.leg_timeout_s,
+                FAKE_AWS if s3 else None,
+                nproc=nproc,
+                spares=spares if leg.pods > 1 else 0,
+            )
             outputs += out
             records = read_records(run_dir)
             mine = leg_records(records, len(leg_results))
             steps = [r["step"] for r in mine if r.get("event") == "step"]
             fired_specs += [f.spec for f in leg.faults if not f.skipped]
-            leg_results.append({"leg": leg.name, "pods": leg.pods, "first_step": leg.first_step,
-                                "stop_step": leg.stop_step, "exit_code": code, "wall_s": wall,
-                                "t_start": t_leg, "t_end": t_leg + wall,
-                                "last_step": max(steps, default=None), "faults": [dataclasses.asdict(f) for f in leg.faults],
-                                "budgets": budgets(mine, len(faults))})
-            print(f"[campaign] leg {leg.name}: {leg.pods} pod(s), steps {leg.first_step}..{leg.stop_step}, exit {code}, "
-                  f"{wall:.0f} s; faults: {', '.join(faults) or 'none'}", flush=True)
+            leg_results.append(
+                {
+                    "leg": leg.name,
+                    "pods": leg.pods,
+                    "first_step": leg.first_step,
+                    "stop_step": leg.stop_step,
+                    "exit_code": code,
+                    "wall_s": wall,
+                    "t_start": t_leg,
+                    "t_end": t_leg + wall,
+                    "last_step": max(steps, default=None),
+                    "faults": [dataclasses.asdict(f) for f in leg.faults],
+                    "budgets": budgets(mine, len(faults)),
+                }
+            )
+            print(
+                f"[campaign] leg {leg.name}: {leg.pods} pod(s), steps {leg.first_step}..{leg.stop_step}, exit {code}, "
+                f"{wall:.0f} s; faults: {', '.join(faults) or 'none'}",
+                flush=True,
+            )
             if leg.name == "rewind":
                 rewind_line = rewound_line(mine, leg.first_step)
-                rewind_ok = result(bool(steps) and steps[0] == leg.first_step + 1,
-                                   {"first_step": steps[0] if steps else None, "expected": leg.first_step + 1})
+                rewind_ok = result(
+                    bool(steps) and steps[0] == leg.first_step + 1,
+                    {"first_step": steps[0] if steps else None, "expected": leg.first_step + 1},
+                )
             if code != 0:
                 break
     records = read_records(run_dir)
@@ -839,51 +1060,86 @@ def run_campaign(args: argparse.Namespace, root: Path, legs: list[Leg], s3: Opti
     names = [p.name for p in checkpoints.iterdir()] if checkpoints.is_dir() else []
     held_after = after_each_fault(run_dir, sampler.samples, leg_results)
     checks = {
-        "legs_finished": result(all(leg["exit_code"] == 0 and leg["last_step"] == leg["stop_step"]
-                                    for leg in leg_results) and len(leg_results) == len(legs),
-                                [{k: leg[k] for k in ("leg", "exit_code", "last_step", "stop_step")}
-                                 for leg in leg_results]),
-        "disk_bounded": result(camp_peaks["checkpoint_bytes"] <= disk_bound,
-                               {"peak": camp_peaks["checkpoint_bytes"], "bound": disk_bound,
-                                "set_aside_peak": camp_peaks["set_aside_bytes"]}),
-        "bucket_bounded": (result(camp_peaks["bucket_bytes"] <= bucket_bound,
-                                  {"peak": camp_peaks["bucket_bytes"], "bound": bucket_bound})
-                           if s3 else {"ok": None, "detail": "S3 off (--s3 off)"}),
-        "open_files_bounded": result(camp_peaks["pod_fds"] <= 2 * ref_peaks["pod_fds"],
-                                     {"peak": camp_peaks["pod_fds"], "fault_free_peak": ref_peaks["pod_fds"]}),
-        "processes_bounded": result(camp_peaks["pod_processes"] <= 2 * ref_peaks["pod_processes"],
-                                    {"peak": camp_peaks["pod_processes"],
-                                     "fault_free_peak": ref_peaks["pod_processes"]}),
-        "threads_bounded": result(camp_peaks["pod_threads"] <= 2 * ref_peaks["pod_threads"],
-                                  {"peak": camp_peaks["pod_threads"], "fault_free_peak": ref_peaks["pod_threads"]}),
-        "shm_bounded": result(camp_peaks["shm_bytes"] <= 2 * ref_peaks["shm_bytes"] + (1 << 20),
-                              {"peak": camp_peaks["shm_bytes"], "fault_free_peak": ref_peaks["shm_bytes"]}),
+        "legs_finished": result(
+            all(leg["exit_code"] == 0 and leg["last_step"] == leg["stop_step"] for leg in leg_results)
+            and len(leg_results) == len(legs),
+            [{k: leg[k] for k in ("leg", "exit_code", "last_step", "stop_step")} for leg in leg_results],
+        ),
+        "disk_bounded": result(
+            camp_peaks["checkpoint_bytes"] <= disk_bound,
+            {
+                "peak": camp_peaks["checkpoint_bytes"],
+                "bound": disk_bound,
+                "set_aside_peak": camp_peaks["set_aside_bytes"],
+            },
+        ),
+        "bucket_bounded": (
+            result(
+                camp_peaks["bucket_bytes"] <= bucket_bound, {"peak": camp_peaks["bucket_bytes"], "bound": bucket_bound}
+            )
+            if s3
+            else {"ok": None, "detail": "S3 off (--s3 off)"}
+        ),
+        "open_files_bounded": result(
+            camp_peaks["pod_fds"] <= 2 * ref_peaks["pod_fds"],
+            {"peak": camp_peaks["pod_fds"], "fault_free_peak": ref_peaks["pod_fds"]},
+        ),
+        "processes_bounded": result(
+            camp_peaks["pod_processes"] <= 2 * ref_peaks["pod_processes"],
+            {"peak": camp_peaks["pod_processes"], "fault_free_peak": ref_peaks["pod_processes"]},
+        ),
+        "threads_bounded": result(
+            camp_peaks["pod_threads"] <= 2 * ref_peaks["pod_threads"],
+            {"peak": camp_peaks["pod_threads"], "fault_free_peak": ref_peaks["pod_threads"]},
+        ),
+        "shm_bounded": result(
+            camp_peaks["shm_bytes"] <= 2 * ref_peaks["shm_bytes"] + (1 << 20),
+            {"peak": camp_peaks["shm_bytes"], "fault_free_peak": ref_peaks["shm_bytes"]},
+        ),
         **check_after_faults(held_after, ref_peaks),
         **check_accounting(run_dir, fired_specs, outputs),
         "rewind_resumed_at_its_step": rewind_ok or result(False, "the rewind leg did not run"),
         "rewind_restarts_stay_on_its_line": rewind_line or result(False, "the rewind leg did not run"),
         "losses_equal_fault_free": compare_losses(records, reference, leg_start_index(records, LEGS.index("shrink"))),
         "no_processes_left": result(not left, left),
-        "no_pods_left": result(not plumbing.leaked() if os.geteuid() == 0 else True,
-                               plumbing.leaked() if os.geteuid() == 0 else "not root: no pods made"),
-        "incomplete_dirs_at_most_one": result(sum(".incomplete-" in n for n in names) <= 1,
-                                              [n for n in names if ".incomplete-" in n]),
-        "no_markerless_s3_prefixes": (result(not s3.markerless(prefix), s3.markerless(prefix))
-                                      if s3 else {"ok": None, "detail": "S3 off (--s3 off)"}),
+        "no_pods_left": result(
+            not plumbing.leaked() if os.geteuid() == 0 else True,
+            plumbing.leaked() if os.geteuid() == 0 else "not root: no pods made",
+        ),
+        "incomplete_dirs_at_most_one": result(
+            sum(".incomplete-" in n for n in names) <= 1, [n for n in names if ".incomplete-" in n]
+        ),
+        "no_markerless_s3_prefixes": (
+            result(not s3.markerless(prefix), s3.markerless(prefix))
+            if s3
+            else {"ok": None, "detail": "S3 off (--s3 off)"}
+        ),
     }
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     return {
-        "nodes": args.nodes, "steps": args.steps, "interval_steps": args.interval_steps,
-        "fault_every_steps": args.fault_every_steps, "isolation": args.isolation, "s3": bool(s3),
-        "nproc_per_node": nproc, "spares": spares, "features": feature_overrides(args),
+        "nodes": args.nodes,
+        "steps": args.steps,
+        "interval_steps": args.interval_steps,
+        "fault_every_steps": args.fault_every_steps,
+        "isolation": args.isolation,
+        "s3": bool(s3),
+        "nproc_per_node": nproc,
+        "spares": spares,
+        "features": feature_overrides(args),
         "after_each_fault": held_after,
-        "cpu_count": os.cpu_count(), "keep_last": KEEP_LAST, "checkpoint_bytes": size,
-        "legs": leg_results, "fault_free_wall_s": ref_wall, "fault_free_peaks": ref_peaks, "peaks": camp_peaks,
+        "cpu_count": os.cpu_count(),
+        "keep_last": KEEP_LAST,
+        "checkpoint_bytes": size,
+        "legs": leg_results,
+        "fault_free_wall_s": ref_wall,
+        "fault_free_peaks": ref_peaks,
+        "peaks": camp_peaks,
         "skipped": [dataclasses.asdict(f) for leg in legs for f in leg.faults if f.skipped],
         "checks": checks,
         "time": time_table(leg_results, records, run_dir),
         "final_summary": {k: summary.get(k) for k in ("goodput", "restarts", "job_wall_s", "productive_s")},
-        "recoveries": summary.get("recoveries", []), "bench_wall_s": time.time() - started,
+        "recoveries": summary.get("recoveries", []),
+        "bench_wall_s": time.time() - started,
     }
 
 
@@ -891,13 +1147,19 @@ def format_table(results: dict) -> str:
     rows = [f"{'leg':<8} {'pods':>4} {'steps':>11} {'exit':>4} {'wall_s':>7}  faults"]
     for leg in results["legs"]:
         faults = ", ".join(f["spec"] + (" (skipped)" if f["skipped"] else "") for f in leg["faults"])
-        rows.append(f"{leg['leg']:<8} {leg['pods']:>4} {leg['first_step']:>5}..{leg['stop_step']:<5} "
-                    f"{leg['exit_code']:>4} {leg['wall_s']:>7.1f}  {faults or '-'}")
+        rows.append(
+            f"{leg['leg']:<8} {leg['pods']:>4} {leg['first_step']:>5}..{leg['stop_step']:<5} "
+            f"{leg['exit_code']:>4} {leg['wall_s']:>7.1f}  {faults or '-'}"
+        )
     t = results["time"]
-    rows.append("where the time went (s): " + ", ".join(
-        f"{k.removesuffix('_s').replace('_', ' ')} {t[k]:.1f}" for k in
-        ("wall_s", "productive_s", "checkpoint_stalls_s", "recovery_s", "other_s"))
-        + f"; campaign goodput {t['goodput']:.3f}; steps trained again {t['steps_trained_again']}")
+    rows.append(
+        "where the time went (s): "
+        + ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} {t[k]:.1f}"
+            for k in ("wall_s", "productive_s", "checkpoint_stalls_s", "recovery_s", "other_s")
+        )
+        + f"; campaign goodput {t['goodput']:.3f}; steps trained again {t['steps_trained_again']}"
+    )
     for s in results["skipped"]:
         rows.append(f"skipped: {s['spec']}: {s['skipped']}")
     rows.append(f"{'check':<34} result")

@@ -50,12 +50,14 @@ class OurSaver(Saver):
     """The project's :class:`~..checkpoint.checkpointer.Checkpointer` with the ``sync``, ``async`` or
     ``torch-async`` engine (commit protocol, checksums, ``COMPLETE``).
     """
+
     def __init__(self, trainer: Any, mode: str, root: Path):
         from ..checkpoint.checkpointer import Checkpointer
 
         cfg = dataclasses.replace(trainer.cfg.checkpoint, mode=mode, keep_last=1, interval_steps=0)
-        self.ckpt = Checkpointer(cfg, root / mode, trainer.checkpointer.group, trainer.checkpointer.state,
-                                 trainer.checkpointer.identity)
+        self.ckpt = Checkpointer(
+            cfg, root / mode, trainer.checkpointer.group, trainer.checkpointer.state, trainer.checkpointer.identity
+        )
         self.ckpt.preflight()
         self.record: Optional[dict] = None
         self.job: Any = None
@@ -82,10 +84,15 @@ class OurSaver(Saver):
             return None
         job, self.job = self.job, None
         cpu = {"staging_copy": job.copy_cpu_s, "staging_handoff": job.handoff_cpu_s} if job is not None else {}
-        return {"write_s": record["write_s"], "bytes": record["bytes"],
-                "wait_s": record["staging_wait_s"] + self.copy_wait_s,
-                "call_s": record["save_call_s"], "commit_s": record["commit_on_thread_s"],
-                "commit_background_s": _background(record), "thread_cpu_s": cpu}
+        return {
+            "write_s": record["write_s"],
+            "bytes": record["bytes"],
+            "wait_s": record["staging_wait_s"] + self.copy_wait_s,
+            "call_s": record["save_call_s"],
+            "commit_s": record["commit_on_thread_s"],
+            "commit_background_s": _background(record),
+            "thread_cpu_s": cpu,
+        }
 
     def close(self) -> None:
         self.ckpt.close()
@@ -135,8 +142,13 @@ class MemorySaver(Saver):
             if record["step"] == self.step:
                 if record["error"]:
                     raise RuntimeError(f"memory: the save of step {self.step} failed: {record['error']}")
-                return {"write_s": time.perf_counter() - self.t0, "bytes": record["bytes"], "wait_s": self.wait_s,
-                        "call_s": self.call_s, "commit_s": 0.0}
+                return {
+                    "write_s": time.perf_counter() - self.t0,
+                    "bytes": record["bytes"],
+                    "wait_s": self.wait_s,
+                    "call_s": self.call_s,
+                    "commit_s": 0.0,
+                }
         return None
 
     def close(self) -> None:
@@ -161,8 +173,11 @@ class DcpSaver(Saver):
         self.root.mkdir(parents=True, exist_ok=True)
         self.kind = AsyncCheckpointerType.PROCESS if mode == "dcp_process" else AsyncCheckpointerType.THREAD
         # Pinned memory and non-blocking copies need an accelerator (DCP refuses them without one).
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
-                                                   use_async_staging=True, use_non_blocking_copy=cuda))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda
+            )
+        )
         self.planner = DefaultSavePlanner(enable_plan_caching=True)
         # DCP's async save needs a CPU backend; a GPU job's default group is NCCL only.
         import torch.distributed as dist
@@ -180,10 +195,14 @@ class DcpSaver(Saver):
 
         self.t0 = time.perf_counter()
         self.path = self.root / f"step_{step:08d}"
-        self.response = dcp.async_save(self.state.state_dict(),
-                                       storage_writer=FileSystemWriter(str(self.path)), planner=self.planner,
-                                       process_group=self.group, async_checkpointer_type=self.kind,
-                                       async_stager=self.stager)
+        self.response = dcp.async_save(
+            self.state.state_dict(),
+            storage_writer=FileSystemWriter(str(self.path)),
+            planner=self.planner,
+            process_group=self.group,
+            async_checkpointer_type=self.kind,
+            async_stager=self.stager,
+        )
         self.wait_s, self.staged = 0.0, False
 
     def before_optimizer_step(self) -> float:
@@ -257,16 +276,30 @@ def pin(training_cpu: int, writer_cpu: int) -> None:
             pass
 
 
-def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, step: int,
-            pinned: Optional[tuple[int, int]] = None, saver: Optional[Saver] = None) -> tuple[dict, int]:
+def measure(
+    trainer: Any,
+    mode: str,
+    root: Path,
+    saves: int,
+    warmup_saves: int,
+    step: int,
+    pinned: Optional[tuple[int, int]] = None,
+    saver: Optional[Saver] = None,
+) -> tuple[dict, int]:
     """Save ``warmup_saves + saves`` times with ``mode`` (or with ``saver``, which ``mode`` then
     names), training between saves until each is committed; figures of the measured saves
     (median and min) and the next step number."""
     saver = saver or make_saver(trainer, mode, root)
     original = trainer.checkpointer
     trainer.checkpointer = saver  # train_step awaits this saver's staging before optimizer.step()
-    cols: dict[str, list] = {"save_call_s": [], "wait_before_step_s": [], "commit_s": [], "commit_background_s": [],
-                             "stall_s": [], "write_s": []}
+    cols: dict[str, list] = {
+        "save_call_s": [],
+        "wait_before_step_s": [],
+        "commit_s": [],
+        "commit_background_s": [],
+        "stall_s": [],
+        "write_s": [],
+    }
     during: list[float] = []
     cpu: dict[str, list] = {}
     cores: dict[str, dict[str, list]] = {}
@@ -295,8 +328,11 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
                 continue
             # Where this process's CPU went from the save to its commit: what competes with the
             # step on its core (with --pin, all of it does).
-            window = {"process": time.process_time() - process_cpu0, "main_thread": time.thread_time() - main_cpu0,
-                      **figures.get("thread_cpu_s", {})}
+            window = {
+                "process": time.process_time() - process_cpu0,
+                "main_thread": time.thread_time() - main_cpu0,
+                **figures.get("thread_cpu_s", {}),
+            }
             window["other_threads"] = window["process"] - sum(v for k, v in window.items() if k != "process")
             for name, value in window.items():
                 cpu.setdefault(name, []).append(value)
@@ -328,8 +364,9 @@ def measure(trainer: Any, mode: str, root: Path, saves: int, warmup_saves: int, 
         out[f"{name}_all"] = values
     out["cpu_s_during_write"] = {name: statistics.median(values) for name, values in cpu.items()}
     out["page_faults_during_write"] = statistics.median(faults) if faults else None
-    out["core_s_during_write"] = {core: {f: statistics.median(v) for f, v in fields.items()}
-                                  for core, fields in cores.items()}
+    out["core_s_during_write"] = {
+        core: {f: statistics.median(v) for f, v in fields.items()} for core, fields in cores.items()
+    }
     out["step_time_s"] = statistics.median(during) if during else None
     out["step_time_s_min"] = min(during) if during else None
     out["step_time_s_all"] = during

@@ -18,8 +18,13 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                    TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..checkpoint import integrity
@@ -39,8 +44,7 @@ def fqns(layers: int = LAYERS) -> list[str]:
     return [f"{kind}.{n}" for n in names for kind in ("model", "optim.exp_avg", "optim.exp_avg_sq")]
 
 
-def rank_outcome(rank: int, world: int, names: list[str], shard_rows: int = 1024,
-                 shard_group: int = 0) -> LocalOutcome:
+def rank_outcome(rank: int, world: int, names: list[str], shard_rows: int = 1024, shard_group: int = 0) -> LocalOutcome:
     """One rank's outcome: a write result per tensor shard it wrote, spread over its files. With
     ``shard_group`` (HSDP), rank r holds shard r % group of every tensor and writes it only for
     the tensors its replica r // group is given (one replica in world / group writes each)."""
@@ -53,9 +57,13 @@ def rank_outcome(rank: int, world: int, names: list[str], shard_rows: int = 1024
     mine = [fqn for i, fqn in enumerate(names) if i % replicas == replica]
     for i, fqn in enumerate(mine):
         t = i % WRITER_THREADS
-        results.append(WriteResult(index=MetadataIndex(fqn, torch.Size([position * shard_rows, 0])),
-                                   size_in_bytes=length,
-                                   storage_data=_StorageInfo(files[t], offsets[t], length)))
+        results.append(
+            WriteResult(
+                index=MetadataIndex(fqn, torch.Size([position * shard_rows, 0])),
+                size_in_bytes=length,
+                storage_data=_StorageInfo(files[t], offsets[t], length),
+            )
+        )
         offsets[t] += length
     checksums = {f: {"bytes": offsets[t], "crc32c": f"{rank:08x}"} for t, f in enumerate(files)}
     return LocalOutcome(rank=rank, results=results, checksums=checksums)
@@ -65,10 +73,14 @@ def global_metadata(shards: int, names: list[str], shard_rows: int = 1024) -> Me
     """The plan's metadata: every tensor in ``shards`` row shards (what FSDP's DCP plan holds;
     HSDP's holds its shard group's)."""
     props = TensorProperties(dtype=torch.bfloat16)
-    chunks = [ChunkStorageMetadata(offsets=torch.Size([r * shard_rows, 0]), sizes=torch.Size([shard_rows, 8192]))
-              for r in range(shards)]
-    md = {n: TensorStorageMetadata(properties=props, size=torch.Size([shards * shard_rows, 8192]), chunks=chunks)
-          for n in names}
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size([r * shard_rows, 0]), sizes=torch.Size([shard_rows, 8192]))
+        for r in range(shards)
+    ]
+    md = {
+        n: TensorStorageMetadata(properties=props, size=torch.Size([shards * shard_rows, 8192]), chunks=chunks)
+        for n in names
+    }
     return Metadata(state_dict_metadata=md)
 
 
@@ -102,19 +114,33 @@ def measure(world: int, layers: int = LAYERS, shard_group: int = 0) -> dict:
     t = time.perf_counter()
     integrity.share(files, world, 0)
     share_s = time.perf_counter() - t
-    return {"world_size": world, "shard_group": shard_group or world, "tensors": len(names), "gather_bytes": sum(per_rank),
-            "gather_bytes_per_rank": sum(per_rank) / world, "rank_pickle_s": pickle_s,
-            "rank0_unpickle_s": unpickle_s, "metadata_bytes": metadata_bytes, "finalize_s": finalize_s,
-            "rank0_s": unpickle_s + finalize_s, "rank0_mb_s": (sum(per_rank) + metadata_bytes) / 1e6 / max(
-                unpickle_s + finalize_s, 1e-9), "files": len(files), "share_s": share_s}
+    return {
+        "world_size": world,
+        "shard_group": shard_group or world,
+        "tensors": len(names),
+        "gather_bytes": sum(per_rank),
+        "gather_bytes_per_rank": sum(per_rank) / world,
+        "rank_pickle_s": pickle_s,
+        "rank0_unpickle_s": unpickle_s,
+        "metadata_bytes": metadata_bytes,
+        "finalize_s": finalize_s,
+        "rank0_s": unpickle_s + finalize_s,
+        "rank0_mb_s": (sum(per_rank) + metadata_bytes) / 1e6 / max(unpickle_s + finalize_s, 1e-9),
+        "files": len(files),
+        "share_s": share_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m resilient_fsdp.bench.commit_scale", description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[1024], help="world sizes to measure")
     p.add_argument("--layers", type=int, default=LAYERS, help="transformer layers of the state (70b: 80)")
-    p.add_argument("--shard-group", type=int, default=0,
-                   help="HSDP's shard group (dist.shard_group_size); default: every rank (FSDP)")
+    p.add_argument(
+        "--shard-group",
+        type=int,
+        default=0,
+        help="HSDP's shard group (dist.shard_group_size); default: every rank (FSDP)",
+    )
     args = p.parse_args(argv)
     for world in args.world:
         print(json.dumps(measure(world, args.layers, args.shard_group)))

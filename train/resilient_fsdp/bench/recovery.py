@@ -23,10 +23,15 @@ from .results import write_results
 # Shared by every variant. In-process restart shuts the gloo group's connections down, so ranks
 # blocked on the failed one do not wait out dist.timeout_s; the in-job and relaunch layers still
 # may (after the first step; start-up keeps a long timeout).
-COMMON = ["resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5",
-          "resilience.hang_detection.learn_timeouts=false", "resilience.in_process.soft_timeout_s=20",
-          "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
-          "resilience.in_process.barrier_timeout_s=120"]
+COMMON = [
+    "resilience.launcher.workers_stop_timeout_s=2",
+    "resilience.hang_detection.workload_check_interval_s=0.5",
+    "resilience.hang_detection.learn_timeouts=false",
+    "resilience.in_process.soft_timeout_s=20",
+    "resilience.in_process.hard_timeout_s=40",
+    "resilience.in_process.heartbeat_timeout_s=20",
+    "resilience.in_process.barrier_timeout_s=120",
+]
 # in_process: every rank re-enters training in its process; in_job: ft_launcher respawns the
 # workers; in_job_cold: without pre-warmed ranks; in_job_memory: restored from the pods' memory
 # snapshots; full_relaunch: no restart allowed, the job launched again (what a plain torchrun job
@@ -37,40 +42,85 @@ DEFAULT_LAYERS = LAYERS[:5]  # the node-loss pair waits out the replacement dela
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("recovery", help="recovery time of one fault by in-process, in-job and full relaunch",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "recovery",
+        help="recovery time of one fault by in-process, in-job and full relaunch",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--run-dir", default="runs/bench-recovery", help="scratch directory for the jobs")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--steps", type=int, default=40, help="steps per job")
     p.add_argument("--fault-step", type=int, default=22, help="the step at which the exception is raised")
     p.add_argument("--interval-steps", type=int, default=10, help="checkpoint every this many steps")
-    p.add_argument("--timeout-s", type=float, default=2.0,
-                   help="dist.timeout_s: how long gloo peers wait on the failed rank (default 2)")
-    p.add_argument("--memory-interval-steps", type=int, default=1,
-                   help="checkpoint.memory.interval_steps of the in_job_memory layer (default 1)")
-    p.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1),
-                   help="checkpoint.memory.replicas of the in_job_memory layer (default 0); with 1 the replica's "
-                        "time is reported")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=2.0,
+        help="dist.timeout_s: how long gloo peers wait on the failed rank (default 2)",
+    )
+    p.add_argument(
+        "--memory-interval-steps",
+        type=int,
+        default=1,
+        help="checkpoint.memory.interval_steps of the in_job_memory layer (default 1)",
+    )
+    p.add_argument(
+        "--memory-replicas",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="checkpoint.memory.replicas of the in_job_memory layer (default 0); with 1 the replica's time is reported",
+    )
     p.add_argument("--repeats", type=int, default=5, help="runs per layer; median, min and max are reported")
-    p.add_argument("--layers", nargs="+", default=list(DEFAULT_LAYERS), choices=list(LAYERS),
-                   help=f"layers to measure (default: {' '.join(DEFAULT_LAYERS)})")
-    p.add_argument("--replacement-delay-s", type=float, default=30.0,
-                   help="node_loss and node_loss_spare: seconds from the loss to the replacement pod's start "
-                        "(default 30; the goodput model's job-level restart assumes 600 on a cluster)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a trainer setting for every job (repeatable), e.g. --set model.preset=125m")
-    p.add_argument("--value", dest="values", action="append", default=[], metavar="KEY=VALUE",
-                   help="a chart value for every job (repeatable), e.g. --value shm.sizeLimit=4Gi")
+    p.add_argument(
+        "--layers",
+        nargs="+",
+        default=list(DEFAULT_LAYERS),
+        choices=list(LAYERS),
+        help=f"layers to measure (default: {' '.join(DEFAULT_LAYERS)})",
+    )
+    p.add_argument(
+        "--replacement-delay-s",
+        type=float,
+        default=30.0,
+        help="node_loss and node_loss_spare: seconds from the loss to the replacement pod's start "
+        "(default 30; the goodput model's job-level restart assumes 600 on a cluster)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a trainer setting for every job (repeatable), e.g. --set model.preset=125m",
+    )
+    p.add_argument(
+        "--value",
+        dest="values",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a chart value for every job (repeatable), e.g. --value shm.sizeLimit=4Gi",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(bench=main)
 
 
-def run_job(run_dir: Path, nodes: int, nproc: int, overrides: list[str], flags: list[str], log: Path,
-            timeout_s: float = 900) -> int:
+def run_job(
+    run_dir: Path, nodes: int, nproc: int, overrides: list[str], flags: list[str], log: Path, timeout_s: float = 900
+) -> int:
     """``resilient-fsdp local`` as a user runs it; output appended to ``log``."""
-    cmd = [sys.executable, "-m", "resilient_fsdp.cli", "local", f"--nodes={nodes}", f"--nproc-per-node={nproc}",
-           f"--run-dir={run_dir}", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_fsdp.cli",
+        "local",
+        f"--nodes={nodes}",
+        f"--nproc-per-node={nproc}",
+        f"--run-dir={run_dir}",
+        *flags,
+    ]
     for o in overrides:
         cmd += ["--set", o]
     with open(log, "a") as out:
@@ -88,14 +138,21 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
     """
     kind = "node-loss" if layer.startswith("node_loss") else "exception"
     spec = f"{kind}@{args.fault_step}:rank={args.nodes * args.nproc_per_node - 1}"
-    overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
-                 f"dist.timeout_s={args.timeout_s}", *COMMON, *getattr(args, "overrides", []),
-                 f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}"]
+    overrides = [
+        f"train.steps={args.steps}",
+        f"checkpoint.interval_steps={args.interval_steps}",
+        f"dist.timeout_s={args.timeout_s}",
+        *COMMON,
+        *getattr(args, "overrides", []),
+        f"resilience.in_process.enabled={'true' if layer == 'in_process' else 'false'}",
+    ]
     if layer == "in_job_cold":
         overrides.append("resilience.launcher.prewarm=false")
     if layer == "in_job_memory":
-        overrides += [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
-                      f"checkpoint.memory.replicas={getattr(args, 'memory_replicas', 0)}"]
+        overrides += [
+            f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
+            f"checkpoint.memory.replicas={getattr(args, 'memory_replicas', 0)}",
+        ]
     flags = [f"--inject={spec}", *(f"--value={v}" for v in getattr(args, "values", []))]
     if layer == "full_relaunch":
         flags += ["--max-restarts=0", "--max-pod-recreations=0"]
@@ -112,11 +169,16 @@ def measure(layer: str, run_dir: Path, args: argparse.Namespace, log: Path) -> d
         raise RuntimeError(f"{layer} run failed with code {code}; see {log}")
     summary = json.loads((run_dir / "summary.json").read_text())
     (recovery,) = summary["recoveries"]
-    return {"recovery_s": recovery["recovery_s"], "lost_steps": recovery["lost_steps"],
-            "layer_seen": recovery["layer"], "params_sha256": summary["params_sha256"],
-            "phases_s": recovery.get("phases_s"), "memory_save_stall_s": memory_stall(run_dir / "metrics.jsonl"),
-            "memory_replica_s": replica_time(run_dir / "metrics.jsonl"),
-            **save_stalls(run_dir / "metrics.jsonl", args.fault_step, args.steps)}
+    return {
+        "recovery_s": recovery["recovery_s"],
+        "lost_steps": recovery["lost_steps"],
+        "layer_seen": recovery["layer"],
+        "params_sha256": summary["params_sha256"],
+        "phases_s": recovery.get("phases_s"),
+        "memory_save_stall_s": memory_stall(run_dir / "metrics.jsonl"),
+        "memory_replica_s": replica_time(run_dir / "metrics.jsonl"),
+        **save_stalls(run_dir / "metrics.jsonl", args.fault_step, args.steps),
+    }
 
 
 def memory_stall(metrics: Path) -> float | None:
@@ -150,10 +212,14 @@ def save_stalls(metrics: Path, fault_step: int, final_step: int) -> dict:
 
     after = [stall(e) for e in after_events]
     normal = statistics.median(stall(e) for e in before) if before else None
-    return {"normal_save_stall_s": normal, "save_after_restart_stall_s": after,
-            "save_after_restart_over_normal": max(after) / normal if normal and after else None,
-            # Where those stalls went: the save call's parts, and the wait before optimizer.step().
-            "normal_save_parts_s": [_parts(e) for e in before], "save_after_restart_parts_s": [_parts(e) for e in after_events]}
+    return {
+        "normal_save_stall_s": normal,
+        "save_after_restart_stall_s": after,
+        "save_after_restart_over_normal": max(after) / normal if normal and after else None,
+        # Where those stalls went: the save call's parts, and the wait before optimizer.step().
+        "normal_save_parts_s": [_parts(e) for e in before],
+        "save_after_restart_parts_s": [_parts(e) for e in after_events],
+    }
 
 
 def _parts(event: dict) -> dict:
@@ -166,19 +232,32 @@ def main(args: argparse.Namespace) -> int:
     log = root / "bench.log"
     log.write_text("")
     reference = root / "fault-free"
-    overrides = [f"train.steps={args.steps}", f"checkpoint.interval_steps={args.interval_steps}",
-                 f"dist.timeout_s={args.timeout_s}", *COMMON, *getattr(args, "overrides", [])]
+    overrides = [
+        f"train.steps={args.steps}",
+        f"checkpoint.interval_steps={args.interval_steps}",
+        f"dist.timeout_s={args.timeout_s}",
+        *COMMON,
+        *getattr(args, "overrides", []),
+    ]
     fresh_dir(reference)
     values = [f"--value={v}" for v in getattr(args, "values", [])]
     if run_job(reference, args.nodes, args.nproc_per_node, overrides, values, log) != 0:
         raise RuntimeError(f"the fault-free reference run failed; see {log}")
     expected = json.loads((reference / "summary.json").read_text())["params_sha256"]
-    results: dict = {"nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "steps": args.steps,
-                     "fault": f"exception@{args.fault_step}", "checkpoint_interval_steps": args.interval_steps,
-                     "replacement_delay_s": getattr(args, "replacement_delay_s", None),
-                     "dist_timeout_s": args.timeout_s, "cpu_count": os.cpu_count(), "repeats": args.repeats,
-                     "overrides": list(getattr(args, "overrides", [])), "values": list(getattr(args, "values", [])),
-                     "loadavg_start": os.getloadavg()}
+    results: dict = {
+        "nodes": args.nodes,
+        "nproc_per_node": args.nproc_per_node,
+        "steps": args.steps,
+        "fault": f"exception@{args.fault_step}",
+        "checkpoint_interval_steps": args.interval_steps,
+        "replacement_delay_s": getattr(args, "replacement_delay_s", None),
+        "dist_timeout_s": args.timeout_s,
+        "cpu_count": os.cpu_count(),
+        "repeats": args.repeats,
+        "overrides": list(getattr(args, "overrides", [])),
+        "values": list(getattr(args, "values", [])),
+        "loadavg_start": os.getloadavg(),
+    }
     layers = list(args.layers)
     for layer in layers:
         samples = []
@@ -189,30 +268,42 @@ def main(args: argparse.Namespace) -> int:
             sample["bitwise_equal_to_fault_free"] = sample.pop("params_sha256") == expected
             samples.append(sample)
             ratio = sample["save_after_restart_over_normal"]
-            print(f"{layer:<14} run {i + 1}/{args.repeats}: recovery {sample['recovery_s']:.2f} s, lost steps "
-                  f"{sample['lost_steps']}, recovered by {sample['layer_seen']}, bitwise equal "
-                  f"{sample['bitwise_equal_to_fault_free']}, save after restart / normal "
-                  + (f"{ratio:.2f}" if ratio is not None else "n/a"), flush=True)
+            print(
+                f"{layer:<14} run {i + 1}/{args.repeats}: recovery {sample['recovery_s']:.2f} s, lost steps "
+                f"{sample['lost_steps']}, recovered by {sample['layer_seen']}, bitwise equal "
+                f"{sample['bitwise_equal_to_fault_free']}, save after restart / normal "
+                + (f"{ratio:.2f}" if ratio is not None else "n/a"),
+                flush=True,
+            )
         times = [s["recovery_s"] for s in samples]
         ratios = [s["save_after_restart_over_normal"] for s in samples if s["save_after_restart_over_normal"]]
-        results[layer] = {"recovery_s_median": statistics.median(times), "recovery_s_min": min(times),
-                          "recovery_s_max": max(times),
-                          "lost_steps_median": statistics.median(s["lost_steps"] for s in samples),
-                          "save_after_restart_over_normal_max": max(ratios) if ratios else None,
-                          "memory_save_stall_s_median": _median_of(s["memory_save_stall_s"] for s in samples),
-                          "memory_replica_s_median": _median_of(s.get("memory_replica_s") for s in samples),
-                          "phases_s_median": median_phases(samples), "samples": samples}
+        results[layer] = {
+            "recovery_s_median": statistics.median(times),
+            "recovery_s_min": min(times),
+            "recovery_s_max": max(times),
+            "lost_steps_median": statistics.median(s["lost_steps"] for s in samples),
+            "save_after_restart_over_normal_max": max(ratios) if ratios else None,
+            "memory_save_stall_s_median": _median_of(s["memory_save_stall_s"] for s in samples),
+            "memory_replica_s_median": _median_of(s.get("memory_replica_s") for s in samples),
+            "phases_s_median": median_phases(samples),
+            "samples": samples,
+        }
     results["layers"] = layers
     results["loadavg_end"] = os.getloadavg()
     relaunch = results.get("full_relaunch", {}).get("recovery_s_median")
-    results["ratios"] = {f"{layer}_over_full_relaunch": results[layer]["recovery_s_median"] / relaunch
-                         for layer in ("in_process", "in_job", "in_job_cold", "in_job_memory") if layer in results and relaunch}
+    results["ratios"] = {
+        f"{layer}_over_full_relaunch": results[layer]["recovery_s_median"] / relaunch
+        for layer in ("in_process", "in_job", "in_job_cold", "in_job_memory")
+        if layer in results and relaunch
+    }
     if "node_loss" in results and "node_loss_spare" in results:
-        results["ratios"]["node_loss_spare_over_node_loss"] = (results["node_loss_spare"]["recovery_s_median"]
-                                                               / results["node_loss"]["recovery_s_median"])
+        results["ratios"]["node_loss_spare_over_node_loss"] = (
+            results["node_loss_spare"]["recovery_s_median"] / results["node_loss"]["recovery_s_median"]
+        )
     if "in_job" in results and "node_loss_spare" in results:
-        results["ratios"]["node_loss_spare_over_in_job"] = (results["node_loss_spare"]["recovery_s_median"]
-                                                            / results["in_job"]["recovery_s_median"])
+        results["ratios"]["node_loss_spare_over_in_job"] = (
+            results["node_loss_spare"]["recovery_s_median"] / results["in_job"]["recovery_s_median"]
+        )
     print(format_table(results))
     write_results(results, args.out)
     return 0 if all(s["bitwise_equal_to_fault_free"] for layer in layers for s in results[layer]["samples"]) else 1
@@ -235,16 +326,25 @@ def format_table(results: dict) -> str:
     for layer in results["layers"]:
         r = results[layer]
         ratio = r["save_after_restart_over_normal_max"]
-        rows.append(f"{layer:<14} {r['recovery_s_median']:>12.2f} ({r['recovery_s_min']:.2f}..{r['recovery_s_max']:.2f})"
-                    f"{'':>5} {r['lost_steps_median']:>11} {'n/a' if ratio is None else f'{ratio:.2f} (max)':>26}")
-    rows.append("where the time went (median s): " + "; ".join(
-        f"{layer}: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in results[layer]["phases_s_median"].items())
-        for layer in results["layers"]))
+        rows.append(
+            f"{layer:<14} {r['recovery_s_median']:>12.2f} ({r['recovery_s_min']:.2f}..{r['recovery_s_max']:.2f})"
+            f"{'':>5} {r['lost_steps_median']:>11} {'n/a' if ratio is None else f'{ratio:.2f} (max)':>26}"
+        )
+    rows.append(
+        "where the time went (median s): "
+        + "; ".join(
+            f"{layer}: "
+            + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in results[layer]["phases_s_median"].items())
+            for layer in results["layers"]
+        )
+    )
     for layer in results["layers"]:
         stall, replica = (results[layer].get(k) for k in ("memory_save_stall_s_median", "memory_replica_s_median"))
         if stall is not None:
-            rows.append(f"{layer}: memory save stall {stall:.3f} s (median)"
-                        + (f", replica to the next pod {replica:.3f} s (median)" if replica is not None else ""))
+            rows.append(
+                f"{layer}: memory save stall {stall:.3f} s (median)"
+                + (f", replica to the next pod {replica:.3f} s (median)" if replica is not None else "")
+            )
     rows += [f"{name.replace('_', ' ')}: {value:.3f}" for name, value in results["ratios"].items()]
     return "\n".join(rows)
 
@@ -256,8 +356,10 @@ def fresh_dir(path: Path) -> None:
     """Empty ``path`` for a benchmark job. Only a directory a benchmark created (it holds the
     marker file) is ever deleted: a ``--run-dir`` pointed at anything else is refused."""
     if path.exists() and any(path.iterdir()) and not (path / SCRATCH_MARKER).exists():
-        raise RuntimeError(f"{path} exists and was not created by a benchmark; refusing to delete it. "
-                           f"Pass --run-dir with a new or benchmark-owned directory")
+        raise RuntimeError(
+            f"{path} exists and was not created by a benchmark; refusing to delete it. "
+            f"Pass --run-dir with a new or benchmark-owned directory"
+        )
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)

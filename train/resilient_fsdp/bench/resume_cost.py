@@ -37,7 +37,9 @@ def model(world: int, checkpoint_bytes: float, files_per_rank: int, metadata_byt
     rank0 = sum(files[name]["bytes"] for name in integrity.share(files, world, 0))
     load = {"load_data_bytes": checkpoint_bytes, "load_metadata_reads": 1}
     return {
-        "world": world, "checkpoint_bytes": checkpoint_bytes, "metadata_bytes": metadata_bytes,
+        "world": world,
+        "checkpoint_bytes": checkpoint_bytes,
+        "metadata_bytes": metadata_bytes,
         "fresh_process": {"verify_bytes": everything, **load},
         "in_process_restart": {"verify_bytes": 0, **load},
         "after_s3_restore": {"download_check_bytes": everything, "verify_bytes": 0, **load},

@@ -44,8 +44,12 @@ class LocalS3Server:
             self.port = s.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -177,8 +181,9 @@ def _same_files(a: Path, b: Path) -> bool:
     return names == s3_remote.local_files(b) and all(sha256_file(a / n) == sha256_file(b / n) for n in names)
 
 
-def _rank_upload(cfg: S3Config, loc: s3_client.S3Location, ckpt: str, manifest: dict, names: list[str], rank: int,
-                 go: Any, out: Any) -> None:
+def _rank_upload(
+    cfg: S3Config, loc: s3_client.S3Location, ckpt: str, manifest: dict, names: list[str], rank: int, go: Any, out: Any
+) -> None:
     """One rank of the parallel upload (a spawned process): ready, wait for the start, upload."""
     client = s3_client.make_client(cfg)
     client.list_buckets()  # connection and credentials before the clock starts
@@ -201,10 +206,22 @@ def ranks_upload(cfg: S3Config, loc: s3_client.S3Location, ckpt: Path, ranks: in
     sizes = s3_remote.local_files(ckpt)
     ctx = multiprocessing.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_rank_upload, args=(cfg, loc, str(ckpt), manifest,
-                                                    integrity.share({n: {"bytes": b} for n, b in sizes.items()},
-                                                                    ranks, r), r, go, out))
-             for r in range(ranks)]
+    procs = [
+        ctx.Process(
+            target=_rank_upload,
+            args=(
+                cfg,
+                loc,
+                str(ckpt),
+                manifest,
+                integrity.share({n: {"bytes": b} for n, b in sizes.items()}, ranks, r),
+                r,
+                go,
+                out,
+            ),
+        )
+        for r in range(ranks)
+    ]
     for p in procs:
         p.start()
     try:
@@ -248,11 +265,16 @@ def run(args: argparse.Namespace) -> dict:
         try:
             import moto  # noqa: F401  (only to give a clear error)
         except ImportError:
-            raise ConfigError("the local S3 server needs moto: pip install -c constraints.txt -e '.[test]', or "
-                              "pass --endpoint-url and --uri") from None
+            raise ConfigError(
+                "the local S3 server needs moto: pip install -c constraints.txt -e '.[test]', or "
+                "pass --endpoint-url and --uri"
+            ) from None
         # Throwaway credentials for the throwaway server; they never leave this process tree.
-        for k, v in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
-                     ("AWS_DEFAULT_REGION", "us-east-1")):
+        for k, v in (
+            ("AWS_ACCESS_KEY_ID", "bench"),
+            ("AWS_SECRET_ACCESS_KEY", "bench"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+        ):
             os.environ[k] = v
         server = LocalS3Server(work.parent / "s3-server.log")
     try:
@@ -260,15 +282,21 @@ def run(args: argparse.Namespace) -> dict:
         # A fresh sub-prefix: the benchmark deletes only what it wrote.
         base = s3_client.parse_s3_uri(args.uri or "s3://bench-s3/run", key="--uri")
         uri = f"s3://{base.bucket}/{base.key(f'bench-s3-{uuid.uuid4().hex[:8]}')}"
-        cfg = S3Config(uri=uri, endpoint_url=endpoint, max_concurrency=args.max_concurrency,
-                       multipart_threshold_mb=args.threshold_mib, multipart_chunksize_mb=args.chunk_mib,
-                       addressing_style="path" if server else "auto", max_attempts=3)
+        cfg = S3Config(
+            uri=uri,
+            endpoint_url=endpoint,
+            max_concurrency=args.max_concurrency,
+            multipart_threshold_mb=args.threshold_mib,
+            multipart_chunksize_mb=args.chunk_mib,
+            addressing_style="path" if server else "auto",
+            max_attempts=3,
+        )
         loc = s3_client.parse_s3_uri(uri)
         client = s3_client.make_client(cfg)
         if server:
             client.create_bucket(Bucket=loc.bucket)
-        size = int(args.size_gib * 1024 ** 3)
-        print(f"writing {args.files} file(s), {size / 1024 ** 3:.2f} GiB of random bytes into {work}", flush=True)
+        size = int(args.size_gib * 1024**3)
+        print(f"writing {args.files} file(s), {size / 1024**3:.2f} GiB of random bytes into {work}", flush=True)
         ckpt = make_checkpoint(work / "source", size, args.files)
         nbytes = sum(s3_remote.local_files(ckpt).values())
         load_start = os.getloadavg()  # other work on the machine skews the figures: record it
@@ -277,13 +305,23 @@ def run(args: argparse.Namespace) -> dict:
         phases: dict[str, dict] = {}
 
         def record(name: str, seconds: float, cpu: tuple[float, float], moved: int) -> None:
-            phases[name] = {"seconds": seconds, "bytes": moved, "MB_per_s": moved / 1e6 / seconds,
-                            "client_cpu_s": cpu[0], "server_cpu_s": cpu[1] if server else None}
-            print(f"  {name:<22} {seconds:7.2f} s  {moved / 1e6 / seconds:8.1f} MB/s  CPU: client {cpu[0]:.1f} s"
-                  + (f", server {cpu[1]:.1f} s" if server else ""), flush=True)
+            phases[name] = {
+                "seconds": seconds,
+                "bytes": moved,
+                "MB_per_s": moved / 1e6 / seconds,
+                "client_cpu_s": cpu[0],
+                "server_cpu_s": cpu[1] if server else None,
+            }
+            print(
+                f"  {name:<22} {seconds:7.2f} s  {moved / 1e6 / seconds:8.1f} MB/s  CPU: client {cpu[0]:.1f} s"
+                + (f", server {cpu[1]:.1f} s" if server else ""),
+                flush=True,
+            )
 
-        print(f"endpoint {endpoint} ({'local moto server' if server else 'given'}), {nbytes / 1024 ** 3:.2f} GiB",
-              flush=True)
+        print(
+            f"endpoint {endpoint} ({'local moto server' if server else 'given'}), {nbytes / 1024**3:.2f} GiB",
+            flush=True,
+        )
         seconds, cpu, moved = _timed(clock, single_stream_upload, client, loc, ckpt)
         record("upload_single_stream", seconds, cpu, moved)
         seconds, cpu, moved = _timed(clock, single_stream_download, client, loc, ckpt, work / "single")
@@ -296,8 +334,9 @@ def run(args: argparse.Namespace) -> dict:
         record("upload_managed", seconds, cpu, result["bytes"])
         found = s3_remote.newest_complete(client, loc)
         (work / "managed").mkdir()
-        seconds, cpu, info = _timed(clock, s3_transfer.download_checkpoint, client, cfg, loc, found[0], found[1],
-                                    work / "managed")
+        seconds, cpu, info = _timed(
+            clock, s3_transfer.download_checkpoint, client, cfg, loc, found[0], found[1], work / "managed"
+        )
         record("download_managed", seconds, cpu, nbytes)
         managed_ok = _same_files(ckpt, info.path)
         delete_prefix(client, loc)
@@ -324,16 +363,32 @@ def run(args: argparse.Namespace) -> dict:
     down = phases["download_managed"]["MB_per_s"] / phases["download_single_stream"]["MB_per_s"]
     ranks = phases[f"upload_{args.ranks}_ranks"]["MB_per_s"] / phases["upload_managed"]["MB_per_s"]
     return {
-        "endpoint": "local moto server" if server else endpoint, "uri": uri, "bytes": nbytes, "files": args.files,
-        "transfer": {"max_concurrency": args.max_concurrency, "multipart_threshold_mib": args.threshold_mib,
-                     "multipart_chunksize_mib": args.chunk_mib},
+        "endpoint": "local moto server" if server else endpoint,
+        "uri": uri,
+        "bytes": nbytes,
+        "files": args.files,
+        "transfer": {
+            "max_concurrency": args.max_concurrency,
+            "multipart_threshold_mib": args.threshold_mib,
+            "multipart_chunksize_mib": args.chunk_mib,
+        },
         "ranks": args.ranks,
-        "phases": phases, "ratios": {"upload_managed_over_single": up, "download_managed_over_single": down,
-                                     f"upload_{args.ranks}_ranks_over_rank0_alone": ranks},
-        "verified_bytes_equal": True, "server_peak_rss_bytes": peak or None,
-        "versions": {"boto3": boto3.__version__, "botocore": botocore.__version__,
-                     "moto": _version("moto") if server else None, "python": platform.python_version()},
-        "cpu_count": os.cpu_count(), "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()},
+        "phases": phases,
+        "ratios": {
+            "upload_managed_over_single": up,
+            "download_managed_over_single": down,
+            f"upload_{args.ranks}_ranks_over_rank0_alone": ranks,
+        },
+        "verified_bytes_equal": True,
+        "server_peak_rss_bytes": peak or None,
+        "versions": {
+            "boto3": boto3.__version__,
+            "botocore": botocore.__version__,
+            "moto": _version("moto") if server else None,
+            "python": platform.python_version(),
+        },
+        "cpu_count": os.cpu_count(),
+        "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()},
     }
 
 
@@ -348,40 +403,63 @@ def _version(name: str) -> Optional[str]:
 
 def table(r: dict) -> str:
     p = r["phases"]
-    rows = [f"S3 transfer benchmark: {r['bytes'] / 1024 ** 3:.2f} GiB in {r['files']} file(s), {r['endpoint']}, "
-            f"{r['cpu_count']} CPU(s); managed: multipart {r['transfer']['multipart_chunksize_mib']} MiB parts above "
-            f"{r['transfer']['multipart_threshold_mib']} MiB, {r['transfer']['max_concurrency']} parallel requests",
-            f"{'direction':<10} {'single stream':>15} {'managed':>15} {'managed / single':>17}"]
+    rows = [
+        f"S3 transfer benchmark: {r['bytes'] / 1024**3:.2f} GiB in {r['files']} file(s), {r['endpoint']}, "
+        f"{r['cpu_count']} CPU(s); managed: multipart {r['transfer']['multipart_chunksize_mib']} MiB parts above "
+        f"{r['transfer']['multipart_threshold_mib']} MiB, {r['transfer']['max_concurrency']} parallel requests",
+        f"{'direction':<10} {'single stream':>15} {'managed':>15} {'managed / single':>17}",
+    ]
     for d in ("upload", "download"):
         single, managed = p[f"{d}_single_stream"]["MB_per_s"], p[f"{d}_managed"]["MB_per_s"]
         rows.append(f"{d:<10} {single:>10.1f} MB/s {managed:>10.1f} MB/s {managed / single:>16.2f}x")
     if "ranks" in r:
         n = r["ranks"]
         alone, many = p["upload_managed"]["MB_per_s"], p[f"upload_{n}_ranks"]["MB_per_s"]
-        rows.append(f"upload from {n} ranks in parallel: {many:.1f} MB/s vs rank 0 alone {alone:.1f} MB/s "
-                    f"({many / alone:.2f}x)")
+        rows.append(
+            f"upload from {n} ranks in parallel: {many:.1f} MB/s vs rank 0 alone {alone:.1f} MB/s ({many / alone:.2f}x)"
+        )
     if r["server_peak_rss_bytes"]:
-        rows.append(f"local server peak memory: {r['server_peak_rss_bytes'] / 1024 ** 3:.2f} GiB")
+        rows.append(f"local server peak memory: {r['server_peak_rss_bytes'] / 1024**3:.2f} GiB")
     return "\n".join(rows)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("s3", help="S3 upload/download throughput: managed multipart transfer vs a single stream",
-                       description=__doc__.split("\n")[0])
+    p = sub.add_parser(
+        "s3",
+        help="S3 upload/download throughput: managed multipart transfer vs a single stream",
+        description=__doc__.split("\n")[0],
+    )
     p.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size in GiB (default 2)")
     p.add_argument("--files", type=int, default=8, help="files it is split into (default 8, like 8 ranks' shards)")
-    p.add_argument("--max-concurrency", type=int, default=S3Config().max_concurrency,
-                   help="parallel requests of the managed transfer (checkpoint.s3.max_concurrency)")
-    p.add_argument("--threshold-mib", type=int, default=S3Config().multipart_threshold_mb,
-                   help="multipart threshold (checkpoint.s3.multipart_threshold_mb)")
-    p.add_argument("--chunk-mib", type=int, default=S3Config().multipart_chunksize_mb,
-                   help="part size (checkpoint.s3.multipart_chunksize_mb)")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=S3Config().max_concurrency,
+        help="parallel requests of the managed transfer (checkpoint.s3.max_concurrency)",
+    )
+    p.add_argument(
+        "--threshold-mib",
+        type=int,
+        default=S3Config().multipart_threshold_mb,
+        help="multipart threshold (checkpoint.s3.multipart_threshold_mb)",
+    )
+    p.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=S3Config().multipart_chunksize_mb,
+        help="part size (checkpoint.s3.multipart_chunksize_mb)",
+    )
     p.add_argument("--ranks", type=int, default=4, help="ranks uploading in parallel, each its share (default 4)")
     p.add_argument("--endpoint-url", help="an S3-compatible endpoint instead of the local moto server")
-    p.add_argument("--uri", help="s3://bucket/prefix to use there; the benchmark writes under a new sub-prefix "
-                                 "and deletes only that")
-    p.add_argument("--work-dir", default="runs/bench-s3",
-                   help="files go into a new directory inside it, removed afterwards unless --keep-files")
+    p.add_argument(
+        "--uri",
+        help="s3://bucket/prefix to use there; the benchmark writes under a new sub-prefix and deletes only that",
+    )
+    p.add_argument(
+        "--work-dir",
+        default="runs/bench-s3",
+        help="files go into a new directory inside it, removed afterwards unless --keep-files",
+    )
     p.add_argument("--keep-files", action="store_true", help="keep the generated and downloaded files")
     p.add_argument("--out", help="also write the results as JSON to this file")
     p.set_defaults(bench=main)

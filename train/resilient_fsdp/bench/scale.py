@@ -30,8 +30,13 @@ CASES = (
 )
 MAX_MEASURED_RANKS = 1024
 # The targets the records are judged by (seconds; connections).
-TARGETS = {"cold_save_plan_s": 5.0, "max_rank_blocked_s": 5.0, "resume_metadata_and_plan_s": 10.0,
-           "rank0_training_process_python_s": 0.5, "extra_connections_per_rank": 8}
+TARGETS = {
+    "cold_save_plan_s": 5.0,
+    "max_rank_blocked_s": 5.0,
+    "resume_metadata_and_plan_s": 10.0,
+    "rank0_training_process_python_s": 0.5,
+    "extra_connections_per_rank": 8,
+}
 
 
 def shard_group(layout: str, ranks: int) -> int:
@@ -92,16 +97,37 @@ class World:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             local, _ = compute_local_shape_and_global_offset(p.shape, mesh, placements)
-            return DTensor.from_local(torch.empty(local, device="meta", dtype=torch.float32), mesh, placements,
-                                      run_check=False, shape=p.shape, stride=p.stride())
+            return DTensor.from_local(
+                torch.empty(local, device="meta", dtype=torch.float32),
+                mesh,
+                placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
 
         names = [n for n, _ in model.named_parameters()]
         params = {n: sharded(p) for n, p in model.named_parameters()}
-        state = {n: {"step": torch.tensor(1.0), "exp_avg": sharded(p), "exp_avg_sq": sharded(p)}
-                 for n, p in model.named_parameters()}
-        groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-                   "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-                   "fused": None, "initial_lr": 3e-4, "params": names}]
+        state = {
+            n: {"step": torch.tensor(1.0), "exp_avg": sharded(p), "exp_avg_sq": sharded(p)}
+            for n, p in model.named_parameters()
+        }
+        groups = [
+            {
+                "lr": 3e-4,
+                "betas": (0.9, 0.95),
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "amsgrad": False,
+                "maximize": False,
+                "foreach": None,
+                "capturable": False,
+                "differentiable": False,
+                "fused": None,
+                "initial_lr": 3e-4,
+                "params": names,
+            }
+        ]
         return {"model": params, "optim": {"state": state, "param_groups": groups}}
 
     def close(self) -> None:
@@ -138,9 +164,15 @@ def plan_for(template: Any, world: World, rank: int) -> Any:
         data = item.tensor_data
         sizes, offsets = _compute_local_shape_and_global_offset(data.size, world.mesh_shape, coordinate, placements)
         sizes, offsets = torch.Size(sizes), torch.Size(offsets)
-        items.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
-                               tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                                                           properties=data.properties, size=data.size)))
+        items.append(
+            WriteItem(
+                index=MetadataIndex(item.index.fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes), properties=data.properties, size=data.size
+                ),
+            )
+        )
     return dataclasses.replace(template, items=items)
 
 
@@ -264,7 +296,8 @@ def measure_world(ranks: int, preset: str, layout: str) -> dict:
     load_central, load_global_s = _timed(load_planner.create_global_plan, load_gathered)
     del load_gathered
     load_scattered, load_scatter_pickle_s = _timed(
-        lambda: [pickle.dumps(p, pickle.HIGHEST_PROTOCOL) for p in load_central])
+        lambda: [pickle.dumps(p, pickle.HIGHEST_PROTOCOL) for p in load_central]
+    )
     _, load_unpickle_own_s = _timed(pickle.loads, load_scattered[0])
     del load_central, load_scattered, loaded
     world.close()
@@ -275,44 +308,69 @@ def measure_world(ranks: int, preset: str, layout: str) -> dict:
     from ..checkpoint.commit import CommitJob
 
     names = [f"t{i}" for i in range(len(template.items))]
-    outcome_blobs = [pickle.dumps(pickle.dumps(commit_scale.rank_outcome(r, ranks, names, shard_group=world.group
-                                                                          if world.group != ranks else 0)))
-                     for r in range(ranks)]
+    outcome_blobs = [
+        pickle.dumps(
+            pickle.dumps(
+                commit_scale.rank_outcome(r, ranks, names, shard_group=world.group if world.group != ranks else 0)
+            )
+        )
+        for r in range(ranks)
+    ]
     outcomes, gather_unpickle_s = _timed(lambda: [pickle.loads(b) for b in outcome_blobs])
     del outcome_blobs
-    job = CommitJob(step=1000, where="/fsx/checkpoints/step_00001000", gathered=outcomes,
-                    manifest={"world_size": ranks}, started_unix=time.time(), metadata_key="plan")
+    job = CommitJob(
+        step=1000,
+        where="/fsx/checkpoints/step_00001000",
+        gathered=outcomes,
+        manifest={"world_size": ranks},
+        started_unix=time.time(),
+        metadata_key="plan",
+    )
     _, handoff_s = _timed(pickle.dumps, job, pickle.HIGHEST_PROTOCOL)
     del outcomes
 
     collective_cold = unpickle_all_s + global_plan_s + scatter_pickle_s
-    collective_load = (load_pickle_own_s + load_unpickle_all_s + load_global_s + load_scatter_pickle_s
-                       + load_unpickle_own_s)
+    collective_load = (
+        load_pickle_own_s + load_unpickle_all_s + load_global_s + load_scatter_pickle_s + load_unpickle_own_s
+    )
     # Planned alone, a rank waits only for the vote; its plan is made on its staging thread, and
     # counted here as if the rank waited for it too (it holds the interpreter's lock meanwhile).
     cold = digest_s + vote_unpickle_s + alone_rank0_s
     blocked = max(digest_s + vote_unpickle_s + alone_rank0_s, other_digest_s + vote_unpickle_s + alone_other_s)
     resume = read_index_s + decode_index_s + load_local_s + index_lookups_s
     return {
-        "items_per_rank": len(template.items), "items_written": written,
-        "plan_gather_bytes": gather_bytes, "plan_scatter_bytes": scatter_bytes, "metadata_bytes": metadata_bytes,
+        "items_per_rank": len(template.items),
+        "items_written": written,
+        "plan_gather_bytes": gather_bytes,
+        "plan_scatter_bytes": scatter_bytes,
+        "metadata_bytes": metadata_bytes,
         "index_bytes": index_bytes,
         "phases_s": {
-            "save_local_plan": local_plan_s, "save_pickle_own_plan": pickle_own_s,
-            "save_rank0_unpickle_every_plan": unpickle_all_s, "save_rank0_global_plan": global_plan_s,
-            "save_rank0_pickle_every_central_plan": scatter_pickle_s, "save_unpickle_own_central_plan": unpickle_own_s,
-            "resume_read_index": read_index_s, "resume_decode_index": decode_index_s,
-            "resume_local_load_plan": load_local_s, "resume_index_lookups": index_lookups_s,
-            "metadata_file_read": read_s, "metadata_file_unpickle": unpickle_metadata_s,
-            "commit_index_encode": index_encode_s, "resume_pickle_own_load_plan": load_pickle_own_s,
+            "save_local_plan": local_plan_s,
+            "save_pickle_own_plan": pickle_own_s,
+            "save_rank0_unpickle_every_plan": unpickle_all_s,
+            "save_rank0_global_plan": global_plan_s,
+            "save_rank0_pickle_every_central_plan": scatter_pickle_s,
+            "save_unpickle_own_central_plan": unpickle_own_s,
+            "resume_read_index": read_index_s,
+            "resume_decode_index": decode_index_s,
+            "resume_local_load_plan": load_local_s,
+            "resume_index_lookups": index_lookups_s,
+            "metadata_file_read": read_s,
+            "metadata_file_unpickle": unpickle_metadata_s,
+            "commit_index_encode": index_encode_s,
+            "resume_pickle_own_load_plan": load_pickle_own_s,
             "resume_rank0_unpickle_every_load_plan": load_unpickle_all_s,
             "resume_rank0_global_load_plan": load_global_s,
             "resume_rank0_pickle_every_central_load_plan": load_scatter_pickle_s,
             "resume_unpickle_own_central_load_plan": load_unpickle_own_s,
-            "commit_rank0_unpickle_gathered_outcomes": gather_unpickle_s, "commit_handoff_pickle": handoff_s,
+            "commit_rank0_unpickle_gathered_outcomes": gather_unpickle_s,
+            "commit_handoff_pickle": handoff_s,
             "commit_handoff_metadata_pickle": metadata_pickle_s,
-            "alone_digest_structure": digest_s, "alone_vote_unpickle_every_digest": vote_unpickle_s,
-            "alone_rank0_plan_and_metadata": alone_rank0_s, "alone_other_rank_plan": alone_other_s,
+            "alone_digest_structure": digest_s,
+            "alone_vote_unpickle_every_digest": vote_unpickle_s,
+            "alone_rank0_plan_and_metadata": alone_rank0_s,
+            "alone_other_rank_plan": alone_other_s,
             "alone_commit_handoff_metadata_pickle": alone_metadata_pickle_s,
         },
         "cold_save_plan_s": cold,
@@ -368,8 +426,10 @@ def _run_case(case: dict, max_measured: int, say) -> dict:
         group = shard_group(layout, ranks)
         points = [w for w in (max_measured // 4, max_measured // 2, max_measured) if w >= group and w % group == 0]
         if len(points) < 2:
-            raise UsageError(f"{layout} at {ranks} ranks: --max-measured-ranks {max_measured} leaves fewer than two "
-                             f"worlds of whole shard groups of {group} to extrapolate from")
+            raise UsageError(
+                f"{layout} at {ranks} ranks: --max-measured-ranks {max_measured} leaves fewer than two "
+                f"worlds of whole shard groups of {group} to extrapolate from"
+            )
         measured = {}
         for w in points:
             say(f"measuring {preset} {layout} at {w} ranks (to extrapolate to {ranks})")
@@ -412,30 +472,48 @@ def _extrapolate(measured: dict[int, dict], ranks: int) -> dict:
 
 
 def table(records: list[dict]) -> str:
-    rows = ["| ranks | preset | layout | cold save plan (rank 0) | longest rank blocked | resume metadata + plan "
-            "| rank 0 per save | extra connections (rank 0 / others) | measured |",
-            "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = [
+        "| ranks | preset | layout | cold save plan (rank 0) | longest rank blocked | resume metadata + plan "
+        "| rank 0 per save | extra connections (rank 0 / others) | measured |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in records:
         c = r["extra_connections_per_rank"]
-        how = ("extrapolated from " + ", ".join(sorted(r["extrapolated_from"], key=int))
-               if "extrapolated_from" in r else "measured")
-        rows.append(f"| {r['ranks']:,} | {r['preset']} | {r['layout']} | {r['cold_save_plan_s']:.1f} s "
-                    f"| {r['max_rank_blocked_s']:.1f} s | {r['resume_metadata_and_plan_s']:.1f} s "
-                    f"| {r['rank0_training_process_python_s']:.2f} s | {c['rank0']:,} / {c['other_ranks_at_most']} "
-                    f"| {how} |")
+        how = (
+            "extrapolated from " + ", ".join(sorted(r["extrapolated_from"], key=int))
+            if "extrapolated_from" in r
+            else "measured"
+        )
+        rows.append(
+            f"| {r['ranks']:,} | {r['preset']} | {r['layout']} | {r['cold_save_plan_s']:.1f} s "
+            f"| {r['max_rank_blocked_s']:.1f} s | {r['resume_metadata_and_plan_s']:.1f} s "
+            f"| {r['rank0_training_process_python_s']:.2f} s | {c['rank0']:,} / {c['other_ranks_at_most']} "
+            f"| {how} |"
+        )
     return "\n".join(rows)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scale", help="save planning, resume metadata and planning, and start-up connections at "
-                                     "1,024 and 16,384 ranks, with torch DCP's planner objects in simulated ranks",
-                       description=__doc__.split("\n")[0])
-    p.add_argument("--case", action="append", metavar="RANKS:PRESET:LAYOUT",
-                   help="a case to measure (e.g. 1024:70b:fsdp, 16384:70b:hsdp-64); repeatable; default: "
-                        + ", ".join(f"{c['ranks']}:{c['preset']}:{c['layout']}" for c in CASES))
-    p.add_argument("--max-measured-ranks", type=int, default=MAX_MEASURED_RANKS,
-                   help="a larger case is measured at this world, its half and its quarter and extrapolated "
-                        f"(default {MAX_MEASURED_RANKS}: a 70b FSDP plan there is about 3 M planner objects)")
+    p = sub.add_parser(
+        "scale",
+        help="save planning, resume metadata and planning, and start-up connections at "
+        "1,024 and 16,384 ranks, with torch DCP's planner objects in simulated ranks",
+        description=__doc__.split("\n")[0],
+    )
+    p.add_argument(
+        "--case",
+        action="append",
+        metavar="RANKS:PRESET:LAYOUT",
+        help="a case to measure (e.g. 1024:70b:fsdp, 16384:70b:hsdp-64); repeatable; default: "
+        + ", ".join(f"{c['ranks']}:{c['preset']}:{c['layout']}" for c in CASES),
+    )
+    p.add_argument(
+        "--max-measured-ranks",
+        type=int,
+        default=MAX_MEASURED_RANKS,
+        help="a larger case is measured at this world, its half and its quarter and extrapolated "
+        f"(default {MAX_MEASURED_RANKS}: a 70b FSDP plan there is about 3 M planner objects)",
+    )
     p.add_argument("--out", help="also write the records as JSON to this file")
     p.set_defaults(bench=main)
 

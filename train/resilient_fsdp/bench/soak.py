@@ -24,11 +24,22 @@ from .recovery import fresh_dir, run_job
 DEFAULT_KINDS = "exception,sigkill,hang,exception,sigkill-during-save,hang,exception,node-loss,exception,sigterm"
 # ``--in-process`` adds in-process restart (for exceptions and hangs) to the in-job and job-level
 # restarts that are always on.
-COMMON = ["resilience.launcher.max_restarts=100", "resilience.launcher.workers_stop_timeout_s=2", "resilience.hang_detection.workload_check_interval_s=0.5",
-          "resilience.hang_detection.step_timeout_s=10", "resilience.hang_detection.learn_timeouts=false", "train.log_every=500"]
-IN_PROCESS = ["resilience.in_process.enabled=true", "resilience.hang_detection.step_timeout_s=60", "resilience.in_process.soft_timeout_s=20",
-              "resilience.in_process.hard_timeout_s=40", "resilience.in_process.heartbeat_timeout_s=20",
-              "resilience.in_process.barrier_timeout_s=120"]
+COMMON = [
+    "resilience.launcher.max_restarts=100",
+    "resilience.launcher.workers_stop_timeout_s=2",
+    "resilience.hang_detection.workload_check_interval_s=0.5",
+    "resilience.hang_detection.step_timeout_s=10",
+    "resilience.hang_detection.learn_timeouts=false",
+    "train.log_every=500",
+]
+IN_PROCESS = [
+    "resilience.in_process.enabled=true",
+    "resilience.hang_detection.step_timeout_s=60",
+    "resilience.in_process.soft_timeout_s=20",
+    "resilience.in_process.hard_timeout_s=40",
+    "resilience.in_process.heartbeat_timeout_s=20",
+    "resilience.in_process.barrier_timeout_s=120",
+]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,8 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     def fault_kinds(text: str) -> str:  # refused at parse time: a bad kind would fail the job minutes in
         unknown = [k.strip() for k in text.split(",") if k.strip() and k.strip() not in FAULT_KINDS]
         if unknown:
-            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))} is not a fault kind; the kinds are "
-                                             f"{', '.join(FAULT_KINDS)}")
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(map(repr, unknown))} is not a fault kind; the kinds are {', '.join(FAULT_KINDS)}"
+            )
         return text
 
     def seed_list(text: str) -> str:
@@ -48,8 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers, as 0,1,2 or 0-4") from None
         return text
 
-    p = sub.add_parser("soak", help="a fault every minute for ten minutes: goodput and exactness",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "soak", help="a fault every minute for ten minutes: goodput and exactness", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--run-dir", default="runs/bench-soak", help="scratch directory for the jobs")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc-per-node", type=int, default=2)
@@ -57,18 +70,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-every-s", type=float, default=60.0, help="one fault this often (default 60)")
     p.add_argument("--kinds", default=DEFAULT_KINDS, type=fault_kinds, help="comma-separated fault kinds, used in turn")
     p.add_argument("--seed", type=int, default=0, help="draws each fault's moment within its window (default 0)")
-    p.add_argument("--seeds", type=seed_list, help="several seeds, as 0,1,2 or 0-4: one soak job each, one calibration and one "
-                                   "fault-free reference for all (the same steps); reports each and the lowest")
+    p.add_argument(
+        "--seeds",
+        type=seed_list,
+        help="several seeds, as 0,1,2 or 0-4: one soak job each, one calibration and one "
+        "fault-free reference for all (the same steps); reports each and the lowest",
+    )
     p.add_argument("--checkpoint-interval-s", type=float, default=5.0, help="checkpoint.interval_s")
-    p.add_argument("--checkpoint-interval-steps", type=int, default=0,
-                   help="checkpoint.interval_steps (default 0: the durable checkpoints follow --checkpoint-interval-s "
-                        "alone, not the dev-cpu values' 20 steps)")
+    p.add_argument(
+        "--checkpoint-interval-steps",
+        type=int,
+        default=0,
+        help="checkpoint.interval_steps (default 0: the durable checkpoints follow --checkpoint-interval-s "
+        "alone, not the dev-cpu values' 20 steps)",
+    )
     p.add_argument("--timeout-s", type=float, default=2.0, help="dist.timeout_s (see bench recovery)")
     p.add_argument("--in-process", action="store_true", help="also turn in-process restart on")
-    p.add_argument("--memory-interval-steps", type=int, default=8,
-                   help="checkpoint.memory.interval_steps: the memory tier's interval (default 8; 0: off)")
-    p.add_argument("--memory-replicas", type=int, default=1, choices=(0, 1),
-                   help="checkpoint.memory.replicas (default 1)")
+    p.add_argument(
+        "--memory-interval-steps",
+        type=int,
+        default=8,
+        help="checkpoint.memory.interval_steps: the memory tier's interval (default 8; 0: off)",
+    )
+    p.add_argument(
+        "--memory-replicas", type=int, default=1, choices=(0, 1), help="checkpoint.memory.replicas (default 1)"
+    )
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(bench=main)
 
@@ -82,8 +108,9 @@ def step_rate(run_dir: Path) -> float:
 
 def restores_from_memory(run_dir: Path) -> int:
     """Restarts whose ranks loaded the pods' memory snapshots: rank 0 says each in its node's log."""
-    return sum(log.read_text(errors="replace").count("] resumed from memory: ")
-               for log in (run_dir / "logs").glob("node*.log"))
+    return sum(
+        log.read_text(errors="replace").count("] resumed from memory: ") for log in (run_dir / "logs").glob("node*.log")
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,11 +119,18 @@ def main(args: argparse.Namespace) -> int:
     log = root / "bench.log"
     log.write_text("")
     seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
-    memory = [f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
-              f"checkpoint.memory.replicas={args.memory_replicas}"]
-    base = [f"dist.timeout_s={args.timeout_s}", f"checkpoint.interval_s={args.checkpoint_interval_s}",
-            f"checkpoint.interval_steps={args.checkpoint_interval_steps}", *COMMON,
-            *(IN_PROCESS if args.in_process else []), *memory]
+    memory = [
+        f"checkpoint.memory.interval_steps={args.memory_interval_steps}",
+        f"checkpoint.memory.replicas={args.memory_replicas}",
+    ]
+    base = [
+        f"dist.timeout_s={args.timeout_s}",
+        f"checkpoint.interval_s={args.checkpoint_interval_s}",
+        f"checkpoint.interval_steps={args.checkpoint_interval_steps}",
+        *COMMON,
+        *(IN_PROCESS if args.in_process else []),
+        *memory,
+    ]
 
     calibration = root / "calibration"
     fresh_dir(calibration)
@@ -112,27 +146,49 @@ def main(args: argparse.Namespace) -> int:
         soak = root / ("soak" if len(seeds) == 1 else f"soak-seed-{seed}")
         fresh_dir(soak)
         # Restart limits sized for a fault a minute: this run measures recovery, not the limits.
-        code = run_job(soak, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"],
-                       [f"--inject={f}" for f in faults] + ["--max-pod-recreations=100"], log,
-                       timeout_s=args.duration_s * 4)
+        code = run_job(
+            soak,
+            args.nodes,
+            args.nproc_per_node,
+            base + [f"train.steps={steps}"],
+            [f"--inject={f}" for f in faults] + ["--max-pod-recreations=100"],
+            log,
+            timeout_s=args.duration_s * 4,
+        )
         if code != 0:
             raise RuntimeError(f"the soak job of seed {seed} failed with code {code}; see {log}")
         soaks.append((seed, faults, soak))
     fault_free = root / "fault-free"
     fresh_dir(fault_free)
-    if run_job(fault_free, args.nodes, args.nproc_per_node, base + [f"train.steps={steps}"], [], log,
-               timeout_s=args.duration_s * 3) != 0:
+    if (
+        run_job(
+            fault_free,
+            args.nodes,
+            args.nproc_per_node,
+            base + [f"train.steps={steps}"],
+            [],
+            log,
+            timeout_s=args.duration_s * 3,
+        )
+        != 0
+    ):
         raise RuntimeError(f"the fault-free job failed; see {log}")
     reference = json.loads((fault_free / "summary.json").read_text())
 
     per_seed = [seed_results(seed, faults, soak, reference) for seed, faults, soak in soaks]
     results = {
-        "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "cpu_count": os.cpu_count(),
-        "steps": steps, "step_rate_per_s": rate, "fault_free_goodput": reference["goodput"],
+        "nodes": args.nodes,
+        "nproc_per_node": args.nproc_per_node,
+        "cpu_count": os.cpu_count(),
+        "steps": steps,
+        "step_rate_per_s": rate,
+        "fault_free_goodput": reference["goodput"],
         "fault_free_wall_s": reference["job_wall_s"],
         "checkpoint_interval_s": args.checkpoint_interval_s,
-        "checkpoint_interval_steps": args.checkpoint_interval_steps, "dist_timeout_s": args.timeout_s,
-        "in_process": args.in_process, "memory_interval_steps": args.memory_interval_steps,
+        "checkpoint_interval_steps": args.checkpoint_interval_steps,
+        "dist_timeout_s": args.timeout_s,
+        "in_process": args.in_process,
+        "memory_interval_steps": args.memory_interval_steps,
         "memory_replicas": args.memory_replicas,
     }
     if len(per_seed) == 1:
@@ -141,9 +197,11 @@ def main(args: argparse.Namespace) -> int:
         results["seeds"] = per_seed
         results["goodput_min"] = min(r["goodput"] for r in per_seed)
     for r in per_seed:
-        print(f"seed {r['seed']}: goodput {r['goodput']:.3f} (fault-free run: {reference['goodput']:.3f}) over "
-              f"{r['job_wall_s']:.0f} s; {r['faults_recovered']}/{len(r['faults'])} faults recovered; "
-              f"restarts {r['restarts']}; bitwise equal to fault-free: {r['bitwise_equal_to_fault_free']}")
+        print(
+            f"seed {r['seed']}: goodput {r['goodput']:.3f} (fault-free run: {reference['goodput']:.3f}) over "
+            f"{r['job_wall_s']:.0f} s; {r['faults_recovered']}/{len(r['faults'])} faults recovered; "
+            f"restarts {r['restarts']}; bitwise equal to fault-free: {r['bitwise_equal_to_fault_free']}"
+        )
         for kind, value in r["recovery_s_median_by_kind"].items():
             print(f"  {kind:<36} median recovery {value:.2f} s")
     if len(per_seed) > 1:
@@ -176,8 +234,11 @@ def draw_faults(args: argparse.Namespace, rate: float, seed: int) -> list[str]:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     n_faults = int(args.duration_s // args.fault_every_s)
     draw = random.Random(seed)
-    return [f"{kinds[i % len(kinds)]}@{int((i + draw.uniform(0.1, 0.9)) * args.fault_every_s * rate)}"
-            f":rank={1 + i % (world - 1)}" for i in range(n_faults)]
+    return [
+        f"{kinds[i % len(kinds)]}@{int((i + draw.uniform(0.1, 0.9)) * args.fault_every_s * rate)}"
+        f":rank={1 + i % (world - 1)}"
+        for i in range(n_faults)
+    ]
 
 
 def seed_results(seed: int, faults: list[str], soak: Path, reference: dict) -> dict:
@@ -185,11 +246,19 @@ def seed_results(seed: int, faults: list[str], soak: Path, reference: dict) -> d
     by_kind: dict[str, list[float]] = {}
     for r in summary["recoveries"]:
         by_kind.setdefault(f"{r['kind']} ({r['layer']})", []).append(r["recovery_s"])
-    return {"seed": seed, "faults": faults, "faults_recovered": len(summary["recoveries"]),
-            "restarts": summary["restarts"], "goodput": summary["goodput"], "job_wall_s": summary["job_wall_s"],
-            "recovery_s_median_by_kind": {k: statistics.median(v) for k, v in sorted(by_kind.items())},
-            "recoveries": [{k: r[k] for k in ("fault", "layer", "recovery_s", "lost_steps", "resumed_from_step")}
-                           for r in summary["recoveries"]],
-            "lost_steps_total": sum(r["lost_steps"] for r in summary["recoveries"]),
-            "bitwise_equal_to_fault_free": summary["params_sha256"] == reference["params_sha256"],
-            "restores_from_memory": restores_from_memory(soak)}
+    return {
+        "seed": seed,
+        "faults": faults,
+        "faults_recovered": len(summary["recoveries"]),
+        "restarts": summary["restarts"],
+        "goodput": summary["goodput"],
+        "job_wall_s": summary["job_wall_s"],
+        "recovery_s_median_by_kind": {k: statistics.median(v) for k, v in sorted(by_kind.items())},
+        "recoveries": [
+            {k: r[k] for k in ("fault", "layer", "recovery_s", "lost_steps", "resumed_from_step")}
+            for r in summary["recoveries"]
+        ],
+        "lost_steps_total": sum(r["lost_steps"] for r in summary["recoveries"]),
+        "bitwise_equal_to_fault_free": summary["params_sha256"] == reference["params_sha256"],
+        "restores_from_memory": restores_from_memory(soak),
+    }

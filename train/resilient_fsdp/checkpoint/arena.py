@@ -67,7 +67,7 @@ class Arena:
 
     def view(self, slot: Slot) -> torch.Tensor:
         """The arena's bytes of ``slot`` as a tensor of its dtype and shape (no copy)."""
-        return self.bytes[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        return self.bytes[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
     def close(self) -> None:
         """Unregister the pinned range; the memory itself goes with the last view of it."""

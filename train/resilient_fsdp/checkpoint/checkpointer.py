@@ -49,11 +49,21 @@ class Checkpointer:
     read-ahead of its newest memory snapshot (:mod:`.memory.prefetch`).
     """
 
-    def __init__(self, cfg: CheckpointConfig, root: Path, group: RankGroup, state: CheckpointState,
-                 identity: dict, log: Optional[RunLog] = None, hooks: Optional[NoHooks] = None,
-                 engine_factory: Optional[Callable[[], Engine]] = None,
-                 uploader: Optional[Uploader] = None, batch: Optional[dict] = None,
-                 choose_batch: Optional[resume_.ChooseBatch] = None, memory_prefetch: Optional[Prefetch] = None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        root: Path,
+        group: RankGroup,
+        state: CheckpointState,
+        identity: dict,
+        log: Optional[RunLog] = None,
+        hooks: Optional[NoHooks] = None,
+        engine_factory: Optional[Callable[[], Engine]] = None,
+        uploader: Optional[Uploader] = None,
+        batch: Optional[dict] = None,
+        choose_batch: Optional[resume_.ChooseBatch] = None,
+        memory_prefetch: Optional[Prefetch] = None,
+    ):
         self.cfg, self.root, self.group, self.state = cfg, root, group, state
         self.log = log or SilentLog()
         # The attempt's resilience hooks: hang-detection sections, the drain budget, fault injection.
@@ -65,7 +75,9 @@ class Checkpointer:
         self.choose_batch = choose_batch
         # An engine from a factory belongs to the caller (it outlives in-process restarts).
         self.owns_engine = engine_factory is None
-        self._engine_factory = engine_factory or (lambda: build_engine(cfg.mode, group.rank, cfg.writer_threads, cfg.planning))
+        self._engine_factory = engine_factory or (
+            lambda: build_engine(cfg.mode, group.rank, cfg.writer_threads, cfg.planning)
+        )
         self._engine: Optional[Engine] = None
         self.pending: Optional[PendingSave] = None
         self.records: list[dict] = []
@@ -91,11 +103,23 @@ class Checkpointer:
         # Rank 0's commits between steps run in a process of its own (:mod:`.commit`).
         self.commits = commit.BackgroundCommit(cfg.write_timeout_s) if group.is_coordinator else None
         # Snapshots in the pod's memory between durable saves (checkpoint.memory; off at 0).
-        self.memory = MemoryTier(cfg.memory.interval_steps, Path(cfg.memory.dir), self.job, self.run, group.rank,
-                                 group.world_size, cfg.memory.replicas, ranks_per_pod(group.world_size),
-                                 reports.say_any_rank, durable_copies=0 if cfg.mode == "sync" else 1,
-                                 prefetch=memory_prefetch) \
-            if cfg.memory.interval_steps > 0 else None
+        self.memory = (
+            MemoryTier(
+                cfg.memory.interval_steps,
+                Path(cfg.memory.dir),
+                self.job,
+                self.run,
+                group.rank,
+                group.world_size,
+                cfg.memory.replicas,
+                ranks_per_pod(group.world_size),
+                reports.say_any_rank,
+                durable_copies=0 if cfg.mode == "sync" else 1,
+                prefetch=memory_prefetch,
+            )
+            if cfg.memory.interval_steps > 0
+            else None
+        )
 
     def say(self, message: str) -> None:
         self.log.info(message)
@@ -105,7 +129,11 @@ class Checkpointer:
         if self._engine is None:
             self._engine = self._engine_factory()
             # A new attempt: it starts from the save plan the pod kept for this rank, if any.
-            self._engine.attach(self.group.world_size, self.group.rank, kept_plan_file(Path(self.cfg.memory.dir), self.job, self.run, self.group.rank))
+            self._engine.attach(
+                self.group.world_size,
+                self.group.rank,
+                kept_plan_file(Path(self.cfg.memory.dir), self.job, self.run, self.group.rank),
+            )
         return self._engine
 
     # -- what the loop calls -----------------------------------------------------------------------
@@ -115,8 +143,12 @@ class Checkpointer:
         committing = self.pending is not None and self.pending.committing
         writing = self.pending is not None and not committing and not self.engine.local_status()[0]
         stopped = self.memory is not None and not self.memory.replicating
-        return Votes(interval_passed=1.0 if self._interval_passed() else 0.0, writing=1.0 if writing else 0.0,
-                     committing=1.0 if self._commit_running() else 0.0, unreplicated=1.0 if stopped else 0.0)
+        return Votes(
+            interval_passed=1.0 if self._interval_passed() else 0.0,
+            writing=1.0 if writing else 0.0,
+            committing=1.0 if self._commit_running() else 0.0,
+            unreplicated=1.0 if stopped else 0.0,
+        )
 
     def _commit_running(self) -> bool:
         return self.commits is not None and self.commits.running()  # rank 0 alone commits
@@ -203,6 +235,7 @@ class Checkpointer:
     def preflight(self) -> None:
         """Fail at start, on every rank, if the checkpoint directory cannot be written or another
         job holds it; complete commits a crash cut short."""
+
         def under_lease(lease: Lease) -> None:
             for path in store.recover(self.root):
                 self.say(f"completed the commit of {path} that a crash had cut short")
@@ -222,8 +255,20 @@ class Checkpointer:
         """Load the newest complete checkpoint (or ``resume_from`` at the job's first start); its
         step or None. ``suspect``: steps never resumed from (:func:`.resume.resume`)."""
         self.before_optimizer_step()  # loading changes the live state: no copy may be reading it
-        done = resume_.resume(self.group, self.cfg, self.root, self.job, self.state, self.identity, self.batch,
-                              self.say, self.choose_batch, self.memory, self.hooks.restoring, suspect)
+        done = resume_.resume(
+            self.group,
+            self.cfg,
+            self.root,
+            self.job,
+            self.state,
+            self.identity,
+            self.batch,
+            self.say,
+            self.choose_batch,
+            self.memory,
+            self.hooks.restoring,
+            suspect,
+        )
         if self.memory is not None:
             # Snapshots past the step this start trains on belong to a line it no longer follows.
             self.memory.discard_newer_than(done.step if done.step is not None else -1)
@@ -274,9 +319,13 @@ class Checkpointer:
             try:
                 (self.root / store.partial_name(step, token)).mkdir(parents=True)
             except OSError as exc:
-                error = self._failure(f"checkpoint of step {step} failed: cannot create a checkpoint directory under "
-                                      f"checkpoint.dir={str(self.root)!r}: {exc.strerror or exc}",
-                                      failures.MKDIR, step, exc)
+                error = self._failure(
+                    f"checkpoint of step {step} failed: cannot create a checkpoint directory under "
+                    f"checkpoint.dir={str(self.root)!r}: {exc.strerror or exc}",
+                    failures.MKDIR,
+                    step,
+                    exc,
+                )
         # One collective: rank 0's directory, and whether every rank can use its plan cache.
         t_agree = time.perf_counter()
         gathered = self.group.all_gather((token, error, vote))
@@ -286,8 +335,9 @@ class Checkpointer:
             self.last_save_time = time.monotonic()  # checkpoint.interval_s: not again at the next step
             raise error.error()
         partial_dir = self.root / store.partial_name(step, token)
-        self.hooks.save_started(step, partial_dir, lambda: store.written_bytes(partial_dir),
-                                self.expected_written_bytes)
+        self.hooks.save_started(
+            step, partial_dir, lambda: store.written_bytes(partial_dir), self.expected_written_bytes
+        )
         plan = self.engine.agree([v[2] for v in gathered])
         self.engine.start(sd, partial_dir, step, token, plan, self.hooks.writer_fault(step))
         for note in self.engine.take_notes():
@@ -296,11 +346,21 @@ class Checkpointer:
         call = t_end - t0
         # Where the call's time went: waiting for the previous write, taking the state, agreeing
         # with every rank (the slowest to arrive), starting the write (planning, unless cached).
-        parts = {"previous_s": t_state - t0, "state_s": t_agree - t_state, "agree_s": t_start - t_agree,
-                 "start_s": t_end - t_start}
-        self.pending = PendingSave(step, partial_dir, started_unix=time.time() - (time.perf_counter() - t0),
-                                   stall_s=call, save_call_s=call, save_call_parts_s=parts,
-                                   plan=PLAN_NAMES[plan] if self.engine.mode == "async" else None)
+        parts = {
+            "previous_s": t_state - t0,
+            "state_s": t_agree - t_state,
+            "agree_s": t_start - t_agree,
+            "start_s": t_end - t_start,
+        }
+        self.pending = PendingSave(
+            step,
+            partial_dir,
+            started_unix=time.time() - (time.perf_counter() - t0),
+            stall_s=call,
+            save_call_s=call,
+            save_call_parts_s=parts,
+            plan=PLAN_NAMES[plan] if self.engine.mode == "async" else None,
+        )
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
         return self.wait() if self.engine.mode == "sync" else previous
@@ -342,9 +402,11 @@ class Checkpointer:
             if unavailable:
                 # Committed here, on the training thread: its time is this checkpoint's stall.
                 self.pending.inline_commit_s = time.perf_counter() - t_submit
-                self.say(f"warning: rank 0's commit process could not be started ({unavailable}); checkpoint "
-                         f"step {job.step} was committed on the training thread, and the next commit tries a new "
-                         "process")
+                self.say(
+                    f"warning: rank 0's commit process could not be started ({unavailable}); checkpoint "
+                    f"step {job.step} was committed on the training thread, and the next commit tries a new "
+                    "process"
+                )
         return None
 
     def wait(self) -> Optional[dict]:
@@ -373,10 +435,13 @@ class Checkpointer:
         if writing != 0.0:
             pending, self.pending = self.pending, None
             self.engine.abandon()
-            raise SaveFailed(f"checkpoint of step {pending.step} failed: its write did not finish within "
-                             f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
-                             f"incomplete at {pending.dir} and will not be loaded", failures.TIMEOUT,
-                             step=pending.step)
+            raise SaveFailed(
+                f"checkpoint of step {pending.step} failed: its write did not finish within "
+                f"checkpoint.write_timeout_s={self.cfg.write_timeout_s:g} on every rank; it stays "
+                f"incomplete at {pending.dir} and will not be loaded",
+                failures.TIMEOUT,
+                step=pending.step,
+            )
         job, gather_s = self._gather()
         # The commit runs on the training thread: its time (rank 0's gather, metadata, manifest and
         # rename, then the broadcast) is this checkpoint's commit_s and, when charged, stall.
@@ -400,9 +465,16 @@ class Checkpointer:
         gather_s = time.perf_counter() - t_gather
         if not self.group.is_coordinator:
             return None, gather_s
-        manifest = {**self.identity, "step": self.pending.step, "mode": self.engine.mode,
-                    "world_size": self.group.world_size, **self.batch, "nvrx_version": NVRX_VERSION,
-                    "torch_version": torch.__version__, "job": self.job}
+        manifest = {
+            **self.identity,
+            "step": self.pending.step,
+            "mode": self.engine.mode,
+            "world_size": self.group.world_size,
+            **self.batch,
+            "nvrx_version": NVRX_VERSION,
+            "torch_version": torch.__version__,
+            "job": self.job,
+        }
         return commit_job(self.pending, outcomes, manifest, self.engine, self.lease, self.hooks), gather_s
 
     def _committed(self, charge: bool) -> Optional[dict]:
@@ -419,8 +491,9 @@ class Checkpointer:
             result[0]["committed_inline_s"] = pending.inline_commit_s  # rank 0 alone knows: it travels
         return self._learn_commit(result, charge, on_thread_s=pending.gather_s + time.perf_counter() - t0)
 
-    def _commit_record(self, pending: PendingSave, result: commit.CommitResult,
-                       gather_s: float) -> tuple[Optional[dict], Optional[Failure]]:
+    def _commit_record(
+        self, pending: PendingSave, result: commit.CommitResult, gather_s: float
+    ) -> tuple[Optional[dict], Optional[Failure]]:
         return commit_record(pending, result, gather_s, self.engine.mode, self.lease, self._failure)
 
     def _learn_commit(self, result: tuple, charge: bool, on_thread_s: Optional[float] = None) -> dict:
@@ -440,8 +513,9 @@ class Checkpointer:
 
     def _failure(self, message: str, cause: str, step: int, error: object) -> Failure:
         """Rank 0: the failure of the save of ``step`` (:func:`.failures.save_failure`)."""
-        needed = self.expected_written_bytes() if cause in (failures.WRITER, failures.FINALIZE, failures.MKDIR) \
-            else None
+        needed = (
+            self.expected_written_bytes() if cause in (failures.WRITER, failures.FINALIZE, failures.MKDIR) else None
+        )
         return failures.save_failure(message, cause, step, error, self.root, needed, self.cfg.keep_last)
 
     def _after_commit(self, record: dict) -> None:
@@ -451,8 +525,9 @@ class Checkpointer:
         self.streak.committed()
         if self.uploader is not None:
             self.uploader.submit(record["step"], Path(record["path"]), manifest=record["manifest"])
-        self.retention.after_commit(self.uploader.holds if self.uploader is not None else (lambda _p: False),
-                                    self.lease)
+        self.retention.after_commit(
+            self.uploader.holds if self.uploader is not None else (lambda _p: False), self.lease
+        )
 
     def expected_written_bytes(self) -> Optional[int]:
         return store.expected_written_bytes(self.root, self.group.world_size, self.engine.mode)
@@ -473,9 +548,11 @@ class Checkpointer:
         # A commit in flight finishes first: before the lease is released, and before an in-process
         # restart's start sweeps torn directories, this one among them.
         if self.commits is not None and not self.commits.close():
-            self.say(f"the commit of checkpoint step {self.pending.step if self.pending else '?'} did not finish "
-                     f"within checkpoint.write_timeout_s={self.cfg.write_timeout_s:g}; it is left incomplete and "
-                     "will not be loaded")
+            self.say(
+                f"the commit of checkpoint step {self.pending.step if self.pending else '?'} did not finish "
+                f"within checkpoint.write_timeout_s={self.cfg.write_timeout_s:g}; it is left incomplete and "
+                "will not be loaded"
+            )
         self.retention.close(self.log)
         if self.lease is not None:
             self.lease.release()
@@ -499,4 +576,3 @@ class Checkpointer:
             # A write still running gets checkpoint.write_timeout_s (at most 2 minutes) to finish;
             # a hung one (abandoned at its deadline) is not waited for at all.
             self._engine.drain(timeout_s=min(120.0, self.cfg.write_timeout_s))
-

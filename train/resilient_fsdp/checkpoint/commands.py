@@ -26,8 +26,11 @@ from .s3 import transfer as s3_transfer
 
 
 def add_parser(sub: argparse._SubParsersAction, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser("checkpoints", help="list, pull or push checkpoints between checkpoint.dir and S3",
-                       description=__doc__.split("\n")[0])
+    p = sub.add_parser(
+        "checkpoints",
+        help="list, pull or push checkpoints between checkpoint.dir and S3",
+        description=__doc__.split("\n")[0],
+    )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     specs = {
         "list": "local checkpoints and their state (and S3's, side by side, when checkpoint.s3.uri is set)",
@@ -39,28 +42,45 @@ def add_parser(sub: argparse._SubParsersAction, add_config_args: Callable[[argpa
     handlers = {"list": cmd_list, "verify": cmd_verify, "export": cmd_export, "pull": cmd_pull, "push": cmd_push}
     for name, text in specs.items():
         a = actions.add_parser(name, help=text, description=text)
-        a.add_argument("--run-dir", help="a run directory (its checkpoints/ and config.yaml), or a directory of "
-                                         "step_N checkpoints" + (" (created when missing)" if name == "pull" else "")
-                                         + "; another checkpoint directory: --set checkpoint.dir=DIR")
+        a.add_argument(
+            "--run-dir",
+            help="a run directory (its checkpoints/ and config.yaml), or a directory of "
+            "step_N checkpoints"
+            + (" (created when missing)" if name == "pull" else "")
+            + "; another checkpoint directory: --set checkpoint.dir=DIR",
+        )
         a.add_argument("--uri", help="shorthand for --set checkpoint.s3.uri=s3://bucket/prefix")
-        a.add_argument("--endpoint-url", help="shorthand for --set checkpoint.s3.endpoint_url=URL (S3-compatible stores)")
+        a.add_argument(
+            "--endpoint-url", help="shorthand for --set checkpoint.s3.endpoint_url=URL (S3-compatible stores)"
+        )
         if name == "list":
             a.add_argument("--json", action="store_true", help="print JSON instead of a table")
         else:
-            a.add_argument("--step", type=int, help="this step instead of " + ("every one" if name == "verify"
-                                                                              else "the newest"))
+            a.add_argument(
+                "--step", type=int, help="this step instead of " + ("every one" if name == "verify" else "the newest")
+            )
         if name == "export":
             a.add_argument("--out", required=True, help="the directory to write (new, or empty)")
             a.add_argument("--dtype", choices=sorted(hf_export.DTYPES), help="cast the weights (default: as trained)")
-            a.add_argument("--max-shard-gb", type=float, default=hf_export.DEFAULT_SHARD_BYTES / 1024**3,
-                           help="largest safetensors file (GiB); larger models are split with an index")
-            a.add_argument("--tokenizer", help="tokenizer file or directory to include (default: the run's, from "
-                                               "data prepare)")
-            a.add_argument("--hf-config", help="the config.json of a model.hf_config run whose run directory lacks "
-                                               "model/config.json")
+            a.add_argument(
+                "--max-shard-gb",
+                type=float,
+                default=hf_export.DEFAULT_SHARD_BYTES / 1024**3,
+                help="largest safetensors file (GiB); larger models are split with an index",
+            )
+            a.add_argument(
+                "--tokenizer", help="tokenizer file or directory to include (default: the run's, from data prepare)"
+            )
+            a.add_argument(
+                "--hf-config",
+                help="the config.json of a model.hf_config run whose run directory lacks model/config.json",
+            )
         if name == "push":
-            a.add_argument("--replace", action="store_true",
-                           help="replace a different commit of the same step already complete in S3")
+            a.add_argument(
+                "--replace",
+                action="store_true",
+                help="replace a different commit of the same step already complete in S3",
+            )
         add_config_args(a)
         a.set_defaults(command="checkpoints", handler=handlers[name])
 
@@ -69,21 +89,24 @@ def _config(args: argparse.Namespace, need_s3: bool = True) -> Config:
     overrides = list(args.overrides)
     run_dir = getattr(args, "run_dir", None)
     if run_dir is not None and not Path(run_dir).is_dir() and getattr(args, "action", None) != "pull":
-        raise ConfigError(f"--run-dir {run_dir}: no such directory; pass a run directory (its checkpoints/ and "
-                          "config.yaml) or a directory of step_N checkpoints")
+        raise ConfigError(
+            f"--run-dir {run_dir}: no such directory; pass a run directory (its checkpoints/ and "
+            "config.yaml) or a directory of step_N checkpoints"
+        )
     if run_dir is not None:
         saved = Path(run_dir) / "config.yaml"
         if args.config is None and saved.is_file():
             args.config = str(saved)  # the run's own model and data, for export
         overrides += [f"run_dir={json.dumps(run_dir)}", f"checkpoint.dir={json.dumps(str(checkpoints_in(run_dir)))}"]
-    for flag, key in (("uri", "checkpoint.s3.uri"),
-                      ("endpoint_url", "checkpoint.s3.endpoint_url")):
+    for flag, key in (("uri", "checkpoint.s3.uri"), ("endpoint_url", "checkpoint.s3.endpoint_url")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")  # quoted: a path or URL stays a string
     cfg = load_config(args.config, overrides)
     if need_s3 and not cfg.checkpoint.s3.uri:
-        raise ConfigError("checkpoint.s3.uri is not set: pass --uri s3://bucket/prefix (or --set checkpoint.s3.uri=...)")
+        raise ConfigError(
+            "checkpoint.s3.uri is not set: pass --uri s3://bucket/prefix (or --set checkpoint.s3.uri=...)"
+        )
     return cfg
 
 
@@ -94,8 +117,9 @@ class _Bar:
         from tqdm import tqdm
 
         self._lock = threading.Lock()
-        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
-                         file=sys.stderr)
+        self._bar = tqdm(
+            total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None, file=sys.stderr
+        )
 
     def __call__(self, nbytes: int) -> None:
         with self._lock:
@@ -128,15 +152,29 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows.setdefault(c.step, {"step": c.step})["local"] = {"path": str(c.path), "bytes": store.dir_bytes(c.path)}
     for r in remote:
         rows.setdefault(r.step, {"step": r.step})["s3"] = {
-            "uri": loc.uri(store.committed_name(r.step)) + "/", "complete": r.complete, "files": len(r.files),
-            "bytes": sum(r.files.values()), "last_modified": r.last_modified}
+            "uri": loc.uri(store.committed_name(r.step)) + "/",
+            "complete": r.complete,
+            "files": len(r.files),
+            "bytes": sum(r.files.values()),
+            "last_modified": r.last_modified,
+        }
     aside = {kind: [{"step": step, "path": str(p)} for step, p in found] for kind, found in store.aside(root).items()}
     for c in local:
-        rows[c.step]["local"].update({"files": len(c.manifest.get("checksums", {})), "mode": c.manifest.get("mode"),
-                                      "world_size": c.manifest.get("world_size"),
-                                      "created_unix": c.manifest.get("created_unix")})
-    listing = {"dir": str(root), "uri": uri, "checkpoints": [rows[s] for s in sorted(rows)],
-               "local_unusable": [str(p) for p in unusable], "local_aside": aside}
+        rows[c.step]["local"].update(
+            {
+                "files": len(c.manifest.get("checksums", {})),
+                "mode": c.manifest.get("mode"),
+                "world_size": c.manifest.get("world_size"),
+                "created_unix": c.manifest.get("created_unix"),
+            }
+        )
+    listing = {
+        "dir": str(root),
+        "uri": uri,
+        "checkpoints": [rows[s] for s in sorted(rows)],
+        "local_unusable": [str(p) for p in unusable],
+        "local_aside": aside,
+    }
     if args.json:
         print(json.dumps(listing, indent=2))
         return 0
@@ -150,8 +188,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         if not uri:
             c = row["local"]
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c["created_unix"])) if c.get("created_unix") else ""
-            print(f"{row['step']:>10}  {'committed':<10} {c['files']:>5} {c['bytes'] / 1e6:>7.1f} MB  "
-                  f"{c.get('mode') or '?':<11} {c.get('world_size') or '?':>5}  {when}")
+            print(
+                f"{row['step']:>10}  {'committed':<10} {c['files']:>5} {c['bytes'] / 1e6:>7.1f} MB  "
+                f"{c.get('mode') or '?':<11} {c.get('world_size') or '?':>5}  {when}"
+            )
             continue
         state = "-" if s3 is None else ("complete" if s3["complete"] else "INCOMPLETE")
         size = (row.get("local") or s3 or {}).get("bytes", 0)
@@ -159,17 +199,21 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{row['step']:>10}  {'yes' if 'local' in row else '-':<10} {state:<12} {size / 1e6:>8.1f} MB  {when}")
     for path in unusable:
         print(f"not a complete checkpoint (left in place): {path}")
-    what = {"superseded": "an older commit of step {step}, kept until retention passes its step",
-            "abandoned": "step {step} of a timeline abandoned by checkpoint.resume_from (never deleted by the job)",
-            "suspect": "step {step}, saved after the replicas last agreed and before they differed (silent data "
-                       "corruption suspected): never resumed from, never deleted by the job",
-            "deleting": "being deleted by retention"}
+    what = {
+        "superseded": "an older commit of step {step}, kept until retention passes its step",
+        "abandoned": "step {step} of a timeline abandoned by checkpoint.resume_from (never deleted by the job)",
+        "suspect": "step {step}, saved after the replicas last agreed and before they differed (silent data "
+        "corruption suspected): never resumed from, never deleted by the job",
+        "deleting": "being deleted by retention",
+    }
     for kind, entries in aside.items():
         for e in entries:
             print(f"{kind}: {e['path']}: {what[kind].format(step=e['step'])}")
     if any(r.get("s3", {}).get("complete") is False for r in listing["checkpoints"]):
-        print("INCOMPLETE: no COMPLETE marker (an upload in progress or cut off): never restored, never deleted by "
-              "retention; the job re-uploads its own, or delete the prefix yourself")
+        print(
+            "INCOMPLETE: no COMPLETE marker (an upload in progress or cut off): never restored, never deleted by "
+            "retention; the job re-uploads its own, or delete the prefix yourself"
+        )
     return 0
 
 
@@ -194,13 +238,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for line in problems:
                 print(f"  {c.path / line.split(':', 1)[0]}: {line.split(':', 1)[1].strip()}")
         else:
-            print(f"step {c.step}: ok, {len(c.manifest.get('checksums', {}))} files, {size / 1e6:.1f} MB match their "
-                  f"{integrity.ALGORITHM} checksums")
+            print(
+                f"step {c.step}: ok, {len(c.manifest.get('checksums', {}))} files, {size / 1e6:.1f} MB match their "
+                f"{integrity.ALGORITHM} checksums"
+            )
     for path in unusable:
         print(f"not a complete checkpoint (never loaded, left in place): {path}")
     if bad:
-        print(f"error: {bad} of {len(chosen)} checkpoint(s) damaged; the job skips a damaged one for the one before it "
-              "(checkpoint.verify=load)", file=sys.stderr)
+        print(
+            f"error: {bad} of {len(chosen)} checkpoint(s) damaged; the job skips a damaged one for the one before it "
+            "(checkpoint.verify=load)",
+            file=sys.stderr,
+        )
     return 1 if bad else 0
 
 
@@ -222,30 +271,43 @@ def _intact(root: Path, step: Optional[int], not_done: str) -> Optional[store.Ch
     ckpt = chosen[-1]
     problems = damage(ckpt)
     if problems:
-        print(f"error: step {ckpt.step} is damaged on the local volume, nothing {not_done}: {ckpt.path}/{problems[0]} "
-              "(`resilient-fsdp checkpoints verify` lists every bad file)", file=sys.stderr)
+        print(
+            f"error: step {ckpt.step} is damaged on the local volume, nothing {not_done}: {ckpt.path}/{problems[0]} "
+            "(`resilient-fsdp checkpoints verify` lists every bad file)",
+            file=sys.stderr,
+        )
         return None
     return ckpt
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     if args.run_dir is None:
-        raise ConfigError("checkpoints export needs --run-dir: the run directory (its config.yaml says which model "
-                          "the checkpoint holds)")
+        raise ConfigError(
+            "checkpoints export needs --run-dir: the run directory (its config.yaml says which model "
+            "the checkpoint holds)"
+        )
     cfg = _config(args, need_s3=False)
     ckpt = _intact(cfg.checkpoint_dir, args.step, "exported")
     if ckpt is None:
         return 1
     t0 = time.perf_counter()
-    info = hf_export.export(cfg, Path(args.run_dir), ckpt, Path(args.out), dtype=args.dtype,
-                            max_shard_bytes=int(args.max_shard_gb * 1024**3),
-                            tokenizer=Path(args.tokenizer) if args.tokenizer else None,
-                            hf_config=Path(args.hf_config) if args.hf_config else None,
-                            progress=lambda m: print(m, file=sys.stderr))
+    info = hf_export.export(
+        cfg,
+        Path(args.run_dir),
+        ckpt,
+        Path(args.out),
+        dtype=args.dtype,
+        max_shard_bytes=int(args.max_shard_gb * 1024**3),
+        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+        hf_config=Path(args.hf_config) if args.hf_config else None,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
     extras = (["config.json"] if info["config"] else []) + info["tokenizer_files"]
-    print(f"exported step {ckpt.step}: {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB in {info['files']} "
-          f"safetensors file(s){', ' + ', '.join(extras) if extras else ''} -> {info['out']} "
-          f"({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"exported step {ckpt.step}: {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB in {info['files']} "
+        f"safetensors file(s){', ' + ', '.join(extras) if extras else ''} -> {info['out']} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
     return 0
 
 
@@ -288,8 +350,16 @@ def cmd_push(args: argparse.Namespace) -> int:
     bar = _Bar(total, f"push step {info.step}")
     t0 = time.perf_counter()
     try:
-        result = s3_transfer.upload_checkpoint(client, s3, loc, info.path, replace=args.replace, resume=True,
-                                               progress=bar, say=lambda m: print(m, file=sys.stderr))
+        result = s3_transfer.upload_checkpoint(
+            client,
+            s3,
+            loc,
+            info.path,
+            replace=args.replace,
+            resume=True,
+            progress=bar,
+            say=lambda m: print(m, file=sys.stderr),
+        )
     finally:
         bar.close()
     where = loc.uri(store.committed_name(info.step)) + "/"

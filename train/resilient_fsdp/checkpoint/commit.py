@@ -107,8 +107,13 @@ def run(job: CommitJob) -> CommitResult:
             return result
         result.nbytes = sum(e["bytes"] for e in checksums.values())
         result.write_s = time.time() - job.started_unix
-        manifest = {**job.manifest, "bytes": result.nbytes, "write_s": result.write_s, "created_unix": time.time(),
-                    "checksums": checksums}
+        manifest = {
+            **job.manifest,
+            "bytes": result.nbytes,
+            "write_s": result.write_s,
+            "created_unix": time.time(),
+            "checksums": checksums,
+        }
         t_manifest = time.perf_counter()
         result.path = str(store.commit(Path(job.where), manifest))
         t_end = time.perf_counter()
@@ -198,8 +203,11 @@ class CommitProcess:
             forked = fork_server.writer_context()
             given = fork_server.inheritance() if forked is not None else None
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=forked or multiprocessing.get_context("spawn"), initializer=_commit_process_started,
-                initargs=(os.getpid(), given))
+                1,
+                mp_context=forked or multiprocessing.get_context("spawn"),
+                initializer=_commit_process_started,
+                initargs=(os.getpid(), given),
+            )
             self._held = None
         if job.metadata_key is not None and self.holds(job.metadata_key):
             job.metadata = None
@@ -269,9 +277,12 @@ class BackgroundCommit:
             return self.process.result(future, timeout=max(0.0, self.deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             self.process.close(kill=True)
-            return CommitResult(error=f"rank 0's commit did not finish within checkpoint.write_timeout_s="
-                                      f"{self.timeout_s:g}; its commit process was killed, and the next save "
-                                      "commits in a new one", timed_out=True)
+            return CommitResult(
+                error=f"rank 0's commit did not finish within checkpoint.write_timeout_s="
+                f"{self.timeout_s:g}; its commit process was killed, and the next save "
+                "commits in a new one",
+                timed_out=True,
+            )
 
     def close(self) -> bool:
         """Let a commit in flight finish (every write is whole; the commit is atomic), up to

@@ -31,8 +31,17 @@ from .writer.process import NVRX_VERSION, WriterProcess
 from .writer.report import SaveReport
 from .writer.worker import worker_torch_save_staged
 
-__all__ = ["Engine", "LocalOutcome", "NVRX_VERSION", "build_engine", "PLAN_CACHED", "PLAN_DECENTRALIZED",
-           "PLAN_FRESH", "PLAN_KEEP", "PLAN_NAMES"]
+__all__ = [
+    "Engine",
+    "LocalOutcome",
+    "NVRX_VERSION",
+    "build_engine",
+    "PLAN_CACHED",
+    "PLAN_DECENTRALIZED",
+    "PLAN_FRESH",
+    "PLAN_KEEP",
+    "PLAN_NAMES",
+]
 
 
 @dataclass
@@ -51,8 +60,12 @@ class LocalOutcome:
 # every rank alone (``PLAN_DECENTRALIZED``) when the ranks' digests of the state's global structure agree.
 PLAN_FRESH, PLAN_KEEP, PLAN_CACHED, PLAN_DECENTRALIZED = 0, 1, 2, 3
 # What a save's record says of its plan.
-PLAN_NAMES = {PLAN_FRESH: "collective", PLAN_KEEP: "collective", PLAN_CACHED: "cached",
-              PLAN_DECENTRALIZED: "decentralized"}
+PLAN_NAMES = {
+    PLAN_FRESH: "collective",
+    PLAN_KEEP: "collective",
+    PLAN_CACHED: "cached",
+    PLAN_DECENTRALIZED: "decentralized",
+}
 
 
 class Engine:
@@ -86,8 +99,9 @@ class Engine:
         ``PLAN_KEEP`` (plan collectively, keep the cache), ``PLAN_FRESH``."""
         return min(votes)
 
-    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
-              fault: Optional[str] = None) -> None:
+    def start(
+        self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH, fault: Optional[str] = None
+    ) -> None:
         """Start writing ``sd`` into ``partial_dir`` (``fault``: what the writer is to do wrong,
         an injected ``writer-*`` fault). Returns once the loop may go on."""
         raise NotImplementedError
@@ -149,8 +163,9 @@ class SyncEngine(Engine):
         self.recorder = integrity.Recorder()
         self.error: Optional[str] = None
 
-    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
-              fault: Optional[str] = None) -> None:
+    def start(
+        self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH, fault: Optional[str] = None
+    ) -> None:
         writer = FileSystemWriter(str(partial_dir))
         writer.fs = integrity.HashingFileSystem(self.recorder)
         try:
@@ -304,12 +319,15 @@ class AsyncEngine(StagedEngine):
             return PLAN_DECENTRALIZED
         if level < PLAN_CACHED and None not in digests and self.plan_rank == 0 and not self.said_apart:
             self.said_apart = True
-            self.notes.append(f"the ranks' states differ in structure ({len(digests)} digests of "
-                              f"{len(votes)} ranks): saves of it are planned collectively, through rank 0")
+            self.notes.append(
+                f"the ranks' states differ in structure ({len(digests)} digests of "
+                f"{len(votes)} ranks): saves of it are planned collectively, through rank 0"
+            )
         return level
 
-    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
-              fault: Optional[str] = None) -> None:
+    def start(
+        self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH, fault: Optional[str] = None
+    ) -> None:
         unavailable, report = self._begin(token)
         key = self.voted_key if self.voted_key is not None else (structure(sd), self.world_size)
         self.voted_key = None
@@ -318,8 +336,7 @@ class AsyncEngine(StagedEngine):
         if staged is None:
             return
         cache = self.plans.use(key, keep=plan in (PLAN_KEEP, PLAN_CACHED))
-        plan_now = partial(dcp_plan.plan_dcp_save, staged, partial_dir, self.thread_count, report, self.registry,
-                           cache)
+        plan_now = partial(dcp_plan.plan_dcp_save, staged, partial_dir, self.thread_count, report, self.registry, cache)
         # Planning gathers every rank's plan unless the cache is validated or each rank plans
         # alone: then it is done in the background with the rest; otherwise here, while every
         # rank is in this call.
@@ -331,17 +348,21 @@ class AsyncEngine(StagedEngine):
                 raise RuntimeError(unavailable)
             if plan == PLAN_DECENTRALIZED:  # this rank's plan, made alone: a validated cache from now on
                 try:
-                    alone = decentralized_plan.plan_save(staged, rank, world_size, coordinator=rank == 0,
-                                                         per_rank_path=per_rank_path)
+                    alone = decentralized_plan.plan_save(
+                        staged, rank, world_size, coordinator=rank == 0, per_rank_path=per_rank_path
+                    )
                 except Exception as exc:
                     # The same state would fail the same way: this process plans collectively from
                     # now on (its vote carries no digest), and this save fails once, named.
                     self.decentralized = False
-                    raise RuntimeError(f"planning this save alone failed ({type(exc).__name__}: {exc}); this "
-                                       "rank plans its saves collectively from the next one") from exc
+                    raise RuntimeError(
+                        f"planning this save alone failed ({type(exc).__name__}: {exc}); this "
+                        "rank plans its saves collectively from the next one"
+                    ) from exc
                 dcp_plan.prefill(cache, alone)
-            self.save = dcp_plan.schedule_dcp_save(self.writer, planned or plan_now(), self.registry, token, report,
-                                                   fault)
+            self.save = dcp_plan.schedule_dcp_save(
+                self.writer, planned or plan_now(), self.registry, token, report, fault
+            )
             note = self.plans.keep()  # once validated: for this rank's next process (off the loop)
             if note:
                 self.notes.append(note)
@@ -395,8 +416,9 @@ class TorchAsyncEngine(StagedEngine):
         super().__init__(rank)
         self.name: Optional[str] = None  # the file this rank's save writes
 
-    def start(self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH,
-              fault: Optional[str] = None) -> None:
+    def start(
+        self, sd: dict, partial_dir: Path, step: int, token: str, plan: int = PLAN_FRESH, fault: Optional[str] = None
+    ) -> None:
         unavailable, report = self._begin(token)
         local = to_local(sd)
         self.name = f"rank{self.rank:05d}.pt"
@@ -410,8 +432,12 @@ class TorchAsyncEngine(StagedEngine):
             if unavailable:
                 raise RuntimeError(unavailable)
             buffers = registry.payload_for(self.writer.pid)
-            self.writer.send(report, buffers, partial(worker_torch_save_staged, report, fault, registry.key),
-                             (registry.pack(staged), str(path)))
+            self.writer.send(
+                report,
+                buffers,
+                partial(worker_torch_save_staged, report, fault, registry.key),
+                (registry.pack(staged), str(path)),
+            )
             registry.sent_to = self.writer.pid
 
         self.job = self.stager.start_copy(local, schedule)

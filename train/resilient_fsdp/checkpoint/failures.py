@@ -18,12 +18,12 @@ from typing import Callable, Optional
 from .store import CheckpointError
 
 # Causes of a failed save, as the log and the ``checkpoint_failed`` records name them.
-WRITER = "writer"            # a rank's writer failed (raised, died, could not write a file)
-TIMEOUT = "write_timeout"    # a write outlived checkpoint.write_timeout_s
-FINALIZE = "finalize"        # rank 0 could not write the metadata or commit
-MKDIR = "mkdir"              # rank 0 could not create the checkpoint's directory
+WRITER = "writer"  # a rank's writer failed (raised, died, could not write a file)
+TIMEOUT = "write_timeout"  # a write outlived checkpoint.write_timeout_s
+FINALIZE = "finalize"  # rank 0 could not write the metadata or commit
+MKDIR = "mkdir"  # rank 0 could not create the checkpoint's directory
 VOLUME_FULL = "volume_full"  # ENOSPC in any of the above
-LEASE = "lease_lost"         # another job took checkpoint.dir: never retried
+LEASE = "lease_lost"  # another job took checkpoint.dir: never retried
 
 _ENOSPC_TEXT = ("No space left on device", f"[Errno {errno.ENOSPC}]")
 
@@ -35,8 +35,14 @@ class SaveFailed(CheckpointError):
     layer retries it (:func:`resilient_fsdp.resilience.exit_codes.is_configuration_failure`): every
     fatal failure but a graceful stop's, whose restart resumes from the newest committed checkpoint."""
 
-    def __init__(self, message: str, cause: str, step: Optional[int] = None, fatal: bool = False,
-                 permanent: Optional[bool] = None):
+    def __init__(
+        self,
+        message: str,
+        cause: str,
+        step: Optional[int] = None,
+        fatal: bool = False,
+        permanent: Optional[bool] = None,
+    ):
         super().__init__(message)
         self.cause, self.step, self.fatal = cause, step, fatal
         self.permanent = fatal if permanent is None else permanent
@@ -77,16 +83,22 @@ def volume_full_message(root: Path, needed_bytes: Optional[int], keep_last: int)
         free = f"{free_bytes / 1e6:.1f} MB free ({free_bytes:,} bytes)"
     except OSError:
         free = "free space unknown"
-    need = f"a checkpoint needs about {needed_bytes / 1e6:.1f} MB (the newest committed one)" \
-        if needed_bytes else "no checkpoint was committed yet to tell what one needs"
-    return (f"the checkpoint volume is full (checkpoint.dir={str(root)!r}: {free}; {need}). Grow the volume, lower "
-            f"checkpoint.keep_last (now {keep_last}; 0 keeps all), or delete set-aside directories "
-            "(*.incomplete-*, *.abandoned-*, *.superseded-*) you no longer need. Committed checkpoints are never "
-            "deleted to make room")
+    need = (
+        f"a checkpoint needs about {needed_bytes / 1e6:.1f} MB (the newest committed one)"
+        if needed_bytes
+        else "no checkpoint was committed yet to tell what one needs"
+    )
+    return (
+        f"the checkpoint volume is full (checkpoint.dir={str(root)!r}: {free}; {need}). Grow the volume, lower "
+        f"checkpoint.keep_last (now {keep_last}; 0 keeps all), or delete set-aside directories "
+        "(*.incomplete-*, *.abandoned-*, *.superseded-*) you no longer need. Committed checkpoints are never "
+        "deleted to make room"
+    )
 
 
-def save_failure(message: str, cause: str, step: int, error: object, root: Path, needed_bytes: Optional[int],
-                 keep_last: int) -> Failure:
+def save_failure(
+    message: str, cause: str, step: int, error: object, root: Path, needed_bytes: Optional[int], keep_last: int
+) -> Failure:
     """Rank 0: the failure of the save of ``step``; a full volume is said as such. A writer's
     error does not always carry the ENOSPC (torch's zip writer reports a short write as a
     position mismatch), so less free space than a checkpoint needs counts as full too."""
@@ -113,13 +125,25 @@ class FailureStreak:
         if error.fatal:
             raise error
         if self.count >= self.limit:
-            raise SaveFailed(f"{self.count} checkpoint save(s) in a row failed "
-                             f"(checkpoint.max_consecutive_failures={self.limit}); the last: {error}. Fix the cause "
-                             "or raise checkpoint.max_consecutive_failures", error.cause, error.step, fatal=True) from error
+            raise SaveFailed(
+                f"{self.count} checkpoint save(s) in a row failed "
+                f"(checkpoint.max_consecutive_failures={self.limit}); the last: {error}. Fix the cause "
+                "or raise checkpoint.max_consecutive_failures",
+                error.cause,
+                error.step,
+                fatal=True,
+            ) from error
         return self.count
 
-    def judge(self, exc: SaveFailed, newest: Optional[int], event: Callable[[dict], None], say: Callable[[str], None],
-              final: bool = False, stopping: bool = False) -> None:
+    def judge(
+        self,
+        exc: SaveFailed,
+        newest: Optional[int],
+        event: Callable[[dict], None],
+        say: Callable[[str], None],
+        final: bool = False,
+        stopping: bool = False,
+    ) -> None:
         """A save failed on every rank: record it (``event``) and go on (``say``), or raise the job's
         end (a lost lease, ``final``, the streak at the limit; permanent unless ``stopping``, a
         graceful stop's). ``newest``: the newest committed step. Every rank gets the same failure,
@@ -128,17 +152,38 @@ class FailureStreak:
         if final:
             self.count += 1
             committed = f"step {newest}" if newest is not None else "none"
-            what = "A graceful stop's checkpoint" if stopping else "The checkpoint that ends this run (checkpoint.save_final)"
-            end = SaveFailed(f"{exc}. {what} was not committed; the newest committed checkpoint: {committed}", exc.cause,
-                             exc.step, fatal=True, permanent=not stopping)
+            what = (
+                "A graceful stop's checkpoint"
+                if stopping
+                else "The checkpoint that ends this run (checkpoint.save_final)"
+            )
+            end = SaveFailed(
+                f"{exc}. {what} was not committed; the newest committed checkpoint: {committed}",
+                exc.cause,
+                exc.step,
+                fatal=True,
+                permanent=not stopping,
+            )
         else:
             try:
                 self.failed(exc)
             except SaveFailed as limit:
                 end = limit
-        event({"event": "checkpoint_failed", "t": time.time(), "step": exc.step, "cause": exc.cause,
-               "consecutive": self.count, "limit": self.limit, "fatal": end is not None, "error": str(exc)})
+        event(
+            {
+                "event": "checkpoint_failed",
+                "t": time.time(),
+                "step": exc.step,
+                "cause": exc.cause,
+                "consecutive": self.count,
+                "limit": self.limit,
+                "fatal": end is not None,
+                "error": str(exc),
+            }
+        )
         if end is not None:
             raise end from exc
-        say(f"warning: {exc}; training goes on and the next due save tries again ({self.count} in a row; the job "
-            f"fails at checkpoint.max_consecutive_failures={self.limit})")
+        say(
+            f"warning: {exc}; training goes on and the next due save tries again ({self.count} in a row; the job "
+            f"fails at checkpoint.max_consecutive_failures={self.limit})"
+        )

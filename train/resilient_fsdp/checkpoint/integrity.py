@@ -81,6 +81,7 @@ class HashingStream(io.RawIOBase):
 
 # ---- results recorded in this process --------------------------------------------------------
 
+
 class Recorder:
     """Checksums of files written by threads of this process, by file name."""
 
@@ -123,6 +124,7 @@ class HashingFileSystem(FileSystem):
 
 # ---- verification ------------------------------------------------------------------------------
 
+
 def file_crc32c(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
@@ -164,12 +166,15 @@ def verify(root: Path, files: dict[str, dict], names: list[str]) -> list[str]:
             continue  # recorded as unverifiable when written
         got = file_crc32c(path)
         if got != entry[ALGORITHM]:
-            problems.append(f"{name}: {ALGORITHM} {got}, the manifest says {entry[ALGORITHM]} (same size: the "
-                            "contents changed after they were written)")
+            problems.append(
+                f"{name}: {ALGORITHM} {got}, the manifest says {entry[ALGORITHM]} (same size: the "
+                "contents changed after they were written)"
+            )
     return problems
 
 
 # ---- what this process has verified ------------------------------------------------------------
+
 
 class VerifiedHere:
     """Checkpoints whose files this process found matching their checksums, by path and the

@@ -63,8 +63,10 @@ def taken_over(path: Path, holder: str) -> Optional[str]:
     current = current if isinstance(current, dict) else {}
     if current.get("holder") == holder:
         return None
-    return (f"the lease on {path.parent} was taken over by job {current.get('job')!r} (host "
-            f"{current.get('host')}); this job no longer commits checkpoints there")
+    return (
+        f"the lease on {path.parent} was taken over by job {current.get('job')!r} (host "
+        f"{current.get('host')}); this job no longer commits checkpoints there"
+    )
 
 
 class Lease:
@@ -80,9 +82,16 @@ class Lease:
         self._thread: Optional[threading.Thread] = None
 
     def _record(self) -> dict:
-        return {"job": self.job, "install": self.install, "holder": self.holder, "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "pid_start": _process_start(os.getpid()), "renewed_unix": time.time(), "ttl_s": TTL_S}
+        return {
+            "job": self.job,
+            "install": self.install,
+            "holder": self.holder,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()),
+            "renewed_unix": time.time(),
+            "ttl_s": TTL_S,
+        }
 
     def read(self) -> Optional[dict]:
         try:
@@ -107,12 +116,16 @@ class Lease:
             if reason and current.get("job") != self.job:
                 raise ConfigError(self._refusal(current, reason))
             if reason and self.install and current.get("install") and current["install"] != self.install:
-                return (f"waiting for the earlier install {current['install'][:8]} of job {self.job!r} (host "
-                        f"{current.get('host')}, pid {current.get('pid')}; {reason}) to release the lease on "
-                        f"{self.root}: it is stopping, and its final checkpoint is the one this install resumes from")
+                return (
+                    f"waiting for the earlier install {current['install'][:8]} of job {self.job!r} (host "
+                    f"{current.get('host')}, pid {current.get('pid')}; {reason}) to release the lease on "
+                    f"{self.root}: it is stopping, and its final checkpoint is the one this install resumes from"
+                )
             who = "an earlier run of this job" if current.get("job") == self.job else f"job {current.get('job')!r}"
-            self.say(f"taking over the lease on {self.root} from {who} (host {current.get('host')}, pid "
-                     f"{current.get('pid')}{'' if current.get('job') == self.job else ': ' + self._stale(current)})")
+            self.say(
+                f"taking over the lease on {self.root} from {who} (host {current.get('host')}, pid "
+                f"{current.get('pid')}{'' if current.get('job') == self.job else ': ' + self._stale(current)})"
+            )
         atomic.write_json(self.path, self._record(), indent=None, newline=False)
         time.sleep(0.05)  # a second job writing at the same moment: the file tells who won
         mine = self.read()
@@ -124,11 +137,13 @@ class Lease:
 
     def refusal_after_wait(self, waited_s: float) -> str:
         current = self.read() or {}
-        return (f"checkpoint.dir={str(self.root)!r} is still held by the earlier install {str(current.get('install'))[:8]} "
-                f"of job {self.job!r} (host {current.get('host')}, pid {current.get('pid')}) after {waited_s:.0f} s "
-                f"(checkpoint.lease_wait_s): its pods are still running. Delete them (kubectl get pods -A -l "
-                f"jobset.sigs.k8s.io/jobset-uid={current.get('install')}) or raise checkpoint.lease_wait_s; two installs "
-                "must not write one checkpoint directory")
+        return (
+            f"checkpoint.dir={str(self.root)!r} is still held by the earlier install {str(current.get('install'))[:8]} "
+            f"of job {self.job!r} (host {current.get('host')}, pid {current.get('pid')}) after {waited_s:.0f} s "
+            f"(checkpoint.lease_wait_s): its pods are still running. Delete them (kubectl get pods -A -l "
+            f"jobset.sigs.k8s.io/jobset-uid={current.get('install')}) or raise checkpoint.lease_wait_s; two installs "
+            "must not write one checkpoint directory"
+        )
 
     def _live(self, lease: dict) -> Optional[str]:
         """Why ``lease``'s holder counts as alive, or None when it is stale: its process runs (on
@@ -146,11 +161,13 @@ class Lease:
         return f"not renewed for {time.time() - float(lease.get('renewed_unix', 0)):.0f} s"
 
     def _refusal(self, lease: dict, reason: str) -> str:
-        return (f"checkpoint.dir={str(self.root)!r} is in use by job {lease.get('job')!r} (host {lease.get('host')}, "
-                f"pid {lease.get('pid')}; {reason}): two jobs must not write one checkpoint directory. Give this job "
-                f"its own checkpoint.dir, or stop the other one first. This job is {self.job!r} (checkpoint.job_id, "
-                f"else the launcher's rendezvous id). A lease whose job is gone is taken over once its process has "
-                f"exited (same host) or {TTL_S:.0f} s after its last renewal; delete {self.path} only if you are sure")
+        return (
+            f"checkpoint.dir={str(self.root)!r} is in use by job {lease.get('job')!r} (host {lease.get('host')}, "
+            f"pid {lease.get('pid')}; {reason}): two jobs must not write one checkpoint directory. Give this job "
+            f"its own checkpoint.dir, or stop the other one first. This job is {self.job!r} (checkpoint.job_id, "
+            f"else the launcher's rendezvous id). A lease whose job is gone is taken over once its process has "
+            f"exited (same host) or {TTL_S:.0f} s after its last renewal; delete {self.path} only if you are sure"
+        )
 
     def check(self) -> Optional[str]:
         """None while this job holds the lease; otherwise why it no longer does (commits stop)."""

@@ -48,13 +48,20 @@ def encode(metadata: Metadata, storage: dict) -> Optional[bytes]:
             dims[i] = -1
         else:
             dims[i] = len(key.offset)
-            offsets[i, :len(key.offset)] = key.offset
+            offsets[i, : len(key.offset)] = key.offset
         file_id[i] = files.setdefault(info.relative_path, len(files))
         file_offset[i], length[i] = info.offset, info.length
     without_places = dataclasses.replace(metadata, storage_data=None)
-    return pickle.dumps({"format": FORMAT, "metadata": without_places, "fqns": list(fqns), "files": list(files),
-                         "columns": (fqn_id, dims, offsets, file_id, file_offset, length)},
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps(
+        {
+            "format": FORMAT,
+            "metadata": without_places,
+            "fqns": list(fqns),
+            "files": list(files),
+            "columns": (fqn_id, dims, offsets, file_id, file_offset, length),
+        },
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
 
 
 def decode(data: bytes) -> Metadata:
@@ -74,8 +81,17 @@ class IndexedStorage(Mapping):
     """DCP's ``storage_data`` (``MetadataIndex`` -> ``_StorageInfo``) over the index's columns: an
     item is found among its tensor's rows when DCP's reader asks for it."""
 
-    def __init__(self, fqns: list[str], files: list[str], fqn_id: np.ndarray, dims: np.ndarray,
-                 offsets: np.ndarray, file_id: np.ndarray, file_offset: np.ndarray, length: np.ndarray):
+    def __init__(
+        self,
+        fqns: list[str],
+        files: list[str],
+        fqn_id: np.ndarray,
+        dims: np.ndarray,
+        offsets: np.ndarray,
+        file_id: np.ndarray,
+        file_offset: np.ndarray,
+        length: np.ndarray,
+    ):
         self.fqns, self.files = fqns, files
         self.dims, self.offsets = dims, offsets
         self.file_id, self.file_offset, self.length = file_id, file_offset, length
@@ -88,7 +104,7 @@ class IndexedStorage(Mapping):
         span = self.rows.get(key.fqn)
         if span is None:
             raise KeyError(key)
-        rows = self.order[span[0]:span[1]]
+        rows = self.order[span[0] : span[1]]
         if key.offset is None:
             match = rows[self.dims[rows] == -1]
         else:
@@ -102,7 +118,9 @@ class IndexedStorage(Mapping):
 
     def _key(self, row: int) -> MetadataIndex:
         d = int(self.dims[row])
-        return MetadataIndex(self.fqns[self.fqn_id[row]], None if d < 0 else tuple(int(x) for x in self.offsets[row, :d]))
+        return MetadataIndex(
+            self.fqns[self.fqn_id[row]], None if d < 0 else tuple(int(x) for x in self.offsets[row, :d])
+        )
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         return (self._key(row) for row in range(len(self.fqn_id)))

@@ -37,13 +37,19 @@ class PendingSave:
     inline_commit_s: Optional[float] = None  # rank 0 committed on its training thread (no commit process)
 
 
-def commit_job(pending: PendingSave, gathered: list[bytes], manifest: dict, engine: Engine, lease: Optional[Lease],
-               hooks: NoHooks) -> commit.CommitJob:
+def commit_job(
+    pending: PendingSave, gathered: list[bytes], manifest: dict, engine: Engine, lease: Optional[Lease], hooks: NoHooks
+) -> commit.CommitJob:
     """Rank 0: the commit of ``pending`` (:mod:`.commit`), from every rank's pickled outcome."""
-    job = commit.CommitJob(step=pending.step, where=str(pending.dir), gathered=gathered,
-                           started_unix=pending.started_unix, manifest=manifest,
-                           lease_path=str(lease.path) if lease is not None else None,
-                           lease_holder=lease.holder if lease is not None else None)
+    job = commit.CommitJob(
+        step=pending.step,
+        where=str(pending.dir),
+        gathered=gathered,
+        started_unix=pending.started_unix,
+        manifest=manifest,
+        lease_path=str(lease.path) if lease is not None else None,
+        lease_holder=lease.holder if lease is not None else None,
+    )
     try:
         keyed = engine.commit_metadata()
     except Exception as exc:  # noqa: BLE001 - the commit reports it as its failure
@@ -55,8 +61,14 @@ def commit_job(pending: PendingSave, gathered: list[bytes], manifest: dict, engi
     return job
 
 
-def commit_record(pending: PendingSave, result: commit.CommitResult, gather_s: float, mode: str, lease: Optional[Lease],
-                  failure: Callable[[str, str, int, object], Failure]) -> tuple[Optional[dict], Optional[Failure]]:
+def commit_record(
+    pending: PendingSave,
+    result: commit.CommitResult,
+    gather_s: float,
+    mode: str,
+    lease: Optional[Lease],
+    failure: Callable[[str, str, int, object], Failure],
+) -> tuple[Optional[dict], Optional[Failure]]:
     """Rank 0: ``result`` of the commit of ``pending`` as (record, None) or (None, the failure
     every rank raises). ``gather_s``: how long gathering every rank's outcome took; ``failure``
     makes a failed save's :class:`.failures.Failure` (a full volume said as such)."""
@@ -64,27 +76,46 @@ def commit_record(pending: PendingSave, result: commit.CommitResult, gather_s: f
     if result.failed:
         rank, error = next(((r, e) for r, e in result.failed if failures.is_volume_full(e)), result.failed[0])
         others = f"; {len(result.failed) - 1} other rank(s) failed too" if len(result.failed) > 1 else ""
-        message = (f"checkpoint of step {step} failed (rank {rank}: {error.strip()}{others}); it "
-                   f"stays incomplete at {where} and will not be loaded; the previous checkpoint is intact")
+        message = (
+            f"checkpoint of step {step} failed (rank {rank}: {error.strip()}{others}); it "
+            f"stays incomplete at {where} and will not be loaded; the previous checkpoint is intact"
+        )
         return None, failure(message, failures.WRITER, step, error)
     if result.lease_lost:
         if lease is not None:
             lease.lost = result.lease_lost
         return None, Failure(result.lease_lost, failures.LEASE, step, fatal=True)
     if result.error:
-        return None, failure(f"checkpoint of step {step} failed while finalizing: {result.error}; it stays "
-                             f"incomplete at {where}", failures.TIMEOUT if result.timed_out else failures.FINALIZE,
-                             step, result.error)
+        return None, failure(
+            f"checkpoint of step {step} failed while finalizing: {result.error}; it stays incomplete at {where}",
+            failures.TIMEOUT if result.timed_out else failures.FINALIZE,
+            step,
+            result.error,
+        )
     # Where the commit's time went: gathering every rank's outcome, the engine's metadata
     # (DCP's .metadata, pickled), the manifest and the rename, and the rest (outcomes, lease).
-    commit_parts = {"gather_s": gather_s, "finalize_s": result.finalize_s, "manifest_s": result.manifest_s,
-                    "other_s": max(0.0, result.total_s - result.finalize_s - result.manifest_s),
-                    "broadcast_s": 0.0}
-    return {"step": step, "mode": mode, "stall_s": pending.stall_s,
-            "save_call_s": pending.save_call_s, "save_call_parts_s": pending.save_call_parts_s,
-            "staging_wait_s": pending.staging_wait_s, "plan": pending.plan, "write_s": result.write_s,
-            "commit_s": sum(commit_parts.values()), "commit_parts_s": commit_parts,
-            "bytes": result.nbytes, "path": result.path, "manifest": result.manifest}, None
+    commit_parts = {
+        "gather_s": gather_s,
+        "finalize_s": result.finalize_s,
+        "manifest_s": result.manifest_s,
+        "other_s": max(0.0, result.total_s - result.finalize_s - result.manifest_s),
+        "broadcast_s": 0.0,
+    }
+    return {
+        "step": step,
+        "mode": mode,
+        "stall_s": pending.stall_s,
+        "save_call_s": pending.save_call_s,
+        "save_call_parts_s": pending.save_call_parts_s,
+        "staging_wait_s": pending.staging_wait_s,
+        "plan": pending.plan,
+        "write_s": result.write_s,
+        "commit_s": sum(commit_parts.values()),
+        "commit_parts_s": commit_parts,
+        "bytes": result.nbytes,
+        "path": result.path,
+        "manifest": result.manifest,
+    }, None
 
 
 def add_broadcast(record: dict, broadcast_s: float, charge: bool, on_thread_s: Optional[float] = None) -> None:

@@ -23,8 +23,14 @@ LEASE_POLL_S = 2.0  # how often rank 0 looks at a held lease again (each look a 
 LEASE_SAY_S = 30.0  # how often it says that it waits
 
 
-def preflight(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None],
-              under_lease: Callable[[Lease], None]) -> tuple[Optional[Lease], Optional[str]]:
+def preflight(
+    group: RankGroup,
+    cfg: CheckpointConfig,
+    root: Path,
+    job: str,
+    say: Callable[[str], None],
+    under_lease: Callable[[Lease], None],
+) -> tuple[Optional[Lease], Optional[str]]:
     """Collective: (rank 0's lease, or None on the other ranks; why the start is refused, the same
     on every rank, or None). Rank 0 calls ``under_lease(lease)`` once it holds the lease (its work
     before anything is in flight)."""
@@ -49,8 +55,9 @@ def _not_writable(root: Path) -> Optional[str]:
     return None
 
 
-def _take_lease(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None],
-                error: Optional[str]) -> tuple[Optional[str], Optional[Lease]]:
+def _take_lease(
+    group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None], error: Optional[str]
+) -> tuple[Optional[str], Optional[Lease]]:
     """Rank 0 takes the lease (``error``: rank 0's, from before); collective. While an earlier
     install of the job holds it, rank 0 polls, and every rank learns each poll's outcome in a
     short collective of its own, so that no collective waits out the whole of
@@ -87,6 +94,8 @@ def _check_s3(cfg: CheckpointConfig, say: Callable[[str], None]) -> Optional[str
     try:
         return s3_client.check_access(cfg.s3)
     except Exception as exc:
-        say(f"warning: S3 is not reachable at start ({s3_client.describe_error(exc)}); training goes on "
-            "and uploads are retried")
+        say(
+            f"warning: S3 is not reachable at start ({s3_client.describe_error(exc)}); training goes on "
+            "and uploads are retried"
+        )
         return None

@@ -43,9 +43,11 @@ def committed(record: Optional[dict], log: RunLog) -> None:
     if record is None:
         return
     log.event({"event": "checkpoint", "t": time.time(), **record})
-    log.info(f"checkpoint step {record['step']} committed ({record['mode']}): stall "
-             f"{record['stall_s'] * 1000:.1f} ms, write {record['write_s']:.2f} s, "
-             f"{record['bytes'] / 1e6:.1f} MB -> {record['path']}")
+    log.info(
+        f"checkpoint step {record['step']} committed ({record['mode']}): stall "
+        f"{record['stall_s'] * 1000:.1f} ms, write {record['write_s']:.2f} s, "
+        f"{record['bytes'] / 1e6:.1f} MB -> {record['path']}"
+    )
 
 
 def memory_records(memory: Optional[MemoryTier], group: RankGroup, log: RunLog) -> None:
@@ -57,12 +59,16 @@ def memory_records(memory: Optional[MemoryTier], group: RankGroup, log: RunLog) 
         if group.is_coordinator:
             log.event(record)
         if record["error"] and record["event"] == "memory_replica":
-            say_any_rank(f"rank {group.rank}: warning: memory replication stopped ({record['error']}); "
-                         "this attempt's newer snapshots have no replica on another pod, so a lost pod "
-                         "resumes from the durable checkpoint; the next restart makes it again")
+            say_any_rank(
+                f"rank {group.rank}: warning: memory replication stopped ({record['error']}); "
+                "this attempt's newer snapshots have no replica on another pod, so a lost pod "
+                "resumes from the durable checkpoint; the next restart makes it again"
+            )
         elif record["error"]:
-            say_any_rank(f"rank {group.rank}: warning: memory checkpoint of step {record['step']} "
-                         f"failed ({record['error']}); the previous one stays, training goes on")
+            say_any_rank(
+                f"rank {group.rank}: warning: memory checkpoint of step {record['step']} "
+                f"failed ({record['error']}); the previous one stays, training goes on"
+            )
 
 
 def uploads(uploader: Optional[Uploader], log: RunLog) -> None:
@@ -89,5 +95,7 @@ class ReplicationHealth:
         if coordinator:
             log.event({"event": "memory_replication", "t": time.time(), "step": step, "stopped_ranks": stopped})
             if stopped:
-                log.info(f"warning: memory replication has stopped on {stopped} rank(s) (each rank's log says why); "
-                         "a lost pod's ranks resume from the durable checkpoint until the next restart makes it again")
+                log.info(
+                    f"warning: memory replication has stopped on {stopped} rank(s) (each rank's log says why); "
+                    "a lost pod's ranks resume from the durable checkpoint until the next restart makes it again"
+                )

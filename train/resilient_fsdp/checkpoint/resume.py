@@ -71,11 +71,20 @@ class Resumed:
     """Restored from the memory tier's snapshots, not from a durable checkpoint."""
 
 
-def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state: CheckpointState, identity: dict,
-           batch: dict, say: Callable[[str], None], choose_batch: Optional[ChooseBatch] = None,
-           memory: Optional[MemoryTier] = None,
-           restoring: Callable[[int, str], None] = lambda _step, _tier: None,
-           suspect: Optional[tuple[int, int]] = None) -> Resumed:
+def resume(
+    group: RankGroup,
+    cfg: CheckpointConfig,
+    root: Path,
+    job: str,
+    state: CheckpointState,
+    identity: dict,
+    batch: dict,
+    say: Callable[[str], None],
+    choose_batch: Optional[ChooseBatch] = None,
+    memory: Optional[MemoryTier] = None,
+    restoring: Callable[[int, str], None] = lambda _step, _tier: None,
+    suspect: Optional[tuple[int, int]] = None,
+) -> Resumed:
     """Collective: decide (rank 0), restore from S3 if needed, verify and load; what was loaded.
     ``choose_batch``: the batch a checkpoint resumes with (None: as configured). With ``memory``
     (the memory tier), every rank's snapshots are weighed against the durable choice first.
@@ -87,8 +96,10 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     if memory is not None and suspect is not None:
         dropped = memory.discard_newer_than(suspect[0])
         if dropped and group.is_coordinator:
-            say(f"memory snapshots of step(s) {', '.join(map(str, dropped))} discarded: saved after the replicas last "
-                f"agreed (step {suspect[0]})")
+            say(
+                f"memory snapshots of step(s) {', '.join(map(str, dropped))} discarded: saved after the replicas last "
+                f"agreed (step {suspect[0]})"
+            )
     if memory is not None:
         if cfg.resume and not plan.get("pinned"):
             durable = (plan.get("candidate") or plan.get("s3") or {}).get("step")
@@ -113,8 +124,13 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
             _say_resumed(say, candidate, group.world_size, choice, batch)
             accum = choice.grad_accum_steps if choice is not None else None
             changed = accum if accum is not None and accum != batch.get("grad_accum_steps") else None
-            return Resumed(candidate.step, str(candidate.path), changed, restored_from_s3=restored,
-                           global_batch_target=choice.target if choice is not None else None)
+            return Resumed(
+                candidate.step,
+                str(candidate.path),
+                changed,
+                restored_from_s3=restored,
+                global_batch_target=choice.target if choice is not None else None,
+            )
         tried.append(f"{candidate.path}: {error}")
         say(f"warning: cannot load {candidate.path} ({error}); trying an older checkpoint")
         if plan.get("pinned"):  # resume_from: no older checkpoint stands in for the one asked for
@@ -125,9 +141,15 @@ def resume(group: RankGroup, cfg: CheckpointConfig, root: Path, job: str, state:
     return Resumed(None, restored_from_s3=restored)
 
 
-def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, durable_step: Optional[int],
-                batch: dict, say: Callable[[str], None],
-                restoring: Callable[[int, str], None] = lambda _step, _tier: None) -> Optional[Resumed]:
+def from_memory(
+    group: RankGroup,
+    memory: MemoryTier,
+    state: CheckpointState,
+    durable_step: Optional[int],
+    batch: dict,
+    say: Callable[[str], None],
+    restoring: Callable[[int, str], None] = lambda _step, _tier: None,
+) -> Optional[Resumed]:
     """Collective: restore every rank from its memory snapshot when :func:`.memory.agreement.decide`
     says every rank can, at a step no older than the durable choice (``durable_step``); None to
     go on to the durable checkpoint (no such step, or a rank whose slot failed its checks)."""
@@ -142,8 +164,10 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
         moved = memory.exchange(decision)
         errors = [e for e in group.all_gather(moved) if e]
         if errors:
-            say(f"memory checkpoints not used: step {decision.step} needs replicas from peers, and {errors[0]}; "
-                "resuming from the durable checkpoint")
+            say(
+                f"memory checkpoints not used: step {decision.step} needs replicas from peers, and {errors[0]}; "
+                "resuming from the durable checkpoint"
+            )
             return None
     restoring(decision.step, "memory")
     error = memory.restore(state, decision.step)
@@ -151,8 +175,10 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
     errors = [e for e, *_ in outcomes if e]
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        say(f"warning: memory checkpoint of step {decision.step} not loaded: {errors[0]}{more}; resuming from the "
-            "durable checkpoint")
+        say(
+            f"warning: memory checkpoint of step {decision.step} not loaded: {errors[0]}{more}; resuming from the "
+            "durable checkpoint"
+        )
         return None
     saved = (memory.newest_of(decision.step).meta or {}).get("batch") or {}
     accum = saved.get("grad_accum_steps")
@@ -160,11 +186,17 @@ def from_memory(group: RankGroup, memory: MemoryTier, state: CheckpointState, du
     where = f"rank {group.rank}: {_phases(*outcomes[group.rank][1:])}"
     if slowest != group.rank:
         where += f"; the slowest, rank {slowest}: {_phases(*outcomes[slowest][1:])}"
-    say(f"resumed from memory: step {decision.step} on every rank ({decision.why}) in "
-        f"{time.perf_counter() - t0:.2f} s ({where})")
-    return Resumed(decision.step, str(memory.slots.dir),
-                   accum if accum is not None and accum != batch.get("grad_accum_steps") else None,
-                   global_batch_target=saved.get("global_batch_target"), from_memory=True)
+    say(
+        f"resumed from memory: step {decision.step} on every rank ({decision.why}) in "
+        f"{time.perf_counter() - t0:.2f} s ({where})"
+    )
+    return Resumed(
+        decision.step,
+        str(memory.slots.dir),
+        accum if accum is not None and accum != batch.get("grad_accum_steps") else None,
+        global_batch_target=saved.get("global_batch_target"),
+        from_memory=True,
+    )
 
 
 def _phases(phases: dict, cpu_s: Optional[float], read_ahead_s: Optional[float]) -> str:
@@ -192,8 +224,9 @@ def _info(d: Optional[dict]) -> Optional[store.CheckpointInfo]:
     return None if d is None else store.CheckpointInfo(int(d["step"]), Path(d["path"]), d["manifest"])
 
 
-def decide(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None],
-           suspect: Optional[tuple[int, int]] = None) -> dict:
+def decide(
+    cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], None], suspect: Optional[tuple[int, int]] = None
+) -> dict:
     """Rank 0: ``{"candidate": ..., "pinned": bool}``, ``{"s3": ...}`` (restore first) or
     ``{"error": message, "config": bool}``. Never raises: the error travels in the broadcast, so
     every rank raises it at once instead of waiting for rank 0's abort or the collective timeout."""
@@ -204,12 +237,16 @@ def decide(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str], Non
             return {"candidate": None}
         if suspect is not None:
             for path in store.set_aside_newer(root, suspect[0], kind="suspect", up_to=suspect[1]):
-                say(f"set aside {path}: saved after the replicas last agreed (step {suspect[0]}); kept, never "
-                    "resumed from")
+                say(
+                    f"set aside {path}: saved after the replicas last agreed (step {suspect[0]}); kept, never "
+                    "resumed from"
+                )
         committed, unusable = store.scan(root)
         for path in unusable:
-            say(f"warning: skipping {path}: not a complete checkpoint (left in place; "
-                "delete it once you no longer need it)")
+            say(
+                f"warning: skipping {path}: not a complete checkpoint (left in place; "
+                "delete it once you no longer need it)"
+            )
         if not committed and s3_restore.restores_from_s3(cfg):
             found = s3_restore.plan_restore(cfg, root, say)
             if found is not None:
@@ -233,14 +270,24 @@ def _resume_from(cfg: CheckpointConfig, root: Path, job: str, say: Callable[[str
         return _after_rewind(cfg, root, path, record["step"], say)
     manifest = store.read_manifest(path)
     if manifest is None:
-        raise ConfigError(f"checkpoint.resume_from={cfg.resume_from!r} is not a complete checkpoint "
-                          f"(no readable {store.MARKER} manifest); name a step_N directory")
+        raise ConfigError(
+            f"checkpoint.resume_from={cfg.resume_from!r} is not a complete checkpoint "
+            f"(no readable {store.MARKER} manifest); name a step_N directory"
+        )
     step = int(manifest["step"])
     moved = store.set_aside_newer(root, step)
     for p in moved:
         say(f"set aside {p}: newer than checkpoint.resume_from (step {step}); kept, never resumed from")
-    atomic.write_json(root / RESUME_RECORD, {"job": job, "resume_from": str(path), "step": step,
-                                             "applied_unix": time.time(), "set_aside": [str(p) for p in moved]})
+    atomic.write_json(
+        root / RESUME_RECORD,
+        {
+            "job": job,
+            "resume_from": str(path),
+            "step": step,
+            "applied_unix": time.time(),
+            "set_aside": [str(p) for p in moved],
+        },
+    )
     return {"candidate": _as_dict(store.CheckpointInfo(step, path, manifest)), "pinned": True}
 
 
@@ -250,8 +297,10 @@ def _after_rewind(cfg: CheckpointConfig, root: Path, path: Path, step: int, say:
     committed = store.scan(root)[0]
     newest = committed[-1] if committed else None
     if newest is not None and newest.step >= step and newest.path != path:
-        say(f"checkpoint.resume_from={cfg.resume_from} was applied at this job's first start; resuming "
-            f"from the job's newest checkpoint, step {newest.step}")
+        say(
+            f"checkpoint.resume_from={cfg.resume_from} was applied at this job's first start; resuming "
+            f"from the job's newest checkpoint, step {newest.step}"
+        )
         return {"candidate": _as_dict(newest)}
     manifest = store.read_manifest(path)
     if manifest is not None and manifest.get("step") == step:
@@ -260,7 +309,8 @@ def _after_rewind(cfg: CheckpointConfig, root: Path, path: Path, step: int, say:
         f"checkpoint.resume_from={cfg.resume_from!r} was applied at this job's first start ({root / RESUME_RECORD}), "
         f"but it is no longer a complete checkpoint and this job committed nothing at or after its step {step} "
         f"in checkpoint.dir={str(root)!r}; unset checkpoint.resume_from to resume from the newest checkpoint there, "
-        "or name another complete step_N directory")
+        "or name another complete step_N directory"
+    )
 
 
 def older_than(root: Path, step: int) -> Optional[store.CheckpointInfo]:
@@ -276,13 +326,15 @@ def check_compatible(ckpt: store.CheckpointInfo, identity: dict, world_size: int
         raise ConfigError(
             f"checkpoint {ckpt.path} holds a different model ({m.get('model')}, {m.get('num_params'):,} "
             f"parameters) than this run ({identity['model']}, {identity['num_params']:,}); "
-            "use the same model settings, or a fresh checkpoint.dir")
+            "use the same model settings, or a fresh checkpoint.dir"
+        )
     if m["world_size"] != world_size and m["mode"] == "torch-async":
         raise ConfigError(
             f"checkpoint {ckpt.path} was written by checkpoint.mode=torch-async at world size "
             f"{m['world_size']}; it can only be resumed at that world size (this run has "
             f"{world_size}). Resume at {m['world_size']} ranks, or use async/sync checkpoints, "
-            "which reshard")
+            "which reshard"
+        )
     # A one-file-per-rank checkpoint holds each rank's shards as that rank's mesh cut them.
     written_group = m.get("shard_group_size", m["world_size"])
     group = identity.get("shard_group_size", world_size)
@@ -291,7 +343,8 @@ def check_compatible(ckpt: store.CheckpointInfo, identity: dict, world_size: int
             f"checkpoint {ckpt.path} was written by checkpoint.mode=torch-async with parameters sharded over "
             f"{written_group} ranks; this run shards them over {group} (dist.shard_group_size). Set "
             f"dist.shard_group_size={written_group if written_group != m['world_size'] else 0} to resume it, or "
-            "use async/sync checkpoints, which reshard")
+            "use async/sync checkpoints, which reshard"
+        )
 
 
 def _verify(group: RankGroup, cfg: CheckpointConfig, ckpt: store.CheckpointInfo) -> Optional[str]:
@@ -389,29 +442,39 @@ def shared_metadata_reader(group: RankGroup, path: Path) -> tuple[Optional[Share
 METADATA_FILE = _metadata_fn  # DCP's ``.metadata``, as its file system reader names it
 
 
-def _say_resumed(say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int,
-                 choice: Optional[BatchChoice], batch: dict) -> None:
+def _say_resumed(
+    say: Callable[[str], None], ckpt: store.CheckpointInfo, world_size: int, choice: Optional[BatchChoice], batch: dict
+) -> None:
     m = ckpt.manifest
     say(f"resumed from step {ckpt.step} ({ckpt.path}, {m['mode']}, saved at world size {m['world_size']})")
     if m["world_size"] != world_size:
-        say(f"resharded from world size {m['world_size']} to {world_size}; RNG streams start fresh "
-            "(each rank's saved random state belongs to the old layout)")
+        say(
+            f"resharded from world size {m['world_size']} to {world_size}; RNG streams start fresh "
+            "(each rank's saved random state belongs to the old layout)"
+        )
     if choice is None:
         return
     if choice.exact:
         what = f"keeps the run's global batch of {choice.target} samples per step at world size {world_size}"
     else:
-        what = (f"global batch {choice.global_batch} samples per step instead of the run's {choice.target} "
-                f"(train.elastic_batch=nearest: {world_size} ranks x data.micro_batch_size="
-                f"{batch.get('micro_batch_size')} cannot make {choice.target})")
+        what = (
+            f"global batch {choice.global_batch} samples per step instead of the run's {choice.target} "
+            f"(train.elastic_batch=nearest: {world_size} ranks x data.micro_batch_size="
+            f"{batch.get('micro_batch_size')} cannot make {choice.target})"
+        )
     if choice.grad_accum_steps != batch.get("grad_accum_steps"):
         say(f"train.grad_accum_steps={choice.grad_accum_steps} instead of {batch.get('grad_accum_steps')}: {what}")
     else:
         say(f"train.grad_accum_steps={choice.grad_accum_steps}: {what}")
 
 
-def load(state: CheckpointState, ckpt: store.CheckpointInfo, rank: int, with_rng: bool,
-         reader: Optional[FileSystemReader] = None) -> Optional[str]:
+def load(
+    state: CheckpointState,
+    ckpt: store.CheckpointInfo,
+    rank: int,
+    with_rng: bool,
+    reader: Optional[FileSystemReader] = None,
+) -> Optional[str]:
     """Load ``ckpt`` into ``state`` on this rank (RNG only at the same world size; a DCP checkpoint
     through ``reader``, torch's own when None); the error as one line, or None."""
     try:

@@ -41,8 +41,7 @@ class Retention:
         kept. Best-effort: what fails is said at the next step."""
         if self._pool is None:
             return
-        self._pool.submit(store.apply_retention, self.root, self.keep_last, held, self._said.append,
-                          lease_check(lease))
+        self._pool.submit(store.apply_retention, self.root, self.keep_last, held, self._said.append, lease_check(lease))
         self.sweep(lease, in_flight=None, at_start=False)
 
     def sweep(self, lease: Optional[Lease], in_flight: Optional[Path], at_start: bool) -> None:
@@ -67,8 +66,16 @@ class Retention:
             sweep()
 
     def _submit_sweep(self, names: list[str], in_flight: Optional[Path], lease: Optional[Lease]) -> None:
-        self._pool.submit(store.sweep_torn, self.root, names, self._stale_torn, in_flight, self._said.append,
-                          self._events.append, lease_lost=lease_check(lease))
+        self._pool.submit(
+            store.sweep_torn,
+            self.root,
+            names,
+            self._stale_torn,
+            in_flight,
+            self._said.append,
+            self._events.append,
+            lease_lost=lease_check(lease),
+        )
 
     def report(self, log: RunLog) -> None:
         """Say what the passes said since the last call ."""

@@ -29,8 +29,10 @@ def require_writable(path: Path, key: str) -> None:
 
 def not_writable_message(key: str, path: Path, exc: OSError) -> str:
     """Why ``path`` (the config's ``key``) is not writable, naming the chart values that fix it."""
-    return (f"{key}={str(path)!r} is not writable by uid {os.getuid()} gid {os.getgid()} ({exc.strerror or exc}): "
-            f"{writable_fix(path)} (docs/eks-helm.md)")
+    return (
+        f"{key}={str(path)!r} is not writable by uid {os.getuid()} gid {os.getgid()} ({exc.strerror or exc}): "
+        f"{writable_fix(path)} (docs/eks-helm.md)"
+    )
 
 
 # Set by the chart when the pod's init container prepared the shared volume (storage.prepare).
@@ -47,11 +49,15 @@ def writable_fix(directory: Path) -> str:
     except OSError:
         owner = ""
     if os.environ.get(PREPARED_ENV) == "true":
-        return (f"storage.prepare is on and its init container could not make it so (`kubectl logs POD -c "
-                f"prepare-storage` says what it could not do: a file system that squashes root, a directory another "
-                f"UID owns, a read-only volume): chown {uid}:{gid} the directory on the file system yourself, or run "
-                f"the pods as its owner (pod.securityContext.runAsUser/runAsGroup{owner})")
-    return (f"set storage.prepare=true (an init container creates the run and checkpoint directories and gives "
-            f"them to uid {uid}, gid {gid}; a new FSx file system's root belongs to root and its CSI driver skips "
-            f"fsGroup on a ReadWriteMany volume), or chown {uid}:{gid} the directory on the file system yourself, "
-            f"or run the pods as the directory's owner (pod.securityContext.runAsUser/runAsGroup{owner})")
+        return (
+            f"storage.prepare is on and its init container could not make it so (`kubectl logs POD -c "
+            f"prepare-storage` says what it could not do: a file system that squashes root, a directory another "
+            f"UID owns, a read-only volume): chown {uid}:{gid} the directory on the file system yourself, or run "
+            f"the pods as its owner (pod.securityContext.runAsUser/runAsGroup{owner})"
+        )
+    return (
+        f"set storage.prepare=true (an init container creates the run and checkpoint directories and gives "
+        f"them to uid {uid}, gid {gid}; a new FSx file system's root belongs to root and its CSI driver skips "
+        f"fsGroup on a ReadWriteMany volume), or chown {uid}:{gid} the directory on the file system yourself, "
+        f"or run the pods as the directory's owner (pod.securityContext.runAsUser/runAsGroup{owner})"
+    )

@@ -231,8 +231,9 @@ class StagingJob:
     ``error`` holds what failed (as text); nothing is raised across threads.
     """
 
-    def __init__(self, sd: Any, buffers: Any, cuda: bool, then: Optional[Callable[[], None]],
-                 error: Optional[str] = None):
+    def __init__(
+        self, sd: Any, buffers: Any, cuda: bool, then: Optional[Callable[[], None]], error: Optional[str] = None
+    ):
         self.cuda = cuda
         self.error: Optional[str] = error  # given: the job never copies (the buffers could not be made)
         self.copied = threading.Event()  # the copy is done (CPU) or queued on the side stream (GPU)

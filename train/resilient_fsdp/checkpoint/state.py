@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 
-
 # What torch's activation-checkpointing wrapper puts into the names of the parameters it wraps.
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
@@ -35,8 +34,16 @@ def canonical_name(name: str) -> str:
 class CheckpointState:
     """Gathers and restores everything a checkpoint holds, for one rank."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                 counters: Any, data: Any, rank: int, resilience: Any = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        counters: Any,
+        data: Any,
+        rank: int,
+        resilience: Any = None,
+    ):
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.counters, self.data, self.rank = counters, data, rank
         self.resilience = resilience  # learned hang-detection timeouts (resilience.rank_monitor)
@@ -120,8 +127,14 @@ def to_local(sd: Any) -> Any:
 def from_local(loaded: Any, like: Any) -> Any:
     """Inverse of :func:`to_local`: rebuild DTensors shaped like ``like`` from local shards."""
     if isinstance(like, DTensor):
-        return DTensor.from_local(loaded.to(like.device), like.device_mesh, like.placements,
-                                  shape=like.shape, stride=like.stride(), run_check=False)
+        return DTensor.from_local(
+            loaded.to(like.device),
+            like.device_mesh,
+            like.placements,
+            shape=like.shape,
+            stride=like.stride(),
+            run_check=False,
+        )
     if isinstance(like, dict):
         return {k: from_local(loaded[k], v) if k in loaded else v for k, v in like.items()}
     return loaded

@@ -174,9 +174,13 @@ def retention_victims(committed: list[CheckpointInfo], keep_last: int) -> list[C
     return committed[:-keep_last]
 
 
-def apply_retention(root: Path, keep_last: int, held: Callable[[Path], bool] = lambda _p: False,
-                    say: Callable[[str], None] = lambda _m: None,
-                    lease_lost: Callable[[], Optional[str]] = lambda: None) -> list[Path]:
+def apply_retention(
+    root: Path,
+    keep_last: int,
+    held: Callable[[Path], bool] = lambda _p: False,
+    say: Callable[[str], None] = lambda _m: None,
+    lease_lost: Callable[[], Optional[str]] = lambda: None,
+) -> list[Path]:
     """Delete committed checkpoints older than the newest ``keep_last``, and superseded copies of
     steps older than the oldest one kept, except ``held`` ones (an upload still reads them);
     returns what was deleted. Never the newest (what a resume decision depends on: a
@@ -224,8 +228,13 @@ def torn_names(root: Path) -> list[str]:
         return []
 
 
-def sweep_victims(root: Path, names: list[str], newest_committed: Optional[int],
-                  stale: frozenset[str] = frozenset(), in_flight: Optional[Path] = None) -> list[Path]:
+def sweep_victims(
+    root: Path,
+    names: list[str],
+    newest_committed: Optional[int],
+    stale: frozenset[str] = frozenset(),
+    in_flight: Optional[Path] = None,
+) -> list[Path]:
     """Which of ``names`` (:func:`torn_names`) a sweep removes, by name: leftover deletions,
     incomplete directories at or below ``newest_committed`` (a later commit reached their step:
     never resumable), and those in ``stale`` (listed at the job's start, before it had a write in
@@ -248,9 +257,16 @@ def _lease_lost(lease_lost: Callable[[], Optional[str]], say: Callable[[str], No
     return bool(why)
 
 
-def sweep_torn(root: Path, names: list[str], stale: frozenset[str] = frozenset(), in_flight: Optional[Path] = None,
-               say: Callable[[str], None] = lambda _m: None, record: Callable[[dict], None] = lambda _r: None,
-               cap: int = SWEEP_CAP, lease_lost: Callable[[], Optional[str]] = lambda: None) -> list[Path]:
+def sweep_torn(
+    root: Path,
+    names: list[str],
+    stale: frozenset[str] = frozenset(),
+    in_flight: Optional[Path] = None,
+    say: Callable[[str], None] = lambda _m: None,
+    record: Callable[[dict], None] = lambda _r: None,
+    cap: int = SWEEP_CAP,
+    lease_lost: Callable[[], Optional[str]] = lambda: None,
+) -> list[Path]:
     """Remove torn writes and leftover ``.deleting`` directories among ``names`` (at most ``cap``,
     the rest at the next pass); each removal is said and recorded (a ``checkpoint_swept`` event).
     Returns what was removed. Run by rank 0 while it holds the lease: no other job writes here.
@@ -271,17 +287,33 @@ def sweep_torn(root: Path, names: list[str], stale: frozenset[str] = frozenset()
             if marked != path:
                 atomic.rename(path, marked)
         except OSError as exc:
-            say(f"warning: could not remove torn checkpoint directory {path} ({exc.strerror or exc}); "
-                "tried again at the next pass; training goes on")
+            say(
+                f"warning: could not remove torn checkpoint directory {path} ({exc.strerror or exc}); "
+                "tried again at the next pass; training goes on"
+            )
             continue
         _remove(marked, say)
         removed.append(path)
-        why = "a leftover of an interrupted deletion" if kind == "deleting" else (
-            "an incomplete write of an earlier attempt" if path.name in stale else
-            f"an incomplete write; step {newest} is committed")
+        why = (
+            "a leftover of an interrupted deletion"
+            if kind == "deleting"
+            else (
+                "an incomplete write of an earlier attempt"
+                if path.name in stale
+                else f"an incomplete write; step {newest} is committed"
+            )
+        )
         say(f"removed torn checkpoint directory {path} ({nbytes / 1e6:.1f} MB, {why})")
-        record({"event": "checkpoint_swept", "t": time.time(), "path": str(path), "kind": kind,
-                "bytes": nbytes, "newest_committed": newest})
+        record(
+            {
+                "event": "checkpoint_swept",
+                "t": time.time(),
+                "path": str(path),
+                "kind": kind,
+                "bytes": nbytes,
+                "newest_committed": newest,
+            }
+        )
     return removed
 
 
@@ -292,9 +324,12 @@ def _remove(path: Path, say: Callable[[str], None]) -> None:
     else:
         shutil.rmtree(path, onerror=lambda _fn, p, info: errors.append(f"{p}: {info[1]}"))
     if errors:
-        say(f"warning: retention could not delete everything in {path} ({errors[0]}"
-            + (f", and {len(errors) - 1} more" if len(errors) > 1 else "") + "); it is not a checkpoint any more "
-            "and is tried again after the next commit; training goes on")
+        say(
+            f"warning: retention could not delete everything in {path} ({errors[0]}"
+            + (f", and {len(errors) - 1} more" if len(errors) > 1 else "")
+            + "); it is not a checkpoint any more "
+            "and is tried again after the next commit; training goes on"
+        )
 
 
 def dir_bytes(path: Path) -> int:

@@ -17,9 +17,9 @@ class Votes:
     """One rank's votes (each 0 or 1), or every rank's summed (how many ranks said so)."""
 
     interval_passed: float = 0.0  # checkpoint.interval_s has passed since the last save, by the rank's clock
-    writing: float = 0.0          # the rank still writes the pending checkpoint
-    committing: float = 0.0       # rank 0's commit process is still on the pending checkpoint
-    unreplicated: float = 0.0     # the rank's memory replication has stopped
+    writing: float = 0.0  # the rank still writes the pending checkpoint
+    committing: float = 0.0  # rank 0's commit process is still on the pending checkpoint
+    unreplicated: float = 0.0  # the rank's memory replication has stopped
 
     def to_floats(self) -> list[float]:
         return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]

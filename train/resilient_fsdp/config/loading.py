@@ -166,8 +166,11 @@ def _check_across_keys(config: Config) -> None:
     r = config.resilience
     ip, hang = r.in_process, r.hang_detection
     if ip.enabled:
-        order = [("soft_timeout_s", ip.soft_timeout_s), ("hard_timeout_s", ip.hard_timeout_s),
-                 ("barrier_timeout_s", ip.barrier_timeout_s)]
+        order = [
+            ("soft_timeout_s", ip.soft_timeout_s),
+            ("hard_timeout_s", ip.hard_timeout_s),
+            ("barrier_timeout_s", ip.barrier_timeout_s),
+        ]
         for (a, va), (b, vb) in zip(order, order[1:]):
             if not va < vb:
                 raise ConfigError(f"resilience.in_process.{a}={va} must be less than resilience.in_process.{b}={vb}")
@@ -175,12 +178,16 @@ def _check_across_keys(config: Config) -> None:
         for key in ("step_timeout_s", "checkpoint_timeout_s", "out_of_section_timeout_s"):
             value = getattr(hang, key)
             if value is not None and not value > ip.hard_timeout_s:
-                raise ConfigError(f"resilience.hang_detection.{key}={value} must exceed "
-                                  f"resilience.in_process.hard_timeout_s={ip.hard_timeout_s}: in-job hang detection "
-                                  "would kill a rank before in-process restart can recover it")
+                raise ConfigError(
+                    f"resilience.hang_detection.{key}={value} must exceed "
+                    f"resilience.in_process.hard_timeout_s={ip.hard_timeout_s}: in-job hang detection "
+                    "would kill a rank before in-process restart can recover it"
+                )
         if not ip.heartbeat_timeout_s < ip.barrier_timeout_s:
-            raise ConfigError(f"resilience.in_process.heartbeat_timeout_s={ip.heartbeat_timeout_s} must be less than "
-                              f"resilience.in_process.barrier_timeout_s={ip.barrier_timeout_s}")
+            raise ConfigError(
+                f"resilience.in_process.heartbeat_timeout_s={ip.heartbeat_timeout_s} must be less than "
+                f"resilience.in_process.barrier_timeout_s={ip.barrier_timeout_s}"
+            )
     check_injected_faults(config)
     check_data_source(config)
     check_s3_config(config.checkpoint.s3)
@@ -198,11 +205,15 @@ def check_injected_faults(config: Config) -> None:
     for text in config.resilience.inject:
         spec = parse_fault(text, key="resilience.inject")
         if spec.kind in MEMORY_FAULT_KINDS and memory.interval_steps == 0:
-            raise ConfigError(f"resilience.inject {text!r}: a {spec.kind} fault acts on memory checkpoints, and "
-                              "checkpoint.memory.interval_steps is 0 (off); set it, e.g. to 2")
+            raise ConfigError(
+                f"resilience.inject {text!r}: a {spec.kind} fault acts on memory checkpoints, and "
+                "checkpoint.memory.interval_steps is 0 (off); set it, e.g. to 2"
+            )
         if spec.kind in REPLICA_FAULT_KINDS and memory.replicas == 0:
-            raise ConfigError(f"resilience.inject {text!r}: a {spec.kind} fault acts on the replicas ranks keep, "
-                              "and checkpoint.memory.replicas is 0; set it to 1")
+            raise ConfigError(
+                f"resilience.inject {text!r}: a {spec.kind} fault acts on the replicas ranks keep, "
+                "and checkpoint.memory.replicas is 0; set it to 1"
+            )
 
 
 # After a collective times out, NCCL's watchdog waits for the flight recorder's dump before it
@@ -227,18 +238,21 @@ def check_collective_timeouts(config: Config) -> None:
                 f"dist.timeout_s={d.timeout_s:g} must be at least {DUMP_MARGIN_S:g} s below "
                 f"resilience.hang_detection.{key}={value:g}: ft_launcher would kill a rank hung in a collective "
                 f"before NCCL's watchdog times the collective out and its flight recorder dumps; set "
-                f"dist.timeout_s={value - DUMP_MARGIN_S:g} or less, or raise resilience.hang_detection.{key}")
+                f"dist.timeout_s={value - DUMP_MARGIN_S:g} or less, or raise resilience.hang_detection.{key}"
+            )
     if hang.init_timeout_s is not None and not d.init_timeout_s + DUMP_MARGIN_S <= hang.init_timeout_s:
         raise ConfigError(
             f"dist.init_timeout_s={d.init_timeout_s:g} must be at least {DUMP_MARGIN_S:g} s below "
             f"resilience.hang_detection.init_timeout_s={hang.init_timeout_s:g}: a collective hung during start-up "
             f"would be killed before NCCL times it out and dumps; set dist.init_timeout_s="
-            f"{hang.init_timeout_s - DUMP_MARGIN_S:g} or less, or raise resilience.hang_detection.init_timeout_s")
+            f"{hang.init_timeout_s - DUMP_MARGIN_S:g} or less, or raise resilience.hang_detection.init_timeout_s"
+        )
     if r.in_process.enabled and not d.timeout_s > r.in_process.hard_timeout_s:
         raise ConfigError(
             f"dist.timeout_s={d.timeout_s:g} must exceed resilience.in_process.hard_timeout_s="
             f"{r.in_process.hard_timeout_s:g}: NCCL's watchdog would end the process before in-process restart "
-            "can recover it (NVRx's requirement)")
+            "can recover it (NVRx's requirement)"
+        )
 
 
 def check_data_source(config: Config) -> None:
@@ -246,19 +260,26 @@ def check_data_source(config: Config) -> None:
     chart applies the same rules at render (``templates/validations.yaml``)."""
     data, model = config.data, config.model
     if data.source == "tokens" and not data.factory and not data.path:
-        raise ConfigError("data.source=tokens needs data.path: set data.path to the directory `resilient-fsdp data "
-                          "prepare` wrote, on the shared volume or under s3:// (or data.source=synthetic)")
+        raise ConfigError(
+            "data.source=tokens needs data.path: set data.path to the directory `resilient-fsdp data "
+            "prepare` wrote, on the shared volume or under s3:// (or data.source=synthetic)"
+        )
     if data.path and data.path.startswith("s3://"):
         split_s3_uri(data.path, "data.path")
     if model.hf_config and model.factory:
-        raise ConfigError(f"model.hf_config={model.hf_config!r} and model.factory={model.factory!r} both name the "
-                          "model: keep one")
+        raise ConfigError(
+            f"model.hf_config={model.hf_config!r} and model.factory={model.factory!r} both name the model: keep one"
+        )
     if model.hf_config and model.vocab_size is not None:
-        raise ConfigError(f"model.vocab_size={model.vocab_size} does not apply with model.hf_config (its config.json's "
-                          "vocab_size is the model's): remove model.vocab_size")
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} does not apply with model.hf_config (its config.json's "
+            "vocab_size is the model's): remove model.vocab_size"
+        )
     if model.max_seq_len is not None and data.seq_len > model.max_seq_len:
-        raise ConfigError(f"data.seq_len={data.seq_len} is above model.max_seq_len={model.max_seq_len}, the longest "
-                          f"sequence the model takes: set data.seq_len={model.max_seq_len} or less")
+        raise ConfigError(
+            f"data.seq_len={data.seq_len} is above model.max_seq_len={model.max_seq_len}, the longest "
+            f"sequence the model takes: set data.seq_len={model.max_seq_len} or less"
+        )
 
 
 def check_restore_fits_init(config: Config) -> None:
@@ -274,7 +295,8 @@ def check_restore_fits_init(config: Config) -> None:
             f"resilience.hang_detection.init_timeout_s={hang.init_timeout_s:g}: the restore from S3 runs in the "
             f"init section, and ft_launcher would kill a rank still restoring as hung; lower "
             f"checkpoint.s3.restore_timeout_s, raise resilience.hang_detection.init_timeout_s, or set "
-            f"checkpoint.s3.restore=false")
+            f"checkpoint.s3.restore=false"
+        )
 
 
 def check_lease_wait_fits_init(config: Config) -> None:
@@ -286,7 +308,8 @@ def check_lease_wait_fits_init(config: Config) -> None:
             f"checkpoint.lease_wait_s={ckpt.lease_wait_s:g} must be less than "
             f"resilience.hang_detection.init_timeout_s={hang.init_timeout_s:g}: the wait for an earlier install to "
             "release checkpoint.dir is part of start-up, which ft_launcher would kill as hung; lower "
-            "checkpoint.lease_wait_s or raise resilience.hang_detection.init_timeout_s")
+            "checkpoint.lease_wait_s or raise resilience.hang_detection.init_timeout_s"
+        )
 
 
 def check_s3_config(cfg: S3Config) -> None:
@@ -297,5 +320,7 @@ def check_s3_config(cfg: S3Config) -> None:
     if cfg.endpoint_url is not None and not re.match(r"^https?://[^/\s]+", cfg.endpoint_url):
         raise ConfigError(f"checkpoint.s3.endpoint_url={cfg.endpoint_url!r} must look like http(s)://host:port")
     if cfg.retry_backoff_s > cfg.retry_backoff_max_s:
-        raise ConfigError(f"checkpoint.s3.retry_backoff_s={cfg.retry_backoff_s} must not exceed "
-                          f"checkpoint.s3.retry_backoff_max_s={cfg.retry_backoff_max_s}")
+        raise ConfigError(
+            f"checkpoint.s3.retry_backoff_s={cfg.retry_backoff_s} must not exceed "
+            f"checkpoint.s3.retry_backoff_max_s={cfg.retry_backoff_max_s}"
+        )

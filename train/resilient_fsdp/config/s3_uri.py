@@ -14,10 +14,12 @@ def split_s3_uri(uri: str, key: str = "checkpoint.s3.uri") -> tuple[str, str]:
     ``key`` otherwise."""
     if not uri.startswith("s3://"):
         raise ConfigError(f"{key}={uri!r} must look like s3://bucket/prefix")
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket:
-        raise ConfigError(f"{key}={uri!r}: {bucket!r} is not a valid bucket name (3-63 characters: lower-case "
-                          "letters, digits, dots and hyphens)")
+        raise ConfigError(
+            f"{key}={uri!r}: {bucket!r} is not a valid bucket name (3-63 characters: lower-case "
+            "letters, digits, dots and hyphens)"
+        )
     prefix = prefix.strip("/")
     if "//" in prefix:
         raise ConfigError(f"{key}={uri!r}: empty path segment in the prefix")

@@ -30,16 +30,24 @@ from .token_files import META, TOKENIZER_DIR, TOKENS, TokenMeta, dtype_for_vocab
 from .tokenizer import load as load_tokenizer
 
 
-def prepare(inputs: list[str], tokenizer_path: str, out: Path, text_field: str = "text",
-            eos_token: Optional[str] = None, client_factory: Optional[Callable[[], Any]] = None,
-            batch: int = 1000, progress: bool = True) -> TokenMeta:
+def prepare(
+    inputs: list[str],
+    tokenizer_path: str,
+    out: Path,
+    text_field: str = "text",
+    eos_token: Optional[str] = None,
+    client_factory: Optional[Callable[[], Any]] = None,
+    batch: int = 1000,
+    progress: bool = True,
+) -> TokenMeta:
     import crc32c
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     tok = load_tokenizer(tokenizer_path, eos_token)
     if (out / META).exists():
-        raise ConfigError(f"--out {out} already holds prepared data ({META}); name a new directory (nothing is "
-                          "overwritten)")
+        raise ConfigError(
+            f"--out {out} already holds prepared data ({META}); name a new directory (nothing is overwritten)"
+        )
     found = sources.find(inputs, client_factory or _no_s3)
     dtype = np.dtype(dtype_for_vocab(tok.vocab_size))
     out.mkdir(parents=True, exist_ok=True)
@@ -80,13 +88,24 @@ def prepare(inputs: list[str], tokenizer_path: str, out: Path, text_field: str =
     tokenizer_dir.mkdir(exist_ok=True)
     for file in tok.files:
         atomic.write_bytes(tokenizer_dir / file.name, file.read_bytes())
-    meta = TokenMeta(dtype=dtype.name, vocab_size=tok.vocab_size, num_tokens=tokens, num_documents=docs,
-                     eos_id=tok.eos_id, bos_id=tok.bos_id, tokenizer_sha256=tok.sha256, crc32c=f"{crc:08x}",
-                     sources=[s.name for s in found])
+    meta = TokenMeta(
+        dtype=dtype.name,
+        vocab_size=tok.vocab_size,
+        num_tokens=tokens,
+        num_documents=docs,
+        eos_id=tok.eos_id,
+        bos_id=tok.bos_id,
+        tokenizer_sha256=tok.sha256,
+        crc32c=f"{crc:08x}",
+        sources=[s.name for s in found],
+    )
     atomic.write_json(out / META, meta.to_json())
     seconds = time.monotonic() - t0
-    print(f"prepared {docs:,} documents, {tokens:,} tokens ({dtype.name}, vocabulary {tok.vocab_size:,}) in "
-          f"{seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {out}", file=sys.stderr)
+    print(
+        f"prepared {docs:,} documents, {tokens:,} tokens ({dtype.name}, vocabulary {tok.vocab_size:,}) in "
+        f"{seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {out}",
+        file=sys.stderr,
+    )
     return meta
 
 
@@ -116,5 +135,12 @@ class _local:
 def _bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenize", file=sys.stderr,
-                disable=None if enabled else True)
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="tokenize",
+        file=sys.stderr,
+        disable=None if enabled else True,
+    )

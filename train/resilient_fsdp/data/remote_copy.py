@@ -33,8 +33,9 @@ def cache_path(cache_root: Path, bucket: str, prefix: str) -> Path:
     return cache_root / bucket / (prefix or "_root")
 
 
-def local_copy(uri: str, cache_root: Path, s3: S3Config, rank: int, say: Callable[[str], None],
-               poll_s: float = 1.0) -> Path:
+def local_copy(
+    uri: str, cache_root: Path, s3: S3Config, rank: int, say: Callable[[str], None], poll_s: float = 1.0
+) -> Path:
     """The local directory holding ``uri``'s prepared data, copied there first if needed."""
     from ..checkpoint.s3.client import make_client, parse_s3_uri
 
@@ -59,21 +60,29 @@ def _remote_meta(client: Any, bucket: str, key: str, uri: str) -> TokenMeta:
     try:
         raw = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except NoCredentialsError as exc:
-        raise ConfigError(f"{KEY}={uri!r}: boto3 found no credentials in its default chain: give the job's "
-                          "ServiceAccount an IAM role (EKS Pod Identity or IRSA)") from exc
+        raise ConfigError(
+            f"{KEY}={uri!r}: boto3 found no credentials in its default chain: give the job's "
+            "ServiceAccount an IAM role (EKS Pod Identity or IRSA)"
+        ) from exc
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         if code in ("NoSuchKey", "404", "NoSuchBucket"):
-            raise ConfigError(f"{KEY}={uri!r}: no {META} there ({code}); upload the directory `resilient-fsdp data "
-                              f"prepare` wrote, e.g. aws s3 cp --recursive DIR {uri.rstrip('/')}/") from exc
+            raise ConfigError(
+                f"{KEY}={uri!r}: no {META} there ({code}); upload the directory `resilient-fsdp data "
+                f"prepare` wrote, e.g. aws s3 cp --recursive DIR {uri.rstrip('/')}/"
+            ) from exc
         if code in DENIED:
-            raise ConfigError(f"{KEY}={uri!r}: access denied ({code}); grant the job's role s3:ListBucket on bucket "
-                              f"{bucket!r} and s3:GetObject on the prefix") from exc
+            raise ConfigError(
+                f"{KEY}={uri!r}: access denied ({code}); grant the job's role s3:ListBucket on bucket "
+                f"{bucket!r} and s3:GetObject on the prefix"
+            ) from exc
         raise
     try:
         return meta_from_json(json.loads(raw), f"{KEY}={uri!r}: its {META}")
     except ValueError as exc:  # not JSON
-        raise ConfigError(f"{KEY}={uri!r}: its {META} is not JSON ({exc}); upload data prepare's directory again") from exc
+        raise ConfigError(
+            f"{KEY}={uri!r}: its {META} is not JSON ({exc}); upload data prepare's directory again"
+        ) from exc
 
 
 def _matches(target: Path, remote: TokenMeta) -> bool:
@@ -97,9 +106,11 @@ def _copy(client: Any, loc: Any, remote: TokenMeta, target: Path, uri: str, say:
     except PermissionError as exc:
         # A new FSx file system's root belongs to root; the chart's storage preparation makes only
         # the run directory the pods' own.
-        raise ConfigError(f"data.cache_dir: cannot create {target.parent} as uid {os.getuid()} ({exc.strerror}): "
-                          "leave data.cache_dir unset (<run_dir>/data, which the chart prepares for the pods' "
-                          "user) or make that directory writable by the pods' user or fsGroup") from exc
+        raise ConfigError(
+            f"data.cache_dir: cannot create {target.parent} as uid {os.getuid()} ({exc.strerror}): "
+            "leave data.cache_dir unset (<run_dir>/data, which the chart prepares for the pods' "
+            "user) or make that directory writable by the pods' user or fsGroup"
+        ) from exc
     for stale in target.parent.glob(f"{target.name}.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)  # a copy a killed rank 0 left: this module's own scratch
     partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex[:8]}")
@@ -111,8 +122,9 @@ def _copy(client: Any, loc: Any, remote: TokenMeta, target: Path, uri: str, say:
         raise
 
 
-def _fill(client: Any, loc: Any, remote: TokenMeta, partial: Path, target: Path, uri: str,
-          say: Callable[[str], None]) -> Path:
+def _fill(
+    client: Any, loc: Any, remote: TokenMeta, partial: Path, target: Path, uri: str, say: Callable[[str], None]
+) -> Path:
     from ..checkpoint.integrity import file_crc32c
 
     t0, total = time.monotonic(), 0
@@ -120,7 +132,7 @@ def _fill(client: Any, loc: Any, remote: TokenMeta, partial: Path, target: Path,
     base = loc.key() + "/" if loc.prefix else ""
     for page in paginator.paginate(Bucket=loc.bucket, Prefix=base):
         for obj in page.get("Contents", []):
-            rel = obj["Key"][len(base):]
+            rel = obj["Key"][len(base) :]
             if not rel or rel == META or rel.endswith("/"):
                 continue
             dest = partial / rel
@@ -133,8 +145,10 @@ def _fill(client: Any, loc: Any, remote: TokenMeta, partial: Path, target: Path,
         raise ConfigError(f"{KEY}={uri!r}: {META} is there but tokens.bin is not; upload the whole prepared directory")
     got = file_crc32c(tokens)
     if got != remote.crc32c:
-        raise ConfigError(f"{KEY}={uri!r}: tokens.bin has CRC32C {got}, its {META} says {remote.crc32c}: the object "
-                          "in the bucket is not the one data prepare wrote (cut or replaced); upload it again")
+        raise ConfigError(
+            f"{KEY}={uri!r}: tokens.bin has CRC32C {got}, its {META} says {remote.crc32c}: the object "
+            "in the bucket is not the one data prepare wrote (cut or replaced); upload it again"
+        )
     atomic.write_json(partial / META, remote.to_json())
     if target.exists():
         aside = target.with_name(f"{target.name}.replaced-{int(time.time())}")

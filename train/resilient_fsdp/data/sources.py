@@ -21,7 +21,7 @@ SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".jsonl.gz", ".json.gz", ".tx
 
 @dataclass(frozen=True)
 class Source:
-    name: str            # a local path or an s3:// URI, as the user will recognise it
+    name: str  # a local path or an s3:// URI, as the user will recognise it
     size: int
     bucket: Optional[str] = None
     key: Optional[str] = None
@@ -91,8 +91,10 @@ def documents(path: Path, name: str, text_field: str, batch: int = 1000) -> Iter
             text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(f"{name}:{lineno}: no string field {text_field!r} (it has: {keys}); pass "
-                                  "--text-field with the field that holds the text")
+                raise ConfigError(
+                    f"{name}:{lineno}: no string field {text_field!r} (it has: {keys}); pass "
+                    "--text-field with the field that holds the text"
+                )
             if text:
                 texts.append(text)
             if len(texts) >= batch:
@@ -109,8 +111,10 @@ def _parquet(path: Path, name: str, text_field: str, batch: int) -> Iterator[lis
         raise ConfigError("reading Parquet needs pyarrow: pip install 'resilient-fsdp[data]'") from exc
     f = pq.ParquetFile(path)
     if text_field not in f.schema_arrow.names:
-        raise ConfigError(f"{name}: no column {text_field!r} (it has: {', '.join(f.schema_arrow.names)}); pass "
-                          "--text-field with the column that holds the text")
+        raise ConfigError(
+            f"{name}: no column {text_field!r} (it has: {', '.join(f.schema_arrow.names)}); pass "
+            "--text-field with the column that holds the text"
+        )
     for record_batch in f.iter_batches(batch_size=batch, columns=[text_field]):
         texts = [t for t in record_batch.column(0).to_pylist() if t]
         if texts:

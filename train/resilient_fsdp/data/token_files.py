@@ -80,21 +80,28 @@ def resolve(path: str, key: str = "data.path") -> tuple[Path, Optional[TokenMeta
         bin_path, meta = p / TOKENS, read_meta(p / META)
         if meta is None:
             partial = sorted(x.name for x in p.glob(f"{TOKENS}.partial-*"))
-            why = (f"holds {partial[0]}: a `data prepare` that did not finish; run it again" if partial
-                   else f"has no {META}: not a directory `resilient-fsdp data prepare` wrote")
+            why = (
+                f"holds {partial[0]}: a `data prepare` that did not finish; run it again"
+                if partial
+                else f"has no {META}: not a directory `resilient-fsdp data prepare` wrote"
+            )
             raise ConfigError(f"{key}={path!r} {why}")
     else:
         bin_path, meta = p, read_meta(meta_path(p))
     if not bin_path.is_file():
-        raise ConfigError(f"{key}={path!r}: no such file; set {key} to a directory `resilient-fsdp data prepare` "
-                          "wrote, or to a .bin token file")
+        raise ConfigError(
+            f"{key}={path!r}: no such file; set {key} to a directory `resilient-fsdp data prepare` "
+            "wrote, or to a .bin token file"
+        )
     if meta is not None:
         itemsize = np.dtype(meta.dtype).itemsize
         size = bin_path.stat().st_size
         if size != meta.num_tokens * itemsize:
-            raise ConfigError(f"{key}={path!r}: {bin_path} has {size} bytes, its {META} says {meta.num_tokens} tokens "
-                              f"of {meta.dtype} ({meta.num_tokens * itemsize} bytes): the file was cut or replaced; "
-                              "prepare or copy it again")
+            raise ConfigError(
+                f"{key}={path!r}: {bin_path} has {size} bytes, its {META} says {meta.num_tokens} tokens "
+                f"of {meta.dtype} ({meta.num_tokens * itemsize} bytes): the file was cut or replaced; "
+                "prepare or copy it again"
+            )
     return bin_path, meta
 
 
@@ -105,4 +112,5 @@ def check_vocab(meta: TokenMeta, vocab_size: int, model_name: str, key: str = "d
             f"{key}: the data was tokenized with a vocabulary of {meta.vocab_size} (tokenizer sha256 "
             f"{meta.tokenizer_sha256[:12]}), larger than {model_name}'s {vocab_size}: set model.vocab_size="
             f"{meta.vocab_size} (built-in model), use a model.hf_config whose vocab_size covers it, or prepare the "
-            "data with the model's own tokenizer")
+            "data with the model's own tokenizer"
+        )

@@ -21,8 +21,15 @@ from ..config import ConfigError
 
 KEY = "--tokenizer"
 # Files of a Hugging Face tokenizer directory that travel with the data (and an exported model).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
 
@@ -60,13 +67,17 @@ def load(path: str, eos_token: Optional[str] = None) -> Tokenizer:
             backend = _converted(p)
             text = backend.to_str()
     else:
-        raise ConfigError(f"{KEY} {path}: no such file or directory; pass a tokenizer.json or a local Hugging Face "
-                          "tokenizer directory (nothing is downloaded)")
+        raise ConfigError(
+            f"{KEY} {path}: no such file or directory; pass a tokenizer.json or a local Hugging Face "
+            "tokenizer directory (nothing is downloaded)"
+        )
     vocab = backend.get_vocab(with_added_tokens=True)
     eos = _special(vocab, eos_token, config.get("eos_token"), EOS_NAMES)
     if eos is None:
-        raise ConfigError(f"{KEY} {path}: no end-of-sequence token found (tried {', '.join(EOS_NAMES)}); name the one "
-                          "that separates documents with --eos-token TOKEN")
+        raise ConfigError(
+            f"{KEY} {path}: no end-of-sequence token found (tried {', '.join(EOS_NAMES)}); name the one "
+            "that separates documents with --eos-token TOKEN"
+        )
     bos = _special(vocab, None, config.get("bos_token"), BOS_NAMES)
     return Tokenizer(backend, hashlib.sha256(text.encode()).hexdigest(), files, max(vocab.values()) + 1, eos, bos)
 
@@ -82,15 +93,19 @@ def _converted(directory: Path) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
-        raise ConfigError(f"{KEY} {directory} has no tokenizer.json; converting it needs transformers: "
-                          "pip install 'resilient-fsdp[hf]'") from exc
+        raise ConfigError(
+            f"{KEY} {directory} has no tokenizer.json; converting it needs transformers: "
+            "pip install 'resilient-fsdp[hf]'"
+        ) from exc
     try:
         tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{KEY} {directory}: transformers cannot load a tokenizer from it ({exc})") from exc
     if not getattr(tok, "is_fast", False):
-        raise ConfigError(f"{KEY} {directory}: only a slow tokenizer loads from it; save a tokenizer.json with "
-                          "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) where the conversion works")
+        raise ConfigError(
+            f"{KEY} {directory}: only a slow tokenizer loads from it; save a tokenizer.json with "
+            "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) where the conversion works"
+        )
     return tok.backend_tokenizer
 
 

@@ -25,18 +25,31 @@ MAX_POD_CONDITIONS = 20
 JOB_ACTIONS = ("FailJob", "FailIndex", "Ignore", "Count")
 
 # JobSet v0.12.0 (pkg/webhooks/jobset_webhook.go, api/jobset/v1alpha2/jobset_types.go)
-JOB_FAILURE_REASONS = ("BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
-                       "PodFailurePolicy")
-JOBSET_ACTIONS = ("FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts", "RestartJob",
-                  "RestartJobAndIgnoreMaxRestarts")
+JOB_FAILURE_REASONS = (
+    "BackoffLimitExceeded",
+    "DeadlineExceeded",
+    "FailedIndexes",
+    "MaxFailedIndexesExceeded",
+    "PodFailurePolicy",
+)
+JOBSET_ACTIONS = (
+    "FailJobSet",
+    "RestartJobSet",
+    "RestartJobSetAndIgnoreMaxRestarts",
+    "RestartJob",
+    "RestartJobAndIgnoreMaxRestarts",
+)
 # Behind the alpha RestartJob / InPlaceRestart gates, off by default (pkg/features/features.go).
 GATED_ACTIONS = ("RestartJob", "RestartJobAndIgnoreMaxRestarts")
 _RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 
 # Kubeflow Trainer v2.3.0 (pkg/constants/constants.go)
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
-ANCESTOR_CONTAINERS = {"trainer": "node", "model-initializer": "model-initializer",
-                       "dataset-initializer": "dataset-initializer"}
+ANCESTOR_CONTAINERS = {
+    "trainer": "node",
+    "model-initializer": "model-initializer",
+    "dataset-initializer": "dataset-initializer",
+}
 TORCH_RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
 TRAINJOB_MANAGED_BY = ("trainer.kubeflow.org/trainjob-controller", "kueue.x-k8s.io/multikueue")
 MAX_RUNTIME_PATCHES = 16
@@ -112,17 +125,25 @@ def check_job_spec(spec: dict, path: str = "spec") -> list[Finding]:
     where = f"{path}.podFailurePolicy"
     restart = pod_spec.get("restartPolicy", "")
     if restart != "Never":
-        found.append(Finding(f"{path}.template.spec.restartPolicy",
-                             f"only Never is supported when podFailurePolicy is specified (is {restart or 'empty'})",
-                             check))
+        found.append(
+            Finding(
+                f"{path}.template.spec.restartPolicy",
+                f"only Never is supported when podFailurePolicy is specified (is {restart or 'empty'})",
+                check,
+            )
+        )
     replacement = spec.get("podReplacementPolicy")
     if replacement is not None and replacement != "Failed":
-        found.append(Finding(f"{path}.podReplacementPolicy", "must be Failed when podFailurePolicy is specified",
-                             check))
+        found.append(
+            Finding(f"{path}.podReplacementPolicy", "must be Failed when podFailurePolicy is specified", check)
+        )
     rules = policy.get("rules") or []
     if len(rules) > MAX_POD_FAILURE_POLICY_RULES:
-        found.append(Finding(f"{where}.rules", f"must have at most {MAX_POD_FAILURE_POLICY_RULES} items "
-                                               f"(has {len(rules)})", check))
+        found.append(
+            Finding(
+                f"{where}.rules", f"must have at most {MAX_POD_FAILURE_POLICY_RULES} items (has {len(rules)})", check
+            )
+        )
     containers = {c.get("name") for c in (pod_spec.get("containers") or []) + (pod_spec.get("initContainers") or [])}
     for i, rule in enumerate(rules):
         at = f"{where}.rules[{i}]"
@@ -143,8 +164,7 @@ def check_job_spec(spec: dict, path: str = "spec") -> list[Finding]:
                 if not cond.get("type"):
                     found.append(Finding(f"{at}.onPodConditions[{j}].type", "must be set", check))
                 if cond.get("status", "True") not in ("True", "False", "Unknown"):
-                    found.append(Finding(f"{at}.onPodConditions[{j}].status", "must be True, False or Unknown",
-                                         check))
+                    found.append(Finding(f"{at}.onPodConditions[{j}].status", "must be True, False or Unknown", check))
     return found
 
 
@@ -156,11 +176,23 @@ def _check_exit_codes(codes: dict, at: str, containers: set) -> list[Finding]:
         found.append(Finding(f"{at}.operator", f"must be In or NotIn (is {operator!r})", check))
     name = codes.get("containerName")
     if name is not None and name not in containers:
-        found.append(Finding(f"{at}.containerName", f"{name!r} is not a container or initContainer of the pod "
-                                                    f"template ({', '.join(sorted(map(str, containers)))})", check))
+        found.append(
+            Finding(
+                f"{at}.containerName",
+                f"{name!r} is not a container or initContainer of the pod "
+                f"template ({', '.join(sorted(map(str, containers)))})",
+                check,
+            )
+        )
     if not 1 <= len(values) <= MAX_EXIT_CODE_VALUES:
-        found.append(Finding(f"{at}.values", f"must have 1 to {MAX_EXIT_CODE_VALUES} items (has {len(values)}); "
-                                             "the API takes listed exit codes, no ranges", check))
+        found.append(
+            Finding(
+                f"{at}.values",
+                f"must have 1 to {MAX_EXIT_CODE_VALUES} items (has {len(values)}); "
+                "the API takes listed exit codes, no ranges",
+                check,
+            )
+        )
     if len(set(values)) != len(values):
         found.append(Finding(f"{at}.values", "must not contain duplicates", check))
     if list(values) != sorted(values):
@@ -190,8 +222,9 @@ def jobset_defaults(spec: dict) -> dict:
     return spec
 
 
-def check_jobset_spec(name: str, spec: dict, path: str = "spec", check: str = "JobSet webhook",
-                      jobs: bool = True) -> list[Finding]:
+def check_jobset_spec(
+    name: str, spec: dict, path: str = "spec", check: str = "JobSet webhook", jobs: bool = True
+) -> list[Finding]:
     """The JobSet webhook's create-time rules for a JobSet ``name`` with ``spec``, then (``jobs``) the
     Job API's rules for each replicated Job as the JobSet controller will create it.
 
@@ -220,8 +253,14 @@ def check_jobset_spec(name: str, spec: dict, path: str = "spec", check: str = "J
         if job.get("completionMode") == "Indexed" and job.get("completions") is not None:
             longest_pod = f"{longest_job}-{int(job['completions']) - 1}-abcde"
             if len(longest_pod) > 63:
-                found.append(Finding(f"{at}.name", f"JobSet name is too long: pod names such as {longest_pod!r} "
-                                                   f"({len(longest_pod)} characters) exceed 63", check))
+                found.append(
+                    Finding(
+                        f"{at}.name",
+                        f"JobSet name is too long: pod names such as {longest_pod!r} "
+                        f"({len(longest_pod)} characters) exceed 63",
+                        check,
+                    )
+                )
         for dep in rjob.get("dependsOn") or []:
             if dep.get("name") not in names[:i]:
                 found.append(Finding(f"{at}.dependsOn", f"{dep.get('name')!r} is not an earlier replicatedJob", check))
@@ -230,15 +269,26 @@ def check_jobset_spec(name: str, spec: dict, path: str = "spec", check: str = "J
     policy = spec.get("failurePolicy")
     if policy:
         if policy.get("restartStrategy") == "InPlaceRestart":
-            found.append(Finding(f"{path}.failurePolicy.restartStrategy",
-                                 "InPlaceRestart needs the alpha InPlaceRestart feature gate, off by default", check))
+            found.append(
+                Finding(
+                    f"{path}.failurePolicy.restartStrategy",
+                    "InPlaceRestart needs the alpha InPlaceRestart feature gate, off by default",
+                    check,
+                )
+            )
         seen: dict[str, int] = {}
         for j, rule in enumerate(policy.get("rules") or []):
             at = f"{path}.failurePolicy.rules[{j}]"
             rule_name = rule.get("name", "")
             if not 1 <= len(rule_name) <= 128 or not _RULE_NAME.match(rule_name):
-                found.append(Finding(f"{at}.name", f"{rule_name!r}: 1-128 characters, a letter first, then letters, "
-                                                   "digits or '_,:', ending in a letter, digit or '_'", check))
+                found.append(
+                    Finding(
+                        f"{at}.name",
+                        f"{rule_name!r}: 1-128 characters, a letter first, then letters, "
+                        "digits or '_,:', ending in a letter, digit or '_'",
+                        check,
+                    )
+                )
             if rule_name in seen:
                 found.append(Finding(f"{at}.name", f"{rule_name!r} repeats rule {seen[rule_name]}", check))
             seen.setdefault(rule_name, j)
@@ -246,12 +296,18 @@ def check_jobset_spec(name: str, spec: dict, path: str = "spec", check: str = "J
             if action not in JOBSET_ACTIONS:
                 found.append(Finding(f"{at}.action", f"must be one of {', '.join(JOBSET_ACTIONS)}", check))
             elif action in GATED_ACTIONS:
-                found.append(Finding(f"{at}.action", f"{action} needs the alpha RestartJob feature gate, off by default",
-                                     check))
+                found.append(
+                    Finding(f"{at}.action", f"{action} needs the alpha RestartJob feature gate, off by default", check)
+                )
             for reason in rule.get("onJobFailureReasons") or []:
                 if reason not in JOB_FAILURE_REASONS:
-                    found.append(Finding(f"{at}.onJobFailureReasons", f"{reason!r} is not a Job failure reason "
-                                                                      f"({', '.join(JOB_FAILURE_REASONS)})", check))
+                    found.append(
+                        Finding(
+                            f"{at}.onJobFailureReasons",
+                            f"{reason!r} is not a Job failure reason ({', '.join(JOB_FAILURE_REASONS)})",
+                            check,
+                        )
+                    )
             for target in rule.get("targetReplicatedJobs") or []:
                 if target not in names:
                     found.append(Finding(f"{at}.targetReplicatedJobs", f"{target!r} is not a replicatedJob", check))
@@ -260,13 +316,16 @@ def check_jobset_spec(name: str, spec: dict, path: str = "spec", check: str = "J
         target = next((r for r in rjobs if r.get("name") == coordinator.get("replicatedJob")), None)
         if target is None:
             found.append(Finding(f"{path}.coordinator.replicatedJob", "is not a replicatedJob", check))
-        elif not (0 <= int(coordinator.get("jobIndex", 0)) < int(target["replicas"])
-                  and 0 <= int(coordinator.get("podIndex", 0)) < int(target["template"]["spec"].get("completions") or 1)):
+        elif not (
+            0 <= int(coordinator.get("jobIndex", 0)) < int(target["replicas"])
+            and 0 <= int(coordinator.get("podIndex", 0)) < int(target["template"]["spec"].get("completions") or 1)
+        ):
             found.append(Finding(f"{path}.coordinator", "jobIndex or podIndex is outside the replicatedJob", check))
     for i, target in enumerate(_dig(spec, "successPolicy", "targetReplicatedJobs", default=[])):
         if target not in names:
-            found.append(Finding(f"{path}.successPolicy.targetReplicatedJobs[{i}]", f"{target!r} is not a replicatedJob",
-                                 check))
+            found.append(
+                Finding(f"{path}.successPolicy.targetReplicatedJobs[{i}]", f"{target!r} is not a replicatedJob", check)
+            )
     return found
 
 
@@ -276,8 +335,9 @@ def check_jobset(doc: dict) -> list[Finding]:
     found = [Finding("metadata.name", m, "JobSet webhook") for m in _dns1035_problems(name)]
     managed_by = _dig(doc, "spec", "managedBy")
     if managed_by is not None and (len(managed_by) > 63 or not _is_domain_prefixed_path(managed_by)):
-        found.append(Finding("spec.managedBy", "must be a domain-prefixed path of at most 63 characters",
-                             "JobSet webhook"))
+        found.append(
+            Finding("spec.managedBy", "must be a domain-prefixed path of at most 63 characters", "JobSet webhook")
+        )
     return found + check_jobset_spec(name, doc.get("spec") or {})
 
 
@@ -301,15 +361,23 @@ def check_training_runtime(doc: dict) -> list[Finding]:
             continue
         if rjob.get("replicas", 1) != 1:
             found.append(Finding(f"{at}.replicas", "always must be 1 (Trainer scales the Job's pods instead)", check))
-        containers = [c.get("name") for c in _dig(rjob, "template", "spec", "template", "spec", "containers", default=[])]
+        containers = [
+            c.get("name") for c in _dig(rjob, "template", "spec", "template", "spec", "containers", default=[])
+        ]
         if ANCESTOR_CONTAINERS[ancestor] not in containers:
-            found.append(Finding(f"{at}.template.spec.template.spec.containers",
-                                 f"must contain the container {ANCESTOR_CONTAINERS[ancestor]!r} for the ancestor "
-                                 f"{ancestor!r}", check))
+            found.append(
+                Finding(
+                    f"{at}.template.spec.template.spec.containers",
+                    f"must contain the container {ANCESTOR_CONTAINERS[ancestor]!r} for the ancestor {ancestor!r}",
+                    check,
+                )
+            )
     # Its Jobs, as the JobSet webhook will default them and the Job API will check them.
     for i, rjob in enumerate(jobset_defaults({"replicatedJobs": rjobs})["replicatedJobs"]):
-        found += [f._replace(path=f"spec.template.spec.replicatedJobs[{i}].template.{f.path}")
-                  for f in check_job_spec(rjob["template"]["spec"], "spec")]
+        found += [
+            f._replace(path=f"spec.template.spec.replicatedJobs[{i}].template.{f.path}")
+            for f in check_job_spec(rjob["template"]["spec"], "spec")
+        ]
     policy = _dig(doc, "spec", "mlPolicy", default={})
     sources = [k for k in ("torch", "mpi", "jax", "xgboost", "flux") if k in policy]
     if len(sources) > 1:
@@ -345,14 +413,17 @@ def check_trainjob(doc: dict, runtime: Optional[dict] = None) -> list[Finding]:
     found += [Finding("metadata.name", m, "TrainJob CRD rules") for m in _dns1035_problems(name)]
     spec = doc.get("spec") or {}
     if spec.get("managedBy") is not None and spec["managedBy"] not in TRAINJOB_MANAGED_BY:
-        found.append(Finding("spec.managedBy", f"must be one of {', '.join(TRAINJOB_MANAGED_BY)}", "TrainJob CRD rules"))
+        found.append(
+            Finding("spec.managedBy", f"must be one of {', '.join(TRAINJOB_MANAGED_BY)}", "TrainJob CRD rules")
+        )
     check = "Trainer webhook"
     torch = runtime is None or "torch" in (_dig(runtime, "spec", "mlPolicy", default={}))
     if torch:
         for i, env in enumerate(_dig(spec, "trainer", "env", default=[])):
             if env.get("name") in TORCH_RESERVED_ENV:
-                found.append(Finding(f"spec.trainer.env[{i}]", f"{env['name']} is reserved: the torch plugin sets it",
-                                     check))
+                found.append(
+                    Finding(f"spec.trainer.env[{i}]", f"{env['name']} is reserved: the torch plugin sets it", check)
+                )
     patches = spec.get("runtimePatches") or []
     if len(patches) > MAX_RUNTIME_PATCHES:
         found.append(Finding("spec.runtimePatches", f"must have at most {MAX_RUNTIME_PATCHES} items", check))
@@ -361,30 +432,49 @@ def check_trainjob(doc: dict, runtime: Optional[dict] = None) -> list[Finding]:
         rjob_containers = {}
         for rjob in _dig(runtime, "spec", "template", "spec", "replicatedJobs", default=[]):
             pod = _dig(rjob, "template", "spec", "template", "spec", default={})
-            rjob_containers[rjob.get("name")] = {c.get("name") for c in
-                                                 (pod.get("containers") or []) + (pod.get("initContainers") or [])}
+            rjob_containers[rjob.get("name")] = {
+                c.get("name") for c in (pod.get("containers") or []) + (pod.get("initContainers") or [])
+            }
     for i, patch in enumerate(patches):
         at = f"spec.runtimePatches[{i}]"
         if not _is_domain_prefixed_path(patch.get("manager", "")):
-            found.append(Finding(f"{at}.manager", f"{patch.get('manager')!r} must be a domain-prefixed path "
-                                                  "(such as example.com/chart)", check))
+            found.append(
+                Finding(
+                    f"{at}.manager",
+                    f"{patch.get('manager')!r} must be a domain-prefixed path (such as example.com/chart)",
+                    check,
+                )
+            )
         for j, rjob in enumerate(_dig(patch, "trainingRuntimeSpec", "template", "spec", "replicatedJobs", default=[])):
             rat = f"{at}.trainingRuntimeSpec.template.spec.replicatedJobs[{j}]"
             if rjob_containers is not None and rjob.get("name") not in rjob_containers:
-                found.append(Finding(f"{rat}.name", f"{rjob.get('name')!r} is not a replicated job of the runtime",
-                                     check))
+                found.append(
+                    Finding(f"{rat}.name", f"{rjob.get('name')!r} is not a replicated job of the runtime", check)
+                )
                 continue
             pod = _dig(rjob, "template", "spec", "template", "spec", default={})
             for kind in ("initContainers", "containers"):
                 for k, c in enumerate(pod.get(kind) or []):
                     cat = f"{rat}.template.spec.template.spec.{kind}[{k}]"
                     if rjob_containers is not None and c.get("name") not in rjob_containers[rjob.get("name")]:
-                        found.append(Finding(f"{cat}.name", f"{c.get('name')!r} is not a container of the runtime "
-                                                            f"job {rjob.get('name')!r}", check))
+                        found.append(
+                            Finding(
+                                f"{cat}.name",
+                                f"{c.get('name')!r} is not a container of the runtime job {rjob.get('name')!r}",
+                                check,
+                            )
+                        )
                     elif c.get("env") and c.get("name") in ("node", "model-initializer", "dataset-initializer"):
-                        found.append(Finding(f"{cat}.env", f"must not set env on the {c['name']} container "
-                                                           "(use spec.trainer.env)", check))
+                        found.append(
+                            Finding(
+                                f"{cat}.env",
+                                f"must not set env on the {c['name']} container (use spec.trainer.env)",
+                                check,
+                            )
+                        )
     if runtime is not None:
-        found += [f._replace(path=f"(the JobSet Trainer builds) {f.path}", check=f"{f.check}, built JobSet")
-                  for f in check_jobset_spec(name, _built_jobset_spec(doc, runtime), jobs=False)]
+        found += [
+            f._replace(path=f"(the JobSet Trainer builds) {f.path}", check=f"{f.check}, built JobSet")
+            for f in check_jobset_spec(name, _built_jobset_spec(doc, runtime), jobs=False)
+        ]
     return found

@@ -44,8 +44,9 @@ def _helm():
     try:
         import helm_python
     except ImportError:
-        raise ChartError("the chart commands need the `chart` extra: "
-                         "pip install -c constraints.txt -e '.[chart]'") from None
+        raise ChartError(
+            "the chart commands need the `chart` extra: pip install -c constraints.txt -e '.[chart]'"
+        ) from None
     return helm_python
 
 
@@ -53,8 +54,10 @@ def chart_dir(explicit: Optional[str | Path] = None) -> Path:
     """The chart: ``explicit``, else ``$RESILIENT_FSDP_CHART``, else ``charts/resilient-fsdp`` of this checkout."""
     path = Path(explicit or os.environ.get(CHART_ENV) or REPO_ROOT / "charts" / "resilient-fsdp")
     if not (path / "Chart.yaml").is_file():
-        raise ChartError(f"no Helm chart at {path}: pass --chart DIR or set {CHART_ENV} to the "
-                         "charts/resilient-fsdp directory of a resilient-fsdp checkout")
+        raise ChartError(
+            f"no Helm chart at {path}: pass --chart DIR or set {CHART_ENV} to the "
+            "charts/resilient-fsdp directory of a resilient-fsdp checkout"
+        )
     return path
 
 
@@ -97,8 +100,10 @@ def load_values(files: list[str | Path] = (), sets: list[str] = (), set_json: li
         try:
             values = deep_merge(values, helm_python.parse_set_json(expression))
         except helm_python.HelmError as exc:
-            raise ChartError(f"--set-json {expression!r}: {_detail(exc)} (expected key=<JSON>, e.g. "
-                             "--set-json trainer.optim.lr=3e-4)") from None
+            raise ChartError(
+                f"--set-json {expression!r}: {_detail(exc)} (expected key=<JSON>, e.g. "
+                "--set-json trainer.optim.lr=3e-4)"
+            ) from None
     for expression in sets:
         if "=" not in expression:
             raise ChartError(f"--set {expression!r}: expected key=value, e.g. --set nodes=4")
@@ -122,8 +127,10 @@ def _refuse_trainer_key(flag: str, expression: str) -> None:
 
     first = re.split(r"[.\[=]", expression, maxsplit=1)[0]
     if first in {f.name for f in dataclasses.fields(Config)}:
-        raise ChartError(f"{flag} {expression}: {first} is a trainer key, which the chart's values hold under "
-                         f"trainer: use {flag} trainer.{expression}")
+        raise ChartError(
+            f"{flag} {expression}: {first} is a trainer key, which the chart's values hold under "
+            f"trainer: use {flag} trainer.{expression}"
+        )
 
 
 @dataclass
@@ -144,8 +151,9 @@ class Rendered:
 
     def find(self, kind: str, name: Optional[str] = None) -> dict:
         """The one object of ``kind`` (and ``name``); raises KeyError naming what exists."""
-        matches = [d for d in self.documents() if d.get("kind") == kind
-                   and (name is None or d["metadata"]["name"] == name)]
+        matches = [
+            d for d in self.documents() if d.get("kind") == kind and (name is None or d["metadata"]["name"] == name)
+        ]
         if len(matches) != 1:
             have = [f"{d.get('kind')}/{d.get('metadata', {}).get('name')}" for d in self.documents()]
             raise KeyError(f"expected one {kind}{'/' + name if name else ''}, found {len(matches)} in {have}")
@@ -161,8 +169,13 @@ class Rendered:
         return "".join(parts)
 
 
-def render(values: Optional[dict] = None, release: str = DEFAULT_RELEASE, namespace: str = DEFAULT_NAMESPACE,
-           chart: Optional[str | Path] = None, upgrade: bool = False) -> Rendered:
+def render(
+    values: Optional[dict] = None,
+    release: str = DEFAULT_RELEASE,
+    namespace: str = DEFAULT_NAMESPACE,
+    chart: Optional[str | Path] = None,
+    upgrade: bool = False,
+) -> Rendered:
     """Render the chart with ``values`` over its defaults (schema and ``fail`` rules enforced),
     as ``helm install`` does (``upgrade``: as ``helm upgrade`` does)."""
     helm_python = _helm()
@@ -173,8 +186,9 @@ def render(values: Optional[dict] = None, release: str = DEFAULT_RELEASE, namesp
         raise ChartError(f"release name {release!r}: {_detail(exc)}") from None
     try:
         with helm_python.Chart.load(path) as loaded:
-            out = loaded.render(values or {}, name=release, namespace=namespace, is_install=not upgrade,
-                                is_upgrade=upgrade)
+            out = loaded.render(
+                values or {}, name=release, namespace=namespace, is_install=not upgrade, is_upgrade=upgrade
+            )
     except helm_python.HelmValuesError as exc:
         raise ChartError(explain_schema_error(_detail(exc), values, values_schema(path))) from None
     except helm_python.HelmRenderError as exc:
@@ -182,16 +196,24 @@ def render(values: Optional[dict] = None, release: str = DEFAULT_RELEASE, namesp
     except helm_python.HelmError as exc:
         raise ChartError(f"chart {path}: {_detail(exc)}") from None
     notes = next((text for name, text in out.items() if name.endswith("NOTES.txt")), "")
-    manifests = {name: text for name, text in out.items()
-                 if not name.endswith("NOTES.txt") and not name.rsplit("/", 1)[-1].startswith("_")}
+    manifests = {
+        name: text
+        for name, text in out.items()
+        if not name.endswith("NOTES.txt") and not name.rsplit("/", 1)[-1].startswith("_")
+    }
     return Rendered(manifests, notes)
 
 
 def lint(values: Optional[dict] = None, chart: Optional[str | Path] = None) -> list[str]:
     """``helm lint --strict`` findings (warnings and errors) for ``values``; empty when clean."""
     helm_python = _helm()
-    report = helm_python.lint(str(chart_dir(chart)), values or {}, strict=True, namespace=DEFAULT_NAMESPACE,
-                              kube_version=f"v{KUBERNETES_VERSION}")
+    report = helm_python.lint(
+        str(chart_dir(chart)),
+        values or {},
+        strict=True,
+        namespace=DEFAULT_NAMESPACE,
+        kube_version=f"v{KUBERNETES_VERSION}",
+    )
     found = [f"{m['path']}: {m['error']}" for m in report.get("messages", []) if m.get("severity", 0) >= 2]
     return found + list(report.get("errors") or [])
 
@@ -205,29 +227,55 @@ def _detail(exc: Exception) -> str:
 
 def add_values_args(p: argparse.ArgumentParser) -> None:
     """The flags ``render`` and ``validate`` share: values as Helm takes them, and where to render."""
-    p.add_argument("-f", "--values", dest="values_files", action="append", default=[], metavar="FILE",
-                   help="values file, e.g. values/p5-4node.yaml (repeatable; later files win)")
-    p.add_argument("--set", dest="set_values", action="append", default=[], metavar="KEY=VALUE",
-                   help="set one value as helm --set does, e.g. --set nodes=4 (repeatable; applied last)")
-    p.add_argument("--set-json", dest="set_json", action="append", default=[], metavar="KEY=JSON",
-                   help="set one value as helm --set-json does, e.g. --set-json trainer.optim.lr=3e-4 (repeatable; "
-                        "before --set)")
+    p.add_argument(
+        "-f",
+        "--values",
+        dest="values_files",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="values file, e.g. values/p5-4node.yaml (repeatable; later files win)",
+    )
+    p.add_argument(
+        "--set",
+        dest="set_values",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set one value as helm --set does, e.g. --set nodes=4 (repeatable; applied last)",
+    )
+    p.add_argument(
+        "--set-json",
+        dest="set_json",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="set one value as helm --set-json does, e.g. --set-json trainer.optim.lr=3e-4 (repeatable; before --set)",
+    )
     p.add_argument("--release", default=DEFAULT_RELEASE, help=f"release name; default {DEFAULT_RELEASE}")
-    p.add_argument("--namespace", "-n", default=DEFAULT_NAMESPACE,
-                   help=f"namespace of the release; default {DEFAULT_NAMESPACE}")
+    p.add_argument(
+        "--namespace", "-n", default=DEFAULT_NAMESPACE, help=f"namespace of the release; default {DEFAULT_NAMESPACE}"
+    )
     p.add_argument("--chart", help=f"chart directory; default charts/resilient-fsdp of this checkout (or ${CHART_ENV})")
 
 
 def render_from_args(args: argparse.Namespace) -> Rendered:
-    return render(load_values(args.values_files, args.set_values, args.set_json), release=args.release,
-                  namespace=args.namespace, chart=args.chart)
+    return render(
+        load_values(args.values_files, args.set_values, args.set_json),
+        release=args.release,
+        namespace=args.namespace,
+        chart=args.chart,
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """``resilient-fsdp render``."""
-    p = sub.add_parser("render", help="print the chart's manifests for some values (helm template, no helm binary)",
-                       description="Render charts/resilient-fsdp with Helm's engine: values files in order, then "
-                                   "--set; the values schema and the chart's cross-key rules are enforced.")
+    p = sub.add_parser(
+        "render",
+        help="print the chart's manifests for some values (helm template, no helm binary)",
+        description="Render charts/resilient-fsdp with Helm's engine: values files in order, then "
+        "--set; the values schema and the chart's cross-key rules are enforced.",
+    )
     add_values_args(p)
     p.add_argument("--notes", action="store_true", help="also print NOTES.txt (to stderr)")
     p.set_defaults(run=_cmd_render)
@@ -278,8 +326,10 @@ def trainer_schema() -> dict:
         return out
 
     schema = convert(full)
-    schema["description"] = ("The trainer configuration (resilient-fsdp config --describe); the chart sets "
-                             "run_dir on the shared volume unless given.")
+    schema["description"] = (
+        "The trainer configuration (resilient-fsdp config --describe); the chart sets "
+        "run_dir on the shared volume unless given."
+    )
     return schema
 
 
@@ -297,8 +347,10 @@ def fault_spec_pattern() -> str:
     """``chaos.inject``'s schema pattern: a fault spec of one of the trainer's kinds."""
     from ..config import FAULT_KINDS
 
-    return (f"^({'|'.join(FAULT_KINDS)})@[1-9][0-9]*(:(rank|node)=[0-9]+)?(:for=[0-9]+(\\.[0-9]+)?)?"
-            "(:factor=[0-9]+(\\.[0-9]+)?)?$")
+    return (
+        f"^({'|'.join(FAULT_KINDS)})@[1-9][0-9]*(:(rank|node)=[0-9]+)?(:for=[0-9]+(\\.[0-9]+)?)?"
+        "(:factor=[0-9]+(\\.[0-9]+)?)?$"
+    )
 
 
 # The chart's `trainer.resilience` defaults: the trainer's own, written between these lines of
@@ -336,7 +388,7 @@ def update_resilience_defaults(chart: Optional[str | Path] = None) -> Path:
     path = chart_dir(chart) / "values.yaml"
     lines = path.read_text().splitlines()
     start, end = lines.index(RESILIENCE_START), lines.index(RESILIENCE_END)
-    path.write_text("\n".join(lines[:start] + resilience_defaults() + lines[end + 1:]) + "\n")
+    path.write_text("\n".join(lines[:start] + resilience_defaults() + lines[end + 1 :]) + "\n")
     return path
 
 
@@ -345,9 +397,20 @@ def update_resilience_defaults(chart: Optional[str | Path] = None) -> Path:
 FACTS_TEMPLATE = "_trainer_facts.tpl"
 # The trainer keys the chart's rules read (templates/validations.yaml), with the trainer's defaults
 # for a user who leaves them out.
-FACT_KEYS = ("model.preset", "model.factory", "model.vocab_size", "model.max_seq_len", "data.source", "data.path",
-             "data.factory", "data.seq_len", "dist.device", "dist.timeout_s", "dist.init_timeout_s",
-             "dist.shard_group_size")
+FACT_KEYS = (
+    "model.preset",
+    "model.factory",
+    "model.vocab_size",
+    "model.max_seq_len",
+    "data.source",
+    "data.path",
+    "data.factory",
+    "data.seq_len",
+    "dist.device",
+    "dist.timeout_s",
+    "dist.init_timeout_s",
+    "dist.shard_group_size",
+)
 
 
 def trainer_facts() -> dict:
@@ -365,21 +428,33 @@ def trainer_facts() -> dict:
     for key in FACT_KEYS:
         section, name = key.split(".")
         defaults[key] = config[section][name]
-    presets = {name: {"params_besides_embeddings": parameter_count(args) - 2 * args.vocab_size * args.dim,
-                      "dim": args.dim, "vocab_size": args.vocab_size} for name, args in PRESETS.items()}
-    return {"defaults": defaults, "presets": presets, "dump_margin_s": DUMP_MARGIN_S,
-            "training_bytes_per_param": state_fit.TRAINING_BYTES_PER_PARAM,
-            "max_state_percent": state_fit.MAX_STATE_PERCENT}
+    presets = {
+        name: {
+            "params_besides_embeddings": parameter_count(args) - 2 * args.vocab_size * args.dim,
+            "dim": args.dim,
+            "vocab_size": args.vocab_size,
+        }
+        for name, args in PRESETS.items()
+    }
+    return {
+        "defaults": defaults,
+        "presets": presets,
+        "dump_margin_s": DUMP_MARGIN_S,
+        "training_bytes_per_param": state_fit.TRAINING_BYTES_PER_PARAM,
+        "max_state_percent": state_fit.MAX_STATE_PERCENT,
+    }
 
 
 def trainer_facts_template() -> str:
     """``templates/_trainer_facts.tpl``: :func:`trainer_facts` as a named template of JSON."""
-    return ("{{/*\nWhat the chart's rules (validations.yaml) know of the trainer: its defaults for the keys they\n"
-            "read, the built-in presets' sizes, and the limits both apply. Generated from resilient_fsdp\n"
-            "(python -m resilient_fsdp.deploy.chart --update-schema); a test keeps it current.\n*/}}\n"
-            "{{- define \"resilient-fsdp.trainerFacts\" -}}\n"
-            f"{json.dumps(trainer_facts(), sort_keys=True)}\n"
-            "{{- end }}\n")
+    return (
+        "{{/*\nWhat the chart's rules (validations.yaml) know of the trainer: its defaults for the keys they\n"
+        "read, the built-in presets' sizes, and the limits both apply. Generated from resilient_fsdp\n"
+        "(python -m resilient_fsdp.deploy.chart --update-schema); a test keeps it current.\n*/}}\n"
+        '{{- define "resilient-fsdp.trainerFacts" -}}\n'
+        f"{json.dumps(trainer_facts(), sort_keys=True)}\n"
+        "{{- end }}\n"
+    )
 
 
 def update_trainer_facts(chart: Optional[str | Path] = None) -> Path:
@@ -390,9 +465,12 @@ def update_trainer_facts(chart: Optional[str | Path] = None) -> Path:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.deploy.chart")
-    parser.add_argument("--update-schema", action="store_true",
-                        help="rewrite the trainer part of values.schema.json, the trainer.resilience defaults "
-                             "of values.yaml and templates/_trainer_facts.tpl, from resilient_fsdp.config")
+    parser.add_argument(
+        "--update-schema",
+        action="store_true",
+        help="rewrite the trainer part of values.schema.json, the trainer.resilience defaults "
+        "of values.yaml and templates/_trainer_facts.tpl, from resilient_fsdp.config",
+    )
     args = parser.parse_args(argv)
     if args.update_schema:
         print(f"updated {update_schema_file()}")

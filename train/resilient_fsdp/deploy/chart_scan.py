@@ -29,16 +29,16 @@ CHECKOV_ENV = "RESILIENT_FSDP_CHECKOV"
 # Failed checks that are deliberate, with the reason. Anything else failing is a finding to fix.
 ACCEPTED = {
     "CKV_K8S_8": "No liveness probe: a training rank has no endpoint to probe, and a probe that restarted a "
-                 "rank in a collective would cause the failure it looks for. Hangs are detected by "
-                 "ft_launcher's section timeouts, which restart the ranks in the pod.",
+    "rank in a collective would cause the failure it looks for. Hangs are detected by "
+    "ft_launcher's section timeouts, which restart the ranks in the pod.",
     "CKV_K8S_9": "No readiness probe: the pods serve no traffic through a Service that readiness would gate.",
     "CKV_K8S_15": "imagePullPolicy IfNotPresent, not Always: tags are pinned (never latest) or images pulled by "
-                  "digest, and re-pulling a ~20 GB training image on every pod recreation lengthens recovery.",
+    "digest, and re-pulling a ~20 GB training image on every pod recreation lengthens recovery.",
     "CKV_K8S_25": "An added capability: CHOWN on storage.prepare's init container alone (within Pod Security "
-                  "baseline), which makes the run directory on a new FSx the pod user's; the training "
-                  "container drops every capability.",
+    "baseline), which makes the run directory on a new FSx the pod user's; the training "
+    "container drops every capability.",
     "CKV_K8S_43": "Image by tag unless image.digest is set: a digest is specific to a user's registry, so the "
-                  "profiles cannot carry one; set image.digest for production runs.",
+    "profiles cannot carry one; set image.digest for production runs.",
 }
 
 
@@ -56,8 +56,10 @@ def checkov_executable() -> Path:
     """checkov from ``$RESILIENT_FSDP_CHECKOV`` or ``.venv/tools/checkov``; an error says how to get it."""
     path = Path(os.environ.get(CHECKOV_ENV) or REPO_ROOT / ".venv" / "tools" / "checkov" / "bin" / "checkov")
     if not path.is_file():
-        raise ChartError(f"checkov not found at {path}: run ./scripts/test (it installs checkov into "
-                         f".venv/tools/checkov from constraints-checkov.txt) or set {CHECKOV_ENV}")
+        raise ChartError(
+            f"checkov not found at {path}: run ./scripts/test (it installs checkov into "
+            f".venv/tools/checkov from constraints-checkov.txt) or set {CHECKOV_ENV}"
+        )
     return path
 
 
@@ -70,8 +72,10 @@ def _templates(doc: dict) -> list[tuple[str, dict]]:
         spec = (spec.get("template") or {}).get("spec") or {}
     elif doc.get("kind") != "JobSet":
         return []
-    return [(r.get("name", "job"), ((r.get("template") or {}).get("spec") or {}).get("template") or {})
-            for r in spec.get("replicatedJobs") or []]
+    return [
+        (r.get("name", "job"), ((r.get("template") or {}).get("spec") or {}).get("template") or {})
+        for r in spec.get("replicatedJobs") or []
+    ]
 
 
 def pods_of(docs: list[dict]) -> list[dict]:
@@ -81,12 +85,18 @@ def pods_of(docs: list[dict]) -> list[dict]:
     for doc in docs:
         meta = doc.get("metadata") or {}
         for role, template in _templates(doc):
-            pods.append({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {**(template.get("metadata") or {}), "name": f"{meta.get('name')}-{role.lower()}-0",
-                             "namespace": meta.get("namespace", "default")},
-                "spec": template.get("spec") or {},
-            })
+            pods.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        **(template.get("metadata") or {}),
+                        "name": f"{meta.get('name')}-{role.lower()}-0",
+                        "namespace": meta.get("namespace", "default"),
+                    },
+                    "spec": template.get("spec") or {},
+                }
+            )
     return pods
 
 
@@ -99,18 +109,37 @@ def scan(sets: dict[str, list[dict]], checkov: Optional[Path] = None, timeout: f
             (Path(tmp) / f"{name}.yaml").write_text(yaml.safe_dump_all(docs + pods_of(docs), sort_keys=False))
         # Offline: no platform mapping download, no package scan.
         env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"}
-        proc = subprocess.run([str(executable), "-d", tmp, "--framework", "kubernetes", "--output", "json",
-                               "--quiet", "--compact", "--skip-download", "--soft-fail"],
-                              capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+        proc = subprocess.run(
+            [
+                str(executable),
+                "-d",
+                tmp,
+                "--framework",
+                "kubernetes",
+                "--output",
+                "json",
+                "--quiet",
+                "--compact",
+                "--skip-download",
+                "--soft-fail",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=tmp,
+        )
     try:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
-        raise ChartError(f"checkov printed no JSON report (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-2000:]}") from None
+        raise ChartError(
+            f"checkov printed no JSON report (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        ) from None
     found: dict[str, set[Failure]] = {name: set() for name in sets}
     for r in report if isinstance(report, list) else [report]:
         for check in ((r or {}).get("results") or {}).get("failed_checks", []):
             name = Path(check.get("file_path", "")).stem
-            found.setdefault(name, set()).add(Failure(check["check_id"], check.get("check_name", ""),
-                                                      check.get("resource", "")))
+            found.setdefault(name, set()).add(
+                Failure(check["check_id"], check.get("check_name", ""), check.get("resource", ""))
+            )
     return {name: sorted(fs, key=lambda f: (f.check_id, f.resource)) for name, fs in found.items()}

@@ -21,8 +21,10 @@ ACCOUNT_RE = re.compile(r"^[0-9]{12}$")
 # ECR's repository name rule (lower case, path-like, 2-256 characters).
 REPOSITORY_RE = re.compile(r"^(?=.{2,256}$)(?:[a-z0-9]+(?:[._-][a-z0-9]+)*/)*[a-z0-9]+(?:[._-][a-z0-9]+)*$")
 
-NO_CREDENTIALS = ("no AWS credentials found: configure them (aws configure, AWS_PROFILE, AWS_ACCESS_KEY_ID and "
-                  "AWS_SECRET_ACCESS_KEY, or an instance/pod role), or add --dry-run to see the steps without AWS")
+NO_CREDENTIALS = (
+    "no AWS credentials found: configure them (aws configure, AWS_PROFILE, AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY, or an instance/pod role), or add --dry-run to see the steps without AWS"
+)
 
 
 class EcrError(Exception):
@@ -44,8 +46,9 @@ def _boto3() -> Any:
         import boto3
         import botocore.exceptions  # noqa: F401  (used through boto3's package namespace)
     except ModuleNotFoundError:
-        raise EcrError("boto3 is not installed: pip install -c constraints.txt -e . "
-                       "(scripts/build-image installs it)") from None
+        raise EcrError(
+            "boto3 is not installed: pip install -c constraints.txt -e . (scripts/build-image installs it)"
+        ) from None
     return boto3
 
 
@@ -73,16 +76,27 @@ def _calling(what: str) -> Iterator[None]:
     except botocore.exceptions.NoRegionError:
         raise EcrError(f"{what}: no AWS region: pass --region or set AWS_REGION") from None
     except botocore.exceptions.EndpointConnectionError as exc:
-        raise EcrError(f"{what}: cannot reach {exc.kwargs.get('endpoint_url', 'the AWS endpoint')}: check the "
-                       "network, the region, and AWS_ENDPOINT_URL if it is set") from None
+        raise EcrError(
+            f"{what}: cannot reach {exc.kwargs.get('endpoint_url', 'the AWS endpoint')}: check the "
+            "network, the region, and AWS_ENDPOINT_URL if it is set"
+        ) from None
     except botocore.exceptions.ClientError as exc:
         error = exc.response.get("Error", {})
         code, message = error.get("Code", "Error"), error.get("Message", str(exc))
         hint = ""
-        if code in ("AccessDenied", "AccessDeniedException", "UnrecognizedClientException",
-                    "InvalidClientTokenId", "ExpiredToken", "ExpiredTokenException", "SignatureDoesNotMatch"):
-            hint = ("; the credentials need sts:GetCallerIdentity and ecr:DescribeRepositories, "
-                    "ecr:CreateRepository, ecr:GetAuthorizationToken and the push actions, and must not be expired")
+        if code in (
+            "AccessDenied",
+            "AccessDeniedException",
+            "UnrecognizedClientException",
+            "InvalidClientTokenId",
+            "ExpiredToken",
+            "ExpiredTokenException",
+            "SignatureDoesNotMatch",
+        ):
+            hint = (
+                "; the credentials need sts:GetCallerIdentity and ecr:DescribeRepositories, "
+                "ecr:CreateRepository, ecr:GetAuthorizationToken and the push actions, and must not be expired"
+            )
         raise EcrError(f"{what}: {code}: {message}{hint}") from None
 
 
@@ -114,8 +128,10 @@ class Ecr:
         of a job runs the same trainer) and scans each pushed image for known vulnerabilities.
         """
         if not REPOSITORY_RE.match(name):
-            raise EcrError(f"--repository {name!r}: ECR names are lower case letters, digits, '.', '_', '-' "
-                           "and '/' between parts, e.g. resilient-fsdp or team/resilient-fsdp")
+            raise EcrError(
+                f"--repository {name!r}: ECR names are lower case letters, digits, '.', '_', '-' "
+                "and '/' between parts, e.g. resilient-fsdp or team/resilient-fsdp"
+            )
         ecr = self._client("ecr")
         # The not-found and already-exists answers are handled inside each call's error context,
         # before it would turn them into errors.
@@ -127,9 +143,11 @@ class Ecr:
         with _calling("ecr.CreateRepository"):
             try:
                 created = ecr.create_repository(
-                    repositoryName=name, imageTagMutability="IMMUTABLE",
+                    repositoryName=name,
+                    imageTagMutability="IMMUTABLE",
                     imageScanningConfiguration={"scanOnPush": True},
-                    encryptionConfiguration={"encryptionType": "AES256"})["repository"]
+                    encryptionConfiguration={"encryptionType": "AES256"},
+                )["repository"]
                 return created["repositoryUri"], True
             except ecr.exceptions.RepositoryAlreadyExistsException:  # created meanwhile by someone else
                 return ecr.describe_repositories(repositoryNames=[name])["repositories"][0]["repositoryUri"], False

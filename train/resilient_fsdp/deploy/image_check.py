@@ -65,8 +65,12 @@ def check_torch(pins: Pins) -> Result:
     import torch
 
     if torch.version.cuda is None or not torch.backends.cuda.is_built():
-        return Result("torch", "FAIL", f"torch {torch.__version__} was built without CUDA: the image must keep its "
-                                       "base's CUDA build (a pip install replaced it?)")
+        return Result(
+            "torch",
+            "FAIL",
+            f"torch {torch.__version__} was built without CUDA: the image must keep its "
+            "base's CUDA build (a pip install replaced it?)",
+        )
     if pins.torch and _release(torch.__version__) != pins.torch:
         return Result("torch", "FAIL", f"torch {torch.__version__}, pinned {pins.torch} (BASE_TORCH_VERSION)")
     return Result("torch", "ok", f"{torch.__version__}, built with CUDA {torch.version.cuda}")
@@ -128,8 +132,11 @@ def check_trainer(_pins: Pins) -> Result:
         version = importlib.metadata.version("resilient-fsdp")
     except importlib.metadata.PackageNotFoundError:
         version = "from the source tree"
-    return Result("trainer", "ok", f"resilient-fsdp {version}: resilient_fsdp.train.entrypoint and "
-                  "resilient_fsdp.resilience.agent import")
+    return Result(
+        "trainer",
+        "ok",
+        f"resilient-fsdp {version}: resilient_fsdp.train.entrypoint and resilient_fsdp.resilience.agent import",
+    )
 
 
 def check_ft_launcher(_pins: Pins) -> Result:
@@ -151,8 +158,11 @@ def _find_library(names: tuple[str, ...], dirs: tuple[Path, ...]) -> Optional[Pa
 def check_libfabric(_pins: Pins) -> Result:
     lib = _find_library(("libfabric.so.1",), EFA_LIB_DIRS)
     if lib is None and ctypes.util.find_library("fabric") is None:
-        return Result("libfabric", "FAIL", "libfabric.so.1 not found in /opt/amazon/efa/lib or LD_LIBRARY_PATH: "
-                                           "the EFA installer did not run")
+        return Result(
+            "libfabric",
+            "FAIL",
+            "libfabric.so.1 not found in /opt/amazon/efa/lib or LD_LIBRARY_PATH: the EFA installer did not run",
+        )
     fi_info = shutil.which("fi_info")
     if fi_info is None:
         return Result("libfabric", "FAIL", f"{lib} found but fi_info is not on PATH (/opt/amazon/efa/bin)")
@@ -170,18 +180,29 @@ def check_ofi_nccl(_pins: Pins) -> Result:
     names += ("libnccl-net-ofi.so", "libnccl-net.so")
     lib = Path(suffix) if suffix.startswith("/") and Path(suffix).exists() else _find_library(names, OFI_NCCL_LIB_DIRS)
     if lib is None:
-        return Result("aws-ofi-nccl", "FAIL", f"no NCCL net plugin ({', '.join(names)}) in /opt/amazon/ofi-nccl/lib "
-                                              "or LD_LIBRARY_PATH: NCCL would fall back to TCP sockets")
+        return Result(
+            "aws-ofi-nccl",
+            "FAIL",
+            f"no NCCL net plugin ({', '.join(names)}) in /opt/amazon/ofi-nccl/lib "
+            "or LD_LIBRARY_PATH: NCCL would fall back to TCP sockets",
+        )
     return Result("aws-ofi-nccl", "ok", f"{lib} (NCCL_NET_PLUGIN={suffix or 'unset'})")
 
 
 def check_nccl_tuner(_pins: Pins, path: Path = NCCL_TUNER_PLUGIN) -> Result:
     if not path.is_file():
         found = sorted(p.name for p in path.parent.glob("*tuner*.so")) if path.parent.is_dir() else []
-        return Result("nccl-tuner", "FAIL", f"{path} (the chart's efa.ncclTunerPlugin) is not in the image"
-                      + (f"; {path.parent} has {', '.join(found)}: set efa.ncclTunerPlugin to it" if found else
-                         ": NCCL would keep its own algorithm choices on EFA; set efa.ncclTunerPlugin to where this "
-                         "aws-ofi-nccl puts its tuner, or to an empty string"))
+        return Result(
+            "nccl-tuner",
+            "FAIL",
+            f"{path} (the chart's efa.ncclTunerPlugin) is not in the image"
+            + (
+                f"; {path.parent} has {', '.join(found)}: set efa.ncclTunerPlugin to it"
+                if found
+                else ": NCCL would keep its own algorithm choices on EFA; set efa.ncclTunerPlugin to where this "
+                "aws-ofi-nccl puts its tuner, or to an empty string"
+            ),
+        )
     return Result("nccl-tuner", "ok", str(path))
 
 
@@ -206,8 +227,12 @@ def check_gpu(_pins: Pins, cpu_ok: bool = False) -> Result:
     if not torch.cuda.is_available():
         if cpu_ok:
             return Result("gpu", "skip", "no GPU visible (--cpu-ok): the FSDP step runs on CPU with gloo")
-        return Result("gpu", "FAIL", "no GPU visible: run on a GPU node with the NVIDIA runtime "
-                                     "(docker run --gpus all, or a pod requesting nvidia.com/gpu)")
+        return Result(
+            "gpu",
+            "FAIL",
+            "no GPU visible: run on a GPU node with the NVIDIA runtime "
+            "(docker run --gpus all, or a pod requesting nvidia.com/gpu)",
+        )
     names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
     return Result("gpu", "ok", f"{torch.cuda.device_count()} x {', '.join(names)}")
 
@@ -221,14 +246,19 @@ def check_efa_device(_pins: Pins) -> Result:
         return Result("efa-device", "FAIL", f"EFA device(s) {', '.join(devices)} but no fi_info on PATH")
     out = subprocess.run([fi_info, "-p", "efa", "-t", "FI_EP_RDM"], capture_output=True, text=True, timeout=120)
     if out.returncode != 0 or "provider: efa" not in out.stdout:
-        return Result("efa-device", "FAIL", f"fi_info -p efa failed on {', '.join(devices)} (exit {out.returncode}): "
-                                            f"{(out.stderr or out.stdout).strip()[-300:]}; is the pod granted "
-                                            "vpc.amazonaws.com/efa (and is memlock unlimited)?")
+        return Result(
+            "efa-device",
+            "FAIL",
+            f"fi_info -p efa failed on {', '.join(devices)} (exit {out.returncode}): "
+            f"{(out.stderr or out.stdout).strip()[-300:]}; is the pod granted "
+            "vpc.amazonaws.com/efa (and is memlock unlimited)?",
+        )
     return Result("efa-device", "ok", f"fi_info -p efa: provider efa on {', '.join(devices)}")
 
 
-def check_memlock(_pins: Pins, devices: Optional[list[str]] = None,
-                  limits: Callable[[int], tuple[int, int]] = resource.getrlimit) -> Result:
+def check_memlock(
+    _pins: Pins, devices: Optional[list[str]] = None, limits: Callable[[int], tuple[int, int]] = resource.getrlimit
+) -> Result:
     """``ulimit -l`` is unlimited where the node has EFA: libfabric registers (locks) every buffer."""
     devices = efa_devices() if devices is None else devices
     if not devices:
@@ -249,9 +279,23 @@ def check_fsdp_step(_pins: Pins, cpu_ok: bool = False, steps: int = 3) -> Result
     env = {k: v for k, v in os.environ.items() if not LAUNCHER_ENV.match(k)}
     env.setdefault("NCCL_DEBUG", "INFO")
     with tempfile.TemporaryDirectory(prefix="check-image-") as run_dir:
-        cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", run_dir,
-               "--set", "model.preset=tiny", "--set", f"train.steps={steps}", "--set", "train.log_every=1",
-               "--set", f"dist.device={'cuda' if on_gpu else 'cpu'}", "--set", "checkpoint.save_final=true"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "resilient_fsdp.train",
+            "--run-dir",
+            run_dir,
+            "--set",
+            "model.preset=tiny",
+            "--set",
+            f"train.steps={steps}",
+            "--set",
+            "train.log_every=1",
+            "--set",
+            f"dist.device={'cuda' if on_gpu else 'cpu'}",
+            "--set",
+            "checkpoint.save_final=true",
+        ]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         except subprocess.TimeoutExpired:
@@ -270,11 +314,18 @@ def check_fsdp_step(_pins: Pins, cpu_ok: bool = False, steps: int = 3) -> Result
         return Result("fsdp-step", "FAIL", f"expected the trainer to run on ({backend}); its output:\n{text[-800:]}")
     detail = f"{steps} steps on ({backend}), final loss {loss:.4f}, checkpoint {', '.join(committed) or 'none'}"
     if on_gpu:
-        plugin = [ln.split("NCCL INFO", 1)[1].strip() for ln in text.splitlines()
-                  if "NCCL INFO" in ln and ("NET/" in ln or "plugin" in ln.lower())]
+        plugin = [
+            ln.split("NCCL INFO", 1)[1].strip()
+            for ln in text.splitlines()
+            if "NCCL INFO" in ln and ("NET/" in ln or "plugin" in ln.lower())
+        ]
         if efa_devices() and not any("OFI" in ln or "Libfabric" in ln for ln in plugin):
-            return Result("fsdp-step", "FAIL", "NCCL did not load the aws-ofi-nccl plugin on an EFA node: "
-                                               + ("; ".join(plugin[:3]) or "no NET lines in NCCL_DEBUG=INFO output"))
+            return Result(
+                "fsdp-step",
+                "FAIL",
+                "NCCL did not load the aws-ofi-nccl plugin on an EFA node: "
+                + ("; ".join(plugin[:3]) or "no NET lines in NCCL_DEBUG=INFO output"),
+            )
         if plugin:
             detail += f"; NCCL: {plugin[0]}"
     if not committed:
@@ -287,8 +338,17 @@ def run_checks(pins: Pins, build: bool, cpu_ok: bool) -> list[Result]:
     torch, CUDA, NCCL and NVRx, the trainer's import, ``ft_launcher`` on PATH, the EFA libraries
     where NCCL finds them. Otherwise (inside the image on a GPU node) the same, then a GPU, the EFA
     provider and an unlimited locked-memory limit where the node has EFA, and a few FSDP steps."""
-    static: list[Callable[[Pins], Result]] = [check_torch, check_cuda, check_nccl, check_nvrx, check_trainer,
-                                              check_ft_launcher, check_libfabric, check_ofi_nccl, check_nccl_tuner]
+    static: list[Callable[[Pins], Result]] = [
+        check_torch,
+        check_cuda,
+        check_nccl,
+        check_nvrx,
+        check_trainer,
+        check_ft_launcher,
+        check_libfabric,
+        check_ofi_nccl,
+        check_nccl_tuner,
+    ]
     results = []
     for check in static:
         try:
@@ -297,9 +357,12 @@ def run_checks(pins: Pins, build: bool, cpu_ok: bool) -> list[Result]:
             results.append(Result(check.__name__.removeprefix("check_"), "FAIL", f"{type(exc).__name__}: {exc}"))
     if build:
         return results
-    for name, check in (("gpu", lambda p: check_gpu(p, cpu_ok)), ("efa-device", check_efa_device),
-                        ("memlock", check_memlock),
-                        ("fsdp-step", lambda p: check_fsdp_step(p, cpu_ok))):
+    for name, check in (
+        ("gpu", lambda p: check_gpu(p, cpu_ok)),
+        ("efa-device", check_efa_device),
+        ("memlock", check_memlock),
+        ("fsdp-step", lambda p: check_fsdp_step(p, cpu_ok)),
+    ):
         try:
             results.append(check(pins))
         except Exception as exc:
@@ -311,8 +374,10 @@ def load_pins(path: Path) -> Pins:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise SystemExit(f"error: --pins {path}: no such file (the image writes it at build time; outside the image "
-                         "pass --expect-* flags instead)") from None
+        raise SystemExit(
+            f"error: --pins {path}: no such file (the image writes it at build time; outside the image "
+            "pass --expect-* flags instead)"
+        ) from None
     return Pins(**{k: data.get(k) for k in ("torch", "cuda", "nccl", "nvrx")})
 
 
@@ -347,8 +412,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[check-image] {r.status:<4}  {r.name:<{width}}  {r.detail}", flush=True)
     failed = [r for r in results if r.status == "FAIL"]
     counts = {s: sum(r.status == s for r in results) for s in ("ok", "FAIL", "skip")}
-    print(f"[check-image] {counts['ok']} ok, {counts['FAIL']} failed, {counts['skip']} skipped"
-          f"{' (build-time checks)' if args.build else ''}")
+    print(
+        f"[check-image] {counts['ok']} ok, {counts['FAIL']} failed, {counts['skip']} skipped"
+        f"{' (build-time checks)' if args.build else ''}"
+    )
     if not failed and args.save_pins:
         args.save_pins.parent.mkdir(parents=True, exist_ok=True)
         args.save_pins.write_text(json.dumps(vars(pins), indent=1) + "\n")

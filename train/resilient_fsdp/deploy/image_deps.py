@@ -111,8 +111,9 @@ def requirement_name(requirement: str) -> str:
     return canonical(match.group(1))
 
 
-def plan(base: dict[str, tuple[str, str]], pins: dict[str, tuple[str, str]],
-         owned: Iterable[str] = OWNED) -> tuple[list[str], list[str]]:
+def plan(
+    base: dict[str, tuple[str, str]], pins: dict[str, tuple[str, str]], owned: Iterable[str] = OWNED
+) -> tuple[list[str], list[str]]:
     """Constraint lines for pip and notes on every pin the base overrode.
 
     Base packages are pinned at the base's versions (free-form versions pip cannot parse are left
@@ -125,8 +126,10 @@ def plan(base: dict[str, tuple[str, str]], pins: dict[str, tuple[str, str]],
             raise DepsError(f"{IMAGE_PINS} must pin {name} (the image installs it at that version)")
     for name in FROM_BASE:
         if name not in base:
-            raise DepsError(f"the base image has no {name}: the trainer image expects NVIDIA's PyTorch container "
-                            "as BASE_IMAGE, whose CUDA build of torch it keeps")
+            raise DepsError(
+                f"the base image has no {name}: the trainer image expects NVIDIA's PyTorch container "
+                "as BASE_IMAGE, whose CUDA build of torch it keeps"
+            )
     lines, notes = [], []
     for key, (name, version) in sorted(base.items()):
         if key in owned:
@@ -145,8 +148,13 @@ def plan(base: dict[str, tuple[str, str]], pins: dict[str, tuple[str, str]],
     return lines, notes
 
 
-def verify(base: dict[str, tuple[str, str]], now: dict[str, tuple[str, str]], pins: dict[str, tuple[str, str]],
-           extra: Optional[dict[str, str]] = None, owned: Iterable[str] = OWNED) -> list[str]:
+def verify(
+    base: dict[str, tuple[str, str]],
+    now: dict[str, tuple[str, str]],
+    pins: dict[str, tuple[str, str]],
+    extra: Optional[dict[str, str]] = None,
+    owned: Iterable[str] = OWNED,
+) -> list[str]:
     """Every way the installed set breaks the rules (empty: none): a base package changed version or
     disappeared (NVRx excepted), or a package arrived at a version no constraints file pins.
 
@@ -161,15 +169,19 @@ def verify(base: dict[str, tuple[str, str]], now: dict[str, tuple[str, str]], pi
         if key not in now:
             problems.append(f"{name} {version} (from the base image) was uninstalled")
         elif now[key][1] != version:
-            problems.append(f"{name} (from the base image) was replaced: {version} -> {now[key][1]}; "
-                            "the base's versions must stay (see images/trainer/Dockerfile)")
+            problems.append(
+                f"{name} (from the base image) was replaced: {version} -> {now[key][1]}; "
+                "the base's versions must stay (see images/trainer/Dockerfile)"
+            )
     for key, (name, version) in sorted(now.items()):
         if key in base and key not in owned:
             continue
         want = allowed.get(key) or (pins[key][1] if key in pins else None)
         if want is None:
-            problems.append(f"{name}=={version} was installed but is not pinned: add it to {PROJECT_PINS} "
-                            f"(or {IMAGE_PINS} if only the image needs it)")
+            problems.append(
+                f"{name}=={version} was installed but is not pinned: add it to {PROJECT_PINS} "
+                f"(or {IMAGE_PINS} if only the image needs it)"
+            )
         elif version != want:
             problems.append(f"{name}=={version} was installed but the pin is {want}")
     for key in sorted(owned):
@@ -184,8 +196,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.nvrx is not None:
         pinned = pins.get("nvidia-resiliency-ext", ("", None))[1]
         if pinned != args.nvrx:
-            raise DepsError(f"NVRX_VERSION={args.nvrx} but {IMAGE_PINS} pins nvidia-resiliency-ext=={pinned}: "
-                            "the two must agree (the tests exercise the constraints file's version)")
+            raise DepsError(
+                f"NVRX_VERSION={args.nvrx} but {IMAGE_PINS} pins nvidia-resiliency-ext=={pinned}: "
+                "the two must agree (the tests exercise the constraints file's version)"
+            )
     base = installed()
     lines, notes = plan(base, pins)
     requirements = project_requirements(project / "pyproject.toml")

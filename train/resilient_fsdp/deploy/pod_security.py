@@ -18,20 +18,46 @@ KUBERNETES_VERSION = "1.34"
 LEVELS = ("privileged", "baseline", "restricted")
 
 # policy/check_capabilities_baseline.go
-BASELINE_CAPABILITIES = frozenset({"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
-                                   "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"})
+BASELINE_CAPABILITIES = frozenset(
+    {
+        "AUDIT_WRITE",
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "FOWNER",
+        "FSETID",
+        "KILL",
+        "MKNOD",
+        "NET_BIND_SERVICE",
+        "SETFCAP",
+        "SETGID",
+        "SETPCAP",
+        "SETUID",
+        "SYS_CHROOT",
+    }
+)
 # policy/check_seLinuxOptions.go (container_engine_t from 1.31)
 SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
 # policy/check_sysctls.go: the safe set as of 1.32 (tcp_rmem and tcp_wmem added there)
-SAFE_SYSCTLS = frozenset({
-    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-    "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
-})
+SAFE_SYSCTLS = frozenset(
+    {
+        "kernel.shm_rmid_forced",
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+        "net.ipv4.tcp_rmem",
+        "net.ipv4.tcp_wmem",
+    }
+)
 # policy/check_restrictedVolumes.go
-RESTRICTED_VOLUMES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                                "projected", "secret"})
+RESTRICTED_VOLUMES = frozenset(
+    {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+)
 APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
 _CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
 _HANDLERS = ("livenessProbe", "readinessProbe", "startupProbe")
@@ -43,8 +69,9 @@ def _containers(spec: dict, path: str) -> Iterable[tuple[str, dict]]:
             yield f"{path}.{key}[{i}]", c or {}
 
 
-def check_pod_spec(spec: dict, metadata: Optional[dict] = None, level: str = "baseline",
-                   path: str = "spec") -> list[Finding]:
+def check_pod_spec(
+    spec: dict, metadata: Optional[dict] = None, level: str = "baseline", path: str = "spec"
+) -> list[Finding]:
     """Every rule of ``level`` that the pod (``spec``, and the AppArmor annotations in ``metadata``) breaks.
 
     ``baseline`` refuses what lets a pod escape its container: ``hostProcess``, ``hostNetwork``,
@@ -87,11 +114,12 @@ def _baseline(spec: dict, metadata: dict, path: str) -> list[Finding]:
     for i, sysctl in enumerate(pod_sc.get("sysctls") or []):
         if sysctl.get("name") not in SAFE_SYSCTLS:
             bad(f"{path}.securityContext.sysctls[{i}].name", f"sysctl {sysctl.get('name')!r} is not in the safe set")
-    meta_path = f"{path[:-len('spec')]}metadata" if path.endswith("spec") else "metadata"
+    meta_path = f"{path[: -len('spec')]}metadata" if path.endswith("spec") else "metadata"
     for key, value in (metadata.get("annotations") or {}).items():
         if key.startswith(APPARMOR_ANNOTATION) and value != "runtime/default" and not value.startswith("localhost/"):
-            bad(f"{meta_path}.annotations[{key}]",
-                f"AppArmor profile {value!r}: must be runtime/default or localhost/*")
+            bad(
+                f"{meta_path}.annotations[{key}]", f"AppArmor profile {value!r}: must be runtime/default or localhost/*"
+            )
     for at, c in _containers(spec, path):
         sc = c.get("securityContext") or {}
         if sc.get("privileged"):
@@ -100,8 +128,10 @@ def _baseline(spec: dict, metadata: dict, path: str) -> list[Finding]:
             bad(f"{at}.securityContext.windowsOptions.hostProcess", "host processes are forbidden")
         for j, cap in enumerate((sc.get("capabilities") or {}).get("add") or []):
             if cap not in BASELINE_CAPABILITIES:
-                bad(f"{at}.securityContext.capabilities.add[{j}]",
-                    f"capability {cap} is not allowed (baseline allows {', '.join(sorted(BASELINE_CAPABILITIES))})")
+                bad(
+                    f"{at}.securityContext.capabilities.add[{j}]",
+                    f"capability {cap} is not allowed (baseline allows {', '.join(sorted(BASELINE_CAPABILITIES))})",
+                )
         if sc.get("procMount") not in (None, "Default"):
             bad(f"{at}.securityContext.procMount", f"procMount {sc['procMount']!r}: must be Default or unset")
         _security_options(sc, f"{at}.securityContext", bad)
@@ -124,8 +154,11 @@ def _security_options(sc: dict, at: str, bad) -> None:
         bad(f"{at}.appArmorProfile.type", f"AppArmor profile {apparmor!r}: must be RuntimeDefault or Localhost")
     selinux = sc.get("seLinuxOptions") or {}
     if selinux.get("type", "") not in SELINUX_TYPES:
-        bad(f"{at}.seLinuxOptions.type", f"SELinux type {selinux['type']!r} is not allowed "
-                                         f"({', '.join(sorted(t for t in SELINUX_TYPES if t))} or unset)")
+        bad(
+            f"{at}.seLinuxOptions.type",
+            f"SELinux type {selinux['type']!r} is not allowed "
+            f"({', '.join(sorted(t for t in SELINUX_TYPES if t))} or unset)",
+        )
     for field in ("user", "role"):
         if selinux.get(field):
             bad(f"{at}.seLinuxOptions.{field}", f"a custom SELinux {field} is forbidden")
@@ -145,8 +178,10 @@ def _restricted(spec: dict, path: str) -> list[Finding]:
         kinds = [k for k in (volume or {}) if k != "name"]
         for kind in kinds:
             if kind not in RESTRICTED_VOLUMES:
-                bad(f"{path}.volumes[{i}].{kind}", f"volume type {kind} is not allowed (restricted allows "
-                                                   f"{', '.join(sorted(RESTRICTED_VOLUMES))})")
+                bad(
+                    f"{path}.volumes[{i}].{kind}",
+                    f"volume type {kind} is not allowed (restricted allows {', '.join(sorted(RESTRICTED_VOLUMES))})",
+                )
     if pod_sc.get("runAsUser") == 0:
         bad(f"{path}.securityContext.runAsUser", "must not be 0 (root)")
     if pod_sc.get("runAsNonRoot") is False:
@@ -164,15 +199,19 @@ def _restricted(spec: dict, path: str) -> list[Finding]:
             bad(f"{at}.securityContext.runAsUser", "must not be 0 (root)")
         seccomp = (sc.get("seccompProfile") or {}).get("type") or pod_seccomp
         if seccomp not in ("RuntimeDefault", "Localhost"):
-            bad(f"{at}.securityContext.seccompProfile.type", "must be RuntimeDefault or Localhost (here or in the "
-                                                             "pod's securityContext)")
+            bad(
+                f"{at}.securityContext.seccompProfile.type",
+                "must be RuntimeDefault or Localhost (here or in the pod's securityContext)",
+            )
         caps = sc.get("capabilities") or {}
         if "ALL" not in (caps.get("drop") or []):
             bad(f"{at}.securityContext.capabilities.drop", "must include ALL")
         for j, cap in enumerate(caps.get("add") or []):
             if cap != "NET_BIND_SERVICE":
-                bad(f"{at}.securityContext.capabilities.add[{j}]", f"capability {cap}: restricted allows only "
-                                                                   "NET_BIND_SERVICE")
+                bad(
+                    f"{at}.securityContext.capabilities.add[{j}]",
+                    f"capability {cap}: restricted allows only NET_BIND_SERVICE",
+                )
     return found
 
 
@@ -190,16 +229,22 @@ def pod_templates(doc: dict) -> list[tuple[str, dict]]:
     if kind in ("Job", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"):
         return [("spec.template", spec.get("template") or {})]
     if kind == "PyTorchJob":
-        return [(f"spec.pytorchReplicaSpecs.{role}.template", (r or {}).get("template") or {})
-                for role, r in (spec.get("pytorchReplicaSpecs") or {}).items()]
+        return [
+            (f"spec.pytorchReplicaSpecs.{role}.template", (r or {}).get("template") or {})
+            for role, r in (spec.get("pytorchReplicaSpecs") or {}).items()
+        ]
     prefix = "spec"
     if kind in ("TrainingRuntime", "ClusterTrainingRuntime"):
         spec, prefix = (spec.get("template") or {}).get("spec") or {}, "spec.template.spec"
     elif kind != "JobSet":
         return []
-    return [(f"{prefix}.replicatedJobs[{i}].template.spec.template",
-             ((r.get("template") or {}).get("spec") or {}).get("template") or {})
-            for i, r in enumerate(spec.get("replicatedJobs") or [])]
+    return [
+        (
+            f"{prefix}.replicatedJobs[{i}].template.spec.template",
+            ((r.get("template") or {}).get("spec") or {}).get("template") or {},
+        )
+        for i, r in enumerate(spec.get("replicatedJobs") or [])
+    ]
 
 
 def check_documents(docs: list[dict], level: str = "baseline") -> list[tuple[str, Finding]]:
@@ -209,7 +254,6 @@ def check_documents(docs: list[dict], level: str = "baseline") -> list[tuple[str
         name = f"{doc.get('kind', '?')}/{(doc.get('metadata') or {}).get('name', '?')}"
         for at, template in pod_templates(doc):
             spec_path = f"{at}.spec" if at else "spec"
-            for finding in check_pod_spec(template.get("spec") or {}, template.get("metadata") or {}, level,
-                                          spec_path):
+            for finding in check_pod_spec(template.get("spec") or {}, template.get("metadata") or {}, level, spec_path):
                 found.append((name, finding))
     return found

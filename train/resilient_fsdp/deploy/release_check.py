@@ -57,11 +57,13 @@ def memlock_shortfall(limits: Callable[[int], tuple[int, int]] = resource.getrli
     def shown(v: int) -> str:
         return "unlimited" if v == resource.RLIM_INFINITY else f"{v // 1024} KiB"
 
-    return (f"ulimit -l is {shown(soft)} (hard {shown(hard)}), EFA needs unlimited: it registers its buffers as "
-            f"locked memory, and NCCL fails to set up EFA. The limit comes from the node's container runtime, not "
-            f"the pod: set LimitMEMLOCK=infinity in containerd's systemd unit (the EKS GPU AMIs do), or "
-            f"default_ulimits memlock=-1 in its config (`docker run --ulimit memlock=-1` for docker), on the nodes "
-            f"of this instance type")
+    return (
+        f"ulimit -l is {shown(soft)} (hard {shown(hard)}), EFA needs unlimited: it registers its buffers as "
+        f"locked memory, and NCCL fails to set up EFA. The limit comes from the node's container runtime, not "
+        f"the pod: set LimitMEMLOCK=infinity in containerd's systemd unit (the EKS GPU AMIs do), or "
+        f"default_ulimits memlock=-1 in its config (`docker run --ulimit memlock=-1` for docker), on the nodes "
+        f"of this instance type"
+    )
 
 
 def check_memlock(required: bool, limits: Callable[[int], tuple[int, int]] = resource.getrlimit) -> Result:
@@ -84,11 +86,16 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
     who = f"uid {os.getuid()} gid {os.getgid()}"
     shared, target = Path(shared_dir), Path(check_dir)
     if not shared.is_dir():
-        return Result(name, False, f"{shared} is not mounted (no such directory): check the pod's volume "
-                                   f"and storage.mountPath")
+        return Result(
+            name, False, f"{shared} is not mounted (no such directory): check the pod's volume and storage.mountPath"
+        )
     if os.path.commonpath([os.path.abspath(shared), os.path.abspath(target)]) != os.path.abspath(shared):
-        return Result(name, False, f"{target} is not under the shared volume {shared}: every pod must see the "
-                                   f"same checkpoints; set trainer.checkpoint.dir under storage.mountPath")
+        return Result(
+            name,
+            False,
+            f"{target} is not under the shared volume {shared}: every pod must see the "
+            f"same checkpoints; set trainer.checkpoint.dir under storage.mountPath",
+        )
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -96,8 +103,11 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
         parent = target
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
-        return Result(name, False, f"cannot create {target} as {who} ({exc.strerror}); {parent} has "
-                                   f"{_owner(parent)}: {writable_fix(parent)}")
+        return Result(
+            name,
+            False,
+            f"cannot create {target} as {who} ({exc.strerror}); {parent} has {_owner(parent)}: {writable_fix(parent)}",
+        )
     probe = target / f".release-check-{socket.gethostname()}-{os.getpid()}"
     payload = os.urandom(2048).hex()
     try:
@@ -107,8 +117,11 @@ def check_shared_volume(shared_dir: Path, check_dir: Path) -> Result:
         if probe.read_text() != payload:
             return Result(name, False, f"{probe} read back different bytes: the volume is not consistent")
     except OSError as exc:
-        return Result(name, False, f"cannot write in {target} as {who} ({exc.strerror}); it has {_owner(target)}: "
-                                   f"{writable_fix(target)}")
+        return Result(
+            name,
+            False,
+            f"cannot write in {target} as {who} ({exc.strerror}); it has {_owner(target)}: {writable_fix(target)}",
+        )
     finally:
         try:
             probe.unlink()
@@ -135,15 +148,25 @@ def check_devices(name: str, requested: int, directory: Path, pattern: str, plug
         return Result(name, True, "not requested (skipped)")
     found = _count(directory, pattern)
     if found < requested:
-        return Result(name, False, f"requested {requested}, {found} visible in {directory}: the {plugin} did not "
-                                   f"give this pod its devices; check that it runs on the node and that the "
-                                   f"instance type has them (instanceType, gpusPerNode, efa.devices)")
+        return Result(
+            name,
+            False,
+            f"requested {requested}, {found} visible in {directory}: the {plugin} did not "
+            f"give this pod its devices; check that it runs on the node and that the "
+            f"instance type has them (instanceType, gpusPerNode, efa.devices)",
+        )
     return Result(name, True, f"{found} visible in {directory} (requested {requested})")
 
 
-def check_rendezvous_host(host: str, port: int, timeout_s: float, interval_s: float = 5.0,
-                          resolve: Callable = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic,
-                          sleep: Callable[[float], None] = time.sleep) -> Result:
+def check_rendezvous_host(
+    host: str,
+    port: int,
+    timeout_s: float,
+    interval_s: float = 5.0,
+    resolve: Callable = socket.getaddrinfo,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Result:
     """``host`` resolves within ``timeout_s`` seconds (tried every ``interval_s``).
 
     The name every agent passes to ``--rdzv-endpoint`` resolves once the job's first pod exists,
@@ -160,10 +183,14 @@ def check_rendezvous_host(host: str, port: int, timeout_s: float, interval_s: fl
         if clock() + interval_s > deadline:
             break
         sleep(interval_s)
-    return Result(name, False, f"{host} did not resolve in {timeout_s:g} s ({error}): it resolves once the job's "
-                               f"first pod exists; if that pod is Pending (no node, or Kueue has not admitted the "
-                               f"job) run the check again later, otherwise every agent would wait "
-                               f"rendezvous.joinTimeoutSeconds and fail")
+    return Result(
+        name,
+        False,
+        f"{host} did not resolve in {timeout_s:g} s ({error}): it resolves once the job's "
+        f"first pod exists; if that pod is Pending (no node, or Kueue has not admitted the "
+        f"job) run the check again later, otherwise every agent would wait "
+        f"rendezvous.joinTimeoutSeconds and fail",
+    )
 
 
 # What each trainer path must hold: (what to call it, the files to find in a directory).
@@ -191,21 +218,33 @@ def check_input(key: str, value: str) -> Result:
         files = [f for pattern in wanted for f in sorted(path.glob(pattern))]
         missing = [p for p in wanted if not any(path.glob(p))]
         if missing:
-            return Result(name, False, f"{value} holds no {', '.join(missing)}: not {what}; set trainer.{key} to "
-                                       "where it is on the shared volume (or in the image)")
+            return Result(
+                name,
+                False,
+                f"{value} holds no {', '.join(missing)}: not {what}; set trainer.{key} to "
+                "where it is on the shared volume (or in the image)",
+            )
     elif path.is_file():
         files = [path]
     else:
-        return Result(name, False, f"{value} does not exist in this pod (uid {os.getuid()}): put {what} on the "
-                                   f"shared volume at that path, or set trainer.{key} to where it is")
+        return Result(
+            name,
+            False,
+            f"{value} does not exist in this pod (uid {os.getuid()}): put {what} on the "
+            f"shared volume at that path, or set trainer.{key} to where it is",
+        )
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
         f = unreadable[0]
         st = f.stat()
-        return Result(name, False, f"{f} cannot be read by uid {os.getuid()} (mode {stat.filemode(st.st_mode)}, "
-                                   f"owner {st.st_uid}:{st.st_gid}){' and more' if len(unreadable) > 1 else ''}: "
-                                   "make it readable by the pods' user or group (chmod a+r, or the pods' fsGroup "
-                                   "and g+r)")
+        return Result(
+            name,
+            False,
+            f"{f} cannot be read by uid {os.getuid()} (mode {stat.filemode(st.st_mode)}, "
+            f"owner {st.st_uid}:{st.st_gid}){' and more' if len(unreadable) > 1 else ''}: "
+            "make it readable by the pods' user or group (chmod a+r, or the pods' fsGroup "
+            "and g+r)",
+        )
     return Result(name, True, f"{value}: {len(files)} file(s) readable by uid {os.getuid()}")
 
 
@@ -221,8 +260,9 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.deploy.release_check",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m resilient_fsdp.deploy.release_check", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--shared-dir", required=True, help="where the shared volume is mounted (storage.mountPath)")
     p.add_argument("--check-dir", help="the checkpoint directory to create and write in; default: --shared-dir")
     p.add_argument("--rdzv-host", required=True, help="the host in every agent's --rdzv-endpoint")
@@ -230,11 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-timeout", type=float, default=300.0, help="seconds to keep trying it (default 300)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs this pod requested (0: skip the check)")
     p.add_argument("--efa", type=int, default=0, help="EFA interfaces this pod requested (0: skip the check)")
-    p.add_argument("--memlock", action="store_true", help="check that the locked-memory limit is unlimited "
-                                                          "(the training pods use EFA)")
+    p.add_argument(
+        "--memlock",
+        action="store_true",
+        help="check that the locked-memory limit is unlimited (the training pods use EFA)",
+    )
     p.add_argument("--dev-dir", default="/dev", help="where device nodes appear (default /dev)")
-    p.add_argument("--input", dest="inputs", action="append", default=[], metavar="KEY=PATH",
-                   type=_input_spec, help=f"a trainer path to find readable ({', '.join(INPUTS)}; repeatable)")
+    p.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        default=[],
+        metavar="KEY=PATH",
+        type=_input_spec,
+        help=f"a trainer path to find readable ({', '.join(INPUTS)}; repeatable)",
+    )
     return p
 
 
@@ -251,8 +301,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for result in results:
         print(result, flush=True)
     failed = [r.name for r in results if not r.ok]
-    print(f"release check: {len(results) - len(failed)} ok, {len(failed)} failed"
-          + (f" ({', '.join(failed)})" if failed else ""))
+    print(
+        f"release check: {len(results) - len(failed)} ok, {len(failed)} failed"
+        + (f" ({', '.join(failed)})" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -27,8 +27,10 @@ VENDORED_CRDS = REPO_ROOT / "charts" / "vendor" / "crds"
 PYTORCHJOB = ("kubeflow.org/v1", "PyTorchJob")
 JOBSET = ("jobset.x-k8s.io/v1alpha2", "JobSet")
 TRAINJOB = ("trainer.kubeflow.org/v1alpha1", "TrainJob")
-RUNTIMES = {("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"), ("trainer.kubeflow.org/v1alpha1",
-                                                                    "ClusterTrainingRuntime")}
+RUNTIMES = {
+    ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"),
+    ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"),
+}
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # runPolicy.managedBy values the operator accepts (empty means itself).
 _MANAGED_BY = ("", "kubeflow.org/training-operator", "kueue.x-k8s.io/multikueue")
@@ -60,8 +62,10 @@ def crd_dir(explicit: Optional[str | Path] = None) -> Path:
 def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
     """``{(apiVersion, kind): openAPIV3Schema}`` for every served version of every CRD in ``directory``."""
     if not directory.is_dir():
-        raise ChartError(f"--crds {directory}: no such directory; run scripts/fetch-crds, or pass --crds DIR "
-                         f"(or set {CRDS_ENV}) to a directory holding kubeflow.org_pytorchjobs.yaml")
+        raise ChartError(
+            f"--crds {directory}: no such directory; run scripts/fetch-crds, or pass --crds DIR "
+            f"(or set {CRDS_ENV}) to a directory holding kubeflow.org_pytorchjobs.yaml"
+        )
     schemas = {}
     for path in sorted(directory.glob("*.y*ml")):
         for doc in yaml.load_all(path.read_text(), Loader=_LOADER):
@@ -73,8 +77,10 @@ def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
                 if schema and version.get("served", True):
                     schemas[(f"{spec['group']}/{version['name']}", spec["names"]["kind"])] = schema
     if PYTORCHJOB not in schemas:
-        raise ChartError(f"{directory} holds no PyTorchJob CRD ({PYTORCHJOB[0]}): run scripts/fetch-crds, "
-                         f"or pass --crds DIR (or set {CRDS_ENV})")
+        raise ChartError(
+            f"{directory} holds no PyTorchJob CRD ({PYTORCHJOB[0]}): run scripts/fetch-crds, "
+            f"or pass --crds DIR (or set {CRDS_ENV})"
+        )
     return schemas
 
 
@@ -85,8 +91,11 @@ def strict_schema(schema: dict) -> dict:
 
     def walk(n: object) -> None:
         if isinstance(n, dict):
-            if ("properties" in n and "additionalProperties" not in n
-                    and not n.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in n
+                and "additionalProperties" not in n
+                and not n.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 n["additionalProperties"] = False
             for value in n.values():
                 walk(value)
@@ -112,8 +121,10 @@ def check_crd(doc: dict, schema: dict) -> list[Problem]:
     import jsonschema
 
     validator = jsonschema.Draft7Validator(strict_schema(schema))
-    return [Problem(_name(doc), _path(e.absolute_path), e.message, "CRD schema")
-            for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+    return [
+        Problem(_name(doc), _path(e.absolute_path), e.message, "CRD schema")
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    ]
 
 
 def check_kubernetes(doc: dict, version: str = KUBERNETES_VERSION) -> list[Problem]:
@@ -125,8 +136,15 @@ def check_kubernetes(doc: dict, version: str = KUBERNETES_VERSION) -> list[Probl
     except kubernetes_validate.ValidationError as e:
         return [Problem(_name(doc), _path(e.path), e.message, f"Kubernetes {version} schema")]
     except SchemaNotFoundError:
-        return [Problem(_name(doc), "", f"no Kubernetes {version} schema and no CRD for {doc.get('apiVersion')} "
-                                        f"{doc.get('kind')}: pass its CRD's directory with --crds", "schema lookup")]
+        return [
+            Problem(
+                _name(doc),
+                "",
+                f"no Kubernetes {version} schema and no CRD for {doc.get('apiVersion')} "
+                f"{doc.get('kind')}: pass its CRD's directory with --crds",
+                "schema lookup",
+            )
+        ]
     return []
 
 
@@ -173,24 +191,31 @@ def check_pytorchjob_webhook(doc: dict) -> list[Problem]:
     return found
 
 
-def check_job_templates(doc: dict, replicated_jobs: list, path: str,
-                        version: str = KUBERNETES_VERSION) -> list[Problem]:
+def check_job_templates(
+    doc: dict, replicated_jobs: list, path: str, version: str = KUBERNETES_VERSION
+) -> list[Problem]:
     """Each replicated Job's template as the batch/v1 Job it becomes, against the pinned Kubernetes
     schema (the CRD embeds a Job schema of its own Kubernetes release)."""
     problems = []
     for i, rjob in enumerate(replicated_jobs or []):
         template = (rjob or {}).get("template") or {}
-        job = {"apiVersion": "batch/v1", "kind": "Job",
-               "metadata": {**(template.get("metadata") or {}),
-                            "name": f"{(doc.get('metadata') or {}).get('name')}-{(rjob or {}).get('name')}-0"},
-               "spec": template.get("spec") or {}}
+        job = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                **(template.get("metadata") or {}),
+                "name": f"{(doc.get('metadata') or {}).get('name')}-{(rjob or {}).get('name')}-0",
+            },
+            "spec": template.get("spec") or {},
+        }
         for p in check_kubernetes(job, version):
             problems.append(Problem(_name(doc), f"{path}[{i}].template.{p.path}", p.message, p.check))
     return problems
 
 
-def validate_documents(docs: list[dict], crds: dict[tuple[str, str], dict],
-                       version: str = KUBERNETES_VERSION) -> list[Problem]:
+def validate_documents(
+    docs: list[dict], crds: dict[tuple[str, str], dict], version: str = KUBERNETES_VERSION
+) -> list[Problem]:
     """Every problem in ``docs``; empty when all pass."""
     from resilient_fsdp.deploy import admission
 
@@ -208,27 +233,39 @@ def validate_documents(docs: list[dict], crds: dict[tuple[str, str], dict],
             problems += check_pytorchjob_webhook(doc)
             # The CRD embeds a pod schema of its own Kubernetes release; check the pinned one too.
             for role, rspec in ((doc.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
-                wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
-                           "metadata": {"name": f"{doc['metadata'].get('name')}-{role.lower()}"},
-                           "template": (rspec or {}).get("template") or {}}
+                wrapped = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{doc['metadata'].get('name')}-{role.lower()}"},
+                    "template": (rspec or {}).get("template") or {},
+                }
                 for p in check_kubernetes(wrapped, version):
-                    problems.append(Problem(_name(doc), f"spec.pytorchReplicaSpecs.{role}.{p.path}", p.message,
-                                            p.check))
+                    problems.append(
+                        Problem(_name(doc), f"spec.pytorchReplicaSpecs.{role}.{p.path}", p.message, p.check)
+                    )
         elif key == JOBSET:
             problems += found(doc, admission.check_jobset(doc))
-            problems += check_job_templates(doc, (doc.get("spec") or {}).get("replicatedJobs"),
-                                            "spec.replicatedJobs", version)
+            problems += check_job_templates(
+                doc, (doc.get("spec") or {}).get("replicatedJobs"), "spec.replicatedJobs", version
+            )
         elif key in RUNTIMES:
             problems += found(doc, admission.check_training_runtime(doc))
             spec = ((doc.get("spec") or {}).get("template") or {}).get("spec") or {}
-            problems += check_job_templates(doc, spec.get("replicatedJobs"), "spec.template.spec.replicatedJobs",
-                                            version)
+            problems += check_job_templates(
+                doc, spec.get("replicatedJobs"), "spec.template.spec.replicatedJobs", version
+            )
         elif key == TRAINJOB:
             # The runtime it names, when it is among the documents (else it lives in the cluster).
             ref = (doc.get("spec") or {}).get("runtimeRef") or {}
             runtime_kind = ref.get("kind", "ClusterTrainingRuntime")
-            runtime = next((d for d in docs if d.get("kind") == runtime_kind
-                            and (d.get("metadata") or {}).get("name") == ref.get("name")), None)
+            runtime = next(
+                (
+                    d
+                    for d in docs
+                    if d.get("kind") == runtime_kind and (d.get("metadata") or {}).get("name") == ref.get("name")
+                ),
+                None,
+            )
             problems += found(doc, admission.check_trainjob(doc, runtime))
     return problems
 
@@ -244,17 +281,24 @@ def add_parser(sub) -> None:
     """``resilient-fsdp validate``."""
     from .chart import add_values_args
 
-    p = sub.add_parser("validate", help="render, lint and validate the manifests against Kubernetes and CRD schemas",
-                       description="Render the chart (as `render` does), lint it strictly, and check every object "
-                                   f"against the Kubernetes {KUBERNETES_VERSION} schemas, the CRDs' schemas and "
-                                   "the admission rules of the training operator, JobSet, Trainer and the Job API. "
-                                   "Exits 1 when anything fails.")
+    p = sub.add_parser(
+        "validate",
+        help="render, lint and validate the manifests against Kubernetes and CRD schemas",
+        description="Render the chart (as `render` does), lint it strictly, and check every object "
+        f"against the Kubernetes {KUBERNETES_VERSION} schemas, the CRDs' schemas and "
+        "the admission rules of the training operator, JobSet, Trainer and the Job API. "
+        "Exits 1 when anything fails.",
+    )
     add_values_args(p)
     p.add_argument("--crds", help=f"directory of CRD manifests; default ${CRDS_ENV}, else charts/vendor/crds")
-    p.add_argument("--pod-security", choices=("privileged", "baseline", "restricted"), default="baseline",
-                   help="the Pod Security Standards level of the target namespace "
-                        "(pod-security.kubernetes.io/enforce); every pod must pass it (default baseline; "
-                        "privileged checks nothing)")
+    p.add_argument(
+        "--pod-security",
+        choices=("privileged", "baseline", "restricted"),
+        default="baseline",
+        help="the Pod Security Standards level of the target namespace "
+        "(pod-security.kubernetes.io/enforce); every pod must pass it (default baseline; "
+        "privileged checks nothing)",
+    )
     p.set_defaults(run=_cmd_validate)
 
 
@@ -277,6 +321,8 @@ def _cmd_validate(args) -> int:
         print(f"{'FAIL' if name in bad else 'ok  '} {name}")
     for problem in problems:
         print(f"  {problem}")
-    print(f"{len(docs)} object(s), {len(problems)} problem(s), {len(findings)} lint finding(s)",
-          file=sys.stderr if problems or findings else sys.stdout)
+    print(
+        f"{len(docs)} object(s), {len(problems)} problem(s), {len(findings)} lint finding(s)",
+        file=sys.stderr if problems or findings else sys.stdout,
+    )
     return 1 if problems or findings else 0

@@ -104,7 +104,8 @@ def _type(value: Any) -> str:
     if value is None:
         return "null"
     return {bool: "bool", int: "int", float: "float", str: "string", list: "list", dict: "object"}.get(
-        type(value), type(value).__name__)
+        type(value), type(value).__name__
+    )
 
 
 def _default(entry: Entry) -> str:

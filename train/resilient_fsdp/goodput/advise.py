@@ -20,9 +20,21 @@ import yaml
 from . import costs as gc
 from . import model as gm
 from .advice_table import render_table, render_values
-from .settings import (BACKOFF_LIMIT_MEANING, DEFAULT_RESTART_S, DEFAULT_STARTUP_S, JOB_RESTART_S, LONG_COMMIT_S,
-                       MEMORY_COVERAGE, NODE_LOSS_SHARE, SPARE_MISS_TARGET, AdviseError, Inputs, MemoryInputs,
-                       SpareInputs, advise)
+from .settings import (
+    BACKOFF_LIMIT_MEANING,
+    DEFAULT_RESTART_S,
+    DEFAULT_STARTUP_S,
+    JOB_RESTART_S,
+    LONG_COMMIT_S,
+    MEMORY_COVERAGE,
+    NODE_LOSS_SHARE,
+    SPARE_MISS_TARGET,
+    AdviseError,
+    Inputs,
+    MemoryInputs,
+    SpareInputs,
+    advise,
+)
 
 CHART_VALUES = Path(__file__).resolve().parents[3] / "charts" / "resilient-fsdp" / "values.yaml"
 
@@ -31,11 +43,16 @@ def chart_storage_defaults(values_path: Path = CHART_VALUES) -> dict:
     """The chart's default shared volume: ``size``, ``deploymentType``, ``perUnitStorageThroughput``."""
     try:
         storage = yaml.safe_load(values_path.read_text())["storage"]
-        return {"size": storage["size"], "deploymentType": storage["fsx"]["deploymentType"],
-                "perUnitStorageThroughput": float(storage["fsx"]["perUnitStorageThroughput"])}
+        return {
+            "size": storage["size"],
+            "deploymentType": storage["fsx"]["deploymentType"],
+            "perUnitStorageThroughput": float(storage["fsx"]["perUnitStorageThroughput"]),
+        }
     except (OSError, KeyError, TypeError) as exc:
-        raise AdviseError(f"cannot read the storage defaults from {values_path} ({exc}); pass --storage-size, "
-                          "--deployment-type and --storage-throughput") from exc
+        raise AdviseError(
+            f"cannot read the storage defaults from {values_path} ({exc}); pass --storage-size, "
+            "--deployment-type and --storage-throughput"
+        ) from exc
 
 
 def instance_gpus(instance: str, values_path: Path = CHART_VALUES) -> int:
@@ -43,11 +60,14 @@ def instance_gpus(instance: str, values_path: Path = CHART_VALUES) -> int:
     try:
         table = yaml.safe_load(values_path.read_text())["instanceTypes"]
     except (OSError, KeyError, TypeError) as exc:
-        raise AdviseError(f"cannot read the instance table from {values_path} ({exc}); "
-                          f"pass --gpus-per-node instead") from exc
+        raise AdviseError(
+            f"cannot read the instance table from {values_path} ({exc}); pass --gpus-per-node instead"
+        ) from exc
     if instance not in table:
-        raise AdviseError(f"--instance {instance!r} is not in the chart's instanceTypes "
-                          f"({', '.join(sorted(table))}); pass --gpus-per-node for other types")
+        raise AdviseError(
+            f"--instance {instance!r} is not in the chart's instanceTypes "
+            f"({', '.join(sorted(table))}); pass --gpus-per-node for other types"
+        )
     return int(table[instance]["gpus"])
 
 
@@ -70,74 +90,153 @@ def costs_from_bench(path: Path) -> dict:
     if isinstance(data.get("in_job"), dict):
         found["restart_s"] = float(data["in_job"]["recovery_s_median"])
     if not found:
-        raise AdviseError(f"--from-bench {path}: neither `bench checkpoint` (key `async`) nor `bench recovery` "
-                          f"(key `in_job`) results")
+        raise AdviseError(
+            f"--from-bench {path}: neither `bench checkpoint` (key `async`) nor `bench recovery` (key `in_job`) results"
+        )
     return found
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("advise", help="checkpoint interval, timeouts and restart limits for a cluster size",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "advise",
+        help="checkpoint interval, timeouts and restart limits for a cluster size",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--instance", required=True, help="EC2 instance type, a key of the chart's instanceTypes")
     p.add_argument("--nodes", type=int, required=True, help="nodes (pods) in the job")
     p.add_argument("--gpus-per-node", type=int, help="default: the instance type's GPUs")
-    p.add_argument("--node-mtbf-hours", type=float,
-                   help="one node's mean time between failures; default: Llama 3's rate per GPU-hour x GPUs")
+    p.add_argument(
+        "--node-mtbf-hours",
+        type=float,
+        help="one node's mean time between failures; default: Llama 3's rate per GPU-hour x GPUs",
+    )
     p.add_argument("--job-hours", type=float, default=24.0 * 14, help="planned length of the job (default 336)")
-    p.add_argument("--preset", help="the model: a built-in preset (tiny, 125m, 1b, 8b, 70b), to estimate the "
-                                    "checkpoint costs from its state")
+    p.add_argument(
+        "--preset",
+        help="the model: a built-in preset (tiny, 125m, 1b, 8b, 70b), to estimate the checkpoint costs from its state",
+    )
     p.add_argument("--params", type=float, help="the model's parameter count (e.g. 70.6e9), instead of --preset")
-    p.add_argument("--storage-size", help="the shared volume's capacity as storage.size writes it (e.g. 14400Gi); "
-                                          "default: the chart's")
-    p.add_argument("--deployment-type", choices=("SCRATCH_2", "PERSISTENT_2"),
-                   help="the FSx deployment type (storage.fsx.deploymentType); default: the chart's")
-    p.add_argument("--storage-throughput", type=float, metavar="MB_S_PER_TIB",
-                   help="FSx throughput per TiB (storage.fsx.perUnitStorageThroughput: 125, 250, 500, 1000 for "
-                        "PERSISTENT_2); default: the chart's (SCRATCH_2: 200)")
-    p.add_argument("--ckpt-stall-s", type=float, help="measured training stall per checkpoint (seconds); replaces "
-                                                      "the estimate")
-    p.add_argument("--ckpt-write-s", type=float, help="measured background write time per checkpoint (seconds); "
-                                                      "replaces the estimate")
-    p.add_argument("--restart-s", type=float, help=f"time from a failure to training again (default {DEFAULT_RESTART_S:g})")
+    p.add_argument(
+        "--storage-size",
+        help="the shared volume's capacity as storage.size writes it (e.g. 14400Gi); default: the chart's",
+    )
+    p.add_argument(
+        "--deployment-type",
+        choices=("SCRATCH_2", "PERSISTENT_2"),
+        help="the FSx deployment type (storage.fsx.deploymentType); default: the chart's",
+    )
+    p.add_argument(
+        "--storage-throughput",
+        type=float,
+        metavar="MB_S_PER_TIB",
+        help="FSx throughput per TiB (storage.fsx.perUnitStorageThroughput: 125, 250, 500, 1000 for "
+        "PERSISTENT_2); default: the chart's (SCRATCH_2: 200)",
+    )
+    p.add_argument(
+        "--ckpt-stall-s", type=float, help="measured training stall per checkpoint (seconds); replaces the estimate"
+    )
+    p.add_argument(
+        "--ckpt-write-s",
+        type=float,
+        help="measured background write time per checkpoint (seconds); replaces the estimate",
+    )
+    p.add_argument(
+        "--restart-s", type=float, help=f"time from a failure to training again (default {DEFAULT_RESTART_S:g})"
+    )
     p.add_argument("--step-s", type=float, default=10.0, help="time of one training step (default 10)")
-    p.add_argument("--startup-s", type=float, default=DEFAULT_STARTUP_S,
-                   help=f"model build, sharding and rendezvous at start (default {DEFAULT_STARTUP_S:g})")
-    p.add_argument("--shard-group-size", type=int, default=0, metavar="GPUS",
-                   help="dist.shard_group_size: HSDP, each parameter sharded over this many GPUs (whole pods that "
-                        "divide the job) and replicated across the groups; default 0, FSDP over every GPU")
-    p.add_argument("--memory", action="store_true",
-                   help="also size the memory tier (checkpoint.memory): its interval, /dev/shm, the goodput gained")
-    p.add_argument("--memory-stall-s", type=float, help="measured stall of one memory save; default: the copy of a "
-                                                        "rank's shard at the instance's device-to-host rate")
-    p.add_argument("--memory-restart-s", type=float,
-                   help="an in-job restart from memory (measured: bench recovery's in_job_memory row); "
-                        "default: --restart-s")
-    p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
-                   help="checkpoint.memory.replicas: 1 (default) also keeps the next pod's snapshots, so a lost "
-                        "pod resumes from memory; its two slots count in shm.sizeLimit")
-    p.add_argument("--memory-coverage", type=float,
-                   help="the share of failures the pods survive, restored from memory (default: what --from-run "
-                        f"measured, else {MEMORY_COVERAGE:g}, DLRover's published share)")
-    p.add_argument("--from-run", type=Path, metavar="RUN_DIR",
-                   help="with --memory: take the coverage from a run with the memory tier on, the share of its "
-                        "restarts that resumed from memory (its metrics.jsonl start records)")
-    p.add_argument("--spares", nargs="?", const="auto", metavar="S",
-                   help="hot spares (the chart's spares): with no number or 'auto', the fewest for which a node loss "
-                        f"finds none free at most {SPARE_MISS_TARGET:.0%}% of the time; with a number, that many. "
-                        "Shows the chance, the cost and the goodput with and without them")
-    p.add_argument("--replacement-s", type=float,
-                   help="with --spares: until a lost pod's replacement joins as a spare (default: --job-restart-s)")
-    p.add_argument("--job-restart-s", type=float, default=JOB_RESTART_S,
-                   help=f"with --spares: a node loss without a spare, a job-level restart that waits for a "
-                        f"replacement node (default {JOB_RESTART_S:g}, the simulation's)")
-    p.add_argument("--node-loss-share", type=float, default=NODE_LOSS_SHARE,
-                   help=f"with --spares: the share of failures that take a node out (default {NODE_LOSS_SHARE:g}, "
-                        "the simulation's)")
-    p.add_argument("--from-bench", action="append", default=[], metavar="FILE",
-                   help="take measured costs from `bench checkpoint` / `bench recovery` JSON (repeatable)")
+    p.add_argument(
+        "--startup-s",
+        type=float,
+        default=DEFAULT_STARTUP_S,
+        help=f"model build, sharding and rendezvous at start (default {DEFAULT_STARTUP_S:g})",
+    )
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=0,
+        metavar="GPUS",
+        help="dist.shard_group_size: HSDP, each parameter sharded over this many GPUs (whole pods that "
+        "divide the job) and replicated across the groups; default 0, FSDP over every GPU",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also size the memory tier (checkpoint.memory): its interval, /dev/shm, the goodput gained",
+    )
+    p.add_argument(
+        "--memory-stall-s",
+        type=float,
+        help="measured stall of one memory save; default: the copy of a "
+        "rank's shard at the instance's device-to-host rate",
+    )
+    p.add_argument(
+        "--memory-restart-s",
+        type=float,
+        help="an in-job restart from memory (measured: bench recovery's in_job_memory row); default: --restart-s",
+    )
+    p.add_argument(
+        "--memory-replicas",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="checkpoint.memory.replicas: 1 (default) also keeps the next pod's snapshots, so a lost "
+        "pod resumes from memory; its two slots count in shm.sizeLimit",
+    )
+    p.add_argument(
+        "--memory-coverage",
+        type=float,
+        help="the share of failures the pods survive, restored from memory (default: what --from-run "
+        f"measured, else {MEMORY_COVERAGE:g}, DLRover's published share)",
+    )
+    p.add_argument(
+        "--from-run",
+        type=Path,
+        metavar="RUN_DIR",
+        help="with --memory: take the coverage from a run with the memory tier on, the share of its "
+        "restarts that resumed from memory (its metrics.jsonl start records)",
+    )
+    p.add_argument(
+        "--spares",
+        nargs="?",
+        const="auto",
+        metavar="S",
+        help="hot spares (the chart's spares): with no number or 'auto', the fewest for which a node loss "
+        f"finds none free at most {SPARE_MISS_TARGET:.0%}% of the time; with a number, that many. "
+        "Shows the chance, the cost and the goodput with and without them",
+    )
+    p.add_argument(
+        "--replacement-s",
+        type=float,
+        help="with --spares: until a lost pod's replacement joins as a spare (default: --job-restart-s)",
+    )
+    p.add_argument(
+        "--job-restart-s",
+        type=float,
+        default=JOB_RESTART_S,
+        help=f"with --spares: a node loss without a spare, a job-level restart that waits for a "
+        f"replacement node (default {JOB_RESTART_S:g}, the simulation's)",
+    )
+    p.add_argument(
+        "--node-loss-share",
+        type=float,
+        default=NODE_LOSS_SHARE,
+        help=f"with --spares: the share of failures that take a node out (default {NODE_LOSS_SHARE:g}, "
+        "the simulation's)",
+    )
+    p.add_argument(
+        "--from-bench",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="take measured costs from `bench checkpoint` / `bench recovery` JSON (repeatable)",
+    )
     p.add_argument("--values", action="store_true", help="print a values snippet for the chart instead of the table")
-    p.add_argument("--kind", choices=sorted(BACKOFF_LIMIT_MEANING), default="PyTorchJob",
-                   help="the chart's workload.kind, which decides what job.backoffLimit does (default PyTorchJob)")
+    p.add_argument(
+        "--kind",
+        choices=sorted(BACKOFF_LIMIT_MEANING),
+        default="PyTorchJob",
+        help="the chart's workload.kind, which decides what job.backoffLimit does (default PyTorchJob)",
+    )
     p.set_defaults(run=main)
 
 
@@ -160,10 +259,12 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         try:
             params = gc.params_of(args.preset, args.params)
             if params is None:
-                raise AdviseError("the checkpoint costs are needed: pass the model's size (--preset, or --params) to "
-                                  "estimate them from the state and the storage, or measured ones: " +
-                                  " and ".join(f"--{k.replace('_', '-')}" for k in missing) +
-                                  ", or --from-bench with `bench checkpoint` results")
+                raise AdviseError(
+                    "the checkpoint costs are needed: pass the model's size (--preset, or --params) to "
+                    "estimate them from the state and the storage, or measured ones: "
+                    + " and ".join(f"--{k.replace('_', '-')}" for k in missing)
+                    + ", or --from-bench with `bench checkpoint` results"
+                )
             defaults = chart_storage_defaults()
             deployment = args.deployment_type or defaults["deploymentType"]
             throughput = args.storage_throughput
@@ -190,8 +291,9 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         except (ValueError, KeyError) as exc:
             raise AdviseError(f"--from-bench {scale}: {exc}") from None
         costs["restart_s"] = costs.get("restart_s", DEFAULT_RESTART_S) + startup
-        sources["restart_s"] += f"; + {startup:.1f} s of start-up planning and resume metadata (measured, " \
-                                f"--from-bench {scale}, {case})"
+        sources["restart_s"] += (
+            f"; + {startup:.1f} s of start-up planning and resume metadata (measured, --from-bench {scale}, {case})"
+        )
     if args.node_mtbf_hours is not None:
         mtbf, source = args.node_mtbf_hours, "given (--node-mtbf-hours)"
     else:
@@ -203,12 +305,25 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     suggested = None
     if estimate is not None and not group and estimate.commit_s > LONG_COMMIT_S:
         suggested = gc.suggested_shard_group(estimate.params, estimate.gpus, gpus, args.instance)
-    return Inputs(spares=_spare_inputs(args), memory=memory, shard_group=group, suggested_shard_group=suggested, instance=args.instance, nodes=args.nodes, gpus_per_node=gpus, node_mtbf_hours=mtbf,
-                  job_hours=args.job_hours, ckpt_stall_s=costs["ckpt_stall_s"], ckpt_write_s=costs["ckpt_write_s"],
-                  restart_s=costs.get("restart_s", DEFAULT_RESTART_S), step_s=args.step_s,
-                  startup_s=args.startup_s, mtbf_source=source,
-                  cost_sources=tuple((k, sources[k]) for k in ("ckpt_stall_s", "ckpt_write_s", "restart_s")),
-                  estimate=estimate)
+    return Inputs(
+        spares=_spare_inputs(args),
+        memory=memory,
+        shard_group=group,
+        suggested_shard_group=suggested,
+        instance=args.instance,
+        nodes=args.nodes,
+        gpus_per_node=gpus,
+        node_mtbf_hours=mtbf,
+        job_hours=args.job_hours,
+        ckpt_stall_s=costs["ckpt_stall_s"],
+        ckpt_write_s=costs["ckpt_write_s"],
+        restart_s=costs.get("restart_s", DEFAULT_RESTART_S),
+        step_s=args.step_s,
+        startup_s=args.startup_s,
+        mtbf_source=source,
+        cost_sources=tuple((k, sources[k]) for k in ("ckpt_stall_s", "ckpt_write_s", "restart_s")),
+        estimate=estimate,
+    )
 
 
 def _spare_inputs(args: argparse.Namespace) -> Optional[SpareInputs]:
@@ -216,24 +331,32 @@ def _spare_inputs(args: argparse.Namespace) -> Optional[SpareInputs]:
     if text is None:
         return None
     if text != "auto" and not str(text).isdigit():
-        raise AdviseError(f"--spares {text!r}: give a whole number of spare nodes, or 'auto' (or no value) for the "
-                          "advisor's")
+        raise AdviseError(
+            f"--spares {text!r}: give a whole number of spare nodes, or 'auto' (or no value) for the advisor's"
+        )
     job_restart = getattr(args, "job_restart_s", JOB_RESTART_S)
     replacement = args.replacement_s if getattr(args, "replacement_s", None) is not None else job_restart
-    return SpareInputs(count=None if text == "auto" else int(text), replacement_s=replacement,
-                       job_restart_s=job_restart, node_loss_share=getattr(args, "node_loss_share", NODE_LOSS_SHARE))
+    return SpareInputs(
+        count=None if text == "auto" else int(text),
+        replacement_s=replacement,
+        job_restart_s=job_restart,
+        node_loss_share=getattr(args, "node_loss_share", NODE_LOSS_SHARE),
+    )
 
 
 def _shard_group(args: argparse.Namespace, gpus_per_node: int) -> int:
     group, world = getattr(args, "shard_group_size", 0) or 0, args.nodes * gpus_per_node
     if group < 0 or (group and world % group):
-        raise AdviseError(f"--shard-group-size {group} does not divide the job's {world} GPUs: give a divisor of "
-                          f"{world} (whole pods: a multiple of {gpus_per_node}), or 0 for FSDP over every GPU")
+        raise AdviseError(
+            f"--shard-group-size {group} does not divide the job's {world} GPUs: give a divisor of "
+            f"{world} (whole pods: a multiple of {gpus_per_node}), or 0 for FSDP over every GPU"
+        )
     return 0 if group == world else group
 
 
-def _memory_inputs(args: argparse.Namespace, estimate: Optional[gc.Estimate], restart_s: float,
-                   gpus: int, group: int = 0) -> MemoryInputs:
+def _memory_inputs(
+    args: argparse.Namespace, estimate: Optional[gc.Estimate], restart_s: float, gpus: int, group: int = 0
+) -> MemoryInputs:
     shard = estimate.shard_gb if estimate is not None else None
     if shard is None:
         params = gc.params_of(args.preset, args.params)
@@ -241,8 +364,10 @@ def _memory_inputs(args: argparse.Namespace, estimate: Optional[gc.Estimate], re
     stall = args.memory_stall_s
     if stall is None:
         if shard is None:
-            raise AdviseError("--memory needs the memory save's stall: pass --memory-stall-s, or the model's size "
-                              "(--preset or --params) to estimate it")
+            raise AdviseError(
+                "--memory needs the memory save's stall: pass --memory-stall-s, or the model's size "
+                "(--preset or --params) to estimate it"
+            )
         stall = gc.memory_stall_s(shard, args.instance)
     # Without a measurement, a restart from memory costs what the in-job restart does: its load is
     # a small part of it (1.4 of 18.9 s in bench recovery's in-job runs), the gain is in lost work.
@@ -250,11 +375,19 @@ def _memory_inputs(args: argparse.Namespace, estimate: Optional[gc.Estimate], re
     coverage, source = args.memory_coverage, "given, --memory-coverage"
     if coverage is None and getattr(args, "from_run", None) is not None:
         coverage, restarts = coverage_from_run(args.from_run)
-        source = f"measured, --from-run {args.from_run}: {round(coverage * restarts)} of {restarts} restarts from memory"
+        source = (
+            f"measured, --from-run {args.from_run}: {round(coverage * restarts)} of {restarts} restarts from memory"
+        )
     if coverage is None:
         coverage, source = MEMORY_COVERAGE, "DLRover's published share"
-    return MemoryInputs(stall_s=stall, restart_s=restart, coverage=coverage, shard_gb=shard,
-                        replicas=args.memory_replicas, coverage_source=source)
+    return MemoryInputs(
+        stall_s=stall,
+        restart_s=restart,
+        coverage=coverage,
+        shard_gb=shard,
+        replicas=args.memory_replicas,
+        coverage_source=source,
+    )
 
 
 def coverage_from_run(run_dir: Path) -> tuple[float, int]:
@@ -266,20 +399,28 @@ def coverage_from_run(run_dir: Path) -> tuple[float, int]:
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise AdviseError(f"--from-run {run_dir}: cannot read {path} ({exc.strerror or exc}); give the run directory "
-                          "of a job that ran with the memory tier on") from None
+        raise AdviseError(
+            f"--from-run {run_dir}: cannot read {path} ({exc.strerror or exc}); give the run directory "
+            "of a job that ran with the memory tier on"
+        ) from None
     tiers = []
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue  # a line torn by a crash
-        if isinstance(record, dict) and record.get("event") == "start" and record.get("layer") != "start" \
-                and record.get("resumed_from_tier"):
+        if (
+            isinstance(record, dict)
+            and record.get("event") == "start"
+            and record.get("layer") != "start"
+            and record.get("resumed_from_tier")
+        ):
             tiers.append(record["resumed_from_tier"])
     if not tiers:
-        raise AdviseError(f"--from-run {run_dir}: no restart of that run resumed from a checkpoint, so it measured no "
-                          "coverage; give a run that recovered from faults, or --memory-coverage")
+        raise AdviseError(
+            f"--from-run {run_dir}: no restart of that run resumed from a checkpoint, so it measured no "
+            "coverage; give a run that recovered from faults, or --memory-coverage"
+        )
     return tiers.count("memory") / len(tiers), len(tiers)
 
 
@@ -303,4 +444,4 @@ def parse_advise_line(line: str) -> Optional[argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="advise", add_help=False)
     sub = parser.add_subparsers(dest="command")
     add_parser(sub)
-    return parser.parse_args(["advise", *line[len(prefix):].split()])
+    return parser.parse_args(["advise", *line[len(prefix) :].split()])

@@ -41,15 +41,22 @@ small objects, so the rate is set by object count, not bytes)."""
 # Device-to-host copy rate per GPU (GB/s), measured: ~25 on PCIe Gen4 (A100, A10G, L4), ~53 on
 # PCIe Gen5 (H100, H200; B200 hosts link at Gen5 too). Keyed by instance family.
 # GPU memory (GB) per instance family: A100 40/80, A10G 24, L4 24, H100 80, H200 141, B200 180.
-GPU_MEMORY_GB = {"p4d": 40.0, "p4de": 80.0, "g5": 24.0, "g6": 24.0, "p5": 80.0, "p5e": 141.0, "p5en": 141.0,
-                 "p6-b200": 180.0}
+GPU_MEMORY_GB = {
+    "p4d": 40.0,
+    "p4de": 80.0,
+    "g5": 24.0,
+    "g6": 24.0,
+    "p5": 80.0,
+    "p5e": 141.0,
+    "p5en": 141.0,
+    "p6-b200": 180.0,
+}
 STATE_SHARE_OF_GPU = 0.5
 """The share of a GPU's memory the advisor plans the sharded training state to take when it
 suggests a shard group, leaving room for the gathered bf16 layers, activations and NCCL's buffers.
 A plan, not a limit: the chart and the trainer refuse a state only above
 ``train.state_fit.MAX_STATE_PERCENT``."""
-D2H_GB_S = {"p4d": 25.0, "p4de": 25.0, "g5": 25.0, "g6": 25.0, "p5": 53.0, "p5e": 53.0, "p5en": 53.0,
-            "p6-b200": 53.0}
+D2H_GB_S = {"p4d": 25.0, "p4de": 25.0, "g5": 25.0, "g6": 25.0, "p5": 53.0, "p5e": 53.0, "p5en": 53.0, "p6-b200": 53.0}
 HOST_COPY_GB_S = 25.0
 """A CPU "GPU" (instance type ``cpu``): a memory copy into touched buffers on this kind of machine."""
 # FSx for Lustre throughput per TiB of capacity (MB/s/TiB): SCRATCH_2 has one baseline; a
@@ -108,19 +115,25 @@ class Estimate:
         """The arithmetic, one line per cost, as the profiles' headers write it."""
         s = self.storage
         if self.shard_group:
-            commit = (f"commit = ({self.shard_group} shards x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x "
-                      f"(1 + {METADATA_PER_RESULT_BYTE:g}) + {self.gpus} ranks x {COMMIT_FILE_BYTES_PER_RANK} B) / "
-                      f"{RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s (HSDP, dist.shard_group_size="
-                      f"{self.shard_group})")
+            commit = (
+                f"commit = ({self.shard_group} shards x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x "
+                f"(1 + {METADATA_PER_RESULT_BYTE:g}) + {self.gpus} ranks x {COMMIT_FILE_BYTES_PER_RANK} B) / "
+                f"{RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s (HSDP, dist.shard_group_size="
+                f"{self.shard_group})"
+            )
         else:
-            commit = (f"commit = {self.gpus} ranks x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x (1 + "
-                      f"{METADATA_PER_RESULT_BYTE:g}) / {RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s")
-        return [f"state {self.params / 1e9:.1f}e9 params x {BYTES_PER_PARAM} B = {self.state_gb:,.0f} GB",
-                commit,
-                f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s = "
-                f"{self.stall_s:.3g} s (the commit runs in rank 0's commit process)",
-                f"write W = {self.state_gb:,.0f} GB / ({s.capacity_tib:.2f} TiB x {s.mb_s_per_tib:g} MB/s/TiB, "
-                f"{s.deployment_type}) + commit = {self.write_s:.0f} s"]
+            commit = (
+                f"commit = {self.gpus} ranks x {COMMIT_BYTES_PER_RANK / 1e3:g} kB x (1 + "
+                f"{METADATA_PER_RESULT_BYTE:g}) / {RANK0_COMMIT_MB_S:g} MB/s = {self.commit_s:.3g} s"
+            )
+        return [
+            f"state {self.params / 1e9:.1f}e9 params x {BYTES_PER_PARAM} B = {self.state_gb:,.0f} GB",
+            commit,
+            f"stall delta = shard {self.shard_gb:.3g} GB / ~{self.d2h_gb_s:g} GB/s + {STALL_FIXED_S:g} s = "
+            f"{self.stall_s:.3g} s (the commit runs in rank 0's commit process)",
+            f"write W = {self.state_gb:,.0f} GB / ({s.capacity_tib:.2f} TiB x {s.mb_s_per_tib:g} MB/s/TiB, "
+            f"{s.deployment_type}) + commit = {self.write_s:.0f} s",
+        ]
 
 
 def capacity_for(state_gb: float, seconds: float, mb_s_per_tib: float) -> int:
@@ -152,8 +165,10 @@ def d2h_gb_s(instance: str) -> float:
         return HOST_COPY_GB_S
     family = instance.split(".", 1)[0]
     if family not in D2H_GB_S:
-        raise CostError(f"no device-to-host rate is known for {instance!r} (known: {', '.join(sorted(D2H_GB_S))}): "
-                        "pass --ckpt-stall-s, or --from-bench with measured costs")
+        raise CostError(
+            f"no device-to-host rate is known for {instance!r} (known: {', '.join(sorted(D2H_GB_S))}): "
+            "pass --ckpt-stall-s, or --from-bench with measured costs"
+        )
     return D2H_GB_S[family]
 
 
@@ -170,14 +185,18 @@ def storage(size: str, deployment_type: str, mb_s_per_tib: Optional[float]) -> S
     ``storage.fsx.perUnitStorageThroughput``); SCRATCH_2 has its one baseline throughput."""
     if deployment_type == "SCRATCH_2":
         if mb_s_per_tib not in (None, SCRATCH_2_MB_S_PER_TIB):
-            raise CostError(f"--storage-throughput {mb_s_per_tib:g}: a SCRATCH_2 file system gives "
-                            f"{SCRATCH_2_MB_S_PER_TIB:g} MB/s/TiB; leave it out, or use --deployment-type PERSISTENT_2")
+            raise CostError(
+                f"--storage-throughput {mb_s_per_tib:g}: a SCRATCH_2 file system gives "
+                f"{SCRATCH_2_MB_S_PER_TIB:g} MB/s/TiB; leave it out, or use --deployment-type PERSISTENT_2"
+            )
         rate = SCRATCH_2_MB_S_PER_TIB
     elif deployment_type == "PERSISTENT_2":
         rate = mb_s_per_tib if mb_s_per_tib is not None else PERSISTENT_2_MB_S_PER_TIB[1]
         if rate not in PERSISTENT_2_MB_S_PER_TIB:
-            raise CostError(f"--storage-throughput {rate:g}: PERSISTENT_2 offers "
-                            f"{', '.join(f'{r:g}' for r in PERSISTENT_2_MB_S_PER_TIB)} MB/s/TiB")
+            raise CostError(
+                f"--storage-throughput {rate:g}: PERSISTENT_2 offers "
+                f"{', '.join(f'{r:g}' for r in PERSISTENT_2_MB_S_PER_TIB)} MB/s/TiB"
+            )
     else:
         raise CostError(f"--deployment-type {deployment_type!r}: choose SCRATCH_2 or PERSISTENT_2")
     return Storage(capacity_gib(size), rate, deployment_type)
@@ -191,8 +210,16 @@ def estimate(params: int, gpus: int, instance: str, volume: Storage, shard_group
     group = 0 if shard_group in (0, gpus) else shard_group
     commit = commit_s(gpus, group)
     stall = state_gb / (group or max(gpus, 1)) / rate + STALL_FIXED_S
-    return Estimate(params=params, gpus=max(gpus, 1), d2h_gb_s=rate, storage=volume, stall_s=stall,
-                    write_s=state_gb / volume.gb_s + commit, commit_s=commit, shard_group=group)
+    return Estimate(
+        params=params,
+        gpus=max(gpus, 1),
+        d2h_gb_s=rate,
+        storage=volume,
+        stall_s=stall,
+        write_s=state_gb / volume.gb_s + commit,
+        commit_s=commit,
+        shard_group=group,
+    )
 
 
 def suggested_shard_group(params: int, gpus: int, gpus_per_node: int, instance: str) -> Optional[int]:

@@ -24,8 +24,9 @@ HOUR = 3600.0
 LLAMA3_INTERRUPTIONS = 466
 LLAMA3_DAYS = 54
 LLAMA3_GPUS = 16384
-LLAMA3_SOURCE = ("Llama 3 (Meta, 2024): 466 interruptions in 54 days on 16,384 H100 GPUs, "
-                 "i.e. one per {gpu_hours:,.0f} GPU-hours")
+LLAMA3_SOURCE = (
+    "Llama 3 (Meta, 2024): 466 interruptions in 54 days on 16,384 H100 GPUs, i.e. one per {gpu_hours:,.0f} GPU-hours"
+)
 
 
 def llama3_gpu_mtbf_hours() -> float:
@@ -72,18 +73,24 @@ def daly_interval(delta_s: float, mtbf_s: float) -> float:
 @dataclass(frozen=True)
 class GoodputBreakdown:
     """Expected fractions of wall time (they add up to 1)."""
+
     productive: float
     checkpoint_stalls: float
     lost_work: float
     restarts: float
 
     def as_dict(self) -> dict:
-        return {"productive": self.productive, "checkpoint_stalls": self.checkpoint_stalls,
-                "lost_work": self.lost_work, "restarts": self.restarts}
+        return {
+            "productive": self.productive,
+            "checkpoint_stalls": self.checkpoint_stalls,
+            "lost_work": self.lost_work,
+            "restarts": self.restarts,
+        }
 
 
-def expected_goodput(interval_s: float, delta_s: float, write_s: float, restart_s: float,
-                     mtbf_s: float) -> GoodputBreakdown:
+def expected_goodput(
+    interval_s: float, delta_s: float, write_s: float, restart_s: float, mtbf_s: float
+) -> GoodputBreakdown:
     """First-order expected goodput and where the rest goes (valid while T + R << M).
 
     Per unit of wall time, failures take ``(R + W + (T + delta)/2) / M``; the rest is split
@@ -115,9 +122,17 @@ def poisson_quantile(mean: float, probability: float = 0.99) -> int:
     return k
 
 
-def expected_goodput_with_memory(interval_s: float, delta_s: float, write_s: float, restart_s: float,
-                                 mtbf_s: float, memory_interval_s: float, memory_delta_s: float,
-                                 memory_restart_s: float, coverage: float) -> GoodputBreakdown:
+def expected_goodput_with_memory(
+    interval_s: float,
+    delta_s: float,
+    write_s: float,
+    restart_s: float,
+    mtbf_s: float,
+    memory_interval_s: float,
+    memory_delta_s: float,
+    memory_restart_s: float,
+    coverage: float,
+) -> GoodputBreakdown:
     """:func:`expected_goodput` with a memory tier: between durable checkpoints, one in the pods'
     memory every ``memory_interval_s`` seconds of training (stall ``memory_delta_s``; its commit
     follows the copy off the training thread, so it adds no write time), restored after the
@@ -181,8 +196,9 @@ def spares_needed(busy_mean: float, max_p_no_spare: float = 0.01) -> int:
     return max(1, poisson_quantile(busy_mean, 1.0 - max_p_no_spare) + 1)
 
 
-def node_loss_recovery_s(nodes: int, spares: int, busy_mean: float, in_job_s: float, job_s: float,
-                         join_s: float = SPARE_JOIN_S) -> float:
+def node_loss_recovery_s(
+    nodes: int, spares: int, busy_mean: float, in_job_s: float, job_s: float, join_s: float = SPARE_JOIN_S
+) -> float:
     """A node loss's mean recovery with ``spares``: the in-job restart plus ``join_s`` when it is
     not pod 0 (``1 - 1/nodes``) and a spare is free (``P(Poisson(m) < S)``), else the job-level
     restart ``job_s``."""
@@ -198,8 +214,10 @@ SDC_SOURCE = "Llama 3 (Meta, 2024): 1.4% of its 466 interruptions were silent da
 # GPUs, fail-slows delayed the average job's completion 1.34x, each lasting from tens of seconds
 # to nearly ten hours.
 FALCON_JCT_INFLATION = 1.34
-STRAGGLER_SOURCE = ("Falcon (Wu et al., 2024): fail-slows delayed the average job 1.34x on a 10,000-GPU "
-                    "production cluster, each lasting from tens of seconds to nearly ten hours")
+STRAGGLER_SOURCE = (
+    "Falcon (Wu et al., 2024): fail-slows delayed the average job 1.34x on a 10,000-GPU "
+    "production cluster, each lasting from tens of seconds to nearly ten hours"
+)
 STRAGGLER_EPISODE_H = 1.0
 """Assumed: an episode's mean length (Falcon: tens of seconds to nearly ten hours)."""
 STRAGGLER_SLOWDOWN = 2.0
@@ -216,6 +234,7 @@ evaluation gives it away; that training is all redone from a checkpoint before i
 class SlowAndSilent:
     """Expected fractions of wall time lost to stragglers and silent corruption, without and with
     this project's detection (``resilience.stragglers`` with a hot spare, ``resilience.sdc``)."""
+
     stragglers_unmitigated: float
     stragglers_replaced: float
     sdc_unchecked: float
@@ -225,8 +244,15 @@ class SlowAndSilent:
         return dataclasses.asdict(self)
 
 
-def slow_and_silent(job_mtbf_s: float, find_s: float, replace_s: float, check_interval_s: float,
-                    check_cost: float, rollback_s: float, job_restart_s: float) -> SlowAndSilent:
+def slow_and_silent(
+    job_mtbf_s: float,
+    find_s: float,
+    replace_s: float,
+    check_interval_s: float,
+    check_cost: float,
+    rollback_s: float,
+    job_restart_s: float,
+) -> SlowAndSilent:
     """What the two classes cost a job whose crash failures come every ``job_mtbf_s`` seconds.
 
     Stragglers: episodes arrive so that, unmitigated, they inflate the job's time as Falcon
@@ -238,11 +264,12 @@ def slow_and_silent(job_mtbf_s: float, find_s: float, replace_s: float, check_in
     ``check_interval_s`` seconds, half an interval until found, the rollback (``rollback_s``: the
     work redone and the in-job restart), and the checks themselves (``check_cost`` of every step).
     """
-    slow_share = 1.0 - 1.0 / FALCON_JCT_INFLATION          # of wall time, unmitigated
+    slow_share = 1.0 - 1.0 / FALCON_JCT_INFLATION  # of wall time, unmitigated
     per_episode_s = STRAGGLER_EPISODE_H * HOUR * (1.0 - 1.0 / STRAGGLER_SLOWDOWN)
     episodes_per_s = slow_share / per_episode_s
-    replaced = min(1.0, episodes_per_s * (min(find_s, STRAGGLER_EPISODE_H * HOUR) * (1.0 - 1.0 / STRAGGLER_SLOWDOWN)
-                                          + replace_s))
+    replaced = min(
+        1.0, episodes_per_s * (min(find_s, STRAGGLER_EPISODE_H * HOUR) * (1.0 - 1.0 / STRAGGLER_SLOWDOWN) + replace_s)
+    )
     sdc_rate = LLAMA3_SDC_SHARE / job_mtbf_s
     unchecked = min(1.0, sdc_rate * (SDC_UNNOTICED_H * HOUR + job_restart_s))
     checked = min(1.0, check_cost + sdc_rate * (check_interval_s / 2.0 + rollback_s))

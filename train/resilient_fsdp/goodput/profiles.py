@@ -47,21 +47,27 @@ def header_block(line: str) -> list[str]:
     i, g = a.inputs, a.goodput
     gpus = i.nodes * i.gpus_per_node
     if i.mtbf_source.startswith("given"):
-        rate = [f"#   failure rate: node MTBF {i.node_mtbf_hours:,.0f} h (given);",
-                f"#     job MTBF M = {i.node_mtbf_hours:,.0f} h / {i.nodes} nodes = {a.job_mtbf_s / gm.HOUR:,.0f} h."]
+        rate = [
+            f"#   failure rate: node MTBF {i.node_mtbf_hours:,.0f} h (given);",
+            f"#     job MTBF M = {i.node_mtbf_hours:,.0f} h / {i.nodes} nodes = {a.job_mtbf_s / gm.HOUR:,.0f} h.",
+        ]
     else:
         per_gpu_hour = _scientific(1 / gm.llama3_gpu_mtbf_hours())
-        rate = [f"#   failure rate: Llama 3's {gm.LLAMA3_INTERRUPTIONS} interruptions on {gm.LLAMA3_GPUS:,} GPUs in "
-                f"{gm.LLAMA3_DAYS} days = {per_gpu_hour} per GPU-hour;",
-                f"#     job MTBF M = 1 / ({per_gpu_hour} x {gpus:,} GPUs) = {a.job_mtbf_s / gm.HOUR:,.0f} h."]
+        rate = [
+            f"#   failure rate: Llama 3's {gm.LLAMA3_INTERRUPTIONS} interruptions on {gm.LLAMA3_GPUS:,} GPUs in "
+            f"{gm.LLAMA3_DAYS} days = {per_gpu_hour} per GPU-hour;",
+            f"#     job MTBF M = 1 / ({per_gpu_hour} x {gpus:,} GPUs) = {a.job_mtbf_s / gm.HOUR:,.0f} h.",
+        ]
     if i.estimate is not None:
         first, *rest = i.estimate.explain()
         checkpoint = [f"#   checkpoint: {first};", *(f"#     {r};" for r in rest)]
         checkpoint[-1] = checkpoint[-1][:-1] + "."
     else:
         sources = dict(i.cost_sources)
-        checkpoint = [f"#   checkpoint: stall delta {i.ckpt_stall_s:.3g} s ({sources['ckpt_stall_s']}), write W "
-                      f"{i.ckpt_write_s:.4g} s ({sources['ckpt_write_s']})."]
+        checkpoint = [
+            f"#   checkpoint: stall delta {i.ckpt_stall_s:.3g} s ({sources['ckpt_stall_s']}), write W "
+            f"{i.ckpt_write_s:.4g} s ({sources['ckpt_write_s']})."
+        ]
     return [
         f"{BLOCK_START} the advisor's for the inputs on the `{ADVISE_PREFIX}` line below",
         "# (`resilient-fsdp advise FLAGS --values` prints them; python -m resilient_fsdp.goodput.profiles",
@@ -93,16 +99,21 @@ def _memory_lines(a: settings.Advice) -> list[str]:
     if m is None:
         return []
     slots = 2 * (1 + mi.replicas)
-    shm = (f"shm.sizeLimit {m['shm_gib']}Gi = ({slots} slots + the durable staging copy) x shard "
-           f"{mi.shard_gb:.3g} GB x {a.inputs.gpus_per_node} ranks + {settings.SHM_MARGIN_GIB}Gi"
-           if m["shm_gib"] is not None else "shm.sizeLimit: no model size to size it")
-    return [f"#   memory tier, covering {mi.coverage:.0%} of failures: the durable checkpoint serves the rest, "
-            f"M / (1 - coverage) -> Daly",
-            f"#     {m['durable_daly_s']:,.0f} s -> checkpoint.interval_s {m['durable_interval_s']} (rounded as above); its "
-            f"stall {mi.stall_s:.3g} s and M / coverage -> Daly",
-            f"#     {m['daly_s']:,.0f} s -> checkpoint.memory.interval_steps {m['interval_steps']} "
-            f"(whole steps, at most the durable interval), replicas {mi.replicas};",
-            f"#     {shm}; expected goodput {m['goodput']['productive']:.4f}."]
+    shm = (
+        f"shm.sizeLimit {m['shm_gib']}Gi = ({slots} slots + the durable staging copy) x shard "
+        f"{mi.shard_gb:.3g} GB x {a.inputs.gpus_per_node} ranks + {settings.SHM_MARGIN_GIB}Gi"
+        if m["shm_gib"] is not None
+        else "shm.sizeLimit: no model size to size it"
+    )
+    return [
+        f"#   memory tier, covering {mi.coverage:.0%} of failures: the durable checkpoint serves the rest, "
+        f"M / (1 - coverage) -> Daly",
+        f"#     {m['durable_daly_s']:,.0f} s -> checkpoint.interval_s {m['durable_interval_s']} (rounded as above); its "
+        f"stall {mi.stall_s:.3g} s and M / coverage -> Daly",
+        f"#     {m['daly_s']:,.0f} s -> checkpoint.memory.interval_steps {m['interval_steps']} "
+        f"(whole steps, at most the durable interval), replicas {mi.replicas};",
+        f"#     {shm}; expected goodput {m['goodput']['productive']:.4f}.",
+    ]
 
 
 def _spare_lines(a: settings.Advice) -> list[str]:
@@ -110,8 +121,11 @@ def _spare_lines(a: settings.Advice) -> list[str]:
     s = a.spares
     if s is None:
         return []
-    return [f"#   hot spares -> spares {s['count']}:", *(f"#     {line};" for line in s["explain"][:-1]),
-            f"#     {s['explain'][-1]}."]
+    return [
+        f"#   hot spares -> spares {s['count']}:",
+        *(f"#     {line};" for line in s["explain"][:-1]),
+        f"#     {s['explain'][-1]}.",
+    ]
 
 
 def _scientific(x: float) -> str:
@@ -134,7 +148,7 @@ def rewrite(path: Path) -> bool:
     text = path.read_text()
     lines = text.splitlines()
     start, end = block_span(lines)
-    new = lines[:start] + header_block(lines[end]) + lines[end + 1:]
+    new = lines[:start] + header_block(lines[end]) + lines[end + 1 :]
     updated = "\n".join(new) + ("\n" if text.endswith("\n") else "")
     if updated != text:
         path.write_text(updated)
@@ -159,8 +173,11 @@ def profile_row(path: Path) -> str:
     else:
         per_pod = f"{values['cpuRanksPerNode']} CPU ranks"
     checkpoint = trainer.get("checkpoint", {})
-    every = f"{checkpoint['interval_s']:,} s" if checkpoint.get("interval_s") else \
-        f"{checkpoint.get('interval_steps', 0)} steps"
+    every = (
+        f"{checkpoint['interval_s']:,} s"
+        if checkpoint.get("interval_s")
+        else f"{checkpoint.get('interval_steps', 0)} steps"
+    )
     storage = values["storage"]
     if storage["type"] == "fsx":
         fsx = storage["fsx"]
@@ -168,17 +185,23 @@ def profile_row(path: Path) -> str:
         where = f"FSx {fsx['deploymentType']} {storage['size']} ({rate} MB/s/TiB)"
     else:
         where = storage["type"]
-    budget = (f"{trainer['resilience']['launcher']['max_restarts']} / {values['job']['backoffLimit']} / "
-              f"{values['workload']['jobSet']['maxRestarts']}")
-    return (f"| `{path.stem}` | {pods} x {instance} ({per_pod} each) | {trainer['model']['preset']} | {every} | "
-            f"{budget} | {where} |")
+    budget = (
+        f"{trainer['resilience']['launcher']['max_restarts']} / {values['job']['backoffLimit']} / "
+        f"{values['workload']['jobSet']['maxRestarts']}"
+    )
+    return (
+        f"| `{path.stem}` | {pods} x {instance} ({per_pod} each) | {trainer['model']['preset']} | {every} | "
+        f"{budget} | {where} |"
+    )
 
 
 TABLE_START = "<!-- profiles: python -m resilient_fsdp.goodput.profiles writes this table -->"
 TABLE_END = "<!-- end of profiles -->"
-TABLE_HEAD = ["| profile | pods x instance | model | checkpoint every | `max_restarts` / `backoffLimit` / "
-              "`jobSet.maxRestarts` | storage |",
-              "|---|---|---|---|---|---|"]
+TABLE_HEAD = [
+    "| profile | pods x instance | model | checkpoint every | `max_restarts` / `backoffLimit` / "
+    "`jobSet.maxRestarts` | storage |",
+    "|---|---|---|---|---|---|",
+]
 
 
 def profile_table(values_dir: Path = VALUES_DIR) -> list[str]:
@@ -192,7 +215,7 @@ def rewrite_table(page: Path) -> bool:
     text = page.read_text()
     lines = text.splitlines()
     start, end = lines.index(TABLE_START), lines.index(TABLE_END)
-    updated = "\n".join(lines[:start] + profile_table() + lines[end + 1:]) + "\n"
+    updated = "\n".join(lines[:start] + profile_table() + lines[end + 1 :]) + "\n"
     if updated != text:
         page.write_text(updated)
     return updated != text
@@ -207,8 +230,10 @@ def advised_profiles(values_dir: Path = VALUES_DIR) -> list[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resilient_fsdp.goodput.profiles",
-                                     description="Rewrite each values profile's restart-settings block.")
+    parser = argparse.ArgumentParser(
+        prog="python -m resilient_fsdp.goodput.profiles",
+        description="Rewrite each values profile's restart-settings block.",
+    )
     parser.parse_args(argv)
     for path in advised_profiles():
         print(f"{'rewrote' if rewrite(path) else 'unchanged'} {path}")

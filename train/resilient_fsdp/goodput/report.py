@@ -34,7 +34,7 @@ class RunData:
     run_dir: Path
     summary: dict
     records: list
-    faults: list      # fired faults (ledger records, with t_fault)
+    faults: list  # fired faults (ledger records, with t_fault)
     recoveries: dict  # fault key -> recovery record
 
     @property
@@ -50,26 +50,35 @@ def load_run(run_dir: Path) -> RunData:
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
     for path in (summary_path, metrics_path):
         if not path.exists():
-            raise ReportError(f"--run-dir {run_dir}: {path.name} not found; give a finished run's directory "
-                              f"(the --run-dir given to `resilient-fsdp local` or `train`)")
+            raise ReportError(
+                f"--run-dir {run_dir}: {path.name} not found; give a finished run's directory "
+                f"(the --run-dir given to `resilient-fsdp local` or `train`)"
+            )
     try:
         summary = json.loads(summary_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReportError(f"--run-dir {run_dir}: summary.json is not valid JSON ({exc}); the run did not finish "
-                          "writing it, or the file was edited: give a finished run's directory") from None
+        raise ReportError(
+            f"--run-dir {run_dir}: summary.json is not valid JSON ({exc}); the run did not finish "
+            "writing it, or the file was edited: give a finished run's directory"
+        ) from None
     if not isinstance(summary, dict):
-        raise ReportError(f"--run-dir {run_dir}: summary.json holds {type(summary).__name__}, not the run's summary "
-                          "object; give a finished run's directory")
+        raise ReportError(
+            f"--run-dir {run_dir}: summary.json holds {type(summary).__name__}, not the run's summary "
+            "object; give a finished run's directory"
+        )
     missing = [k for k in SUMMARY_KEYS if not isinstance(summary.get(k), (int, float))]
     if missing:
-        raise ReportError(f"--run-dir {run_dir}: summary.json has no number for {', '.join(missing)}; give the "
-                          "directory of a run that finished (every finished run writes them)")
+        raise ReportError(
+            f"--run-dir {run_dir}: summary.json has no number for {', '.join(missing)}; give the "
+            "directory of a run that finished (every finished run writes them)"
+        )
     records = read_records(metrics_path)
     if not any(isinstance(r, dict) and isinstance(r.get("t"), (int, float)) for r in records):
         raise ReportError(f"--run-dir {run_dir}: metrics.jsonl holds no timed records; give a finished run's directory")
     ledger = FaultLedger(run_dir)
-    return RunData(run_dir=run_dir, summary=summary, records=records, faults=ledger.fired(),
-                   recoveries=ledger.recoveries())
+    return RunData(
+        run_dir=run_dir, summary=summary, records=records, faults=ledger.fired(), recoveries=ledger.recoveries()
+    )
 
 
 def _step_end_time(records: list, step: int) -> float | None:
@@ -96,25 +105,41 @@ def breakdown(run: RunData) -> dict:
     other = wall - productive - stalls - lost - recovery
     # The run's own goodput (resilience.accounting computed it): the report explains it, it
     # does not compute another.
-    return {"wall_s": wall, "productive_s": productive, "checkpoint_stalls_s": stalls, "lost_work_s": lost,
-            "recovery_s": recovery, "other_s": other, "goodput": float(s["goodput"])}
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "checkpoint_stalls_s": stalls,
+        "lost_work_s": lost,
+        "recovery_s": recovery,
+        "other_s": other,
+        "goodput": float(s["goodput"]),
+    }
 
 
 def render_table(run: RunData, parts: dict) -> str:
     wall = parts["wall_s"] or 1.0
-    rows = [("productive", parts["productive_s"]), ("checkpoint stalls", parts["checkpoint_stalls_s"]),
-            ("lost work", parts["lost_work_s"]), ("recovery", parts["recovery_s"]), ("other", parts["other_s"])]
-    lines = [f"run {run.run_dir}: {run.summary.get('final_step')} steps, world size {run.summary.get('world_size')}, "
-             f"{len(run.faults)} fault(s), restarts {run.summary.get('restarts')}",
-             f"{'':<18} {'seconds':>9} {'share':>7}"]
+    rows = [
+        ("productive", parts["productive_s"]),
+        ("checkpoint stalls", parts["checkpoint_stalls_s"]),
+        ("lost work", parts["lost_work_s"]),
+        ("recovery", parts["recovery_s"]),
+        ("other", parts["other_s"]),
+    ]
+    lines = [
+        f"run {run.run_dir}: {run.summary.get('final_step')} steps, world size {run.summary.get('world_size')}, "
+        f"{len(run.faults)} fault(s), restarts {run.summary.get('restarts')}",
+        f"{'':<18} {'seconds':>9} {'share':>7}",
+    ]
     lines += [f"{name:<18} {value:>9.2f} {value / wall:>7.1%}" for name, value in rows]
     lines.append(f"{'wall':<18} {parts['wall_s']:>9.2f} {'':>7}")
     lines.append(f"goodput {parts['goodput']:.4f} (summary.json's: productive / wall)")
     for fault in run.faults:
         rec = run.recoveries.get(fault["key"])
         if rec:
-            lines.append(f"  {fault['fault']:<32} {rec['layer']:<10} recovery {rec['recovery_s']:.2f} s, "
-                         f"{rec['lost_steps']} step(s) trained again")
+            lines.append(
+                f"  {fault['fault']:<32} {rec['layer']:<10} recovery {rec['recovery_s']:.2f} s, "
+                f"{rec['lost_steps']} step(s) trained again"
+            )
         else:
             lines.append(f"  {fault['fault']:<32} not recovered")
     return "\n".join(lines)
@@ -125,8 +150,10 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ReportError("plots need matplotlib: pip install 'resilient-fsdp[report]' "
-                          "(with -c constraints.txt for the pinned version)") from None
+        raise ReportError(
+            "plots need matplotlib: pip install 'resilient-fsdp[report]' "
+            "(with -c constraints.txt for the pinned version)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -140,30 +167,57 @@ def plot(run: RunData, parts: dict, path: Path) -> None:
     steps = [r for r in run.records if r.get("event") == "step"]
     ckpts = [r for r in run.records if r.get("event") == "checkpoint"]
     fig, (ax, bar) = plt.subplots(2, 1, figsize=(10, 6.5), gridspec_kw={"height_ratios": [4, 1]})
-    ax.plot([r["t"] - t0 for r in steps], [r["step"] for r in steps], ".", markersize=2, color="tab:blue",
-            label="step completed")
+    ax.plot(
+        [r["t"] - t0 for r in steps],
+        [r["step"] for r in steps],
+        ".",
+        markersize=2,
+        color="tab:blue",
+        label="step completed",
+    )
     if ckpts:
-        ax.plot([r["t"] - t0 for r in ckpts], [r["step"] for r in ckpts], "|", markersize=12, color="black",
-                label="checkpoint committed")
+        ax.plot(
+            [r["t"] - t0 for r in ckpts],
+            [r["step"] for r in ckpts],
+            "|",
+            markersize=12,
+            color="black",
+            label="checkpoint committed",
+        )
         for r in ckpts:  # the stall ends when the save returns; draw it before the commit mark
             ax.axvspan(r["t"] - t0 - r.get("stall_s", 0.0), r["t"] - t0, color="grey", alpha=0.25, lw=0)
     seen = set()
     for fault in run.faults:
         tf = fault["t_fault"] - t0
         ax.axvline(tf, color="crimson", ls="--", lw=1)
-        ax.annotate(fault["fault"], (tf, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=7,
-                    color="crimson")
+        ax.annotate(
+            fault["fault"], (tf, ax.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=7, color="crimson"
+        )
         rec = run.recoveries.get(fault["key"])
         if not rec:
             continue
         layer = rec["layer"]
-        ax.axvspan(tf, tf + rec["recovery_s"], color=LAYER_COLOURS.get(layer, "tab:purple"), alpha=0.3, lw=0,
-                   label=None if layer in seen else f"recovery ({layer})")
+        ax.axvspan(
+            tf,
+            tf + rec["recovery_s"],
+            color=LAYER_COLOURS.get(layer, "tab:purple"),
+            alpha=0.3,
+            lw=0,
+            label=None if layer in seen else f"recovery ({layer})",
+        )
         seen.add(layer)
         resumed_at = _step_end_time(run.records, rec["resumed_from_step"]) if rec.get("resumed_from_step") else None
         if resumed_at is not None:
-            ax.axvspan(resumed_at - t0, tf, ymin=0, ymax=0.05, color="crimson", alpha=0.6, lw=0,
-                       label=None if "lost" in seen else "work trained again")
+            ax.axvspan(
+                resumed_at - t0,
+                tf,
+                ymin=0,
+                ymax=0.05,
+                color="crimson",
+                alpha=0.6,
+                lw=0,
+                label=None if "lost" in seen else "work trained again",
+            )
             seen.add("lost")
     ax.set_xlabel("wall time since launch (s)")
     ax.set_ylabel("step")
@@ -190,8 +244,9 @@ def plot(run: RunData, parts: dict, path: Path) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="a run's timeline (PNG) and goodput breakdown",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "report", help="a run's timeline (PNG) and goodput breakdown", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--run-dir", required=True, help="a finished run's directory")
     p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
     p.add_argument("--json", help="also write the breakdown as JSON here")

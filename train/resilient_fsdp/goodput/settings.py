@@ -40,15 +40,15 @@ DEFAULT_STARTUP_S = 60.0  # building and sharding the model and joining the rend
 # and the chart restarts the whole JobSet when it is spent.
 BACKOFF_LIMIT_MEANING = {
     "PyTorchJob": "pod failures (exits 128-255 other than a graceful stop's, one at most per event) in a row "
-                  "without a step trained past the furthest the earlier ones reached, which the pods' agents count: "
-                  "one more ends the job (exit 2). The operator itself (training-operator v1.9.4, "
-                  "kubeflow/trainer#2045) recreates such pods for ever, and workload.jobSet.maxRestarts does "
-                  "nothing here",
+    "without a step trained past the furthest the earlier ones reached, which the pods' agents count: "
+    "one more ends the job (exit 2). The operator itself (training-operator v1.9.4, "
+    "kubeflow/trainer#2045) recreates such pods for ever, and workload.jobSet.maxRestarts does "
+    "nothing here",
     "JobSet": "pod failures (exits 128-255, evictions excepted) the Job absorbs, one at most per event (the "
-              "other nodes join again in their pods); one more restarts the whole JobSet with a fresh budget, "
-              "up to workload.jobSet.maxRestarts times",
+    "other nodes join again in their pods); one more restarts the whole JobSet with a fresh budget, "
+    "up to workload.jobSet.maxRestarts times",
     "TrainJob": "as JobSet, in the TrainingRuntime the chart renders (an existing ClusterTrainingRuntime keeps "
-                "its own policy)",
+    "its own policy)",
 }
 # Longer intervals are not worth their lost work in failures the model leaves out (a corrupt
 # newest checkpoint sends the job back two intervals; operators stop jobs on purpose).
@@ -165,8 +165,10 @@ class Advice:
             values["trainer"]["dist"]["shard_group_size"] = self.inputs.shard_group
         if self.memory is not None:
             values["trainer"]["checkpoint"]["interval_s"] = self.memory["durable_interval_s"]
-            values["trainer"]["checkpoint"]["memory"] = {"interval_steps": self.memory["interval_steps"],
-                                                         "replicas": self.inputs.memory.replicas}
+            values["trainer"]["checkpoint"]["memory"] = {
+                "interval_steps": self.memory["interval_steps"],
+                "replicas": self.inputs.memory.replicas,
+            }
             if self.memory["shm_gib"] is not None:
                 values["shm"] = {"sizeLimit": f"{self.memory['shm_gib']}Gi"}
         return values
@@ -226,10 +228,18 @@ def advise(inputs: Inputs) -> Advice:
     return Advice(
         memory=memory,
         spares=_spare_advice(inputs, interval, mtbf_s, memory) if inputs.spares is not None else None,
-        inputs=inputs, job_mtbf_s=mtbf_s, young_s=young, daly_s=daly, interval_s=interval,
-        expected_failures=failures, goodput=breakdown.as_dict(), max_restarts=limit, backoff_limit=limit,
+        inputs=inputs,
+        job_mtbf_s=mtbf_s,
+        young_s=young,
+        daly_s=daly,
+        interval_s=interval,
+        expected_failures=failures,
+        goodput=breakdown.as_dict(),
+        max_restarts=limit,
+        backoff_limit=limit,
         jobset_max_restarts=JOBSET_RESTARTS,
-        step_timeout_s=_whole(step_timeout), checkpoint_timeout_s=_whole(checkpoint_timeout),
+        step_timeout_s=_whole(step_timeout),
+        checkpoint_timeout_s=_whole(checkpoint_timeout),
         init_timeout_s=_whole(init_timeout),
         # Between sections (logging, data) nothing long happens; the step timeout covers it.
         out_of_section_timeout_s=_whole(step_timeout),
@@ -255,22 +265,42 @@ def _memory_advice(inputs: Inputs, durable_only_s: int, mtbf_s: float) -> dict:
     m = inputs.memory
     if not 0 < m.coverage <= 1:
         raise AdviseError("--memory-coverage must be above 0 and at most 1 (the share of failures the pods survive)")
-    durable_daly = gm.daly_interval(max(inputs.ckpt_stall_s, 1e-3), mtbf_s / (1.0 - m.coverage)) \
-        if m.coverage < 1 else math.inf
+    durable_daly = (
+        gm.daly_interval(max(inputs.ckpt_stall_s, 1e-3), mtbf_s / (1.0 - m.coverage)) if m.coverage < 1 else math.inf
+    )
     interval_s = max(durable_interval(durable_daly, inputs.ckpt_write_s), durable_only_s)
     stall = max(m.stall_s, 1e-3)
     daly = gm.daly_interval(stall, mtbf_s / m.coverage)
     steps = max(1, min(int(daly // inputs.step_s), max(1, int(interval_s // inputs.step_s))))
     memory_interval = steps * inputs.step_s
-    goodput = gm.expected_goodput_with_memory(interval_s, inputs.ckpt_stall_s, inputs.ckpt_write_s, inputs.restart_s,
-                                              mtbf_s, memory_interval, m.stall_s, m.restart_s, m.coverage)
+    goodput = gm.expected_goodput_with_memory(
+        interval_s,
+        inputs.ckpt_stall_s,
+        inputs.ckpt_write_s,
+        inputs.restart_s,
+        mtbf_s,
+        memory_interval,
+        m.stall_s,
+        m.restart_s,
+        m.coverage,
+    )
     # Two slots of its own per rank, two of its peer's with replicas, and the durable checkpoint's
     # staging copy of its shard beside them (the async engines stage in shared memory too).
     slots = 2 * (1 + m.replicas) + DURABLE_STAGING_COPIES
-    shm = (math.ceil(slots * m.shard_gb * 1e9 / 2**30 * inputs.gpus_per_node) + SHM_MARGIN_GIB
-           if m.shard_gb is not None else None)
-    return {"durable_daly_s": durable_daly, "durable_interval_s": interval_s, "daly_s": daly,
-            "interval_s": memory_interval, "interval_steps": steps, "goodput": goodput.as_dict(), "shm_gib": shm}
+    shm = (
+        math.ceil(slots * m.shard_gb * 1e9 / 2**30 * inputs.gpus_per_node) + SHM_MARGIN_GIB
+        if m.shard_gb is not None
+        else None
+    )
+    return {
+        "durable_daly_s": durable_daly,
+        "durable_interval_s": interval_s,
+        "daly_s": daly,
+        "interval_s": memory_interval,
+        "interval_steps": steps,
+        "goodput": goodput.as_dict(),
+        "shm_gib": shm,
+    }
 
 
 def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Optional[dict]) -> dict:
@@ -284,8 +314,10 @@ def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Option
     if sp.count is not None and sp.count < 0:
         raise AdviseError(f"--spares {sp.count}: give 0 or more spare nodes, or leave the number out for the advisor's")
     if n == 1 and sp.count != 0:
-        raise AdviseError("--spares with --nodes 1: the one node is pod 0, which hosts the rendezvous store, and its "
-                          "loss is a job-level restart whatever the spares; leave --spares out")
+        raise AdviseError(
+            "--spares with --nodes 1: the one node is pod 0, which hosts the rendezvous store, and its "
+            "loss is a job-level restart whatever the spares; leave --spares out"
+        )
     node_mtbf_s = inputs.node_mtbf_hours * gm.HOUR
     busy = gm.busy_spares_mean(n, node_mtbf_s, sp.node_loss_share, sp.replacement_s)
     r, rj, share = inputs.restart_s, sp.job_restart_s, sp.node_loss_share
@@ -295,9 +327,17 @@ def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Option
 
     def with_memory(add: float) -> gm.GoodputBreakdown:
         m = inputs.memory
-        return gm.expected_goodput_with_memory(memory["durable_interval_s"], inputs.ckpt_stall_s, inputs.ckpt_write_s,
-                                               r + add, mtbf_s,
-                                               memory["interval_s"], m.stall_s, m.restart_s + add, m.coverage)
+        return gm.expected_goodput_with_memory(
+            memory["durable_interval_s"],
+            inputs.ckpt_stall_s,
+            inputs.ckpt_write_s,
+            r + add,
+            mtbf_s,
+            memory["interval_s"],
+            m.stall_s,
+            m.restart_s + add,
+            m.coverage,
+        )
 
     def best(spares: int) -> gm.GoodputBreakdown:
         # A node loss costs its own recovery instead of --restart-s: per failure, its share of the difference.
@@ -323,7 +363,8 @@ def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Option
         f"node MTBF {inputs.node_mtbf_hours:,.0f} h = {rate_h:.3g} per hour",
         f"busy spares ~ Poisson(m), m = {rate_h:.3g}/h x replacement {sp.replacement_s:g} s = {busy:.3g}; "
         f"P(a node loss finds none of {available} free) = P(Poisson({busy:.3g}) >= {available}) = "
-        f"{gm.p_no_spare(available, busy):.2g}" + (f" (the fewest with <= {SPARE_MISS_TARGET:.0%})" if sp.count is None else ""),
+        f"{gm.p_no_spare(available, busy):.2g}"
+        + (f" (the fewest with <= {SPARE_MISS_TARGET:.0%})" if sp.count is None else ""),
         f"a node loss: restart R {r:g} s + last call {gm.SPARE_JOIN_S:g} s when a spare takes it, else the "
         f"job-level {rj:g} s: {node_r:.4g} s on average (without spares: {rj:g} s)",
         f"cost: {count} idle of {n + count} nodes = {count / (n + count):.2%} of the node-hours paid; goodput per "
@@ -331,17 +372,30 @@ def _spare_advice(inputs: Inputs, interval_s: int, mtbf_s: float, memory: Option
     ]
     if unpaid:
         spent = best(available)
-        explain.append(f"none recommended: {available} spare(s) would cost {available / (n + available):.2%} of the "
-                       f"node-hours for goodput {spent.productive:.4f} instead of {without:.4f}, "
-                       f"{spent.productive * n / (n + available):.4f} per paid node-hour; spares pay at larger sizes "
-                       "(or with a longer --replacement-s)")
-    return {"count": count, "recommended": sp.count is None, "busy_mean": busy, "p_no_spare": p_none,
-            "cost_share": count / (n + count), "replacement_s": sp.replacement_s, "job_restart_s": rj,
-            "node_loss_share": share, "node_loss_recovery_s": node_r,
-            "goodput": durable(extra).productive, "goodput_without": durable(extra_without).productive,
-            "goodput_memory": with_memory(extra).productive if memory is not None else None,
-            "goodput_memory_without": with_memory(extra_without).productive if memory is not None else None,
-            "goodput_per_paid_node_hour": paid, "breakdown": chosen.as_dict(), "explain": explain}
+        explain.append(
+            f"none recommended: {available} spare(s) would cost {available / (n + available):.2%} of the "
+            f"node-hours for goodput {spent.productive:.4f} instead of {without:.4f}, "
+            f"{spent.productive * n / (n + available):.4f} per paid node-hour; spares pay at larger sizes "
+            "(or with a longer --replacement-s)"
+        )
+    return {
+        "count": count,
+        "recommended": sp.count is None,
+        "busy_mean": busy,
+        "p_no_spare": p_none,
+        "cost_share": count / (n + count),
+        "replacement_s": sp.replacement_s,
+        "job_restart_s": rj,
+        "node_loss_share": share,
+        "node_loss_recovery_s": node_r,
+        "goodput": durable(extra).productive,
+        "goodput_without": durable(extra_without).productive,
+        "goodput_memory": with_memory(extra).productive if memory is not None else None,
+        "goodput_memory_without": with_memory(extra_without).productive if memory is not None else None,
+        "goodput_per_paid_node_hour": paid,
+        "breakdown": chosen.as_dict(),
+        "explain": explain,
+    }
 
 
 def _whole(seconds: float) -> int:

@@ -105,9 +105,12 @@ class Scenario:
 
     def low_end(self) -> "Scenario":
         """The same job at the worst plausible failure rate and recovery times."""
-        return replace(self, node_mtbf_h=self.node_mtbf_low_h or self.node_mtbf_h,
-                       recovery_s={k: v * self.recovery_range for k, v in self.recovery_s.items()},
-                       replacement_s=self.replacement_s * self.recovery_range)
+        return replace(
+            self,
+            node_mtbf_h=self.node_mtbf_low_h or self.node_mtbf_h,
+            recovery_s={k: v * self.recovery_range for k, v in self.recovery_s.items()},
+            replacement_s=self.replacement_s * self.recovery_range,
+        )
 
     @property
     def mtbf_s(self) -> float:
@@ -141,8 +144,9 @@ def base_strategy(strategy: str) -> str:
     return SPARE_STRATEGIES.get(strategy, strategy)
 
 
-def run_segment(duration: float, s: Scenario, ends_in_failure: bool, memory: bool = False,
-                from_memory: bool = False) -> Tally:
+def run_segment(
+    duration: float, s: Scenario, ends_in_failure: bool, memory: bool = False, from_memory: bool = False
+) -> Tally:
     """Training for ``duration`` seconds from a restored (committed) state; with ``memory``, the
     scenario's memory snapshots too, and a failure ``from_memory`` keeps the newest of them."""
     stall = s.stall_s + (s.memory_saves * s.memory_stall_s if memory else 0.0)
@@ -161,8 +165,9 @@ def run_segment(duration: float, s: Scenario, ends_in_failure: bool, memory: boo
     return Tally(productive=kept, stalls=stalled, lost=trained - kept, failures=1)
 
 
-def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator,
-                 spare_rng: Optional[np.random.Generator] = None) -> Tally:
+def simulate_run(
+    s: Scenario, strategy: str, rng: np.random.Generator, spare_rng: Optional[np.random.Generator] = None
+) -> Tally:
     """One job over the horizon; returns seconds spent per category. ``spare_rng`` draws which
     pod a node loss takes (default ``rng``): a stream of its own leaves the failures drawn from
     ``rng`` the same with spares as without."""
@@ -200,8 +205,9 @@ def simulate_run(s: Scenario, strategy: str, rng: np.random.Generator,
                 total.add(run_segment(horizon - t, s, ends_in_failure=False, memory=memory))
                 break
             cls = failure_class()
-            total.add(run_segment(failure_at - t, s, ends_in_failure=True, memory=memory,
-                                  from_memory=s.from_memory(cls)))
+            total.add(
+                run_segment(failure_at - t, s, ends_in_failure=True, memory=memory, from_memory=s.from_memory(cls))
+            )
             t, recovering_until = failure_at, failure_at + recovery(cls, failure_at)
         elif failure_at < min(recovering_until, horizon):
             # Failed again while recovering: the recovery starts over.
@@ -224,9 +230,13 @@ def simulate(s: Scenario, strategy: str, runs: int, seed: int) -> dict:
     for _ in range(runs):
         total.add(simulate_run(s, strategy, rng, spare_rng))
     wall = runs * s.horizon_h * gm.HOUR
-    out = {"goodput": total.productive / wall, "checkpoint_stalls": total.stalls / wall,
-           "lost_work": total.lost / wall, "restarts": total.restarts / wall,
-           "failures_per_run": total.failures / runs}
+    out = {
+        "goodput": total.productive / wall,
+        "checkpoint_stalls": total.stalls / wall,
+        "lost_work": total.lost / wall,
+        "restarts": total.restarts / wall,
+        "failures_per_run": total.failures / runs,
+    }
     if strategy in SPARE_STRATEGIES:
         out["p_no_spare"] = total.spare_misses / total.spare_losses if total.spare_losses else 0.0
     return out
@@ -242,8 +252,9 @@ def analytic(s: Scenario, strategy: str) -> float:
 
     def recovery(cls: str) -> float:
         if cls == "node" and strategy in SPARE_STRATEGIES:
-            return gm.node_loss_recovery_s(s.nodes, s.spares, s.busy_spares_mean, s.recovery_s["in_job"],
-                                           s.recovery_s[layers[cls]])
+            return gm.node_loss_recovery_s(
+                s.nodes, s.spares, s.busy_spares_mean, s.recovery_s["in_job"], s.recovery_s[layers[cls]]
+            )
         return s.recovery_s[layers[cls]]
 
     if not memory:
@@ -257,9 +268,17 @@ def analytic(s: Scenario, strategy: str) -> float:
         share = sum(p for p, _ in pairs)
         return float(sum(p * recovery(c) for p, c in pairs) / share) if share > 0 else 0.0
 
-    return gm.expected_goodput_with_memory(s.interval_s, s.stall_s, s.write_s, mean(others), s.mtbf_s,
-                                           s.memory_interval_s, s.memory_stall_s, mean(covered),
-                                           coverage).productive
+    return gm.expected_goodput_with_memory(
+        s.interval_s,
+        s.stall_s,
+        s.write_s,
+        mean(others),
+        s.mtbf_s,
+        s.memory_interval_s,
+        s.memory_stall_s,
+        mean(covered),
+        coverage,
+    ).productive
 
 
 def parse_recovery(text: str) -> dict:
@@ -281,8 +300,10 @@ def recovery_from_bench(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"--recovery-from-bench {path}: cannot read it as JSON ({exc})") from None
     except (TypeError, KeyError, ValueError, AttributeError):
-        raise UsageError(f"--recovery-from-bench {path}: not `bench recovery` results (each of "
-                         f"{', '.join(names)} with a recovery_s_median)") from None
+        raise UsageError(
+            f"--recovery-from-bench {path}: not `bench recovery` results (each of "
+            f"{', '.join(names)} with a recovery_s_median)"
+        ) from None
 
 
 def startup_from_bench(path: Path, case: str, ranks: int) -> float:
@@ -303,8 +324,10 @@ def startup_from_bench(path: Path, case: str, ranks: int) -> float:
         for world, m in measured.items():
             points[world] = float(m["max_rank_blocked_s"]) + float(m["resume_metadata_and_plan_s"])
     if not points:
-        raise ValueError(f"it holds no measured case of {preset} {layout or '(no layout)'} (`resilient-fsdp bench "
-                         f"scale --case RANKS:{preset}:{layout}` measures one)")
+        raise ValueError(
+            f"it holds no measured case of {preset} {layout or '(no layout)'} (`resilient-fsdp bench "
+            f"scale --case RANKS:{preset}:{layout}` measures one)"
+        )
     worlds = sorted(points)
     if ranks <= worlds[0] or ranks >= worlds[-1]:
         nearest = worlds[0] if ranks <= worlds[0] else worlds[-1]
@@ -313,12 +336,16 @@ def startup_from_bench(path: Path, case: str, ranks: int) -> float:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("simulate", help="Monte Carlo goodput per cluster size and restart strategy",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "simulate",
+        help="Monte Carlo goodput per cluster size and restart strategy",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--nodes", default="8,64,512,2048", help="comma-separated node counts")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--node-mtbf-hours", type=float,
-                   help="default: Llama 3's interruptions per GPU-hour x GPUs per node")
+    p.add_argument(
+        "--node-mtbf-hours", type=float, help="default: Llama 3's interruptions per GPU-hour x GPUs per node"
+    )
     p.add_argument("--horizon-hours", type=float, default=24.0 * 14, help="wall time of one simulated job")
     p.add_argument("--runs", type=int, default=200, help="simulated jobs per point")
     p.add_argument("--seed", type=int, default=0)
@@ -327,43 +354,95 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval-s", type=float, help="checkpoint interval; default: Daly's for each size")
     p.add_argument("--recovery-s", default="", help="LAYER=SECONDS overrides, e.g. in_job=90,job=900")
     p.add_argument("--recovery-from-bench", metavar="FILE", help="recovery times from `bench recovery` JSON")
-    p.add_argument("--startup-from-bench", metavar="FILE",
-                   help="adds to every recovery what a restarted world of each size spends planning its first "
-                        "save and reading the resume's metadata, from `bench scale` JSON (--startup-case)")
-    p.add_argument("--startup-case", default="70b:fsdp", metavar="PRESET:LAYOUT",
-                   help="the `bench scale` case --startup-from-bench reads (default 70b:fsdp)")
-    p.add_argument("--mix", default=",".join(f"{x:g}" for x in DEFAULT_MIX),
-                   help="shares of transient,process,node failures (default 0.2,0.2,0.6)")
-    p.add_argument("--memory-stall-s", type=float,
-                   help=f"stall of one memory snapshot: adds the {MEMORY_STRATEGY} strategy (default: not simulated)")
-    p.add_argument("--memory-interval-s", type=float,
-                   help="training seconds between memory snapshots; default: Daly's for the memory stall and the "
-                        "MTBF of the failures it restores, at most the durable interval")
-    p.add_argument("--memory-durable-interval-s", type=float,
-                   help="the memory strategies' durable checkpoint interval (default: the others'); `advise "
-                        "--memory` gives Daly's for the failures the memory tier leaves to the durable checkpoint")
-    p.add_argument("--memory-replicas", type=int, choices=(0, 1), default=1,
-                   help="1 (default): a lost node resumes from its peer's replica; 0: from the durable checkpoint")
-    p.add_argument("--spares", default="0", metavar="S",
-                   help="hot spares: adds the in-job strategies with S standby pods (in-job+spares, and "
-                        "in-job+memory+spares with --memory-stall-s); 'auto': the fewest for which at most 1%% of "
-                        "node losses find none free, per size (default 0: not simulated)")
-    p.add_argument("--replacement-s", type=float,
-                   help="from a spare's taking a lost node's rank until the replacement pod joins as a spare "
-                        "(default: the job-level recovery)")
-    p.add_argument("--recovery-range", type=float, default=DEFAULT_RECOVERY_RANGE, metavar="X",
-                   help="the range's low end takes every recovery time X times as long (default "
-                        f"{DEFAULT_RECOVERY_RANGE:g}: a restart at 1,000+ nodes; 1: the times as given)")
-    p.add_argument("--step-s", type=float, default=5.0,
-                   help="a training step at scale, for the replica checks' interval (default 5: assumed)")
-    p.add_argument("--straggler-find-s", type=float, default=gm.STRAGGLER_FIND_S,
-                   help=f"seconds until a straggler is named (default {gm.STRAGGLER_FIND_S:g}: resilience.stragglers' "
-                        "defaults, two slow reports a minute apart after half a report's wait)")
-    p.add_argument("--sdc-interval-steps", type=int, default=100,
-                   help="steps between replica checks (resilience.sdc.interval_steps; default 100)")
-    p.add_argument("--sdc-check-cost", type=float, default=0.001,
-                   help="a replica check's cost as a share of the steps it covers (default 0.001; "
-                        "docs/benchmarks.md has the measured figure)")
+    p.add_argument(
+        "--startup-from-bench",
+        metavar="FILE",
+        help="adds to every recovery what a restarted world of each size spends planning its first "
+        "save and reading the resume's metadata, from `bench scale` JSON (--startup-case)",
+    )
+    p.add_argument(
+        "--startup-case",
+        default="70b:fsdp",
+        metavar="PRESET:LAYOUT",
+        help="the `bench scale` case --startup-from-bench reads (default 70b:fsdp)",
+    )
+    p.add_argument(
+        "--mix",
+        default=",".join(f"{x:g}" for x in DEFAULT_MIX),
+        help="shares of transient,process,node failures (default 0.2,0.2,0.6)",
+    )
+    p.add_argument(
+        "--memory-stall-s",
+        type=float,
+        help=f"stall of one memory snapshot: adds the {MEMORY_STRATEGY} strategy (default: not simulated)",
+    )
+    p.add_argument(
+        "--memory-interval-s",
+        type=float,
+        help="training seconds between memory snapshots; default: Daly's for the memory stall and the "
+        "MTBF of the failures it restores, at most the durable interval",
+    )
+    p.add_argument(
+        "--memory-durable-interval-s",
+        type=float,
+        help="the memory strategies' durable checkpoint interval (default: the others'); `advise "
+        "--memory` gives Daly's for the failures the memory tier leaves to the durable checkpoint",
+    )
+    p.add_argument(
+        "--memory-replicas",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1 (default): a lost node resumes from its peer's replica; 0: from the durable checkpoint",
+    )
+    p.add_argument(
+        "--spares",
+        default="0",
+        metavar="S",
+        help="hot spares: adds the in-job strategies with S standby pods (in-job+spares, and "
+        "in-job+memory+spares with --memory-stall-s); 'auto': the fewest for which at most 1%% of "
+        "node losses find none free, per size (default 0: not simulated)",
+    )
+    p.add_argument(
+        "--replacement-s",
+        type=float,
+        help="from a spare's taking a lost node's rank until the replacement pod joins as a spare "
+        "(default: the job-level recovery)",
+    )
+    p.add_argument(
+        "--recovery-range",
+        type=float,
+        default=DEFAULT_RECOVERY_RANGE,
+        metavar="X",
+        help="the range's low end takes every recovery time X times as long (default "
+        f"{DEFAULT_RECOVERY_RANGE:g}: a restart at 1,000+ nodes; 1: the times as given)",
+    )
+    p.add_argument(
+        "--step-s",
+        type=float,
+        default=5.0,
+        help="a training step at scale, for the replica checks' interval (default 5: assumed)",
+    )
+    p.add_argument(
+        "--straggler-find-s",
+        type=float,
+        default=gm.STRAGGLER_FIND_S,
+        help=f"seconds until a straggler is named (default {gm.STRAGGLER_FIND_S:g}: resilience.stragglers' "
+        "defaults, two slow reports a minute apart after half a report's wait)",
+    )
+    p.add_argument(
+        "--sdc-interval-steps",
+        type=int,
+        default=100,
+        help="steps between replica checks (resilience.sdc.interval_steps; default 100)",
+    )
+    p.add_argument(
+        "--sdc-check-cost",
+        type=float,
+        default=0.001,
+        help="a replica check's cost as a share of the steps it covers (default 0.001; "
+        "docs/benchmarks.md has the measured figure)",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of goodput per size and strategy here")
     p.set_defaults(run=main)
@@ -377,8 +456,9 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
     try:
         mix = tuple(float(x) for x in args.mix.split(","))
     except ValueError:
-        raise UsageError(f"--mix {args.mix!r}: give three comma-separated numbers (transient,process,node), "
-                         "e.g. --mix 0.5,0.3,0.2") from None
+        raise UsageError(
+            f"--mix {args.mix!r}: give three comma-separated numbers (transient,process,node), e.g. --mix 0.5,0.3,0.2"
+        ) from None
     try:
         recovery = parse_recovery(args.recovery_s)
     except ValueError as exc:
@@ -387,10 +467,16 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
         raise UsageError("--mix needs three non-negative shares (transient,process,node)")
     if not nodes or min(nodes) < 1:
         raise UsageError("--nodes needs positive node counts, e.g. --nodes 8,64")
-    if not args.step_s > 0 or args.straggler_find_s < 0 or args.sdc_interval_steps < 1 \
-            or not 0 <= args.sdc_check_cost < 1:
-        raise UsageError("--step-s must be above 0, --straggler-find-s 0 or more, --sdc-interval-steps 1 or "
-                         "more and --sdc-check-cost a share of a step from 0 to below 1")
+    if (
+        not args.step_s > 0
+        or args.straggler_find_s < 0
+        or args.sdc_interval_steps < 1
+        or not 0 <= args.sdc_check_cost < 1
+    ):
+        raise UsageError(
+            "--step-s must be above 0, --straggler-find-s 0 or more, --sdc-interval-steps 1 or "
+            "more and --sdc-check-cost a share of a step from 0 to below 1"
+        )
     if args.recovery_from_bench:
         recovery.update(recovery_from_bench(Path(args.recovery_from_bench)))
     node_mtbf = args.node_mtbf_hours or gm.node_mtbf_hours(args.gpus_per_node)
@@ -403,8 +489,10 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
         raise UsageError("--replacement-s must not be negative")
     recovery_range = getattr(args, "recovery_range", DEFAULT_RECOVERY_RANGE)
     if not recovery_range >= 1:
-        raise UsageError(f"--recovery-range {recovery_range:g}: give 1 or more (the low end's recovery "
-                         "times as a multiple of those given)")
+        raise UsageError(
+            f"--recovery-range {recovery_range:g}: give 1 or more (the low end's recovery "
+            "times as a multiple of those given)"
+        )
     # A rate the user gives is their cluster's own; the published one is widened to RSC-1's.
     node_mtbf_low = 0.0 if args.node_mtbf_hours else min(node_mtbf, gm.rsc_node_mtbf_hours(args.gpus_per_node))
     startup_file = getattr(args, "startup_from_bench", None)
@@ -419,27 +507,50 @@ def scenarios_from_args(args: argparse.Namespace) -> list[Scenario]:
                 raise UsageError(f"--startup-from-bench {startup_file}: {exc}")
             recovery_n = {k: v + startup for k, v in recovery.items()}
         interval = args.interval_s or max(gm.daly_interval(args.ckpt_stall_s, mtbf_s), args.ckpt_write_s)
-        s = Scenario(nodes=n, node_mtbf_h=node_mtbf, horizon_h=args.horizon_hours, interval_s=interval,
-                     stall_s=args.ckpt_stall_s, write_s=args.ckpt_write_s, recovery_s=recovery_n, mix=mix,
-                     replacement_s=replacement, node_mtbf_low_h=node_mtbf_low, recovery_range=recovery_range)
+        s = Scenario(
+            nodes=n,
+            node_mtbf_h=node_mtbf,
+            horizon_h=args.horizon_hours,
+            interval_s=interval,
+            stall_s=args.ckpt_stall_s,
+            write_s=args.ckpt_write_s,
+            recovery_s=recovery_n,
+            mix=mix,
+            replacement_s=replacement,
+            node_mtbf_low_h=node_mtbf_low,
+            recovery_range=recovery_range,
+        )
         spares = gm.spares_needed(s.busy_spares_mean) if spares_arg == "auto" else int(spares_arg)
         s = replace(s, spares=spares)
         stall = getattr(args, "memory_stall_s", None)
         if stall is not None:
             if stall < 0:
                 raise UsageError("--memory-stall-s must not be negative")
-            s = Scenario(**{**s.__dict__, "memory_stall_s": stall, "memory_replicas": args.memory_replicas,
-                            "memory_interval_s": 1.0})  # from_memory needs an interval to say what it covers
+            s = Scenario(
+                **{
+                    **s.__dict__,
+                    "memory_stall_s": stall,
+                    "memory_replicas": args.memory_replicas,
+                    "memory_interval_s": 1.0,
+                }
+            )  # from_memory needs an interval to say what it covers
             coverage = sum(p for p, c in zip(mix, CLASSES) if s.from_memory(c)) / sum(mix)
             memory_interval = args.memory_interval_s or gm.daly_interval(max(stall, 1e-3), mtbf_s / max(coverage, 1e-9))
             if memory_interval <= 0:
                 raise UsageError("--memory-interval-s must be positive")
             durable = getattr(args, "memory_durable_interval_s", None) or interval
             if durable < args.ckpt_write_s:
-                raise UsageError(f"--memory-durable-interval-s {durable:g} is shorter than the write "
-                                 f"(--ckpt-write-s {args.ckpt_write_s:g}): saves would queue behind writes")
-            s = Scenario(**{**s.__dict__, "memory_interval_s": min(memory_interval, durable),
-                            "memory_durable_interval_s": durable})
+                raise UsageError(
+                    f"--memory-durable-interval-s {durable:g} is shorter than the write "
+                    f"(--ckpt-write-s {args.ckpt_write_s:g}): saves would queue behind writes"
+                )
+            s = Scenario(
+                **{
+                    **s.__dict__,
+                    "memory_interval_s": min(memory_interval, durable),
+                    "memory_durable_interval_s": durable,
+                }
+            )
         out.append(s)
     return out
 
@@ -448,34 +559,67 @@ def input_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
     """Each input of the figures and where it comes from: measured, given, published or assumed."""
     given = {part.partition("=")[0].strip() for part in args.recovery_s.split(",") if part.strip()}
     measured = set(recovery_from_bench(Path(args.recovery_from_bench))) if args.recovery_from_bench else set()
-    recovery = ", ".join(f"{layer} " + ("measured (" + args.recovery_from_bench + ")" if layer in measured else
-                                        "given" if layer in given else f"assumed ({DEFAULT_RECOVERY_S[layer]:g} s)")
-                         for layer in DEFAULT_RECOVERY_S)
-    rate = ("given (--node-mtbf-hours), not widened" if args.node_mtbf_hours else
-            f"published: {gm.LLAMA3_SOURCE.format(gpu_hours=gm.llama3_gpu_mtbf_hours())}; the low end {gm.RSC_SOURCE}")
+    recovery = ", ".join(
+        f"{layer} "
+        + (
+            "measured (" + args.recovery_from_bench + ")"
+            if layer in measured
+            else "given"
+            if layer in given
+            else f"assumed ({DEFAULT_RECOVERY_S[layer]:g} s)"
+        )
+        for layer in DEFAULT_RECOVERY_S
+    )
+    rate = (
+        "given (--node-mtbf-hours), not widened"
+        if args.node_mtbf_hours
+        else f"published: {gm.LLAMA3_SOURCE.format(gpu_hours=gm.llama3_gpu_mtbf_hours())}; the low end {gm.RSC_SOURCE}"
+    )
     defaults = {a.dest: a.default for a in build_parser()._actions}
+
     def flag(name: str, text: str) -> str:
         return "given" if getattr(args, name) != defaults.get(name) else f"assumed (default {text})"
-    out = [("failure rate", rate),
-           ("recovery times", f"{recovery}; the low end {getattr(args, 'recovery_range', DEFAULT_RECOVERY_RANGE):g}x "
-                              "(assumed: a large cluster's scheduling, pulls and joins)"),
-           ("failure classes", flag("mix", args.mix)),
-           ("checkpoint stall and write", f"stall {flag('ckpt_stall_s', str(defaults.get('ckpt_stall_s')))}, "
-                                          f"write {flag('ckpt_write_s', str(defaults.get('ckpt_write_s')))}")]
+
+    out = [
+        ("failure rate", rate),
+        (
+            "recovery times",
+            f"{recovery}; the low end {getattr(args, 'recovery_range', DEFAULT_RECOVERY_RANGE):g}x "
+            "(assumed: a large cluster's scheduling, pulls and joins)",
+        ),
+        ("failure classes", flag("mix", args.mix)),
+        (
+            "checkpoint stall and write",
+            f"stall {flag('ckpt_stall_s', str(defaults.get('ckpt_stall_s')))}, "
+            f"write {flag('ckpt_write_s', str(defaults.get('ckpt_write_s')))}",
+        ),
+    ]
     if getattr(args, "memory_stall_s", None) is not None:
         out.append(("memory snapshot stall", "given"))
     if getattr(args, "startup_from_bench", None):
-        out.append(("start-up planning and resume metadata", f"measured (bench scale {args.startup_from_bench}, "
-                                                             f"{args.startup_case}), added to every recovery"))
+        out.append(
+            (
+                "start-up planning and resume metadata",
+                f"measured (bench scale {args.startup_from_bench}, {args.startup_case}), added to every recovery",
+            )
+        )
     else:
         out.append(("start-up planning and resume metadata", "not counted (--startup-from-bench)"))
-    out += [("stragglers", f"published: {gm.STRAGGLER_SOURCE}; assumed: an episode lasts "
-                           f"{gm.STRAGGLER_EPISODE_H:g} h at {gm.STRAGGLER_SLOWDOWN:g}x; found after "
-                           f"{args.straggler_find_s:g} s ({flag('straggler_find_s', str(defaults.get('straggler_find_s')))})"),
-            ("silent corruption", f"published: {gm.SDC_SOURCE}; assumed: unchecked, {gm.SDC_UNNOTICED_H:g} h trained "
-                                  f"on it before it shows; checked every {args.sdc_interval_steps} steps at a cost of "
-                                  f"{args.sdc_check_cost:g} of a step, steps of {args.step_s:g} s "
-                                  f"({flag('sdc_check_cost', str(defaults.get('sdc_check_cost')))})")]
+    out += [
+        (
+            "stragglers",
+            f"published: {gm.STRAGGLER_SOURCE}; assumed: an episode lasts "
+            f"{gm.STRAGGLER_EPISODE_H:g} h at {gm.STRAGGLER_SLOWDOWN:g}x; found after "
+            f"{args.straggler_find_s:g} s ({flag('straggler_find_s', str(defaults.get('straggler_find_s')))})",
+        ),
+        (
+            "silent corruption",
+            f"published: {gm.SDC_SOURCE}; assumed: unchecked, {gm.SDC_UNNOTICED_H:g} h trained "
+            f"on it before it shows; checked every {args.sdc_interval_steps} steps at a cost of "
+            f"{args.sdc_check_cost:g} of a step, steps of {args.step_s:g} s "
+            f"({flag('sdc_check_cost', str(defaults.get('sdc_check_cost')))})",
+        ),
+    ]
     return out
 
 
@@ -503,27 +647,42 @@ def run_all(scenarios: list[Scenario], runs: int, seed: int) -> list[dict]:
             result = simulate(s, strategy, runs, seed)
             low = simulate(s.low_end(), strategy, runs, seed)["goodput"]
             result.update(goodput_low=low, goodput_mid=(low + result["goodput"]) / 2)
-            spares = {"spares": s.spares, "replacement_s": s.replacement_s,
-                      "p_no_spare_analytic": gm.p_no_spare(s.spares, s.busy_spares_mean)}
-            rows.append({"nodes": s.nodes, "strategy": strategy, "interval_s": s.interval_s,
-                         **({"memory_interval_s": s.memory_interval_s} if memory else {}),
-                         **(spares if strategy in SPARE_STRATEGIES else {}),
-                         "job_mtbf_h": s.mtbf_s / gm.HOUR, "analytic_goodput": analytic(s, strategy), **result})
+            spares = {
+                "spares": s.spares,
+                "replacement_s": s.replacement_s,
+                "p_no_spare_analytic": gm.p_no_spare(s.spares, s.busy_spares_mean),
+            }
+            rows.append(
+                {
+                    "nodes": s.nodes,
+                    "strategy": strategy,
+                    "interval_s": s.interval_s,
+                    **({"memory_interval_s": s.memory_interval_s} if memory else {}),
+                    **(spares if strategy in SPARE_STRATEGIES else {}),
+                    "job_mtbf_h": s.mtbf_s / gm.HOUR,
+                    "analytic_goodput": analytic(s, strategy),
+                    **result,
+                }
+            )
     return rows
 
 
 def render_table(rows: list[dict]) -> str:
     width = max([13, *(len(r["strategy"]) for r in rows)])
     spares = any("spares" in r for r in rows)
-    lines = [f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<{width}} {'goodput':>8} {'range':>13} "
-             f"{'middle':>7} {'analytic':>9} {'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}"
-             + ("  spares (no spare free)" if spares else "")]
+    lines = [
+        f"{'nodes':>6} {'job MTBF':>9} {'interval':>9} {'strategy':<{width}} {'goodput':>8} {'range':>13} "
+        f"{'middle':>7} {'analytic':>9} {'stalls':>7} {'lost':>7} {'restarts':>9} {'failures':>9}"
+        + ("  spares (no spare free)" if spares else "")
+    ]
     for r in rows:
-        lines.append(f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<{width}} "
-                     f"{r['goodput']:>8.4f} {r['goodput_low']:>6.4f}-{r['goodput']:.4f} {r['goodput_mid']:>7.4f} "
-                     f"{r['analytic_goodput']:>9.4f} {r['checkpoint_stalls']:>7.4f} "
-                     f"{r['lost_work']:>7.4f} {r['restarts']:>9.4f} {r['failures_per_run']:>9.1f}"
-                     + (f"  {r['spares']} ({r['p_no_spare']:.2%})" if "spares" in r else ""))
+        lines.append(
+            f"{r['nodes']:>6} {r['job_mtbf_h']:>8.1f}h {r['interval_s']:>8.0f}s {r['strategy']:<{width}} "
+            f"{r['goodput']:>8.4f} {r['goodput_low']:>6.4f}-{r['goodput']:.4f} {r['goodput_mid']:>7.4f} "
+            f"{r['analytic_goodput']:>9.4f} {r['checkpoint_stalls']:>7.4f} "
+            f"{r['lost_work']:>7.4f} {r['restarts']:>9.4f} {r['failures_per_run']:>9.1f}"
+            + (f"  {r['spares']} ({r['p_no_spare']:.2%})" if "spares" in r else "")
+        )
     return "\n".join(lines)
 
 
@@ -533,21 +692,30 @@ def slow_and_silent_rows(scenarios: list[Scenario], args: argparse.Namespace) ->
     rows = []
     for s in scenarios:
         check_s = args.sdc_interval_steps * args.step_s
-        cost = gm.slow_and_silent(s.mtbf_s, find_s=args.straggler_find_s,
-                                  replace_s=s.recovery_s["in_job"] + gm.SPARE_JOIN_S, check_interval_s=check_s,
-                                  check_cost=args.sdc_check_cost, rollback_s=check_s + s.recovery_s["in_job"],
-                                  job_restart_s=s.recovery_s["job"])
+        cost = gm.slow_and_silent(
+            s.mtbf_s,
+            find_s=args.straggler_find_s,
+            replace_s=s.recovery_s["in_job"] + gm.SPARE_JOIN_S,
+            check_interval_s=check_s,
+            check_cost=args.sdc_check_cost,
+            rollback_s=check_s + s.recovery_s["in_job"],
+            job_restart_s=s.recovery_s["job"],
+        )
         rows.append({"nodes": s.nodes, **cost.as_dict()})
     return rows
 
 
 def render_slow_and_silent(rows: list[dict]) -> str:
-    lines = ["slow and silent (analytic; shares of wall time lost): stragglers unmitigated -> found and replaced by "
-             "a hot spare; silent corruption unchecked -> replica checks (HSDP)"]
+    lines = [
+        "slow and silent (analytic; shares of wall time lost): stragglers unmitigated -> found and replaced by "
+        "a hot spare; silent corruption unchecked -> replica checks (HSDP)"
+    ]
     for r in rows:
-        lines.append(f"{r['nodes']:>6} nodes: stragglers {r['stragglers_unmitigated']:.2%} -> "
-                     f"{r['stragglers_replaced']:.2%}; silent corruption {r['sdc_unchecked']:.3%} -> "
-                     f"{r['sdc_checked']:.3%}")
+        lines.append(
+            f"{r['nodes']:>6} nodes: stragglers {r['stragglers_unmitigated']:.2%} -> "
+            f"{r['stragglers_replaced']:.2%}; silent corruption {r['sdc_unchecked']:.3%} -> "
+            f"{r['sdc_checked']:.3%}"
+        )
     return "\n".join(lines)
 
 
@@ -587,9 +755,19 @@ def main(args: argparse.Namespace) -> int:
     for name, source in sources:
         print(f"  {name}: {source}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "run"},
-                                              "inputs": dict(sources), "rows": rows, "slow_and_silent": slow},
-                                             indent=2, sort_keys=True) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k != "run"},
+                    "inputs": dict(sources),
+                    "rows": rows,
+                    "slow_and_silent": slow,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        )
     if args.plot:
         plot(rows, Path(args.plot))
     return 0 if all(math.isfinite(r["goodput"]) for r in rows) else 1

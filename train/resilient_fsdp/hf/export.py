@@ -51,9 +51,11 @@ def model_tensors(reader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = reader.read_metadata()
-    return {key[len("model."):]: (tuple(meta.size), meta.properties.dtype)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    return {
+        key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def plan(cfg: Config, run_dir: Path, names: list[str]) -> tuple[Callable[[str], str], Optional[dict], list[str]]:
@@ -67,14 +69,20 @@ def plan(cfg: Config, run_dir: Path, names: list[str]) -> tuple[Callable[[str], 
         source = saved if saved.is_file() else Path(m.hf_config)
         source = source / "config.json" if source.is_dir() else source
         if not source.is_file():
-            raise ConfigError(f"the run's model.hf_config ({m.hf_config}) is not readable here and {saved} is missing; "
-                              "pass --hf-config with the config.json the run trained")
+            raise ConfigError(
+                f"the run's model.hf_config ({m.hf_config}) is not readable here and {saved} is missing; "
+                "pass --hf-config with the config.json the run trained"
+            )
         config = json.loads(source.read_text())
         left_out = ["lm_head.weight"] if config.get("tie_word_embeddings") and "lm_head.weight" in names else []
         return (lambda n: n), config, left_out
     tokens = _token_meta(run_dir)
-    config = llama_config(preset_args(m.preset, m.vocab_size), m.max_seq_len or cfg.data.seq_len,
-                          eos_token_id=tokens.get("eos_id"), bos_token_id=tokens.get("bos_id"))
+    config = llama_config(
+        preset_args(m.preset, m.vocab_size),
+        m.max_seq_len or cfg.data.seq_len,
+        eos_token_id=tokens.get("eos_id"),
+        bos_token_id=tokens.get("bos_id"),
+    )
     return to_hf, config, []
 
 
@@ -86,16 +94,26 @@ def _token_meta(run_dir: Path) -> dict:
         return {}
 
 
-def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dtype: Optional[str] = None,
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: Optional[Path] = None,
-           hf_config: Optional[Path] = None, progress: Callable[[str], None] = lambda _m: None) -> dict:
+def export(
+    cfg: Config,
+    run_dir: Path,
+    ckpt: store.CheckpointInfo,
+    out: Path,
+    dtype: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    tokenizer: Optional[Path] = None,
+    hf_config: Optional[Path] = None,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict:
     """Write ``ckpt``'s model to ``out``; what was written (files, tensors, bytes)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     if ckpt.manifest.get("mode") == "torch-async":
-        raise ConfigError(f"{ckpt.path} was written by checkpoint.mode=torch-async (one file per rank, read back only "
-                          "at the same world size); export reads DCP checkpoints (checkpoint.mode=async or sync)")
+        raise ConfigError(
+            f"{ckpt.path} was written by checkpoint.mode=torch-async (one file per rank, read back only "
+            "at the same world size); export reads DCP checkpoints (checkpoint.mode=async or sync)"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not empty; name a new directory (nothing there is replaced)")
     if hf_config is not None:
@@ -110,8 +128,10 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
     try:
         renamed = {n: rename(n) for n in names}
     except KeyError as exc:
-        raise ConfigError(f"{ckpt.path}: parameter {exc} is not one of the built-in model's; was the run's "
-                          "model.factory or model.hf_config left out of its config.yaml?") from exc
+        raise ConfigError(
+            f"{ckpt.path}: parameter {exc} is not one of the built-in model's; was the run's "
+            "model.factory or model.hf_config left out of its config.yaml?"
+        ) from exc
     groups = _groups(names, tensors, target, max_shard_bytes)
     for stale in out.parent.glob(f"{out.name}.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)  # a killed export's scratch directory: never a model
@@ -133,7 +153,8 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
             del state, out_tensors  # before the next group is allocated: one group in memory at a time
         if len(groups) > 1:
             (partial / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
+                json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2)
+            )
         if config is not None:
             # The dtype the weights were written in (a model's config.json may name its published
             # weights' bf16 while training kept float32): what from_pretrained loads them as.
@@ -147,8 +168,15 @@ def export(cfg: Config, run_dir: Path, ckpt: store.CheckpointInfo, out: Path, dt
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # this command's own scratch directory
         raise
-    return {"step": ckpt.step, "out": str(out), "files": len(groups), "tensors": len(index), "bytes": total,
-            "config": config is not None, "tokenizer_files": copied}
+    return {
+        "step": ckpt.step,
+        "out": str(out),
+        "files": len(groups),
+        "tensors": len(index),
+        "bytes": total,
+        "config": config is not None,
+        "tokenizer_files": copied,
+    }
 
 
 def _groups(names: list[str], tensors: dict, target: Optional[torch.dtype], limit: int) -> list[list[str]]:
@@ -175,4 +203,3 @@ def _copy_tokenizer(source: Path, dest: Path) -> list[str]:
     for f in files:
         shutil.copyfile(f, dest / f.name)
     return [f.name for f in files]
-

@@ -27,8 +27,10 @@ def config_file(path: str, key: str = KEY) -> Path:
     p = Path(path)
     found = p / CONFIG_NAME if p.is_dir() else p
     if not found.is_file():
-        raise ConfigError(f"{key}={path!r}: no {CONFIG_NAME} there; set {key} to a model's config.json or to a "
-                          "local directory holding one (on the shared volume or in the image: nothing is downloaded)")
+        raise ConfigError(
+            f"{key}={path!r}: no {CONFIG_NAME} there; set {key} to a model's config.json or to a "
+            "local directory holding one (on the shared volume or in the image: nothing is downloaded)"
+        )
     try:
         json.loads(found.read_text())
     except (OSError, ValueError) as exc:
@@ -41,8 +43,9 @@ def load_config(path: str) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError as exc:
-        raise ConfigError(f"{KEY} needs the transformers package: pip install 'resilient-fsdp[hf]' (the trainer "
-                          "image has it)") from exc
+        raise ConfigError(
+            f"{KEY} needs the transformers package: pip install 'resilient-fsdp[hf]' (the trainer image has it)"
+        ) from exc
     found = config_file(path)
     try:
         config = AutoConfig.from_pretrained(str(found.parent), local_files_only=True)
@@ -65,13 +68,16 @@ def build(path: str) -> nn.Module:
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     except ValueError as exc:
-        raise ConfigError(f"{KEY}={path!r}: transformers builds no causal LM from it ({str(exc).splitlines()[0]}); "
-                          "name a decoder-only model's config.json (model_type llama, mistral, qwen2, ...)") from exc
+        raise ConfigError(
+            f"{KEY}={path!r}: transformers builds no causal LM from it ({str(exc).splitlines()[0]}); "
+            "name a decoder-only model's config.json (model_type llama, mistral, qwen2, ...)"
+        ) from exc
     model.max_seq_len = int(getattr(config, "max_position_embeddings", 0) or 0) or None
     model.vocab_size = int(config.vocab_size)
     model.hf_blocks = blocks_attr(model)
     model.recompute_needs_rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-        float(getattr(config, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout"))
+        float(getattr(config, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout")
+    )
     return model
 
 
@@ -86,8 +92,10 @@ def blocks_attr(model: nn.Module) -> str:
     for name, module in model.named_modules():  # no declaration: the longest list of one kind
         if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
             return name
-    raise ConfigError(f"{type(model).__name__} has no list of decoder layers for FSDP to shard; set model.blocks to "
-                      "the attribute that holds them")
+    raise ConfigError(
+        f"{type(model).__name__} has no list of decoder layers for FSDP to shard; set model.blocks to "
+        "the attribute that holds them"
+    )
 
 
 @torch.no_grad()

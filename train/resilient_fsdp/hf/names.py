@@ -23,8 +23,11 @@ _BLOCK = {
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
 }
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
 _HF_BLOCK_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 
@@ -52,8 +55,9 @@ def from_hf(name: str) -> str:
     return f"layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
 
 
-def llama_config(args: ModelArgs, max_positions: int, eos_token_id: Optional[int] = None,
-                 bos_token_id: Optional[int] = None) -> dict:
+def llama_config(
+    args: ModelArgs, max_positions: int, eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None
+) -> dict:
     """The ``config.json`` of a preset as a ``LlamaForCausalLM``. Rotary embeddings work at any
     length; ``max_positions`` is what the model was trained on. ``rope_theta`` is given in both the
     older top-level key and ``rope_parameters``, so transformers 4.x and 5.x read the same model."""

@@ -29,17 +29,21 @@ def safetensors_dir(path: str) -> Path:
     p = Path(path)
     directory = p.parent if p.suffix == ".safetensors" else p
     if not directory.is_dir() or not any(directory.glob("*.safetensors")):
-        raise ConfigError(f"{KEY}={path!r}: no .safetensors files there; set {KEY} to a local or shared-volume "
-                          "directory of a Hugging Face model's weights (model.safetensors, or its shards and "
-                          "model.safetensors.index.json)")
+        raise ConfigError(
+            f"{KEY}={path!r}: no .safetensors files there; set {KEY} to a local or shared-volume "
+            "directory of a Hugging Face model's weights (model.safetensors, or its shards and "
+            "model.safetensors.index.json)"
+        )
     for f in sorted(directory.glob("*.safetensors")):
         if not os.access(f, os.R_OK):
             st = f.stat()
-            raise ConfigError(f"{KEY}={path!r}: {f} is not readable by this process's user (uid {os.getuid()}, groups "
-                              f"{sorted(os.getgroups())}): mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}, gid "
-                              f"{st.st_gid}. transformers' save_pretrained writes weights owner-only (0600): make "
-                              "them readable by the pods' user or group (chmod a+r, or chgrp to the pods' fsGroup "
-                              "and chmod g+r)")
+            raise ConfigError(
+                f"{KEY}={path!r}: {f} is not readable by this process's user (uid {os.getuid()}, groups "
+                f"{sorted(os.getgroups())}): mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}, gid "
+                f"{st.st_gid}. transformers' save_pretrained writes weights owner-only (0600): make "
+                "them readable by the pods' user or group (chmod a+r, or chgrp to the pods' fsGroup "
+                "and chmod g+r)"
+            )
     return directory
 
 
@@ -61,19 +65,24 @@ def load_pretrained(model: nn.Module, path: str, rename: Callable[[str], str]) -
         try:
             theirs[rename(name)] = tensor
         except KeyError as exc:
-            raise ConfigError(f"{KEY}={path!r}: the model's parameter {name!r} has no name in a Hugging Face "
-                              "checkpoint") from exc
+            raise ConfigError(
+                f"{KEY}={path!r}: the model's parameter {name!r} has no name in a Hugging Face checkpoint"
+            ) from exc
     reader = HuggingFaceStorageReader(str(directory))
     available = reader.read_metadata().state_dict_metadata
     missing = sorted(set(theirs) - set(available))
     if missing:
-        raise ConfigError(f"{KEY}={path!r}: {len(missing)} of the model's {len(theirs)} tensors are not in {directory}, "
-                          f"e.g. {', '.join(missing[:3])}; the weights belong to another architecture or size")
+        raise ConfigError(
+            f"{KEY}={path!r}: {len(missing)} of the model's {len(theirs)} tensors are not in {directory}, "
+            f"e.g. {', '.join(missing[:3])}; the weights belong to another architecture or size"
+        )
     for name, tensor in theirs.items():
         shape = tuple(getattr(available[name], "size", ()))
         if shape and shape != tuple(tensor.shape):
-            raise ConfigError(f"{KEY}={path!r}: {name} is {list(shape)} in {directory}, the model's is "
-                              f"{list(tensor.shape)}; the weights belong to a model of another size")
+            raise ConfigError(
+                f"{KEY}={path!r}: {name} is {list(shape)} in {directory}, the model's is "
+                f"{list(tensor.shape)}; the weights belong to a model of another size"
+            )
     dcp.load(theirs, storage_reader=HuggingFaceStorageReader(str(directory)))
     set_model_state_dict(model, ours)
     return len(theirs)

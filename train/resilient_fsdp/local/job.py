@@ -44,57 +44,123 @@ ISOLATIONS = ("netns", "loopback")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..config.errors import existing_file
 
-    p.add_argument("-f", "--values", dest="values_files", action="append", default=[], metavar="FILE",
-                   help=f"chart values file (repeatable; later files win); default "
-                        f"{DEFAULT_VALUES.relative_to(REPO_ROOT)}")
+    p.add_argument(
+        "-f",
+        "--values",
+        dest="values_files",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help=f"chart values file (repeatable; later files win); default {DEFAULT_VALUES.relative_to(REPO_ROOT)}",
+    )
     p.add_argument("--nodes", type=int, help="pods (simulated nodes): the chart's nodes; default: the values'")
     p.add_argument("--nproc-per-node", type=int, help="trainer ranks per pod; default: the values'")
-    p.add_argument("--run-dir", required=True,
-                   help="the shared volume every pod mounts: logs, metrics, summary and checkpoints")
-    p.add_argument("--max-restarts", type=int,
-                   help="in-job restarts ft_launcher may make (trainer.resilience.launcher.max_restarts)")
-    p.add_argument("--max-pod-recreations", dest="max_recreations", type=int,
-                   default=DEFAULT_MAX_RECREATIONS,
-                   help="LOCAL SAFETY CAP, not an operator feature: pod recreations after which the local "
-                        "job fails (a PyTorchJob with restartPolicy ExitCode and backoffLimit >= 1 recreates "
-                        f"failed pods forever; job.backoffLimit=0 fails at the first failure); default "
-                        f"{DEFAULT_MAX_RECREATIONS}")
-    p.add_argument("--pod-start-delay", dest="pod_start_delays", action="append", default=[],
-                   metavar="INDEX=SECONDS",
-                   help="start pod INDEX (its place in the job; 0 hosts the rendezvous store) SECONDS after the "
-                        "others, the first time only (recreations start at once): an image pull on a fresh node "
-                        "(repeatable)")
-    p.add_argument("--replacement-delay", type=float, default=0.0, metavar="SECONDS",
-                   help="start a lost pod's replacement (node-loss) SECONDS after the loss, as a new node is "
-                        "provisioned and pulls the image; a pod that exits on its own is recreated at once "
-                        "(default 0)")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
-                   help="inject a fault once per job: the chaos drill (repeatable)")
-    p.add_argument("--isolation", choices=ISOLATIONS,
-                   help="netns: a network namespace per pod (default when root and available); loopback: "
-                        "processes on 127.0.0.x (the fallback)")
+    p.add_argument(
+        "--run-dir", required=True, help="the shared volume every pod mounts: logs, metrics, summary and checkpoints"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        help="in-job restarts ft_launcher may make (trainer.resilience.launcher.max_restarts)",
+    )
+    p.add_argument(
+        "--max-pod-recreations",
+        dest="max_recreations",
+        type=int,
+        default=DEFAULT_MAX_RECREATIONS,
+        help="LOCAL SAFETY CAP, not an operator feature: pod recreations after which the local "
+        "job fails (a PyTorchJob with restartPolicy ExitCode and backoffLimit >= 1 recreates "
+        f"failed pods forever; job.backoffLimit=0 fails at the first failure); default "
+        f"{DEFAULT_MAX_RECREATIONS}",
+    )
+    p.add_argument(
+        "--pod-start-delay",
+        dest="pod_start_delays",
+        action="append",
+        default=[],
+        metavar="INDEX=SECONDS",
+        help="start pod INDEX (its place in the job; 0 hosts the rendezvous store) SECONDS after the "
+        "others, the first time only (recreations start at once): an image pull on a fresh node "
+        "(repeatable)",
+    )
+    p.add_argument(
+        "--replacement-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="start a lost pod's replacement (node-loss) SECONDS after the loss, as a new node is "
+        "provisioned and pulls the image; a pod that exits on its own is recreated at once "
+        "(default 0)",
+    )
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND@STEP[:rank=R|:node=N]",
+        help="inject a fault once per job: the chaos drill (repeatable)",
+    )
+    p.add_argument(
+        "--isolation",
+        choices=ISOLATIONS,
+        help="netns: a network namespace per pod (default when root and available); loopback: "
+        "processes on 127.0.0.x (the fallback)",
+    )
     p.add_argument("--rdzv-port", type=int, help="rendezvous.port; default: the chart's (loopback: a free port)")
-    p.add_argument("--release", default=DEFAULT_RELEASE, help=f"release name (names the pods); default "
-                                                                f"{DEFAULT_RELEASE}")
-    p.add_argument("--value", dest="chart_values", action="append", default=[], metavar="KEY=VALUE",
-                   help="set a chart value as helm --set does, e.g. --value job.backoffLimit=0 (repeatable)")
-    p.add_argument("--value-json", dest="chart_values_json", action="append", default=[], metavar="KEY=JSON",
-                   help="set a chart value as helm --set-json does, e.g. --value-json shm.sizeLimit='\"2Gi\"' "
-                        "(repeatable; before --value)")
-    p.add_argument("--manifests", metavar="FILE", type=existing_file,
-                   help="run these rendered manifests (resilient-fsdp render or helm template output) instead of "
-                        "rendering the chart: no chart, trainer or fault flags then")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)")
-    p.add_argument("--nofile", metavar="SOFT[:HARD]",
-                   help="the open-files limit each container starts with, as a container runtime sets it "
-                        "(netns); default 1024:524288, systemd's default that containerd 2.0 passes on")
-    p.add_argument("--shared-volume-fsgroup", choices=("skip", "apply"), default="skip",
-                   help="whether fsGroup reaches the shared volume (netns): skip, as the FSx CSI driver does for "
-                        "ReadWriteMany volumes (default), or apply, as a driver with fsGroupPolicy File does")
+    p.add_argument(
+        "--release", default=DEFAULT_RELEASE, help=f"release name (names the pods); default {DEFAULT_RELEASE}"
+    )
+    p.add_argument(
+        "--value",
+        dest="chart_values",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a chart value as helm --set does, e.g. --value job.backoffLimit=0 (repeatable)",
+    )
+    p.add_argument(
+        "--value-json",
+        dest="chart_values_json",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="set a chart value as helm --set-json does, e.g. --value-json shm.sizeLimit='\"2Gi\"' "
+        "(repeatable; before --value)",
+    )
+    p.add_argument(
+        "--manifests",
+        metavar="FILE",
+        type=existing_file,
+        help="run these rendered manifests (resilient-fsdp render or helm template output) instead of "
+        "rendering the chart: no chart, trainer or fault flags then",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print the ft_launcher agents' own logs (always saved in RUN_DIR/logs)",
+    )
+    p.add_argument(
+        "--nofile",
+        metavar="SOFT[:HARD]",
+        help="the open-files limit each container starts with, as a container runtime sets it "
+        "(netns); default 1024:524288, systemd's default that containerd 2.0 passes on",
+    )
+    p.add_argument(
+        "--shared-volume-fsgroup",
+        choices=("skip", "apply"),
+        default="skip",
+        help="whether fsGroup reaches the shared volume (netns): skip, as the FSx CSI driver does for "
+        "ReadWriteMany volumes (default), or apply, as a driver with fsGroupPolicy File does",
+    )
     p.add_argument("--config", help="trainer configuration file (trainer.* values)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="set one trainer key, e.g. --set train.steps=50 (trainer.KEY; repeatable; applied last)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set one trainer key, e.g. --set train.steps=50 (trainer.KEY; repeatable; applied last)",
+    )
 
 
 def choose_isolation(requested: Optional[str]) -> tuple[str, Optional[str]]:
@@ -152,8 +218,14 @@ def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_
         # same files when the volume is rendered at another path (loopback: the run directory).
         trainer = _under_mount(trainer, declared, mount)
     forced: dict = {
-        "storage": {"type": "existingClaim", "existingClaim": LOCAL_CLAIM, "mountPath": mount,
-                    "fsx": {"subnetId": ""}, "fsxStatic": {"volumeHandle": ""}, "prepare": prepare},
+        "storage": {
+            "type": "existingClaim",
+            "existingClaim": LOCAL_CLAIM,
+            "mountPath": mount,
+            "fsx": {"subnetId": ""},
+            "fsxStatic": {"volumeHandle": ""},
+            "prepare": prepare,
+        },
         "trainer": deep_merge(trainer, {"run_dir": mount}),
     }
     if args.nodes is not None:
@@ -163,7 +235,9 @@ def chart_values(args: argparse.Namespace, run_dir: Path, isolation: str, mount_
         instance = (merged.get("instanceTypes") or {}).get(merged.get("instanceType")) or {}
         forced["gpusPerNode" if instance.get("gpus") else "cpuRanksPerNode"] = args.nproc_per_node
     if args.max_restarts is not None:
-        forced["trainer"] = deep_merge(forced["trainer"], {"resilience": {"launcher": {"max_restarts": args.max_restarts}}})
+        forced["trainer"] = deep_merge(
+            forced["trainer"], {"resilience": {"launcher": {"max_restarts": args.max_restarts}}}
+        )
     chaos = list(values.get("chaos", {}).get("inject") or []) + list(args.inject)
     if chaos:
         forced["chaos"] = {"enabled": True, "inject": chaos}
@@ -185,8 +259,10 @@ def start_delays(flags: list[str], pods: Optional[int] = None) -> dict[int, floa
         index_text, sep, seconds_text = flag.partition("=")
         example = "e.g. --pod-start-delay 0=30 starts pod 0, the store host, 30 s after the others"
         if not sep or not index_text.strip().isdigit():
-            raise ConfigError(f"--pod-start-delay {flag}: give INDEX=SECONDS, INDEX a pod's place in the job "
-                              f"(0 for the first pod); {example}")
+            raise ConfigError(
+                f"--pod-start-delay {flag}: give INDEX=SECONDS, INDEX a pod's place in the job "
+                f"(0 for the first pod); {example}"
+            )
         index = int(index_text)
         try:
             seconds = float(seconds_text)
@@ -221,16 +297,27 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     run_dir = Path(args.run_dir).resolve()
     isolation, notice = choose_isolation(args.isolation)
     if getattr(args, "manifests", None):
-        shaping = [flag for flag, given in (("-f", args.values_files), ("--value", args.chart_values),
-                                            ("--value-json", args.chart_values_json),
-                                            ("--set", args.overrides), ("--config", args.config),
-                                            ("--inject", args.inject), ("--nodes", args.nodes is not None),
-                                            ("--nproc-per-node", args.nproc_per_node is not None),
-                                            ("--max-restarts", args.max_restarts is not None),
-                                            ("--rdzv-port", args.rdzv_port is not None)) if given]
+        shaping = [
+            flag
+            for flag, given in (
+                ("-f", args.values_files),
+                ("--value", args.chart_values),
+                ("--value-json", args.chart_values_json),
+                ("--set", args.overrides),
+                ("--config", args.config),
+                ("--inject", args.inject),
+                ("--nodes", args.nodes is not None),
+                ("--nproc-per-node", args.nproc_per_node is not None),
+                ("--max-restarts", args.max_restarts is not None),
+                ("--rdzv-port", args.rdzv_port is not None),
+            )
+            if given
+        ]
         if shaping:
-            raise ConfigError(f"--manifests runs what was rendered; {', '.join(shaping)} would need a new render: "
-                              "render with them, or leave --manifests out")
+            raise ConfigError(
+                f"--manifests runs what was rendered; {', '.join(shaping)} would need a new render: "
+                "render with them, or leave --manifests out"
+            )
         documents = [d for d in yaml.safe_load_all(Path(args.manifests).read_text()) if d]
         values: dict = {}
         text = Path(args.manifests).read_text()
@@ -247,8 +334,10 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     # The pods run this interpreter with its path: refuse spares its NVRx would train with.
     refused = hot_spares_unsupported(launcher_args, installed_version())
     if refused:
-        raise ConfigError(f"{refused} (resilient-fsdp local: the NVRx on this Python's path; the test lane "
-                          "./scripts/test prepares has the image's, see docs/local-runs.md)")
+        raise ConfigError(
+            f"{refused} (resilient-fsdp local: the NVRx on this Python's path; the test lane "
+            "./scripts/test prepares has the image's, see docs/local-runs.md)"
+        )
     # The trainer configuration the pods will load, checked as the trainer checks it.
     maps = [d for d in documents if d.get("kind") == "ConfigMap"]
     cfg_text = (maps[0].get("data") or {}).get("config.yaml", "") if maps else ""
@@ -260,12 +349,15 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
         os.unlink(f.name)
     nproc = workload.pods[0].ranks
     chaos = [a.split("=", 1)[1] for a in workload.pods[0].argv if a.startswith("--inject=")]
-    specs = parse_faults(list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc,
-                         nodes=len(workload.pods))
+    specs = parse_faults(
+        list(cfg.resilience.inject) + chaos, world_size=len(workload.pods) * nproc, nodes=len(workload.pods)
+    )
     cut_off = sorted({s.kind for s in specs if s.kind in CUT_OFF_KINDS})
     if isolation == "loopback" and cut_off:
-        raise ConfigError(f"{' and '.join(cut_off)} faults need --isolation netns (root): on loopback no pod has a "
-                          "network link of its own to cut")
+        raise ConfigError(
+            f"{' and '.join(cut_off)} faults need --isolation netns (root): on loopback no pod has a "
+            "network link of its own to cut"
+        )
     endpoint = cfg.checkpoint.s3.endpoint_url if cfg.checkpoint.s3.uri else None
     host_ports = []
     if isolation == "netns" and endpoint and _is_loopback(endpoint):
@@ -275,15 +367,23 @@ def prepare(args: argparse.Namespace) -> tuple[LocalJob, str, Optional[str]]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "cluster").mkdir(exist_ok=True)
     (run_dir / "cluster" / "manifests.yaml").write_text(text)
-    job = LocalJob(workload=workload, run_dir=run_dir, max_recreations=args.max_recreations, verbose=args.verbose,
-                   start_delays=delays, replacement_delay_s=replacement_delay)
+    job = LocalJob(
+        workload=workload,
+        run_dir=run_dir,
+        max_recreations=args.max_recreations,
+        verbose=args.verbose,
+        start_delays=delays,
+        replacement_delay_s=replacement_delay,
+    )
     job.extra_env = {JOB_START_ENV: repr(time.time())}
     job.nofile = nofile_limit(getattr(args, "nofile", None))
     job.host_ports = host_ports
     if host_ports:
-        job.notes.append(f"checkpoint.s3.endpoint_url={endpoint} is this machine's loopback: each pod reaches it at "
-                         f"the same address, through a relay of port {host_ports[0]} in the pod (a local run's "
-                         "stand-in; on a cluster the endpoint must be an address the pods can reach)")
+        job.notes.append(
+            f"checkpoint.s3.endpoint_url={endpoint} is this machine's loopback: each pod reaches it at "
+            f"the same address, through a relay of port {host_ports[0]} in the pod (a local run's "
+            "stand-in; on a cluster the endpoint must be an address the pods can reach)"
+        )
     if notice:
         job.notes.append(notice)
     return job, isolation, notice
@@ -346,10 +446,12 @@ def main(args: argparse.Namespace) -> int:
 
     host_env = dict(os.environ)
     if isolation == "netns":
-        mount = next(m.path for m in job.workload.pods[0].mounts
-                     if job.workload.pods[0].volumes[m.volume].kind == "persistentVolumeClaim")
-        runtime = NetnsRuntime(job.workload, job.run_dir, None, host_env, shared_mount=mount,
-                               host_ports=job.host_ports)
+        mount = next(
+            m.path
+            for m in job.workload.pods[0].mounts
+            if job.workload.pods[0].volumes[m.volume].kind == "persistentVolumeClaim"
+        )
+        runtime = NetnsRuntime(job.workload, job.run_dir, None, host_env, shared_mount=mount, host_ports=job.host_ports)
     else:
         runtime = LoopbackRuntime(job.workload, job.run_dir, new_run_id(), host_env)
     if job.nofile:
@@ -363,4 +465,3 @@ def main(args: argparse.Namespace) -> int:
         return LocalLauncher(job, runtime).run()
     finally:
         runtime.close()
-

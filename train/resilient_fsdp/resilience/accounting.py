@@ -31,9 +31,25 @@ JOB_START_ENV = "RESILIENT_FSDP_JOB_START"
 _LIFECYCLE = ("start", "finish")
 # What a fault's ledger record says about how it landed, carried into its recovery record:
 # the rank that fired it, a sigkill-during-save's bytes on disk, a node fault's request file.
-_FAULT_DETAILS = ("rank", "node_index", "during_write", "bytes_on_disk", "expected_bytes", "checkpoint_step", "note",
-                  "request", "during_commit", "commit_pid", "commit_in_own_process", "pid", "during_replication",
-                  "replica_step", "during_restore", "restore_step", "restore_tier")
+_FAULT_DETAILS = (
+    "rank",
+    "node_index",
+    "during_write",
+    "bytes_on_disk",
+    "expected_bytes",
+    "checkpoint_step",
+    "note",
+    "request",
+    "during_commit",
+    "commit_pid",
+    "commit_in_own_process",
+    "pid",
+    "during_replication",
+    "replica_step",
+    "during_restore",
+    "restore_step",
+    "restore_tier",
+)
 
 
 def read_records(metrics_path: Path) -> list[dict]:
@@ -133,8 +149,14 @@ def phases(t_fault: float, marks: dict, now: float, process_start: Optional[floa
     return {k: round(max(0.0, v), 3) for k, v in out.items()}
 
 
-def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: float,
-                      marks: Optional[dict] = None, attempt: Optional[str] = None) -> list[dict]:
+def record_recoveries(
+    ledger: FaultLedger,
+    layer: str,
+    resumed_step: int,
+    now: float,
+    marks: Optional[dict] = None,
+    attempt: Optional[str] = None,
+) -> list[dict]:
     """Rank 0, after the first step completed in an attempt caused by a restart: close every
     fired fault that has no recovery yet, with where its time went when ``marks`` are given, and
     the ``attempt`` that closed it (a fault inside a restart is closed with the one before it, by
@@ -144,11 +166,17 @@ def record_recoveries(ledger: FaultLedger, layer: str, resumed_step: int, now: f
     for fault in ledger.fired():
         if fault["key"] in done or fault["t_fault"] > now or not _stops(fault):
             continue
-        record = {"fault": fault["fault"], "kind": fault["kind"], "layer": layer,
-                  "recovery_s": now - fault["t_fault"], "fault_step": fault["completed_step"],
-                  "resumed_from_step": resumed_step, "attempt": attempt,
-                  "lost_steps": max(0, fault["completed_step"] - resumed_step),
-                  **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}
+        record = {
+            "fault": fault["fault"],
+            "kind": fault["kind"],
+            "layer": layer,
+            "recovery_s": now - fault["t_fault"],
+            "fault_step": fault["completed_step"],
+            "resumed_from_step": resumed_step,
+            "attempt": attempt,
+            "lost_steps": max(0, fault["completed_step"] - resumed_step),
+            **{k: fault[k] for k in _FAULT_DETAILS if k in fault},
+        }
         if marks:
             record["phases_s"] = phases(fault["t_fault"], marks, now, _process_start())
         ledger.record_recovery(fault["key"], record)
@@ -183,8 +211,9 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
     start = job_start_time(records)
     # Steps of this job only: a run directory relaunched as a new job (a rewind, a resize) keeps
     # the earlier job's step records up to the step it resumed from, trained before it began.
-    productive = sum(r["step_time_s"] for r in records if r.get("event") == "step"
-                     and (start is None or r.get("t", start) >= start))
+    productive = sum(
+        r["step_time_s"] for r in records if r.get("event") == "step" and (start is None or r.get("t", start) >= start)
+    )
     wall = now - start if start is not None else 0.0
     return {
         "faults_injected": [f["fault"] for f in faults],
@@ -192,8 +221,9 @@ def summarize(metrics_path: Path, ledger: FaultLedger, now: Optional[float] = No
         "recoveries": [recoveries[f["key"]] for f in faults if f["key"] in recoveries],
         # Fired, and no restart followed: training went on (a partition that healed before any
         # collective timed out, or one nothing executed).
-        "unrecovered": [_unrecovered(f, went_on.get(f["key"])) for f in faults
-                        if f["key"] not in recoveries and _stops(f)],
+        "unrecovered": [
+            _unrecovered(f, went_on.get(f["key"])) for f in faults if f["key"] not in recoveries and _stops(f)
+        ],
         # Non-finite losses the job met, each restarted once as a suspected hardware fault
         # (resilience/non_finite.py): the step, the ranks whose own loss it was, their node and host.
         "non_finite_losses": ledger.non_finite(),
@@ -221,5 +251,10 @@ def _unrecovered(fault: dict, went_on: Optional[dict]) -> dict:
         why = f"no restart: training went on (step {went_on['step']} completed {went_on['after_s']:.1f} s after it)"
     else:
         why = "no restart followed it"
-    return {"fault": fault["fault"], "kind": fault["kind"], "fault_step": fault["completed_step"], "why": why,
-            **{k: fault[k] for k in _FAULT_DETAILS if k in fault}}
+    return {
+        "fault": fault["fault"],
+        "kind": fault["kind"],
+        "fault_step": fault["completed_step"],
+        "why": why,
+        **{k: fault[k] for k in _FAULT_DETAILS if k in fault},
+    }

@@ -110,13 +110,18 @@ def taint_unhealthy_node(key: Optional[str], reason: str) -> Optional[str]:
         return None
 
 
-def exit_code(returncode: int, stop_signal: Optional[int], agent_lines: Iterable[str] = (),
-              config_failure: bool = False) -> int:
+def exit_code(
+    returncode: int, stop_signal: Optional[int], agent_lines: Iterable[str] = (), config_failure: bool = False
+) -> int:
     """The node's exit code (see :func:`.exit_codes.node_exit_code`)."""
     lines = list(agent_lines)
-    return exit_codes.node_exit_code(returncode, stop_signal, config_failure,
-                                     store_lost=rendezvous_store_lost(returncode, lines),
-                                     unhealthy=node_unhealthy(returncode, lines))
+    return exit_codes.node_exit_code(
+        returncode,
+        stop_signal,
+        config_failure,
+        store_lost=rendezvous_store_lost(returncode, lines),
+        unhealthy=node_unhealthy(returncode, lines),
+    )
 
 
 class _StderrTail(threading.Thread):
@@ -266,20 +271,22 @@ def _say(message: str) -> None:
     print(f"[resilient-fsdp agent] {message}", file=sys.stderr, flush=True)
 
 
-AGENT_FLAGS = {"--rejoin-timeout": "seconds a node that is not the store host keeps joining again after "
-                                      "another node's failure (0: never; default 0)",
-               "--taint-unhealthy-node": "taint key: a node NVRx finds unhealthy (exit 201) is tainted KEY=<reason>:"
-                                         "NoSchedule before the node exits, so the job's next pod goes elsewhere "
-                                         "(needs get and patch on nodes; default: no taint)",
-               "--max-pod-failures": "the job's pod failures in a row without progress after which a node exits 2 "
-                                     "instead of a retried code (the PyTorchJob's job.backoffLimit, which its "
-                                     "operator does not apply; default: no bound)",
-               "--metrics-port": "port of the node's Prometheus metrics endpoint (0: none; default 0)",
-               "--store-timeout": "seconds the rendezvous store may accept no connection before a node that is not "
-                                  "its host ends its launcher and joins again (a store host gone without closing "
-                                  "its connections; 0: never; default 0)",
-               "--prewarm": "true: ranks are forked from a server that has imported the trainer (resilience.prewarm; "
-                            "default false)"}
+AGENT_FLAGS = {
+    "--rejoin-timeout": "seconds a node that is not the store host keeps joining again after "
+    "another node's failure (0: never; default 0)",
+    "--taint-unhealthy-node": "taint key: a node NVRx finds unhealthy (exit 201) is tainted KEY=<reason>:"
+    "NoSchedule before the node exits, so the job's next pod goes elsewhere "
+    "(needs get and patch on nodes; default: no taint)",
+    "--max-pod-failures": "the job's pod failures in a row without progress after which a node exits 2 "
+    "instead of a retried code (the PyTorchJob's job.backoffLimit, which its "
+    "operator does not apply; default: no bound)",
+    "--metrics-port": "port of the node's Prometheus metrics endpoint (0: none; default 0)",
+    "--store-timeout": "seconds the rendezvous store may accept no connection before a node that is not "
+    "its host ends its launcher and joins again (a store host gone without closing "
+    "its connections; 0: never; default 0)",
+    "--prewarm": "true: ranks are forked from a server that has imported the trainer (resilience.prewarm; "
+    "default false)",
+}
 
 
 def parse_agent_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -403,8 +410,11 @@ class NodeAgent:
         if self.index is not None:
             self.args = node_rank.with_store_host(self.args, self.index == 0)
         self.args, env = node_rank.with_install(self.args, env)
-        self.store_host = self.index in (None, 0) or \
-            node_rank.rdzv_conf(self.args).get("is_host", "").lower() in ("1", "true", "yes")
+        self.store_host = self.index in (None, 0) or node_rank.rdzv_conf(self.args).get("is_host", "").lower() in (
+            "1",
+            "true",
+            "yes",
+        )
         self.base = os.path.join(tempfile.gettempdir(), f"resilient-fsdp-node-{os.getpid()}")
         # A pod's agent is always PID 1: files left by one that was SIGKILLed (the pod's /tmp
         # survives a container restart) would make every later SIGTERM read as a graceful stop.
@@ -457,8 +467,10 @@ class NodeAgent:
             if complete:
                 # A pod recreated after the job's last rendezvous (its node was lost as training ended):
                 # no launcher of the job will join it, so waiting for one would hold the job open.
-                _say(f"the job's training is already complete ({complete}): this pod started after it ended; "
-                     "exiting 0 without starting ft_launcher (to train on, raise train.steps or train.stop_at_step)")
+                _say(
+                    f"the job's training is already complete ({complete}): this pod started after it ended; "
+                    "exiting 0 without starting ft_launcher (to train on, raise train.steps or train.stop_at_step)"
+                )
                 return 0
             ending = self.run_until_settled()
             if ending is None:
@@ -478,24 +490,36 @@ class NodeAgent:
             run_dir, unknown_run_dir = None, str(exc)
         silent_after_s = node_reports.silent_after(self.flags.get("--store-timeout"))
         if self.flags.get("--metrics-port"):
-            start_metrics(int(self.flags["--metrics-port"]), self.args, run_dir, unknown_run_dir, self.index,
-                          self.env, silent_after_s)
+            start_metrics(
+                int(self.flags["--metrics-port"]),
+                self.args,
+                run_dir,
+                unknown_run_dir,
+                self.index,
+                self.env,
+                silent_after_s,
+            )
         if run_dir is not None and self.index is not None:
-            self.reports = node_reports.NodeReports(run_dir, self.index, socket.gethostname(),
-                                                    self.env.get("NODE_NAME", ""), silent_after_s, _say)
+            self.reports = node_reports.NodeReports(
+                run_dir, self.index, socket.gethostname(), self.env.get("NODE_NAME", ""), silent_after_s, _say
+            )
             self.reports.start()
         if self.index is not None:
-            _say(f"node {self.index} of the job (GROUP_RANK={self.env['GROUP_RANK']}); "
-                 f"{'hosts' if self.store_host else 'joins'} the rendezvous store")
+            _say(
+                f"node {self.index} of the job (GROUP_RANK={self.env['GROUP_RANK']}); "
+                f"{'hosts' if self.store_host else 'joins'} the rendezvous store"
+            )
 
     def run_until_settled(self) -> Optional[LauncherEnding]:
         """Launcher runs until one ends the node: its ending, or None when the job's training is done."""
         rejoin = Rejoin(self.store_host, self.flags.get("--rejoin-timeout", 0.0))
         if not self.store_host:
             conf = node_rank.rdzv_conf(self.args)
-            said = await_first_store(node_rank.rdzv_endpoint(self.args),
-                                     _seconds(conf.get("store_connect_wait_seconds"))
-                                     or _seconds(conf.get("join_timeout")), stopped=self.stopped)
+            said = await_first_store(
+                node_rank.rdzv_endpoint(self.args),
+                _seconds(conf.get("store_connect_wait_seconds")) or _seconds(conf.get("join_timeout")),
+                stopped=self.stopped,
+            )
             if said:
                 _say(said)
         while True:
@@ -504,13 +528,17 @@ class NodeAgent:
             if ending.config_failure is not None or self.stopped():
                 return ending
             if ending.code != 0 and self.ranks_finished():
-                _say(f"every rank of this node finished training; ft_launcher's shutdown exited {ending.returncode} "
-                     "(the store host may have gone first): exiting 0")
+                _say(
+                    f"every rank of this node finished training; ft_launcher's shutdown exited {ending.returncode} "
+                    "(the store host may have gone first): exiting 0"
+                )
                 return None
             complete = training_complete(self.args) if ending.code in exit_codes.REJOINED_CODES else None
             if complete:
-                _say(f"the job's training is complete ({complete}); ft_launcher exited {ending.returncode} "
-                     f"({'a standby pod; ' if not ending.started else ''}the store host went first): exiting 0")
+                _say(
+                    f"the job's training is complete ({complete}); ft_launcher exited {ending.returncode} "
+                    f"({'a standby pod; ' if not ending.started else ''}the store host went first): exiting 0"
+                )
                 return None
             again = rejoin.decide(ending.code, ending.started)
             if again is None:
@@ -518,8 +546,7 @@ class NodeAgent:
                     _say(rejoin.gave_up())
                 return ending
             _say(again)
-            _say(await_store(node_rank.rdzv_endpoint(self.args), stopped=self.stopped,
-                             window_s=rejoin.remaining_s()))
+            _say(await_store(node_rank.rdzv_endpoint(self.args), stopped=self.stopped, window_s=rejoin.remaining_s()))
             if self.stopped():  # stopped while no launcher ran: nothing to checkpoint
                 assert self.stop_signal is not None
                 ending.code = 128 + self.stop_signal
@@ -528,10 +555,14 @@ class NodeAgent:
     def run_once(self) -> LauncherEnding:
         """One ``ft_launcher`` run to its end, and the node exit code it reads as."""
         endpoint = node_rank.rdzv_endpoint(self.args)
-        watch = StoreWatch(endpoint, self.flags["--store-timeout"]) \
-            if not self.store_host and endpoint is not None and self.flags.get("--store-timeout") else None
+        watch = (
+            StoreWatch(endpoint, self.flags["--store-timeout"])
+            if not self.store_host and endpoint is not None and self.flags.get("--store-timeout")
+            else None
+        )
         returncode, lines, started = self.launch(
-            self.base + ".prewarm.sock" if self.flags.get("--prewarm") else None, watch)
+            self.base + ".prewarm.sock" if self.flags.get("--prewarm") else None, watch
+        )
         reason = _read(self.fatal_file) if (self.fatal_signalled or os.path.exists(self.fatal_file)) else None
         code = exit_code(returncode, self.stop_signal, lines, reason is not None)
         if watch is not None and watch.lost and reason is None and not self.stopped():
@@ -583,24 +614,35 @@ class NodeAgent:
         """Say why the node ends (and in the pod's termination message); its exit code."""
         code, returncode = ending.code, ending.returncode
         if ending.config_failure is not None:
-            _say(f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
-                 f"(exited {returncode}); exiting {code}: {ending.config_failure}")
+            _say(
+                f"a rank failed with a configuration error, which no restart can fix; ft_launcher was stopped "
+                f"(exited {returncode}); exiting {code}: {ending.config_failure}"
+            )
             _termination_message(ending.config_failure)
         elif self.stop_signal is not None:
             _say(f"stopped by {signal.Signals(self.stop_signal).name}; ft_launcher exited {returncode}; exiting {code}")
         elif code == exit_codes.UNHEALTHY_NODE:
             why = unhealthy_reason(ending.lines)
             done = taint_unhealthy_node(self.flags.get("--taint-unhealthy-node"), why)
-            _say(f"NVRx's node health checks found this node unhealthy ({why}); ft_launcher exited {returncode}; "
-                 f"exiting {exit_codes.describe_code(code)}: "
-                 + (f"{done}, so that the recreated pod lands elsewhere" if done else
-                    "cordon the node (kubectl cordon) or let node auto-repair replace it, so that the recreated pod "
-                    "lands elsewhere (pod.taintUnhealthyNode.enabled does it from here)"))
-            _termination_message(f"unhealthy node (NVRx node health check: {why}); node exit code "
-                                 f"{exit_codes.describe_code(code)}" + (f"; {done}" if done else ""))
+            _say(
+                f"NVRx's node health checks found this node unhealthy ({why}); ft_launcher exited {returncode}; "
+                f"exiting {exit_codes.describe_code(code)}: "
+                + (
+                    f"{done}, so that the recreated pod lands elsewhere"
+                    if done
+                    else "cordon the node (kubectl cordon) or let node auto-repair replace it, so that the recreated pod "
+                    "lands elsewhere (pod.taintUnhealthyNode.enabled does it from here)"
+                )
+            )
+            _termination_message(
+                f"unhealthy node (NVRx node health check: {why}); node exit code "
+                f"{exit_codes.describe_code(code)}" + (f"; {done}" if done else "")
+            )
         elif code == exit_codes.RENDEZVOUS_LOST:
-            _say(f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
-                 f"exiting {exit_codes.describe_code(code)}")
+            _say(
+                f"ft_launcher lost the rendezvous store (its host, pod 0's agent, is gone) and exited {returncode}; "
+                f"exiting {exit_codes.describe_code(code)}"
+            )
         elif code != 0:
             _say(f"ft_launcher exited {returncode}; exiting {exit_codes.describe_code(code)}")
             _termination_message(f"ft_launcher exited {returncode}; node exit code {exit_codes.describe_code(code)}")
@@ -676,8 +718,15 @@ def training_complete(args: list[str]) -> Optional[str]:
 _TAIL_BYTES = 1 << 16  # a finish record is the file's last line, far shorter than this
 
 
-def start_metrics(port: int, args: list[str], run_dir: Optional[Path], unknown: Optional[str], index: Optional[int],
-                  env: dict[str, str], silent_after_s: float) -> None:
+def start_metrics(
+    port: int,
+    args: list[str],
+    run_dir: Optional[Path],
+    unknown: Optional[str],
+    index: Optional[int],
+    env: dict[str, str],
+    silent_after_s: float,
+) -> None:
     """Serve the run's metrics on ``port``: on the node's address when ft_launcher is given one
     (``--local-addr``, ``PET_LOCAL_ADDR``: pods sharing a host's loopback), else on every address.
     ``unknown``: why the run directory is not known (then nothing is served)."""
@@ -685,8 +734,9 @@ def start_metrics(port: int, args: list[str], run_dir: Optional[Path], unknown: 
     try:
         if run_dir is None:
             raise metrics_endpoint.MetricsError(unknown or "the run directory is unknown")
-        where, _ = metrics_endpoint.serve(port, run_dir, "" if index is None else str(index), address or None,
-                                          silent_after_s)
+        where, _ = metrics_endpoint.serve(
+            port, run_dir, "" if index is None else str(index), address or None, silent_after_s
+        )
     except metrics_endpoint.MetricsError as exc:
         _say(f"no metrics endpoint: {exc}; training goes on without it")
         return
@@ -702,8 +752,10 @@ def start_prewarm(path: str, args: list[str], env: dict[str, str]) -> Optional[s
         return None
     if at + 1 >= len(args) or args[at + 1] != prewarm.TRAINER_MODULE:
         return None
-    server = subprocess.Popen([sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}",
-                               "--", *args[at + 2:]], env=env)
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "resilient_fsdp.resilience.prewarm", f"--socket={path}", "--", *args[at + 2 :]],
+        env=env,
+    )
     # Written before ft_launcher starts: its ranks wait for the server while this marker names it alive.
     with open(path + ".starting", "w") as f:
         f.write(str(server.pid))

@@ -43,8 +43,9 @@ class NoHooks:
         """The block waits for checkpoint writes or the end of the job (the ``drain`` budget)."""
         yield
 
-    def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
-                     expected: Callable[[], Optional[int]]) -> None:
+    def save_started(
+        self, step: int, partial_dir: Path, measure: Callable[[], int], expected: Callable[[], Optional[int]]
+    ) -> None:
         """A checkpoint of ``step`` started writing into ``partial_dir``."""
 
     def save_written(self, step: int) -> None:
@@ -69,8 +70,13 @@ class Attempt(NoHooks):
     once the group exists, since finding the layer is collective.
     """
 
-    def __init__(self, cfg: ResilienceConfig, run_dir: Path, monitor: ProgressMonitor,
-                 in_process: Optional[InProcessAttempt] = None):
+    def __init__(
+        self,
+        cfg: ResilienceConfig,
+        run_dir: Path,
+        monitor: ProgressMonitor,
+        in_process: Optional[InProcessAttempt] = None,
+    ):
         self.cfg, self.run_dir, self.monitor = cfg, run_dir, monitor
         self.number = in_process.number if in_process else 0
         self.store = in_process.store if in_process else None
@@ -136,9 +142,18 @@ class Attempt(NoHooks):
         except Exception as exc:
             if self.id is None or is_configuration_failure(exc):
                 raise
-            said = deterministic.judge(exc, self.position, self.id, self.failures,
-                                       {"rank": self.rank, "node": node_index(), "layer": self.layer,
-                                        "local_rank": int(os.environ.get("LOCAL_RANK", "0"))})
+            said = deterministic.judge(
+                exc,
+                self.position,
+                self.id,
+                self.failures,
+                {
+                    "rank": self.rank,
+                    "node": node_index(),
+                    "layer": self.layer,
+                    "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                },
+            )
             if said:
                 print(f"[resilient-fsdp] rank {self.rank}: {said}", file=sys.stderr, flush=True)
             raise
@@ -168,9 +183,11 @@ class Attempt(NoHooks):
             return
         now = time.time()
         for r in accounting.record_recoveries(self.ledger, self.layer, resumed_step, now, self.marks, self.id):
-            log({"event": "recovery", "t": now, **r},
+            log(
+                {"event": "recovery", "t": now, **r},
                 f"recovered from {r['fault']} by {r['layer'].replace('_', '-')} restart in {r['recovery_s']:.2f} s; "
-                f"{r['lost_steps']} step(s) trained again")
+                f"{r['lost_steps']} step(s) trained again",
+            )
 
     def maybe_learn(self) -> Optional[dict]:
         """Collective: learn the section timeouts once enough was seen; the timeouts when learned."""
@@ -189,8 +206,9 @@ class Attempt(NoHooks):
         (:meth:`.ProgressMonitor.draining`)."""
         return self.monitor.draining(self._ping)
 
-    def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
-                     expected: Callable[[], Optional[int]]) -> None:
+    def save_started(
+        self, step: int, partial_dir: Path, measure: Callable[[], int], expected: Callable[[], Optional[int]]
+    ) -> None:
         self.injector.save_started(step, partial_dir, measure, expected)
 
     def save_written(self, step: int) -> None:

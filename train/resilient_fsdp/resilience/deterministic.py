@@ -42,10 +42,26 @@ _NUMBER = re.compile(r"0x[0-9a-fA-F]+|[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 # gloo's and NCCL's errors are RuntimeErrors that only their text tells apart.
 _COMMUNICATION = re.compile(
     r"gloo|nccl|\bc10d\b|ProcessGroup|Connection (?:closed|reset|refused)|Broken pipe|Socket Timeout|"
-    r"timed out|Timeout|TCPStore|DistStore|DistNetwork|DistBackend|aborted|abort\(\)|watchdog", re.I)
-_TRANSIENT_ERRNOS = {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
-                     errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE,
-                     errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ENOLINK, errno.EREMOTEIO}
+    r"timed out|Timeout|TCPStore|DistStore|DistNetwork|DistBackend|aborted|abort\(\)|watchdog",
+    re.I,
+)
+_TRANSIENT_ERRNOS = {
+    errno.EIO,
+    errno.ESTALE,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+    errno.EPIPE,
+    errno.EAGAIN,
+    errno.EBUSY,
+    errno.EINTR,
+    errno.ENOLINK,
+    errno.EREMOTEIO,
+}
 # Libraries whose every exception is a remote service's or a network's (S3 through boto3), or
 # NVRx's own restart machinery.
 _TRANSIENT_MODULES = ("botocore", "boto3", "s3transfer", "urllib3", "requests", "nvidia_resiliency_ext")
@@ -100,7 +116,7 @@ def _short_path(path: str) -> str:
     parts = Path(path).parts
     for marker in ("site-packages", "dist-packages"):
         if marker in parts:
-            return "/".join(parts[parts.index(marker) + 1:])
+            return "/".join(parts[parts.index(marker) + 1 :])
     return "/".join(parts[-3:])
 
 
@@ -161,8 +177,13 @@ def earlier(records: list[dict], where: str, digest: Optional[str], attempt: Opt
     for i, record in enumerate(records):
         if record.get("outcome") == "failed" and (attempt is None or record.get("attempt") != attempt):
             since = i + 1
-    return [r for r in records[since:] if r.get("where") == where and (digest is None or r.get("digest") == digest)
-            and (attempt is None or r.get("attempt") != attempt)]
+    return [
+        r
+        for r in records[since:]
+        if r.get("where") == where
+        and (digest is None or r.get("digest") == digest)
+        and (attempt is None or r.get("attempt") != attempt)
+    ]
 
 
 class FailureRecords:
@@ -203,10 +224,18 @@ def judge(exc: BaseException, where: str, attempt: str, records: FailureRecords,
         before = earlier(records.read(), where, sig.digest, attempt)
     except OSError:
         return None  # the run directory cannot be read: nothing to judge by, the failure stays retried
-    record = {**asdict(sig), "digest": sig.digest, "where": where, "attempt": attempt, "t": time.time(),
-              "raw_message": str(exc)[:_MESSAGE_CHARS], "host": socket.gethostname(), **identity,
-              "traceback": "".join(traceback.format_exception(exc))[-_TRACEBACK_CHARS:],
-              "outcome": "failed" if before else "restart"}
+    record = {
+        **asdict(sig),
+        "digest": sig.digest,
+        "where": where,
+        "attempt": attempt,
+        "t": time.time(),
+        "raw_message": str(exc)[:_MESSAGE_CHARS],
+        "host": socket.gethostname(),
+        **identity,
+        "traceback": "".join(traceback.format_exception(exc))[-_TRACEBACK_CHARS:],
+        "outcome": "failed" if before else "restart",
+    }
     try:
         path, written = records.add(record)
     except OSError:
@@ -219,8 +248,12 @@ def judge(exc: BaseException, where: str, attempt: str, records: FailureRecords,
             f"ended attempt {first['attempt']} on rank {first.get('rank')} (node {first.get('node')}, host "
             f"{first.get('host')}), and {len(before) + 1} attempt(s) ended with it in all; no layer retries it "
             f"again. Fix its cause (the traceback is in this rank's log and in {path or records.dir}) and start the "
-            "job again: it resumes from the newest committed checkpoint", record) from exc
+            "job again: it resumes from the newest committed checkpoint",
+            record,
+        ) from exc
     if not written:
         return None
-    return (f"{what} ended this attempt at {where}; recorded as {path.name} in {records.dir}: a restart replays "
-            f"{where} exactly, and the same failure there again ends the job (exit 2) instead of another retry")
+    return (
+        f"{what} ended this attempt at {where}; recorded as {path.name} in {records.dir}: a restart replays "
+        f"{where} exactly, and the same failure there again ends the job (exit 2) instead of another retry"
+    )

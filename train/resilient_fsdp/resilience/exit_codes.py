@@ -72,33 +72,50 @@ SILENT_CORRUPTION = 205
 
 # What each kind's controller does with a row's ending: (PyTorchJob, JobSet and TrainJob).
 BUDGET = {
-    "done": ("the pod succeeds; the job is done when the Master is",
-             "the pod completes its index; the JobSet is done when every index is (a hot spare's too: it exits 0 "
-             "when the job ends)"),
-    "fails": ("the job fails at once (`restartPolicy: ExitCode`: 1-127 are permanent)",
-              "the `FailJob` rule fails the Job, and `fatalExitCode` the JobSet, at once"),
-    "counted": ("the pod is recreated (`ExitCode` retries 128-255); the operator counts nothing, the agents do: "
-                "past `job.backoffLimit` failures in a row without progress the node exits 2 instead",
-                "counted against `job.backoffLimit` (not when the pod has `DisruptionTarget`: evicted, "
-                "preempted, drained); past it the JobSet restarts whole, up to `workload.jobSet.maxRestarts`"),
-    "stop": ("the pod is recreated (`ExitCode` retries 128-255); a stop is no failure: nothing counts it",
-             "counted against `job.backoffLimit` unless the pod has `DisruptionTarget` (an eviction, a preemption, "
-             "a drain has it); past it the JobSet restarts whole, up to `workload.jobSet.maxRestarts`"),
+    "done": (
+        "the pod succeeds; the job is done when the Master is",
+        "the pod completes its index; the JobSet is done when every index is (a hot spare's too: it exits 0 "
+        "when the job ends)",
+    ),
+    "fails": (
+        "the job fails at once (`restartPolicy: ExitCode`: 1-127 are permanent)",
+        "the `FailJob` rule fails the Job, and `fatalExitCode` the JobSet, at once",
+    ),
+    "counted": (
+        "the pod is recreated (`ExitCode` retries 128-255); the operator counts nothing, the agents do: "
+        "past `job.backoffLimit` failures in a row without progress the node exits 2 instead",
+        "counted against `job.backoffLimit` (not when the pod has `DisruptionTarget`: evicted, "
+        "preempted, drained); past it the JobSet restarts whole, up to `workload.jobSet.maxRestarts`",
+    ),
+    "stop": (
+        "the pod is recreated (`ExitCode` retries 128-255); a stop is no failure: nothing counts it",
+        "counted against `job.backoffLimit` unless the pod has `DisruptionTarget` (an eviction, a preemption, "
+        "a drain has it); past it the JobSet restarts whole, up to `workload.jobSet.maxRestarts`",
+    ),
     "none": ("nothing: no pod exits", "nothing is counted: no pod exits"),
 }
 
 TABLE: tuple[Row, ...] = (
-    Row("done", str(SUCCESS), "success",
+    Row(
+        "done",
+        str(SUCCESS),
+        "success",
         "training finished: every rank exited 0, or every rank of the node finished training and only "
         "`ft_launcher`'s own shutdown failed (the store host exited first), or the launcher lost the store "
         "and the run directory says the job trained every step (a hot spare, which has no ranks to say so), or, "
         "before any launcher starts, the run directory already says so (a pod recreated after its job ended, "
         "which no launcher would join)",
-        "-", "done", range(0, 1),
+        "-",
+        "done",
+        range(0, 1),
         "`ft_launcher`'s return code 0, the ranks' finish marks (`exit_codes.finished_ranks`), the run "
         "directory's last start or finish record: a finish at `train.steps`, or at `train.stop_at_step` when the "
-        "run stops there (`agent.training_complete`)"),
-    Row("configuration", str(CONFIG), "configuration",
+        "run stops there (`agent.training_complete`)",
+    ),
+    Row(
+        "configuration",
+        str(CONFIG),
+        "configuration",
         "a failure no restart can fix: `ConfigError` (a bad key or value, missing data, a model or checkpoint "
         "that does not fit, a missing `checkpoint.resume_from`, another job's lease, a run or checkpoint directory "
         "the pod's user cannot write); the same failure at the same place after a restart that replayed it (an "
@@ -110,77 +127,140 @@ TABLE: tuple[Row, ...] = (
         "(`--nnodes=N:M`, the chart's `spares`) under an NVRx older than 0.6, which would train at every node that "
         "joins",
         "none: in-process restart re-raises it at once; the rank marks its node, whose agent stops "
-        "`ft_launcher` before it restarts the rank", "fails", range(CONFIG, CONFIG + 1),
+        "`ft_launcher` before it restarts the rank",
+        "fails",
+        range(CONFIG, CONFIG + 1),
         "the exception's class (`exit_codes.is_configuration_failure`): `ConfigError`, "
         "`deterministic.RepeatedFailure` (`deterministic.judge`: the failure's signature and place against the "
         "run directory's records), a checkpoint `SaveFailed` marked permanent; the agent's own checks "
-        "(its flags, `pod_failures.judge`)"),
-    Row("nvrx-no-restart", str(NVRX_NO_RESTART), "configuration",
+        "(its flags, `pod_failures.judge`)",
+    ),
+    Row(
+        "nvrx-no-restart",
+        str(NVRX_NO_RESTART),
+        "configuration",
         "NVRx 0.7's `ft_launcher` decided that restarting cannot help (its failure attribution said "
         "stop, or no progress across restarts; this project's flags enable neither)",
-        "none", "fails", range(NVRX_NO_RESTART, NVRX_NO_RESTART + 1), "NVRx's `ft_launcher` itself"),
-    Row("stopped", "128 + N (143 for SIGTERM)", "stop",
+        "none",
+        "fails",
+        range(NVRX_NO_RESTART, NVRX_NO_RESTART + 1),
+        "NVRx's `ft_launcher` itself",
+    ),
+    Row(
+        "stopped",
+        "128 + N (143 for SIGTERM)",
+        "stop",
         "the node was asked to stop (eviction, spot reclaim, scale-down: SIGTERM or SIGINT); its ranks "
         "committed a checkpoint of the current step",
-        "job level: the pod is recreated and the job resumes from that checkpoint", "stop", range(129, 193),
-        "the signal the agent received"),
-    Row("killed", "128 + N (137 for SIGKILL)", "infrastructure",
+        "job level: the pod is recreated and the job resumes from that checkpoint",
+        "stop",
+        range(129, 193),
+        "the signal the agent received",
+    ),
+    Row(
+        "killed",
+        "128 + N (137 for SIGKILL)",
+        "infrastructure",
         "`ft_launcher` itself was killed by signal N (the OOM killer, a node going down)",
-        "job level: the pod is recreated", "counted", range(129, 193),
-        "`ft_launcher`'s return code (negative: the signal that killed it)"),
-    Row("joined-again", "- (no exit)", "infrastructure",
+        "job level: the pod is recreated",
+        "counted",
+        range(129, 193),
+        "`ft_launcher`'s return code (negative: the signal that killed it)",
+    ),
+    Row(
+        "joined-again",
+        "- (no exit)",
+        "infrastructure",
         "a node that does not host the store saw its `ft_launcher` end with 200 or 203 below, which "
         "another node's failure causes (the store host lost, the job-wide in-job restarts spent by a "
         "peer's fault, a peer that did not join in time)",
         "the node agent: it starts `ft_launcher` again in the same pod, which joins the store pod 0 "
         "hosts, for up to `rendezvous.rejoinTimeoutSeconds` from the event; then it exits with the code",
-        "none", range(0), "`rejoin.Rejoin.decide`: not the store host, within `rendezvous.rejoinTimeoutSeconds`"),
-    Row("rendezvous-store-lost", str(RENDEZVOUS_LOST), "infrastructure",
+        "none",
+        range(0),
+        "`rejoin.Rejoin.decide`: not the store host, within `rendezvous.rejoinTimeoutSeconds`",
+    ),
+    Row(
+        "rendezvous-store-lost",
+        str(RENDEZVOUS_LOST),
+        "infrastructure",
         "`ft_launcher` failed because the rendezvous store went away (the pod hosting it was lost) and no "
         "store came back within `rendezvous.rejoinTimeoutSeconds`",
-        "job level: the pod is recreated", "counted", range(RENDEZVOUS_LOST, RENDEZVOUS_LOST + 1),
-        "`ft_launcher`'s own error lines (`agent.rendezvous_store_lost`)", rejoined=True),
-    Row("unhealthy-node", str(UNHEALTHY_NODE), "infrastructure",
+        "job level: the pod is recreated",
+        "counted",
+        range(RENDEZVOUS_LOST, RENDEZVOUS_LOST + 1),
+        "`ft_launcher`'s own error lines (`agent.rendezvous_store_lost`)",
+        rejoined=True,
+    ),
+    Row(
+        "unhealthy-node",
+        str(UNHEALTHY_NODE),
+        "infrastructure",
         "NVRx's node health checks found this node unhealthy before a rendezvous (NVRx 0.7: its GPU, NIC "
         "link, storage or external node-health check failed, or a rank asked to exclude the node; 0.4.1: "
         "its GPU check): `ft_launcher` raised `UnhealthyNodeException` and exited 1. The node does not "
         "join again in its pod; with `pod.taintUnhealthyNode.enabled` its agent taints it `NoSchedule` first, "
         "else cordon it or let node auto-repair replace it (docs/faults-and-restarts.md)",
         "job level: the pod is recreated, elsewhere once the node is tainted, cordoned or marked unhealthy",
-        "counted", range(UNHEALTHY_NODE, UNHEALTHY_NODE + 1),
-        "`ft_launcher`'s own error lines (`agent.node_unhealthy`)"),
-    Row("non-finite-loss", f"{NON_FINITE_LOSS} (the rank's)", "infrastructure",
+        "counted",
+        range(UNHEALTHY_NODE, UNHEALTHY_NODE + 1),
+        "`ft_launcher`'s own error lines (`agent.node_unhealthy`)",
+    ),
+    Row(
+        "non-finite-loss",
+        f"{NON_FINITE_LOSS} (the rank's)",
+        "infrastructure",
         "the job's loss was non-finite (NaN, inf) at a step for the first time: a suspected hardware fault. "
         "Every rank exits 202; the ranks whose own loss was non-finite, their node and host are recorded in "
         "`<run_dir>/faults/non-finite/` and logged",
         "in-job (not in-process: it would keep the same processes and CUDA state): every rank restarts from "
         "the last checkpoint; job level once the in-job restarts are spent (the node exits 203; a trainer "
-        "that is the pod's own process exits 202)", "counted", range(NON_FINITE_LOSS, NON_FINITE_LOSS + 1),
-        "the loss all-reduce (`non_finite.stop`): its first time at a step; the same step again is the 2 row"),
-    Row("straggler-replaced", f"{STRAGGLER_REPLACED} (the rank's)", "infrastructure",
+        "that is the pod's own process exits 202)",
+        "counted",
+        range(NON_FINITE_LOSS, NON_FINITE_LOSS + 1),
+        "the loss all-reduce (`non_finite.stop`): its first time at a step; the same step again is the 2 row",
+    ),
+    Row(
+        "straggler-replaced",
+        f"{STRAGGLER_REPLACED} (the rank's)",
+        "infrastructure",
         "a straggler was found (`resilience.stragglers.action=replace`): its rank asked `ft_launcher` to leave "
         "its node out of the next rendezvous, and every rank exits 204 at the same step",
         "in-job: every launcher restarts its workers; the straggler's node fails as unhealthy (the 201 row) "
-        "and a hot spare takes its node rank, from the memory tier", "counted",
+        "and a hot spare takes its node rank, from the memory tier",
+        "counted",
         range(STRAGGLER_REPLACED, STRAGGLER_REPLACED + 1),
-        "rank 0's straggler report, broadcast (`stragglers.Stragglers.after_step`)"),
-    Row("silent-corruption", f"{SILENT_CORRUPTION} (the rank's)", "infrastructure",
+        "rank 0's straggler report, broadcast (`stragglers.Stragglers.after_step`)",
+    ),
+    Row(
+        "silent-corruption",
+        f"{SILENT_CORRUPTION} (the rank's)",
+        "infrastructure",
         "the replicas of a shard differed at a replica check (`resilience.sdc.interval_steps`, HSDP): checkpoints "
         "saved after the last passing check were set aside as suspect, and every rank exits 205 at the same step",
         "in-job: every rank resumes from the newest checkpoint no newer than the last passing check, memory first; "
         "the odd replica out, where 3 or more vote, leaves for a hot spare. Again before any check passed: the "
-        "2 row, naming the suspects", "counted", range(SILENT_CORRUPTION, SILENT_CORRUPTION + 1),
-        "the replica check's digests, agreed by one all-reduce (`sdc.ReplicaCheck.after_step`)"),
-    Row("restarts-exhausted", str(INFRASTRUCTURE), "infrastructure",
+        "2 row, naming the suspects",
+        "counted",
+        range(SILENT_CORRUPTION, SILENT_CORRUPTION + 1),
+        "the replica check's digests, agreed by one all-reduce (`sdc.ReplicaCheck.after_step`)",
+    ),
+    Row(
+        "restarts-exhausted",
+        str(INFRASTRUCTURE),
+        "infrastructure",
         "`ft_launcher` failed after infrastructure-type failures: ranks killed by signals, hangs, lost "
         "peers, a join timeout, CUDA/NCCL errors, in-process restarts spent, an exception's first time at a "
         "place; its in-job restarts (`resilience.launcher.max_restarts`, job-wide on NVRx 0.7) are spent. Only "
         "the store host's pod exits with it at once: one count per event, and its replacement hosts a new "
         "store with a fresh in-job budget",
-        "in-process (exceptions, hangs), then in-job, then job level (128 + `EX_TEMPFAIL`)", "counted",
+        "in-process (exceptions, hangs), then in-job, then job level (128 + `EX_TEMPFAIL`)",
+        "counted",
         range(INFRASTRUCTURE, INFRASTRUCTURE + 1),
         "what is left: a failure no earlier row claims (an exception is judged first, `deterministic.judge`: a "
-        "communication or storage error every time, any other the first time at its place)", rejoined=True),
+        "communication or storage error every time, any other the first time at its place)",
+        rejoined=True,
+    ),
 )
 
 # The codes after which a node that is not the store host joins again (:mod:`.rejoin`).
@@ -197,11 +277,18 @@ def is_configuration_failure(exc: BaseException) -> bool:
     (:class:`.deterministic.RepeatedFailure`, a repeated non-finite loss among them), and an error
     that says so itself with ``permanent = True`` (a checkpoint failure that ends the job:
     ``checkpoint.failures.SaveFailed``)."""
-    return isinstance(exc, (ConfigError, FloatingPointError, RepeatedFailure)) or getattr(exc, "permanent", False) is True
+    return (
+        isinstance(exc, (ConfigError, FloatingPointError, RepeatedFailure)) or getattr(exc, "permanent", False) is True
+    )
 
 
-def node_exit_code(returncode: int, stop_signal: Optional[int], config_failure: bool = False,
-                   store_lost: bool = False, unhealthy: bool = False) -> int:
+def node_exit_code(
+    returncode: int,
+    stop_signal: Optional[int],
+    config_failure: bool = False,
+    store_lost: bool = False,
+    unhealthy: bool = False,
+) -> int:
     """The node's exit code from ``ft_launcher``'s return code, the stop signal the node received
     (if any), whether a rank reported a configuration-type failure, and whether ``ft_launcher``
     failed because the rendezvous store went away or because NVRx found the node unhealthy (both
@@ -241,11 +328,14 @@ def describe_code(code: int) -> str:
 
 def markdown_table() -> str:
     """:data:`TABLE` as the Markdown table ``docs/faults-and-restarts.md`` shows."""
-    lines = ["| node exit code | kind | what happened | which rule decides | retried by | PyTorchJob | JobSet and TrainJob |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| node exit code | kind | what happened | which rule decides | retried by | PyTorchJob | JobSet and TrainJob |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in TABLE:
-        lines.append(f"| {r.code} | {r.kind} | {r.what} | {r.decides} | {r.retried_by} | {r.pytorchjob()} | "
-                     f"{r.jobset()} |")
+        lines.append(
+            f"| {r.code} | {r.kind} | {r.what} | {r.decides} | {r.retried_by} | {r.pytorchjob()} | {r.jobset()} |"
+        )
     return "\n".join(lines)
 
 

@@ -134,10 +134,12 @@ def check_executable(specs: list[FaultSpec]) -> None:
 
 
 def _partition_refusal(spec: FaultSpec) -> str:
-    return (f"resilience.inject {str(spec)!r}: a {spec.kind} takes a pod's network link down, which a rank cannot do "
-            f"to its own pod; it runs where a cluster executes fault requests ({REQUESTS_ENV} is set in every pod "
-            "by `resilient-fsdp local`'s network-namespace cluster). Here it is not set: use node-loss, or cut the "
-            "network with the cluster's own tools")
+    return (
+        f"resilience.inject {str(spec)!r}: a {spec.kind} takes a pod's network link down, which a rank cannot do "
+        f"to its own pod; it runs where a cluster executes fault requests ({REQUESTS_ENV} is set in every pod "
+        "by `resilient-fsdp local`'s network-namespace cluster). Here it is not set: use node-loss, or cut the "
+        "network with the cluster's own tools"
+    )
 
 
 class SaveWatch(threading.Thread):
@@ -150,8 +152,15 @@ class SaveWatch(threading.Thread):
     :meth:`finish` fires the fault before the checkpoint commits and the record says so.
     """
 
-    def __init__(self, injector: "FaultInjector", spec: FaultSpec, step: int, partial_dir: Path,
-                 measure: Callable[[], int], expected: Optional[int]):
+    def __init__(
+        self,
+        injector: "FaultInjector",
+        spec: FaultSpec,
+        step: int,
+        partial_dir: Path,
+        measure: Callable[[], int],
+        expected: Optional[int],
+    ):
         super().__init__(daemon=True, name="fault-sigkill-during-save")
         self.injector, self.spec, self.step, self.partial_dir = injector, spec, step, partial_dir
         self.measure, self.expected = measure, expected
@@ -174,10 +183,19 @@ class SaveWatch(threading.Thread):
                     _signal(proc, signal.SIGSTOP)
                 nbytes = self._bytes()
                 if self.in_range(nbytes) and not self.written.is_set() and not self.cancelled:
-                    self.injector.fire(self.spec, self.step, {
-                        "during_write": True, "bytes_on_disk": nbytes, "expected_bytes": self.expected,
-                        "checkpoint_step": self.step, "checkpoint_dir": str(self.partial_dir),
-                        "helpers_stopped": [p.pid for p in helpers]}, helpers=helpers)
+                    self.injector.fire(
+                        self.spec,
+                        self.step,
+                        {
+                            "during_write": True,
+                            "bytes_on_disk": nbytes,
+                            "expected_bytes": self.expected,
+                            "checkpoint_step": self.step,
+                            "checkpoint_dir": str(self.partial_dir),
+                            "helpers_stopped": [p.pid for p in helpers],
+                        },
+                        helpers=helpers,
+                    )
                 for proc in helpers:
                     _signal(proc, signal.SIGCONT)
             time.sleep(SAVE_POLL_S)
@@ -187,11 +205,22 @@ class SaveWatch(threading.Thread):
         self.written.set()
         self.join()
         nbytes = self._bytes()
-        note = (f"the write had finished ({nbytes:,} bytes on disk) before the fault could land while it was "
-                "writing; killed before the commit instead")
-        self.injector.fire(self.spec, self.step, {
-            "during_write": False, "bytes_on_disk": nbytes, "expected_bytes": self.expected,
-            "checkpoint_step": self.step, "checkpoint_dir": str(self.partial_dir), "note": note})
+        note = (
+            f"the write had finished ({nbytes:,} bytes on disk) before the fault could land while it was "
+            "writing; killed before the commit instead"
+        )
+        self.injector.fire(
+            self.spec,
+            self.step,
+            {
+                "during_write": False,
+                "bytes_on_disk": nbytes,
+                "expected_bytes": self.expected,
+                "checkpoint_step": self.step,
+                "checkpoint_dir": str(self.partial_dir),
+                "note": note,
+            },
+        )
 
     def _bytes(self) -> int:
         try:
@@ -221,9 +250,17 @@ class CommitWatch(threading.Thread):
                 pid = int(self.marker.read_text())
             except (OSError, ValueError):
                 continue
-            self.injector.fire(self.spec, self.injector.completed_step, {
-                "during_commit": True, "commit_pid": pid, "commit_in_own_process": pid != os.getpid(),
-                "checkpoint_step": self.step, "checkpoint_dir": str(self.marker.parent)})
+            self.injector.fire(
+                self.spec,
+                self.injector.completed_step,
+                {
+                    "during_commit": True,
+                    "commit_pid": pid,
+                    "commit_in_own_process": pid != os.getpid(),
+                    "checkpoint_step": self.step,
+                    "checkpoint_dir": str(self.marker.parent),
+                },
+            )
             return
 
 
@@ -243,12 +280,18 @@ class CorruptibleMemory(Protocol):
 class FaultInjector:
     """Fires this rank's faults at their steps, each at most once per job."""
 
-    def __init__(self, specs: list[FaultSpec], rank: int, ledger: FaultLedger,
-                 on_fire: Optional[Callable[[FaultSpec], None]] = None):
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        rank: int,
+        ledger: FaultLedger,
+        on_fire: Optional[Callable[[FaultSpec], None]] = None,
+    ):
         check_executable(specs)
         self.node, local_rank = node_index(), int(os.environ.get("LOCAL_RANK", "0"))
-        self.mine = [s for s in specs
-                     if (s.node is None and s.rank == rank) or (s.node == self.node and local_rank == 0)]
+        self.mine = [
+            s for s in specs if (s.node is None and s.rank == rank) or (s.node == self.node and local_rank == 0)
+        ]
         self.rank, self.ledger, self.on_fire = rank, ledger, on_fire
         self.watch: Optional[SaveWatch] = None
         self.commit_watch: Optional[CommitWatch] = None
@@ -259,9 +302,14 @@ class FaultInjector:
         self.local_rank = local_rank
         # A ``slow`` fault: seconds added to each of this rank's steps, in its own optimizer step.
         # Its pod stays slow: a fault fired on this pod and local rank, in any attempt, applies.
-        self.slowdown_s = max((r.get("slowdown_s", 0.0) for r in ledger.fired()
-                               if r.get("kind") == "slow" and r.get("node_index") == self.node
-                               and r.get("local_rank") == local_rank), default=0.0)
+        self.slowdown_s = max(
+            (
+                r.get("slowdown_s", 0.0)
+                for r in ledger.fired()
+                if r.get("kind") == "slow" and r.get("node_index") == self.node and r.get("local_rank") == local_rank
+            ),
+            default=0.0,
+        )
         self._last_step_start: Optional[float] = None
         self._step_times: collections.deque = collections.deque(maxlen=8)  # before any slowdown
 
@@ -291,8 +339,12 @@ class FaultInjector:
                     continue
                 details = {"bit": BITFLIP_BIT, "element": 0, "shape": list(target.shape)}
                 if self.ledger.claim(spec, self._record(spec, step, details)):
-                    print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec}: bit {BITFLIP_BIT} of the "
-                          "first element of its first parameter shard flips", file=sys.stderr, flush=True)
+                    print(
+                        f"[resilient-fsdp] rank {self.rank}: injecting fault {spec}: bit {BITFLIP_BIT} of the "
+                        "first element of its first parameter shard flips",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     with torch.no_grad():
                         word = target.view(-1)[:1].view(torch.int32)
                         word ^= 1 << BITFLIP_BIT
@@ -316,18 +368,27 @@ class FaultInjector:
             if spec.kind_info.when == "loss" and spec.step == step:
                 record = self._record(spec, step - 1)
                 if self.ledger.claim(spec, record) or not spec.kind_info.once_per_job:
-                    print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec}: this rank's loss of step "
-                          f"{step} is NaN", file=sys.stderr, flush=True)
+                    print(
+                        f"[resilient-fsdp] rank {self.rank}: injecting fault {spec}: this rank's loss of step "
+                        f"{step} is NaN",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     loss.fill_(float("nan"))
 
-    def save_started(self, step: int, partial_dir: Path, measure: Callable[[], int],
-                     expected: Callable[[], Optional[int]]) -> None:
+    def save_started(
+        self, step: int, partial_dir: Path, measure: Callable[[], int], expected: Callable[[], Optional[int]]
+    ) -> None:
         """Called as the checkpoint of ``step`` starts writing into ``partial_dir``; ``measure()``:
         the bytes its writers have put there; ``expected()``: the same for a finished write (the
         newest committed checkpoint of this world size and mode), None if unknown."""
         for spec in self.mine:
-            if spec.kind_info.when == "save" and step >= spec.step and self.watch is None \
-                    and not self.ledger.claimed(spec):
+            if (
+                spec.kind_info.when == "save"
+                and step >= spec.step
+                and self.watch is None
+                and not self.ledger.claimed(spec)
+            ):
                 self.watch = SaveWatch(self, spec, step, partial_dir, measure, expected())
                 self.watch.start()
 
@@ -341,8 +402,11 @@ class FaultInjector:
                 if action == "slow":
                     action = f"slow={spec.for_s:g}"
                 if self.ledger.claim(spec, self._record(spec, step - 1, {"writer": action})):
-                    print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} into the checkpoint writer",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} into the checkpoint writer",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return action
         return None
 
@@ -388,8 +452,13 @@ class FaultInjector:
             self.commit_watch.cancel()
             self.commit_watch = None
 
-    def fire(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None,
-             helpers: Optional[list[psutil.Process]] = None) -> None:
+    def fire(
+        self,
+        spec: FaultSpec,
+        completed_step: int,
+        details: Optional[dict] = None,
+        helpers: Optional[list[psutil.Process]] = None,
+    ) -> None:
         record = self._record(spec, completed_step, details)
         request = None
         if spec.kind in NODE_FAULT_KINDS and requests_dir() is not None:
@@ -399,15 +468,28 @@ class FaultInjector:
             raise ConfigError(_partition_refusal(spec))
         if not self.ledger.claim(spec, record) and spec.kind_info.once_per_job:
             return
-        print(f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} (after step {completed_step})"
-              + (f": {details['note']}" if details and "note" in details else ""), file=sys.stderr, flush=True)
+        print(
+            f"[resilient-fsdp] rank {self.rank}: injecting fault {spec} (after step {completed_step})"
+            + (f": {details['note']}" if details and "note" in details else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         if self.on_fire is not None:
             self.on_fire(spec)
         sys.stdout.flush()
         if request is not None:
             request.parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_json(request, {"kind": spec.kind, "node": self.node, "step": spec.step, "for_s": spec.for_s,
-                                        "rank": self.rank, "time": record["t_fault"]})
+            atomic.write_json(
+                request,
+                {
+                    "kind": spec.kind,
+                    "node": self.node,
+                    "step": spec.step,
+                    "for_s": spec.for_s,
+                    "rank": self.rank,
+                    "time": record["t_fault"],
+                },
+            )
             if spec.kind == "partition":
                 self.partitions.append((spec, record["t_fault"]))
                 return  # the cluster cuts the link; training goes on until it notices
@@ -448,8 +530,11 @@ class FaultInjector:
     def _flip_memory_byte(self, spec: FaultSpec) -> None:
         found = self.memory.byte_to_corrupt(replica=spec.kind == "replica-corrupt") if self.memory else None
         if found is None:
-            print(f"[resilient-fsdp] rank {self.rank}: {spec}: no memory checkpoint to corrupt", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[resilient-fsdp] rank {self.rank}: {spec}: no memory checkpoint to corrupt",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         path, offset, step = found
         with open(path, "r+b") as f:
@@ -457,18 +542,34 @@ class FaultInjector:
             byte = f.read(1)
             f.seek(offset)
             f.write(bytes([byte[0] ^ 0x10]))
-        print(f"[resilient-fsdp] rank {self.rank}: {spec}: flipped a bit of {path} (step {step}) at byte {offset}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[resilient-fsdp] rank {self.rank}: {spec}: flipped a bit of {path} (step {step}) at byte {offset}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _record(self, spec: FaultSpec, completed_step: int, details: Optional[dict] = None) -> dict:
         if spec.kind == "slow":
             # The rank's step before the fault: the median of its last steps (0 at step 1).
             base = statistics.median(self._step_times) if self._step_times else 0.0
-            details = {"local_rank": self.local_rank, "base_step_s": base,
-                       "slowdown_s": ((spec.factor or SLOW_DEFAULT_FACTOR) - 1) * base, **(details or {})}
-        return {**asdict(spec), "fault": str(spec), "key": spec.key, "completed_step": completed_step,
-                "t_fault": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
-                "node_index": self.node, **(details or {})}
+            details = {
+                "local_rank": self.local_rank,
+                "base_step_s": base,
+                "slowdown_s": ((spec.factor or SLOW_DEFAULT_FACTOR) - 1) * base,
+                **(details or {}),
+            }
+        return {
+            **asdict(spec),
+            "fault": str(spec),
+            "key": spec.key,
+            "completed_step": completed_step,
+            "t_fault": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "rank": self.rank,
+            "node_index": self.node,
+            **(details or {}),
+        }
 
     def _note_healed_partitions(self, completed_step: int) -> None:
         """A step completed after a partition's ``for`` seconds were over: it healed without a
@@ -476,8 +577,9 @@ class FaultInjector:
         now = time.time()
         for spec, t_fault in list(self.partitions):
             if spec.for_s is not None and now - t_fault > spec.for_s:
-                self.ledger.record_went_on(spec.key, {"fault": str(spec), "step": completed_step,
-                                                      "after_s": now - t_fault})
+                self.ledger.record_went_on(
+                    spec.key, {"fault": str(spec), "step": completed_step, "after_s": now - t_fault}
+                )
                 self.partitions.remove((spec, t_fault))
 
     def _await_node_loss(self, spec: FaultSpec, request: Path) -> None:
@@ -486,8 +588,12 @@ class FaultInjector:
         deadline = time.monotonic() + NODE_LOSS_WAIT_S
         while time.monotonic() < deadline:
             time.sleep(0.05)
-        print(f"[resilient-fsdp] rank {self.rank}: {spec}: nothing executed the request {request} within "
-              f"{NODE_LOSS_WAIT_S:.0f} s; killing this node's processes from inside", file=sys.stderr, flush=True)
+        print(
+            f"[resilient-fsdp] rank {self.rank}: {spec}: nothing executed the request {request} within "
+            f"{NODE_LOSS_WAIT_S:.0f} s; killing this node's processes from inside",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # ``slow-exit``: seconds this process waits once training has finished, before it exits.

@@ -70,8 +70,12 @@ class GracefulStop:
             # Restarting workers, or asked twice: leave now, as SIGTERM's default would.
             os._exit(128 + signal.SIGTERM)
         self.requested = True
-        print(f"[resilient-fsdp] rank {rank}: SIGTERM received (node stopping): finishing the step, then "
-              "checkpointing and exiting", file=sys.stderr, flush=True)
+        print(
+            f"[resilient-fsdp] rank {rank}: SIGTERM received (node stopping): finishing the step, then "
+            "checkpointing and exiting",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def uninstall(self) -> None:
         if self._previous is not None:

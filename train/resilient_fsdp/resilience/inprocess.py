@@ -44,6 +44,7 @@ class InProcessAttempt:
     ``ping``: marks progress (once per step) for the wrapper's hang detection.
     ``store``: the key space this attempt's process group must rendezvous in.
     """
+
     number: int
     ping: Callable[[], None]
     store: Any
@@ -113,7 +114,8 @@ def run_in_process(cfg: InProcessConfig, body: Callable[[InProcessAttempt], Any]
         if iteration >= cfg.max_iterations:
             raise InProcessRestartsExhausted(
                 f"{iteration} in-process restarts reached resilience.in_process.max_iterations="
-                f"{cfg.max_iterations}; leaving recovery to the in-job restart")
+                f"{cfg.max_iterations}; leaving recovery to the in-job restart"
+            )
         # The wrapper's own store is hosted by rank 0 of this generation of processes, so it is
         # new after every in-job restart, and every rank of a generation agrees on the iteration.
         # Keys derived from TORCHELASTIC_RESTART_COUNT would not do: a node restarted because a

@@ -50,28 +50,50 @@ METRICS = {
     "checkpoint_last_stall_seconds": ("gauge", "Time training waited for the newest committed checkpoint."),
     "checkpoint_last_write_seconds": ("gauge", "Write time of the newest committed checkpoint."),
     "checkpoint_failures_total": ("counter", "Saves that failed (each a checkpoint_failed record)."),
-    "checkpoint_consecutive_failures": ("gauge", "Saves failed in a row since the newest commit; the job fails at "
-                                        "checkpoint.max_consecutive_failures."),
-    "s3_awaiting_checkpoints": ("gauge", "Checkpoints rank 0 waits for every rank's S3 upload of before putting "
-                                "the marker (held from local retention)."),
-    "s3_lagging_ranks": ("gauge", "Ranks holding up S3 markers: missing from the oldest of several awaiting "
-                         "checkpoints."),
-    "s3_released_total": ("counter", "Checkpoints that stopped waiting past checkpoint.s3.max_awaiting: never "
-                          "marked complete on S3."),
-    "memory_replication_stopped_ranks": ("gauge", "Ranks whose memory replication stopped in the current attempt "
-                                         "(their newer snapshots have no replica on another pod; the next restart "
-                                         "makes it again)."),
-    "resumes_total": ("counter", "Starts that resumed from a checkpoint, by where it came from (label tier: memory, "
-                      "durable, s3): the share from memory is the memory tier's measured coverage."),
+    "checkpoint_consecutive_failures": (
+        "gauge",
+        "Saves failed in a row since the newest commit; the job fails at checkpoint.max_consecutive_failures.",
+    ),
+    "s3_awaiting_checkpoints": (
+        "gauge",
+        "Checkpoints rank 0 waits for every rank's S3 upload of before putting the marker (held from local retention).",
+    ),
+    "s3_lagging_ranks": (
+        "gauge",
+        "Ranks holding up S3 markers: missing from the oldest of several awaiting checkpoints.",
+    ),
+    "s3_released_total": (
+        "counter",
+        "Checkpoints that stopped waiting past checkpoint.s3.max_awaiting: never marked complete on S3.",
+    ),
+    "memory_replication_stopped_ranks": (
+        "gauge",
+        "Ranks whose memory replication stopped in the current attempt "
+        "(their newer snapshots have no replica on another pod; the next restart "
+        "makes it again).",
+    ),
+    "resumes_total": (
+        "counter",
+        "Starts that resumed from a checkpoint, by where it came from (label tier: memory, "
+        "durable, s3): the share from memory is the memory tier's measured coverage.",
+    ),
     "restarts_total": ("counter", "Attempts started by each restart layer (label layer: in_process, in_job, job)."),
     "faults_injected_total": ("counter", "Faults the chaos drill fired."),
-    "non_finite_losses_total": ("counter", "Non-finite losses the job met, each restarted once as a suspected "
-                                "hardware fault (resilience/non_finite.py)."),
-    "straggler_score": ("gauge", "Each of the slowest ranks' score in the newest straggler report (label rank): the "
-                        "fastest rank's median time of a part of the step over its own, 1 for the fastest "
-                        "(resilience.stragglers)."),
-    "replica_mismatches_total": ("counter", "Replica checks that found the replicas of a shard differ (silent data "
-                                 "corruption, resilience.sdc), each rolled back."),
+    "non_finite_losses_total": (
+        "counter",
+        "Non-finite losses the job met, each restarted once as a suspected hardware fault (resilience/non_finite.py).",
+    ),
+    "straggler_score": (
+        "gauge",
+        "Each of the slowest ranks' score in the newest straggler report (label rank): the "
+        "fastest rank's median time of a part of the step over its own, 1 for the fastest "
+        "(resilience.stragglers).",
+    ),
+    "replica_mismatches_total": (
+        "counter",
+        "Replica checks that found the replicas of a shard differ (silent data "
+        "corruption, resilience.sdc), each rolled back.",
+    ),
     "stragglers_total": ("counter", "Stragglers found, by what was done (label action: replaced, reported)."),
     "recoveries_total": ("counter", "Recoveries from fired faults, by the layer that recovered (label layer)."),
     "recovery_seconds_total": ("counter", "Time from each fault to the first step after it, summed, by layer."),
@@ -79,8 +101,11 @@ METRICS = {
     "productive_seconds": ("gauge", "Time spent in the steps of the run's timeline (each final step once)."),
     "job_wall_seconds": ("gauge", "Wall time since the job began (until it finished)."),
     "goodput_ratio": ("gauge", "productive_seconds / job_wall_seconds, as summary.json's goodput."),
-    "silent_nodes": ("gauge", "Pods that stopped reporting without ending (their node hung or cut off, or the pod "
-                     "being replaced); served by pods 0 and 1 (resilience/node_reports.py)."),
+    "silent_nodes": (
+        "gauge",
+        "Pods that stopped reporting without ending (their node hung or cut off, or the pod "
+        "being replaced); served by pods 0 and 1 (resilience/node_reports.py).",
+    ),
     "node_silent_seconds": ("gauge", "How long each such pod has not reported (labels pod_index, kubernetes_node)."),
 }
 
@@ -100,13 +125,16 @@ def trainer_config(launcher_args: list[str]) -> Config:
     :class:`MetricsError` says why when it cannot be."""
     from ..train.arguments import parse_args, resolve_config
 
-    starts = [i for i in range(len(launcher_args) - 1)
-              if launcher_args[i] == "-m" and launcher_args[i + 1] == TRAINER_MODULE]
+    starts = [
+        i for i in range(len(launcher_args) - 1) if launcher_args[i] == "-m" and launcher_args[i + 1] == TRAINER_MODULE
+    ]
     if not starts:
-        raise MetricsError(f"ft_launcher's arguments run no `-m {TRAINER_MODULE}`, so the run directory "
-                           "the metrics come from is unknown")
+        raise MetricsError(
+            f"ft_launcher's arguments run no `-m {TRAINER_MODULE}`, so the run directory "
+            "the metrics come from is unknown"
+        )
     try:
-        args = parse_args(launcher_args[starts[0] + 2:])
+        args = parse_args(launcher_args[starts[0] + 2 :])
     except SystemExit:
         raise MetricsError("the trainer's arguments do not parse (the ranks report why)") from None
     try:
@@ -161,7 +189,7 @@ class RunRecords:
                     for line in pending[:end].splitlines():
                         self._fold(line)
                     self.offset += end
-                    self.tail = (self.tail + pending[:end])[-self.TAIL:]
+                    self.tail = (self.tail + pending[:end])[-self.TAIL :]
                     pending = pending[end:]
         except FileNotFoundError:
             self._reset(None)  # before the first attempt wrote anything
@@ -238,22 +266,40 @@ class RunCollector:
                 pass  # unreadable for now (the volume): serve what the last read found
             fired = self.ledger.fired()
             recoveries = list(self.ledger.recoveries().values())
-            yield from self._families(self.records, fired, recoveries, time.time(), len(self.ledger.non_finite()),
-                                      self.ledger.stragglers(), len(self.ledger.sdc()))
+            yield from self._families(
+                self.records,
+                fired,
+                recoveries,
+                time.time(),
+                len(self.ledger.non_finite()),
+                self.ledger.stragglers(),
+                len(self.ledger.sdc()),
+            )
             if self.node.isdigit() and int(self.node) in node_reports.WATCHERS:
                 yield from self._silent(node_reports.read_reports(self.run_dir), time.time())
 
     def _silent(self, reports: list[dict], now: float) -> Iterator:
         quiet = node_reports.silent([r for r in reports if str(r["index"]) != self.node], now, self.silent_after_s)
         yield self._gauge("silent_nodes", len(quiet))
-        family = GaugeMetricFamily(PREFIX + "node_silent_seconds", METRICS["node_silent_seconds"][1],
-                                   labels=["node", "pod_index", "kubernetes_node"])
+        family = GaugeMetricFamily(
+            PREFIX + "node_silent_seconds",
+            METRICS["node_silent_seconds"][1],
+            labels=["node", "pod_index", "kubernetes_node"],
+        )
         for report, silence in quiet:
             family.add_metric([self.node, str(report["index"]), str(report.get("node") or "")], silence)
         yield family
 
-    def _families(self, r: RunRecords, fired: list[dict], recoveries: list[dict], now: float,
-                  non_finite: int = 0, stragglers: Optional[list[dict]] = None, mismatch_count: int = 0) -> Iterator:
+    def _families(
+        self,
+        r: RunRecords,
+        fired: list[dict],
+        recoveries: list[dict],
+        now: float,
+        non_finite: int = 0,
+        stragglers: Optional[list[dict]] = None,
+        mismatch_count: int = 0,
+    ) -> Iterator:
         stragglers = stragglers or []
         node = [self.node]
         if r.last_step is not None:
@@ -287,25 +333,31 @@ class RunCollector:
         yield resumes
         restarts = accounting.restart_counts(r.lifecycle)
         yield self._by_layer("restarts_total", {layer: [n] for layer, n in restarts.items()})
-        injected = CounterMetricFamily(PREFIX + "faults_injected_total", METRICS["faults_injected_total"][1],
-                                       labels=["node"])
+        injected = CounterMetricFamily(
+            PREFIX + "faults_injected_total", METRICS["faults_injected_total"][1], labels=["node"]
+        )
         injected.add_metric(node, len(fired))
         yield injected
-        losses = CounterMetricFamily(PREFIX + "non_finite_losses_total", METRICS["non_finite_losses_total"][1],
-                                     labels=["node"])
+        losses = CounterMetricFamily(
+            PREFIX + "non_finite_losses_total", METRICS["non_finite_losses_total"][1], labels=["node"]
+        )
         losses.add_metric(node, non_finite)
         yield losses
         if r.straggler_scores:
-            scores = GaugeMetricFamily(PREFIX + "straggler_score", METRICS["straggler_score"][1], labels=["node", "rank"])
+            scores = GaugeMetricFamily(
+                PREFIX + "straggler_score", METRICS["straggler_score"][1], labels=["node", "rank"]
+            )
             for rank, score in sorted(r.straggler_scores.items(), key=lambda kv: int(kv[0])):
                 scores.add_metric([*node, str(rank)], float(score))
             yield scores
-        mismatches = CounterMetricFamily(PREFIX + "replica_mismatches_total", METRICS["replica_mismatches_total"][1],
-                                         labels=["node"])
+        mismatches = CounterMetricFamily(
+            PREFIX + "replica_mismatches_total", METRICS["replica_mismatches_total"][1], labels=["node"]
+        )
         mismatches.add_metric(node, mismatch_count)
         yield mismatches
-        found = CounterMetricFamily(PREFIX + "stragglers_total", METRICS["stragglers_total"][1],
-                                    labels=["node", "action"])
+        found = CounterMetricFamily(
+            PREFIX + "stragglers_total", METRICS["stragglers_total"][1], labels=["node", "action"]
+        )
         for action in ("replaced", "reported"):
             found.add_metric([*node, action], sum(1 for x in stragglers if x.get("action") == action))
         yield found
@@ -313,10 +365,12 @@ class RunCollector:
         for rec in recoveries:
             by_layer.setdefault(rec.get("layer", "unknown"), []).append(rec)
         yield self._by_layer("recoveries_total", {k: [len(v)] for k, v in by_layer.items()})
-        yield self._by_layer("recovery_seconds_total",
-                             {k: [sum(x.get("recovery_s", 0.0) for x in v)] for k, v in by_layer.items()})
-        yield self._by_layer("lost_steps_total",
-                             {k: [sum(x.get("lost_steps", 0) for x in v)] for k, v in by_layer.items()})
+        yield self._by_layer(
+            "recovery_seconds_total", {k: [sum(x.get("recovery_s", 0.0) for x in v)] for k, v in by_layer.items()}
+        )
+        yield self._by_layer(
+            "lost_steps_total", {k: [sum(x.get("lost_steps", 0) for x in v)] for k, v in by_layer.items()}
+        )
         wall = r.wall_s(now)
         if wall is not None:
             yield self._gauge("productive_seconds", r.productive_s)
@@ -366,8 +420,13 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # a line per scrape would bury the node's log
 
 
-def serve(port: int, run_dir: Path, node: str, address: Optional[str] = None,
-          silent_after_s: float = node_reports.INTERVAL_S * 6) -> tuple[str, WSGIServer]:
+def serve(
+    port: int,
+    run_dir: Path,
+    node: str,
+    address: Optional[str] = None,
+    silent_after_s: float = node_reports.INTERVAL_S * 6,
+) -> tuple[str, WSGIServer]:
     """Serve :class:`RunCollector` over HTTP on ``port`` (0: any free port) from a daemon thread: on
     ``address``, else on every address (IPv6 and IPv4, or IPv4 where the host has no IPv6).
     Returns (where it listens, the server)."""
@@ -381,8 +440,10 @@ def serve(port: int, run_dir: Path, node: str, address: Optional[str] = None,
             break
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise MetricsError(f"--metrics-port={port}: port {port} is already in use on {host}; choose "
-                                   "another (the chart's metrics.port), or 0 for no metrics") from None
+                raise MetricsError(
+                    f"--metrics-port={port}: port {port} is already in use on {host}; choose "
+                    "another (the chart's metrics.port), or 0 for no metrics"
+                ) from None
             if host != candidates[-1] and exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
                 continue  # no IPv6 here
             raise MetricsError(f"--metrics-port={port}: cannot listen on {host}: {exc.strerror or exc}") from None

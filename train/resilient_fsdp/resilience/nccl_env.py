@@ -59,8 +59,9 @@ def apply_before_torch(argv: list[str], environ: MutableMapping[str, str] = os.e
     environ.update(layer_env(cfg))
 
 
-def apply(cfg: Config, nccl: bool, environ: MutableMapping[str, str] = os.environ,
-          say: Optional[Callable[[str], None]] = None) -> dict[str, str]:
+def apply(
+    cfg: Config, nccl: bool, environ: MutableMapping[str, str] = os.environ, say: Optional[Callable[[str], None]] = None
+) -> dict[str, str]:
     """Set the restart layers' variables and, when ``nccl`` (the process group will be NCCL's), the
     flight recorder's dump path (created); returns what was set. Rank 0 says it once."""
     done = layer_env(cfg)

@@ -123,7 +123,7 @@ def with_install(args: list[str], env: Mapping[str, str]) -> tuple[list[str], di
 def _launcher_part(args: list[str]) -> list[str]:
     """ft_launcher's flags: everything before the training module (``-m MODULE``, as the chart
     and the local cluster run it)."""
-    return args[:args.index("-m")] if "-m" in args else args
+    return args[: args.index("-m")] if "-m" in args else args
 
 
 # Set by the node agent for its ranks: how many hot spares the job has (:func:`spares`).

@@ -43,19 +43,24 @@ def read_reports(run_dir: Path) -> list[dict]:
 
 def silent(reports: list[dict], now: float, after_s: float) -> list[tuple[dict, float]]:
     """The reports of pods silent for more than ``after_s`` and not ended, with their silence."""
-    return [(r, now - float(r.get("time", 0))) for r in reports
-            if not r.get("ended") and now - float(r.get("time", 0)) > after_s]
+    return [
+        (r, now - float(r.get("time", 0)))
+        for r in reports
+        if not r.get("ended") and now - float(r.get("time", 0)) > after_s
+    ]
 
 
 def runbook(report: dict, silence_s: float) -> str:
     node = report.get("node") or "<its node>"
-    return (f"pod index {report['index']} ({report.get('pod') or 'its pod'}, node {node}) has not reported for "
-            f"{silence_s:.0f} s: it is being replaced, or its node stopped reporting (a kernel hang, a wedged "
-            f"network driver). If `kubectl get node {node}` says NotReady or Unknown and the pod is still Running or "
-            f"Terminating: terminate its instance (a pod that came back beside its replacement would stop the "
-            f"rendezvous), then `kubectl taint nodes {node} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute` "
-            "lets Kubernetes delete the pod so that the job replaces it; node auto-repair does the same after 30 "
-            "minutes NotReady")
+    return (
+        f"pod index {report['index']} ({report.get('pod') or 'its pod'}, node {node}) has not reported for "
+        f"{silence_s:.0f} s: it is being replaced, or its node stopped reporting (a kernel hang, a wedged "
+        f"network driver). If `kubectl get node {node}` says NotReady or Unknown and the pod is still Running or "
+        f"Terminating: terminate its instance (a pod that came back beside its replacement would stop the "
+        f"rendezvous), then `kubectl taint nodes {node} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute` "
+        "lets Kubernetes delete the pod so that the job replaces it; node auto-repair does the same after 30 "
+        "minutes NotReady"
+    )
 
 
 class NodeReports(threading.Thread):
@@ -66,9 +71,17 @@ class NodeReports(threading.Thread):
     until its replacement starts: the line says both. A pod that reports again is said to be back.
     """
 
-    def __init__(self, run_dir: Path, index: int, pod: str, node: str, silent_after_s: float,
-                 say: Callable[[str], None], interval_s: float = INTERVAL_S,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        run_dir: Path,
+        index: int,
+        pod: str,
+        node: str,
+        silent_after_s: float,
+        say: Callable[[str], None],
+        interval_s: float = INTERVAL_S,
+        clock: Callable[[], float] = time.time,
+    ):
         super().__init__(name="node-reports", daemon=True)
         self.run_dir, self.index, self.pod, self.node = Path(run_dir), index, pod, node
         self.silent_after_s, self.say, self.interval_s, self.clock = silent_after_s, say, interval_s, clock
@@ -92,8 +105,12 @@ class NodeReports(threading.Thread):
         try:
             path = report_path(self.run_dir, self.index)
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_json(path, {"index": self.index, "pod": self.pod, "node": self.node,
-                                     "time": self.clock(), "ended": ended}, indent=None, newline=False)
+            atomic.write_json(
+                path,
+                {"index": self.index, "pod": self.pod, "node": self.node, "time": self.clock(), "ended": ended},
+                indent=None,
+                newline=False,
+            )
         except OSError:
             pass  # the volume is unavailable for now: the next report tries again
 

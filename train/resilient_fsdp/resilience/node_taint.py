@@ -36,12 +36,21 @@ def _value(reason: str) -> str:
     return value or "unhealthy"
 
 
-def _request(method: str, url: str, token: str, context: ssl.SSLContext, body: Optional[dict] = None,
-             content_type: str = "application/json") -> dict:
+def _request(
+    method: str,
+    url: str,
+    token: str,
+    context: ssl.SSLContext,
+    body: Optional[dict] = None,
+    content_type: str = "application/json",
+) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {token}", "Accept": "application/json",
-                                              "Content-Type": content_type})
+    request = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {token}", "Accept": "application/json", "Content-Type": content_type},
+    )
     with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=context) as response:
         return json.loads(response.read() or b"{}")
 
@@ -65,8 +74,9 @@ def taint_node(key: str, reason: str, node: Optional[str] = None, env: Optional[
         token = (where / "token").read_text().strip()
         context = ssl.create_default_context(cafile=str(where / "ca.crt"))
     except (OSError, ssl.SSLError) as exc:
-        raise TaintError(f"no service-account token at {where} ({exc}): the chart mounts it with "
-                         "pod.taintUnhealthyNode.enabled") from None
+        raise TaintError(
+            f"no service-account token at {where} ({exc}): the chart mounts it with pod.taintUnhealthyNode.enabled"
+        ) from None
     url = f"https://{host}:{port}/api/v1/nodes/{node}"
     taint = {"key": key, "value": _value(reason), "effect": "NoSchedule"}
     try:
@@ -75,8 +85,10 @@ def taint_node(key: str, reason: str, node: Optional[str] = None, env: Optional[
             taints = (current.get("spec") or {}).get("taints") or []
             if any(t.get("key") == key and t.get("effect") == "NoSchedule" for t in taints):
                 return f"node {node} already has the taint {key}:NoSchedule"
-            patch = {"metadata": {"resourceVersion": (current.get("metadata") or {}).get("resourceVersion")},
-                     "spec": {"taints": [*taints, taint]}}
+            patch = {
+                "metadata": {"resourceVersion": (current.get("metadata") or {}).get("resourceVersion")},
+                "spec": {"taints": [*taints, taint]},
+            }
             try:
                 _request("PATCH", url, token, context, patch, "application/merge-patch+json")
             except urllib.error.HTTPError as exc:
@@ -86,8 +98,12 @@ def taint_node(key: str, reason: str, node: Optional[str] = None, env: Optional[
             return f"tainted node {node} {key}={taint['value']}:NoSchedule"
         raise TaintError(f"node {node} kept changing under {ATTEMPTS} attempts to patch it")
     except urllib.error.HTTPError as exc:
-        fix = (" (the pods' service account needs get and patch on nodes: pod.taintUnhealthyNode.enabled creates "
-               "the ClusterRole)" if exc.code in (401, 403) else "")
+        fix = (
+            " (the pods' service account needs get and patch on nodes: pod.taintUnhealthyNode.enabled creates "
+            "the ClusterRole)"
+            if exc.code in (401, 403)
+            else ""
+        )
         raise TaintError(f"the API server answered {exc.code} {exc.reason} for node {node}{fix}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise TaintError(f"the API server at {host}:{port} could not be reached ({exc})") from None

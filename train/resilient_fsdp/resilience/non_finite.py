@@ -56,11 +56,13 @@ def earlier_at_step(records: list[dict], step: int) -> list[dict]:
 
 def repeated_message(step: int, loss: float, earlier: list[dict], now: list[dict]) -> str:
     times = "; ".join(f"attempt {i + 1}: {describe_ranks(r['ranks'])}" for i, r in enumerate(earlier))
-    return (f"loss is {loss} at step {step} again after a restart from the last checkpoint ({times}; attempt "
-            f"{len(earlier) + 1}: {describe_ranks(now)}). The same step twice is no transient fault. The same rank "
-            "or node each time: suspect its GPU: cordon the node (`kubectl get pod POD -o wide` names it, then "
-            "`kubectl cordon NODE`) and start the job again. Otherwise: lower optim.lr, check the data this step "
-            "reads, or set optim.grad_clip")
+    return (
+        f"loss is {loss} at step {step} again after a restart from the last checkpoint ({times}; attempt "
+        f"{len(earlier) + 1}: {describe_ranks(now)}). The same step twice is no transient fault. The same rank "
+        "or node each time: suspect its GPU: cordon the node (`kubectl get pod POD -o wide` names it, then "
+        "`kubectl cordon NODE`) and start the job again. Otherwise: lower optim.lr, check the data this step "
+        "reads, or set optim.grad_clip"
+    )
 
 
 def gather(local_loss: float, rank: int) -> list[dict]:
@@ -68,13 +70,22 @@ def gather(local_loss: float, rank: int) -> list[dict]:
     import torch.distributed as dist
 
     entries: list[Optional[dict]] = [None] * dist.get_world_size()
-    dist.all_gather_object(entries, {"rank": rank, "node": node_index(), "host": socket.gethostname(),
-                                     "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "loss": local_loss})
+    dist.all_gather_object(
+        entries,
+        {
+            "rank": rank,
+            "node": node_index(),
+            "host": socket.gethostname(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "loss": local_loss,
+        },
+    )
     return entries
 
 
-def stop(step: int, loss: float, local_loss: torch.Tensor, rank: int, ledger: FaultLedger,
-         log: Callable[[dict, str], None]) -> NoReturn:
+def stop(
+    step: int, loss: float, local_loss: torch.Tensor, rank: int, ledger: FaultLedger, log: Callable[[dict, str], None]
+) -> NoReturn:
     """Every rank, when step ``step``'s global ``loss`` is non-finite: find the ranks, record and
     log it (rank 0), and raise :class:`NonFiniteLoss` or :class:`RepeatedNonFiniteLoss`.
 
@@ -89,14 +100,21 @@ def stop(step: int, loss: float, local_loss: torch.Tensor, rank: int, ledger: Fa
     earlier = earlier_at_step(records, step)
     ranks = non_finite_ranks(gather(float(local_loss), rank))
     repeated = bool(earlier)
-    record = {"step": step, "loss": loss, "t": time.time(), "ranks": ranks,
-              "outcome": "failed" if repeated else "restart"}
+    record = {
+        "step": step,
+        "loss": loss,
+        "t": time.time(),
+        "ranks": ranks,
+        "outcome": "failed" if repeated else "restart",
+    }
     if repeated:
         message = repeated_message(step, loss, earlier, ranks)
     else:
-        message = (f"loss is {loss} at step {step}, own loss non-finite on {describe_ranks(ranks)}: suspected "
-                   "hardware fault; restarting from the last checkpoint (in-job). The same step non-finite again "
-                   "fails the job")
+        message = (
+            f"loss is {loss} at step {step}, own loss non-finite on {describe_ranks(ranks)}: suspected "
+            "hardware fault; restarting from the last checkpoint (in-job). The same step non-finite again "
+            "fails the job"
+        )
     path = ledger.record_non_finite(record, sum(1 for r in records if r["step"] == step))
     if rank == 0:
         log({"event": "non_finite_loss", **record, "record": str(path)}, message)

@@ -140,8 +140,11 @@ def _stop_helpers() -> None:
         try:
             stop()
         except Exception as exc:  # noqa: BLE001 - the abort goes on; the thread is joined or named
-            print(f"[resilient-fsdp] stopping a helper before the abort: {type(exc).__name__}: {exc}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[resilient-fsdp] stopping a helper before the abort: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def leave_to_abort(threads: Iterable) -> None:
@@ -165,11 +168,20 @@ def join_left_threads(timeout_s: float = LEFT_THREADS_JOIN_S) -> list[str]:
 
         frames = sys._current_frames()
         where = "; ".join(
-            f"{t.name} at " + " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
-                                         for f in reversed(traceback.extract_stack(frames[t.ident])[-3:]))
-            for t in _LEFT_THREADS if t.ident in frames)
-        print(f"[resilient-fsdp] {', '.join(names)} still running {timeout_s:.0f} s after the abort shut "
-              f"their connections down; their groups go when they do: {where}", file=sys.stderr, flush=True)
+            f"{t.name} at "
+            + " < ".join(
+                f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+                for f in reversed(traceback.extract_stack(frames[t.ident])[-3:])
+            )
+            for t in _LEFT_THREADS
+            if t.ident in frames
+        )
+        print(
+            f"[resilient-fsdp] {', '.join(names)} still running {timeout_s:.0f} s after the abort shut "
+            f"their connections down; their groups go when they do: {where}",
+            file=sys.stderr,
+            flush=True,
+        )
     return names
 
 
@@ -225,8 +237,9 @@ def make_abort():
     return AbortProcessGroups()
 
 
-def new_wrapper(wrapper_class, gpu_present: Optional[bool] = None, say: Optional[Callable[[str], None]] = None,
-                **kwargs):
+def new_wrapper(
+    wrapper_class, gpu_present: Optional[bool] = None, say: Optional[Callable[[str], None]] = None, **kwargs
+):
     """``wrapper_class(**kwargs)`` (NVRx's ``inprocess.Wrapper``) with NVRx 0.7's GPU, NVLink and NIC
     restart health checks only where a GPU is present.
 
@@ -280,12 +293,17 @@ def hosting_store_factory():
 
     class HostingTCPStore(TCPStore):
         def __init__(self, **kwargs):
-            if int(os.environ["RANK"]) != self.TCP_STORE_HOST_RANK or \
-                    os.environ.get(HOSTING_PID_ENV) != str(os.getpid()):
+            if int(os.environ["RANK"]) != self.TCP_STORE_HOST_RANK or os.environ.get(HOSTING_PID_ENV) != str(
+                os.getpid()
+            ):
                 super().__init__(**kwargs)  # a client, as NVRx makes it
                 return
-            args = {"host_name": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
-                    "world_size": int(os.environ["WORLD_SIZE"]), **kwargs}
+            args = {
+                "host_name": os.environ["MASTER_ADDR"],
+                "port": int(os.environ["MASTER_PORT"]),
+                "world_size": int(os.environ["WORLD_SIZE"]),
+                **kwargs,
+            }
             deadline, error = time.monotonic() + STORE_HOST_RETRY_S, None
             while True:
                 try:
@@ -296,10 +314,12 @@ def hosting_store_factory():
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(STORE_HOST_RETRY_EVERY_S)
-            raise StoreHostError(f"rank 0 could not host the in-process restart store on port {args['port']} "
-                                 f"(MASTER_PORT + resilience.in_process.store_port_offset) within "
-                                 f"{STORE_HOST_RETRY_S:g} s: {error}; the in-job restart's next round picks "
-                                 "another MASTER_PORT") from error
+            raise StoreHostError(
+                f"rank 0 could not host the in-process restart store on port {args['port']} "
+                f"(MASTER_PORT + resilience.in_process.store_port_offset) within "
+                f"{STORE_HOST_RETRY_S:g} s: {error}; the in-job restart's next round picks "
+                "another MASTER_PORT"
+            ) from error
 
     os.environ[HOSTING_PID_ENV] = str(os.getpid())
     return HostingTCPStore
@@ -322,10 +342,14 @@ def whole_world_rank_assignment():
         def __call__(self, ctx):
             if ctx.terminated_ranks:
                 lost = ", ".join(str(r) for r in sorted(ctx.terminated_ranks))
-                print(f"[resilient-fsdp] rank {ctx.state.rank}: in-process restart cannot go on without rank(s) "
-                      f"{lost} (unresponsive or past resilience.in_process.hard_timeout_s); the job's world is "
-                      "fixed, so the in-job restart takes over (a hot spare, if any, takes the lost place): "
-                      "ending this rank's process", file=sys.stderr, flush=True)
+                print(
+                    f"[resilient-fsdp] rank {ctx.state.rank}: in-process restart cannot go on without rank(s) "
+                    f"{lost} (unresponsive or past resilience.in_process.hard_timeout_s); the job's world is "
+                    "fixed, so the in-job restart takes over (a hot spare, if any, takes the lost place): "
+                    "ending this rank's process",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 sys.stdout.flush()
                 os._exit(LEFT_TO_IN_JOB_EXIT)
             return ActivateAllRanks()(ctx)
@@ -349,8 +373,10 @@ def rank_health_check(gpu_present: Optional[bool] = None):
 
 
 def _say_dropped(dropped: list[str], say: Optional[Callable[[str], None]]) -> None:
-    message = (f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: no GPU: in-process restart runs without "
-               f"NVRx's {', '.join(dropped)} (they need a GPU and NVML)")
+    message = (
+        f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: no GPU: in-process restart runs without "
+        f"NVRx's {', '.join(dropped)} (they need a GPU and NVML)"
+    )
     (say or (lambda m: print(m, file=sys.stderr, flush=True)))(message)
 
 
@@ -358,8 +384,9 @@ def _say_dropped(dropped: list[str], say: Optional[Callable[[str], None]]) -> No
 GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
 
 
-def adapt_health_checks(wrapper, gpu_present: Optional[bool] = None,
-                        say: Optional[Callable[[str], None]] = None) -> list[str]:
+def adapt_health_checks(
+    wrapper, gpu_present: Optional[bool] = None, say: Optional[Callable[[str], None]] = None
+) -> list[str]:
     """Drop NVRx 0.7's GPU, NVLink and NIC restart health checks from ``wrapper`` when no GPU is
     present (they fail there, and every in-process restart would become a termination); keep
     them, and any other check, on GPU nodes. NVRx 0.4 has none. Returns the names dropped."""
@@ -411,18 +438,21 @@ def _major_minor(version: str) -> tuple[int, int]:
 def hot_spares_unsupported(launcher_args: list[str], version: Optional[str]) -> Optional[str]:
     """Why ``launcher_args`` (ft_launcher's) cannot run with NVRx ``version``: an ``--nnodes=N:M``
     range asks for M - N hot spares, which only NVRx 0.6 or newer keeps standby; None when they can."""
-    nnodes = next((a.split("=", 1)[1] for a in launcher_args[:_trainer_start(launcher_args)]
-                   if a.startswith("--nnodes=")), "")
+    nnodes = next(
+        (a.split("=", 1)[1] for a in launcher_args[: _trainer_start(launcher_args)] if a.startswith("--nnodes=")), ""
+    )
     low, sep, high = nnodes.partition(":")
     if not sep or not (low.isdigit() and high.isdigit()) or int(low) >= int(high) or version is None:
         return None
     if _major_minor(version) >= STANDBY_SINCE:
         return None
     spares = int(high) - int(low)
-    return (f"--nnodes={nnodes} asks for {spares} hot spare pod(s) (the chart's spares={spares}), which NVRx "
-            f"{STANDBY_SINCE[0]}.{STANDBY_SINCE[1]} or newer keeps standby while {low} nodes train; this pod's NVRx "
-            f"{version} would train at every node that joins, a world of up to {high} nodes. Run the image's NVRx "
-            f"(constraints-image.txt), or set spares=0")
+    return (
+        f"--nnodes={nnodes} asks for {spares} hot spare pod(s) (the chart's spares={spares}), which NVRx "
+        f"{STANDBY_SINCE[0]}.{STANDBY_SINCE[1]} or newer keeps standby while {low} nodes train; this pod's NVRx "
+        f"{version} would train at every node that joins, a world of up to {high} nodes. Run the image's NVRx "
+        f"(constraints-image.txt), or set spares=0"
+    )
 
 
 def _trainer_start(args: list[str]) -> int:

@@ -101,8 +101,10 @@ def judge(run_dir: Path, limit: int, code: int, pod: str, index: Optional[int]) 
     except OSError:
         return None
     seen = "; ".join(f"{r['pod']} exited {r['code']} at step {r['progress']}" for r in row[-5:])
-    return (f"{len(row) + 1} pod failures in a row without training past step {now} (job.backoffLimit={limit}): "
-            f"{seen}{'; ' if seen else ''}{pod} exits {code} now at step {now}. Under a PyTorchJob the operator would "
-            "recreate the pods for ever, so this node exits 2 and the job fails. The nodes' logs say what failed; "
-            f"the records are in {failures.dir}. Fix the cause and start the job again (it resumes from the newest "
-            "committed checkpoint), or raise job.backoffLimit")
+    return (
+        f"{len(row) + 1} pod failures in a row without training past step {now} (job.backoffLimit={limit}): "
+        f"{seen}{'; ' if seen else ''}{pod} exits {code} now at step {now}. Under a PyTorchJob the operator would "
+        "recreate the pods for ever, so this node exits 2 and the job fails. The nodes' logs say what failed; "
+        f"the records are in {failures.dir}. Fix the cause and start the job again (it resumes from the newest "
+        "committed checkpoint), or raise job.backoffLimit"
+    )

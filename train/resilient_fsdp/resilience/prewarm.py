@@ -33,13 +33,30 @@ PROCESS_START_ENV = "RESILIENT_FSDP_PROCESS_START"
 # What the server imports before it accepts a rank: the trainer, and what a rank imports later
 # (the checkpoint writer's side, NVRx's rank monitor client and in-process restart; torch._dynamo,
 # which FSDP2's hooks import at the first forward: 0.7 s per rank, started by no thread).
-PRELOAD = ("resilient_fsdp.train.entrypoint", "resilient_fsdp.checkpoint.writer.process",
-           "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo", "numpy.random")
+PRELOAD = (
+    "resilient_fsdp.train.entrypoint",
+    "resilient_fsdp.checkpoint.writer.process",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+    "numpy.random",
+)
 # Read by the interpreter, torch or NumPy when they are imported: a client whose value differs
 # from the server's runs the rank itself. OpenMP and MKL take their thread counts when torch loads
 # them, so a fork keeps the server's whatever the rank's environment says.
-IMPORT_TIME_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS",
-                    "TORCH_SHOW_CPP_STACKTRACES", "LD_PRELOAD", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+IMPORT_TIME_VARS = (
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONSAFEPATH",
+    "PYTHONWARNINGS",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_LOGS",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
 # What ft_launcher (as torchrun) sets for its ranks when a node runs several and it is unset.
 LAUNCHER_OMP_NUM_THREADS = "1"
 # Signals the client passes on to its rank (ft_launcher stops workers with SIGTERM, then SIGKILL).
@@ -50,6 +67,7 @@ _HEADER = struct.Struct("!I")
 
 
 # -- what the node agent gives ft_launcher and the server alike ---------------------------------------
+
 
 def with_launcher_threads(env: dict[str, str], nproc_per_node: Optional[int]) -> dict[str, str]:
     """``env`` with the ``OMP_NUM_THREADS`` ft_launcher gives its ranks: ``1`` when a node runs
@@ -64,6 +82,7 @@ def with_launcher_threads(env: dict[str, str], nproc_per_node: Optional[int]) ->
 
 
 # -- the client (the process ft_launcher started) ---------------------------------------------------
+
 
 def run_as_client(argv: list[str]) -> Optional[int]:
     """Hand this rank to the pod's server when :data:`SOCKET_ENV` names one: the rank's exit
@@ -80,8 +99,13 @@ def run_as_client(argv: list[str]) -> Optional[int]:
     with conn:
         umask = os.umask(0)
         os.umask(umask)
-        request = {"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd(), "umask": umask,
-                   "executable": sys.executable}
+        request = {
+            "argv": list(argv),
+            "env": dict(os.environ),
+            "cwd": os.getcwd(),
+            "umask": umask,
+            "executable": sys.executable,
+        }
         try:
             _send(conn, request, fds=[0, 1, 2])
             reply = _receive(conn)
@@ -154,6 +178,7 @@ def _starting(path: str) -> bool:
 
 
 # -- the server (one per pod, beside ft_launcher) -----------------------------------------------------
+
 
 def serve(path: str, trainer_argv: list[str], module: str = TRAINER_MODULE) -> int:
     """Bind ``path``, import what a rank needs (in the environment ``trainer_argv``'s ranks import
@@ -357,7 +382,9 @@ def _reap(ranks: dict[int, socket.socket], clients: dict, sel: selectors.BaseSel
         conn = ranks.pop(pid, None)
         if conn is None or conn not in clients:
             continue
-        ending = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"code": os.waitstatus_to_exitcode(status)}
+        ending = (
+            {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"code": os.waitstatus_to_exitcode(status)}
+        )
         _reply(conn, ending)
         _close(conn, clients, sel)
 
@@ -424,7 +451,7 @@ def _receive_with_fds(conn: socket.socket) -> tuple[Optional[dict], list[int]]:
     data, ancdata, _, _ = conn.recvmsg(_HEADER.size, socket.CMSG_LEN(16 * fds.itemsize))
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     while data and len(data) < _HEADER.size:
         more = conn.recv(_HEADER.size - len(data))
         if not more:
@@ -455,8 +482,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         elif rest[0].startswith("--module="):
             module = rest[0].split("=", 1)[1]
         else:
-            print(f"prewarm: unknown argument {rest[0]!r}; usage: python -m resilient_fsdp.resilience.prewarm "
-                  f"--socket=PATH [--module=MODULE (default {TRAINER_MODULE})] -- TRAINER_ARGS", file=sys.stderr)
+            print(
+                f"prewarm: unknown argument {rest[0]!r}; usage: python -m resilient_fsdp.resilience.prewarm "
+                f"--socket=PATH [--module=MODULE (default {TRAINER_MODULE})] -- TRAINER_ARGS",
+                file=sys.stderr,
+            )
             return 2
         rest = rest[1:]
     if path is None:

@@ -23,14 +23,21 @@ LEARNED = ("step", "checkpoint")
 PING_INTERVAL_S = 1.0
 
 
-def with_floors(section: dict, out_of_section: Optional[float], calculated: set, oos_calculated: bool,
-                configured: dict, configured_oos: Optional[float], minimum: float
-                ) -> tuple[dict, Optional[float]]:
+def with_floors(
+    section: dict,
+    out_of_section: Optional[float],
+    calculated: set,
+    oos_calculated: bool,
+    configured: dict,
+    configured_oos: Optional[float],
+    minimum: float,
+) -> tuple[dict, Optional[float]]:
     """Section timeouts with every learned value raised to its configured one (and to ``minimum``).
 
     A section not learned keeps its configured value; one configured ``None`` (no limit) stays
     unlimited; a section missing from ``section`` (an older checkpoint) gets its configured value.
     """
+
     def floor(learned: Optional[float], is_learned: bool, config: Optional[float]) -> Optional[float]:
         if config is None:
             return None
@@ -147,11 +154,17 @@ class ProgressMonitor:
 
     def maybe_learn(self) -> Optional[dict]:
         """Learn section timeouts once enough was observed; collective. Returns them when learned."""
-        if (self.client is None or self.learned or not self.cfg.learn_timeouts
-                or self.steps_seen < self.cfg.learn_after_steps or not self.seen_checkpoint):
+        if (
+            self.client is None
+            or self.learned
+            or not self.cfg.learn_timeouts
+            or self.steps_seen < self.cfg.learn_after_steps
+            or not self.seen_checkpoint
+        ):
             return None
-        ok = self.client.calculate_and_set_section_timeouts(selected_sections=list(LEARNED),
-                                                            calc_out_of_section=True, skip_if_not_ready=True)
+        ok = self.client.calculate_and_set_section_timeouts(
+            selected_sections=list(LEARNED), calc_out_of_section=True, skip_if_not_ready=True
+        )
         if not ok:
             return None
         self.learned = True
@@ -162,13 +175,22 @@ class ProgressMonitor:
         # NVRx replaces a configured value even by a lower one, and multiplies the longest
         # observation by the safety factor: a 20 ms step would give a 0.1 s timeout.
         st = self.client.section_timeouts
-        section, oos = with_floors(dict(st.section), st.out_of_section, set(st.calculated_sections),
-                                   bool(st.is_out_of_section_calculated), self.configured, self.configured_oos,
-                                   self.cfg.min_learned_timeout_s)
+        section, oos = with_floors(
+            dict(st.section),
+            st.out_of_section,
+            set(st.calculated_sections),
+            bool(st.is_out_of_section_calculated),
+            self.configured,
+            self.configured_oos,
+            self.cfg.min_learned_timeout_s,
+        )
         if section != dict(st.section) or oos != st.out_of_section:
-            updated = type(st)(section=section, out_of_section=oos,
-                               calculated_sections=set(st.calculated_sections) & set(section),
-                               is_out_of_section_calculated=st.is_out_of_section_calculated)
+            updated = type(st)(
+                section=section,
+                out_of_section=oos,
+                calculated_sections=set(st.calculated_sections) & set(section),
+                is_out_of_section_calculated=st.is_out_of_section_calculated,
+            )
             self.client._set_calculated_timeouts(new_hb_timeouts=None, new_section_timeouts=updated)
 
     def timeouts(self) -> dict:
@@ -197,4 +219,3 @@ class ProgressMonitor:
             self.open.clear()
             self.client.shutdown_workload_monitoring()
             self.client = None
-

@@ -40,9 +40,16 @@ def store_listens(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> b
         return False
 
 
-def _probe_until(listening: bool, host: str, port: int, limit_s: float, stopped: Callable[[], bool],
-                 probe: Callable[[str, int], bool], clock: Callable[[], float],
-                 sleep: Callable[[float], None]) -> Optional[float]:
+def _probe_until(
+    listening: bool,
+    host: str,
+    port: int,
+    limit_s: float,
+    stopped: Callable[[], bool],
+    probe: Callable[[str, int], bool],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> Optional[float]:
     """Probe ``host:port`` until it does (``listening``) or does not listen; the seconds that took,
     or None once ``limit_s`` passed or ``stopped()``."""
     began = clock()
@@ -53,9 +60,14 @@ def _probe_until(listening: bool, host: str, port: int, limit_s: float, stopped:
     return clock() - began
 
 
-def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool] = lambda: False,
-                window_s: float = UP_LIMIT_S, probe: Callable[[str, int], bool] = store_listens,
-                clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> str:
+def await_store(
+    endpoint: Optional[tuple[str, int]],
+    stopped: Callable[[], bool] = lambda: False,
+    window_s: float = UP_LIMIT_S,
+    probe: Callable[[str, int], bool] = store_listens,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
     """Wait until the store at ``endpoint`` has closed and then listens again (the store host's
     replacement), each within its limit and all within ``window_s`` (what is left of the rejoin
     window), or until ``stopped()`` (the node got a signal); says what it waited for. Without an
@@ -70,8 +82,9 @@ def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool]
     host, port = endpoint
 
     def wait(listening: bool, limit_s: float) -> Optional[float]:
-        waited = _probe_until(listening, host, port, min(limit_s, window_s - (clock() - start)), stopped, probe,
-                              clock, sleep)
+        waited = _probe_until(
+            listening, host, port, min(limit_s, window_s - (clock() - start)), stopped, probe, clock, sleep
+        )
         return None if waited is None else clock() - start
 
     closed = wait(False, GONE_LIMIT_S)
@@ -79,16 +92,27 @@ def await_store(endpoint: Optional[tuple[str, int]], stopped: Callable[[], bool]
     if stopped():
         return f"stopped while waiting for the store at {host}:{port}"
     where = f"{host}:{port}"
-    first = (f"the old store at {where} closed after {closed:.1f} s" if closed is not None
-             else f"the store at {where} still answered after {GONE_LIMIT_S:g} s")
-    second = (f"a store listened after {opened:.1f} s" if opened is not None
-              else f"none listened within {min(UP_LIMIT_S, window_s):g} s; starting anyway")
+    first = (
+        f"the old store at {where} closed after {closed:.1f} s"
+        if closed is not None
+        else f"the store at {where} still answered after {GONE_LIMIT_S:g} s"
+    )
+    second = (
+        f"a store listened after {opened:.1f} s"
+        if opened is not None
+        else f"none listened within {min(UP_LIMIT_S, window_s):g} s; starting anyway"
+    )
     return f"{first}; {second}"
 
 
-def await_first_store(endpoint: Optional[tuple[str, int]], limit_s: float, stopped: Callable[[], bool] = lambda: False,
-                      probe: Callable[[str, int], bool] = store_listens, clock: Callable[[], float] = time.monotonic,
-                      sleep: Callable[[float], None] = time.sleep) -> Optional[str]:
+def await_first_store(
+    endpoint: Optional[tuple[str, int]],
+    limit_s: float,
+    stopped: Callable[[], bool] = lambda: False,
+    probe: Callable[[str, int], bool] = store_listens,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Optional[str]:
     """Before a node that is not the store host starts its first launcher: wait, up to ``limit_s``
     (``store_connect_wait_seconds``, else ``join_timeout``), until the store listens; says what it
     waited for, None when there was nothing to wait for.
@@ -138,14 +162,18 @@ class Rejoin:
             return None
         self.count += 1
         ending = exit_codes.describe_code(code).split(",")[0]
-        return (f"ft_launcher ended ({ending}), which another node's failure causes; "
-                f"joining again in this pod, not counted by the job level ({waited:.0f} of "
-                f"{self.timeout_s:.0f} s since the event; join {self.count})")
+        return (
+            f"ft_launcher ended ({ending}), which another node's failure causes; "
+            f"joining again in this pod, not counted by the job level ({waited:.0f} of "
+            f"{self.timeout_s:.0f} s since the event; join {self.count})"
+        )
 
     def remaining_s(self) -> float:
         """What is left of the current event's window."""
         return max(0.0, self.timeout_s - (self.clock() - self.since)) if self.since is not None else self.timeout_s
 
     def gave_up(self) -> str:
-        return (f"no rendezvous completed within {self.timeout_s:.0f} s of the event "
-                "(rendezvous.rejoinTimeoutSeconds): exiting, so the job level counts it")
+        return (
+            f"no rendezvous completed within {self.timeout_s:.0f} s of the event "
+            "(rendezvous.rejoinTimeoutSeconds): exiting, so the job level counts it"
+        )

@@ -59,12 +59,14 @@ def digest(tensors: list[torch.Tensor]) -> torch.Tensor:
         flat = t.detach().reshape(-1)
         if flat.numel() == 0:
             continue
-        words = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16 if flat.element_size() == 2
-                          else torch.int64)
+        words = flat.view(
+            torch.int32 if flat.element_size() == 4 else torch.int16 if flat.element_size() == 2 else torch.int64
+        )
         for start in range(0, words.numel(), _CHUNK):
-            chunk = words[start:start + _CHUNK].to(torch.int64)
-            weights = (torch.arange(offset, offset + chunk.numel(), dtype=torch.int64, device=device)
-                       % _WEIGHT_MODULUS) + 1
+            chunk = words[start : start + _CHUNK].to(torch.int64)
+            weights = (
+                torch.arange(offset, offset + chunk.numel(), dtype=torch.int64, device=device) % _WEIGHT_MODULUS
+            ) + 1
             total[0] += chunk.sum()
             total[1] += (chunk * weights).sum()
             offset += chunk.numel()
@@ -86,9 +88,19 @@ def odd_ones(digests: list[tuple[int, int]]) -> Optional[list[int]]:
 class ReplicaCheck:
     """One attempt's replica checks; :meth:`after_step` is collective."""
 
-    def __init__(self, cfg: SdcConfig, mesh, rank: int, ledger: FaultLedger, resumed_step: Callable[[], int],
-                 memory_discard: Callable[[int], object], durable_root: Path, can_leave: Callable[[], int],
-                 exclude_this_node: Callable[[str], bool], log: Callable[[dict, str], None]):
+    def __init__(
+        self,
+        cfg: SdcConfig,
+        mesh,
+        rank: int,
+        ledger: FaultLedger,
+        resumed_step: Callable[[], int],
+        memory_discard: Callable[[int], object],
+        durable_root: Path,
+        can_leave: Callable[[], int],
+        exclude_this_node: Callable[[str], bool],
+        log: Callable[[dict, str], None],
+    ):
         self.cfg, self.rank, self.ledger = cfg, rank, ledger
         self.resumed_step, self.memory_discard, self.durable_root = resumed_step, memory_discard, durable_root
         self.can_leave, self.exclude_this_node, self.log = can_leave, exclude_this_node, log
@@ -100,9 +112,11 @@ class ReplicaCheck:
         if cfg.interval_steps:
             names = mesh.mesh_dim_names or ()
             if "dp_replicate" not in names:
-                raise ConfigError("resilience.sdc.interval_steps compares the replicas of each shard, which only HSDP "
-                                  "has: set dist.shard_group_size to a divisor of the world size below it (each shard "
-                                  "then has world / shard_group_size replicas), or resilience.sdc.interval_steps=0")
+                raise ConfigError(
+                    "resilience.sdc.interval_steps compares the replicas of each shard, which only HSDP "
+                    "has: set dist.shard_group_size to a divisor of the world size below it (each shard "
+                    "then has world / shard_group_size replicas), or resilience.sdc.interval_steps=0"
+                )
             self.group = mesh["dp_replicate"].get_group()
             self.replicas = mesh["dp_replicate"].size()
             self.mesh = mesh
@@ -153,9 +167,16 @@ class ReplicaCheck:
         leaving = [r for r, w in enumerate(who) if w[1] and w[2] == 0]
         last_pass = self.last_pass if self.last_pass is not None else 0
         dropped = self.memory_discard(last_pass)
-        record = {"key": key, "step": step, "last_pass_step": last_pass, "t_detected": time.time(),
-                  "replicas": self.replicas, "suspects": suspects, "odd_one_out": any(w[1] for w in who),
-                  "replaced": [{"rank": r, "pod": who[r][3], "host": who[r][4]} for r in leaving]}
+        record = {
+            "key": key,
+            "step": step,
+            "last_pass_step": last_pass,
+            "t_detected": time.time(),
+            "replicas": self.replicas,
+            "suspects": suspects,
+            "odd_one_out": any(w[1] for w in who),
+            "replaced": [{"rank": r, "pod": who[r][3], "host": who[r][4]} for r in leaving],
+        }
         staying = sorted({w[2] for w in who if w[1] and w[2] != 0})
         if staying:
             record["not_replaced"] = "; ".join(NOT_REPLACED[code] for code in staying)
@@ -164,29 +185,38 @@ class ReplicaCheck:
             record["set_aside"] = aside
             self.ledger.record_sdc(record)
             names = ", ".join(f"rank {s['rank']} (pod {s['pod']}, host {s['host']})" for s in suspects)
-            self.log({"event": "replica_mismatch", **record},
-                     f"silent data corruption: the replicas of a shard differ at step {step} (last agreed at step "
-                     f"{last_pass}); suspects: {names}; {len(aside)} durable checkpoint(s) newer than step {last_pass} "
-                     f"set aside as suspect and {len(dropped or [])} memory snapshot(s) discarded on rank 0"
-                     + (f"; {len(leaving)} node(s) leave for a hot spare" if leaving else "")
-                     + "; rolling back")
+            self.log(
+                {"event": "replica_mismatch", **record},
+                f"silent data corruption: the replicas of a shard differ at step {step} (last agreed at step "
+                f"{last_pass}); suspects: {names}; {len(aside)} durable checkpoint(s) newer than step {last_pass} "
+                f"set aside as suspect and {len(dropped or [])} memory snapshot(s) discarded on rank 0"
+                + (f"; {len(leaving)} node(s) leave for a hot spare" if leaving else "")
+                + "; rolling back",
+            )
         if earlier:
             raise RepeatedCorruption(
                 f"the replicas of a shard differ again at step {step}, after the rollback for the mismatch at step "
                 f"{earlier[-1]['step']} and before any check passed: a rollback does not fix it. Suspects: "
                 + ", ".join(f"rank {s['rank']} (pod {s['pod']}, host {s['host']})" for s in suspects)
-                + ". Cordon their nodes (`kubectl cordon NODE`) and start the job again")
+                + ". Cordon their nodes (`kubectl cordon NODE`) and start the job again"
+            )
         if self.rank in leaving:
-            self.exclude_this_node(f"silent data corruption: this rank's replica differed from the others' at step "
-                                   f"{step}")
-        raise SilentCorruption(f"the replicas of a shard differ at step {step}: rolling back to step {last_pass} or "
-                               "before")
+            self.exclude_this_node(
+                f"silent data corruption: this rank's replica differed from the others' at step {step}"
+            )
+        raise SilentCorruption(
+            f"the replicas of a shard differ at step {step}: rolling back to step {last_pass} or before"
+        )
 
     def summary(self) -> Optional[dict]:
         if self.group is None:
             return None
-        return {"interval_steps": self.cfg.interval_steps, "replicas": self.replicas, "checks": self.checks,
-                "check_s_median": sorted(self.check_s)[len(self.check_s) // 2] if self.check_s else None}
+        return {
+            "interval_steps": self.cfg.interval_steps,
+            "replicas": self.replicas,
+            "checks": self.checks,
+            "check_s_median": sorted(self.check_s)[len(self.check_s) // 2] if self.check_s else None,
+        }
 
 
 def suspect_window(ledger: FaultLedger) -> Optional[tuple[int, int]]:

@@ -26,11 +26,22 @@ class StoreWatch(threading.Thread):
     """Probes the store at ``endpoint`` until :meth:`stop`; :attr:`lost` says why once it has not
     accepted a connection for ``limit_s`` in a row."""
 
-    def __init__(self, endpoint: tuple[str, int], limit_s: float,
-                 probe: Callable[[str, int], bool] = lambda h, p: store_listens(h, p, PROBE_TIMEOUT_S),
-                 interval_s: float = PROBE_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        endpoint: tuple[str, int],
+        limit_s: float,
+        probe: Callable[[str, int], bool] = lambda h, p: store_listens(h, p, PROBE_TIMEOUT_S),
+        interval_s: float = PROBE_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__(name="store-watch", daemon=True)
-        self.endpoint, self.limit_s, self.probe, self.interval_s, self.clock = endpoint, limit_s, probe, interval_s, clock
+        self.endpoint, self.limit_s, self.probe, self.interval_s, self.clock = (
+            endpoint,
+            limit_s,
+            probe,
+            interval_s,
+            clock,
+        )
         self.lost: Optional[str] = None
         self.on_lost: Callable[[str], None] = lambda message: None
         self._stopping = threading.Event()
@@ -44,9 +55,11 @@ class StoreWatch(threading.Thread):
                 continue
             silent = self.clock() - answered
             if silent >= self.limit_s and not self._stopping.is_set():
-                self.lost = (f"the rendezvous store at {host}:{port} accepted no connection for {silent:.0f} s "
-                             f"(rendezvous.storeTimeoutSeconds={self.limit_s:g}): its host is gone without closing "
-                             "its connections; ending ft_launcher")
+                self.lost = (
+                    f"the rendezvous store at {host}:{port} accepted no connection for {silent:.0f} s "
+                    f"(rendezvous.storeTimeoutSeconds={self.limit_s:g}): its host is gone without closing "
+                    "its connections; ending ft_launcher"
+                )
                 self.on_lost(self.lost)
                 return
 

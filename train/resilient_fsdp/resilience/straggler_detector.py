@@ -91,8 +91,13 @@ class StragglerDetector:
 
     def _initialize(self, node_name: str) -> None:
         # The report is asked for every N steps (``report``), never on NVRx's clock.
-        self.detector.initialize(scores_to_compute=["relative_perf_scores"], gather_on_rank0=True,
-                                 profiling_interval=1, report_time_interval=float("inf"), node_name=node_name)
+        self.detector.initialize(
+            scores_to_compute=["relative_perf_scores"],
+            gather_on_rank0=True,
+            profiling_interval=1,
+            report_time_interval=float("inf"),
+            node_name=node_name,
+        )
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:

@@ -30,11 +30,13 @@ from .node_rank import SPARES_ENV
 
 KERNELS = "kernels"
 # Why a straggler is not replaced, agreed as the largest code any rank gives.
-NOT_REPLACED = {1: "no ft_launcher to ask (the trainer runs without the node agent)",
-                2: "no hot spare (spares=0)",
-                3: "it runs on pod 0, which hosts the rendezvous store: its leaving would restart the job",
-                4: "every hot spare has taken a node's place already: NVRx's rendezvous admits as many nodes left "
-                   "out as the job has spares, and one more would close it and end the job"}
+NOT_REPLACED = {
+    1: "no ft_launcher to ask (the trainer runs without the node agent)",
+    2: "no hot spare (spares=0)",
+    3: "it runs on pod 0, which hosts the rendezvous store: its leaving would restart the job",
+    4: "every hot spare has taken a node's place already: NVRx's rendezvous admits as many nodes left "
+    "out as the job has spares, and one more would close it and end the job",
+}
 # The slowest ranks of each report kept in the records (the metrics' per-rank scores).
 SLOWEST_KEPT = 8
 # Steps before an attempt's first report with a cadence in seconds: the first steps' times
@@ -52,8 +54,9 @@ def why_not_replaceable(launcher_active: bool, spares: int, pod: int, ledger: Fa
     """Rank-local: 0 when this rank's node can leave the job for a hot spare, else the code of
     :data:`NOT_REPLACED` that says why not. Every node left out so far counts against the spares
     (stragglers replaced, odd replicas out of :mod:`.sdc`)."""
-    left = (sum(1 for r in ledger.stragglers() if r.get("action") == "replaced")
-            + sum(len(r.get("replaced", [])) for r in ledger.sdc()))
+    left = sum(1 for r in ledger.stragglers() if r.get("action") == "replaced") + sum(
+        len(r.get("replaced", [])) for r in ledger.sdc()
+    )
     return 1 if not launcher_active else 2 if spares < 1 else 3 if pod == 0 else 4 if left >= spares else 0
 
 
@@ -62,8 +65,13 @@ def spares_in(env: dict) -> int:
     return int(raw) if raw.isdigit() else 0
 
 
-def slow_ranks(scores: dict[str, dict[int, float]], excess_s: dict[str, dict[int, float]], kernels: dict[int, float],
-               threshold: float, min_excess_s: float) -> dict[int, tuple[str, float]]:
+def slow_ranks(
+    scores: dict[str, dict[int, float]],
+    excess_s: dict[str, dict[int, float]],
+    kernels: dict[int, float],
+    threshold: float,
+    min_excess_s: float,
+) -> dict[int, tuple[str, float]]:
     """Each rank slow in one report: its slowest part below ``threshold`` (for a section, also
     costing at least ``min_excess_s`` more than the fastest rank) and that part's score."""
     out: dict[int, tuple[str, float]] = {}
@@ -101,12 +109,24 @@ class Stragglers:
     has spares) and a node other than pod 0 (its leaving is a job-level restart).
     """
 
-    def __init__(self, cfg: StragglersConfig, rank: int, device: torch.device, ledger: FaultLedger,
-                 exclude_this_node: Callable[[str], bool], launcher_active: bool, spares: int,
-                 log: Callable[[dict, str], None]):
+    def __init__(
+        self,
+        cfg: StragglersConfig,
+        rank: int,
+        device: torch.device,
+        ledger: FaultLedger,
+        exclude_this_node: Callable[[str], bool],
+        launcher_active: bool,
+        spares: int,
+        log: Callable[[dict, str], None],
+    ):
         self.cfg, self.rank, self.device, self.ledger = cfg, rank, device, ledger
-        self.exclude_this_node, self.launcher_active, self.spares, self.log = exclude_this_node, launcher_active, \
-            spares, log
+        self.exclude_this_node, self.launcher_active, self.spares, self.log = (
+            exclude_this_node,
+            launcher_active,
+            spares,
+            log,
+        )
         self.detector = None
         self.streak: dict[int, int] = {}  # rank -> reports in a row it was slow in
         self.found: set[int] = {r["rank"] for r in ledger.stragglers() if r.get("action") == "reported"}
@@ -142,11 +162,15 @@ class Stragglers:
         t0 = time.perf_counter()
         scores = self.detector.report()
         target, every = -1, 0
-        since = step_times[-(step - self.last_report):] if step_times else []
+        since = step_times[-(step - self.last_report) :] if step_times else []
         if scores is not None:  # rank 0
             target = self._judge(step, scores, since)
-            every = self.cfg.report_every_steps or max(1, round(self.cfg.report_every_s / statistics.median(since))
-                                                        if since and statistics.median(since) > 0 else 1)
+            every = self.cfg.report_every_steps or max(
+                1,
+                round(self.cfg.report_every_s / statistics.median(since))
+                if since and statistics.median(since) > 0
+                else 1,
+            )
         decided = torch.tensor([target, every], dtype=torch.int64, device=self.device)
         dist.broadcast(decided, src=0)
         target, every = (int(v) for v in decided.tolist())
@@ -164,23 +188,39 @@ class Stragglers:
         for section, by_rank in scores.sections.items():
             fastest_ms = scores.fastest_median(section, 0)
             if fastest_ms is not None:
-                excess[section] = {r: fastest_ms / 1000.0 * (1.0 / s - 1.0) if s > 0 else math.inf
-                                   for r, s in by_rank.items()}
-        slow = slow_ranks(scores.sections, excess, scores.kernels, self.cfg.threshold,
-                          self.cfg.min_excess * median_step)
+                excess[section] = {
+                    r: fastest_ms / 1000.0 * (1.0 / s - 1.0) if s > 0 else math.inf for r, s in by_rank.items()
+                }
+        slow = slow_ranks(
+            scores.sections, excess, scores.kernels, self.cfg.threshold, self.cfg.min_excess * median_step
+        )
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}  # a report not slow ends a streak
-        self.log({"event": "straggler_report", "t": time.time(), "step": step,
-                  "slowest": {str(r): round(s, 4) for s, r in lowest_scores(scores)[:SLOWEST_KEPT]},
-                  "slow": {str(r): {"part": p, "score": round(s, 4), "reports": self.streak[r]}
-                           for r, (p, s) in slow.items()}}, "")
+        self.log(
+            {
+                "event": "straggler_report",
+                "t": time.time(),
+                "step": step,
+                "slowest": {str(r): round(s, 4) for s, r in lowest_scores(scores)[:SLOWEST_KEPT]},
+                "slow": {
+                    str(r): {"part": p, "score": round(s, 4), "reports": self.streak[r]} for r, (p, s) in slow.items()
+                },
+            },
+            "",
+        )
         due = [r for r, n in self.streak.items() if n >= self.cfg.consecutive_reports and r not in self.found]
         if not due:
             return -1
         target = min(due, key=lambda r: slow[r][1])
         part, score = slow[target]
-        self.pending = {"rank": target, "part": part, "score": round(score, 4), "found_at_step": step,
-                        "reports": self.streak[target], "median_step_s": median_step,
-                        "excess_s": round(excess.get(part, {}).get(target, math.nan), 6)}
+        self.pending = {
+            "rank": target,
+            "part": part,
+            "score": round(score, 4),
+            "found_at_step": step,
+            "reports": self.streak[target],
+            "median_step_s": median_step,
+            "excess_s": round(excess.get(part, {}).get(target, math.nan), 6),
+        }
         return target
 
     def _act(self, step: int, target: int) -> None:
@@ -198,25 +238,43 @@ class Stragglers:
             reason = int(agreed.item())
             replace = reason == 0
         if self.rank == 0:
-            found = {**self.pending, "key": f"step{step:08d}-rank{target}", "t_found": time.time(), "pod": pod,
-                     "host": host, "action": "replaced" if replace else "reported"}
+            found = {
+                **self.pending,
+                "key": f"step{step:08d}-rank{target}",
+                "t_found": time.time(),
+                "pod": pod,
+                "host": host,
+                "action": "replaced" if replace else "reported",
+            }
             if self.cfg.action == "replace" and not replace:
                 found["not_replaced"] = NOT_REPLACED[reason]
             self.ledger.record_straggler(found)
-            then = ("its node leaves the job and a hot spare takes its place (in-job restart)" if replace else
-                    f"reported only: {found['not_replaced']}" if "not_replaced" in found else "reported")
-            self.log({"event": "straggler", **found},
-                     f"straggler: rank {target} (pod {pod}, host {host}): its {found['part']} scored "
-                     f"{found['score']:.2f} of the fastest rank's in {found['reports']} reports in a row, "
-                     f"at step {step}; {then}")
+            then = (
+                "its node leaves the job and a hot spare takes its place (in-job restart)"
+                if replace
+                else f"reported only: {found['not_replaced']}"
+                if "not_replaced" in found
+                else "reported"
+            )
+            self.log(
+                {"event": "straggler", **found},
+                f"straggler: rank {target} (pod {pod}, host {host}): its {found['part']} scored "
+                f"{found['score']:.2f} of the fastest rank's in {found['reports']} reports in a row, "
+                f"at step {step}; {then}",
+            )
         self.found.add(target)
         if not replace:
             return
         if self.rank == target:
-            self.exclude_this_node(f"straggler: rank {target} scored below resilience.stragglers.threshold="
-                                   f"{self.cfg.threshold:g} in {self.cfg.consecutive_reports} reports")
-            print(f"[resilient-fsdp] rank {target}: asked ft_launcher to leave this node out of the next rendezvous",
-                  file=sys.stderr, flush=True)
+            self.exclude_this_node(
+                f"straggler: rank {target} scored below resilience.stragglers.threshold="
+                f"{self.cfg.threshold:g} in {self.cfg.consecutive_reports} reports"
+            )
+            print(
+                f"[resilient-fsdp] rank {target}: asked ft_launcher to leave this node out of the next rendezvous",
+                file=sys.stderr,
+                flush=True,
+            )
         raise StragglerReplaced(f"rank {target} is a straggler: its node leaves the job at step {step}")
 
     def summary(self, step_times: list[float]) -> Optional[dict]:
@@ -228,10 +286,13 @@ class Stragglers:
         per_report = statistics.median(self.report_s) if self.report_s else 0.0
         # Past the first report, which comes after a fixed warm-up: the cadence the steps set.
         between = statistics.median(self.steps_between[1:] or self.steps_between) if self.steps_between else 0
-        return {"reports": self.reports, "steps_between_reports": between,
-                "report_s_median": round(per_report, 6), "kernels": self.detector.kernels or "profiled (CUPTI)",
-                "report_cost_over_step": round(per_report / between / median_step, 6)
-                if median_step and between else None}
+        return {
+            "reports": self.reports,
+            "steps_between_reports": between,
+            "report_s_median": round(per_report, 6),
+            "kernels": self.detector.kernels or "profiled (CUPTI)",
+            "report_cost_over_step": round(per_report / between / median_step, 6) if median_step and between else None,
+        }
 
     def close(self) -> None:
         if self.detector is not None:
@@ -251,9 +312,14 @@ def close_replacements(ledger: FaultLedger, resumed_step: int, now: float, log: 
         return
     for record in open_:
         pod, host = who[record["rank"]]
-        record.update(replaced_by={"pod": pod, "host": host}, resumed_from_step=resumed_step,
-                      route_around_s=round(now - record["t_found"], 3))
+        record.update(
+            replaced_by={"pod": pod, "host": host},
+            resumed_from_step=resumed_step,
+            route_around_s=round(now - record["t_found"], 3),
+        )
         ledger.record_straggler(record)
-        log({"event": "straggler_replaced", "t": now, **record},
+        log(
+            {"event": "straggler_replaced", "t": now, **record},
             f"straggler rank {record['rank']} (pod {record['pod']}) replaced by pod {pod} (host {host}): training "
-            f"again {record['route_around_s']:.2f} s after it was found, from step {resumed_step}")
+            f"again {record['route_around_s']:.2f} s after it was found, from step {resumed_step}",
+        )

@@ -19,8 +19,9 @@ DESCRIPTION = "The trainer every pod runs: ``python -m resilient_fsdp.train [--c
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     """The trainer's flags; ``quiet``: no ``--help`` and errors raised, not printed."""
-    p = argparse.ArgumentParser(prog="python -m resilient_fsdp.train", description=DESCRIPTION,
-                                add_help=not quiet, exit_on_error=not quiet)
+    p = argparse.ArgumentParser(
+        prog="python -m resilient_fsdp.train", description=DESCRIPTION, add_help=not quiet, exit_on_error=not quiet
+    )
     add_config_arguments(p)
     add_run_arguments(p)
     p.add_argument("--describe-config", action="store_true", help="print every config key and exit")
@@ -30,15 +31,26 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """``--config`` and ``--set``: the trainer's configuration, as every command that reads it takes it."""
     p.add_argument("--config", help="YAML configuration file (overrides the defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one key, e.g. --set train.steps=50 (repeatable; applied last)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set train.steps=50 (repeatable; applied last)",
+    )
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """``--run-dir`` and ``--inject``: where one trainer run writes, and the faults it injects."""
     p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:rank=R|:node=N]",
-                   help="inject a fault once per job (repeatable; adds to resilience.inject)")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND@STEP[:rank=R|:node=N]",
+        help="inject a fault once per job (repeatable; adds to resilience.inject)",
+    )
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -47,8 +47,14 @@ class TokenFile:
     directory ``data prepare`` wrote (its metadata gives the dtype and the vocabulary, checked
     against the model's) or a bare ``.bin`` of ``dtype``."""
 
-    def __init__(self, path: str | Path, dtype: str, seq_len: int, vocab_size: Optional[int] = None,
-                 model_name: str = "the model"):
+    def __init__(
+        self,
+        path: str | Path,
+        dtype: str,
+        seq_len: int,
+        vocab_size: Optional[int] = None,
+        model_name: str = "the model",
+    ):
         bin_path, self.meta = token_files.resolve(str(path))
         self.directory = bin_path.parent  # what data prepare wrote: the metadata and tokenizer/ beside the tokens
         if self.meta is not None:
@@ -62,27 +68,31 @@ class TokenFile:
         if self.length < 1:
             raise ConfigError(
                 f"data.path={str(path)!r}: {len(self.tokens)} tokens of {dtype} is shorter than one sequence "
-                f"(data.seq_len={seq_len} + 1); check data.token_dtype or use a larger file")
+                f"(data.seq_len={seq_len} + 1); check data.token_dtype or use a larger file"
+            )
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> torch.Tensor:
         start = index * self.seq_len
-        window = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
         return torch.from_numpy(window)
 
 
-def build_dataset(cfg: DataConfig, vocab_size: int, seed: int, local_path: Optional[str] = None,
-                  model_name: str = "the model") -> TokenDataset:
+def build_dataset(
+    cfg: DataConfig, vocab_size: int, seed: int, local_path: Optional[str] = None, model_name: str = "the model"
+) -> TokenDataset:
     """The dataset for ``cfg``: a custom factory, the token file (at ``local_path`` when
     ``data.path`` is remote and was copied), or the synthetic stream."""
     if cfg.factory:
         ds = call_factory(cfg.factory, "data.factory", object, cfg, vocab_size)
         missing = [m for m in ("__len__", "__getitem__") if not hasattr(ds, m)]
         if missing:
-            raise ConfigError(f"data.factory={cfg.factory!r} returned {type(ds).__qualname__} without "
-                              f"{', '.join(missing)}; return a map-style dataset of token tensors")
+            raise ConfigError(
+                f"data.factory={cfg.factory!r} returned {type(ds).__qualname__} without "
+                f"{', '.join(missing)}; return a map-style dataset of token tensors"
+            )
         return ds
     if cfg.source == "tokens":
         if not cfg.path:
@@ -169,8 +179,7 @@ class ResumableSampler:
 class BatchLoader:
     """Rank-local micro-batches ``(inputs, targets)`` drawn through a :class:`ResumableSampler`."""
 
-    def __init__(self, dataset: TokenDataset, cfg: DataConfig, vocab_size: int, seed: int,
-                 rank: int, world_size: int):
+    def __init__(self, dataset: TokenDataset, cfg: DataConfig, vocab_size: int, seed: int, rank: int, world_size: int):
         self.dataset, self.cfg, self.vocab_size = dataset, cfg, vocab_size
         self.rank, self.world_size = rank, world_size
         self.sampler = ResumableSampler(len(dataset), seed, shuffle=not isinstance(dataset, SyntheticTokens))
@@ -189,14 +198,17 @@ class BatchLoader:
         expected = self.cfg.seq_len + 1
         if not isinstance(sample, torch.Tensor) or sample.dim() != 1 or sample.numel() != expected:
             shape = tuple(sample.shape) if isinstance(sample, torch.Tensor) else type(sample).__name__
-            raise ConfigError(f"dataset sample {index} is {shape}; expected a 1-D tensor of data.seq_len + 1 = "
-                              f"{expected} token ids")
+            raise ConfigError(
+                f"dataset sample {index} is {shape}; expected a 1-D tensor of data.seq_len + 1 = {expected} token ids"
+            )
         if sample.is_floating_point():
             raise ConfigError(f"dataset sample {index} has dtype {sample.dtype}; token ids must be integers")
         top = int(sample.max())
         if top >= self.vocab_size or int(sample.min()) < 0:
-            raise ConfigError(f"dataset sample {index} holds token id {top} outside [0, {self.vocab_size}); "
-                              "set model.vocab_size to cover the data, or check data.token_dtype")
+            raise ConfigError(
+                f"dataset sample {index} holds token id {top} outside [0, {self.vocab_size}); "
+                "set model.vocab_size to cover the data, or check data.token_dtype"
+            )
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

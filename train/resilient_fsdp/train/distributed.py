@@ -47,8 +47,10 @@ def select_device(cfg: DistConfig, local_rank: int) -> torch.device:
         raise ConfigError("dist.device=cuda but no GPU is visible; use dist.device=auto or cpu")
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise ConfigError(f"LOCAL_RANK={local_rank} but only {count} GPUs are visible: --nproc-per-node must not "
-                          f"exceed the GPUs per node")
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but only {count} GPUs are visible: --nproc-per-node must not "
+            f"exceed the GPUs per node"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -57,8 +59,7 @@ def uses_nccl(cfg: DistConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
-def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None,
-                     info: Optional[DistInfo] = None) -> DistInfo:
+def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None, info: Optional[DistInfo] = None) -> DistInfo:
     """Join (or, without a launcher, create) the default process group.
 
     ``store``: under in-process restart, the attempt's own key space (each attempt needs fresh
@@ -79,8 +80,9 @@ def init_distributed(cfg: DistConfig, store: Optional[dist.Store] = None,
         else:
             where = {}
         with nvrx.recording_group_sockets(_store_ports(store)):
-            dist.init_process_group(backend=info.backend, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None, **where)
+            dist.init_process_group(
+                backend=info.backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **where
+            )
             # The checkpoint package's object collectives run on gloo (see checkpoint.group); made
             # here, with the default group, so its connections are recorded and aborted with it.
             open_object_group(timeout)
@@ -96,8 +98,13 @@ def identity(cfg: DistConfig) -> DistInfo:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     local_rank = _env_int("LOCAL_RANK", 0)
     device = select_device(cfg, local_rank)
-    return DistInfo(rank=_env_int("RANK", 0), local_rank=local_rank, world_size=_env_int("WORLD_SIZE", 1),
-                    device=device, backend=dist.get_default_backend_for_device(device))
+    return DistInfo(
+        rank=_env_int("RANK", 0),
+        local_rank=local_rank,
+        world_size=_env_int("WORLD_SIZE", 1),
+        device=device,
+        backend=dist.get_default_backend_for_device(device),
+    )
 
 
 def use_steady_timeout(cfg: DistConfig) -> None:
@@ -127,9 +134,11 @@ def shard_group_size(world_size: int, requested: int) -> int:
         return world_size
     if world_size % requested:
         multiples = f"{requested}, {2 * requested}, {3 * requested}, ..."
-        raise ConfigError(f"dist.shard_group_size={requested} does not divide the world size of {world_size} ranks: "
-                          f"run at a multiple of it ({multiples}), or set dist.shard_group_size to a divisor of "
-                          f"{world_size} (0 shards over every rank)")
+        raise ConfigError(
+            f"dist.shard_group_size={requested} does not divide the world size of {world_size} ranks: "
+            f"run at a multiple of it ({multiples}), or set dist.shard_group_size to a divisor of "
+            f"{world_size} (0 shards over every rank)"
+        )
     return requested
 
 
@@ -141,8 +150,9 @@ def build_mesh(info: DistInfo, shard_group: int = 0) -> DeviceMesh:
     with nvrx.recording_group_sockets(_store_ports(None)):
         if size == info.world_size:
             return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
-        return init_device_mesh(info.device.type, (info.world_size // size, size),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(
+            info.device.type, (info.world_size // size, size), mesh_dim_names=("dp_replicate", "dp_shard")
+        )
 
 
 def shutdown(clean: bool = True) -> None:

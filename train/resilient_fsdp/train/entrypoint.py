@@ -88,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as exc:
         if exc.code not in (0, None):  # argparse: bad flags, already explained on stderr
             exit_codes.report_configuration_failure(
-                f"rank {os.environ.get('RANK', '0')}: invalid trainer arguments (the usage message is in its log)")
+                f"rank {os.environ.get('RANK', '0')}: invalid trainer arguments (the usage message is in its log)"
+            )
         raise
     if args.describe_config:
         print(describe(), end="")
@@ -103,8 +104,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return non_finite_loss(exc)
     except (StragglerReplaced, SilentCorruption) as exc:
         code = exit_codes.STRAGGLER_REPLACED if isinstance(exc, StragglerReplaced) else exit_codes.SILENT_CORRUPTION
-        print(f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: {exc}; exiting {code} for the in-job restart",
-              file=sys.stderr, flush=True)
+        print(
+            f"[resilient-fsdp] rank {os.environ.get('RANK', '0')}: {exc}; exiting {code} for the in-job restart",
+            file=sys.stderr,
+            flush=True,
+        )
         return code
     except StopRequested as stop:
         return stop.exit_code
@@ -126,8 +130,12 @@ def configuration_failure(exc: BaseException) -> int:
     message = f"error (rank {rank}): {exc}"
     if isinstance(exc, RepeatedFailure) and exc.__cause__ is not None:
         # The failure itself, as this attempt met it: where in the user's or the trainer's code.
-        print(f"error (rank {rank}): the repeated failure's traceback:\n"
-              + "".join(traceback.format_exception(exc.__cause__)).rstrip(), file=sys.stderr, flush=True)
+        print(
+            f"error (rank {rank}): the repeated failure's traceback:\n"
+            + "".join(traceback.format_exception(exc.__cause__)).rstrip(),
+            file=sys.stderr,
+            flush=True,
+        )
     print(message, file=sys.stderr, flush=True)
     exit_codes.report_configuration_failure(message)
     return exit_codes.CONFIG

@@ -22,14 +22,16 @@ def load_factory(spec: str, key: str) -> Callable[..., Any]:
     except ImportError as exc:
         raise ConfigError(
             f"{key}={spec!r}: cannot import module '{module_name}' ({exc}); install the package in the image "
-            "or put it on PYTHONPATH") from exc
+            "or put it on PYTHONPATH"
+        ) from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
             public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
             raise ConfigError(
                 f"{key}={spec!r}: module '{module_name}' has no attribute '{attr}'; callables there: "
-                f"{', '.join(public) or 'none'}")
+                f"{', '.join(public) or 'none'}"
+            )
         target = getattr(target, part)
     if not callable(target):
         raise ConfigError(f"{key}={spec!r}: '{attr}' is a {type(target).__name__}, not a callable")
@@ -41,6 +43,10 @@ def call_factory(spec: str, key: str, expected: type | tuple[type, ...], *args: 
     factory = load_factory(spec, key)
     result = factory(*args, **kwargs)
     if not isinstance(result, expected):
-        names = " or ".join(t.__module__ + "." + t.__qualname__ for t in (expected if isinstance(expected, tuple) else (expected,)))
-        raise ConfigError(f"{key}={spec!r} returned {type(result).__module__}.{type(result).__qualname__}; expected {names}")
+        names = " or ".join(
+            t.__module__ + "." + t.__qualname__ for t in (expected if isinstance(expected, tuple) else (expected,))
+        )
+        raise ConfigError(
+            f"{key}={spec!r} returned {type(result).__module__}.{type(result).__qualname__}; expected {names}"
+        )
     return result

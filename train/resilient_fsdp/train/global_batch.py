@@ -68,14 +68,19 @@ def exact_refusal(target: int, world_size: int, micro_batch: int, where: str = "
     fits = keeping_sizes(target, micro_batch)
     nearest = choose(target, world_size, micro_batch, "nearest")
     origin = f" ({where})" if where else ""
-    sizes = (f"Resume at a world size in {fits}" if fits else
-             f"No world size keeps it with data.micro_batch_size={micro_batch}")
-    return (f"{KEY}=exact: cannot keep the global batch of {target} samples per step{origin} at world size "
-            f"{world_size}: {world_size} ranks x data.micro_batch_size={micro_batch} does not divide {target}, "
-            f"so no train.grad_accum_steps does. {sizes}, set data.micro_batch_size so that world size x "
-            f"data.micro_batch_size divides {target}, or set {KEY}=nearest to train on with the nearest global "
-            f"batch the ranks can make ({nearest.global_batch} at train.grad_accum_steps="
-            f"{nearest.grad_accum_steps})")
+    sizes = (
+        f"Resume at a world size in {fits}"
+        if fits
+        else f"No world size keeps it with data.micro_batch_size={micro_batch}"
+    )
+    return (
+        f"{KEY}=exact: cannot keep the global batch of {target} samples per step{origin} at world size "
+        f"{world_size}: {world_size} ranks x data.micro_batch_size={micro_batch} does not divide {target}, "
+        f"so no train.grad_accum_steps does. {sizes}, set data.micro_batch_size so that world size x "
+        f"data.micro_batch_size divides {target}, or set {KEY}=nearest to train on with the nearest global "
+        f"batch the ranks can make ({nearest.global_batch} at train.grad_accum_steps="
+        f"{nearest.grad_accum_steps})"
+    )
 
 
 def at_resume(manifest: dict, world_size: int, batch: dict, policy: str) -> Optional[Choice]:
@@ -92,7 +97,9 @@ def at_resume(manifest: dict, world_size: int, batch: dict, policy: str) -> Opti
     target = int(manifest.get("global_batch_target") or trained)
     if w0 == world_size and trained == target:
         return None
-    where = (f"the checkpoint's: world size {w0} x train.grad_accum_steps={a0} x data.micro_batch_size={mb0}"
-             if trained == target else f"the run's target; the checkpoint was trained at {trained}")
+    where = (
+        f"the checkpoint's: world size {w0} x train.grad_accum_steps={a0} x data.micro_batch_size={mb0}"
+        if trained == target
+        else f"the run's target; the checkpoint was trained at {trained}"
+    )
     return choose(target, world_size, micro_batch=mb, policy=policy, where=where)
-

@@ -112,12 +112,12 @@ def _rows_sum(name: str, rows: torch.Tensor, first: int) -> int:
         return total
     per_block = max(1, HASH_BLOCK_BYTES // row_bytes)
     for start in range(0, count, per_block):
-        block = rows[start:start + per_block]
+        block = rows[start : start + per_block]
         if row_bytes <= HASH_BLOCK_BYTES:
             data = _as_bytes(block.to("cpu").contiguous())
             for j in range(block.shape[0]):
                 digest = hashlib.sha256(f"{name}|{first + start + j}|".encode())
-                digest.update(data[j * row_bytes:(j + 1) * row_bytes])
+                digest.update(data[j * row_bytes : (j + 1) * row_bytes])
                 total += int.from_bytes(digest.digest(), "big")
         else:  # one row larger than a block: hashed in slices of it
             digest = hashlib.sha256(f"{name}|{first + start}|".encode())
@@ -131,7 +131,7 @@ def _host_blocks(flat: torch.Tensor):
     """The bytes of a 1-D tensor in host blocks of at most :data:`HASH_BLOCK_BYTES`."""
     step = max(1, HASH_BLOCK_BYTES // max(1, flat.element_size()))
     for start in range(0, flat.numel(), step):
-        yield _as_bytes(flat[start:start + step].to("cpu").contiguous())
+        yield _as_bytes(flat[start : start + step].to("cpu").contiguous())
 
 
 def _as_bytes(host: torch.Tensor) -> memoryview:
@@ -162,8 +162,10 @@ class MetricsLog:
         step = record["step"]
         if step % self.log_every == 0 or step == 1:
             tok_s = record["tokens"] / record["step_time_s"] if record["step_time_s"] > 0 else 0.0
-            self.info(f"step {step:>6} | loss {record['loss']:.4f} | {tok_s:,.0f} tok/s | "
-                      f"step {record['step_time_s'] * 1000:.1f} ms | lr {record['lr']:.2e}")
+            self.info(
+                f"step {step:>6} | loss {record['loss']:.4f} | {tok_s:,.0f} tok/s | "
+                f"step {record['step_time_s'] * 1000:.1f} ms | lr {record['lr']:.2e}"
+            )
 
     def event(self, record: dict) -> None:
         if self._file:

@@ -108,15 +108,20 @@ class Transformer(nn.Module):
         # residual stream's variance does not grow with the number of layers.
         depth_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers:
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1,
-                        layer.feed_forward.w3):
+            for lin in (
+                layer.attention.wq,
+                layer.attention.wk,
+                layer.attention.wv,
+                layer.feed_forward.w1,
+                layer.feed_forward.w3,
+            ):
                 nn.init.trunc_normal_(lin.weight, std=0.02)
             for lin in (layer.attention.wo, layer.feed_forward.w2):
                 nn.init.trunc_normal_(lin.weight, std=depth_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
-        nn.init.trunc_normal_(self.output.weight, std=self.args.dim ** -0.5)
+        nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
 
 
 def build_model(preset: str, vocab_size: int | None = None) -> Transformer:

@@ -41,12 +41,16 @@ def _blocks_container(model: nn.Module, attr: Optional[str]) -> nn.Module:
     kind = type(model).__qualname__
     if attr:
         what = "missing" if target is None else f"a {type(target).__qualname__}"
-        raise ConfigError(f"{BLOCKS_KEY}={attr!r}: {kind}.{attr} is {what}, not a non-empty nn.ModuleList, "
-                          "nn.Sequential or nn.ModuleDict; name the attribute that holds the model's repeated "
-                          f"blocks, e.g. {BLOCKS_KEY}=transformer.h")
-    raise ConfigError(f"model {kind} has no .layers (an nn.ModuleList, nn.Sequential or nn.ModuleDict of its "
-                      f"repeated blocks): set {BLOCKS_KEY} to the attribute that holds them (e.g. {BLOCKS_KEY}=blocks "
-                      "or transformer.h), so that FSDP shards each block on its own")
+        raise ConfigError(
+            f"{BLOCKS_KEY}={attr!r}: {kind}.{attr} is {what}, not a non-empty nn.ModuleList, "
+            "nn.Sequential or nn.ModuleDict; name the attribute that holds the model's repeated "
+            f"blocks, e.g. {BLOCKS_KEY}=transformer.h"
+        )
+    raise ConfigError(
+        f"model {kind} has no .layers (an nn.ModuleList, nn.Sequential or nn.ModuleDict of its "
+        f"repeated blocks): set {BLOCKS_KEY} to the attribute that holds them (e.g. {BLOCKS_KEY}=blocks "
+        "or transformer.h), so that FSDP shards each block on its own"
+    )
 
 
 def needs_rng_in_recompute(model: nn.Module) -> bool:
@@ -89,8 +93,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, device: torch.device, attr: O
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int,
-                init: Optional[Callable[[nn.Module], None]] = None) -> None:
+def materialize(
+    model: nn.Module, device: torch.device, seed: int, init: Optional[Callable[[nn.Module], None]] = None
+) -> None:
     """Allocate the (sharded) parameters on ``device`` and initialise them deterministically:
     ``init(model)`` when given, else the model's ``init_weights()``, else each module's
     ``reset_parameters()``."""

@@ -79,8 +79,12 @@ def _end_held_exit(status: int, grace_s: float) -> None:
     frames = sys._current_frames()
     held = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
     where = "; ".join(f"{t.name}: {_innermost(frames.get(t.ident))}" for t in held) or "none named"
-    print(f"[resilient-fsdp] the process did not end within {grace_s:g} s of its exit; ending it. Threads still "
-          f"running: {where}", file=sys.stderr, flush=True)
+    print(
+        f"[resilient-fsdp] the process did not end within {grace_s:g} s of its exit; ending it. Threads still "
+        f"running: {where}",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(status)
 
 

@@ -57,8 +57,9 @@ class ProcessResources:
             # The launcher signals a node's ranks by process group, which includes the writer
             # processes NVRx spawns: the engines start them with SIGTERM blocked, so they outlive
             # it for the graceful stop's final checkpoint; the engine's close ends them.
-            self.engine = build_engine(self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads,
-                                       self.cfg.checkpoint.planning)
+            self.engine = build_engine(
+                self.cfg.checkpoint.mode, rank, self.cfg.checkpoint.writer_threads, self.cfg.checkpoint.planning
+            )
         return self.engine
 
     def s3_uploader(self, rank: int, world_size: int = 1) -> Optional[Uploader]:
@@ -109,8 +110,10 @@ class ProcessResources:
         try:
             pending = uploader.pending()
             if pending and not failed:
-                log.info(f"waiting up to {s3.drain_timeout_s:g} s for the S3 upload of step(s) "
-                         f"{', '.join(map(str, pending))} (checkpoint.s3.drain_timeout_s)")
+                log.info(
+                    f"waiting up to {s3.drain_timeout_s:g} s for the S3 upload of step(s) "
+                    f"{', '.join(map(str, pending))} (checkpoint.s3.drain_timeout_s)"
+                )
                 deadline, stopping = time.monotonic() + s3.drain_timeout_s, self.stop.requested
                 # In slices, so errors show in the log as they happen and a SIGTERM is noticed.
                 while not uploader.drain(min(1.0, max(0.0, deadline - time.monotonic()))):
@@ -125,12 +128,13 @@ class ProcessResources:
             if not rank0:
                 return
             # Checkpoints kept only for their upload can go now (an abandoned one stays held).
-            checkpoint_store.apply_retention(self.cfg.checkpoint_dir, ckpt.keep_last, held=uploader.holds,
-                                             say=log.info)
+            checkpoint_store.apply_retention(self.cfg.checkpoint_dir, ckpt.keep_last, held=uploader.holds, say=log.info)
             status = uploader.summary()
             if status["pending"]:
-                log.info(f"warning: step(s) {', '.join(map(str, status['pending']))} not uploaded to {s3.uri} "
-                         f"(last error: {status['last_error']}); the next run with this checkpoint.dir uploads them")
+                log.info(
+                    f"warning: step(s) {', '.join(map(str, status['pending']))} not uploaded to {s3.uri} "
+                    f"(last error: {status['last_error']}); the next run with this checkpoint.dir uploads them"
+                )
             if self.summary is not None:
                 self.summary["s3"] = {**(self.summary.get("s3") or {}), **status}
         finally:

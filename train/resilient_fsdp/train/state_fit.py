@@ -39,8 +39,9 @@ def gpus_needed(params: int, gpu_memory_bytes: int) -> int:
     return -(-need // room)
 
 
-def refusal(params: int, shard_group: int, gpu_memory_bytes: int, model: str, gpus_per_node: int,
-            where: str) -> Optional[str]:
+def refusal(
+    params: int, shard_group: int, gpu_memory_bytes: int, model: str, gpus_per_node: int, where: str
+) -> Optional[str]:
     """Why ``model`` (``params`` parameters, sharded over ``shard_group`` GPUs of
     ``gpu_memory_bytes``, ``gpus_per_node`` a pod) cannot train, naming the keys that fix it; None
     when it fits. ``where``: what the GPU's memory was read from."""
@@ -48,9 +49,11 @@ def refusal(params: int, shard_group: int, gpu_memory_bytes: int, model: str, gp
         return None
     gpus = gpus_needed(params, gpu_memory_bytes)
     nodes = -(-gpus // max(gpus_per_node, 1))
-    return (f"{model} does not fit: its training state is {state_bytes_per_gpu(params, shard_group) / 1e9:.1f} GB a "
-            f"GPU ({params / 1e9:.3g}e9 parameters x {TRAINING_BYTES_PER_PARAM} B for weights, gradients and AdamW's "
-            f"moments, sharded over {shard_group} GPU(s)), and {where} has {gpu_memory_bytes / 1e9:.0f} GB, of which "
-            f"the state may take {MAX_STATE_PERCENT}% (the rest: CUDA, NCCL's buffers, one gathered block, the "
-            f"activations). Shard it over {gpus} GPUs or more: nodes={nodes} or more with dist.shard_group_size=0 "
-            f"(or a shard group of at least {gpus} GPUs), or train a smaller model")
+    return (
+        f"{model} does not fit: its training state is {state_bytes_per_gpu(params, shard_group) / 1e9:.1f} GB a "
+        f"GPU ({params / 1e9:.3g}e9 parameters x {TRAINING_BYTES_PER_PARAM} B for weights, gradients and AdamW's "
+        f"moments, sharded over {shard_group} GPU(s)), and {where} has {gpu_memory_bytes / 1e9:.0f} GB, of which "
+        f"the state may take {MAX_STATE_PERCENT}% (the rest: CUDA, NCCL's buffers, one gathered block, the "
+        f"activations). Shard it over {gpus} GPUs or more: nodes={nodes} or more with dist.shard_group_size=0 "
+        f"(or a shard group of at least {gpus} GPUs), or train a smaller model"
+    )

@@ -118,8 +118,9 @@ class Trainer:
     metrics: MetricsLog
     checkpointer: Checkpointer
 
-    def __init__(self, cfg: Config, resources: Optional[ProcessResources] = None,
-                 in_process: Optional[InProcessAttempt] = None):
+    def __init__(
+        self, cfg: Config, resources: Optional[ProcessResources] = None, in_process: Optional[InProcessAttempt] = None
+    ):
         # Without resources from the caller (benchmarks, probes) the trainer owns its own.
         self.owns_resources = resources is None
         resources = resources or ProcessResources(cfg)
@@ -130,10 +131,10 @@ class Trainer:
         # A failure from here on ends the attempt: judged, so that the same one again is not retried.
         with self.attempt.judging_failures():
             self.build_process_group()  # 1. device, process group, the attempt's layer and faults
-            self.build_data()           # 2. data first: it checks files and factories before any allocation
-            self.build_model()          # 3. mesh, model on meta, AC, FSDP2 per block then root, materialised
-            self.build_optimizer()      # 4. optimizer and schedule
-            self.build_checkpointer()   # 5. everything a resumed run needs, and what it must match
+            self.build_data()  # 2. data first: it checks files and factories before any allocation
+            self.build_model()  # 3. mesh, model on meta, AC, FSDP2 per block then root, materialised
+            self.build_optimizer()  # 4. optimizer and schedule
+            self.build_checkpointer()  # 5. everything a resumed run needs, and what it must match
         self.step_times: list[float] = []
         self.last_loss = float("nan")
 
@@ -162,10 +163,16 @@ class Trainer:
             # On CUDA a few kernels lack deterministic versions: warn rather than refuse.
             torch.use_deterministic_algorithms(True, warn_only=self.info.device.type == "cuda")
         self.metrics = MetricsLog(self.run_dir, self.is_rank0, cfg.train.log_every)
-        self.stragglers = stragglers.Stragglers(cfg.resilience.stragglers, self.info.rank, self.info.device,
-                                                self.attempt.ledger, self.attempt.exclude_this_node,
-                                                self.resources.monitor.active, stragglers.spares_in(os.environ),
-                                                self.log_event)
+        self.stragglers = stragglers.Stragglers(
+            cfg.resilience.stragglers,
+            self.info.rank,
+            self.info.device,
+            self.attempt.ledger,
+            self.attempt.exclude_this_node,
+            self.resources.monitor.active,
+            stragglers.spares_in(os.environ),
+            self.log_event,
+        )
 
     def build_data(self) -> None:
         cfg = self.cfg
@@ -173,9 +180,15 @@ class Trainer:
         local = None
         if cfg.data.source == "tokens" and not cfg.data.factory and (cfg.data.path or "").startswith("s3://"):
             cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
-            local = str(remote_copy.local_copy(cfg.data.path, cache, cfg.checkpoint.s3, self.info.rank,
-                                               say=lambda m: print(f"[resilient-fsdp] {m}", file=sys.stderr,
-                                                                   flush=True)))
+            local = str(
+                remote_copy.local_copy(
+                    cfg.data.path,
+                    cache,
+                    cfg.checkpoint.s3,
+                    self.info.rank,
+                    say=lambda m: print(f"[resilient-fsdp] {m}", file=sys.stderr, flush=True),
+                )
+            )
         dataset = build_dataset(cfg.data, vocab, cfg.seed, local, model_name_of(cfg))
         self.data_dir = dataset.directory if isinstance(dataset, TokenFile) and dataset.meta else None
         self.data = BatchLoader(dataset, cfg.data, vocab, cfg.seed, self.info.rank, self.info.world_size)
@@ -190,8 +203,9 @@ class Trainer:
         if cfg.model.activation_checkpointing:
             parallelize.apply_ac(self.model, blocks)
         parallelize.apply_fsdp(self.model, mesh, self.info.device, blocks)
-        parallelize.materialize(self.model, self.info.device, cfg.seed,
-                                init=hf_model.init_weights if cfg.model.hf_config else None)
+        parallelize.materialize(
+            self.model, self.info.device, cfg.seed, init=hf_model.init_weights if cfg.model.hf_config else None
+        )
         self.num_params = count_params(self.model)
 
     def check_model_takes_the_job(self) -> None:
@@ -201,56 +215,93 @@ class Trainer:
         name = model_name_of(cfg)
         declared = getattr(self.model, "max_seq_len", None)
         if isinstance(declared, int) and cfg.data.seq_len > declared:
-            raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the {declared} positions {name} takes (its "
-                              f"max_seq_len): set data.seq_len={declared} or less, and model.max_seq_len={declared} so "
-                              "that the chart refuses a longer one at render")
+            raise ConfigError(
+                f"data.seq_len={cfg.data.seq_len} is above the {declared} positions {name} takes (its "
+                f"max_seq_len): set data.seq_len={declared} or less, and model.max_seq_len={declared} so "
+                "that the chart refuses a longer one at render"
+            )
         if info.device.type == "cuda":
             group = distributed.shard_group_size(info.world_size, cfg.dist.shard_group_size)
             memory = torch.cuda.get_device_properties(info.device).total_memory
-            why = state_fit.refusal(count_params(self.model), group, memory, name,
-                                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                    f"this GPU ({torch.cuda.get_device_name(info.device)})")
+            why = state_fit.refusal(
+                count_params(self.model),
+                group,
+                memory,
+                name,
+                int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                f"this GPU ({torch.cuda.get_device_name(info.device)})",
+            )
             if why:
                 raise ConfigError(why)
 
     def build_optimizer(self) -> None:
         # foreach=False keeps CPU numerics independent of grouping.
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=self.info.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            foreach=self.info.device.type == "cuda",
+        )
         self.attempt.mark("model")
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg))
         self.counters = TrainCounters()
 
     def build_checkpointer(self) -> None:
         cfg, info, resources = self.cfg, self.info, self.resources
-        state = CheckpointState(self.model, self.optimizer, self.lr_scheduler, self.counters, self.data, info.rank,
-                                resilience=resources.monitor)
-        identity = {"model": cfg.model.factory or cfg.model.hf_config or cfg.model.preset, "num_params": self.num_params,
-                    "shape_digest": state.shape_digest(),
-                    "shard_group_size": distributed.shard_group_size(info.world_size, cfg.dist.shard_group_size)}
+        state = CheckpointState(
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            self.counters,
+            self.data,
+            info.rank,
+            resilience=resources.monitor,
+        )
+        identity = {
+            "model": cfg.model.factory or cfg.model.hf_config or cfg.model.preset,
+            "num_params": self.num_params,
+            "shape_digest": state.shape_digest(),
+            "shard_group_size": distributed.shard_group_size(info.world_size, cfg.dist.shard_group_size),
+        }
         self.grad_accum = cfg.train.grad_accum_steps  # a resume at another world size may change it
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir,
-                                         RankGroup(info.rank, info.world_size, info.device), state, identity,
-                                         log=self.metrics, hooks=self.attempt,
-                                         engine_factory=lambda: resources.checkpoint_engine(info.rank),
-                                         uploader=resources.s3_uploader(info.rank, info.world_size),
-                                         batch={"grad_accum_steps": self.grad_accum,
-                                                "micro_batch_size": cfg.data.micro_batch_size,
-                                                "global_batch_target": self.global_batch},
-                                         choose_batch=functools.partial(global_batch.at_resume,
-                                                                        policy=cfg.train.elastic_batch),
-                                         memory_prefetch=self.memory_prefetch)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint,
+            cfg.checkpoint_dir,
+            RankGroup(info.rank, info.world_size, info.device),
+            state,
+            identity,
+            log=self.metrics,
+            hooks=self.attempt,
+            engine_factory=lambda: resources.checkpoint_engine(info.rank),
+            uploader=resources.s3_uploader(info.rank, info.world_size),
+            batch={
+                "grad_accum_steps": self.grad_accum,
+                "micro_batch_size": cfg.data.micro_batch_size,
+                "global_batch_target": self.global_batch,
+            },
+            choose_batch=functools.partial(global_batch.at_resume, policy=cfg.train.elastic_batch),
+            memory_prefetch=self.memory_prefetch,
+        )
         self.attempt.memory_built(self.checkpointer.memory)
         self.checkpointer.preflight()
         # Replicas compared every resilience.sdc.interval_steps steps (HSDP): refused here without HSDP.
         spares, active = stragglers.spares_in(os.environ), self.resources.monitor.active
         ckpt = self.checkpointer
         self.replica_check = sdc.ReplicaCheck(
-            cfg.resilience.sdc, self.mesh, self.info.rank, self.attempt.ledger, lambda: self.resumed_step,
-            lambda step: ckpt.memory.discard_newer_than(step) if ckpt.memory is not None else [], ckpt.root,
+            cfg.resilience.sdc,
+            self.mesh,
+            self.info.rank,
+            self.attempt.ledger,
+            lambda: self.resumed_step,
+            lambda step: ckpt.memory.discard_newer_than(step) if ckpt.memory is not None else [],
+            ckpt.root,
             lambda: stragglers.why_not_replaceable(active, spares, node_index(), self.attempt.ledger),
-            self.attempt.exclude_this_node, self.log_event)
+            self.attempt.exclude_this_node,
+            self.log_event,
+        )
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -300,8 +351,10 @@ class Trainer:
         self.lr_scheduler.step()
         # The stop flag and the checkpointer's votes ride on the loss all-reduce (summed): one
         # collective a step, which the checkpointer would otherwise add to agree on its own.
-        flags = torch.tensor([1.0 if self.resources.stop.requested else 0.0, *self.checkpointer.votes().to_floats()],
-                             device=self.info.device)
+        flags = torch.tensor(
+            [1.0 if self.resources.stop.requested else 0.0, *self.checkpointer.votes().to_floats()],
+            device=self.info.device,
+        )
         self.attempt.before_collective(self.counters.step + 1, local_loss)
         self.local_loss = local_loss  # which rank's loss it was, should the global one be non-finite
         # gloo has no AVG reduction: sum and divide.
@@ -342,12 +395,28 @@ class Trainer:
                 self.step_times.append(step_time)
                 self.last_loss = loss
                 if not math.isfinite(loss):  # one restart, as a suspected hardware fault; the same step again fails
-                    non_finite.stop(step, loss, self.local_loss / self.grad_accum, self.info.rank, self.attempt.ledger,
-                                    self.log_event)
+                    non_finite.stop(
+                        step,
+                        loss,
+                        self.local_loss / self.grad_accum,
+                        self.info.rank,
+                        self.attempt.ledger,
+                        self.log_event,
+                    )
                 ckpt_s = ckpt.after_step(step, agreed=self.checkpoint_votes)
-                self.metrics.step({"event": "step", "step": step, "loss": loss, "step_time_s": step_time,
-                                   "ckpt_s": ckpt_s, "tokens": self.tokens_per_step, "global_batch": self.global_batch,
-                                   "lr": lr, "t": time.time()})
+                self.metrics.step(
+                    {
+                        "event": "step",
+                        "step": step,
+                        "loss": loss,
+                        "step_time_s": step_time,
+                        "ckpt_s": ckpt_s,
+                        "tokens": self.tokens_per_step,
+                        "global_batch": self.global_batch,
+                        "lr": lr,
+                        "t": time.time(),
+                    }
+                )
                 if len(self.step_times) == 1:
                     self.after_first_step(resumed_step)
                 self.stragglers.after_step(step, self.step_times)
@@ -364,8 +433,9 @@ class Trainer:
         t0 = time.perf_counter()
         rename = (lambda n: n) if cfg.model.factory or cfg.model.hf_config else hf_names.to_hf
         count = hf_weights.load_pretrained(self.model, cfg.model.init_from, rename)
-        self.metrics.info(f"model.init_from: {count} tensors from {cfg.model.init_from} in "
-                          f"{time.perf_counter() - t0:.1f} s")
+        self.metrics.info(
+            f"model.init_from: {count} tensors from {cfg.model.init_from} in {time.perf_counter() - t0:.1f} s"
+        )
 
     def keep_model_files(self) -> None:
         """What ``checkpoints export`` needs besides the checkpoint, in ``<run_dir>/model/``: a
@@ -395,9 +465,11 @@ class Trainer:
         """Commit a checkpoint of this step, then leave with the retryable stop code."""
         self.checkpointer.finish(self.counters.step, save=True, stopping=True)
         code = self.cfg.resilience.stop.exit_code
-        self.log_event({"event": "stop", "t": time.time(), "step": self.counters.step, "exit_code": code},
-                       f"stop requested (SIGTERM): checkpoint of step {self.counters.step} committed; exiting with "
-                       f"code {code} so the job is restarted and resumes here")
+        self.log_event(
+            {"event": "stop", "t": time.time(), "step": self.counters.step, "exit_code": code},
+            f"stop requested (SIGTERM): checkpoint of step {self.counters.step} committed; exiting with "
+            f"code {code} so the job is restarted and resumes here",
+        )
         raise StopRequested(self.counters.step, code)
 
     # -- what the run reports ---------------------------------------------------------------------
@@ -415,40 +487,60 @@ class Trainer:
         held = footprint.gather(info.device)  # collective: what every rank's process holds now
         grown = footprint.grown()
         if grown and self.attempt.number >= 2:  # the first restart's start holds what every restart's does
-            print(f"[resilient-fsdp] rank {info.rank} holds more than at its previous restart's start: "
-                  + ", ".join(f"{name} x{n}" for name, n in sorted(grown.items())), file=sys.stderr, flush=True)
+            print(
+                f"[resilient-fsdp] rank {info.rank} holds more than at its previous restart's start: "
+                + ", ".join(f"{name} x{n}" for name, n in sorted(grown.items())),
+                file=sys.stderr,
+                flush=True,
+            )
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             self.keep_model_files()
             # Steps past the one we resume from will be trained again: drop their records so the
             # step and checkpoint lines describe a single timeline. Lifecycle events stay.
             if self.metrics.path.exists():
-                keep = [ln for ln in self.metrics.path.read_text().splitlines()
-                        if ln.strip() and _keep_line(ln, resumed)]
+                keep = [
+                    ln for ln in self.metrics.path.read_text().splitlines() if ln.strip() and _keep_line(ln, resumed)
+                ]
                 self.metrics.path.write_text("".join(ln + "\n" for ln in keep))
-            self.metrics.event({"event": "start", "t": time.time(), "layer": layer, "attempt": self.attempt.number,
-                                "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                                "resumed_from_step": resumed if self.checkpointer.resumed_from else None,
-                                "resumed_from_tier": (self.checkpointer.resumed_from or {}).get("tier"),
-                                "world_size": info.world_size, "footprint": held})
+            self.metrics.event(
+                {
+                    "event": "start",
+                    "t": time.time(),
+                    "layer": layer,
+                    "attempt": self.attempt.number,
+                    "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                    "resumed_from_step": resumed if self.checkpointer.resumed_from else None,
+                    "resumed_from_tier": (self.checkpointer.resumed_from or {}).get("tier"),
+                    "world_size": info.world_size,
+                    "footprint": held,
+                }
+            )
         model_name = cfg.model.factory or cfg.model.hf_config or f"preset {cfg.model.preset}"
         how = "" if layer == "start" else f" | restarted ({layer.replace('_', '-')})"
         # Every rank says where it runs: which pod holds which ranks, as the node ranks ordered them,
         # and how many threads its CPU work runs on (OMP_NUM_THREADS, taken when torch was loaded).
         threads = torch.get_num_threads()
-        print(f"[resilient-fsdp] rank {info.rank} of {info.world_size}: node {os.environ.get('GROUP_RANK', '?')}, "
-              f"local rank {info.local_rank}, {threads} CPU thread{'' if threads == 1 else 's'}, "
-              f"host {socket.gethostname()}", file=sys.stderr, flush=True)
+        print(
+            f"[resilient-fsdp] rank {info.rank} of {info.world_size}: node {os.environ.get('GROUP_RANK', '?')}, "
+            f"local rank {info.local_rank}, {threads} CPU thread{'' if threads == 1 else 's'}, "
+            f"host {socket.gethostname()}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.metrics.info(
             f"world size {info.world_size} ({info.device.type}, {info.backend}) | model {model_name}: "
             f"{self.num_params:,} parameters | {self.tokens_per_step:,} tokens/step | NVRx "
             f"{self.versions['nvrx_version']}, torch {self.versions['torch_version']} | "
-            f"config {self.run_dir / 'config.yaml'}{how}")
+            f"config {self.run_dir / 'config.yaml'}{how}"
+        )
 
     def log_learned(self, timeouts: Optional[dict]) -> None:
         if timeouts:
-            self.log_event({"event": "timeouts_learned", "t": time.time(), "step": self.counters.step, **timeouts},
-                           f"hang-detection timeouts learned from observed durations: {timeouts}")
+            self.log_event(
+                {"event": "timeouts_learned", "t": time.time(), "step": self.counters.step, **timeouts},
+                f"hang-detection timeouts learned from observed durations: {timeouts}",
+            )
 
     def s3_summary(self) -> Optional[dict]:
         s3 = self.cfg.checkpoint.s3
@@ -505,9 +597,11 @@ class Trainer:
             self.metrics.close()
             summary.update(accounting.summarize(self.metrics.path, self.attempt.ledger))
             path = self.resources.keep_summary(self.run_dir / "summary.json", summary)
-            self.metrics.info(f"done: step {summary['final_step']} | final loss {summary['final_loss']:.4f} | "
-                              f"{summary['tokens_per_s']:,.0f} tok/s | wall {wall:.1f} s | goodput "
-                              f"{summary['goodput']:.3f} | params_sha256 {digest[:16]}… | summary {path}")
+            self.metrics.info(
+                f"done: step {summary['final_step']} | final loss {summary['final_loss']:.4f} | "
+                f"{summary['tokens_per_s']:,.0f} tok/s | wall {wall:.1f} s | goodput "
+                f"{summary['goodput']:.3f} | params_sha256 {digest[:16]}… | summary {path}"
+            )
         self.metrics.close()
         return summary
 

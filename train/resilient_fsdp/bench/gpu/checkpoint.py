@@ -27,8 +27,19 @@ DEVICE_GROWTH_LIMIT = 0.05  # of the state: a shard copied back to the device wo
 STALL_OVER_COPY_LIMIT = 1.5  # the async stall against the measured device-to-host copy of the state
 STALL_FIXED_S = 0.25  # planning and the hand-off to the writer, which do not grow with the state
 HASH_LIMIT = 3  # params_sha256's peak device memory, in largest parameters
-FIGURES = ("save_call_s", "wait_before_step_s", "commit_s", "commit_background_s", "stall_s", "write_s",
-           "step_time_s", "bytes", "steps_during_write", "cpu_s_during_write", "core_s_during_write")
+FIGURES = (
+    "save_call_s",
+    "wait_before_step_s",
+    "commit_s",
+    "commit_background_s",
+    "stall_s",
+    "write_s",
+    "step_time_s",
+    "bytes",
+    "steps_during_write",
+    "cpu_s_during_write",
+    "core_s_during_write",
+)
 
 
 def fit_estimate(preset: str, seq_len: int, micro_batch: int, work_dir: Any) -> dict:
@@ -43,13 +54,20 @@ def fit_estimate(preset: str, seq_len: int, micro_batch: int, work_dir: Any) -> 
         params = count_params(build_model(preset))
     args = preset_args(preset)
     tokens = seq_len * micro_batch
-    need = {"device_bytes": params * 18 + args.n_layers * tokens * (args.dim * 16 + args.ffn_dim * 6) * 2,
-            "host_shm_bytes": params * 12, "disk_bytes": params * 12 * 2}
-    have = {"device_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0,
-            "host_shm_bytes": shutil.disk_usage("/dev/shm").free, "disk_bytes": shutil.disk_usage(work_dir).free}
+    need = {
+        "device_bytes": params * 18 + args.n_layers * tokens * (args.dim * 16 + args.ffn_dim * 6) * 2,
+        "host_shm_bytes": params * 12,
+        "disk_bytes": params * 12 * 2,
+    }
+    have = {
+        "device_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0,
+        "host_shm_bytes": shutil.disk_usage("/dev/shm").free,
+        "disk_bytes": shutil.disk_usage(work_dir).free,
+    }
     short = [k for k in need if need[k] > 0.9 * have[k]]
-    why = ", ".join(f"{k.replace('_bytes', '')} needs about {need[k] / 1e9:.0f} GB of {have[k] / 1e9:.0f} GB"
-                    for k in short)
+    why = ", ".join(
+        f"{k.replace('_bytes', '')} needs about {need[k] / 1e9:.0f} GB of {have[k] / 1e9:.0f} GB" for k in short
+    )
     return {"preset": preset, "params": params, "need": need, "have": have, "fits": not short, "why": why}
 
 
@@ -86,18 +104,34 @@ def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
 
     p = s.plan
     run_dir = s.dir / preset
-    cfg = load_config(None, s.overrides(run_dir, big=True) + [
-        f"model.preset={preset}", "checkpoint.mode=sync", "checkpoint.save_final=false", "checkpoint.resume=false",
-        "train.steps=100000", "train.deterministic=false"])
+    cfg = load_config(
+        None,
+        s.overrides(run_dir, big=True)
+        + [
+            f"model.preset={preset}",
+            "checkpoint.mode=sync",
+            "checkpoint.save_final=false",
+            "checkpoint.resume=false",
+            "train.steps=100000",
+            "train.deterministic=false",
+        ],
+    )
     trainer = Trainer(cfg)
     root = run_dir / "checkpoints"
     out: dict = {}
     try:
         _timed_steps(trainer, 2)  # creates the AdamW moments: the state is complete from here on
         nbytes = state_bytes(trainer.checkpointer.state.state_dict(with_rng=False))
-        out.update({"preset": preset, "params": trainer.num_params, "state_bytes": nbytes,
-                    "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors, one rank",
-                    "nvrx": NVRX_VERSION, "saves_per_engine": p.checkpoint_saves})
+        out.update(
+            {
+                "preset": preset,
+                "params": trainer.num_params,
+                "state_bytes": nbytes,
+                "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors, one rank",
+                "nvrx": NVRX_VERSION,
+                "saves_per_engine": p.checkpoint_saves,
+            }
+        )
         idle = _timed_steps(trainer, 5)
         out["step_time_idle_s"] = round(statistics.median(idle), 4)
         step, per_save = 0, None
@@ -115,8 +149,11 @@ def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
                 s.results.update(out)
                 s.save()
         sync_stall = out["sync"]["stall_s"]
-        out["ratios"] = {f"{k}_stall_over_sync": round(out[k]["stall_s"] / sync_stall, 4)
-                         for k in (m.replace("-", "_") for m in ENGINES[1:]) if k in out}
+        out["ratios"] = {
+            f"{k}_stall_over_sync": round(out[k]["stall_s"] / sync_stall, 4)
+            for k in (m.replace("-", "_") for m in ENGINES[1:])
+            if k in out
+        }
         for k in (m.replace("-", "_") for m in ENGINES[1:]):
             if k in out and out[k]["step_time_s"]:
                 out["ratios"][f"{k}_step_time_over_idle"] = round(out[k]["step_time_s"] / out["step_time_idle_s"], 3)
@@ -134,8 +171,10 @@ def _measure_preset(s: Section, preset: str, assertions: bool) -> dict:
             out["copy_floor_basis"] = f"state bytes / {COPY_FLOOR_BPS / 1e9:.0f} GB/s device-to-host"
             out["async_stall_over_copy_floor"] = round(asy["stall_s"] / out["copy_floor_s"], 2)
         else:
-            out.setdefault("skipped", {})["copy_floor"] = ("no device-to-host copy on CPU: staging is a host-memory "
-                                                           "copy, so the GPU copy-bound floor does not apply")
+            out.setdefault("skipped", {})["copy_floor"] = (
+                "no device-to-host copy on CPU: staging is a host-memory "
+                "copy, so the GPU copy-bound floor does not apply"
+            )
     finally:
         close_trainer(trainer, root)
         del trainer
@@ -182,8 +221,9 @@ def _device_growth_of_a_save(trainer: Any, root: Any, step: int) -> int:
     return growth
 
 
-def _staging_and_hash_assertions(s: Section, trainer: Any, r: dict, nbytes: int, async_stall: float, root: Any,
-                                 step: int) -> None:
+def _staging_and_hash_assertions(
+    s: Section, trainer: Any, r: dict, nbytes: int, async_stall: float, root: Any, step: int
+) -> None:
     """The GPU-only checks, as assertions the report shows:
 
     - staging keeps DTensors over host buffers: device memory does not grow by a shard during an
@@ -209,22 +249,29 @@ def _staging_and_hash_assertions(s: Section, trainer: Any, r: dict, nbytes: int,
     if not cuda:
         r.setdefault("skipped", {})["device_memory"] = (
             "GPU only: on CPU nothing is copied to or from a device, so device memory during a save, the "
-            "device-to-host copy time and the hash's device memory cannot be measured")
+            "device-to-host copy time and the hash's device memory cannot be measured"
+        )
         return
     hash_growth = torch.cuda.max_memory_allocated() - base
-    largest = max(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-                  for p in trainer.model.parameters())
+    largest = max(
+        p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+        for p in trainer.model.parameters()
+    )
     growth = _device_growth_of_a_save(trainer, root, step)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     copy_s = nbytes / (_d2h_gb_per_s(torch, min(nbytes, 2 * 2**30)) * 1e9)
-    r.update({"async_device_growth_bytes": growth,
-              "async_device_growth_over_state": round(growth / nbytes, 4) if growth is not None else None,
-              "device_memory_flat_during_save": growth is not None and growth < DEVICE_GROWTH_LIMIT * nbytes,
-              "d2h_copy_s": round(copy_s, 4), "async_stall_over_d2h_copy": round(async_stall / copy_s, 2),
-              "stall_close_to_d2h_copy": async_stall <= STALL_OVER_COPY_LIMIT * copy_s + STALL_FIXED_S,
-              "params_hash_peak_growth_bytes": hash_growth, "largest_param_bytes": largest,
-              "params_hash_bounded": hash_growth <= HASH_LIMIT * largest})
+    r.update(
+        {
+            "async_device_growth_bytes": growth,
+            "async_device_growth_over_state": round(growth / nbytes, 4) if growth is not None else None,
+            "device_memory_flat_during_save": growth is not None and growth < DEVICE_GROWTH_LIMIT * nbytes,
+            "d2h_copy_s": round(copy_s, 4),
+            "async_stall_over_d2h_copy": round(async_stall / copy_s, 2),
+            "stall_close_to_d2h_copy": async_stall <= STALL_OVER_COPY_LIMIT * copy_s + STALL_FIXED_S,
+            "params_hash_peak_growth_bytes": hash_growth,
+            "largest_param_bytes": largest,
+            "params_hash_bounded": hash_growth <= HASH_LIMIT * largest,
+        }
+    )
     torch.cuda.empty_cache()
-
-

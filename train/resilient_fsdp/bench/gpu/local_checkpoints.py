@@ -35,22 +35,37 @@ def section_local_checkpoints(s: Section) -> None:
     p, r = s.plan, s.results
     run_dir = s.dir / "run"
     root = run_dir / "local"
-    cfg = load_config(None, s.overrides(run_dir, big=False) + [
-        "checkpoint.mode=sync", "checkpoint.save_final=false", "checkpoint.resume=false", "train.steps=100000",
-        "train.deterministic=false"])
+    cfg = load_config(
+        None,
+        s.overrides(run_dir, big=False)
+        + [
+            "checkpoint.mode=sync",
+            "checkpoint.save_final=false",
+            "checkpoint.resume=false",
+            "train.steps=100000",
+            "train.deterministic=false",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
         _timed_steps(trainer, 2)  # creates the AdamW moments: the state is complete from here on
-        r.update({"preset": cfg.model.preset, "params": trainer.num_params, "nvrx": NVRX_VERSION,
-                  "state_bytes": state_bytes(trainer.checkpointer.state.state_dict(with_rng=False)),
-                  "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors' local shards, one rank",
-                  "saves_per_engine": p.checkpoint_saves,
-                  "step_time_idle_s": round(statistics.median(_timed_steps(trainer, 3)), 4)})
+        r.update(
+            {
+                "preset": cfg.model.preset,
+                "params": trainer.num_params,
+                "nvrx": NVRX_VERSION,
+                "state_bytes": state_bytes(trainer.checkpointer.state.state_dict(with_rng=False)),
+                "state": "model parameters (fp32) + AdamW moments, FSDP2 DTensors' local shards, one rank",
+                "saves_per_engine": p.checkpoint_saves,
+                "step_time_idle_s": round(statistics.median(_timed_steps(trainer, 3)), 4),
+            }
+        )
         if trainer.info.device.type != "cuda":
             r["stand_ins"] = list(CPU_STAND_INS)
         r.setdefault("skipped", {})["replication"] = (
             "one GPU: NVRx's CliqueReplicationStrategy and the memory tier's replica both need a second rank "
-            "on another device")
+            "on another device"
+        )
         s.save()
         step = 0
         for name, saver in (("memory", None), ("nvrx_local", LocalManagerSaver(trainer, root / "timed"))):
@@ -81,8 +96,9 @@ def _load_memory(trainer: Any, r: dict, step: int) -> int:
     from ...checkpoint.staging import local_tensors
 
     state, group = trainer.checkpointer.state, trainer.checkpointer.group
-    tier = MemoryTier(1, Path("/dev/shm"), f"gpu-check-{uuid.uuid4().hex[:8]}", "gpu-check", group.rank,
-                      group.world_size)
+    tier = MemoryTier(
+        1, Path("/dev/shm"), f"gpu-check-{uuid.uuid4().hex[:8]}", "gpu-check", group.rank, group.world_size
+    )
     try:
         saved = _clones(local_tensors(state.state_dict(with_rng=False)))
         tier.save(step, state.state_dict())

@@ -14,10 +14,10 @@ from .section import Section
 
 # Dense bf16 tensor-core peaks (NVIDIA's H100 and H200 SXM datasheets: 1,979 TFLOP/s "with
 # sparsity", i.e. 989.4 dense), the denominator of MFU. Matched on torch's device name.
-PEAKS = (("H200", 989.4e12, "NVIDIA H200 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with sparsity / 2)"),
-         ("H100 80GB HBM3", 989.4e12, "NVIDIA H100 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with "
-                                      "sparsity / 2)"))
-
+PEAKS = (
+    ("H200", 989.4e12, "NVIDIA H200 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with sparsity / 2)"),
+    ("H100 80GB HBM3", 989.4e12, "NVIDIA H100 SXM datasheet, dense BF16 Tensor Core (1,979 TFLOP/s with sparsity / 2)"),
+)
 
 
 def state_bytes(sd: Any) -> int:
@@ -47,6 +47,7 @@ def peak_flops(device_name: str, override_tflops: Optional[float]) -> tuple[Opti
 
 # ---- section 0: environment --------------------------------------------------------------------
 
+
 def section_environment(s: Section) -> None:
     import importlib
     import importlib.metadata as md
@@ -54,7 +55,9 @@ def section_environment(s: Section) -> None:
     import torch
 
     r = s.results
-    r.update({"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()})
+    r.update(
+        {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    )
     for dist_name in ("nvidia-resiliency-ext", "pydantic", "PyYAML", "psutil", "numpy", "protobuf", "grpcio"):
         try:
             r[f"version_{dist_name}"] = md.version(dist_name)
@@ -98,22 +101,35 @@ def section_environment(s: Section) -> None:
         r["ft_launcher"] = f"not found: {exc}"
     s.save()
     if not torch.cuda.is_available():
-        r["skipped"] = {"gpu": "no CUDA device visible" + (" (--cpu)" if s.cpu else ""),
-                        "nccl": "NCCL needs CUDA", "driver": "no NVIDIA driver in use",
-                        "ceilings": "the bf16 matmul and device-to-host copy ceilings are measured on a GPU only"}
+        r["skipped"] = {
+            "gpu": "no CUDA device visible" + (" (--cpu)" if s.cpu else ""),
+            "nccl": "NCCL needs CUDA",
+            "driver": "no NVIDIA driver in use",
+            "ceilings": "the bf16 matmul and device-to-host copy ceilings are measured on a GPU only",
+        }
         return
     props = torch.cuda.get_device_properties(0)
-    r.update({"gpu_name": props.name, "gpu_count": torch.cuda.device_count(),
-              "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-              "compute_capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count})
+    r.update(
+        {
+            "gpu_name": props.name,
+            "gpu_count": torch.cuda.device_count(),
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "compute_capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+        }
+    )
     try:
         version = torch.cuda.nccl.version()
         r["nccl"] = ".".join(map(str, version)) if isinstance(version, (tuple, list)) else str(version)
     except Exception as exc:  # noqa: BLE001
         r["nccl"] = f"unknown ({exc})"
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         r["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
         r["driver"] = smi.stdout.split(",")[0].strip() if smi.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -156,13 +172,18 @@ def _d2h_gb_per_s(torch: Any, nbytes: int) -> float:
 def measure_ceilings(torch: Any) -> dict:
     """The bf16 matmul rate and the pinned device-to-host copy rate, measured here (medians)."""
     n, nbytes = 8192, 2 * 2**30
-    out = {"bf16_matmul_tflops": round(_matmul_tflops(torch, n), 1), "matmul_shape": f"{n}x{n}x{n}",
-           "d2h_pinned_gb_per_s": round(_d2h_gb_per_s(torch, nbytes), 1), "d2h_bytes": nbytes}
+    out = {
+        "bf16_matmul_tflops": round(_matmul_tflops(torch, n), 1),
+        "matmul_shape": f"{n}x{n}x{n}",
+        "d2h_pinned_gb_per_s": round(_d2h_gb_per_s(torch, nbytes), 1),
+        "d2h_bytes": nbytes,
+    }
     torch.cuda.empty_cache()
     return out
 
 
 # ---- section 1: throughput ---------------------------------------------------------------------
+
 
 def section_throughput(s: Section) -> None:
     import torch
@@ -174,18 +195,33 @@ def section_throughput(s: Section) -> None:
 
     p, r = s.plan, s.results
     # Deterministic kernels are for exact comparisons (section 5); speed is measured without them.
-    cfg = load_config(None, s.overrides(s.dir, big=True) + ["checkpoint.save_final=false", "checkpoint.resume=false",
-                                                             "train.steps=100000", "train.deterministic=false"])
+    cfg = load_config(
+        None,
+        s.overrides(s.dir, big=True)
+        + ["checkpoint.save_final=false", "checkpoint.resume=false", "train.steps=100000", "train.deterministic=false"],
+    )
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     try:
         args = preset_args(p.big_preset)
-        r.update({"preset": p.big_preset, "params": trainer.num_params, "seq_len": p.big_seq_len,
-                  "micro_batch_size": p.big_micro_batch, "tokens_per_step": trainer.tokens_per_step,
-                  "world_size": trainer.info.world_size, "device": str(trainer.info.device),
-                  "backend": trainer.info.backend, "build_s": round(time.perf_counter() - t0, 2),
-                  "precision": ("bf16 parameters and compute, fp32 gradient reduction (FSDP2 MixedPrecisionPolicy)"
-                                if trainer.info.device.type == "cuda" else "fp32 (CPU)")})
+        r.update(
+            {
+                "preset": p.big_preset,
+                "params": trainer.num_params,
+                "seq_len": p.big_seq_len,
+                "micro_batch_size": p.big_micro_batch,
+                "tokens_per_step": trainer.tokens_per_step,
+                "world_size": trainer.info.world_size,
+                "device": str(trainer.info.device),
+                "backend": trainer.info.backend,
+                "build_s": round(time.perf_counter() - t0, 2),
+                "precision": (
+                    "bf16 parameters and compute, fp32 gradient reduction (FSDP2 MixedPrecisionPolicy)"
+                    if trainer.info.device.type == "cuda"
+                    else "fp32 (CPU)"
+                ),
+            }
+        )
         t1 = time.perf_counter()
         loss_first, _ = trainer.train_step()
         r["first_step_s"] = round(time.perf_counter() - t1, 3)
@@ -210,10 +246,19 @@ def section_throughput(s: Section) -> None:
         # without a causal discount (PaLM, Chowdhery et al. 2022, appendix B).
         matmul_params = trainer.num_params - args.vocab_size * args.dim
         flops_per_token = 6 * matmul_params + 12 * args.n_layers * args.dim * p.big_seq_len
-        r.update({"steps_measured": steps, "measured_s": round(elapsed, 3), "steps_per_s": round(steps / elapsed, 3),
-                  "tokens_per_s": round(tokens_per_s, 1), "step_time_s": round(elapsed / steps, 4),
-                  "loss_first": loss_first, "loss_last": loss, "flops_per_token": flops_per_token,
-                  "achieved_tflops": float(f"{flops_per_token * tokens_per_s / 1e12:.4g}")})
+        r.update(
+            {
+                "steps_measured": steps,
+                "measured_s": round(elapsed, 3),
+                "steps_per_s": round(steps / elapsed, 3),
+                "tokens_per_s": round(tokens_per_s, 1),
+                "step_time_s": round(elapsed / steps, 4),
+                "loss_first": loss_first,
+                "loss_last": loss,
+                "flops_per_token": flops_per_token,
+                "achieved_tflops": float(f"{flops_per_token * tokens_per_s / 1e12:.4g}"),
+            }
+        )
         if cuda:
             r["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
             peak, source = peak_flops(torch.cuda.get_device_name(), s.args.peak_tflops)
@@ -223,8 +268,9 @@ def section_throughput(s: Section) -> None:
                 r.setdefault("skipped", {})["mfu"] = source
         else:
             r["mfu"] = None
-            r.setdefault("skipped", {})["mfu"] = ("not applicable on CPU: MFU is measured against a GPU's dense "
-                                                  "bf16 peak, and a CPU run computes in fp32")
+            r.setdefault("skipped", {})["mfu"] = (
+                "not applicable on CPU: MFU is measured against a GPU's dense bf16 peak, and a CPU run computes in fp32"
+            )
         if p.big_preset != "1b":
             r.setdefault("skipped", {})["1b"] = f"--tiny: the {p.big_preset} preset stands in for the 1b preset"
     finally:

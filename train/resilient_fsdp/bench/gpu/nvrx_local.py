@@ -15,17 +15,22 @@ from typing import Any, Optional
 
 import torch
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
-from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (BasicTensorAwareStateDict,
-                                                                       dict_list_map_inplace, nested_values)
+from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
+    BasicTensorAwareStateDict,
+    dict_list_map_inplace,
+    nested_values,
+)
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 
 from ...checkpoint.staging import local_tensors
 from ...checkpoint.writer.worker import cpu_shim
 from ..checkpoint_engines import Saver
 
-CPU_STAND_INS = ("BasicTensorAwareStateDict asserts CUDA tensors: on CPU the shards are wrapped in a subclass "
-                 "whose host copy is a clone and whose restore leaves them on the host",
-                 "NVRx's forked writer synchronises the device first: a no-op without one")
+CPU_STAND_INS = (
+    "BasicTensorAwareStateDict asserts CUDA tensors: on CPU the shards are wrapped in a subclass "
+    "whose host copy is a clone and whose restore leaves them on the host",
+    "NVRx's forked writer synchronises the device first: a no-op without one",
+)
 
 
 class HostStateDict(BasicTensorAwareStateDict):
@@ -82,8 +87,13 @@ class LocalManagerSaver(Saver):
         if self.queue.get_num_unfinalized_calls():
             return None
         path = self.manager._local_ckpt_path_from_id(self.manager._ckpt_id(self.step))
-        return {"write_s": time.perf_counter() - self.t0, "bytes": path.stat().st_size, "wait_s": 0.0,
-                "call_s": self.call_s, "commit_s": 0.0}
+        return {
+            "write_s": time.perf_counter() - self.t0,
+            "bytes": path.stat().st_size,
+            "wait_s": 0.0,
+            "call_s": self.call_s,
+            "commit_s": 0.0,
+        }
 
     def load(self, saved: dict[str, torch.Tensor]) -> tuple[float, bool]:
         """(seconds to find and load the newest checkpoint back onto the device, whether it equals

@@ -42,8 +42,24 @@ class Plan:
 
 GPU_PLAN = Plan("1b", 2048, 4, 10, 300, 60.0, "125m", 512, 8, lr=3e-4)
 # The rehearsal only has to run every code path, in CI time: few steps, one measured save.
-TINY_PLAN = Plan("tiny", 64, 4, 3, 20, 6.0, "tiny", 64, 4, lr=None, run_steps=12, interval_steps=4, fault_step=7,
-                 stop_step=8, checkpoint_presets=("tiny", "8b"), checkpoint_saves=1)
+TINY_PLAN = Plan(
+    "tiny",
+    64,
+    4,
+    3,
+    20,
+    6.0,
+    "tiny",
+    64,
+    4,
+    lr=None,
+    run_steps=12,
+    interval_steps=4,
+    fault_step=7,
+    stop_step=8,
+    checkpoint_presets=("tiny", "8b"),
+    checkpoint_saves=1,
+)
 
 
 def tail(path: Path, lines: int) -> list[str]:
@@ -54,6 +70,7 @@ def tail(path: Path, lines: int) -> list[str]:
 
 
 # ---- what every section gets ------------------------------------------------------------------
+
 
 class Section:
     """What a section's code gets: its plan, its folder, its deadline, and a way to save progress."""
@@ -72,25 +89,41 @@ class Section:
 
     def save(self, status: str = "running", **extra: Any) -> None:
         """Write the results so far: a section killed at its budget still reports them."""
-        atomic.write_json(self.work / f"{self.name}.json", {"status": status, "results": self.results, **extra},
-                          sort_keys=False, default=str, newline=False)
+        atomic.write_json(
+            self.work / f"{self.name}.json",
+            {"status": status, "results": self.results, **extra},
+            sort_keys=False,
+            default=str,
+            newline=False,
+        )
 
     def overrides(self, run_dir: Path, big: bool) -> list[str]:
         p = self.plan
-        preset, seq, mb = ((p.big_preset, p.big_seq_len, p.big_micro_batch) if big
-                           else (p.small_preset, p.small_seq_len, p.small_micro_batch))
-        out = [f"run_dir={run_dir}", f"model.preset={preset}", f"data.seq_len={seq}", f"data.micro_batch_size={mb}",
-               f"dist.device={'cpu' if self.cpu else 'cuda'}"]
+        preset, seq, mb = (
+            (p.big_preset, p.big_seq_len, p.big_micro_batch)
+            if big
+            else (p.small_preset, p.small_seq_len, p.small_micro_batch)
+        )
+        out = [
+            f"run_dir={run_dir}",
+            f"model.preset={preset}",
+            f"data.seq_len={seq}",
+            f"data.micro_batch_size={mb}",
+            f"dist.device={'cpu' if self.cpu else 'cuda'}",
+        ]
         return out + ([f"optim.lr={p.lr}"] if p.lr else [])
 
     def run_overrides(self, run_dir: Path) -> list[str]:
         """The restart and resume runs: one configuration, so their final parameters compare."""
         p = self.plan
-        return self.overrides(run_dir, big=False) + [f"train.steps={p.run_steps}",
-                                                     f"checkpoint.interval_steps={p.interval_steps}",
-                                                     "train.log_every=10", "checkpoint.keep_last=1",
-                                                     # NCCL's timeout above in-process restart's hard one.
-                                                     f"dist.timeout_s={60 if self.cpu else 120}"]
+        return self.overrides(run_dir, big=False) + [
+            f"train.steps={p.run_steps}",
+            f"checkpoint.interval_steps={p.interval_steps}",
+            "train.log_every=10",
+            "checkpoint.keep_last=1",
+            # NCCL's timeout above in-process restart's hard one.
+            f"dist.timeout_s={60 if self.cpu else 120}",
+        ]
 
     def in_process_overrides(self, run_dir: Path) -> list[str]:
         from ..recovery import COMMON
@@ -98,8 +131,11 @@ class Section:
         out = self.run_overrides(run_dir) + COMMON + ["resilience.in_process.enabled=true"]
         if not self.cpu:
             # CUDA start-up (context, NCCL, first kernels) must not look like a hang to the wrapper.
-            out += ["resilience.in_process.soft_timeout_s=60", "resilience.in_process.hard_timeout_s=90",
-                    "resilience.in_process.heartbeat_timeout_s=30"]
+            out += [
+                "resilience.in_process.soft_timeout_s=60",
+                "resilience.in_process.hard_timeout_s=90",
+                "resilience.in_process.heartbeat_timeout_s=30",
+            ]
         return out
 
 
@@ -116,14 +152,21 @@ def run_logged(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = 
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
         try:
-            return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=_child_env(env), timeout=max(1.0, timeout)).returncode
+            return subprocess.run(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=_child_env(env),
+                timeout=max(1.0, timeout),
+            ).returncode
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(cmd[:4])} …; see {log}") from None
 
 
-def train_run(s: Section, run_dir: Path, overrides: list[str], flags: Optional[list[str]] = None,
-              env: Optional[dict] = None) -> dict:
+def train_run(
+    s: Section, run_dir: Path, overrides: list[str], flags: Optional[list[str]] = None, env: Optional[dict] = None
+) -> dict:
     """One trainer process (``python -m resilient_fsdp.train``); returns its ``summary.json``."""
     cmd = [sys.executable, "-m", "resilient_fsdp.train", "--run-dir", str(run_dir), *(flags or [])]
     for o in overrides:
@@ -131,8 +174,7 @@ def train_run(s: Section, run_dir: Path, overrides: list[str], flags: Optional[l
     log = s.work / f"{s.name}-runs.log"
     code = run_logged(cmd, log, s.remaining() - 5, env)
     if code != 0:
-        raise RuntimeError(f"trainer run in {run_dir.name} exited with code {code}: "
-                           + " | ".join(tail(log, 3)))
+        raise RuntimeError(f"trainer run in {run_dir.name} exited with code {code}: " + " | ".join(tail(log, 3)))
     return json.loads((run_dir / "summary.json").read_text())
 
 

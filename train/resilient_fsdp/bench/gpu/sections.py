@@ -23,9 +23,14 @@ from .section import Section
 
 
 SECTIONS: dict[str, Callable[[Section], None]] = {
-    "environment": section_environment, "throughput": section_throughput, "checkpoint": section_checkpoint,
-    "in_process": section_in_process, "in_job": section_in_job, "exact_resume": section_exact_resume,
-    "local_checkpoints": section_local_checkpoints}
+    "environment": section_environment,
+    "throughput": section_throughput,
+    "checkpoint": section_checkpoint,
+    "in_process": section_in_process,
+    "in_job": section_in_job,
+    "exact_resume": section_exact_resume,
+    "local_checkpoints": section_local_checkpoints,
+}
 
 
 def run_child(args: argparse.Namespace) -> int:

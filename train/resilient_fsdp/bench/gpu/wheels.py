@@ -29,8 +29,15 @@ REPO = Path(__file__).resolve().parents[4]
 PINS = REPO / "constraints-gpu-check.txt"
 # The GPU machine runs CPython 3.12 on x86-64. pip matches manylinux tags exactly, so every glibc
 # level a pinned wheel may be tagged with is listed; NVRx 0.7 is published for glibc 2.39 only.
-PLATFORMS = ["manylinux_2_39_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64"]
+PLATFORMS = [
+    "manylinux_2_39_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_5_x86_64",
+    "manylinux1_x86_64",
+]
 # Marks a target directory this module created, so a re-run may empty it and nothing else.
 TARGET_MARKER = ".resilient-fsdp-gpu-wheels"
 _WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)-")
@@ -72,8 +79,22 @@ def download(dest: Path, pins: list[tuple[str, str]], python: str = sys.executab
         # One version of each package: two would stop the whole install there.
         if m is None or wanted.get(normalize(m["name"])) != m["version"]:
             old.unlink()
-    cmd = [python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     subprocess.run(cmd + [f"{n}=={v}" for n, v in pins], check=True)
@@ -91,6 +112,7 @@ def _older(present: str, carried: str) -> bool:
 
         return Version(present) < Version(carried)
     except Exception:  # noqa: BLE001 - no packaging, or a version it cannot parse
+
         def key(v: str) -> tuple:
             return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+-]", v))
 
@@ -115,9 +137,26 @@ def decide(wheels: list[Path]) -> list[Decision]:
 
 
 def _pip_install(wheels: list[Path], target: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                           "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-                           "--target", str(target), *map(str, wheels)], capture_output=True, text=True)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(target),
+            *map(str, wheels),
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 def _unpack(wheel: Path, target: Path) -> None:
@@ -133,9 +172,11 @@ def ensure_ft_launcher(target: Path) -> Path:
     script = target / "bin" / "ft_launcher"
     if not script.exists() and (target / "nvidia_resiliency_ext").is_dir():
         script.parent.mkdir(parents=True, exist_ok=True)
-        script.write_text(f"#!{sys.executable}\nimport sys\n"
-                          "from nvidia_resiliency_ext.fault_tolerance.launcher import main\n"
-                          "sys.exit(main())\n")
+        script.write_text(
+            f"#!{sys.executable}\nimport sys\n"
+            "from nvidia_resiliency_ext.fault_tolerance.launcher import main\n"
+            "sys.exit(main())\n"
+        )
         script.chmod(0o755)
     return script
 
@@ -146,8 +187,7 @@ def install(wheels_dir: Path, target: Path) -> list[Decision]:
         raise FileNotFoundError(f"--wheels {wheels_dir}: no .whl files there; run scripts/gpu-wheels first")
     if target.exists():
         if not (target / TARGET_MARKER).exists() and any(target.iterdir()):
-            raise RuntimeError(f"--target {target} exists and was not made by this installer; pick an empty "
-                               "directory")
+            raise RuntimeError(f"--target {target} exists and was not made by this installer; pick an empty directory")
         shutil.rmtree(target)
     target.mkdir(parents=True)
     (target / TARGET_MARKER).touch()

@@ -59,8 +59,7 @@ def decide(reports: list[Report], world_size: int, durable_step: Optional[int]) 
         for source, steps in report.replicas.items():
             for step in steps:
                 holders.setdefault(source, {}).setdefault(step, []).append(report.rank)
-    candidates = sorted({s for r in reports for s in r.own} | {s for h in holders.values() for s in h},
-                        reverse=True)
+    candidates = sorted({s for r in reports for s in r.own} | {s for h in holders.values() for s in h}, reverse=True)
     floor = -1 if durable_step is None else durable_step
     best_gap: Optional[tuple[int, list[int]]] = None
     for step in candidates:

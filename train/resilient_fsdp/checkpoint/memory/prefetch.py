@@ -92,19 +92,22 @@ class Prefetch:
         self._ahead = self._invalid = None
 
 
-def start(cfg: CheckpointConfig, checkpoint_dir: Path, rank: int, world_size: int,
-          device: torch.device) -> Optional[Prefetch]:
+def start(
+    cfg: CheckpointConfig, checkpoint_dir: Path, rank: int, world_size: int, device: torch.device
+) -> Optional[Prefetch]:
     """The read-ahead for a start that may restore from memory (the memory tier on, ``resume``
     on, ``checkpoint_dir`` started before: it has a run id); None for any other."""
     run = read_run_identity(checkpoint_dir) if cfg.memory.interval_steps > 0 and cfg.resume else None
     if run is None:
         return None
-    return Prefetch(MemorySlots(job_root(Path(cfg.memory.dir), job_id(cfg), run), owner_name(rank)), world_size,
-                    device)
+    return Prefetch(MemorySlots(job_root(Path(cfg.memory.dir), job_id(cfg), run), owner_name(rank)), world_size, device)
 
 
 def optimizer_state_indices(values: Any, record: Record) -> frozenset[int]:
     """The indices of a snapshot's optimizer-state tensors that the restore can adopt: every
     ``optim.state`` tensor but the scalars (the step counts stay where torch keeps them)."""
-    return frozenset(i for i, (path, span) in enumerate(zip(tensor_paths(values), record.spans))
-                     if len(path) == 4 and path[:2] == ("optim", "state") and tuple(span[2]) != ())
+    return frozenset(
+        i
+        for i, (path, span) in enumerate(zip(tensor_paths(values), record.spans))
+        if len(path) == 4 and path[:2] == ("optim", "state") and tuple(span[2]) != ()
+    )

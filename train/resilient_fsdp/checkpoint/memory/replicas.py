@@ -37,8 +37,16 @@ class Replicator:
     replica (``replica-of-<source>``, two alternating slots) and writes its record by rename once
     every byte is in: a record, then the bytes, each message a length first (zero: the sender closed)."""
 
-    def __init__(self, group: dist.ProcessGroup, own: MemorySlots, replica: Optional[MemorySlots],
-                 rank: int, holder: Optional[int], source: Optional[int], say: Callable[[str], None]):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        own: MemorySlots,
+        replica: Optional[MemorySlots],
+        rank: int,
+        holder: Optional[int],
+        source: Optional[int],
+        say: Callable[[str], None],
+    ):
         self.group, self.own, self.replica = group, own, replica
         self.rank, self.holder, self.source, self.say = rank, holder, source, say
         self._newest: Optional[Record] = None
@@ -63,8 +71,9 @@ class Replicator:
         if holder is not None:
             self._threads.append(threading.Thread(target=self._send_loop, name="memory-replica-send", daemon=True))
         if source is not None and replica is not None:
-            self._threads.append(threading.Thread(target=self._receive_loop, name="memory-replica-receive",
-                                                  daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._receive_loop, name="memory-replica-receive", daemon=True)
+            )
         for t in self._threads:
             t.start()
 
@@ -73,8 +82,10 @@ class Replicator:
         with self._cv:
             if self._newest is not None and record.step > self._newest.step:
                 self.skipped.append(self._newest.step)
-                self.say(f"rank {self.rank}: memory checkpoint of step {self._newest.step} not replicated: its "
-                         f"replica was still on its way when step {record.step} was taken")
+                self.say(
+                    f"rank {self.rank}: memory checkpoint of step {self._newest.step} not replicated: its "
+                    f"replica was still on its way when step {record.step} was taken"
+                )
             self._newest = record
             self._cv.notify()
 
@@ -150,8 +161,7 @@ class Replicator:
         """Wait until the snapshot of ``step`` has been sent, skipped or cannot be (a dead peer);
         whether it was sent."""
         deadline = time.monotonic() + timeout_s
-        while step not in self.sent and step not in self.skipped and not self.errors \
-                and time.monotonic() < deadline:
+        while step not in self.sent and step not in self.skipped and not self.errors and time.monotonic() < deadline:
             time.sleep(0.02)
         return step in self.sent
 
@@ -218,8 +228,15 @@ def _send_goodbye(group: dist.ProcessGroup, dst: int, post=_posted) -> None:
     _send_lengths(group, dst, 0, 0, post=post)
 
 
-def _send(group: dist.ProcessGroup, dst: int, record: Record, slots: MemorySlots, tags=STREAM,
-          between: Optional[Callable[[int], None]] = None, post=_posted) -> None:
+def _send(
+    group: dist.ProcessGroup,
+    dst: int,
+    record: Record,
+    slots: MemorySlots,
+    tags=STREAM,
+    between: Optional[Callable[[int], None]] = None,
+    post=_posted,
+) -> None:
     """``record``'s slot to rank ``dst``: the lengths, the record and its extra bytes, the tensor
     bytes; ``between(step)`` is called before the tensor bytes. ``post`` posts each message."""
     extra = slots.extra(record)
@@ -252,8 +269,9 @@ def _receive(group: dist.ProcessGroup, src: int, into: MemorySlots, tags=STREAM,
     return True
 
 
-def exchange(group: dist.ProcessGroup, decision: Decision, rank: int, own: MemorySlots,
-             replicas: Callable[[int], MemorySlots]) -> Optional[str]:
+def exchange(
+    group: dist.ProcessGroup, decision: Decision, rank: int, own: MemorySlots, replicas: Callable[[int], MemorySlots]
+) -> Optional[str]:
     """Collective over ``group``: every (holder, rank) pair of ``decision`` moves the holder's
     replica of ``rank`` at the decided step into ``rank``'s own next slot; this rank's error, or None.
     ``replicas(source)``: this rank's replica slots of ``source``."""

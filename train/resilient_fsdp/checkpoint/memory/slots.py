@@ -174,7 +174,7 @@ class MemorySlots:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._unrecord(slot)
         buffer = self._map(slot, nbytes)
-        views = [buffer[s.offset: s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in spans]
+        views = [buffer[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in spans]
         return spans, views
 
     def _map(self, slot: str, nbytes: int) -> torch.Tensor:
@@ -211,18 +211,40 @@ class MemorySlots:
             return None
         return set(self._mapped) <= self._pinned
 
-    def commit(self, slot: str, spans: list[Span], step: int, digest: str, *, world_size: int, rank: int,
-               job: str, attempt: int, meta: Optional[dict] = None, extra: bytes = b"") -> Record:
+    def commit(
+        self,
+        slot: str,
+        spans: list[Span],
+        step: int,
+        digest: str,
+        *,
+        world_size: int,
+        rank: int,
+        job: str,
+        attempt: int,
+        meta: Optional[dict] = None,
+        extra: bytes = b"",
+    ) -> Record:
         """Checksum the slot's bytes (the copy into them must be complete), write ``extra`` beside
         them, then the record by rename: from here on the slot is a snapshot of ``step``."""
         buffer = self._mapped[slot][1]
         crcs = tuple(crc32c.crc32c(_bytes(buffer, s)) for s in spans)
         self._extra(slot).write_bytes(extra)
-        record = Record(step=step, slot=slot, digest=digest, world_size=world_size, rank=rank, job=job,
-                        attempt=attempt, nbytes=int(buffer.numel()),
-                        spans=tuple((s.offset, _dtype_name(s.dtype), tuple(s.shape)) for s in spans),
-                        crc32c=crcs, extra_crc32c=crc32c.crc32c(extra), meta=dict(meta or {}),
-                        created_unix=time.time())
+        record = Record(
+            step=step,
+            slot=slot,
+            digest=digest,
+            world_size=world_size,
+            rank=rank,
+            job=job,
+            attempt=attempt,
+            nbytes=int(buffer.numel()),
+            spans=tuple((s.offset, _dtype_name(s.dtype), tuple(s.shape)) for s in spans),
+            crc32c=crcs,
+            extra_crc32c=crc32c.crc32c(extra),
+            meta=dict(meta or {}),
+            created_unix=time.time(),
+        )
         atomic.write_json(self.dir / f"slot-{slot}.json", record.to_json())  # on tmpfs its fsyncs cost nothing
         return record
 
@@ -252,8 +274,13 @@ class MemorySlots:
         """``record``'s slot as bytes, unchecked (a replica's receiver checks them when it loads)."""
         return self._map_existing(record)
 
-    def read(self, record: Record, digest: Optional[str] = None, moved: Container[int] = (),
-             device: Optional[torch.device] = None) -> list[torch.Tensor]:
+    def read(
+        self,
+        record: Record,
+        digest: Optional[str] = None,
+        moved: Container[int] = (),
+        device: Optional[torch.device] = None,
+    ) -> list[torch.Tensor]:
         """The tensors of ``record``'s slot, checked: the digest (when given) and every CRC32C.
         Views of the mapped file, no copy, except the tensors whose index is in ``moved``: each is
         copied, a chunk at a time right after the chunk's checksum (so each byte is read from
@@ -270,7 +297,7 @@ class MemorySlots:
             span = Span(offset, _dtype(dtype), shape)
             if offset + span.nbytes > buffer.numel():
                 raise SlotInvalid(where, f"tensor {i} lies past the end of the file")
-            saved = buffer[offset: offset + span.nbytes]
+            saved = buffer[offset : offset + span.nbytes]
             if i in moved:
                 saved, actual = _checked_copy(saved, device or torch.device("cpu"))
             else:
@@ -304,9 +331,8 @@ class MemorySlots:
         held = self._mapped.get(record.slot)
         if held is not None and held[0] == record.nbytes:
             return held[1]
-        storage = torch.UntypedStorage.from_file(str(self._bin(record.slot)), shared=True,
-                                                 nbytes=max(record.nbytes, 1))
-        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)[:record.nbytes]
+        storage = torch.UntypedStorage.from_file(str(self._bin(record.slot)), shared=True, nbytes=max(record.nbytes, 1))
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)[: record.nbytes]
         self._mapped[record.slot] = (record.nbytes, buffer)
         return buffer
 
@@ -354,10 +380,13 @@ def _reserve(path: Path, nbytes: int) -> None:
         path.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
             free = shutil.disk_usage(path.parent).free
-            raise OSError(errno.ENOSPC, f"{path.parent} has {free / 2**20:.0f} MiB free, a memory checkpoint slot "
-                                        f"needs {nbytes / 2**20:.0f} MiB (two per rank, and a peer's two with "
-                                        "replicas): raise shm.sizeLimit (resilient-fsdp advise --memory sizes it) "
-                                        "or lower the ranks per pod") from None
+            raise OSError(
+                errno.ENOSPC,
+                f"{path.parent} has {free / 2**20:.0f} MiB free, a memory checkpoint slot "
+                f"needs {nbytes / 2**20:.0f} MiB (two per rank, and a peer's two with "
+                "replicas): raise shm.sizeLimit (resilient-fsdp advise --memory sizes it) "
+                "or lower the ranks per pod",
+            ) from None
         raise
     os.close(fd)
 
@@ -369,14 +398,14 @@ def _checked_copy(source: torch.Tensor, device: torch.device) -> tuple[torch.Ten
     copy = torch.empty(0, dtype=torch.uint8, device=device).set_(torch.UntypedStorage(source.numel(), device=device))
     crc = 0
     for start in range(0, source.numel(), CHUNK):
-        chunk = source[start: start + CHUNK]
+        chunk = source[start : start + CHUNK]
         crc = crc32c.crc32c(memoryview(chunk.numpy()), value=crc)
-        copy[start: start + CHUNK].copy_(chunk)
+        copy[start : start + CHUNK].copy_(chunk)
     return copy, crc
 
 
 def _bytes(buffer: torch.Tensor, span: Span) -> memoryview:
-    return memoryview(buffer[span.offset: span.offset + span.nbytes].numpy())
+    return memoryview(buffer[span.offset : span.offset + span.nbytes].numpy())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

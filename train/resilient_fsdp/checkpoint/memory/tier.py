@@ -37,10 +37,20 @@ class MemoryTier:
     """Rank ``rank``'s memory checkpoints of run ``run`` (``run_identity``) of job ``job``, every
     ``interval_steps`` steps, in ``shm`` (``checkpoint.memory.dir``)."""
 
-    def __init__(self, interval_steps: int, shm: Path, job: str, run: str, rank: int, world_size: int,
-                 replicas: int = 0,
-                 ranks_per_pod: int = 1, say: Callable[[str], None] = lambda _m: None, durable_copies: int = 0,
-                 prefetch: Optional[Prefetch] = None):
+    def __init__(
+        self,
+        interval_steps: int,
+        shm: Path,
+        job: str,
+        run: str,
+        rank: int,
+        world_size: int,
+        replicas: int = 0,
+        ranks_per_pod: int = 1,
+        say: Callable[[str], None] = lambda _m: None,
+        durable_copies: int = 0,
+        prefetch: Optional[Prefetch] = None,
+    ):
         self.interval_steps = interval_steps
         self.shm, self.ranks_per_pod, self.replicas = Path(shm), ranks_per_pod, replicas
         # Copies of the state the durable checkpoint stages in shared memory per rank (1 for the
@@ -110,15 +120,26 @@ class MemoryTier:
             self._finished.append(self._event(pending, error=f"{type(exc).__name__}: {exc}"))
             return
         if self.slots.pin_error is not None:
-            self.say(f"rank {self.rank}: warning: {self.slots.pin_error}; each memory save's copy waits for all of "
-                     "it at the pageable rate")
+            self.say(
+                f"rank {self.rank}: warning: {self.slots.pin_error}; each memory save's copy waits for all of "
+                "it at the pageable rate"
+            )
             self.slots.pin_error = None
 
         def commit() -> None:
             t = time.perf_counter()
-            pending["record"] = self.slots.commit(slot, spans, step, digest, world_size=self.world_size,
-                                                  rank=self.rank, job=self.job, attempt=attempt, extra=extra,
-                                                  meta={"batch": dict(batch or {})})
+            pending["record"] = self.slots.commit(
+                slot,
+                spans,
+                step,
+                digest,
+                world_size=self.world_size,
+                rank=self.rank,
+                job=self.job,
+                attempt=attempt,
+                extra=extra,
+                meta={"batch": dict(batch or {})},
+            )
             pending["commit_s"] = time.perf_counter() - t
             if self.replicator is not None:
                 self.replicator.committed(pending["record"])
@@ -149,16 +170,20 @@ class MemoryTier:
         if need <= size:
             others = _other_runs(self.shm, self.root)
             held = "; ".join(f"{path} holds {_size(n)}" for path, n in others[:3]) or "none of it by this tool"
-            return (f"the memory tier is off for this job: {self.shm} has {_size(usable)} free and the pod's "
-                    f"{self.ranks_per_pod} rank(s) need {_size(slots_need)} for their slots ({slots} of "
-                    f"{_size(state_bytes)} each, per rank); what else holds it: {held}. Other runs' snapshots "
-                    "serve only their own restarts: remove the ones no run will resume, or raise shm.sizeLimit "
-                    f"by {_quantity(slots_need - usable)}. Durable checkpoints go on")
-        return (f"the memory tier is off for this job: {self.shm} holds {_size(size)}, and the pod's "
-                f"{self.ranks_per_pod} rank(s) need {_size(need)} ({slots} slots of {_size(state_bytes)} each"
-                f"{' and the durable checkpoint staging copy' if durable else ''}, per rank); raise shm.sizeLimit to "
-                f"at least {_quantity(need)} (resilient-fsdp advise --memory sizes it), or set "
-                "checkpoint.memory.interval_steps=0. Durable checkpoints go on")
+            return (
+                f"the memory tier is off for this job: {self.shm} has {_size(usable)} free and the pod's "
+                f"{self.ranks_per_pod} rank(s) need {_size(slots_need)} for their slots ({slots} of "
+                f"{_size(state_bytes)} each, per rank); what else holds it: {held}. Other runs' snapshots "
+                "serve only their own restarts: remove the ones no run will resume, or raise shm.sizeLimit "
+                f"by {_quantity(slots_need - usable)}. Durable checkpoints go on"
+            )
+        return (
+            f"the memory tier is off for this job: {self.shm} holds {_size(size)}, and the pod's "
+            f"{self.ranks_per_pod} rank(s) need {_size(need)} ({slots} slots of {_size(state_bytes)} each"
+            f"{' and the durable checkpoint staging copy' if durable else ''}, per rank); raise shm.sizeLimit to "
+            f"at least {_quantity(need)} (resilient-fsdp advise --memory sizes it), or set "
+            "checkpoint.memory.interval_steps=0. Durable checkpoints go on"
+        )
 
     def before_optimizer_step(self) -> float:
         """Wait for the pending memory save's copy (rank-local); the seconds waited, its stall."""
@@ -177,12 +202,30 @@ class MemoryTier:
         done, self._finished = self._finished, []
         if self.replicator is not None:
             sent, self.replicator.timings = self.replicator.timings, []
-            done += [{"event": "memory_replica", "t": time.time(), "rank": self.rank, "to": self.replicator.holder,
-                      **timing, "error": None} for timing in sent]
-            failed = self.replicator.errors[self._errors_polled:]
+            done += [
+                {
+                    "event": "memory_replica",
+                    "t": time.time(),
+                    "rank": self.rank,
+                    "to": self.replicator.holder,
+                    **timing,
+                    "error": None,
+                }
+                for timing in sent
+            ]
+            failed = self.replicator.errors[self._errors_polled :]
             self._errors_polled += len(failed)
-            done += [{"event": "memory_replica", "t": time.time(), "rank": self.rank, "to": self.replicator.holder,
-                      "step": None, "error": error} for error in failed]
+            done += [
+                {
+                    "event": "memory_replica",
+                    "t": time.time(),
+                    "rank": self.rank,
+                    "to": self.replicator.holder,
+                    "step": None,
+                    "error": error,
+                }
+                for error in failed
+            ]
         return done
 
     @property
@@ -206,10 +249,19 @@ class MemoryTier:
         self._finished.append(self._event(pending, error=error, copy_s=copy.copy_s if copy else 0.0))
 
     def _event(self, pending: dict, error: Optional[str] = None, copy_s: float = 0.0) -> dict:
-        return {"event": "memory_checkpoint", "t": time.time(), "step": pending["step"], "slot": pending["slot"],
-                "rank": self.rank, "stall_s": pending["stall_s"], "copy_s": copy_s,
-                "commit_s": pending.get("commit_s", 0.0), "bytes": pending.get("nbytes", 0),
-                "pinned": self.slots.pinned, "error": error}
+        return {
+            "event": "memory_checkpoint",
+            "t": time.time(),
+            "step": pending["step"],
+            "slot": pending["slot"],
+            "rank": self.rank,
+            "stall_s": pending["stall_s"],
+            "copy_s": copy_s,
+            "commit_s": pending.get("commit_s", 0.0),
+            "bytes": pending.get("nbytes", 0),
+            "pinned": self.slots.pinned,
+            "error": error,
+        }
 
     # -- restoring -------------------------------------------------------------------------------
 
@@ -229,8 +281,10 @@ class MemoryTier:
             try:
                 self._ahead = prefetch.take(own[0]) if prefetch is not None else None
                 if prefetch is not None and prefetch.error:
-                    self.say(f"rank {self.rank}: the read-ahead of its memory checkpoint failed ({prefetch.error}); "
-                             "the restore reads the slot")
+                    self.say(
+                        f"rank {self.rank}: the read-ahead of its memory checkpoint failed ({prefetch.error}); "
+                        "the restore reads the slot"
+                    )
                 self._checked = (own[0], self._ahead.views if self._ahead is not None else self.slots.read(own[0]))
             except SlotInvalid as exc:
                 aside = self.slots.set_aside(own[0])
@@ -241,7 +295,9 @@ class MemoryTier:
         self.read_ahead_s = self._ahead.seconds if self._ahead is not None else None
         replicas = {}
         if self.kept is not None:
-            replicas[self.source] = tuple(sorted(r.step for r in self.kept.records() if r.world_size == self.world_size))
+            replicas[self.source] = tuple(
+                sorted(r.step for r in self.kept.records() if r.world_size == self.world_size)
+            )
         self.restore_phases["checks"] = time.perf_counter() - t0
         return Report(self.rank, tuple(sorted(r.step for r in own)), replicas)
 
@@ -288,14 +344,17 @@ class MemoryTier:
             return str(exc)
         phase("checks")
         allocated = not state.optimizer.state and allocate_optimizer_state(
-            state.model, state.optimizer, values, views, adopt=ahead.moved if ahead is not None else frozenset())
+            state.model, state.optimizer, values, views, adopt=ahead.moved if ahead is not None else frozenset()
+        )
         phase("allocation")
         sd = state.state_dict()
         phase("state_dict")
         problem = None
         if record.digest != structure_digest(structure(sd)):
-            problem = (f"memory checkpoint {self.slots.dir} of step {step}: it holds a state of another structure "
-                       "(model, mesh or world size)")
+            problem = (
+                f"memory checkpoint {self.slots.dir} of step {step}: it holds a state of another structure "
+                "(model, mesh or world size)"
+            )
         live = local_tensors(sd)
         if problem is None and len(live) != len(views):
             problem = f"memory checkpoint of step {step} holds {len(views)} tensors, the state {len(live)}"
@@ -389,8 +448,13 @@ def _held(root: Path) -> int:
 def _other_runs(shm: Path, root: Path) -> list[tuple[Path, int]]:
     """The folders of other jobs' and runs' slots beside ``root`` in ``shm``, largest first."""
     tool = Path(shm) / "resilient-fsdp"
-    found = [(run, _held(run)) for job in (tool.iterdir() if tool.is_dir() else ()) if job.is_dir()
-             for run in job.iterdir() if run.is_dir() and run != root]
+    found = [
+        (run, _held(run))
+        for job in (tool.iterdir() if tool.is_dir() else ())
+        if job.is_dir()
+        for run in job.iterdir()
+        if run.is_dir() and run != root
+    ]
     return sorted(found, key=lambda item: item[1], reverse=True)
 
 
@@ -403,8 +467,13 @@ def _quantity(nbytes: float) -> str:
     return f"{-(-int(nbytes) // 2**20)}Mi" if nbytes < 2**30 else f"{-(-int(nbytes) // 2**30)}Gi"
 
 
-def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, values: Any,
-                             views: list[torch.Tensor], adopt: Container[int] = frozenset()) -> bool:
+def allocate_optimizer_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    values: Any,
+    views: list[torch.Tensor],
+    adopt: Container[int] = frozenset(),
+) -> bool:
     """Give an optimizer without state (a new process's) empty tensors shaped as the snapshot's
     ``optim.state``, so that taking the live state does not initialise it with a whole step on zero
     gradients (torch's ``get_state_dict`` does that for an empty optimizer: allocating, zeroing and
@@ -418,7 +487,10 @@ def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     planned: dict = {}
     # Deterministic mode fills new tensors (NaN): a whole pass over the moments' memory, and the
     # copy from the slot overwrites every byte anyway.
-    fill, torch.utils.deterministic.fill_uninitialized_memory = torch.utils.deterministic.fill_uninitialized_memory, False
+    fill, torch.utils.deterministic.fill_uninitialized_memory = (
+        torch.utils.deterministic.fill_uninitialized_memory,
+        False,
+    )
     try:
         ok = _plan_optimizer_state(params, values, views, planned, adopt)
     finally:
@@ -429,8 +501,9 @@ def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     return bool(planned)
 
 
-def _plan_optimizer_state(params: dict, values: Any, views: list[torch.Tensor], planned: dict,
-                          adopt: Container[int]) -> bool:
+def _plan_optimizer_state(
+    params: dict, values: Any, views: list[torch.Tensor], planned: dict, adopt: Container[int]
+) -> bool:
     for i, (path, view) in enumerate(zip(tensor_paths(values), views)):
         if len(path) != 4 or path[:2] != ("optim", "state"):
             continue
@@ -442,8 +515,14 @@ def _plan_optimizer_state(params: dict, values: Any, views: list[torch.Tensor], 
             adopted = i in adopt and view.device == local.device and local.is_contiguous()
             tensor = view if adopted else torch.empty_like(local)
             if isinstance(param, DTensor):  # from its shard: DTensor's own empty_like costs ms a tensor
-                tensor = DTensor.from_local(tensor, param.device_mesh, param.placements, shape=param.shape,
-                                            stride=param.stride(), run_check=False)
+                tensor = DTensor.from_local(
+                    tensor,
+                    param.device_mesh,
+                    param.placements,
+                    shape=param.shape,
+                    stride=param.stride(),
+                    run_check=False,
+                )
         else:
             tensor = torch.empty(view.shape, dtype=view.dtype)
         planned.setdefault(param, {})[path[3]] = tensor

@@ -35,13 +35,14 @@ def make_client(cfg: S3Config, max_attempts: Optional[int] = None) -> Any:
 
     config = BotoConfig(
         retries={"mode": cfg.retry_mode, "max_attempts": max_attempts or cfg.max_attempts},
-        connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
+        connect_timeout=cfg.connect_timeout_s,
+        read_timeout=cfg.read_timeout_s,
         # One pooled connection per concurrent request of a transfer, plus a few for listing.
         max_pool_connections=cfg.max_concurrency + 4,
-        s3={"addressing_style": cfg.addressing_style})
+        s3={"addressing_style": cfg.addressing_style},
+    )
     # A session per client: boto3's default session is not safe to share between threads.
-    return boto3.session.Session().client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region,
-                                          config=config)
+    return boto3.session.Session().client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=config)
 
 
 def transfer_config(cfg: S3Config, limit_bandwidth: bool = False) -> Any:
@@ -49,10 +50,14 @@ def transfer_config(cfg: S3Config, limit_bandwidth: bool = False) -> Any:
 
     bandwidth = int(cfg.max_bandwidth_mb_s * 1e6) if (limit_bandwidth and cfg.max_bandwidth_mb_s) else None
     # Threads, not the CRT client: it is optional in boto3 and would bypass the retry settings.
-    return TransferConfig(multipart_threshold=cfg.multipart_threshold_mb * MIB,
-                          multipart_chunksize=cfg.multipart_chunksize_mb * MIB,
-                          max_concurrency=cfg.max_concurrency, use_threads=True, max_bandwidth=bandwidth,
-                          preferred_transfer_client="classic")
+    return TransferConfig(
+        multipart_threshold=cfg.multipart_threshold_mb * MIB,
+        multipart_chunksize=cfg.multipart_chunksize_mb * MIB,
+        max_concurrency=cfg.max_concurrency,
+        use_threads=True,
+        max_bandwidth=bandwidth,
+        preferred_transfer_client="classic",
+    )
 
 
 # S3 error codes no retry fixes: the caller's identity may not do what it asked.
@@ -85,18 +90,24 @@ def check_access(cfg: S3Config) -> Optional[str]:
     try:
         make_client(cfg, max_attempts=2).head_bucket(Bucket=loc.bucket)
     except NoCredentialsError:
-        return ("checkpoint.s3.uri is set but boto3 found no credentials in its default chain: in the cluster, "
-                "annotate the job's ServiceAccount for IRSA (eks.amazonaws.com/role-arn) or use EKS Pod Identity; "
-                "locally, set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+        return (
+            "checkpoint.s3.uri is set but boto3 found no credentials in its default chain: in the cluster, "
+            "annotate the job's ServiceAccount for IRSA (eks.amazonaws.com/role-arn) or use EKS Pod Identity; "
+            "locally, set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        )
     except Exception as exc:
         code = error_code(exc)
         where = f" at {cfg.endpoint_url}" if cfg.endpoint_url else ""
         if code in ("404", "NoSuchBucket"):
-            return (f"checkpoint.s3.uri={cfg.uri!r}: bucket {loc.bucket!r} does not exist{where}; create it "
-                    "(the job never creates buckets) or fix the uri")
+            return (
+                f"checkpoint.s3.uri={cfg.uri!r}: bucket {loc.bucket!r} does not exist{where}; create it "
+                "(the job never creates buckets) or fix the uri"
+            )
         if code in DENIED:
-            return (f"checkpoint.s3.uri={cfg.uri!r}: access to bucket {loc.bucket!r} denied{where} ({code}); grant "
-                    "the job's role s3:ListBucket on the bucket and s3:GetObject, s3:PutObject, s3:DeleteObject "
-                    "on the prefix")
+            return (
+                f"checkpoint.s3.uri={cfg.uri!r}: access to bucket {loc.bucket!r} denied{where} ({code}); grant "
+                "the job's role s3:ListBucket on the bucket and s3:GetObject, s3:PutObject, s3:DeleteObject "
+                "on the prefix"
+            )
         raise
     return None

@@ -51,7 +51,7 @@ def list_remote(client: Any, loc: S3Location) -> list[RemoteCheckpoint]:
     base = loc.key() + "/" if loc.prefix else ""
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=base):
         for obj in page.get("Contents", []):
-            step_dir, _, rel = obj["Key"][len(base):].partition("/")
+            step_dir, _, rel = obj["Key"][len(base) :].partition("/")
             m = _STEP_DIR.match(step_dir)
             if not m or not rel:
                 continue
@@ -80,8 +80,9 @@ def read_remote_manifest(client: Any, loc: S3Location, step: int) -> Optional[di
     return manifest
 
 
-def newest_complete(client: Any, loc: S3Location, step: Optional[int] = None,
-                    say: Callable[[str], None] = lambda _m: None) -> Optional[tuple[RemoteCheckpoint, dict]]:
+def newest_complete(
+    client: Any, loc: S3Location, step: Optional[int] = None, say: Callable[[str], None] = lambda _m: None
+) -> Optional[tuple[RemoteCheckpoint, dict]]:
     """The newest complete checkpoint under the prefix (or ``step``), with its manifest.
 
     Prefixes without a marker (uploads in progress or cut off) are skipped and named; so is a
@@ -92,8 +93,10 @@ def newest_complete(client: Any, loc: S3Location, step: Optional[int] = None,
         if step is not None and entry.step != step:
             continue
         if not entry.complete:
-            say(f"skipping {loc.uri(store.committed_name(entry.step))}/: no {store.MARKER} marker "
-                "(an upload in progress or cut off)")
+            say(
+                f"skipping {loc.uri(store.committed_name(entry.step))}/: no {store.MARKER} marker "
+                "(an upload in progress or cut off)"
+            )
             continue
         manifest = read_remote_manifest(client, loc, entry.step)
         if manifest is None:
@@ -101,8 +104,10 @@ def newest_complete(client: Any, loc: S3Location, step: Optional[int] = None,
             continue
         missing = [n for n, size in manifest["files"].items() if entry.files.get(n) != size]
         if missing:
-            say(f"skipping {loc.uri(store.committed_name(entry.step))}/: marker lists {len(missing)} file(s) "
-                f"that are missing or of another size, e.g. {missing[0]}")
+            say(
+                f"skipping {loc.uri(store.committed_name(entry.step))}/: marker lists {len(missing)} file(s) "
+                f"that are missing or of another size, e.g. {missing[0]}"
+            )
             continue
         return entry, manifest
     return None
@@ -123,8 +128,9 @@ def apply_remote_retention(client: Any, loc: S3Location, keep_last: int) -> list
         client.delete_object(Bucket=loc.bucket, Key=loc.key(name, store.MARKER))
         keys = [loc.key(name, rel) for rel in victim.files]
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1,000 keys
-            client.delete_objects(Bucket=loc.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
-                                                             "Quiet": True})
+            client.delete_objects(
+                Bucket=loc.bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            )
         deleted.append(victim.step)
     return deleted
 
@@ -148,7 +154,8 @@ def sweep_torn_remote(client: Any, loc: S3Location, cap: int = SWEEP_CAP) -> lis
     for torn in [r for r in remote if not r.complete and r.step < marked[-1]][:cap]:
         keys = [loc.key(store.committed_name(torn.step), rel) for rel in torn.files]
         for i in range(0, len(keys), 1000):
-            client.delete_objects(Bucket=loc.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
-                                                             "Quiet": True})
+            client.delete_objects(
+                Bucket=loc.bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            )
         swept.append((torn.step, sum(torn.files.values())))
     return swept

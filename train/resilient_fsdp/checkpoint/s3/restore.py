@@ -59,9 +59,11 @@ def plan_restore(cfg: CheckpointConfig, root: Path, say: Callable[[str], None]) 
     try:
         found = newest_complete(make_client(s3), loc, say=say)
     except Exception as exc:
-        raise RuntimeError(f"no complete checkpoint in {root} and listing checkpoint.s3.uri={s3.uri!r} failed: "
-                           f"{describe_error(exc)}. The start is retried by the restart layers; set "
-                           "checkpoint.s3.restore=false to start without S3") from exc
+        raise RuntimeError(
+            f"no complete checkpoint in {root} and listing checkpoint.s3.uri={s3.uri!r} failed: "
+            f"{describe_error(exc)}. The start is retried by the restart layers; set "
+            "checkpoint.s3.restore=false to start without S3"
+        ) from exc
     if found is None:
         say(f"no complete checkpoint under {s3.uri}: starting from scratch")
         return None
@@ -70,15 +72,25 @@ def plan_restore(cfg: CheckpointConfig, root: Path, say: Callable[[str], None]) 
     root.mkdir(parents=True, exist_ok=True)
     partial, present = prepare_download(root, remote.step, checkpoint_id(manifest), uri)
     total = sum(manifest["files"].values())
-    say(f"no complete checkpoint in {root}: restoring step {remote.step} from {uri}/ ({len(manifest['files'])} files, "
+    say(
+        f"no complete checkpoint in {root}: restoring step {remote.step} from {uri}/ ({len(manifest['files'])} files, "
         f"{total / 1e6:.1f} MB, split across the ranks)"
-        + (f"; resuming an earlier partial download ({present} file(s) there)" if present else ""))
-    return {"s3": {"step": remote.step, "uri": uri, "manifest": manifest, "partial": str(partial),
-                   "token": uuid.uuid4().hex}}
+        + (f"; resuming an earlier partial download ({present} file(s) there)" if present else "")
+    )
+    return {
+        "s3": {
+            "step": remote.step,
+            "uri": uri,
+            "manifest": manifest,
+            "partial": str(partial),
+            "token": uuid.uuid4().hex,
+        }
+    }
 
 
-def restore_collectively(group: RankGroup, checkpoint: CheckpointConfig, plan: dict,
-                         say: Callable[[str], None]) -> Restored:
+def restore_collectively(
+    group: RankGroup, checkpoint: CheckpointConfig, plan: dict, say: Callable[[str], None]
+) -> Restored:
     """Every rank: download this rank's share of ``plan``; rank 0 commits. Raises CheckpointError,
     the same on every rank, when any rank failed."""
     cfg, rank, world = checkpoint.s3, group.rank, group.world_size
@@ -89,8 +101,9 @@ def restore_collectively(group: RankGroup, checkpoint: CheckpointConfig, plan: d
     t0 = time.perf_counter()
     error = ""
     try:
-        download_files(make_client(cfg), cfg, parse_s3_uri(cfg.uri), manifest, mine, partial,
-                       verify=checkpoint.verify != "never")
+        download_files(
+            make_client(cfg), cfg, parse_s3_uri(cfg.uri), manifest, mine, partial, verify=checkpoint.verify != "never"
+        )
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the restore everywhere
         error = f"rank {rank}: {describe_error(exc)}"
     kv.set(f"{key}/rank{rank}", error)
@@ -106,18 +119,24 @@ def restore_collectively(group: RankGroup, checkpoint: CheckpointConfig, plan: d
             kv.wait([f"{key}/outcome"], timedelta(seconds=cfg.restore_timeout_s))
             outcome = json.loads(kv.get(f"{key}/outcome"))
         except Exception as exc:  # noqa: BLE001 - the store's timeout
-            outcome = {"error": f"rank 0 did not finish the restore within checkpoint.s3.restore_timeout_s="
-                                f"{cfg.restore_timeout_s:g} ({type(exc).__name__})"}
+            outcome = {
+                "error": f"rank 0 did not finish the restore within checkpoint.s3.restore_timeout_s="
+                f"{cfg.restore_timeout_s:g} ({type(exc).__name__})"
+            }
     if "error" in outcome:
-        raise CheckpointError(f"restoring step {plan['step']} from {plan['uri']}/ failed: {outcome['error']}. The "
-                              "partial download is kept and resumed by the next start; set "
-                              "checkpoint.s3.restore=false to start without S3")
+        raise CheckpointError(
+            f"restoring step {plan['step']} from {plan['uri']}/ failed: {outcome['error']}. The "
+            "partial download is kept and resumed by the next start; set "
+            "checkpoint.s3.restore=false to start without S3"
+        )
     if checkpoint.verify != "never":  # every rank checked its share: loading need not read it to verify
         integrity.verified_here.remember(Path(outcome["path"]), manifest)
     seconds = time.perf_counter() - t0
     total = sum(manifest["files"].values())
-    say(f"restored step {plan['step']} from S3 in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s "
-           f"over {world} rank(s)) -> {outcome['path']}")
+    say(
+        f"restored step {plan['step']} from S3 in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s "
+        f"over {world} rank(s)) -> {outcome['path']}"
+    )
     return Restored(plan["step"], plan["uri"])
 
 
@@ -125,8 +144,10 @@ def _finish(kv: dist.Store, key: str, world: int, deadline: float, plan: dict, p
     """Rank 0: wait for every rank's report, then commit; the outcome every rank acts on."""
     while int(kv.add(f"{key}/done", 0)) < world:
         if time.monotonic() > deadline:
-            return {"error": f"only {int(kv.add(f'{key}/done', 0))} of {world} ranks finished their share within "
-                             "checkpoint.s3.restore_timeout_s"}
+            return {
+                "error": f"only {int(kv.add(f'{key}/done', 0))} of {world} ranks finished their share within "
+                "checkpoint.s3.restore_timeout_s"
+            }
         time.sleep(_POLL_S)
     if int(kv.add(f"{key}/failed", 0)):
         errors = [e for e in (kv.get(f"{key}/rank{r}").decode() for r in range(world)) if e]

@@ -12,8 +12,7 @@ from ... import atomic
 from ...config import S3Config
 from .. import integrity, store
 from .client import S3Location, error_code, transfer_config
-from .remote import (DOWNLOAD_MARK, ID_METADATA, RemoteCheckpoint, checkpoint_id, local_files,
-                     read_remote_manifest)
+from .remote import DOWNLOAD_MARK, ID_METADATA, RemoteCheckpoint, checkpoint_id, local_files, read_remote_manifest
 
 Progress = Optional[Callable[[int], None]]  # called with bytes moved since the last call
 RECEIPTS = ".uploads"  # step_N/.uploads/<checkpoint id>/rank<R>: rank R uploaded its files
@@ -43,8 +42,9 @@ def file_sizes(path: Path, manifest: dict) -> dict[str, int]:
     return {n: int(e["bytes"]) for n, e in sorted(sums.items())} if sums else local_files(path)
 
 
-def _check_remote(client: Any, loc: S3Location, manifest: dict, replace: bool,
-                  say: Callable[[str], None]) -> Optional[str]:
+def _check_remote(
+    client: Any, loc: S3Location, manifest: dict, replace: bool, say: Callable[[str], None]
+) -> Optional[str]:
     """``already-there`` / ``kept-remote`` when nothing is to be uploaded; None otherwise (an older
     commit of the step, when replaced, loses its marker first, so it is never a mix of two)."""
     step, ident = int(manifest["step"]), checkpoint_id(manifest)
@@ -60,8 +60,17 @@ def _check_remote(client: Any, loc: S3Location, manifest: dict, replace: bool,
     return None
 
 
-def upload_files(client: Any, cfg: S3Config, loc: S3Location, path: Path, manifest: dict, names: list[str], *,
-                 progress: Progress = None, limit_bandwidth: bool = False) -> tuple[int, int]:
+def upload_files(
+    client: Any,
+    cfg: S3Config,
+    loc: S3Location,
+    path: Path,
+    manifest: dict,
+    names: list[str],
+    *,
+    progress: Progress = None,
+    limit_bandwidth: bool = False,
+) -> tuple[int, int]:
     """Upload ``names`` of the committed checkpoint at ``path``; (bytes sent, files skipped because
     S3 already holds them for this checkpoint). S3 checks each request's CRC32 on receipt."""
     from boto3.s3.transfer import create_transfer_manager
@@ -71,8 +80,16 @@ def upload_files(client: Any, cfg: S3Config, loc: S3Location, path: Path, manife
     extra = {"Metadata": {ID_METADATA: ident}, "ChecksumAlgorithm": "CRC32"}
     todo = {rel: sizes[rel] for rel in names if not _object_matches(client, loc, loc.key(name, rel), sizes[rel], ident)}
     with create_transfer_manager(client, transfer_config(cfg, limit_bandwidth)) as manager:
-        futures = [manager.upload(str(path / rel), loc.bucket, loc.key(name, rel), extra_args=extra,
-                                  subscribers=_progress_subscribers(progress)) for rel in todo]
+        futures = [
+            manager.upload(
+                str(path / rel),
+                loc.bucket,
+                loc.key(name, rel),
+                extra_args=extra,
+                subscribers=_progress_subscribers(progress),
+            )
+            for rel in todo
+        ]
         for future in futures:
             future.result()  # the first failure raises; leaving the block cancels the rest
     # The checkpoint may have been committed again at this path meanwhile: never mark a mix.
@@ -87,8 +104,11 @@ def receipt_prefix(loc: S3Location, manifest: dict) -> str:
 
 def put_receipt(client: Any, loc: S3Location, manifest: dict, rank: int, names: list[str]) -> None:
     """Record under the checkpoint's prefix that ``rank`` uploaded its files of this commit."""
-    client.put_object(Bucket=loc.bucket, Key=f"{receipt_prefix(loc, manifest)}rank{rank:05d}",
-                      Body=json.dumps({"files": names}).encode())
+    client.put_object(
+        Bucket=loc.bucket,
+        Key=f"{receipt_prefix(loc, manifest)}rank{rank:05d}",
+        Body=json.dumps({"files": names}).encode(),
+    )
 
 
 def receipt_ranks(client: Any, loc: S3Location, manifest: dict) -> set[int]:
@@ -97,7 +117,7 @@ def receipt_ranks(client: Any, loc: S3Location, manifest: dict) -> set[int]:
     ranks = set()
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
         for o in page.get("Contents", []):
-            name = o["Key"][len(prefix):]
+            name = o["Key"][len(prefix) :]
             if name.startswith("rank") and name[4:].isdigit():
                 ranks.add(int(name[4:]))
     return ranks
@@ -111,22 +131,37 @@ def put_marker(client: Any, loc: S3Location, path: Path, manifest: dict) -> None
     base = loc.key(name) + "/"
     present: dict[str, int] = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=base):
-        present.update({o["Key"][len(base):]: o["Size"] for o in page.get("Contents", [])})
+        present.update({o["Key"][len(base) :]: o["Size"] for o in page.get("Contents", [])})
     missing = [rel for rel, size in files.items() if present.get(rel) != size]
     if missing:
         raise RuntimeError(f"{loc.uri(name)}/ lacks {len(missing)} file(s) of this checkpoint, e.g. {missing[0]}")
     marker = json.dumps({**manifest, "files": files}, indent=2, sort_keys=True).encode()
-    client.put_object(Bucket=loc.bucket, Key=loc.key(name, store.MARKER), Body=marker,
-                      ContentType="application/json", Metadata={ID_METADATA: ident})
+    client.put_object(
+        Bucket=loc.bucket,
+        Key=loc.key(name, store.MARKER),
+        Body=marker,
+        ContentType="application/json",
+        Metadata={ID_METADATA: ident},
+    )
     receipts = [{"Key": k} for k in present if k.startswith(f"{RECEIPTS}/")]
     if receipts:
-        client.delete_objects(Bucket=loc.bucket, Delete={"Objects": [{"Key": base + r["Key"]} for r in receipts],
-                                                         "Quiet": True})
+        client.delete_objects(
+            Bucket=loc.bucket, Delete={"Objects": [{"Key": base + r["Key"]} for r in receipts], "Quiet": True}
+        )
 
 
-def upload_checkpoint(client: Any, cfg: S3Config, loc: S3Location, path: Path, *, replace: bool = True,
-                      resume: bool = False, progress: Progress = None, limit_bandwidth: bool = False,
-                      say: Callable[[str], None] = lambda _m: None) -> dict:
+def upload_checkpoint(
+    client: Any,
+    cfg: S3Config,
+    loc: S3Location,
+    path: Path,
+    *,
+    replace: bool = True,
+    resume: bool = False,
+    progress: Progress = None,
+    limit_bandwidth: bool = False,
+    say: Callable[[str], None] = lambda _m: None,
+) -> dict:
     """Upload the committed checkpoint at ``path`` from this process alone: data files first, the
     marker last (``resilient-fsdp checkpoints push``, the benchmark; a job spreads the files over
     its ranks, see :class:`.uploader.Uploader`).
@@ -145,15 +180,26 @@ def upload_checkpoint(client: Any, cfg: S3Config, loc: S3Location, path: Path, *
     if status:
         return {"step": step, "bytes": 0, "skipped_files": 0, "status": status}
     names = list(file_sizes(path, manifest))
-    sent, skipped = upload_files(client, cfg, loc, path, manifest, names, progress=progress,
-                                 limit_bandwidth=limit_bandwidth)
+    sent, skipped = upload_files(
+        client, cfg, loc, path, manifest, names, progress=progress, limit_bandwidth=limit_bandwidth
+    )
     put_marker(client, loc, path, manifest)
     return {"step": step, "bytes": sent, "skipped_files": skipped, "status": "uploaded"}
 
 
-def upload_share(client: Any, cfg: S3Config, loc: S3Location, path: Path, manifest: dict, names: list[str],
-                 rank: int, *, replace: bool, limit_bandwidth: bool = False,
-                 say: Callable[[str], None] = lambda _m: None) -> dict:
+def upload_share(
+    client: Any,
+    cfg: S3Config,
+    loc: S3Location,
+    path: Path,
+    manifest: dict,
+    names: list[str],
+    rank: int,
+    *,
+    replace: bool,
+    limit_bandwidth: bool = False,
+    say: Callable[[str], None] = lambda _m: None,
+) -> dict:
     """One rank's part of a job's upload: its files, then its receipt (rank 0 puts the marker once
     every rank's receipt is there). Returns ``{"bytes", "skipped_files", "status"}``; status is
     ``sent``, ``already-there`` or ``kept-remote``."""
@@ -177,7 +223,9 @@ def prepare_download(root: Path, step: int, ident: str, uri: str) -> tuple[Path,
             if not mark.is_file():
                 continue
             try:
-                same = json.loads(mark.read_text()).get("id") == ident and entry.name.startswith(store.committed_name(step))
+                same = json.loads(mark.read_text()).get("id") == ident and entry.name.startswith(
+                    store.committed_name(step)
+                )
             except ValueError:
                 same = False
             if same and reuse is None:
@@ -203,8 +251,16 @@ def remove_stale_downloads(root: Path) -> list[Path]:
     return removed
 
 
-def download_files(client: Any, cfg: S3Config, loc: S3Location, manifest: dict, names: list[str], partial: Path,
-                   verify: bool, progress: Progress = None) -> int:
+def download_files(
+    client: Any,
+    cfg: S3Config,
+    loc: S3Location,
+    manifest: dict,
+    names: list[str],
+    partial: Path,
+    verify: bool,
+    progress: Progress = None,
+) -> int:
     """Download ``names`` of the checkpoint ``manifest`` describes into ``partial``, each file
     checked against the marker's size and (``verify``) the checksum recorded when it was written.
     A file already there that passes is not downloaded again (a resumed download); one that fails
@@ -228,8 +284,12 @@ def download_files(client: Any, cfg: S3Config, loc: S3Location, manifest: dict, 
     for rel in todo:
         (partial / rel).parent.mkdir(parents=True, exist_ok=True)
     with create_transfer_manager(client, transfer_config(cfg)) as manager:
-        futures = [manager.download(loc.bucket, loc.key(name, rel), str(partial / rel),
-                                    subscribers=_progress_subscribers(progress)) for rel in todo]
+        futures = [
+            manager.download(
+                loc.bucket, loc.key(name, rel), str(partial / rel), subscribers=_progress_subscribers(progress)
+            )
+            for rel in todo
+        ]
         for future in futures:
             future.result()
     for rel in names:
@@ -248,11 +308,21 @@ def commit_download(partial: Path, manifest: dict) -> store.CheckpointInfo:
     return store.CheckpointInfo(int(manifest["step"]), final, manifest)
 
 
-def download_checkpoint(client: Any, cfg: S3Config, loc: S3Location, remote: RemoteCheckpoint, manifest: dict,
-                        root: Path, progress: Progress = None, verify: bool = True) -> store.CheckpointInfo:
+def download_checkpoint(
+    client: Any,
+    cfg: S3Config,
+    loc: S3Location,
+    remote: RemoteCheckpoint,
+    manifest: dict,
+    root: Path,
+    progress: Progress = None,
+    verify: bool = True,
+) -> store.CheckpointInfo:
     """Download a complete checkpoint into ``root`` in this process, with the local commit
     discipline: files go into ``step_N.incomplete-<id>/`` (resumed if an earlier download of the
     same checkpoint was cut off), are checked, then the marker and the atomic rename."""
-    partial, _ = prepare_download(root, remote.step, checkpoint_id(manifest), loc.uri(store.committed_name(remote.step)))
+    partial, _ = prepare_download(
+        root, remote.step, checkpoint_id(manifest), loc.uri(store.committed_name(remote.step))
+    )
     download_files(client, cfg, loc, manifest, list(manifest["files"]), partial, verify, progress)
     return commit_download(partial, manifest)

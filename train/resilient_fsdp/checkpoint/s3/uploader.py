@@ -117,7 +117,7 @@ class Uploader:
         if self._adopted:
             return
         self._adopted = True
-        for info in committed[-self.cfg.max_pending:]:
+        for info in committed[-self.cfg.max_pending :]:
             self.submit(info.step, info.path, adopt=True, manifest=info.manifest)
 
     def holds(self, path: Path) -> bool:
@@ -156,10 +156,18 @@ class Uploader:
     def summary(self) -> dict:
         with self._cond:
             s = self.status
-            return {"uri": self.cfg.uri, "uploaded": list(s.uploaded), "pending": self._pending_locked(),
-                    "superseded": list(s.superseded), "released": list(s.released),
-                    "lagging_ranks": list(self._lagging), "deleted": list(s.deleted), "failed": s.failed,
-                    "last_error": s.last_error, "bytes_uploaded": s.bytes_uploaded}
+            return {
+                "uri": self.cfg.uri,
+                "uploaded": list(s.uploaded),
+                "pending": self._pending_locked(),
+                "superseded": list(s.superseded),
+                "released": list(s.released),
+                "lagging_ranks": list(self._lagging),
+                "deleted": list(s.deleted),
+                "failed": s.failed,
+                "last_error": s.last_error,
+                "bytes_uploaded": s.bytes_uploaded,
+            }
 
     # -- internals: the methods below that touch shared state run with the lock held --
     def _pending_locked(self) -> list[int]:
@@ -173,9 +181,11 @@ class Uploader:
             dropped = self._waiting.popleft()
             newest = self._waiting[-1].step
             self.status.superseded.append(dropped.step)
-            self._event({"event": "s3_superseded", "step": dropped.step, "by": newest},
-                        f"S3 upload backlog full (checkpoint.s3.max_pending={self.cfg.max_pending}): step "
-                        f"{dropped.step} will not be uploaded, step {newest} supersedes it")
+            self._event(
+                {"event": "s3_superseded", "step": dropped.step, "by": newest},
+                f"S3 upload backlog full (checkpoint.s3.max_pending={self.cfg.max_pending}): step "
+                f"{dropped.step} will not be uploaded, step {newest} supersedes it",
+            )
 
     def _event(self, record: dict, message: str) -> None:
         if self.rank != 0:
@@ -230,8 +240,17 @@ class Uploader:
     def _upload(self, client: Any, job: _Job) -> dict:
         if not job.path.is_dir():
             return {"status": "vanished", "bytes": 0}
-        return upload_share(client, self.cfg, self.loc, job.path, job.manifest, job.names, self.rank,
-                            replace=not job.adopt, limit_bandwidth=True)
+        return upload_share(
+            client,
+            self.cfg,
+            self.loc,
+            job.path,
+            job.manifest,
+            job.names,
+            self.rank,
+            replace=not job.adopt,
+            limit_bandwidth=True,
+        )
 
     def _sent(self, job: _Job, result: dict, seconds: float) -> None:
         where = self.loc.uri(store.committed_name(job.step)) + "/"
@@ -244,11 +263,15 @@ class Uploader:
                     self._awaiting.append(_Awaiting(job.step, job.path, job.manifest, ranks))
                     self._release_oldest()
             elif result["status"] == "vanished":
-                self._event({"event": "s3_skipped", "step": job.step, "reason": "deleted locally"},
-                            f"S3 upload of step {job.step} skipped: {job.path} no longer exists")
+                self._event(
+                    {"event": "s3_skipped", "step": job.step, "reason": "deleted locally"},
+                    f"S3 upload of step {job.step} skipped: {job.path} no longer exists",
+                )
             else:
-                self._event({"event": "s3_skipped", "step": job.step, "reason": result["status"]},
-                            f"S3 already holds a complete step {job.step} ({where}); not uploaded again")
+                self._event(
+                    {"event": "s3_skipped", "step": job.step, "reason": result["status"]},
+                    f"S3 already holds a complete step {job.step} ({where}); not uploaded again",
+                )
 
     def _mark_ready(self, client: Any) -> None:
         """Rank 0: put the marker of every checkpoint whose files all ranks uploaded; a newer one
@@ -266,9 +289,11 @@ class Uploader:
                 with self._cond:
                     self.status.failed += 1
                     self.status.last_error = describe_error(exc)
-                    self._event({"event": "s3_error", "step": entry.step, "error": self.status.last_error},
-                                f"warning: S3 marker of step {entry.step} failed ({self.status.last_error}); "
-                                "tried again shortly")
+                    self._event(
+                        {"event": "s3_error", "step": entry.step, "error": self.status.last_error},
+                        f"warning: S3 marker of step {entry.step} failed ({self.status.last_error}); "
+                        "tried again shortly",
+                    )
                 continue
             self._marked(client, entry)
         with self._cond:
@@ -280,12 +305,18 @@ class Uploader:
             entry = self._awaiting.pop(0)
             self.status.released.append(entry.step)
             waited = ", ".join(map(str, entry.missing)) or "unknown (not looked at yet)"
-            self._event({"event": "s3_released", "step": entry.step, "waiting_for": entry.missing,
-                         "awaiting": len(self._awaiting)},
-                        f"warning: S3 upload of step {entry.step} released after "
-                        f"checkpoint.s3.max_awaiting={self.cfg.max_awaiting} newer checkpoints waited too: rank(s) "
-                        f"{waited} did not upload their files; it gets no marker on S3 (never restored from there) "
-                        "and local retention no longer holds it. Check those ranks' S3 errors in their logs")
+            self._event(
+                {
+                    "event": "s3_released",
+                    "step": entry.step,
+                    "waiting_for": entry.missing,
+                    "awaiting": len(self._awaiting),
+                },
+                f"warning: S3 upload of step {entry.step} released after "
+                f"checkpoint.s3.max_awaiting={self.cfg.max_awaiting} newer checkpoints waited too: rank(s) "
+                f"{waited} did not upload their files; it gets no marker on S3 (never restored from there) "
+                "and local retention no longer holds it. Check those ranks' S3 errors in their logs",
+            )
             self._cond.notify_all()
         self._say_lagging()
 
@@ -297,9 +328,11 @@ class Uploader:
             return
         self._lagging = list(lagging)
         if lagging:
-            message = (f"warning: S3 markers wait for rank(s) {', '.join(map(str, lagging))}: "
-                       f"{len(self._awaiting)} checkpoint(s) await their uploads (the oldest, step "
-                       f"{self._awaiting[0].step}, is released past checkpoint.s3.max_awaiting={self.cfg.max_awaiting})")
+            message = (
+                f"warning: S3 markers wait for rank(s) {', '.join(map(str, lagging))}: "
+                f"{len(self._awaiting)} checkpoint(s) await their uploads (the oldest, step "
+                f"{self._awaiting[0].step}, is released past checkpoint.s3.max_awaiting={self.cfg.max_awaiting})"
+            )
         else:
             message = "S3 markers no longer wait for a lagging rank"
         self._event({"event": "s3_lagging", "ranks": list(lagging), "awaiting": len(self._awaiting)}, message)
@@ -313,15 +346,26 @@ class Uploader:
             self._awaiting = [a for a in self._awaiting if a.step > entry.step]
             for a in older:
                 self.status.superseded.append(a.step)
-                self._event({"event": "s3_superseded", "step": a.step, "by": entry.step},
-                            f"S3 upload of step {a.step} did not complete before step {entry.step}'s; it is "
-                            "not marked complete")
+                self._event(
+                    {"event": "s3_superseded", "step": a.step, "by": entry.step},
+                    f"S3 upload of step {a.step} did not complete before step {entry.step}'s; it is "
+                    "not marked complete",
+                )
             self.status.uploaded.append(entry.step)
-            self._event({"event": "s3_upload", "step": entry.step, "bytes": nbytes, "seconds": seconds,
-                         "uri": where, "ranks": entry.ranks, "id": checkpoint_id(entry.manifest),
-                         "awaiting": len(self._awaiting)},
-                        f"checkpoint step {entry.step} uploaded to {where} ({nbytes / 1e6:.1f} MB from "
-                        f"{entry.ranks} rank(s), marker last)")
+            self._event(
+                {
+                    "event": "s3_upload",
+                    "step": entry.step,
+                    "bytes": nbytes,
+                    "seconds": seconds,
+                    "uri": where,
+                    "ranks": entry.ranks,
+                    "id": checkpoint_id(entry.manifest),
+                    "awaiting": len(self._awaiting),
+                },
+                f"checkpoint step {entry.step} uploaded to {where} ({nbytes / 1e6:.1f} MB from "
+                f"{entry.ranks} rank(s), marker last)",
+            )
             self._say_lagging()  # before drain() can return: the summary then holds the ranks still lagging
             self._cond.notify_all()
         try:
@@ -330,21 +374,27 @@ class Uploader:
         except Exception as exc:
             with self._cond:
                 self.status.last_error = f"retention: {describe_error(exc)}"
-                self._event({"event": "s3_error", "step": entry.step, "error": self.status.last_error},
-                            f"warning: S3 retention after step {entry.step} failed ({self.status.last_error}); "
-                            "it is tried again after the next upload")
+                self._event(
+                    {"event": "s3_error", "step": entry.step, "error": self.status.last_error},
+                    f"warning: S3 retention after step {entry.step} failed ({self.status.last_error}); "
+                    "it is tried again after the next upload",
+                )
             return
         for step, nbytes in swept:
             with self._cond:
-                self._event({"event": "s3_swept", "step": step, "bytes": nbytes},
-                            f"deleted {self.loc.uri(store.committed_name(step))}/ ({nbytes / 1e6:.1f} MB): an upload "
-                            f"that never got its marker, older than step {entry.step}'s")
+                self._event(
+                    {"event": "s3_swept", "step": step, "bytes": nbytes},
+                    f"deleted {self.loc.uri(store.committed_name(step))}/ ({nbytes / 1e6:.1f} MB): an upload "
+                    f"that never got its marker, older than step {entry.step}'s",
+                )
         if deleted:
             with self._cond:
                 self.status.deleted += deleted
-                self._event({"event": "s3_retention", "deleted": deleted},
-                            f"S3 retention (checkpoint.s3.keep_last={self.cfg.keep_last}): deleted step(s) "
-                            f"{', '.join(map(str, deleted))} under {self.cfg.uri}")
+                self._event(
+                    {"event": "s3_retention", "deleted": deleted},
+                    f"S3 retention (checkpoint.s3.keep_last={self.cfg.keep_last}): deleted step(s) "
+                    f"{', '.join(map(str, deleted))} under {self.cfg.uri}",
+                )
 
     def _failed(self, job: _Job, exc: Exception) -> None:
         error = describe_error(exc)
@@ -353,10 +403,11 @@ class Uploader:
         with self._cond:
             self.status.failed += 1
             self.status.last_error = error
-            self._event({"event": "s3_error", "step": job.step, "attempt": job.attempts, "error": error,
-                         "retry_in_s": delay},
-                        f"warning: S3 upload of step {job.step} failed (attempt {job.attempts}: {error}); training "
-                        f"goes on, retrying in {delay:.0f} s")
+            self._event(
+                {"event": "s3_error", "step": job.step, "attempt": job.attempts, "error": error, "retry_in_s": delay},
+                f"warning: S3 upload of step {job.step} failed (attempt {job.attempts}: {error}); training "
+                f"goes on, retrying in {delay:.0f} s",
+            )
             job.not_before = time.monotonic() + delay
             self._current = None
             if not any(j.path == job.path for j in self._waiting):  # not committed again meanwhile

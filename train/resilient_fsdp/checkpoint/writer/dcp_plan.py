@@ -109,13 +109,17 @@ class PlanCache:
         chunks = metadata_chunks(getattr(self.cache, "cached_global_metadata", None))
         if chunks > self.KEEP_MAX_CHUNKS:
             self.kept_key = self.key  # said once
-            return (f"rank {self.rank}: the save plan is not kept for the next process: its global metadata has "
-                    f"{chunks:,} chunks (more than {self.KEEP_MAX_CHUNKS:,}, about a second of pickling); "
-                    "a restarted rank plans its first save")
+            return (
+                f"rank {self.rank}: the save plan is not kept for the next process: its global metadata has "
+                f"{chunks:,} chunks (more than {self.KEEP_MAX_CHUNKS:,}, about a second of pickling); "
+                "a restarted rank plans its first save"
+            )
         try:
             self.kept.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            data = pickle.dumps({"format": self.FORMAT, "rank": self.rank, "key": self.key, "cache": self.cache},
-                                protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(
+                {"format": self.FORMAT, "rank": self.rank, "key": self.key, "cache": self.cache},
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
             atomic.write_bytes(self.kept, data)
         except OSError as exc:
             self.kept_key = self.key  # said once; the next process plans
@@ -209,8 +213,9 @@ def _staged_writer_class() -> type:
     return _StagedWriter
 
 
-def plan_dcp_save(staged: Any, path: Path, thread_count: int, report: SaveReport, registry: handoff.Registry,
-                  cache: Any) -> tuple:
+def plan_dcp_save(
+    staged: Any, path: Path, thread_count: int, report: SaveReport, registry: handoff.Registry, cache: Any
+) -> tuple:
     """Plan a DCP save of ``staged`` into ``path`` with the plan ``cache``; collective unless the
     cache is validated. Returns NVRx's (storage writer, global metadata, dist wrapper)."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
@@ -220,12 +225,19 @@ def plan_dcp_save(staged: Any, path: Path, thread_count: int, report: SaveReport
     writer.registry = registry
     if hasattr(writer, "open_file"):  # 0.7+: the writer threads open files with this
         writer.open_file = report.open_hashed
-    return save_state_dict_async_plan(staged, writer, None, 0, planner=DefaultSavePlanner(), enable_cache=True,
-                                      metadata_cache=cache)
+    return save_state_dict_async_plan(
+        staged, writer, None, 0, planner=DefaultSavePlanner(), enable_cache=True, metadata_cache=cache
+    )
 
 
-def schedule_dcp_save(writer_process: WriterProcess, plan: tuple, registry: handoff.Registry, token: str,
-                      report: SaveReport, fault: Optional[str]) -> DcpSave:
+def schedule_dcp_save(
+    writer_process: WriterProcess,
+    plan: tuple,
+    registry: handoff.Registry,
+    token: str,
+    report: SaveReport,
+    fault: Optional[str],
+) -> DcpSave:
     """Hand a planned save's write to the writer process: references into the arena (and the
     arena itself if this writer lacks it). Never waits for the writer. A rank with nothing
     to write schedules nothing; it still takes part in finalize."""
@@ -236,8 +248,12 @@ def schedule_dcp_save(writer_process: WriterProcess, plan: tuple, registry: hand
     save_fn, _staging_fn, save_args = writer.get_save_function_and_args()
     rank, _, results = save_args
     buffers = registry.payload_for(writer_process.pid)
-    writer_process.send(report, buffers, partial(worker_write_staged, report, fault, registry.key, save_fn),
-                        (rank, registry.pack(writer.write_buckets), results))
+    writer_process.send(
+        report,
+        buffers,
+        partial(worker_write_staged, report, fault, registry.key, save_fn),
+        (rank, registry.pack(writer.write_buckets), results),
+    )
     registry.sent_to = writer_process.pid
     return DcpSave(token, report, plan, True)
 
@@ -308,6 +324,8 @@ def check_layout(results: list, checksums: dict[str, dict]) -> Optional[str]:
         if name not in checksums:
             return f"no checksum was recorded for {name} (its writer bypassed the hashing stream)"
         if checksums[name]["bytes"] != end:
-            return (f"the write results do not match {name}: its items end at byte {end} but "
-                    f"{checksums[name]['bytes']} bytes were written")
+            return (
+                f"the write results do not match {name}: its items end at byte {end} but "
+                f"{checksums[name]['bytes']} bytes were written"
+            )
     return None

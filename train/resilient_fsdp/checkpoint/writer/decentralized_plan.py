@@ -19,8 +19,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -46,7 +50,7 @@ def _flat(state_dict: dict) -> tuple[dict, dict]:
 
 
 def _per_rank(path: tuple, prefix: Optional[tuple]) -> bool:
-    return prefix is not None and path[:len(prefix)] == prefix
+    return prefix is not None and path[: len(prefix)] == prefix
 
 
 class _Meshes:
@@ -74,10 +78,16 @@ def global_structure(state_dict: dict, rank: int, per_rank_path: Optional[PerRan
     h = hashlib.blake2b(digest_size=16)
     for fqn, value in flat.items():
         path = mappings.get(fqn, (fqn,))
-        name = ("*per-rank*", path[len(prefix):]) if _per_rank(path, prefix) else path
+        name = ("*per-rank*", path[len(prefix) :]) if _per_rank(path, prefix) else path
         if isinstance(value, DTensor):
-            entry = (name, "dtensor", tuple(value.shape), str(value.dtype), meshes.digest(value.device_mesh),
-                     tuple(repr(p) for p in value.placements))
+            entry = (
+                name,
+                "dtensor",
+                tuple(value.shape),
+                str(value.dtype),
+                meshes.digest(value.device_mesh),
+                tuple(repr(p) for p in value.placements),
+            )
         elif isinstance(value, torch.Tensor):
             entry = (name, "tensor", tuple(value.shape), str(value.dtype))
         else:
@@ -104,8 +114,7 @@ def _layout(global_shape: tuple, mesh: Any, placements: tuple, rank: int) -> _La
     coordinates = sorted(itertools.product(*(range(n) for n in mesh_shape)), key=lambda c: int(grid[c]))
     mine = -1
     for coordinate in coordinates:
-        sizes, offsets = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate),
-                                                               placements)
+        sizes, offsets = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate), placements)
         offsets = tuple(offsets)
         index = by_offsets.get(offsets)
         if index is None:
@@ -118,8 +127,9 @@ def _layout(global_shape: tuple, mesh: Any, placements: tuple, rank: int) -> _La
     return _Layout(chunks, holders, mine)
 
 
-def plan_save(state_dict: dict, rank: int, world_size: int, coordinator: bool,
-              per_rank_path: Optional[PerRankPath] = None) -> DecentralizedPlan:
+def plan_save(
+    state_dict: dict, rank: int, world_size: int, coordinator: bool, per_rank_path: Optional[PerRankPath] = None
+) -> DecentralizedPlan:
     """This rank's save plan of ``state_dict``, made alone. Valid only when :func:`global_structure`
     is the same on every rank.
 
@@ -162,23 +172,31 @@ def plan_save(state_dict: dict, rank: int, world_size: int, coordinator: bool,
             if holders[chosen % len(holders)] == rank:
                 items.append(dataclasses.replace(item, index=dataclasses.replace(item.index, index=layout.mine)))
             if coordinator:
-                metadata[fqn] = TensorStorageMetadata(properties=item.tensor_data.properties,
-                                                      size=item.tensor_data.size, chunks=layout.chunks)
+                metadata[fqn] = TensorStorageMetadata(
+                    properties=item.tensor_data.properties, size=item.tensor_data.size, chunks=layout.chunks
+                )
             continue
         own = _per_rank(path, prefix)
         if own or coordinator:  # this rank's own value, or one every rank holds: rank 0 writes it
-            items.append(dataclasses.replace(item, index=dataclasses.replace(item.index, index=0))
-                         if item.type != WriteItemType.BYTE_IO else item)
+            items.append(
+                dataclasses.replace(item, index=dataclasses.replace(item.index, index=0))
+                if item.type != WriteItemType.BYTE_IO
+                else item
+            )
         if not coordinator:
             continue
-        entry = (BytesStorageMetadata() if item.type == WriteItemType.BYTE_IO else
-                 TensorStorageMetadata(properties=item.tensor_data.properties, size=item.tensor_data.size,
-                                       chunks=[item.tensor_data.chunk]))
+        entry = (
+            BytesStorageMetadata()
+            if item.type == WriteItemType.BYTE_IO
+            else TensorStorageMetadata(
+                properties=item.tensor_data.properties, size=item.tensor_data.size, chunks=[item.tensor_data.chunk]
+            )
+        )
         if not own:
             metadata[fqn] = entry
             continue
         for other in range(world_size):  # every rank's value under its own name
-            other_path = per_rank_path(other) + path[len(prefix):]
+            other_path = per_rank_path(other) + path[len(prefix) :]
             other_fqn = ".".join(map(str, other_path))
             metadata[other_fqn] = entry
             planner_data[other_fqn] = other_path

@@ -44,8 +44,11 @@ def start(close_fds: tuple[int, ...] = ()) -> Optional[int]:
         listener.listen()
         alive_r, alive_w = os.pipe()
     except OSError as exc:
-        print(f"[resilient-fsdp] the checkpoint writers' fork server could not be started ({exc}); "
-              "writers are spawned", file=sys.stderr, flush=True)
+        print(
+            f"[resilient-fsdp] the checkpoint writers' fork server could not be started ({exc}); writers are spawned",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     sys.stdout.flush()
     sys.stderr.flush()

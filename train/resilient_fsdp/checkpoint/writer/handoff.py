@@ -85,8 +85,10 @@ def encode_request(fn: Callable[..., Any], args: tuple) -> bytes:
         return encode((fn, args))
     except Exception as exc:  # noqa: BLE001 - pickling raises many types; all mean the same here
         parts = [("its function", fn)] + [(f"its argument {i}", a) for i, a in enumerate(args)]
-        raise NotSendable(f"the checkpoint writer cannot be sent {_name(fn)}: {_culprit(parts) or 'the request'} cannot be "
-                          f"pickled ({type(exc).__name__}: {exc})") from exc
+        raise NotSendable(
+            f"the checkpoint writer cannot be sent {_name(fn)}: {_culprit(parts) or 'the request'} cannot be "
+            f"pickled ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def decode(data: bytes) -> Any:
@@ -136,8 +138,10 @@ def unpack(obj: Any, key: str) -> Any:
     every tensor is one over its own bytes of the arena (:func:`..arena.tensor_at`)."""
     held = _REGISTERED.get(key)
     if held is None:
-        raise RuntimeError(f"the checkpoint writer holds no staging buffers for {key!r} (it holds "
-                           f"{sorted(_REGISTERED) or 'none'}); the trainer re-sends them to a new writer")
+        raise RuntimeError(
+            f"the checkpoint writer holds no staging buffers for {key!r} (it holds "
+            f"{sorted(_REGISTERED) or 'none'}); the trainer re-sends them to a new writer"
+        )
     return _unpack(obj, held[1])
 
 

@@ -33,8 +33,8 @@ NVRX_VERSION = importlib.metadata.version("nvidia-resiliency-ext")
 NVRX_MODULES = ("nvidia_resiliency_ext.checkpointing.async_ckpt.core",)
 
 
-
 # ---- construction, by feature ------------------------------------------------------------------
+
 
 def _accepts(fn: Any, name: str) -> bool:
     """Whether ``fn`` (a class: its ``__init__``) takes parameter ``name``. Classes are inspected
@@ -134,6 +134,7 @@ def _report_feeder_errors(queue: Any, refused: Callable[[str], None]) -> None:
     """A request ``queue``'s feeder thread fails to pickle or send goes to ``refused`` with the
     reason, instead of only being printed and dropped (the hook ``multiprocessing`` provides; the
     feeder takes it when it starts, at the first put)."""
+
     def on_error(exc: BaseException, obj: Any) -> None:
         fn = getattr(obj, "async_fn", None)
         name = getattr(getattr(fn, "func", fn), "__qualname__", type(obj).__qualname__)
@@ -143,6 +144,7 @@ def _report_feeder_errors(queue: Any, refused: Callable[[str], None]) -> None:
 
 
 # ---- polling and closing -----------------------------------------------------------------------
+
 
 def _poll_queue(calls_queue: Any, finalize: Optional[Callable[..., Any]] = None) -> tuple[bool, Optional[str]]:
     """(this rank's writes finished, an error if its worker died); never blocks.
@@ -213,6 +215,7 @@ def _close_queue(calls_queue: Any, abort: bool = False, timeout_s: float = 60.0)
 
 # ---- the writer process, as the engines use it -------------------------------------------------
 
+
 class WriterProcess:
     """One rank's checkpoint writer: NVRx's persistent worker, started in the background as soon
     as this object is made (``torch_save``: the worker of a ``TorchAsyncCheckpoint``, whose
@@ -267,8 +270,10 @@ class WriterProcess:
             return error
         proc = _worker_process(self.queue)
         if proc is not None and not proc.is_alive():
-            self.notes.append(f"rank {self.rank}: the checkpoint writer process had exited (code {proc.exitcode}) "
-                              "since the last save; a new one is started")
+            self.notes.append(
+                f"rank {self.rank}: the checkpoint writer process had exited (code {proc.exitcode}) "
+                "since the last save; a new one is started"
+            )
             self.restart()
             self.starting.join()
         elif self.refused:
@@ -277,8 +282,9 @@ class WriterProcess:
             self.starting.join()
         return None
 
-    def send(self, report: SaveReport, buffers: Optional[handoff.Buffers], fn: Callable[..., None],
-             args: tuple) -> None:
+    def send(
+        self, report: SaveReport, buffers: Optional[handoff.Buffers], fn: Callable[..., None], args: tuple
+    ) -> None:
         """Hand ``fn(*args)`` to the worker, with ``buffers`` (the arena) first unless it holds them;
         never waits for it to be taken. Pickled here (:func:`.handoff.encode_request`), so that a
         request that cannot be raises :class:`.handoff.NotSendable`, naming what cannot, before
@@ -287,8 +293,9 @@ class WriterProcess:
 
         request = handoff.encode_request(fn, args)  # first: nothing of the arena is shared on failure
         shared = handoff.encode(buffers) if buffers is not None else None
-        self.queue.schedule_async_request(AsyncRequest(partial(take_request, report), (shared, request), [],
-                                                       async_fn_kwargs={}))
+        self.queue.schedule_async_request(
+            AsyncRequest(partial(take_request, report), (shared, request), [], async_fn_kwargs={})
+        )
 
     def poll(self) -> tuple[bool, Optional[str]]:
         """(every scheduled write finished, an error if the worker died or a request could not be

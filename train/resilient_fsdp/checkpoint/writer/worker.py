@@ -68,8 +68,12 @@ HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 def hide_gpus() -> None:
     """No GPU is visible to this process from now on (it must not have initialised CUDA yet)."""
     if torch.cuda.is_initialized():
-        print("[resilient-fsdp] warning: the checkpoint writer initialised CUDA before hiding the GPUs; "
-              "its CUDA context stays", file=sys.stderr, flush=True)
+        print(
+            "[resilient-fsdp] warning: the checkpoint writer initialised CUDA before hiding the GPUs; "
+            "its CUDA context stays",
+            file=sys.stderr,
+            flush=True,
+        )
     os.environ.update(HIDDEN_GPUS)
 
 
@@ -145,8 +149,9 @@ def _hashing_open_in_module(report: SaveReport) -> Iterator[None]:
         del filesystem_async.open
 
 
-def worker_write(report: SaveReport, fault: Optional[str], save_fn: Callable[..., Any], *args: Any,
-                 **kwargs: Any) -> None:
+def worker_write(
+    report: SaveReport, fault: Optional[str], save_fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> None:
     """Runs NVRx's write function in the worker; a failure is recorded in ``report``.
 
     NVRx's persistent worker dies on an exception and never reports completion, which would leave
@@ -198,8 +203,15 @@ def _take_staged(report: SaveReport, key: str, packed: Any) -> Any:
         return _NOT_TAKEN
 
 
-def worker_write_staged(report: SaveReport, fault: Optional[str], key: str, save_fn: Callable[..., Any], rank: int,
-                        packed_buckets: Any, results: Any) -> None:
+def worker_write_staged(
+    report: SaveReport,
+    fault: Optional[str],
+    key: str,
+    save_fn: Callable[..., Any],
+    rank: int,
+    packed_buckets: Any,
+    results: Any,
+) -> None:
     """A DCP write of staged buffers: the write buckets rebuilt from their references, then
     :func:`worker_write`."""
     buckets = _take_staged(report, key, packed_buckets)
@@ -207,8 +219,7 @@ def worker_write_staged(report: SaveReport, fault: Optional[str], key: str, save
         worker_write(report, fault, save_fn, rank, buckets, results)
 
 
-def worker_torch_save_staged(report: SaveReport, fault: Optional[str], key: str, packed_state: Any,
-                             path: str) -> None:
+def worker_torch_save_staged(report: SaveReport, fault: Optional[str], key: str, packed_state: Any, path: str) -> None:
     """``torch-async``: :func:`worker_torch_save` of the staged state, from its references."""
     state = _take_staged(report, key, packed_state)
     if state is not _NOT_TAKEN:

@@ -32,8 +32,7 @@ def requests_dir(run_dir: Path) -> Path:
 class FaultExecutor:
     """Carries out the requests in ``<run_dir>/faults/requests`` on ``runtime``'s pods."""
 
-    def __init__(self, run_dir: Path, runtime: Runtime, workload: Workload, say: Callable[[str], None],
-                 lost: set[str]):
+    def __init__(self, run_dir: Path, runtime: Runtime, workload: Workload, say: Callable[[str], None], lost: set[str]):
         self.dir = requests_dir(run_dir)
         self.runtime, self.workload, self.say, self.lost = runtime, workload, say, lost
         self.executed: list[dict] = []
@@ -65,7 +64,9 @@ class FaultExecutor:
         and after ``for_s`` deletes its node, as node auto-repair would (netns only, both)."""
         kind, node = request["kind"], int(request["node"])
         if kind not in KINDS:
-            raise ValueError(f"unknown infrastructure fault {kind!r} (the local cluster carries out {', '.join(KINDS)})")
+            raise ValueError(
+                f"unknown infrastructure fault {kind!r} (the local cluster carries out {', '.join(KINDS)})"
+            )
         if not 0 <= node < len(self.workload.pods):
             raise ValueError(f"node {node} does not exist: the job has {len(self.workload.pods)} pod(s)")
         pod = self.workload.pods[node]
@@ -73,21 +74,27 @@ class FaultExecutor:
         if kind == "node-loss":
             self.lost.add(pod.hostname)
             pids = self.runtime.kill(pod)
-            self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) lost, "
-                     f"{len(pids)} process(es) killed at once")
+            self.say(
+                f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) lost, "
+                f"{len(pids)} process(es) killed at once"
+            )
         elif kind == "node-freeze":
             seconds = float(request["for_s"])
             pids = self.runtime.freeze(pod)
-            self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) stopped reporting: "
-                     f"link down, {len(pids)} process(es) stopped; its node is deleted in {seconds:g} s")
+            self.say(
+                f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) stopped reporting: "
+                f"link down, {len(pids)} process(es) stopped; its node is deleted in {seconds:g} s"
+            )
             timer = threading.Timer(seconds, self._delete_frozen, (pod, node))
             timer.daemon = True
             timer.start()
         else:
             seconds = request.get("for_s")
             self.runtime.partition(pod, seconds)
-            self.say(f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) cut off from the "
-                     f"other pods " + (f"for {seconds:g} s" if seconds else "for good"))
+            self.say(
+                f"fault {kind} at step {request.get('step')}: node{node} ({pod.hostname}) cut off from the "
+                f"other pods " + (f"for {seconds:g} s" if seconds else "for good")
+            )
         return {**request, "executed_at": t0, "pod": pod.hostname}
 
     def _delete_frozen(self, pod, node: int) -> None:
@@ -98,5 +105,7 @@ class FaultExecutor:
         except (WorkloadError, OSError, KeyError) as exc:  # the run is being torn down
             self.say(f"node{node} ({pod.hostname}): deleting its frozen node failed: {exc}")
             return
-        self.say(f"node{node} ({pod.hostname}): its node was deleted (auto-repair, out-of-service taint); "
-                 f"{len(pids)} stopped process(es) killed")
+        self.say(
+            f"node{node} ({pod.hostname}): its node was deleted (auto-repair, out-of-service taint); "
+            f"{len(pids)} stopped process(es) killed"
+        )

@@ -71,8 +71,16 @@ class _Forwarder(threading.Thread):
     """Copies one pod's output in full to its log file, and to the console with a prefix and with
     the paths of the pod's volumes as this machine sees them (``to_host``)."""
 
-    def __init__(self, node: int, stream: TextIO, log_path: Path, out: TextIO, lock: threading.Lock,
-                 agent_lines: bool, to_host: Callable[[str], str]):
+    def __init__(
+        self,
+        node: int,
+        stream: TextIO,
+        log_path: Path,
+        out: TextIO,
+        lock: threading.Lock,
+        agent_lines: bool,
+        to_host: Callable[[str], str],
+    ):
         super().__init__(daemon=True, name=f"forward-node{node}")
         self.node, self.stream, self.log_path, self.out, self.lock = node, stream, log_path, out, lock
         self.agent_lines, self.to_host = agent_lines, to_host
@@ -85,7 +93,7 @@ class _Forwarder(threading.Thread):
                 m = _WORKER_PREFIX.match(line)
                 if m:
                     prefix = f"[node{self.node}/local{m['local']}]"
-                    line = line[m.end():]
+                    line = line[m.end() :]
                 elif self.agent_lines:
                     prefix = f"[node{self.node}]"
                 else:
@@ -120,11 +128,20 @@ def find_root_cause(log_root: Path, last: bool = False) -> Optional[dict]:
     # A rank that loses a peer fails too, within the same second; prefer the error that is not
     # such a symptom, then the earliest.
     order = -1 if last else 1
-    return min(found, key=lambda e: (_is_peer_symptom(e["message"]), order * e["timestamp"], e["path"])) if found else None
+    return (
+        min(found, key=lambda e: (_is_peer_symptom(e["message"]), order * e["timestamp"], e["path"])) if found else None
+    )
 
 
-_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError",
-                  "DistBackendError", "NCCL communicator was aborted", "Timed out waiting")
+_PEER_SYMPTOMS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+    "DistBackendError",
+    "NCCL communicator was aborted",
+    "Timed out waiting",
+)
 
 
 def _is_peer_symptom(message: str) -> bool:
@@ -186,8 +203,15 @@ class LocalLauncher:
             os.chown(message, pod.security.uid, pod.security.gid or 0)
         proc = self.runtime.start(pod, extra)
         self.procs[pod.hostname] = proc
-        fwd = _Forwarder(pod.index, proc.stdout, log_dir / f"node{pod.index}.log", self.out, self.lock,
-                         self.job.verbose, lambda line: self.runtime.to_host(pod, line))
+        fwd = _Forwarder(
+            pod.index,
+            proc.stdout,
+            log_dir / f"node{pod.index}.log",
+            self.out,
+            self.lock,
+            self.job.verbose,
+            lambda line: self.runtime.to_host(pod, line),
+        )
         fwd.start()
         self.forwarders.append(fwd)
 
@@ -212,9 +236,11 @@ class LocalLauncher:
             os.chmod(box, 0o1777)
         become_subreaper()
         ranks = workload.pods[0].ranks
-        self.say(f"{len(workload.pods)} pod(s) x {ranks} rank(s): {workload.kind} {workload.name}, "
-                 f"{self.runtime.describe()}; rendezvous {workload.rendezvous} (pod 0's agent hosts the store); "
-                 f"logs in {job.run_dir / 'logs'}")
+        self.say(
+            f"{len(workload.pods)} pod(s) x {ranks} rank(s): {workload.kind} {workload.name}, "
+            f"{self.runtime.describe()}; rendezvous {workload.rendezvous} (pod 0's agent hosts the store); "
+            f"logs in {job.run_dir / 'logs'}"
+        )
         for note in job.notes:
             self.say(note)
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -232,8 +258,10 @@ class LocalLauncher:
                 delay = job.start_delays.get(pod.index)
                 if delay is not None:
                     self.pending[pod.hostname] = (now + delay, f"{delay:g} s after the others (--pod-start-delay)")
-                    self.say(f"{pod.hostname} (pod {pod.index}) starts {delay:g} s after the others "
-                             "(--pod-start-delay: as an image pull on a fresh node delays it)")
+                    self.say(
+                        f"{pod.hostname} (pod {pod.index}) starts {delay:g} s after the others "
+                        "(--pod-start-delay: as an image pull on a fresh node delays it)"
+                    )
             return self._watch()
         except KeyboardInterrupt as exc:
             self.say(f"interrupted ({exc or 'SIGINT'}): stopping every pod")
@@ -263,11 +291,15 @@ class LocalLauncher:
                 self.lost.discard(pod.hostname)
                 action, reason = restart.on_failure(pod, code, lost, self.failures)
                 if action != "fail" and self.recreations >= self.job.max_recreations:
-                    self.gave_up = (f"{self.recreations} of {self.job.max_recreations} pod recreations used, the local "
-                                    "safety cap --max-pod-recreations")
-                    self.say(f"{pod.hostname} {why}: the local safety cap of {self.job.max_recreations} pod "
-                             "recreations is spent (--max-pod-recreations; not an operator feature: the "
-                             f"{workload.kind} controller would go on: {reason})")
+                    self.gave_up = (
+                        f"{self.recreations} of {self.job.max_recreations} pod recreations used, the local "
+                        "safety cap --max-pod-recreations"
+                    )
+                    self.say(
+                        f"{pod.hostname} {why}: the local safety cap of {self.job.max_recreations} pod "
+                        "recreations is spent (--max-pod-recreations; not an operator feature: the "
+                        f"{workload.kind} controller would go on: {reason})"
+                    )
                 elif action == "recreate":
                     self.recreations += 1
                     self.say(f"{pod.hostname} {why}: {reason} (recreation {self.recreations})")
@@ -275,8 +307,10 @@ class LocalLauncher:
                     delay = self.job.replacement_delay_s if lost else 0.0
                     if delay > 0:
                         del self.procs[pod.hostname]
-                        self.pending[pod.hostname] = (time.monotonic() + delay, f"{delay:g} s after the loss "
-                                                      "(--replacement-delay: a new node and its image pull)")
+                        self.pending[pod.hostname] = (
+                            time.monotonic() + delay,
+                            f"{delay:g} s after the loss (--replacement-delay: a new node and its image pull)",
+                        )
                         self.say(f"{pod.hostname}'s replacement starts in {delay:g} s (--replacement-delay)")
                     else:
                         self.start_pod(pod)
@@ -303,8 +337,11 @@ class LocalLauncher:
             time.sleep(0.2)
         if outcome is None:
             self._wait_for_others()
-            self.say("job finished: every pod exited 0" if len(self.succeeded) == len(workload.pods)
-                     else f"job finished: {', '.join(sorted(self.succeeded))} succeeded")
+            self.say(
+                "job finished: every pod exited 0"
+                if len(self.succeeded) == len(workload.pods)
+                else f"job finished: {', '.join(sorted(self.succeeded))} succeeded"
+            )
             return 0
         self._wait_for_others()
         hostname, code = outcome
@@ -349,8 +386,10 @@ class LocalLauncher:
 
     def report_failure(self, hostname: str, code: int) -> None:
         job = self.job
-        limits = (f"in-job restarts: trainer.resilience.launcher.max_restarts (ft_launcher --max-restarts); pod "
-                  f"recreations used: {self.recreations} (local cap --max-pod-recreations={job.max_recreations})")
+        limits = (
+            f"in-job restarts: trainer.resilience.launcher.max_restarts (ft_launcher --max-restarts); pod "
+            f"recreations used: {self.recreations} (local cap --max-pod-recreations={job.max_recreations})"
+        )
         retried = not 0 < code < 256 or job.workload.restart.retryable(code)
         cause = find_root_cause(job.run_dir / "logs", last=not retried)
         what = f"{hostname} exit code {code}" if hostname else "deadline"
@@ -368,8 +407,10 @@ class LocalLauncher:
         if faults:
             last = faults[-1]
             if retried:
-                self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']}); restarts did "
-                         f"not recover it within the limits: {limits}")
+                self.say(
+                    f"  last fault: {last['fault']} (injected after step {last['completed_step']}); restarts did "
+                    f"not recover it within the limits: {limits}"
+                )
             else:
                 self.say(f"  last fault: {last['fault']} (injected after step {last['completed_step']})")
         else:
@@ -382,9 +423,11 @@ class LocalLauncher:
         said = f"the job level gave up ({self.gave_up})"
         if code != exit_codes.INFRASTRUCTURE:
             return f"{said}: the pod exited {exit_codes.describe_code(code)}"
-        return (f"{said}: the pod exited {code} after its node's in-process restarts (when on: "
-                "trainer.resilience.in_process.max_iterations) and in-job restarts (trainer.resilience.launcher.max_restarts) "
-                "were spent")
+        return (
+            f"{said}: the pod exited {code} after its node's in-process restarts (when on: "
+            "trainer.resilience.in_process.max_iterations) and in-job restarts (trainer.resilience.launcher.max_restarts) "
+            "were spent"
+        )
 
     def stop_all(self) -> None:
         """What deleting the pods does: SIGTERM each container's main process, SIGKILL every

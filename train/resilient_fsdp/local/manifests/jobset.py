@@ -14,8 +14,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .pytorchjob import RestartPolicy
-from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, local_node,
-                   pod_volumes, security_of, service_names)
+from .spec import (
+    PodSpec,
+    Workload,
+    WorkloadError,
+    container_env,
+    container_mounts,
+    init_containers,
+    local_node,
+    pod_volumes,
+    security_of,
+    service_names,
+)
 
 JOBSET_CONTAINER = "node"
 
@@ -48,8 +58,10 @@ class JobSetPolicy(RestartPolicy):
                 listed = code in [int(v) for v in on_codes.get("values") or []]
                 if listed == (on_codes.get("operator", "In") == "In"):
                     return rule["action"]
-            elif lost and any(c.get("type") == "DisruptionTarget" and str(c.get("status", "True")) == "True"
-                              for c in rule.get("onPodConditions") or []):
+            elif lost and any(
+                c.get("type") == "DisruptionTarget" and str(c.get("status", "True")) == "True"
+                for c in rule.get("onPodConditions") or []
+            ):
                 return rule["action"]
         return None
 
@@ -57,38 +69,57 @@ class JobSetPolicy(RestartPolicy):
         job = self.job_of[pod.hostname]
         action = self._pod_rule(pod.container, code, lost)
         if action == "Ignore":
-            return "recreate", (f"ignored by Job {job}'s podFailurePolicy (not counted"
-                                + (": DisruptionTarget, lost with its node" if lost else "") + "); the Job creates it again")
+            return "recreate", (
+                f"ignored by Job {job}'s podFailurePolicy (not counted"
+                + (": DisruptionTarget, lost with its node" if lost else "")
+                + "); the Job creates it again"
+            )
         if action == "FailJob":
-            return self._job_failed(job, "PodFailurePolicy", f"exit code {code} matches a FailJob rule of its podFailurePolicy")
+            return self._job_failed(
+                job, "PodFailurePolicy", f"exit code {code} matches a FailJob rule of its podFailurePolicy"
+            )
         self.counted[job] = self.counted.get(job, 0) + 1
         limit = self.backoff_limit if self.backoff_limit is not None else 6  # the Job API's default
         if self.counted[job] > limit:
-            return self._job_failed(job, "BackoffLimitExceeded", f"{self.counted[job]} counted pod failures, past "
-                                                                 f"backoffLimit: {limit}")
-        return "recreate", (f"counted by Job {job} ({self.counted[job]} of backoffLimit: {limit}); the Job creates it "
-                            "again with the same name")
+            return self._job_failed(
+                job, "BackoffLimitExceeded", f"{self.counted[job]} counted pod failures, past backoffLimit: {limit}"
+            )
+        return "recreate", (
+            f"counted by Job {job} ({self.counted[job]} of backoffLimit: {limit}); the Job creates it "
+            "again with the same name"
+        )
 
     def _job_failed(self, job: str, reason: str, detail: str) -> tuple[str, str]:
         what = f"Job {job} failed ({reason}: {detail})"
         if self.jobset_rules is None:
             return "fail", f"{what}; the JobSet has no failurePolicy: it fails (FailedJobs)"
-        rule = next((r for r in self.jobset_rules
-                     if not r.get("onJobFailureReasons") or reason in r["onJobFailureReasons"]), None)
+        rule = next(
+            (r for r in self.jobset_rules if not r.get("onJobFailureReasons") or reason in r["onJobFailureReasons"]),
+            None,
+        )
         name, action = (rule.get("name", "?"), rule["action"]) if rule else ("(none matched)", "RestartJobSet")
         if action == "FailJobSet":
-            return "fail", f"{what}; JobSet failurePolicy rule {name}: FailJobSet: the JobSet fails (FailJobSetFailurePolicyAction)"
+            return (
+                "fail",
+                f"{what}; JobSet failurePolicy rule {name}: FailJobSet: the JobSet fails (FailJobSetFailurePolicyAction)",
+            )
         if action == "RestartJobSet" and self.restarts >= self.max_restarts:
-            return "fail", (f"{what}; JobSet failurePolicy rule {name}: RestartJobSet, but {self.restarts} of maxRestarts: "
-                            f"{self.max_restarts} are spent: the JobSet fails (ReachedMaxRestarts)")
+            return "fail", (
+                f"{what}; JobSet failurePolicy rule {name}: RestartJobSet, but {self.restarts} of maxRestarts: "
+                f"{self.max_restarts} are spent: the JobSet fails (ReachedMaxRestarts)"
+            )
         if action not in ("RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"):
-            raise WorkloadError(f"JobSet failurePolicy rule {name}: action {action} is not simulated locally "
-                                "(FailJobSet, RestartJobSet, RestartJobSetAndIgnoreMaxRestarts are)")
+            raise WorkloadError(
+                f"JobSet failurePolicy rule {name}: action {action} is not simulated locally "
+                "(FailJobSet, RestartJobSet, RestartJobSetAndIgnoreMaxRestarts are)"
+            )
         if action == "RestartJobSet":
             self.restarts += 1
         self.counted.clear()  # the Jobs are created again, with a fresh backoff budget
-        return "restart", (f"{what}; JobSet failurePolicy rule {name}: {action}: every pod of every Job is deleted and "
-                           f"created again (restart {self.restarts} of maxRestarts: {self.max_restarts})")
+        return "restart", (
+            f"{what}; JobSet failurePolicy rule {name}: {action}: every pod of every Job is deleted and "
+            f"created again (restart {self.restarts} of maxRestarts: {self.max_restarts})"
+        )
 
 
 def read_jobset(doc: dict) -> Workload:
@@ -107,11 +138,14 @@ def read_jobset(doc: dict) -> Workload:
         raise WorkloadError(f"JobSet {name}: replicatedJob {rjob['name']} has no containers")
     c = next((c for c in containers if c.get("name") == JOBSET_CONTAINER), containers[0])
     policy = spec.get("failurePolicy")
-    restart = JobSetPolicy(template.get("spec", {}).get("restartPolicy", "Never"), job_spec.get("backoffLimit"),
-                           job_spec.get("activeDeadlineSeconds"),
-                           pod_rules=list((job_spec.get("podFailurePolicy") or {}).get("rules") or []),
-                           jobset_rules=None if policy is None else list(policy.get("rules") or []),
-                           max_restarts=int((policy or {}).get("maxRestarts", 0)))
+    restart = JobSetPolicy(
+        template.get("spec", {}).get("restartPolicy", "Never"),
+        job_spec.get("backoffLimit"),
+        job_spec.get("activeDeadlineSeconds"),
+        pod_rules=list((job_spec.get("podFailurePolicy") or {}).get("rules") or []),
+        jobset_rules=None if policy is None else list(policy.get("rules") or []),
+        max_restarts=int((policy or {}).get("maxRestarts", 0)),
+    )
     pods = []
     completions = int(job_spec.get("completions", job_spec.get("parallelism", 1)))
     uid = str(uuid.uuid4())  # the JobSet object's: one per install (per local run)
@@ -120,24 +154,37 @@ def read_jobset(doc: dict) -> Workload:
         for p in range(completions):
             hostname = f"{job}-{p}"
             # The Indexed Job's annotation and the JobSet's labels on each pod.
-            fields = {"metadata.name": hostname, "metadata.namespace": namespace, "spec.nodeName": local_node(hostname),
-                      "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(p),
-                      "metadata.labels['jobset.sigs.k8s.io/job-index']": str(j),
-                      "metadata.labels['jobset.sigs.k8s.io/jobset-uid']": uid}
+            fields = {
+                "metadata.name": hostname,
+                "metadata.namespace": namespace,
+                "spec.nodeName": local_node(hostname),
+                "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(p),
+                "metadata.labels['jobset.sigs.k8s.io/job-index']": str(j),
+                "metadata.labels['jobset.sigs.k8s.io/jobset-uid']": uid,
+            }
             env = container_env(c, f"JobSet {name} {rjob['name']}", fields)
             env.pop("JOB_COMPLETION_INDEX", None)
             env["JOB_COMPLETION_INDEX"] = str(p)
             restart.job_of[hostname] = job
             names = service_names(f"{hostname}.{subdomain}", namespace)
-            pods.append(PodSpec(hostname=hostname, index=len(pods), role=rjob["name"], container=c["name"],
-                                command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
-                                mounts=container_mounts(c), volumes=pod_volumes(template.get("spec", {})),
-                                aliases=[f"{hostname}.{subdomain}", *names], fqdn=names[-1],
-                                security=security_of(template.get("spec", {}), c, f"JobSet {name} {rjob['name']}"),
-                                init_containers=init_containers(template.get("spec", {}),
-                                                                f"JobSet {name} {rjob['name']}", fields)))
+            pods.append(
+                PodSpec(
+                    hostname=hostname,
+                    index=len(pods),
+                    role=rjob["name"],
+                    container=c["name"],
+                    command=list(c.get("command") or []),
+                    args=list(c.get("args") or []),
+                    env=env,
+                    mounts=container_mounts(c),
+                    volumes=pod_volumes(template.get("spec", {})),
+                    aliases=[f"{hostname}.{subdomain}", *names],
+                    fqdn=names[-1],
+                    security=security_of(template.get("spec", {}), c, f"JobSet {name} {rjob['name']}"),
+                    init_containers=init_containers(template.get("spec", {}), f"JobSet {name} {rjob['name']}", fields),
+                )
+            )
     if not pods:
         raise WorkloadError(f"JobSet {name}: no pods")
     # Pod 0's stable name under the JobSet's Service: the host its agent's rendezvous endpoint names.
     return Workload("JobSet", name, namespace, pods, {}, restart, f"{pods[0].hostname}.{subdomain}", "all")
-

@@ -28,18 +28,25 @@ def pods_of(documents: list[dict]) -> Workload:
     Pod) have no local counterpart and are left out."""
     workloads = [d for d in documents if d.get("kind") in KINDS]
     if len(workloads) != 1:
-        raise WorkloadError(f"expected one workload ({', '.join(KINDS)}) in the rendered chart, found "
-                            f"{[d.get('kind') for d in workloads]}")
+        raise WorkloadError(
+            f"expected one workload ({', '.join(KINDS)}) in the rendered chart, found "
+            f"{[d.get('kind') for d in workloads]}"
+        )
     workload = KINDS[workloads[0]["kind"]](workloads[0])
-    maps = {d["metadata"]["name"]: {k: str(v) for k, v in (d.get("data") or {}).items()}
-            for d in documents if d.get("kind") == "ConfigMap"}
+    maps = {
+        d["metadata"]["name"]: {k: str(v) for k, v in (d.get("data") or {}).items()}
+        for d in documents
+        if d.get("kind") == "ConfigMap"
+    }
     for pod in workload.pods:
         for mount in pod.mounts:
             volume = pod.volumes.get(mount.volume)
             if volume is None:
                 raise WorkloadError(f"pod {pod.hostname}: volumeMount {mount.volume!r} has no volume")
             if volume.kind == "configMap" and volume.source.get("name") not in maps:
-                raise WorkloadError(f"pod {pod.hostname}: volume {volume.name} needs ConfigMap "
-                                    f"{volume.source.get('name')!r}, which the chart did not render")
+                raise WorkloadError(
+                    f"pod {pod.hostname}: volume {volume.name} needs ConfigMap "
+                    f"{volume.source.get('name')!r}, which the chart did not render"
+                )
     workload.config_maps = maps
     return workload

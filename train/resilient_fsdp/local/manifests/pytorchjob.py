@@ -12,8 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .spec import (PodSpec, Workload, WorkloadError, container_env, container_mounts, init_containers, local_node,
-                   pod_volumes, security_of, service_names)
+from .spec import (
+    PodSpec,
+    Workload,
+    WorkloadError,
+    container_env,
+    container_mounts,
+    init_containers,
+    local_node,
+    pod_volumes,
+    security_of,
+    service_names,
+)
 
 PYTORCH_CONTAINER = "pytorch"
 PYTORCH_PORT_NAME = "pytorchjob-port"
@@ -57,10 +67,16 @@ class RestartPolicy:
         node; ``failures``: pod failures so far, this one included): ``(action, why)``, the action
         ``recreate`` (this pod, same name), ``restart`` (every pod) or ``fail`` (the job)."""
         if self.fails_job(failures):
-            return "fail", f"the job fails, as backoffLimit: {self.backoff_limit} makes it fail at the first pod failure"
+            return (
+                "fail",
+                f"the job fails, as backoffLimit: {self.backoff_limit} makes it fail at the first pod failure",
+            )
         if not self.retryable(code):
             return "fail", f"not retried under restartPolicy: {self.policy} (1-127 fail the job)"
-        return "recreate", f"recreating it with the same name, as the controller does under restartPolicy: {self.policy}"
+        return (
+            "recreate",
+            f"recreating it with the same name, as the controller does under restartPolicy: {self.policy}",
+        )
 
 
 def _trainer_container(template: dict, name: str, where: str) -> dict:
@@ -92,8 +108,10 @@ def read_pytorchjob(doc: dict) -> Workload:
     total = sum(int(r.get("replicas", 1)) for r in replicas.values())
     policies = {r.get("restartPolicy", "OnFailure") for r in replicas.values()}
     if len(policies) != 1:
-        raise WorkloadError(f"PyTorchJob {name}: Master and Worker restart policies differ ({sorted(policies)}); "
-                            "the local cluster applies one")
+        raise WorkloadError(
+            f"PyTorchJob {name}: Master and Worker restart policies differ ({sorted(policies)}); "
+            "the local cluster applies one"
+        )
     run_policy = spec.get("runPolicy") or {}
     restart = RestartPolicy(policies.pop(), run_policy.get("backoffLimit"), run_policy.get("activeDeadlineSeconds"))
     master_port = None
@@ -106,8 +124,9 @@ def read_pytorchjob(doc: dict) -> Workload:
         env = {"PYTHONUNBUFFERED": "1"}
         if master_port is not None:
             addr = f"{name}-master-0"
-            env.update(MASTER_PORT=str(master_port), PET_MASTER_PORT=str(master_port),
-                       MASTER_ADDR=addr, PET_MASTER_ADDR=addr)
+            env.update(
+                MASTER_PORT=str(master_port), PET_MASTER_PORT=str(master_port), MASTER_ADDR=addr, PET_MASTER_ADDR=addr
+            )
             rank = index + 1 if role == "worker" else index
             env.update(WORLD_SIZE=str(total * nproc_int), RANK=str(rank), PET_NODE_RANK=str(rank))
         if nproc is not None:
@@ -117,8 +136,11 @@ def read_pytorchjob(doc: dict) -> Workload:
             host = elastic.get("rdzvHost") or f"{name}-worker-0"
             port = elastic.get("rdzvPort")
             if port is None and worker is not None:
-                port = _port(_trainer_container(worker["template"], PYTORCH_CONTAINER, f"PyTorchJob {name} Worker"),
-                             PYTORCH_PORT_NAME, PYTORCH_DEFAULT_PORT)
+                port = _port(
+                    _trainer_container(worker["template"], PYTORCH_CONTAINER, f"PyTorchJob {name} Worker"),
+                    PYTORCH_PORT_NAME,
+                    PYTORCH_DEFAULT_PORT,
+                )
             env["PET_RDZV_ENDPOINT"] = f"{host}:{port}"
             env["PET_RDZV_BACKEND"] = elastic.get("rdzvBackend", "c10d")
             if elastic.get("minReplicas") is None and elastic.get("maxReplicas") is None:
@@ -144,25 +166,41 @@ def read_pytorchjob(doc: dict) -> Workload:
         for i in range(int(replicas[role].get("replicas", 1))):
             hostname = f"{name}-{role.lower()}-{i}"
             # training-operator v1.9.4 pod labels (pkg/controller.v1/common/pod.go)
-            fields = {"metadata.name": hostname, "metadata.namespace": namespace, "spec.nodeName": local_node(hostname),
-                      "metadata.labels['training.kubeflow.org/replica-type']": role.lower(),
-                      "metadata.labels['training.kubeflow.org/replica-index']": str(i)}
+            fields = {
+                "metadata.name": hostname,
+                "metadata.namespace": namespace,
+                "spec.nodeName": local_node(hostname),
+                "metadata.labels['training.kubeflow.org/replica-type']": role.lower(),
+                "metadata.labels['training.kubeflow.org/replica-index']": str(i),
+            }
             env = container_env(c, f"PyTorchJob {name} {role}", fields)
             for key, value in injected(role.lower(), i).items():
                 env.pop(key, None)  # appended: a later entry wins and takes the last place
                 env[key] = value
-            pods.append(PodSpec(hostname=hostname, index=len(pods), role=role.lower(), container=c["name"],
-                                command=list(c.get("command") or []), args=list(c.get("args") or []), env=env,
-                                mounts=container_mounts(c), volumes=pod_volumes(template.get("spec", {})),
-                                aliases=service_names(hostname, namespace),
-                                security=security_of(template.get("spec", {}), c, f"PyTorchJob {name} {role}"),
-                                init_containers=init_containers(template.get("spec", {}),
-                                                                f"PyTorchJob {name} {role}", fields)))
+            pods.append(
+                PodSpec(
+                    hostname=hostname,
+                    index=len(pods),
+                    role=role.lower(),
+                    container=c["name"],
+                    command=list(c.get("command") or []),
+                    args=list(c.get("args") or []),
+                    env=env,
+                    mounts=container_mounts(c),
+                    volumes=pod_volumes(template.get("spec", {})),
+                    aliases=service_names(hostname, namespace),
+                    security=security_of(template.get("spec", {}), c, f"PyTorchJob {name} {role}"),
+                    init_containers=init_containers(template.get("spec", {}), f"PyTorchJob {name} {role}", fields),
+                )
+            )
     if not pods:
         raise WorkloadError(f"PyTorchJob {name}: no replicas")
     first = pods[0]
-    rendezvous = (f"{first.hostname}:{master_port}" if master_port is not None
-                  else first.env.get("PET_RDZV_ENDPOINT", f"{first.hostname}:{PYTORCH_DEFAULT_PORT}"))
+    rendezvous = (
+        f"{first.hostname}:{master_port}"
+        if master_port is not None
+        else first.env.get("PET_RDZV_ENDPOINT", f"{first.hostname}:{PYTORCH_DEFAULT_PORT}")
+    )
     # v1.9.4 UpdateJobStatus: with a Master, the job succeeds when the Master does; without one,
     # when every Worker has, or with an elasticPolicy when any has.
     success = "first" if "Master" in replicas else ("any" if elastic is not None else "all")

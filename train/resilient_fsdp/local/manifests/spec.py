@@ -21,8 +21,21 @@ from .security import Security, security_of
 
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]i?)?$")
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_UNITS = {
+    "": 1,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def quantity_bytes(text: str) -> int:
@@ -166,6 +179,7 @@ _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' ``$(VAR)`` expansion: a defined variable is replaced, an undefined reference
     stays as written, and ``$$`` is a literal ``$``."""
+
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
@@ -196,16 +210,20 @@ def container_env(container: dict, where: str, fields: Optional[dict[str, str]] 
         if "value" not in entry and "valueFrom" in entry:
             path = (entry["valueFrom"].get("fieldRef") or {}).get("fieldPath")
             if path is None or path not in fields:
-                raise WorkloadError(f"{where}.env {entry['name']}: valueFrom ({', '.join(entry['valueFrom'])}"
-                                    f"{' ' + path if path else ''}) is not supported by the local cluster (no "
-                                    "Secrets here; of the downward API only the pod's name, its node, its "
-                                    f"controller's labels and annotations: {', '.join(sorted(fields)) or 'none'}); give a value")
+                raise WorkloadError(
+                    f"{where}.env {entry['name']}: valueFrom ({', '.join(entry['valueFrom'])}"
+                    f"{' ' + path if path else ''}) is not supported by the local cluster (no "
+                    "Secrets here; of the downward API only the pod's name, its node, its "
+                    f"controller's labels and annotations: {', '.join(sorted(fields)) or 'none'}); give a value"
+                )
             env[entry["name"]] = fields[path]
             continue
         env[entry["name"]] = expand(str(entry.get("value", "")), env)
     if container.get("envFrom"):
-        raise WorkloadError(f"{where}.envFrom is not supported by the local cluster (no Secrets or ConfigMap "
-                            "references here); set pod.env values instead")
+        raise WorkloadError(
+            f"{where}.envFrom is not supported by the local cluster (no Secrets or ConfigMap "
+            "references here); set pod.env values instead"
+        )
     return env
 
 
@@ -221,8 +239,10 @@ def pod_volumes(spec: dict) -> dict[str, Volume]:
 
 def container_mounts(container: dict) -> list[Mount]:
     """A container's ``volumeMounts``."""
-    return [Mount(m["name"], m["mountPath"], bool(m.get("readOnly", False)), m.get("subPath", ""))
-            for m in container.get("volumeMounts") or []]
+    return [
+        Mount(m["name"], m["mountPath"], bool(m.get("readOnly", False)), m.get("subPath", ""))
+        for m in container.get("volumeMounts") or []
+    ]
 
 
 def init_containers(spec: dict, where: str, fields: Optional[dict[str, str]] = None) -> list[InitContainer]:

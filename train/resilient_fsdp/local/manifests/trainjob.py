@@ -11,6 +11,8 @@ from .spec import Workload, WorkloadError
 
 def read_trainjob(doc: dict) -> Workload:
     """Refuses the TrainJob ``doc``, naming the kinds to render instead."""
-    raise WorkloadError("workload.kind=TrainJob: the local cluster runs PyTorchJob and JobSet only so far (a "
-                        "TrainJob's pods come from its runtime's JobSet, not simulated yet); render with "
-                        "workload.kind=JobSet or PyTorchJob")
+    raise WorkloadError(
+        "workload.kind=TrainJob: the local cluster runs PyTorchJob and JobSet only so far (a "
+        "TrainJob's pods come from its runtime's JobSet, not simulated yet); render with "
+        "workload.kind=JobSet or PyTorchJob"
+    )

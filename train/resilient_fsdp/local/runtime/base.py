@@ -65,7 +65,8 @@ class Runtime:
             # The image's import path, as this shell gave it: a pod's processes start elsewhere (its
             # working directory is the container's), so a relative entry would name nothing there.
             self.base_env["PYTHONPATH"] = os.pathsep.join(
-                os.path.abspath(p) for p in self.base_env["PYTHONPATH"].split(os.pathsep) if p)
+                os.path.abspath(p) for p in self.base_env["PYTHONPATH"].split(os.pathsep) if p
+            )
         self.cluster_dir = run_dir / "cluster"
         self.scratch: Optional[Path] = None  # per-pod emptyDir directories
         self.starts: dict[str, int] = {}
@@ -95,8 +96,9 @@ class Runtime:
                 items = volume.source.get("items") or [{"key": k, "path": k} for k in data]
                 for item in items:
                     if item["key"] not in data:
-                        raise WorkloadError(f"volume {volume.name}: ConfigMap {volume.source['name']} has no key "
-                                            f"{item['key']!r}")
+                        raise WorkloadError(
+                            f"volume {volume.name}: ConfigMap {volume.source['name']} has no key {item['key']!r}"
+                        )
                     path = target / item["path"]
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(transform(data[item["key"]]))
@@ -119,16 +121,21 @@ class Runtime:
                 return "tmpfs", ",".join(owner + ([f"size={quantity_bytes(size)}"] if size else []))
             host = self.scratch / pod.hostname / volume.name
         else:
-            raise WorkloadError(f"pod {pod.hostname}: volume {volume.name} is a {volume.kind}, which the local "
-                                "cluster does not provide (configMap, persistentVolumeClaim, emptyDir, hostPath)")
+            raise WorkloadError(
+                f"pod {pod.hostname}: volume {volume.name} is a {volume.kind}, which the local "
+                "cluster does not provide (configMap, persistentVolumeClaim, emptyDir, hostPath)"
+            )
         if mount.sub_path:
             host = host / mount.sub_path
         return "bind", str(host)
 
     def mounted_paths(self, pod: PodSpec) -> list[tuple[str, str]]:
         """(mount path, host path) of the shared claim and the ConfigMaps, where they differ."""
-        found = [(m.path.rstrip("/"), self.volume_source(pod, m)[1]) for m in pod.mounts
-                 if pod.volumes[m.volume].kind != "emptyDir"]
+        found = [
+            (m.path.rstrip("/"), self.volume_source(pod, m)[1])
+            for m in pod.mounts
+            if pod.volumes[m.volume].kind != "emptyDir"
+        ]
         return [(path, host) for path, host in sorted(found, key=lambda x: -len(x[0])) if path != host]
 
     def to_host(self, pod: PodSpec, text: str) -> str:
@@ -161,15 +168,17 @@ class Runtime:
 
     # -- environment -----------------------------------------------------------------------------
 
-    def environment(self, pod: PodSpec, extra: dict[str, str], container_env: Optional[dict[str, str]] = None
-                    ) -> dict[str, str]:
+    def environment(
+        self, pod: PodSpec, extra: dict[str, str], container_env: Optional[dict[str, str]] = None
+    ) -> dict[str, str]:
         """The image's environment (this machine's, with ``python`` this interpreter), then the
         container's rendered and injected ``env`` (``container_env``: an init container's; default
         the trainer container's), then the local cluster's own additions."""
         env = dict(self.base_env)
         bin_dir = os.path.dirname(sys.executable)
-        env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", os.defpath).split(os.pathsep)
-                                                   if p and p != bin_dir])
+        env["PATH"] = os.pathsep.join(
+            [bin_dir] + [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p != bin_dir]
+        )
         env.update(pod.env if container_env is None else container_env)
         env.update(extra)
         env[POD_MARK_ENV] = f"{self.run_id}/{pod.hostname}"
@@ -180,8 +189,12 @@ class Runtime:
         its environment, this process's import path (an editable checkout) and ``PYTHONPATH``."""
         paths = [p for p in self.base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
         paths += [p for p in sys.path if p]
-        paths += [sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
-                  os.path.dirname(os.path.realpath(sys.executable))]
+        paths += [
+            sys.prefix,
+            sys.base_prefix,
+            os.path.dirname(sys.executable),
+            os.path.dirname(os.path.realpath(sys.executable)),
+        ]
         return [os.path.abspath(p) for p in paths if os.path.isdir(p)]
 
     # -- the interface the launcher uses ---------------------------------------------------------

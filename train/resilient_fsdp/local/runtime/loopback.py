@@ -52,8 +52,11 @@ class LoopbackRuntime(Runtime):
         self.write_config_maps(lambda text: self._rewrite_text(text, shared))
 
     def describe(self) -> str:
-        return ("pods as processes on loopback (" + ", ".join(f"{h}={a}" for h, a in self.addresses.items())
-                + "; host names and mount paths rewritten in each command)")
+        return (
+            "pods as processes on loopback ("
+            + ", ".join(f"{h}={a}" for h, a in self.addresses.items())
+            + "; host names and mount paths rewritten in each command)"
+        )
 
     def pod_path(self, host_path: Path) -> str:
         return str(host_path)  # the shared volume is rendered at the run directory itself
@@ -74,8 +77,17 @@ class LoopbackRuntime(Runtime):
         self.fresh_empty_dirs(pod)
         argv, env = self.command(pod, extra_env)
         argv = self.after_init_containers(pod, argv)
-        return subprocess.Popen(argv, env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            env=env,
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
 
     def after_init_containers(self, pod: PodSpec, argv: list[str]) -> list[str]:
         """``argv`` behind ``pod``'s init containers, each run to completion in order with its own
@@ -83,14 +95,22 @@ class LoopbackRuntime(Runtime):
         one ends the pod with its status."""
         if not pod.init_containers:
             return argv
-        paths = sorted(((m.path.rstrip("/"), self.volume_source(pod, m)[1]) for m in pod.mounts
-                        if self.volume_source(pod, m)[1] != m.path), key=lambda p: -len(p[0]))
+        paths = sorted(
+            (
+                (m.path.rstrip("/"), self.volume_source(pod, m)[1])
+                for m in pod.mounts
+                if self.volume_source(pod, m)[1] != m.path
+            ),
+            key=lambda p: -len(p[0]),
+        )
         steps = []
         for init in pod.init_containers:
             env = [f"{k}={self._rewrite(v, paths)}" for k, v in self.environment(pod, {}, init.env).items()]
             run = shlex.join(["env", "-i", *env, *[self._rewrite(a, paths) for a in init.argv]])
-            steps.append(f"{run} || {{ s=$?; echo {shlex.quote(f'init container {init.name} exited with status')}"
-                         " $s: the pod fails >&2; exit $s; }")
+            steps.append(
+                f"{run} || {{ s=$?; echo {shlex.quote(f'init container {init.name} exited with status')}"
+                " $s: the pod fails >&2; exit $s; }"
+            )
         return ["sh", "-c", "\n".join(steps + ['exec "$@"']), "pod-init", *argv]
 
     def command(self, pod: PodSpec, extra_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:

@@ -30,8 +30,15 @@ class NetnsRuntime(Runtime):
 
     mode = "netns"
 
-    def __init__(self, workload: Workload, run_dir: Path, run_id: Optional[str], env: dict[str, str],
-                 shared_mount: str, host_ports: Sequence[int] = ()):
+    def __init__(
+        self,
+        workload: Workload,
+        run_dir: Path,
+        run_id: Optional[str],
+        env: dict[str, str],
+        shared_mount: str,
+        host_ports: Sequence[int] = (),
+    ):
         self.network = PodNetwork(run_id, namespace=workload.namespace)
         super().__init__(workload, run_dir, self.network.run_id, env)
         self.shared_mount = shared_mount
@@ -48,8 +55,11 @@ class NetnsRuntime(Runtime):
             raise
 
     def describe(self) -> str:
-        return (f"pods as network namespaces (run {self.run_id}, {self.network.subnet}; "
-                + ", ".join(f"{p.hostname}={self.network.pods[p.hostname].ip}" for p in self.workload.pods) + ")")
+        return (
+            f"pods as network namespaces (run {self.run_id}, {self.network.subnet}; "
+            + ", ".join(f"{p.hostname}={self.network.pods[p.hostname].ip}" for p in self.workload.pods)
+            + ")"
+        )
 
     def pod_path(self, host_path: Path) -> str:
         return str(Path(self.shared_mount) / Path(host_path).relative_to(self.run_dir))
@@ -57,13 +67,31 @@ class NetnsRuntime(Runtime):
     def start(self, pod: PodSpec, extra_env: dict[str, str]) -> subprocess.Popen:
         self.fresh_empty_dirs(pod)
         self.apply_fs_group(pod)
-        inits = [{"name": init.name, "argv": init.argv, "env": self.environment(pod, {}, init.env),
-                  "security": init.security.podinit(), **self.container_mounts(pod, init.mounts)}
-                 for init in pod.init_containers]
+        inits = [
+            {
+                "name": init.name,
+                "argv": init.argv,
+                "env": self.environment(pod, {}, init.env),
+                "security": init.security.podinit(),
+                **self.container_mounts(pod, init.mounts),
+            }
+            for init in pod.init_containers
+        ]
         return self.network.pods[pod.hostname].spawn(
-            pod.argv, env=self.environment(pod, extra_env), cwd="/", **self.container_mounts(pod, pod.mounts),
-            security=pod.security.podinit(), nofile=self.nofile, inits=inits, traverse=self.untraversable(pod),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            pod.argv,
+            env=self.environment(pod, extra_env),
+            cwd="/",
+            **self.container_mounts(pod, pod.mounts),
+            security=pod.security.podinit(),
+            nofile=self.nofile,
+            inits=inits,
+            traverse=self.untraversable(pod),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
 
     def container_mounts(self, pod: PodSpec, mounts: list[Mount]) -> dict[str, dict[str, str]]:
         """One container's ``mounts``, ``ro_mounts`` and ``tmpfs`` as ``PodHandle.spawn`` takes them."""
@@ -137,6 +165,6 @@ def hidden_image_paths(paths: list[str], mount_paths: list[str]) -> list[tuple[s
             continue
         for path in paths:
             if path.startswith(base + "/"):
-                top = base + "/" + path[len(base) + 1:].split("/", 1)[0]
+                top = base + "/" + path[len(base) + 1 :].split("/", 1)[0]
                 found.setdefault(top, base)
     return sorted(found.items())

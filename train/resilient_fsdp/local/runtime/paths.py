@@ -18,5 +18,4 @@ def replace_paths(text: str, paths: list[tuple[str, str]], before: str) -> str:
         return text
     table = dict(paths)
     alternatives = "|".join(re.escape(p) for p in sorted(table, key=len, reverse=True))
-    return re.sub(rf"{before}({alternatives})(?=/|$|[\s'\",:;)\]])", lambda m: table[m.group(1)], text,
-                  flags=re.M)
+    return re.sub(rf"{before}({alternatives})(?=/|$|[\s'\",:;)\]])", lambda m: table[m.group(1)], text, flags=re.M)

@@ -52,13 +52,19 @@ class HostPort:
             self.add(pod)
 
     def add(self, pod: Pod) -> None:
-        sock = plumbing.socket_in_netns(str(plumbing.NETNS_DIR / pod.netns), LOOPBACK, self.port, socket.SOCK_STREAM,
-                                        what=f"the relay of this machine's port {self.port} in pod {pod.hostname}")
+        sock = plumbing.socket_in_netns(
+            str(plumbing.NETNS_DIR / pod.netns),
+            LOOPBACK,
+            self.port,
+            socket.SOCK_STREAM,
+            what=f"the relay of this machine's port {self.port} in pod {pod.hostname}",
+        )
         sock.settimeout(POLL_S)
         with self._lock:
             self._listeners[pod.hostname] = sock
-        threading.Thread(target=self._accept, args=(pod, sock), name=f"host-port-{self.port}-{pod.hostname}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._accept, args=(pod, sock), name=f"host-port-{self.port}-{pod.hostname}", daemon=True
+        ).start()
 
     def _accept(self, pod: Pod, listener: socket.socket) -> None:
         while not self._closed.is_set():
@@ -79,8 +85,9 @@ class HostPort:
             with self._lock:
                 self._conns.update((conn, upstream))
                 self.relayed += 1
-            threading.Thread(target=self._pump, args=(pod, conn, upstream), name=f"host-port-{self.port}-relay",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(pod, conn, upstream), name=f"host-port-{self.port}-relay", daemon=True
+            ).start()
 
     def _pump(self, pod: Pod, a: socket.socket, b: socket.socket) -> None:
         """Copy both ways until either side closes, the pod is cut off, or the relay closes."""

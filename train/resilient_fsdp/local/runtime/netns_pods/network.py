@@ -126,20 +126,45 @@ class NetnsPod:
             "security": dict(security) if security else None,
             "nofile": list(nofile) if nofile else None,
             "traverse": [str(p) for p in traverse],
-            "inits": [{"name": i["name"], "argv": [str(a) for a in i["argv"]], "env": dict(i["env"]),
-                       "mounts": self._mount_specs(i.get("mounts"), i.get("ro_mounts"), i.get("tmpfs")),
-                       "security": dict(i["security"])} for i in inits],
+            "inits": [
+                {
+                    "name": i["name"],
+                    "argv": [str(a) for a in i["argv"]],
+                    "env": dict(i["env"]),
+                    "mounts": self._mount_specs(i.get("mounts"), i.get("ro_mounts"), i.get("tmpfs")),
+                    "security": dict(i["security"]),
+                }
+                for i in inits
+            ],
         }
         tools = self.network.tools
         command = [
-            tools["ip"], "netns", "exec", self.netns,
-            tools["unshare"], "--uts", "--mount", "--propagation", "private", "--",
-            sys.executable or "python3", "-I", "-S", str(PODINIT), json.dumps(spec, separators=(",", ":")),
-            "--", *map(str, argv),
+            tools["ip"],
+            "netns",
+            "exec",
+            self.netns,
+            tools["unshare"],
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            sys.executable or "python3",
+            "-I",
+            "-S",
+            str(PODINIT),
+            json.dumps(spec, separators=(",", ":")),
+            "--",
+            *map(str, argv),
         ]
         proc = subprocess.Popen(
-            command, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
-            start_new_session=start_new_session, **popen_kwargs,
+            command,
+            env=env,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=start_new_session,
+            **popen_kwargs,
         )
         self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
@@ -147,8 +172,10 @@ class NetnsPod:
     def _mount_specs(self, mounts, ro_mounts, tmpfs) -> list[dict]:
         """One container's mounts as podinit reads them: the kubelet's /etc/hosts and
         /etc/resolv.conf, then its volumes."""
-        specs = [{"source": str(self.hosts_file), "target": "/etc/hosts", "ro": True},
-                 {"source": str(self.network.resolv_conf), "target": "/etc/resolv.conf", "ro": True}]
+        specs = [
+            {"source": str(self.hosts_file), "target": "/etc/hosts", "ro": True},
+            {"source": str(self.network.resolv_conf), "target": "/etc/resolv.conf", "ro": True},
+        ]
         for table, ro in ((mounts or {}, False), (ro_mounts or {}, True)):
             for host_path, pod_path in table.items():
                 specs.append({"source": _source(host_path), "target": _target(pod_path), "ro": ro})
@@ -156,8 +183,9 @@ class NetnsPod:
             specs.append({"tmpfs": str(options), "target": _target(pod_path), "ro": False})
         targets = [s["target"] for s in specs]
         if len(set(targets)) != len(targets):
-            raise ValueError(f"two mounts share a pod path (or one replaces /etc/hosts or /etc/resolv.conf): "
-                             f"{sorted(targets)}")
+            raise ValueError(
+                f"two mounts share a pod path (or one replaces /etc/hosts or /etc/resolv.conf): {sorted(targets)}"
+            )
         return specs
 
     def pids(self) -> list[int]:
@@ -289,11 +317,15 @@ class PodNetwork:
             self.stage_dir.mkdir(mode=0o755)
             # addrgenmode none: no IPv6 link-local address either, so the host has no address
             # at all on the bridge and sends nothing (router solicitations, MLD) to the pods.
-            plumbing.run([self.tools["ip"], "-batch", "-"], f"creating bridge {self.bridge}", stdin=(
-                f"link add {self.bridge} type bridge\n"
-                f"link set {self.bridge} addrgenmode none\n"
-                f"link set {self.bridge} up\n"
-            ))
+            plumbing.run(
+                [self.tools["ip"], "-batch", "-"],
+                f"creating bridge {self.bridge}",
+                stdin=(
+                    f"link add {self.bridge} type bridge\n"
+                    f"link set {self.bridge} addrgenmode none\n"
+                    f"link set {self.bridge} up\n"
+                ),
+            )
             self._start_dns()
         except BaseException:
             self.close()
@@ -340,17 +372,25 @@ class PodNetwork:
         ip = self.tools["ip"]
         try:
             # The pod end is created inside the namespace, so "eth0" never clashes with the host's.
-            plumbing.run([ip, "-batch", "-"], f"creating pod {hostname}", stdin=(
-                f"netns add {pod.netns}\n"
-                f"link add {pod.veth} type veth peer name eth0 netns {pod.netns}\n"
-                f"link set {pod.veth} master {self.bridge} addrgenmode none up\n"
-            ))
-            plumbing.run([ip, "-n", pod.netns, "-batch", "-"], f"configuring pod {hostname}", stdin=(
-                "link set lo up\n"
-                "link set eth0 addrgenmode none\n"
-                f"addr add {pod.ip}/{self.subnet.prefixlen} dev eth0\n"
-                "link set eth0 up\n"
-            ))
+            plumbing.run(
+                [ip, "-batch", "-"],
+                f"creating pod {hostname}",
+                stdin=(
+                    f"netns add {pod.netns}\n"
+                    f"link add {pod.veth} type veth peer name eth0 netns {pod.netns}\n"
+                    f"link set {pod.veth} master {self.bridge} addrgenmode none up\n"
+                ),
+            )
+            plumbing.run(
+                [ip, "-n", pod.netns, "-batch", "-"],
+                f"configuring pod {hostname}",
+                stdin=(
+                    "link set lo up\n"
+                    "link set eth0 addrgenmode none\n"
+                    f"addr add {pod.ip}/{self.subnet.prefixlen} dev eth0\n"
+                    "link set eth0 up\n"
+                ),
+            )
         except BaseException:
             plumbing.teardown(self.run_id, [pod.netns], [pod.veth])
             del self.pods[hostname]
@@ -423,16 +463,19 @@ class PodNetwork:
 
     def _save_state(self) -> None:
         start = run_state.process_start(self._owner)
-        run_state.write_state(self.run_id, {
-            "run_id": self.run_id,
-            "owner_pid": self._owner,
-            "owner_start": start,
-            "boot_id": run_state.boot_id(),
-            "subnet": str(self.subnet),
-            "links": [self.bridge, self.dns_veth] + [pod.veth for pod in self.pods.values()],
-            "netns": [self.dns_netns] + [pod.netns for pod in self.pods.values()],
-            "pods": {pod.hostname: pod.ip for pod in self.pods.values()},
-        })
+        run_state.write_state(
+            self.run_id,
+            {
+                "run_id": self.run_id,
+                "owner_pid": self._owner,
+                "owner_start": start,
+                "boot_id": run_state.boot_id(),
+                "subnet": str(self.subnet),
+                "links": [self.bridge, self.dns_veth] + [pod.veth for pod in self.pods.values()],
+                "netns": [self.dns_netns] + [pod.netns for pod in self.pods.values()],
+                "pods": {pod.hostname: pod.ip for pod in self.pods.values()},
+            },
+        )
 
     def _start_dns(self) -> None:
         """The DNS namespace on the bridge, the server's socket in it, and the pods' resolv.conf."""
@@ -441,21 +484,31 @@ class PodNetwork:
         except ModuleNotFoundError as exc:
             if exc.name != "dnslib":
                 raise
-            raise NetnsError("the pods' DNS server needs dnslib, of the `chart` extra: "
-                             "pip install -c constraints.txt -e '.[chart]'") from None
+            raise NetnsError(
+                "the pods' DNS server needs dnslib, of the `chart` extra: pip install -c constraints.txt -e '.[chart]'"
+            ) from None
         ip, ns, veth = self.tools["ip"], self.dns_netns, self.dns_veth
-        plumbing.run([ip, "-batch", "-"], "creating the pods' DNS namespace", stdin=(
-            f"netns add {ns}\n"
-            f"link add {veth} type veth peer name eth0 netns {ns}\n"
-            f"link set {veth} master {self.bridge} addrgenmode none up\n"
-        ))
-        plumbing.run([ip, "-n", ns, "-batch", "-"], "configuring the pods' DNS namespace", stdin=(
-            "link set eth0 addrgenmode none\n"
-            f"addr add {self.dns_address}/{self.subnet.prefixlen} dev eth0\n"
-            "link set eth0 up\n"
-        ))
-        sock = plumbing.socket_in_netns(str(plumbing.NETNS_DIR / ns), self.dns_address, DNS_PORT,
-                                        what="the pods' DNS server")
+        plumbing.run(
+            [ip, "-batch", "-"],
+            "creating the pods' DNS namespace",
+            stdin=(
+                f"netns add {ns}\n"
+                f"link add {veth} type veth peer name eth0 netns {ns}\n"
+                f"link set {veth} master {self.bridge} addrgenmode none up\n"
+            ),
+        )
+        plumbing.run(
+            [ip, "-n", ns, "-batch", "-"],
+            "configuring the pods' DNS namespace",
+            stdin=(
+                "link set eth0 addrgenmode none\n"
+                f"addr add {self.dns_address}/{self.subnet.prefixlen} dev eth0\n"
+                "link set eth0 up\n"
+            ),
+        )
+        sock = plumbing.socket_in_netns(
+            str(plumbing.NETNS_DIR / ns), self.dns_address, DNS_PORT, what="the pods' DNS server"
+        )
         self.dns = ClusterDNS(sock, name=f"dns-{self.run_id}")
         self._publish_names()
         search = f"{self.namespace}.svc.cluster.local svc.cluster.local cluster.local"

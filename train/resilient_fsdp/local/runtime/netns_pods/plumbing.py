@@ -58,8 +58,9 @@ class NetnsError(RuntimeError):
     """A namespace, link or mount operation failed; the message names what and how to fix it."""
 
 
-def socket_in_netns(netns_path: str, address: str, port: int, kind: int = socket.SOCK_DGRAM,
-                    what: str = "a socket") -> socket.socket:
+def socket_in_netns(
+    netns_path: str, address: str, port: int, kind: int = socket.SOCK_DGRAM, what: str = "a socket"
+) -> socket.socket:
     """A socket of ``kind`` bound to ``address:port`` inside the network namespace at ``netns_path``
     (a TCP one listening).
 
@@ -394,8 +395,10 @@ def available() -> tuple[bool, str]:
             try:
                 run([ip, "netns", "add", ns], "creating a network namespace")
                 run([ip, "link", "add", bridge, "type", "bridge"], "creating a bridge")
-                run([ip, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
-                    "creating a veth pair")
+                run(
+                    [ip, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                    "creating a veth pair",
+                )
                 enter = [ip, "netns", "exec", ns, unshare, "--uts", "--mount", "--propagation", "private", "true"]
                 run(enter, "entering a network namespace")
             finally:

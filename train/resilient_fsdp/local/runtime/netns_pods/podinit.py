@@ -270,6 +270,7 @@ def become(security, nofile):
     cannot come back."""
     if nofile:
         import resource
+
         resource.setrlimit(resource.RLIMIT_NOFILE, tuple(nofile))
     keep = set(security["caps"])
     with open("/proc/sys/kernel/cap_last_cap") as f:
