@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..checkpoint.votes import Votes
+
 DCP_PEERS = ("dcp_process", "dcp_thread")
 # The first save of an engine may wait for its writer process to start (a niced interpreter
 # importing torch while training keeps every core busy: tens of seconds on two cores).
@@ -32,11 +34,11 @@ class Saver:
     def before_optimizer_step(self) -> float:
         return 0.0
 
-    def votes(self) -> list[float]:
+    def votes(self) -> Votes:
         """What ``train_step`` adds to its all-reduce for the checkpointer (``Checkpointer.votes``):
         nothing due, nothing written, nothing committing, since the measuring loop starts and polls
         the saves."""
-        return [0.0, 0.0, 0.0]
+        return Votes()
 
     def poll(self) -> Optional[dict]:
         """The save's figures once committed (``write_s``, ``bytes``, ``wait_s``), else None."""
